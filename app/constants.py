@@ -1,0 +1,25 @@
+"""Names that other processes depend on: task names, queues, key prefixes, event kinds.
+
+Task names are explicit strings and never renamed: queued messages refer to them.
+"""
+
+from __future__ import annotations
+
+GENERATE_TASK = "tokenmill.generate"
+RECONCILE_TASK = "tokenmill.reconcile"
+WATCHDOG_TASK = "tokenmill.watchdog"
+
+WORK_QUEUE = "generate"
+CONTROL_QUEUE = "tokenmill.control"
+
+REDIS_PREFIX = "tokenmill:"
+PAUSE_KEY_PREFIX = REDIS_PREFIX + "paused:"
+
+# events recorded in the ledger timeline
+EVENT_RUN_CREATED = "run_created"
+EVENT_ENQUEUED = "enqueued"
+EVENT_RECONCILED = "reconciled"
+EVENT_WORKER_STARTED = "worker_started"
+EVENT_WORKER_STOPPED = "worker_stopped"
+EVENT_FINGERPRINT_PINNED = "fingerprint_pinned"
+EVENT_FINGERPRINT_MISMATCH = "fingerprint_mismatch"

@@ -1,0 +1,142 @@
+"""Typed values that cross module boundaries: sampling parameters, prompts, results.
+
+Plain dataclasses with no I/O, so every layer (producer, client, workers, export) agrees.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+Message = dict[str, Any]
+FinishType = Literal["stop", "length"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """The full sampling configuration of a run, sent explicitly on every request.
+
+    Servers fill unspecified values from the model's generation_config.json, so every value
+    the data depends on is sent, never left to the server.
+    """
+
+    max_new_tokens: int = 2048
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be at least 1")
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError("top_k must be -1 (off) or >= 1")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError("min_p must be in [0, 1]")
+
+    def for_sample(self, sample_index: int) -> dict[str, Any]:
+        """The `sampling_params` body for sample k: seed + k when a seed is pinned."""
+        body: dict[str, Any] = {
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "presence_penalty": self.presence_penalty,
+            "ignore_eos": self.ignore_eos,
+        }
+        if self.stop_token_ids:
+            body["stop_token_ids"] = list(self.stop_token_ids)
+        if self.seed is not None:
+            body["sampling_seed"] = self.seed + sample_index
+        return body
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["stop_token_ids"] = list(self.stop_token_ids)
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> SamplingParams:
+        data = dict(data)
+        data["stop_token_ids"] = tuple(data.get("stop_token_ids") or ())
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class PromptRecord:
+    """One usable input line: either chat turns to template, or pre-tokenized ids."""
+
+    line: int
+    key: str
+    messages: list[Message] | None = None
+    input_ids: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        if (self.messages is None) == (self.input_ids is None):
+            raise ValueError("a PromptRecord holds exactly one of messages or input_ids")
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    """What the server returned for one successful request (finish reason stop or length)."""
+
+    rid: str
+    output_ids: list[int]
+    finish_reason: FinishType
+    matched_stop: int | str | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    e2e_latency_s: float
+    weight_version: str | None = None
+    prompt_token_ids: list[int] | None = None
+    text: str = ""
+
+    @property
+    def truncated(self) -> bool:
+        return self.finish_reason == "length"
+
+
+@dataclass(frozen=True)
+class ServerFingerprint:
+    """The server configuration a run pins: data from two configurations is never mixed."""
+
+    model_path: str | None = None
+    weight_version: str | None = None
+    reasoning_parser: str | None = None
+    version: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "model_path": self.model_path,
+            "weight_version": self.weight_version,
+            "reasoning_parser": self.reasoning_parser,
+            "version": self.version,
+        }
+
+    def differences(self, other: ServerFingerprint) -> list[str]:
+        """Human lines like "reasoning_parser: None → kimi_k2" for every field that differs."""
+        mine, theirs = self.to_json(), other.to_json()
+        return [f"{k}: {mine[k]} → {theirs[k]}" for k in mine if mine[k] != theirs[k]]
+
+
+def stable_hash(value: Any) -> str:
+    """sha256 of the canonical JSON form of a value (item keys, config hashes)."""
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()

@@ -1,0 +1,83 @@
+"""Database engines and sessions, created lazily once per process (never at import time).
+
+SQLite (embedded default) gets WAL and a busy timeout; Postgres gets a pre-pinged pool.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.orm import Session, sessionmaker
+
+from app.settings import Settings, get_settings
+
+_lock = threading.Lock()
+_engines: dict[tuple[int, str], Engine] = {}
+
+
+def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA synchronous=NORMAL")
+    cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.execute("PRAGMA busy_timeout=30000")
+    cursor.close()
+
+
+def make_engine(url: str, *, pool_size: int = 8) -> Engine:
+    """A new engine for url; callers normally want `get_engine()`."""
+    if url.startswith("sqlite"):
+        path = url.split("///", 1)[-1]
+        if path and path != ":memory:":
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+        engine = create_engine(url, connect_args={"timeout": 30, "check_same_thread": False})
+        event.listen(engine, "connect", _sqlite_pragmas)
+        return engine
+    return create_engine(
+        url,
+        pool_pre_ping=True,
+        pool_size=pool_size,
+        max_overflow=pool_size,
+        pool_recycle=1800,
+    )
+
+
+def get_engine(settings: Settings | None = None) -> Engine:
+    """The engine of this process for the configured database (a forked child gets its own)."""
+    settings = settings or get_settings()
+    url = settings.resolved_database_url()
+    key = (os.getpid(), url)
+    with _lock:
+        engine = _engines.get(key)
+        if engine is None:
+            engine = make_engine(url, pool_size=max(4, min(settings.inflight // 4, 32)))
+            _engines[key] = engine
+        return engine
+
+
+def dispose_engines() -> None:
+    with _lock:
+        for engine in _engines.values():
+            engine.dispose()
+        _engines.clear()
+
+
+@contextmanager
+def session_scope(engine: Engine | None = None) -> Iterator[Session]:
+    """A session that commits on success and rolls back on error."""
+    factory = sessionmaker(bind=engine or get_engine(), expire_on_commit=False)
+    session = factory()
+    try:
+        yield session
+        session.commit()
+    except BaseException:
+        session.rollback()
+        raise
+    finally:
+        session.close()

@@ -1,0 +1,85 @@
+"""The one error tree of tokenmill.
+
+Library exceptions are translated into these once, at the boundary, with ``raise ... from``.
+"""
+
+from __future__ import annotations
+
+
+class TokenmillError(Exception):
+    """Something went wrong in tokenmill."""
+
+    def __init__(self, message: str | None = None) -> None:
+        super().__init__(message or (self.__doc__ or "").strip())
+
+    @property
+    def message(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+# --- outcomes of a generation request -------------------------------------------------
+
+
+class GenerationError(TokenmillError):
+    """A generation request did not produce a result."""
+
+
+class PermanentError(GenerationError):
+    """The server rejected the request; sending it again cannot succeed."""
+
+    def __init__(self, message: str | None = None, status_code: int | None = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+
+
+class RetryableError(GenerationError):
+    """The request failed in a way that may succeed when tried again (5xx, timeout, reset)."""
+
+    def __init__(self, message: str | None = None, status_code: int | None = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+
+
+class ServerUnavailable(GenerationError):
+    """The server is down, loading or shutting down; the item is not at fault."""
+
+    def __init__(self, message: str | None = None, status_code: int | None = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+
+
+class ServerPaused(ServerUnavailable):
+    """The server is paused by the watchdog or an operator; nothing is sent to it."""
+
+
+# --- configuration and input ----------------------------------------------------------
+
+
+class ConfigurationError(TokenmillError):
+    """The configuration is invalid."""
+
+
+class RunMismatch(ConfigurationError):
+    """The run already exists with a different tokenizer, template or sampling parameters."""
+
+
+class TokenizerError(ConfigurationError):
+    """The tokenizer could not be loaded or has no usable chat template."""
+
+
+class InputError(TokenmillError):
+    """A line of the input could not be used."""
+
+    def __init__(self, reason: str, line: int | None = None) -> None:
+        self.reason = reason
+        self.line = line
+        where = f"line {line}: " if line is not None else ""
+        super().__init__(f"{where}{reason}")
+
+
+class NotFound(TokenmillError):
+    """The requested object does not exist."""
+
+
+class SchemaOutOfDate(ConfigurationError):
+    """The database schema is not at the latest migration; run `tokenmill db upgrade`."""

@@ -1,0 +1,705 @@
+"""All ledger queries, by name: runs, item claims and leases, results, counts, events.
+
+Every state change is a conditional update, so a redelivered message or a second worker
+can never create a second result; the Postgres (or embedded SQLite) ledger is the truth.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from sqlalchemy import (
+    Connection,
+    and_,
+    bindparam,
+    case,
+    func,
+    insert,
+    or_,
+    select,
+    update,
+)
+from sqlalchemy.dialects import postgresql, sqlite
+
+from app.contracts import GenerateResult, SamplingParams
+from app.errors import NotFound, RunMismatch
+from app.models import Event, Item, ItemStatus, Run, Server
+
+log = logging.getLogger(__name__)
+
+items = Item.__table__
+runs = Run.__table__
+servers = Server.__table__
+events = Event.__table__
+
+CLAIMABLE = (ItemStatus.PENDING.value, ItemStatus.QUEUED.value)
+ERROR_MAX_CHARS = 2000
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def as_utc(value: datetime | None) -> datetime | None:
+    """SQLite hands back naive datetimes; everything tokenmill stores is UTC."""
+    if value is None or value.tzinfo is not None:
+        return value
+    return value.replace(tzinfo=UTC)
+
+
+# --- runs ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What a run pins when it is created; a later enqueue must match it."""
+
+    name: str
+    tokenizer_path: str
+    tokenizer_hash: str
+    chat_template_hash: str
+    chat_template_kwargs: dict[str, Any]
+    sampling: SamplingParams
+    samples_per_prompt: int
+    think_end_id: int | None
+    eos_token_ids: list[int]
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    id: int
+    name: str
+    tokenizer_path: str
+    tokenizer_hash: str
+    chat_template_hash: str
+    chat_template_kwargs: dict[str, Any]
+    sampling: SamplingParams
+    samples_per_prompt: int
+    think_end_id: int | None
+    eos_token_ids: list[int]
+    fingerprint: dict[str, Any] | None
+    created_at: datetime
+
+
+def _run_info(row: Any) -> RunInfo:
+    return RunInfo(
+        id=row.id,
+        name=row.name,
+        tokenizer_path=row.tokenizer_path,
+        tokenizer_hash=row.tokenizer_hash,
+        chat_template_hash=row.chat_template_hash,
+        chat_template_kwargs=row.chat_template_kwargs or {},
+        sampling=SamplingParams.from_json(row.sampling_params),
+        samples_per_prompt=row.samples_per_prompt,
+        think_end_id=row.think_end_id,
+        eos_token_ids=list(row.eos_token_ids or []),
+        fingerprint=row.fingerprint,
+        created_at=as_utc(row.created_at) or utcnow(),
+    )
+
+
+def run_differences(existing: RunInfo, spec: RunSpec) -> list[str]:
+    """Lines naming every pinned setting in which spec differs from the existing run."""
+    diffs: list[str] = []
+    if existing.tokenizer_hash != spec.tokenizer_hash:
+        diffs.append(
+            f"tokenizer: {existing.tokenizer_path} (hash {existing.tokenizer_hash[:12]}) → "
+            f"{spec.tokenizer_path} (hash {spec.tokenizer_hash[:12]})"
+        )
+    if existing.chat_template_hash != spec.chat_template_hash:
+        diffs.append(
+            f"chat template hash: {existing.chat_template_hash[:12]} → "
+            f"{spec.chat_template_hash[:12]}"
+        )
+    if existing.chat_template_kwargs != spec.chat_template_kwargs:
+        diffs.append(
+            f"chat template kwargs: {existing.chat_template_kwargs} → {spec.chat_template_kwargs}"
+        )
+    old, new = existing.sampling.to_json(), spec.sampling.to_json()
+    for key in sorted(set(old) | set(new)):
+        if old.get(key) != new.get(key):
+            diffs.append(f"{key}: {old.get(key)} → {new.get(key)}")
+    if existing.samples_per_prompt != spec.samples_per_prompt:
+        diffs.append(
+            f"samples per prompt: {existing.samples_per_prompt} → {spec.samples_per_prompt}"
+        )
+    return diffs
+
+
+def get_run(conn: Connection, name: str) -> RunInfo:
+    row = conn.execute(select(runs).where(runs.c.name == name)).first()
+    if row is None:
+        raise NotFound(f"no run named {name!r}")
+    return _run_info(row)
+
+
+def get_run_by_id(conn: Connection, run_id: int) -> RunInfo:
+    row = conn.execute(select(runs).where(runs.c.id == run_id)).first()
+    if row is None:
+        raise NotFound(f"no run with id {run_id}")
+    return _run_info(row)
+
+
+def list_runs(conn: Connection) -> list[RunInfo]:
+    return [_run_info(r) for r in conn.execute(select(runs).order_by(runs.c.id))]
+
+
+def get_or_create_run(conn: Connection, spec: RunSpec) -> tuple[RunInfo, bool]:
+    """The run named spec.name, created if new; RunMismatch if it pins other settings."""
+    try:
+        existing = get_run(conn, spec.name)
+    except NotFound:
+        existing = None
+    if existing is not None:
+        diffs = run_differences(existing, spec)
+        if diffs:
+            raise RunMismatch(
+                f"run {spec.name!r} already exists with other settings; "
+                "use a new --run name or the original settings. Differences: " + "; ".join(diffs)
+            )
+        return existing, False
+    conn.execute(
+        insert(runs).values(
+            name=spec.name,
+            tokenizer_path=spec.tokenizer_path,
+            tokenizer_hash=spec.tokenizer_hash,
+            chat_template_hash=spec.chat_template_hash,
+            chat_template_kwargs=spec.chat_template_kwargs,
+            sampling_params=spec.sampling.to_json(),
+            samples_per_prompt=spec.samples_per_prompt,
+            think_end_id=spec.think_end_id,
+            eos_token_ids=spec.eos_token_ids,
+            created_at=utcnow(),
+        )
+    )
+    return get_run(conn, spec.name), True
+
+
+def pin_fingerprint(conn: Connection, run_id: int, fingerprint: dict[str, Any]) -> dict[str, Any]:
+    """Record the server fingerprint the first time a run sees one; return the pinned one."""
+    conn.execute(
+        update(runs)
+        .where(runs.c.id == run_id, runs.c.fingerprint.is_(None))
+        .values(fingerprint=fingerprint)
+    )
+    pinned = conn.execute(select(runs.c.fingerprint).where(runs.c.id == run_id)).scalar_one()
+    return dict(pinned or {})
+
+
+# --- items: insert and queue -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NewItem:
+    item_key: str
+    sample_index: int
+    line_no: int | None
+    messages: list[dict[str, Any]] | None
+    prompt_ids: list[int]
+
+
+def _insert_ignoring_conflicts(conn: Connection) -> Any:
+    if conn.dialect.name == "postgresql":
+        return postgresql.insert(items).on_conflict_do_nothing(
+            index_elements=["run_id", "item_key", "sample_index"]
+        )
+    if conn.dialect.name == "sqlite":
+        return sqlite.insert(items).on_conflict_do_nothing(
+            index_elements=["run_id", "item_key", "sample_index"]
+        )
+    raise NotImplementedError(f"unsupported database {conn.dialect.name}")
+
+
+def insert_items(conn: Connection, run_id: int, new: Sequence[NewItem]) -> int:
+    """Insert items that do not exist yet (unique run, key, sample); return how many were new."""
+    if not new:
+        return 0
+    now = utcnow()
+    rows = [
+        {
+            "run_id": run_id,
+            "item_key": n.item_key,
+            "sample_index": n.sample_index,
+            "line_no": n.line_no,
+            "messages": n.messages,
+            "prompt_ids": n.prompt_ids,
+            "prompt_tokens": len(n.prompt_ids),
+            "status": ItemStatus.PENDING.value,
+            "attempts": 0,
+            "created_at": now,
+        }
+        for n in new
+    ]
+    stmt = _insert_ignoring_conflicts(conn).returning(items.c.id)
+    return len(conn.execute(stmt, rows).all())
+
+
+def existing_keys(conn: Connection, run_id: int, keys: Iterable[str]) -> set[str]:
+    keys = list(keys)
+    if not keys:
+        return set()
+    stmt = select(items.c.item_key).where(items.c.run_id == run_id, items.c.item_key.in_(keys))
+    return set(conn.execute(stmt).scalars())
+
+
+def pending_ids(conn: Connection, run_id: int, *, after_id: int = 0, limit: int = 5000) -> list[int]:
+    stmt = (
+        select(items.c.id)
+        .where(
+            items.c.run_id == run_id,
+            items.c.status == ItemStatus.PENDING.value,
+            items.c.id > after_id,
+        )
+        .order_by(items.c.id)
+        .limit(limit)
+    )
+    return list(conn.execute(stmt).scalars())
+
+
+def mark_queued(conn: Connection, ids: Sequence[int]) -> int:
+    """pending → queued after the ids were published (a worker may already have claimed some)."""
+    if not ids:
+        return 0
+    stmt = (
+        update(items)
+        .where(items.c.id.in_(list(ids)), items.c.status == ItemStatus.PENDING.value)
+        .values(status=ItemStatus.QUEUED.value, queued_at=utcnow())
+    )
+    return conn.execute(stmt).rowcount
+
+
+# --- items: claims, leases and outcomes -------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ClaimedItem:
+    """An item leased to one worker: everything needed to send it, nothing more."""
+
+    id: int
+    run_id: int
+    sample_index: int
+    prompt_ids: list[int]
+    attempts: int
+
+
+_CLAIM_COLUMNS = (
+    items.c.id,
+    items.c.run_id,
+    items.c.sample_index,
+    items.c.prompt_ids,
+    items.c.attempts,
+)
+
+
+def _claimable(now: datetime) -> Any:
+    return or_(
+        items.c.status.in_(CLAIMABLE),
+        and_(items.c.status == ItemStatus.LEASED.value, items.c.lease_expires_at < now),
+    )
+
+
+def claim_items(
+    conn: Connection, ids: Sequence[int], *, owner: str, server: str, lease_s: float
+) -> list[ClaimedItem]:
+    """Lease the given items to owner if nobody holds them; already-leased or finished items
+    are skipped, so a redelivered message claims nothing."""
+    if not ids:
+        return []
+    now = utcnow()
+    stmt = (
+        update(items)
+        .where(items.c.id.in_(list(ids)), _claimable(now))
+        .values(
+            status=ItemStatus.LEASED.value,
+            lease_owner=owner,
+            lease_expires_at=now + timedelta(seconds=lease_s),
+            server=server,
+            started_at=now,
+        )
+        .returning(*_CLAIM_COLUMNS)
+    )
+    claimed = [ClaimedItem(*row) for row in conn.execute(stmt)]
+    claimed.sort(key=lambda c: c.id)
+    return claimed
+
+
+def claim_next(
+    conn: Connection,
+    *,
+    owner: str,
+    server: str,
+    lease_s: float,
+    limit: int,
+    run_id: int | None = None,
+) -> list[ClaimedItem]:
+    """Lease up to limit claimable items straight from the ledger (the embedded runner's feed)."""
+    if limit <= 0:
+        return []
+    now = utcnow()
+    pick = select(items.c.id).where(_claimable(now)).order_by(items.c.id).limit(limit)
+    if run_id is not None:
+        pick = pick.where(items.c.run_id == run_id)
+    if conn.dialect.name == "postgresql":
+        pick = pick.with_for_update(skip_locked=True)
+    ids = list(conn.execute(pick).scalars())
+    return claim_items(conn, ids, owner=owner, server=server, lease_s=lease_s)
+
+
+def extend_leases(conn: Connection, *, owner: str, lease_s: float) -> int:
+    """Heartbeat: push out the expiry of every lease this owner holds."""
+    stmt = (
+        update(items)
+        .where(items.c.lease_owner == owner, items.c.status == ItemStatus.LEASED.value)
+        .values(lease_expires_at=utcnow() + timedelta(seconds=lease_s))
+    )
+    return conn.execute(stmt).rowcount
+
+
+@dataclass(frozen=True)
+class Done:
+    item_id: int
+    result: GenerateResult
+    attempts_used: int = 1
+
+
+@dataclass(frozen=True)
+class Failed:
+    item_id: int
+    error: str
+    attempts_used: int = 1
+
+
+@dataclass(frozen=True)
+class RetryLater:
+    """A retryable failure: the attempt counts, the lease stays with the worker."""
+
+    item_id: int
+    error: str
+
+
+@dataclass(frozen=True)
+class Released:
+    """Give the item back untouched (server down, paused, shutting down): no attempt spent."""
+
+    item_id: int
+    reason: str
+
+
+Outcome = Done | Failed | RetryLater | Released
+_NOT_FINAL = (ItemStatus.PENDING.value, ItemStatus.QUEUED.value, ItemStatus.LEASED.value)
+
+
+def _trim(text: str) -> str:
+    return text if len(text) <= ERROR_MAX_CHARS else text[: ERROR_MAX_CHARS - 1] + "…"
+
+
+def record_outcomes(
+    conn: Connection, outcomes: Sequence[Outcome], *, owner: str, lease_s: float
+) -> list[int]:
+    """Write outcomes idempotently in one transaction; return the ids released to the queue.
+
+    The first result written for an item wins; a finished item is never written again.
+    """
+    now = utcnow()
+    done = [o for o in outcomes if isinstance(o, Done)]
+    failed = [o for o in outcomes if isinstance(o, Failed)]
+    retries = [o for o in outcomes if isinstance(o, RetryLater)]
+    released = [o for o in outcomes if isinstance(o, Released)]
+    if done:
+        stmt = (
+            update(items)
+            .where(items.c.id == bindparam("b_id"), items.c.status.in_(_NOT_FINAL))
+            .values(
+                status=ItemStatus.DONE.value,
+                output_ids=bindparam("b_output_ids"),
+                finish_reason=bindparam("b_finish_reason"),
+                matched_stop=bindparam("b_matched"),
+                completion_tokens=bindparam("b_completion"),
+                cached_tokens=bindparam("b_cached"),
+                latency_s=bindparam("b_latency"),
+                attempts=items.c.attempts + bindparam("b_attempts"),
+                error=None,
+                lease_owner=None,
+                lease_expires_at=None,
+                finished_at=now,
+            )
+        )
+        conn.execute(
+            stmt,
+            [
+                {
+                    "b_id": o.item_id,
+                    "b_output_ids": o.result.output_ids,
+                    "b_finish_reason": o.result.finish_reason,
+                    "b_matched": None
+                    if o.result.matched_stop is None
+                    else str(o.result.matched_stop)[:64],
+                    "b_completion": o.result.completion_tokens,
+                    "b_cached": o.result.cached_tokens,
+                    "b_latency": o.result.e2e_latency_s,
+                    "b_attempts": o.attempts_used,
+                }
+                for o in done
+            ],
+        )
+    if failed:
+        stmt = (
+            update(items)
+            .where(items.c.id == bindparam("b_id"), items.c.status.in_(_NOT_FINAL))
+            .values(
+                status=ItemStatus.FAILED.value,
+                error=bindparam("b_error"),
+                attempts=items.c.attempts + bindparam("b_attempts"),
+                lease_owner=None,
+                lease_expires_at=None,
+                finished_at=now,
+            )
+        )
+        conn.execute(
+            stmt,
+            [
+                {"b_id": o.item_id, "b_error": _trim(o.error), "b_attempts": o.attempts_used}
+                for o in failed
+            ],
+        )
+    if retries:
+        stmt = (
+            update(items)
+            .where(
+                items.c.id == bindparam("b_id"),
+                items.c.status == ItemStatus.LEASED.value,
+                items.c.lease_owner == owner,
+            )
+            .values(
+                error=bindparam("b_error"),
+                attempts=items.c.attempts + 1,
+                lease_expires_at=now + timedelta(seconds=lease_s),
+            )
+        )
+        conn.execute(stmt, [{"b_id": o.item_id, "b_error": _trim(o.error)} for o in retries])
+    released_ids: list[int] = []
+    if released:
+        ids = [o.item_id for o in released]
+        stmt = (
+            update(items)
+            .where(
+                items.c.id.in_(ids),
+                items.c.status == ItemStatus.LEASED.value,
+                items.c.lease_owner == owner,
+            )
+            .values(
+                status=ItemStatus.QUEUED.value,
+                lease_owner=None,
+                lease_expires_at=None,
+                queued_at=now,
+            )
+            .returning(items.c.id)
+        )
+        released_ids = sorted(conn.execute(stmt).scalars())
+    return released_ids
+
+
+def release_owner(conn: Connection, owner: str) -> list[int]:
+    """Give back every lease an owner holds (a worker shutting down); return the ids."""
+    stmt = (
+        update(items)
+        .where(items.c.lease_owner == owner, items.c.status == ItemStatus.LEASED.value)
+        .values(
+            status=ItemStatus.QUEUED.value,
+            lease_owner=None,
+            lease_expires_at=None,
+            queued_at=utcnow(),
+        )
+        .returning(items.c.id)
+    )
+    return sorted(conn.execute(stmt).scalars())
+
+
+def requeue_expired(conn: Connection, *, run_id: int | None = None, limit: int = 10000) -> list[int]:
+    """Items whose lease expired (their worker died) go back to queued; return their ids."""
+    now = utcnow()
+    pick = (
+        select(items.c.id)
+        .where(items.c.status == ItemStatus.LEASED.value, items.c.lease_expires_at < now)
+        .limit(limit)
+    )
+    if run_id is not None:
+        pick = pick.where(items.c.run_id == run_id)
+    ids = list(conn.execute(pick).scalars())
+    if not ids:
+        return []
+    stmt = (
+        update(items)
+        .where(
+            items.c.id.in_(ids),
+            items.c.status == ItemStatus.LEASED.value,
+            items.c.lease_expires_at < now,
+        )
+        .values(status=ItemStatus.QUEUED.value, lease_owner=None, lease_expires_at=None)
+        .returning(items.c.id)
+    )
+    return sorted(conn.execute(stmt).scalars())
+
+
+def unfinished_ids(
+    conn: Connection, run_id: int, *, statuses: Sequence[str], after_id: int = 0, limit: int = 5000
+) -> list[int]:
+    stmt = (
+        select(items.c.id)
+        .where(items.c.run_id == run_id, items.c.status.in_(list(statuses)), items.c.id > after_id)
+        .order_by(items.c.id)
+        .limit(limit)
+    )
+    return list(conn.execute(stmt).scalars())
+
+
+# --- reading results ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunCounts:
+    run: str
+    total: int
+    pending: int
+    queued: int
+    leased: int
+    done: int
+    failed: int
+    truncated: int
+    output_tokens: int
+    prompt_tokens: int
+
+    @property
+    def finished(self) -> bool:
+        return self.pending == 0 and self.queued == 0 and self.leased == 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "run": self.run,
+            "total": self.total,
+            "pending": self.pending,
+            "queued": self.queued,
+            "leased": self.leased,
+            "done": self.done,
+            "failed": self.failed,
+            "truncated": self.truncated,
+            "output_tokens": self.output_tokens,
+            "prompt_tokens": self.prompt_tokens,
+        }
+
+
+def run_counts(conn: Connection, run: RunInfo) -> RunCounts:
+    truncated = case((items.c.finish_reason == "length", 1), else_=0)
+    stmt = (
+        select(
+            items.c.status,
+            func.count(),
+            func.coalesce(func.sum(truncated), 0),
+            func.coalesce(func.sum(items.c.completion_tokens), 0),
+            func.coalesce(func.sum(items.c.prompt_tokens), 0),
+        )
+        .where(items.c.run_id == run.id)
+        .group_by(items.c.status)
+    )
+    by_status: dict[str, int] = {}
+    trunc = out_tokens = prompt_tokens = 0
+    for status, count, t, out, prompt in conn.execute(stmt):
+        by_status[status] = int(count)
+        trunc += int(t)
+        out_tokens += int(out)
+        prompt_tokens += int(prompt)
+    return RunCounts(
+        run=run.name,
+        total=sum(by_status.values()),
+        pending=by_status.get(ItemStatus.PENDING.value, 0),
+        queued=by_status.get(ItemStatus.QUEUED.value, 0),
+        leased=by_status.get(ItemStatus.LEASED.value, 0),
+        done=by_status.get(ItemStatus.DONE.value, 0),
+        failed=by_status.get(ItemStatus.FAILED.value, 0),
+        truncated=trunc,
+        output_tokens=out_tokens,
+        prompt_tokens=prompt_tokens,
+    )
+
+
+@dataclass(frozen=True)
+class StoredItem:
+    id: int
+    item_key: str
+    sample_index: int
+    status: str
+    messages: list[dict[str, Any]] | None
+    prompt_ids: list[int]
+    output_ids: list[int] | None
+    finish_reason: str | None
+    completion_tokens: int | None
+    attempts: int
+    server: str | None
+    error: str | None
+    latency_s: float | None
+
+
+def iter_items(
+    conn: Connection,
+    run_id: int,
+    *,
+    statuses: Sequence[str] = (ItemStatus.DONE.value,),
+    page_size: int = 1000,
+) -> Iterator[StoredItem]:
+    """Stream a run's items in id order, a page at a time (memory stays flat)."""
+    after = 0
+    cols = (
+        items.c.id,
+        items.c.item_key,
+        items.c.sample_index,
+        items.c.status,
+        items.c.messages,
+        items.c.prompt_ids,
+        items.c.output_ids,
+        items.c.finish_reason,
+        items.c.completion_tokens,
+        items.c.attempts,
+        items.c.server,
+        items.c.error,
+        items.c.latency_s,
+    )
+    while True:
+        stmt = (
+            select(*cols)
+            .where(items.c.run_id == run_id, items.c.status.in_(list(statuses)), items.c.id > after)
+            .order_by(items.c.id)
+            .limit(page_size)
+        )
+        page = [StoredItem(*row) for row in conn.execute(stmt)]
+        if not page:
+            return
+        yield from page
+        after = page[-1].id
+
+
+# --- servers and events -------------------------------------------------------------------
+
+
+def record_event(
+    conn: Connection,
+    kind: str,
+    message: str,
+    *,
+    run_id: int | None = None,
+    server: str | None = None,
+    details: dict[str, Any] | None = None,
+) -> None:
+    conn.execute(
+        insert(events).values(
+            at=utcnow(), kind=kind, run_id=run_id, server=server, message=message, details=details
+        )
+    )
+
+
+def is_server_paused(conn: Connection, name: str) -> bool:
+    paused = conn.execute(select(servers.c.paused).where(servers.c.name == name)).scalar()
+    return bool(paused)

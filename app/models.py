@@ -1,0 +1,163 @@
+"""The ledger's tables as typed SQLAlchemy 2.0 models: runs, items, servers, events.
+
+The schema is changed only by Alembic migrations; a test checks these models match them.
+"""
+
+from __future__ import annotations
+
+import enum
+import sys
+from array import array
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.engine import Dialect
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.types import TypeDecorator
+
+# SQLite has no BIGINT autoincrement; INTEGER PRIMARY KEY is its 64-bit rowid.
+BigId = BigInteger().with_variant(Integer(), "sqlite")
+
+
+class TokenArray(TypeDecorator[list[int]]):
+    """A list of token ids stored as packed little-endian 32-bit integers (4 bytes a token)."""
+
+    impl = LargeBinary
+    cache_ok = True
+
+    def process_bind_param(self, value: list[int] | None, dialect: Dialect) -> bytes | None:
+        return None if value is None else pack_ids(value)
+
+    def process_result_value(self, value: Any, dialect: Dialect) -> list[int] | None:
+        return None if value is None else unpack_ids(bytes(value))
+
+
+def pack_ids(ids: list[int]) -> bytes:
+    packed = array("i", ids)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def unpack_ids(data: bytes) -> list[int]:
+    packed = array("i")
+    packed.frombytes(data)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return packed.tolist()
+
+
+class ItemStatus(enum.StrEnum):
+    PENDING = "pending"
+    QUEUED = "queued"
+    LEASED = "leased"
+    DONE = "done"
+    FAILED = "failed"
+
+
+UNFINISHED = (ItemStatus.PENDING, ItemStatus.QUEUED, ItemStatus.LEASED)
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Run(Base):
+    __tablename__ = "runs"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(200), unique=True)
+    tokenizer_path: Mapped[str] = mapped_column(Text)
+    tokenizer_hash: Mapped[str] = mapped_column(String(64))
+    chat_template_hash: Mapped[str] = mapped_column(String(64))
+    chat_template_kwargs: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    sampling_params: Mapped[dict[str, Any]] = mapped_column(JSON)
+    samples_per_prompt: Mapped[int] = mapped_column(Integer, default=1)
+    think_end_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    eos_token_ids: Mapped[list[int]] = mapped_column(JSON, default=list)
+    fingerprint: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class Item(Base):
+    __tablename__ = "items"
+    __table_args__ = (
+        UniqueConstraint("run_id", "item_key", "sample_index", name="uq_items_run_key_sample"),
+        Index("ix_items_run_status", "run_id", "status"),
+        Index("ix_items_status_lease", "status", "lease_expires_at"),
+    )
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    item_key: Mapped[str] = mapped_column(String(200))
+    sample_index: Mapped[int] = mapped_column(Integer, default=0)
+    line_no: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    messages: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON, nullable=True)
+    prompt_ids: Mapped[list[int]] = mapped_column(TokenArray)
+    prompt_tokens: Mapped[int] = mapped_column(Integer)
+    status: Mapped[str] = mapped_column(String(16), default=ItemStatus.PENDING)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    lease_owner: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    lease_expires_at: Mapped[datetime | None] = mapped_column(
+        DateTime(timezone=True), nullable=True
+    )
+    server: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    output_ids: Mapped[list[int] | None] = mapped_column(TokenArray, nullable=True)
+    finish_reason: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    matched_stop: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    completion_tokens: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    cached_tokens: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    latency_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    queued_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
+class Server(Base):
+    __tablename__ = "servers"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(200), unique=True)
+    url: Mapped[str] = mapped_column(Text)
+    state: Mapped[str] = mapped_column(String(16), default="unknown")
+    paused: Mapped[bool] = mapped_column(default=False)
+    pause_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
+    consecutive_failures: Mapped[int] = mapped_column(Integer, default=0)
+    consecutive_successes: Mapped[int] = mapped_column(Integer, default=0)
+    last_probe_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    last_error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    fingerprint: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    restart_command: Mapped[list[str] | None] = mapped_column(JSON, nullable=True)
+    workers: Mapped[list[str]] = mapped_column(JSON, default=list)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class Event(Base):
+    __tablename__ = "events"
+    __table_args__ = (Index("ix_events_at", "at"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    kind: Mapped[str] = mapped_column(String(40))
+    run_id: Mapped[int | None] = mapped_column(
+        ForeignKey("runs.id", ondelete="CASCADE"), nullable=True
+    )
+    server: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    message: Mapped[str] = mapped_column(Text)
+    details: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)

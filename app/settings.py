@@ -1,0 +1,106 @@
+"""Configuration of tokenmill: the only module that reads the environment.
+
+Every value has an embedded default so one machine with no services runs the whole pipeline.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def default_data_dir() -> Path:
+    return Path.cwd() / ".tokenmill"
+
+
+class Settings(BaseSettings):
+    """All settings, each also an environment variable `TOKENMILL_<NAME>`."""
+
+    model_config = SettingsConfigDict(env_prefix="TOKENMILL_", extra="ignore")
+
+    data_dir: Path = Field(default_factory=default_data_dir)
+    database_url: str | None = None
+    broker_url: str | None = None
+    storage_url: str | None = None
+
+    # the server a worker process serves
+    sglang_url: str = "http://127.0.0.1:30000"
+    server_name: str | None = None
+
+    # requests a worker keeps in flight to its server
+    inflight: int = Field(default=64, ge=1, le=4096)
+    # item ids per task message
+    batch_size: int = Field(default=8, ge=1, le=1000)
+    # Celery pool threads taking messages; the window does the sending
+    worker_threads: int = Field(default=4, ge=1, le=256)
+    drain_timeout_s: float = Field(default=30.0, ge=0)
+
+    connect_timeout_s: float = Field(default=5.0, gt=0)
+    generate_timeout_s: float = Field(default=3600.0, gt=0)
+    probe_timeout_s: float = Field(default=30.0, gt=0)
+    info_timeout_s: float = Field(default=30.0, gt=0)
+
+    lease_s: float = Field(default=300.0, gt=0)
+    heartbeat_s: float = Field(default=30.0, gt=0)
+    max_attempts: int = Field(default=5, ge=1)
+    retry_backoff_s: float = Field(default=2.0, ge=0)
+    retry_backoff_max_s: float = Field(default=120.0, ge=0)
+    unavailable_wait_s: float = Field(default=5.0, ge=0)
+
+    visibility_timeout_s: int = Field(default=6 * 3600, ge=60)
+    log_level: str = "INFO"
+
+    @field_validator("sglang_url")
+    @classmethod
+    def _strip_slash(cls, value: str) -> str:
+        return value.rstrip("/")
+
+    @property
+    def embedded(self) -> bool:
+        """True when no services are configured: SQLite ledger, filesystem broker."""
+        return self.database_url is None
+
+    def resolved_database_url(self) -> str:
+        if self.database_url:
+            return normalize_database_url(self.database_url)
+        return f"sqlite:///{self.data_dir / 'ledger.sqlite3'}"
+
+    def resolved_broker_url(self) -> str:
+        return self.broker_url or "filesystem://"
+
+    def broker_folder(self) -> Path:
+        return self.data_dir / "broker"
+
+    def resolved_storage_url(self) -> str:
+        return self.storage_url or (self.data_dir / "storage").as_uri()
+
+
+def normalize_database_url(url: str) -> str:
+    """Use psycopg 3 for plain postgres URLs."""
+    for prefix in ("postgres://", "postgresql://"):
+        if url.startswith(prefix):
+            return "postgresql+psycopg://" + url[len(prefix) :]
+    return url
+
+
+def redact_url(url: str) -> str:
+    """The URL with its password replaced, for logs and status output."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)
+    user = parts.username or ""
+    host = netloc[1] if len(netloc) == 2 else ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+
+
+@functools.cache
+def get_settings() -> Settings:
+    return Settings()
+
+
+__all__ = ["SecretStr", "Settings", "get_settings", "normalize_database_url", "redact_url"]

@@ -1,0 +1,38 @@
+"""Alembic environment: the database URL comes from tokenmill's settings.
+
+Runs online migrations against the configured ledger (or a connection passed in).
+"""
+
+from __future__ import annotations
+
+from alembic import context
+
+from app.database import make_engine
+from app.models import Base
+from app.settings import get_settings
+
+config = context.config
+target_metadata = Base.metadata
+
+
+def run_migrations() -> None:
+    connection = config.attributes.get("connection")
+    if connection is not None:
+        context.configure(
+            connection=connection, target_metadata=target_metadata, render_as_batch=True
+        )
+        with context.begin_transaction():
+            context.run_migrations()
+        return
+    url = config.get_main_option("sqlalchemy.url") or get_settings().resolved_database_url()
+    engine = make_engine(url)
+    with engine.connect() as conn:
+        context.configure(connection=conn, target_metadata=target_metadata, render_as_batch=True)
+        with context.begin_transaction():
+            context.run_migrations()
+    engine.dispose()
+
+
+if context.is_offline_mode():
+    raise SystemExit("tokenmill migrations run online only: use `tokenmill db upgrade`")
+run_migrations()
