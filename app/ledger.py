@@ -390,7 +390,11 @@ class Released:
 
 
 Outcome = Done | Failed | RetryLater | Released
-_NOT_FINAL = (ItemStatus.PENDING.value, ItemStatus.QUEUED.value, ItemStatus.LEASED.value)
+
+
+def _not_final() -> Any:
+    # plain comparisons: an IN list cannot be used inside an executemany
+    return and_(items.c.status != ItemStatus.DONE.value, items.c.status != ItemStatus.FAILED.value)
 
 
 def _trim(text: str) -> str:
@@ -412,7 +416,7 @@ def record_outcomes(
     if done:
         stmt = (
             update(items)
-            .where(items.c.id == bindparam("b_id"), items.c.status.in_(_NOT_FINAL))
+            .where(items.c.id == bindparam("b_id"), _not_final())
             .values(
                 status=ItemStatus.DONE.value,
                 output_ids=bindparam("b_output_ids"),
@@ -449,7 +453,7 @@ def record_outcomes(
     if failed:
         stmt = (
             update(items)
-            .where(items.c.id == bindparam("b_id"), items.c.status.in_(_NOT_FINAL))
+            .where(items.c.id == bindparam("b_id"), _not_final())
             .values(
                 status=ItemStatus.FAILED.value,
                 error=bindparam("b_error"),

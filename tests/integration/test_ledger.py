@@ -176,6 +176,27 @@ def test_release_owner_and_counts(db: Engine, run: ledger.RunInfo) -> None:
     assert not counts.finished
 
 
+def test_many_outcomes_in_one_write(db: Engine, run: ledger.RunInfo) -> None:
+    with db.begin() as conn:
+        ledger.insert_items(conn, run.id, new_items(3))
+        ids = ledger.pending_ids(conn, run.id)
+        ledger.claim_items(conn, ids, owner="w", server="s", lease_s=60)
+        ledger.record_outcomes(
+            conn,
+            [Done(i, result([i, 163586])) for i in ids[:3]]
+            + [Failed(i, f"bad {i}") for i in ids[3:5]]
+            + [RetryLater(ids[5], "500")],
+            owner="w",
+            lease_s=60,
+        )
+    with db.connect() as conn:
+        rows = {i.id: i for i in ledger.iter_items(conn, run.id, statuses=("done", "failed"))}
+    assert {i: (r.status, r.output_ids) for i, r in rows.items()} == {
+        **{i: ("done", [i, 163586]) for i in ids[:3]},
+        **{i: ("failed", None) for i in ids[3:5]},
+    }
+
+
 def test_unknown_run_is_not_found(db: Engine) -> None:
     with db.connect() as conn, pytest.raises(NotFound, match="no run named 'nope'"):
         ledger.get_run(conn, "nope")

@@ -1,0 +1,203 @@
+"""The in-flight window with a fake SGLang client and a SQLite ledger: constant window,
+retries that spend attempts, outages that do not, permanent failures, clean shutdown."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+from sqlalchemy import Engine
+
+from app import ledger
+from app.contracts import GenerateResult, SamplingParams
+from app.errors import PermanentError, RetryableError, ServerUnavailable
+from workers.window import InflightWindow, WindowConfig
+
+Behaviour = Callable[[list[int], int], float | Exception]
+
+
+class FakeClient:
+    """Answers after a per-prompt delay, or raises what the script says; counts concurrency."""
+
+    def __init__(self, script: Behaviour, shared: dict[str, int], lock: threading.Lock) -> None:
+        self.script = script
+        self.shared = shared
+        self.lock = lock
+
+    def generate(self, input_ids: list[int], sampling_params: dict[str, object],
+                 rid: str) -> GenerateResult:
+        with self.lock:
+            self.shared["calls"] += 1
+            call = self.shared["calls"]
+            self.shared["now"] += 1
+            self.shared["peak"] = max(self.shared["peak"], self.shared["now"])
+        try:
+            outcome = self.script(input_ids, call)
+            if isinstance(outcome, Exception):
+                raise outcome
+            time.sleep(outcome)
+            out = [input_ids[-1] % 1000 + 300, 163586]
+            return GenerateResult(rid, out, "stop", 163586, len(input_ids), len(out), 0, outcome)
+        finally:
+            with self.lock:
+                self.shared["now"] -= 1
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def run(sqlite_engine: Engine) -> ledger.RunInfo:
+    spec = ledger.RunSpec("r", "/t", "a" * 64, "b" * 64, {}, SamplingParams(seed=1), 1, None,
+                          [163586])
+    with sqlite_engine.begin() as conn:
+        info, _ = ledger.get_or_create_run(conn, spec)
+    return info
+
+
+def make_window(db: Engine, script: Behaviour, *, inflight: int = 4, max_attempts: int = 3,
+                released: list[int] | None = None) -> tuple[InflightWindow, dict[str, int]]:
+    shared = {"calls": 0, "now": 0, "peak": 0}
+    lock = threading.Lock()
+    window = InflightWindow(
+        WindowConfig(server_name="fake", inflight=inflight, lease_s=60, heartbeat_s=0.2,
+                     max_attempts=max_attempts, retry_backoff_s=0.01, retry_backoff_max_s=0.05,
+                     unavailable_wait_s=0.05, backlog=inflight),
+        db=db,
+        owner="owner-1",
+        client_factory=lambda: FakeClient(script, shared, lock),
+        sampling_for_run=lambda run_id: SamplingParams(seed=1),
+        on_released=lambda ids, wait_s: (released if released is not None else []).extend(ids),
+    )
+    return window, shared
+
+
+def feed(db: Engine, window: InflightWindow, run: ledger.RunInfo, n: int) -> list[int]:
+    with db.begin() as conn:
+        ledger.insert_items(conn, run.id, [ledger.NewItem(f"k{i}", 0, i, None, [1, i])
+                                           for i in range(n)])
+        ids = ledger.pending_ids(conn, run.id)
+    for start in range(0, n, 4):
+        assert window.wait_for_room(4, timeout_s=30)
+        with db.begin() as conn:
+            window.submit(ledger.claim_items(conn, ids[start:start + 4], owner=window.owner,
+                                             server="fake", lease_s=60))
+    return ids
+
+
+def wait_idle(window: InflightWindow, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not window.idle():
+        assert time.monotonic() < deadline, "window never settled"
+        time.sleep(0.01)
+
+
+def statuses(db: Engine, run: ledger.RunInfo) -> dict[int, ledger.StoredItem]:
+    with db.connect() as conn:
+        return {i.id: i for i in ledger.iter_items(
+            conn, run.id, statuses=("pending", "queued", "leased", "done", "failed"))}
+
+
+@pytest.fixture
+def started() -> Iterator[list[InflightWindow]]:
+    windows: list[InflightWindow] = []
+    yield windows
+    for w in windows:
+        w.stop(drain_timeout_s=1)
+
+
+def test_window_keeps_exactly_n_in_flight_with_heavy_tail(
+    sqlite_engine: Engine, run: ledger.RunInfo, started: list[InflightWindow]
+) -> None:
+    # one prompt in ten takes 20x longer: a batch-and-wait client would idle on it
+    window, shared = make_window(
+        sqlite_engine, lambda ids, call: 0.2 if ids[-1] % 10 == 0 else 0.01, inflight=4)
+    started.append(window)
+    window.start()
+    feed(sqlite_engine, window, run, 40)
+    wait_idle(window)
+    rows = statuses(sqlite_engine, run)
+    assert {r.status for r in rows.values()} == {"done"}
+    assert shared["peak"] == 4
+    assert all(r.attempts == 1 for r in rows.values())
+
+
+def test_retryable_errors_spend_attempts_then_succeed(
+    sqlite_engine: Engine, run: ledger.RunInfo, started: list[InflightWindow]
+) -> None:
+    failures: dict[int, int] = {}
+
+    def script(ids: list[int], call: int) -> float | Exception:
+        n = failures.get(ids[-1], 0)
+        if n < 2:
+            failures[ids[-1]] = n + 1
+            return RetryableError("HTTP 500: boom", status_code=500)
+        return 0.0
+
+    window, _ = make_window(sqlite_engine, script, max_attempts=5)
+    started.append(window)
+    window.start()
+    feed(sqlite_engine, window, run, 6)
+    wait_idle(window)
+    rows = statuses(sqlite_engine, run)
+    assert {(r.status, r.attempts) for r in rows.values()} == {("done", 3)}
+
+
+def test_retries_stop_at_the_attempt_budget(
+    sqlite_engine: Engine, run: ledger.RunInfo, started: list[InflightWindow]
+) -> None:
+    window, _ = make_window(sqlite_engine, lambda ids, call: RetryableError("timeout"),
+                            max_attempts=3)
+    started.append(window)
+    window.start()
+    feed(sqlite_engine, window, run, 2)
+    wait_idle(window)
+    rows = statuses(sqlite_engine, run)
+    assert {(r.status, r.attempts) for r in rows.values()} == {("failed", 3)}
+    assert all("gave up after 3 attempts: timeout" in (r.error or "") for r in rows.values())
+
+
+def test_permanent_error_fails_at_once_with_the_server_message(
+    sqlite_engine: Engine, run: ledger.RunInfo, started: list[InflightWindow]
+) -> None:
+    msg = "The input (9000 tokens) is longer than the model's context length (8192 tokens)."
+    window, shared = make_window(
+        sqlite_engine,
+        lambda ids, call: PermanentError(msg, status_code=400) if ids[-1] == 1 else 0.0)
+    started.append(window)
+    window.start()
+    feed(sqlite_engine, window, run, 3)
+    wait_idle(window)
+    rows = sorted(statuses(sqlite_engine, run).values(), key=lambda r: r.id)
+    assert [r.status for r in rows] == ["done", "failed", "done"]
+    assert rows[1].attempts == 1 and msg in (rows[1].error or "")
+    assert shared["calls"] == 3
+
+
+def test_unavailable_server_releases_items_without_spending_attempts(
+    sqlite_engine: Engine, run: ledger.RunInfo, started: list[InflightWindow]
+) -> None:
+    released: list[int] = []
+    window, _ = make_window(sqlite_engine, lambda ids, call: ServerUnavailable("refused"),
+                            released=released)
+    started.append(window)
+    window.start()
+    ids = feed(sqlite_engine, window, run, 5)
+    wait_idle(window)
+    rows = statuses(sqlite_engine, run)
+    assert sorted(released) == ids
+    assert {(r.status, r.attempts) for r in rows.values()} == {("queued", 0)}
+
+
+def test_stop_gives_back_unsent_work(sqlite_engine: Engine, run: ledger.RunInfo) -> None:
+    released: list[int] = []
+    window, _ = make_window(sqlite_engine, lambda ids, call: 0.3, inflight=2, released=released)
+    window.start()
+    ids = feed(sqlite_engine, window, run, 4)
+    window.stop(drain_timeout_s=5)
+    rows = statuses(sqlite_engine, run)
+    done = [i for i, r in rows.items() if r.status == "done"]
+    assert sorted(done + released) == ids
+    assert all(rows[i].status == "queued" and rows[i].attempts == 0 for i in released)

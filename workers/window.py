@@ -1,0 +1,384 @@
+"""The in-flight window: keeps a constant number of requests in flight to one SGLang server.
+
+Claimed items wait in a small backlog; each of N slot threads (one single-connection client
+each) takes the next item the moment its previous request finishes, so there are no batch
+barriers and heavy-tailed output lengths never idle the server. Outcomes go to one writer
+thread that commits them in small groups; a heartbeat keeps this worker's leases alive.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from sqlalchemy import Engine
+from sqlalchemy.exc import InterfaceError, OperationalError
+
+from app import ledger
+from app.contracts import GenerateResult, SamplingParams
+from app.errors import PermanentError, RetryableError, ServerUnavailable
+from app.ledger import ClaimedItem, Done, Failed, Outcome, Released, RetryLater
+
+log = logging.getLogger(__name__)
+
+
+class GenerateClient(Protocol):
+    def generate(
+        self, input_ids: list[int], sampling_params: dict[str, object], rid: str
+    ) -> GenerateResult: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class WindowConfig:
+    server_name: str
+    inflight: int
+    lease_s: float
+    heartbeat_s: float
+    max_attempts: int
+    retry_backoff_s: float
+    retry_backoff_max_s: float
+    unavailable_wait_s: float
+    backlog: int = 0  # extra claimed items waiting beyond the in-flight ones
+    writer_batch: int = 256
+
+    def capacity(self) -> int:
+        return self.inflight + max(self.backlog, 1)
+
+
+@dataclass
+class WindowStats:
+    sent: int = 0
+    done: int = 0
+    failed: int = 0
+    retried: int = 0
+    released: int = 0
+    output_tokens: int = 0
+    inflight: int = 0
+    last_completion: float | None = None
+    last_error: str | None = None
+
+
+@dataclass(order=True)
+class _Delayed:
+    due: float
+    seq: int
+    job: _Job = field(compare=False)
+
+
+@dataclass
+class _Job:
+    item: ClaimedItem
+    sampling: SamplingParams
+    tries: int = 0  # attempts made under this lease
+
+
+_STOP = object()
+
+
+class InflightWindow:
+    """N slot threads, a writer and a heartbeat around one server; thread-safe submit()."""
+
+    def __init__(
+        self,
+        config: WindowConfig,
+        *,
+        db: Engine,
+        owner: str,
+        client_factory: Callable[[], GenerateClient],
+        sampling_for_run: Callable[[int], SamplingParams],
+        on_released: Callable[[list[int], float], None],
+        is_paused: Callable[[], bool] = lambda: False,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.owner = owner
+        self.stats = WindowStats()
+        self._db = db
+        self._client_factory = client_factory
+        self._sampling_for_run = sampling_for_run
+        self._on_released = on_released
+        self._is_paused = is_paused
+        self._clock = clock
+        self._backlog: queue.Queue[_Job | object] = queue.Queue()
+        self._outcomes: queue.Queue[Outcome | object] = queue.Queue()
+        self._delayed: list[_Delayed] = []
+        self._seq = itertools.count()
+        self._cond = threading.Condition()
+        self._outstanding = 0  # claimed items this window holds and has not settled
+        self._unwritten = 0  # outcomes handed to the writer and not yet committed
+        self._unavailable_until = 0.0
+        self._stopping = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._started = False
+
+    # --- lifecycle ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        name = self.config.server_name
+        for i in range(self.config.inflight):
+            self._spawn(self._slot_loop, f"tm-slot-{name}-{i}")
+        self._spawn(self._writer_loop, f"tm-writer-{name}")
+        self._spawn(self._timer_loop, f"tm-timer-{name}")
+        log.info(
+            "window started server=%s inflight=%d owner=%s", name, self.config.inflight, self.owner
+        )
+
+    def _spawn(self, target: Callable[[], None], name: str) -> None:
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def stop(self, drain_timeout_s: float = 30.0) -> None:
+        """Stop taking work, give back what was not sent, let in-flight requests finish for
+        up to drain_timeout_s, write every outcome, then release whatever is still leased."""
+        if not self._started:
+            return
+        self._stopping.set()
+        with self._cond:
+            self._cond.notify_all()
+        for _ in range(self.config.inflight):
+            self._backlog.put(_STOP)
+        deadline = self._clock() + drain_timeout_s
+        with self._cond:
+            while self._outstanding > 0 and self._clock() < deadline:
+                self._cond.wait(timeout=0.1)
+        self._outcomes.put(_STOP)
+        for thread in self._threads:
+            if thread.name.startswith("tm-writer"):
+                thread.join(timeout=max(5.0, deadline - self._clock()))
+        try:
+            with self._db.begin() as conn:
+                leftover = ledger.release_owner(conn, self.owner)
+            if leftover:
+                log.info("window stop released %d unfinished items", len(leftover))
+                self._on_released(leftover, 0.0)
+        except Exception:
+            log.exception("could not release leases at shutdown; they expire on their own")
+        log.info("window stopped server=%s", self.config.server_name)
+
+    # --- intake ---------------------------------------------------------------------------
+
+    @property
+    def outstanding(self) -> int:
+        with self._cond:
+            return self._outstanding
+
+    def unavailable(self) -> bool:
+        return self._clock() < self._unavailable_until
+
+    def wait_for_room(self, n: int, timeout_s: float | None = None) -> bool:
+        """Block until n more items fit in the window (backpressure on the message consumer)."""
+        n = min(n, self.config.capacity())
+        deadline = None if timeout_s is None else self._clock() + timeout_s
+        with self._cond:
+            while self._outstanding + n > self.config.capacity():
+                if self._stopping.is_set():
+                    return False
+                remaining = None if deadline is None else deadline - self._clock()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._cond.wait(timeout=0.5 if remaining is None else min(0.5, remaining))
+            return True
+
+    def room(self) -> int:
+        with self._cond:
+            return max(0, self.config.capacity() - self._outstanding)
+
+    def submit(self, claimed: list[ClaimedItem]) -> None:
+        """Queue claimed items for sending; each settles as done, failed or released."""
+        if not claimed:
+            return
+        with self._cond:
+            self._outstanding += len(claimed)
+        for item in claimed:
+            self._backlog.put(_Job(item=item, sampling=self._sampling_for_run(item.run_id)))
+
+    def idle(self) -> bool:
+        with self._cond:
+            return self._outstanding == 0 and self._unwritten == 0
+
+    # --- slots ----------------------------------------------------------------------------
+
+    def _slot_loop(self) -> None:
+        client: GenerateClient | None = None
+        try:
+            while True:
+                job = self._backlog.get()
+                if job is _STOP:
+                    return
+                assert isinstance(job, _Job)
+                if client is None:
+                    client = self._client_factory()
+                self._run_job(client, job)
+        finally:
+            if client is not None:
+                client.close()
+
+    def _settle(self, outcome: Outcome) -> None:
+        with self._cond:
+            self._unwritten += 1
+        self._outcomes.put(outcome)
+
+    def _run_job(self, client: GenerateClient, job: _Job) -> None:
+        item = job.item
+        if self._stopping.is_set():
+            self._settle(Released(item.id, "worker shutting down"))
+            return
+        if self.unavailable() or self._is_paused():
+            self._settle(Released(item.id, "server paused or unavailable"))
+            return
+        rid = f"tm-{item.id}-{uuid.uuid4().hex[:12]}"
+        job.tries += 1
+        with self._cond:
+            self.stats.sent += 1
+            self.stats.inflight += 1
+        try:
+            result = client.generate(item.prompt_ids, job.sampling.for_sample(item.sample_index), rid)
+        except PermanentError as exc:
+            log.info("item %d failed permanently on %s: %s", item.id, self.config.server_name, exc)
+            self._settle(Failed(item.id, f"permanent: {exc}", attempts_used=1))
+            self._note(failed=1, error=str(exc))
+        except ServerUnavailable as exc:
+            # the server, not the item, is at fault: no attempt is spent
+            self._unavailable_until = self._clock() + self.config.unavailable_wait_s
+            job.tries -= 1
+            log.info("server %s unavailable (%s); item %d goes back", self.config.server_name,
+                     exc, item.id)
+            self._settle(Released(item.id, f"server unavailable: {exc}"))
+            self._note(error=str(exc))
+        except RetryableError as exc:
+            if item.attempts + job.tries >= self.config.max_attempts:
+                log.info("item %d failed after %d attempts: %s", item.id,
+                         item.attempts + job.tries, exc)
+                self._settle(Failed(item.id, f"gave up after {item.attempts + job.tries} "
+                                    f"attempts: {exc}", attempts_used=1))
+                self._note(failed=1, error=str(exc))
+            else:
+                self._outcomes.put(RetryLater(item.id, str(exc)))
+                delay = min(
+                    self.config.retry_backoff_max_s,
+                    self.config.retry_backoff_s * 2 ** (item.attempts + job.tries - 1),
+                )
+                log.info("item %d attempt %d on %s failed (%s); retry in %.1fs", item.id,
+                         item.attempts + job.tries, self.config.server_name, exc, delay)
+                with self._cond:
+                    heapq.heappush(
+                        self._delayed, _Delayed(self._clock() + delay, next(self._seq), job)
+                    )
+                    self.stats.retried += 1
+                self._note(error=str(exc))
+        except Exception as exc:  # a bug must not kill the slot or strand the lease
+            log.exception("unexpected error sending item %d", item.id)
+            self._settle(Released(item.id, f"internal error: {exc!r}"))
+        else:
+            self._settle(Done(item.id, result, attempts_used=1))
+            with self._cond:
+                self.stats.done += 1
+                self.stats.output_tokens += result.completion_tokens
+                self.stats.last_completion = self._clock()
+        finally:
+            with self._cond:
+                self.stats.inflight -= 1
+
+    def _note(self, *, failed: int = 0, error: str | None = None) -> None:
+        with self._cond:
+            self.stats.failed += failed
+            if error:
+                self.stats.last_error = error[:300]
+
+    # --- timer: delayed retries and lease heartbeats -------------------------------------
+
+    def _timer_loop(self) -> None:
+        next_beat = self._clock() + self.config.heartbeat_s
+        while not self._stopping.is_set():
+            now = self._clock()
+            due: list[_Job] = []
+            with self._cond:
+                while self._delayed and self._delayed[0].due <= now:
+                    due.append(heapq.heappop(self._delayed).job)
+            for job in due:
+                self._backlog.put(job)
+            if now >= next_beat:
+                next_beat = now + self.config.heartbeat_s
+                try:
+                    with self._db.begin() as conn:
+                        ledger.extend_leases(conn, owner=self.owner, lease_s=self.config.lease_s)
+                except Exception as exc:
+                    log.warning("lease heartbeat failed (%s); retrying next beat", exc)
+            self._stopping.wait(0.05)
+        # shutting down: delayed retries are given back, not sent
+        with self._cond:
+            pending = [d.job for d in self._delayed]
+            self._delayed.clear()
+        for job in pending:
+            self._settle(Released(job.item.id, "worker shutting down"))
+
+    # --- writer ---------------------------------------------------------------------------
+
+    def _writer_loop(self) -> None:
+        stop = False
+        while not stop:
+            first = self._outcomes.get()
+            if first is _STOP:
+                stop = True
+                batch: list[Outcome] = []
+            else:
+                batch = [first]  # type: ignore[list-item]
+            while len(batch) < self.config.writer_batch:
+                try:
+                    more = self._outcomes.get_nowait()
+                except queue.Empty:
+                    break
+                if more is _STOP:
+                    stop = True
+                    break
+                batch.append(more)  # type: ignore[arg-type]
+            if batch:
+                self._write(batch)
+
+    def _write(self, batch: list[Outcome]) -> None:
+        delay_s = 0.2
+        while True:
+            try:
+                with self._db.begin() as conn:
+                    released = ledger.record_outcomes(
+                        conn, batch, owner=self.owner, lease_s=self.config.lease_s
+                    )
+                break
+            except (OperationalError, InterfaceError) as exc:
+                # the database is down or restarting: hold the results and keep trying
+                log.warning("writing %d outcomes failed (%s); retrying in %.1fs", len(batch),
+                            exc, delay_s)
+                time.sleep(delay_s)
+                delay_s = min(delay_s * 2, 10.0)
+            except Exception:
+                # never drop a result; a bug here must be loud
+                log.exception("writing %d outcomes failed; retrying in %.1fs", len(batch), delay_s)
+                time.sleep(delay_s)
+                delay_s = min(delay_s * 2, 10.0)
+        settled = sum(1 for o in batch if not isinstance(o, RetryLater))
+        if released:
+            with self._cond:
+                self.stats.released += len(released)
+            wait_s = self.config.unavailable_wait_s if self.unavailable() else 0.0
+            try:
+                self._on_released(released, wait_s)
+            except Exception:
+                log.exception("could not re-queue %d released items; reconcile will", len(released))
+        with self._cond:
+            self._outstanding -= settled
+            self._unwritten -= settled
+            self._cond.notify_all()
