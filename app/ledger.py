@@ -10,10 +10,11 @@ import logging
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy import (
     Connection,
+    Table,
     and_,
     bindparam,
     case,
@@ -31,10 +32,10 @@ from app.models import Event, Item, ItemStatus, Run, Server
 
 log = logging.getLogger(__name__)
 
-items = Item.__table__
-runs = Run.__table__
-servers = Server.__table__
-events = Event.__table__
+items = cast(Table, Item.__table__)
+runs = cast(Table, Run.__table__)
+servers = cast(Table, Server.__table__)
+events = cast(Table, Event.__table__)
 
 CLAIMABLE = (ItemStatus.PENDING.value, ItemStatus.QUEUED.value)
 ERROR_MAX_CHARS = 2000
@@ -246,7 +247,9 @@ def existing_keys(conn: Connection, run_id: int, keys: Iterable[str]) -> set[str
     return set(conn.execute(stmt).scalars())
 
 
-def pending_ids(conn: Connection, run_id: int, *, after_id: int = 0, limit: int = 5000) -> list[int]:
+def pending_ids(
+    conn: Connection, run_id: int, *, after_id: int = 0, limit: int = 5000
+) -> list[int]:
     stmt = (
         select(items.c.id)
         .where(
@@ -322,7 +325,7 @@ def claim_items(
         )
         .returning(*_CLAIM_COLUMNS)
     )
-    claimed = [ClaimedItem(*row) for row in conn.execute(stmt)]
+    claimed = [ClaimedItem(**row._mapping) for row in conn.execute(stmt)]
     claimed.sort(key=lambda c: c.id)
     return claimed
 
@@ -523,7 +526,9 @@ def release_owner(conn: Connection, owner: str) -> list[int]:
     return sorted(conn.execute(stmt).scalars())
 
 
-def requeue_expired(conn: Connection, *, run_id: int | None = None, limit: int = 10000) -> list[int]:
+def requeue_expired(
+    conn: Connection, *, run_id: int | None = None, limit: int = 10000
+) -> list[int]:
     """Items whose lease expired (their worker died) go back to queued; return their ids."""
     now = utcnow()
     pick = (
@@ -543,7 +548,9 @@ def requeue_expired(conn: Connection, *, run_id: int | None = None, limit: int =
             items.c.status == ItemStatus.LEASED.value,
             items.c.lease_expires_at < now,
         )
-        .values(status=ItemStatus.QUEUED.value, lease_owner=None, lease_expires_at=None)
+        .values(
+            status=ItemStatus.QUEUED.value, lease_owner=None, lease_expires_at=None, queued_at=now
+        )
         .returning(items.c.id)
     )
     return sorted(conn.execute(stmt).scalars())
@@ -559,6 +566,33 @@ def unfinished_ids(
         .limit(limit)
     )
     return list(conn.execute(stmt).scalars())
+
+
+def queued_before(
+    conn: Connection, run_id: int, cutoff: datetime, *, after_id: int = 0, limit: int = 5000
+) -> list[int]:
+    """Ids of a run's items queued (published) before cutoff, in id order."""
+    stmt = (
+        select(items.c.id)
+        .where(
+            items.c.run_id == run_id,
+            items.c.status == ItemStatus.QUEUED.value,
+            items.c.queued_at < cutoff,
+            items.c.id > after_id,
+        )
+        .order_by(items.c.id)
+        .limit(limit)
+    )
+    return list(conn.execute(stmt).scalars())
+
+
+def touch_queued(conn: Connection, ids: Sequence[int]) -> None:
+    """Restart the grace period of items just published again."""
+    conn.execute(
+        update(items)
+        .where(items.c.id.in_(list(ids)), items.c.status == ItemStatus.QUEUED.value)
+        .values(queued_at=utcnow())
+    )
 
 
 # --- reading results ----------------------------------------------------------------------
@@ -678,7 +712,7 @@ def iter_items(
             .order_by(items.c.id)
             .limit(page_size)
         )
-        page = [StoredItem(*row) for row in conn.execute(stmt)]
+        page = [StoredItem(**row._mapping) for row in conn.execute(stmt)]
         if not page:
             return
         yield from page
@@ -702,8 +736,3 @@ def record_event(
             at=utcnow(), kind=kind, run_id=run_id, server=server, message=message, details=details
         )
     )
-
-
-def is_server_paused(conn: Connection, name: str) -> bool:
-    paused = conn.execute(select(servers.c.paused).where(servers.c.name == name)).scalar()
-    return bool(paused)

@@ -98,6 +98,8 @@ class Item(Base):
         UniqueConstraint("run_id", "item_key", "sample_index", name="uq_items_run_key_sample"),
         Index("ix_items_run_status", "run_id", "status"),
         Index("ix_items_status_lease", "status", "lease_expires_at"),
+        Index("ix_items_server_status", "server", "status"),
+        Index("ix_items_server_finished", "server", "finished_at"),
     )
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
@@ -135,11 +137,15 @@ class Server(Base):
     name: Mapped[str] = mapped_column(String(200), unique=True)
     url: Mapped[str] = mapped_column(Text)
     state: Mapped[str] = mapped_column(String(16), default="unknown")
+    state_since: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     paused: Mapped[bool] = mapped_column(default=False)
+    paused_by: Mapped[str | None] = mapped_column(String(16), nullable=True)
     pause_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
     consecutive_failures: Mapped[int] = mapped_column(Integer, default=0)
     consecutive_successes: Mapped[int] = mapped_column(Integer, default=0)
     last_probe_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    last_probe_ok: Mapped[bool | None] = mapped_column(nullable=True)
+    last_probe_latency_s: Mapped[float | None] = mapped_column(Float, nullable=True)
     last_error: Mapped[str | None] = mapped_column(Text, nullable=True)
     fingerprint: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     restart_command: Mapped[list[str] | None] = mapped_column(JSON, nullable=True)

@@ -51,6 +51,17 @@ class Settings(BaseSettings):
     retry_backoff_max_s: float = Field(default=120.0, ge=0)
     unavailable_wait_s: float = Field(default=5.0, ge=0)
 
+    # watchdog: probes, thresholds, stall detection, worker-side pause enforcement
+    watchdog_interval_s: float = Field(default=10.0, gt=0)
+    failures_to_down: int = Field(default=3, ge=1)
+    successes_to_up: int = Field(default=2, ge=1)
+    stall_s: float = Field(default=600.0, gt=0)
+    pause_check_s: float = Field(default=2.0, gt=0)
+    reconcile_interval_s: float = Field(default=60.0, gt=0)
+    # a queued item absent from the broker this long is published again
+    reconcile_grace_s: float = Field(default=120.0, ge=0)
+    restart_timeout_s: float = Field(default=1800.0, gt=0)
+
     visibility_timeout_s: int = Field(default=6 * 3600, ge=60)
     log_level: str = "INFO"
 

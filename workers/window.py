@@ -80,6 +80,7 @@ class _Job:
     item: ClaimedItem
     sampling: SamplingParams
     tries: int = 0  # attempts made under this lease
+    abandoned: bool = False  # given back while its request was still out
 
 
 _STOP = object()
@@ -110,7 +111,9 @@ class InflightWindow:
         self._is_paused = is_paused
         self._clock = clock
         self._backlog: queue.Queue[_Job | object] = queue.Queue()
-        self._outcomes: queue.Queue[Outcome | object] = queue.Queue()
+        # (outcome, settles): settles=False for a late answer to an abandoned request
+        self._outcomes: queue.Queue[tuple[Outcome, bool] | object] = queue.Queue()
+        self._sending: dict[int, _Job] = {}
         self._delayed: list[_Delayed] = []
         self._seq = itertools.count()
         self._cond = threading.Condition()
@@ -227,10 +230,30 @@ class InflightWindow:
             if client is not None:
                 client.close()
 
-    def _settle(self, outcome: Outcome) -> None:
+    def _settle(self, outcome: Outcome, job: _Job | None = None) -> None:
         with self._cond:
+            if job is not None and job.abandoned:
+                # already given back; only a real result is still worth writing
+                if isinstance(outcome, Done):
+                    self._outcomes.put((outcome, False))
+                return
             self._unwritten += 1
-        self._outcomes.put(outcome)
+        self._outcomes.put((outcome, True))
+
+    def abandon_inflight(self, reason: str) -> int:
+        """Give back every item whose request is still out (a hung or dead server): other
+        servers take them at once; a late answer is still written if it comes."""
+        with self._cond:
+            jobs = [j for j in self._sending.values() if not j.abandoned]
+            for job in jobs:
+                self._unwritten += 1
+                self._outcomes.put((Released(job.item.id, reason), True))
+                job.abandoned = True
+        if jobs:
+            log.warning(
+                "gave back %d in-flight items of %s: %s", len(jobs), self.config.server_name, reason
+            )
+        return len(jobs)
 
     def _run_job(self, client: GenerateClient, job: _Job) -> None:
         item = job.item
@@ -245,35 +268,60 @@ class InflightWindow:
         with self._cond:
             self.stats.sent += 1
             self.stats.inflight += 1
+            self._sending[item.id] = job
         try:
-            result = client.generate(item.prompt_ids, job.sampling.for_sample(item.sample_index), rid)
+            result = client.generate(
+                item.prompt_ids, job.sampling.for_sample(item.sample_index), rid
+            )
         except PermanentError as exc:
             log.info("item %d failed permanently on %s: %s", item.id, self.config.server_name, exc)
-            self._settle(Failed(item.id, f"permanent: {exc}", attempts_used=1))
+            self._settle(Failed(item.id, f"permanent: {exc}", attempts_used=1), job)
             self._note(failed=1, error=str(exc))
         except ServerUnavailable as exc:
             # the server, not the item, is at fault: no attempt is spent
             self._unavailable_until = self._clock() + self.config.unavailable_wait_s
             job.tries -= 1
-            log.info("server %s unavailable (%s); item %d goes back", self.config.server_name,
-                     exc, item.id)
-            self._settle(Released(item.id, f"server unavailable: {exc}"))
+            log.info(
+                "server %s unavailable (%s); item %d goes back",
+                self.config.server_name,
+                exc,
+                item.id,
+            )
+            self._settle(Released(item.id, f"server unavailable: {exc}"), job)
             self._note(error=str(exc))
         except RetryableError as exc:
-            if item.attempts + job.tries >= self.config.max_attempts:
-                log.info("item %d failed after %d attempts: %s", item.id,
-                         item.attempts + job.tries, exc)
-                self._settle(Failed(item.id, f"gave up after {item.attempts + job.tries} "
-                                    f"attempts: {exc}", attempts_used=1))
+            if job.abandoned:
+                return
+            if self._is_paused():
+                # the watchdog paused this server mid-request: not the item's fault
+                self._settle(Released(item.id, f"server paused: {exc}"), job)
+            elif item.attempts + job.tries >= self.config.max_attempts:
+                log.info(
+                    "item %d failed after %d attempts: %s", item.id, item.attempts + job.tries, exc
+                )
+                self._settle(
+                    Failed(
+                        item.id,
+                        f"gave up after {item.attempts + job.tries} attempts: {exc}",
+                        attempts_used=1,
+                    ),
+                    job,
+                )
                 self._note(failed=1, error=str(exc))
             else:
-                self._outcomes.put(RetryLater(item.id, str(exc)))
+                self._outcomes.put((RetryLater(item.id, str(exc)), False))
                 delay = min(
                     self.config.retry_backoff_max_s,
                     self.config.retry_backoff_s * 2 ** (item.attempts + job.tries - 1),
                 )
-                log.info("item %d attempt %d on %s failed (%s); retry in %.1fs", item.id,
-                         item.attempts + job.tries, self.config.server_name, exc, delay)
+                log.info(
+                    "item %d attempt %d on %s failed (%s); retry in %.1fs",
+                    item.id,
+                    item.attempts + job.tries,
+                    self.config.server_name,
+                    exc,
+                    delay,
+                )
                 with self._cond:
                     heapq.heappush(
                         self._delayed, _Delayed(self._clock() + delay, next(self._seq), job)
@@ -282,9 +330,9 @@ class InflightWindow:
                 self._note(error=str(exc))
         except Exception as exc:  # a bug must not kill the slot or strand the lease
             log.exception("unexpected error sending item %d", item.id)
-            self._settle(Released(item.id, f"internal error: {exc!r}"))
+            self._settle(Released(item.id, f"internal error: {exc!r}"), job)
         else:
-            self._settle(Done(item.id, result, attempts_used=1))
+            self._settle(Done(item.id, result, attempts_used=1), job)
             with self._cond:
                 self.stats.done += 1
                 self.stats.output_tokens += result.completion_tokens
@@ -292,6 +340,7 @@ class InflightWindow:
         finally:
             with self._cond:
                 self.stats.inflight -= 1
+                self._sending.pop(item.id, None)
 
     def _note(self, *, failed: int = 0, error: str | None = None) -> None:
         with self._cond:
@@ -332,11 +381,11 @@ class InflightWindow:
         stop = False
         while not stop:
             first = self._outcomes.get()
+            batch: list[tuple[Outcome, bool]] = []
             if first is _STOP:
                 stop = True
-                batch: list[Outcome] = []
             else:
-                batch = [first]  # type: ignore[list-item]
+                batch.append(first)  # type: ignore[arg-type]
             while len(batch) < self.config.writer_batch:
                 try:
                     more = self._outcomes.get_nowait()
@@ -349,7 +398,8 @@ class InflightWindow:
             if batch:
                 self._write(batch)
 
-    def _write(self, batch: list[Outcome]) -> None:
+    def _write(self, entries: list[tuple[Outcome, bool]]) -> None:
+        batch = [outcome for outcome, _ in entries]
         delay_s = 0.2
         while True:
             try:
@@ -360,8 +410,9 @@ class InflightWindow:
                 break
             except (OperationalError, InterfaceError) as exc:
                 # the database is down or restarting: hold the results and keep trying
-                log.warning("writing %d outcomes failed (%s); retrying in %.1fs", len(batch),
-                            exc, delay_s)
+                log.warning(
+                    "writing %d outcomes failed (%s); retrying in %.1fs", len(batch), exc, delay_s
+                )
                 time.sleep(delay_s)
                 delay_s = min(delay_s * 2, 10.0)
             except Exception:
@@ -369,7 +420,7 @@ class InflightWindow:
                 log.exception("writing %d outcomes failed; retrying in %.1fs", len(batch), delay_s)
                 time.sleep(delay_s)
                 delay_s = min(delay_s * 2, 10.0)
-        settled = sum(1 for o in batch if not isinstance(o, RetryLater))
+        settled = sum(1 for _, settles in entries if settles)
         if released:
             with self._cond:
                 self.stats.released += len(released)

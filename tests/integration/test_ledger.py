@@ -88,12 +88,12 @@ def test_expired_lease_can_be_claimed_again(db: Engine, run: ledger.RunInfo) -> 
         ledger.insert_items(conn, run.id, new_items(1, samples=1))
         ids = ledger.pending_ids(conn, run.id)
         ledger.claim_items(conn, ids, owner="dead", server="a", lease_s=60)
-        conn.execute(
-            update(items).values(lease_expires_at=ledger.utcnow() - timedelta(seconds=1))
-        )
+        conn.execute(update(items).values(lease_expires_at=ledger.utcnow() - timedelta(seconds=1)))
         assert ledger.requeue_expired(conn, run_id=run.id) == ids
         assert ledger.requeue_expired(conn, run_id=run.id) == []
-        assert [c.id for c in ledger.claim_items(conn, ids, owner="w", server="a", lease_s=9)] == ids
+        assert [
+            c.id for c in ledger.claim_items(conn, ids, owner="w", server="a", lease_s=9)
+        ] == ids
 
 
 def test_first_result_wins_and_is_never_overwritten(db: Engine, run: ledger.RunInfo) -> None:
@@ -101,11 +101,13 @@ def test_first_result_wins_and_is_never_overwritten(db: Engine, run: ledger.RunI
         ledger.insert_items(conn, run.id, new_items(1, samples=1))
         (item_id,) = ledger.pending_ids(conn, run.id)
         ledger.claim_items(conn, [item_id], owner="w1", server="a", lease_s=60)
-        ledger.record_outcomes(conn, [Done(item_id, result([5, 6, 163586]))], owner="w1",
-                               lease_s=60)
+        ledger.record_outcomes(
+            conn, [Done(item_id, result([5, 6, 163586]))], owner="w1", lease_s=60
+        )
         # a duplicate worker finishing later (or a failure report) changes nothing
-        ledger.record_outcomes(conn, [Done(item_id, result([9, 9, 9], "length"))], owner="w2",
-                               lease_s=60)
+        ledger.record_outcomes(
+            conn, [Done(item_id, result([9, 9, 9], "length"))], owner="w2", lease_s=60
+        )
         ledger.record_outcomes(conn, [Failed(item_id, "late")], owner="w2", lease_s=60)
     with db.connect() as conn:
         (stored,) = list(ledger.iter_items(conn, run.id))
@@ -140,8 +142,9 @@ def test_concurrent_claimers_never_share_an_item(db: Engine, run: ledger.RunInfo
         got: list[int] = []
         while True:
             with db.begin() as conn:
-                batch = ledger.claim_next(conn, owner=name, server="s", lease_s=60, limit=7,
-                                          run_id=run.id)
+                batch = ledger.claim_next(
+                    conn, owner=name, server="s", lease_s=60, limit=7, run_id=run.id
+                )
             if not batch:
                 break
             got += [c.id for c in batch]
@@ -170,8 +173,16 @@ def test_release_owner_and_counts(db: Engine, run: ledger.RunInfo) -> None:
         assert ledger.release_owner(conn, "w1") == ids[2:4]
         counts = ledger.run_counts(conn, run)
     assert counts.to_json() == {
-        "run": "r1", "total": 6, "pending": 2, "queued": 2, "leased": 0, "done": 1,
-        "failed": 1, "truncated": 1, "output_tokens": 4, "prompt_tokens": 18,
+        "run": "r1",
+        "total": 6,
+        "pending": 2,
+        "queued": 2,
+        "leased": 0,
+        "done": 1,
+        "failed": 1,
+        "truncated": 1,
+        "output_tokens": 4,
+        "prompt_tokens": 18,
     }
     assert not counts.finished
 

@@ -58,8 +58,11 @@ def test_no_import_cycles() -> None:
     g = graph()
     # a package's __init__ importing its own submodules is not a cycle of logic
     for mod in g:
-        g[mod] = {d for d in g[mod] if not (d.startswith(mod + ".") and (ROOT / mod.replace(
-            ".", "/")).is_dir())}
+        g[mod] = {
+            d
+            for d in g[mod]
+            if not (d.startswith(mod + ".") and (ROOT / mod.replace(".", "/")).is_dir())
+        }
     state: dict[str, int] = {}
     cycles: list[list[str]] = []
 
@@ -67,7 +70,7 @@ def test_no_import_cycles() -> None:
         state[node] = 1
         for dep in sorted(g[node]):
             if state.get(dep) == 1:
-                cycles.append([*stack[stack.index(dep):], dep])
+                cycles.append([*stack[stack.index(dep) :], dep])
             elif dep not in state:
                 visit(dep, [*stack, dep])
         state[node] = 2
@@ -97,7 +100,7 @@ def test_only_settings_reads_the_environment() -> None:
     readers = [
         name
         for name, path in modules().items()
-        if name != "app.settings" and ("os.environ" in path.read_text()
-                                       or "os.getenv" in path.read_text())
+        if name != "app.settings"
+        and ("os.environ" in path.read_text() or "os.getenv" in path.read_text())
     ]
     assert readers == []

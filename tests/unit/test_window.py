@@ -26,8 +26,9 @@ class FakeClient:
         self.shared = shared
         self.lock = lock
 
-    def generate(self, input_ids: list[int], sampling_params: dict[str, object],
-                 rid: str) -> GenerateResult:
+    def generate(
+        self, input_ids: list[int], sampling_params: dict[str, object], rid: str
+    ) -> GenerateResult:
         with self.lock:
             self.shared["calls"] += 1
             call = self.shared["calls"]
@@ -50,21 +51,36 @@ class FakeClient:
 
 @pytest.fixture
 def run(sqlite_engine: Engine) -> ledger.RunInfo:
-    spec = ledger.RunSpec("r", "/t", "a" * 64, "b" * 64, {}, SamplingParams(seed=1), 1, None,
-                          [163586])
+    spec = ledger.RunSpec(
+        "r", "/t", "a" * 64, "b" * 64, {}, SamplingParams(seed=1), 1, None, [163586]
+    )
     with sqlite_engine.begin() as conn:
         info, _ = ledger.get_or_create_run(conn, spec)
     return info
 
 
-def make_window(db: Engine, script: Behaviour, *, inflight: int = 4, max_attempts: int = 3,
-                released: list[int] | None = None) -> tuple[InflightWindow, dict[str, int]]:
+def make_window(
+    db: Engine,
+    script: Behaviour,
+    *,
+    inflight: int = 4,
+    max_attempts: int = 3,
+    released: list[int] | None = None,
+) -> tuple[InflightWindow, dict[str, int]]:
     shared = {"calls": 0, "now": 0, "peak": 0}
     lock = threading.Lock()
     window = InflightWindow(
-        WindowConfig(server_name="fake", inflight=inflight, lease_s=60, heartbeat_s=0.2,
-                     max_attempts=max_attempts, retry_backoff_s=0.01, retry_backoff_max_s=0.05,
-                     unavailable_wait_s=0.05, backlog=inflight),
+        WindowConfig(
+            server_name="fake",
+            inflight=inflight,
+            lease_s=60,
+            heartbeat_s=0.2,
+            max_attempts=max_attempts,
+            retry_backoff_s=0.01,
+            retry_backoff_max_s=0.05,
+            unavailable_wait_s=0.05,
+            backlog=inflight,
+        ),
         db=db,
         owner="owner-1",
         client_factory=lambda: FakeClient(script, shared, lock),
@@ -76,14 +92,18 @@ def make_window(db: Engine, script: Behaviour, *, inflight: int = 4, max_attempt
 
 def feed(db: Engine, window: InflightWindow, run: ledger.RunInfo, n: int) -> list[int]:
     with db.begin() as conn:
-        ledger.insert_items(conn, run.id, [ledger.NewItem(f"k{i}", 0, i, None, [1, i])
-                                           for i in range(n)])
+        ledger.insert_items(
+            conn, run.id, [ledger.NewItem(f"k{i}", 0, i, None, [1, i]) for i in range(n)]
+        )
         ids = ledger.pending_ids(conn, run.id)
     for start in range(0, n, 4):
         assert window.wait_for_room(4, timeout_s=30)
         with db.begin() as conn:
-            window.submit(ledger.claim_items(conn, ids[start:start + 4], owner=window.owner,
-                                             server="fake", lease_s=60))
+            window.submit(
+                ledger.claim_items(
+                    conn, ids[start : start + 4], owner=window.owner, server="fake", lease_s=60
+                )
+            )
     return ids
 
 
@@ -96,8 +116,12 @@ def wait_idle(window: InflightWindow, timeout_s: float = 30) -> None:
 
 def statuses(db: Engine, run: ledger.RunInfo) -> dict[int, ledger.StoredItem]:
     with db.connect() as conn:
-        return {i.id: i for i in ledger.iter_items(
-            conn, run.id, statuses=("pending", "queued", "leased", "done", "failed"))}
+        return {
+            i.id: i
+            for i in ledger.iter_items(
+                conn, run.id, statuses=("pending", "queued", "leased", "done", "failed")
+            )
+        }
 
 
 @pytest.fixture
@@ -113,7 +137,8 @@ def test_window_keeps_exactly_n_in_flight_with_heavy_tail(
 ) -> None:
     # one prompt in ten takes 20x longer: a batch-and-wait client would idle on it
     window, shared = make_window(
-        sqlite_engine, lambda ids, call: 0.2 if ids[-1] % 10 == 0 else 0.01, inflight=4)
+        sqlite_engine, lambda ids, call: 0.2 if ids[-1] % 10 == 0 else 0.01, inflight=4
+    )
     started.append(window)
     window.start()
     feed(sqlite_engine, window, run, 40)
@@ -148,8 +173,9 @@ def test_retryable_errors_spend_attempts_then_succeed(
 def test_retries_stop_at_the_attempt_budget(
     sqlite_engine: Engine, run: ledger.RunInfo, started: list[InflightWindow]
 ) -> None:
-    window, _ = make_window(sqlite_engine, lambda ids, call: RetryableError("timeout"),
-                            max_attempts=3)
+    window, _ = make_window(
+        sqlite_engine, lambda ids, call: RetryableError("timeout"), max_attempts=3
+    )
     started.append(window)
     window.start()
     feed(sqlite_engine, window, run, 2)
@@ -165,7 +191,8 @@ def test_permanent_error_fails_at_once_with_the_server_message(
     msg = "The input (9000 tokens) is longer than the model's context length (8192 tokens)."
     window, shared = make_window(
         sqlite_engine,
-        lambda ids, call: PermanentError(msg, status_code=400) if ids[-1] == 1 else 0.0)
+        lambda ids, call: PermanentError(msg, status_code=400) if ids[-1] == 1 else 0.0,
+    )
     started.append(window)
     window.start()
     feed(sqlite_engine, window, run, 3)
@@ -180,8 +207,9 @@ def test_unavailable_server_releases_items_without_spending_attempts(
     sqlite_engine: Engine, run: ledger.RunInfo, started: list[InflightWindow]
 ) -> None:
     released: list[int] = []
-    window, _ = make_window(sqlite_engine, lambda ids, call: ServerUnavailable("refused"),
-                            released=released)
+    window, _ = make_window(
+        sqlite_engine, lambda ids, call: ServerUnavailable("refused"), released=released
+    )
     started.append(window)
     window.start()
     ids = feed(sqlite_engine, window, run, 5)

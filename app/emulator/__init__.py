@@ -1,0 +1,9 @@
+"""The SGLang emulator: an SGLang-0.5.23-compatible server for machines without a GPU.
+
+`config` holds the flags, `model` the deterministic outputs, `scheduler` batching, `server` HTTP.
+"""
+
+from app.emulator.config import EmulatorConfig
+from app.emulator.model import generate_output
+
+__all__ = ["EmulatorConfig", "generate_output"]

@@ -1,0 +1,202 @@
+"""The `emulator` command: flags (each also a TOKENMILL_EMULATOR_* variable) → config → server.
+
+`tokenmill emulator` (via ops.emulator_cmd) and `python -m app.emulator` both run this command.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import click
+
+from app.emulator.config import (
+    DEFAULT_MODEL_PATH,
+    DEFAULT_SGLANG_VERSION,
+    KIMI_IM_END_ID,
+    KIMI_THINK_END_ID,
+    EmulatorConfig,
+)
+
+ENV_PREFIX = "TOKENMILL_EMULATOR_"
+NONE_WORDS = ("", "none", "null")
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _int_or_none(ctx: click.Context, param: click.Parameter, value: Any) -> int | None:
+    """An integer, or "none" to switch the feature off."""
+    if value is None or isinstance(value, int):
+        return value
+    if str(value).strip().lower() in NONE_WORDS:
+        return None
+    try:
+        return int(value)
+    except ValueError as exc:
+        raise click.BadParameter(f"{value!r} is not an integer or 'none'") from exc
+
+
+def _text_or_none(ctx: click.Context, param: click.Parameter, value: Any) -> str | None:
+    if value is None or str(value).strip().lower() in NONE_WORDS:
+        return None
+    return str(value)
+
+
+def _option(flag: str, *names: str, **kwargs: Any) -> Callable[[F], F]:
+    """A flag that is also the environment variable TOKENMILL_EMULATOR_<FLAG>, shown in --help."""
+    env = ENV_PREFIX + flag.lstrip("-").split("/")[0].replace("-", "_").upper()
+    return click.option(flag, *names, envvar=env, show_envvar=True, show_default=True, **kwargs)
+
+
+@click.command("emulator")
+@_option("--host", default="127.0.0.1", help="Address to bind.")
+@_option(
+    "--port",
+    type=click.IntRange(0, 65535),
+    default=30000,
+    help="Port to bind; 0 picks a free one. Prints 'listening on http://HOST:PORT'.",
+)
+@_option("--model-path", default=DEFAULT_MODEL_PATH, help="Model path reported by /model_info.")
+@_option("--weight-version", default="default", help="weight_version reported everywhere.")
+@_option(
+    "--reasoning-parser",
+    default=None,
+    callback=_text_or_none,
+    metavar="TEXT|none",
+    help="reasoning_parser reported by /model_info and /server_info.",
+)
+@_option(
+    "--version",
+    "sglang_version",
+    default=DEFAULT_SGLANG_VERSION,
+    help="SGLang version reported by /server_info.",
+)
+@_option(
+    "--context-length",
+    type=click.IntRange(min=2),
+    default=16384,
+    help="Context length: longer requests get SGLang's 400.",
+)
+@_option(
+    "--median-tokens",
+    type=click.FloatRange(min=0, min_open=True),
+    default=256.0,
+    help="Median output length (tokens before EOS) of the log-normal draw.",
+)
+@_option(
+    "--sigma",
+    type=click.FloatRange(min=0),
+    default=1.0,
+    help="Log-normal sigma of output lengths (heavier tail when larger).",
+)
+@_option(
+    "--token-min",
+    type=click.IntRange(min=0),
+    default=300,
+    help="Smallest ordinary output token id.",
+)
+@_option(
+    "--token-max",
+    type=click.IntRange(min=1),
+    default=1500,
+    help="Ordinary output token ids are below this.",
+)
+@_option("--eos-id", type=int, default=KIMI_IM_END_ID, help="Id that ends a stopped output.")
+@_option(
+    "--think-end-id",
+    default=str(KIMI_THINK_END_ID),
+    callback=_int_or_none,
+    metavar="INTEGER|none",
+    help="Id between reasoning and answer ('none': no reasoning part).",
+)
+@_option(
+    "--max-running",
+    type=click.IntRange(min=1),
+    default=64,
+    help="Batch slots (SGLang --max-running-requests).",
+)
+@_option(
+    "--step-ms",
+    type=click.FloatRange(min=0),
+    default=5.0,
+    help="Decode step: every running request gains a token per step. 0 answers at once.",
+)
+@_option(
+    "--prefill-ms-per-1k-tokens",
+    type=click.FloatRange(min=0),
+    default=2.0,
+    help="Prefill time added to the step that admits a request.",
+)
+@_option(
+    "--startup-delay-s",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    help="Seconds before the port is bound (weight loading: connection refused).",
+)
+@_option(
+    "--loading-s",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    help="Seconds after binding when health routes and /generate answer 503 (warmup).",
+)
+@_option(
+    "--hang-after-s",
+    type=click.FloatRange(min=0),
+    default=None,
+    help="Seconds after ready when the scheduler freezes for good (/health stays 200).",
+)
+@_option(
+    "--health-timeout-s",
+    type=click.FloatRange(min=0, min_open=True),
+    default=20.0,
+    help="How long /health_generate waits for scheduler progress before 503.",
+)
+@_option(
+    "--health-endpoint-generation/--no-health-endpoint-generation",
+    default=False,
+    help="Make /health probe generation like /health_generate (SGLang's default).",
+)
+@_option(
+    "--error-rate",
+    type=click.FloatRange(0, 1),
+    default=0.0,
+    help="Fraction of /generate answered 500 with a plain-text body.",
+)
+@_option(
+    "--drop-rate",
+    type=click.FloatRange(0, 1),
+    default=0.0,
+    help="Fraction of /generate whose connection is closed without a response.",
+)
+@_option(
+    "--max-queued",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Waiting-queue length at which /generate gets 503 'The request queue is full.'.",
+)
+@_option("--fault-seed", type=int, default=0, help="Seed of the error/drop draws.")
+@_option(
+    "--log-level",
+    type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
+    default="INFO",
+    help="Log level (logs go to stderr).",
+)
+def emulator(sglang_version: str, log_level: str, **flags: Any) -> None:
+    """Run an SGLang-compatible emulator (native /generate API, batching timing, faults).
+
+    Blocks until SIGINT/SIGTERM; on SIGTERM health turns 503, new requests are refused,
+    requests in flight finish, then it exits 0.
+    """
+    try:
+        cfg = EmulatorConfig(version=sglang_version, **flags)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+    logging.basicConfig(
+        level=log_level.upper(),
+        format="[%(asctime)s] %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    from app.emulator.server import run  # aiohttp only once the command really runs
+
+    sys.exit(run(cfg))

@@ -1,0 +1,136 @@
+"""Configuration of the SGLang emulator: one frozen value with every flag and its default.
+
+Built by the CLI from flags (each also an environment variable); tests build it directly.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+KIMI_IM_END_ID = 163586
+KIMI_THINK_END_ID = 163607
+
+DEFAULT_MODEL_PATH = "moonshotai/Kimi-K2.5"
+DEFAULT_SGLANG_VERSION = "0.5.23"
+# what SGLang applies when a request does not send max_new_tokens
+DEFAULT_MAX_NEW_TOKENS = 128
+
+
+@dataclass(frozen=True)
+class EmulatorConfig:
+    """Everything one emulated server is: identity, generation, batching timing, faults."""
+
+    # network and identity (what /model_info and /server_info report)
+    host: str = "127.0.0.1"
+    port: int = 30000
+    model_path: str = DEFAULT_MODEL_PATH
+    weight_version: str = "default"
+    reasoning_parser: str | None = None
+    version: str = DEFAULT_SGLANG_VERSION
+    context_length: int = 16384
+    vocab_size: int = 163840
+    model_type: str = "kimi_k25"
+    architectures: tuple[str, ...] = ("KimiK25ForConditionalGeneration",)
+
+    # deterministic generation (see app.emulator.model)
+    median_tokens: float = 256.0
+    sigma: float = 1.0
+    token_min: int = 300
+    token_max: int = 1500
+    eos_id: int = KIMI_IM_END_ID
+    think_end_id: int | None = KIMI_THINK_END_ID
+
+    # continuous batching (see app.emulator.scheduler)
+    max_running: int = 64
+    step_ms: float = 5.0
+    prefill_ms_per_1k_tokens: float = 2.0
+
+    # startup, health and faults (see app.emulator.server)
+    startup_delay_s: float = 0.0
+    loading_s: float = 0.0
+    hang_after_s: float | None = None
+    health_timeout_s: float = 20.0
+    health_endpoint_generation: bool = False
+    error_rate: float = 0.0
+    drop_rate: float = 0.0
+    max_queued: int | None = None
+    fault_seed: int = 0
+
+    def __post_init__(self) -> None:
+        problems = list(self._problems())
+        if problems:
+            raise ValueError("invalid emulator configuration: " + "; ".join(problems))
+
+    def _problems(self) -> list[str]:
+        checks = [
+            (0 <= self.port <= 65535, "port must be in [0, 65535]"),
+            (self.context_length >= 2, "context_length must be at least 2"),
+            (self.median_tokens > 0 and math.isfinite(self.median_tokens), "median_tokens > 0"),
+            (self.sigma >= 0 and math.isfinite(self.sigma), "sigma must be >= 0"),
+            (0 <= self.token_min < self.token_max, "need 0 <= token_min < token_max"),
+            (self.max_running >= 1, "max_running must be at least 1"),
+            (self.step_ms >= 0, "step_ms must be >= 0"),
+            (self.prefill_ms_per_1k_tokens >= 0, "prefill_ms_per_1k_tokens must be >= 0"),
+            (self.startup_delay_s >= 0, "startup_delay_s must be >= 0"),
+            (self.loading_s >= 0, "loading_s must be >= 0"),
+            (self.hang_after_s is None or self.hang_after_s >= 0, "hang_after_s must be >= 0"),
+            (self.health_timeout_s > 0, "health_timeout_s must be > 0"),
+            (0 <= self.error_rate <= 1, "error_rate must be in [0, 1]"),
+            (0 <= self.drop_rate <= 1, "drop_rate must be in [0, 1]"),
+            (self.error_rate + self.drop_rate <= 1, "error_rate + drop_rate must be <= 1"),
+            (self.max_queued is None or self.max_queued >= 0, "max_queued must be >= 0"),
+        ]
+        problems = [message for ok, message in checks if not ok]
+        specials = {self.eos_id, self.think_end_id}
+        if any(s is not None and self.token_min <= s < self.token_max for s in specials):
+            problems.append("eos_id and think_end_id must lie outside [token_min, token_max)")
+        return problems
+
+    @property
+    def immediate(self) -> bool:
+        """step_ms 0: answer at once, without the batching scheduler (overhead benchmarks)."""
+        return self.step_ms == 0
+
+    @property
+    def capacity_tokens_per_s(self) -> float | None:
+        """Decode tokens per second with every slot busy; None when step_ms is 0."""
+        if self.immediate:
+            return None
+        return self.max_running * 1000.0 / self.step_ms
+
+    @property
+    def served_model_name(self) -> str:
+        return self.model_path
+
+    def server_args(self, port: int | None = None) -> dict[str, Any]:
+        """The SGLang-named server arguments /server_info reports (a realistic subset)."""
+        args: dict[str, Any] = {
+            "model_path": self.model_path,
+            "tokenizer_path": self.model_path,
+            "served_model_name": self.served_model_name,
+            "host": self.host,
+            "port": self.port if port is None else port,
+            "context_length": self.context_length,
+            "max_running_requests": self.max_running,
+            "max_queued_requests": self.max_queued,
+            "reasoning_parser": self.reasoning_parser,
+            "tool_call_parser": None,
+            "weight_version": self.weight_version,
+            "skip_tokenizer_init": False,
+            "incremental_streaming_output": False,
+            "disaggregation_mode": "null",
+            "load_format": "auto",
+            "trust_remote_code": True,
+            "tp_size": 1,
+            "dp_size": 1,
+            "watchdog_timeout": 300,
+            "enable_metrics": False,
+        }
+        return args
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["architectures"] = list(self.architectures)
+        return data

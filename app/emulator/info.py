@@ -1,0 +1,98 @@
+"""The emulator's information bodies: /model_info, /server_info, /v1/models and /emulator/stats.
+
+Field names follow SGLang 0.5.23; the stats body is the emulator's own (namespaced route).
+"""
+
+from __future__ import annotations
+
+import shlex
+from typing import Any
+
+from app.emulator.config import EmulatorConfig
+from app.emulator.scheduler import Counters, Scheduler
+
+
+def model_info(cfg: EmulatorConfig) -> dict[str, Any]:
+    return {
+        "model_path": cfg.model_path,
+        "served_model_name": cfg.served_model_name,
+        "tokenizer_path": cfg.model_path,
+        "is_generation": True,
+        "preferred_sampling_params": None,
+        "weight_version": cfg.weight_version,
+        "load_format": "auto",
+        "reasoning_parser": cfg.reasoning_parser,
+        "tool_call_parser": None,
+        "disaggregation_mode": "null",
+        "has_image_understanding": False,
+        "has_audio_understanding": False,
+        "model_type": cfg.model_type,
+        "architectures": list(cfg.architectures),
+    }
+
+
+def launch_command(cfg: EmulatorConfig, port: int | None) -> str:
+    parts = ["python3", "-m", "sglang.launch_server", "--model-path", cfg.model_path]
+    parts += ["--host", cfg.host, "--port", str(cfg.port if port is None else port)]
+    parts += ["--context-length", str(cfg.context_length)]
+    parts += ["--max-running-requests", str(cfg.max_running)]
+    if cfg.reasoning_parser:
+        parts += ["--reasoning-parser", cfg.reasoning_parser]
+    if cfg.max_queued is not None:
+        parts += ["--max-queued-requests", str(cfg.max_queued)]
+    return shlex.join(parts)
+
+
+def server_info(cfg: EmulatorConfig, port: int | None, startup_time: float) -> dict[str, Any]:
+    """Server args, scheduler facts, `internal_states` (one per DP rank) and `version`."""
+    args = cfg.server_args(port)
+    max_total_num_tokens = cfg.max_running * cfg.context_length
+    internal_state = {
+        **args,
+        "world_size": 1,
+        "startup_time": startup_time,
+        "effective_max_running_requests_per_dp": cfg.max_running,
+        "last_gen_throughput": 0.0,
+        "memory_usage": {"weight": 0.0, "kvcache": 0.0, "token_capacity": max_total_num_tokens},
+    }
+    return {
+        **args,
+        "launch_command": launch_command(cfg, port),
+        "max_total_num_tokens": max_total_num_tokens,
+        "max_req_input_len": cfg.context_length - 6,
+        "startup_time": startup_time,
+        "internal_states": [internal_state],
+        "version": cfg.version,
+        "frontend": "python",
+    }
+
+
+def models_list(cfg: EmulatorConfig, created: int) -> dict[str, Any]:
+    card = {
+        "id": cfg.served_model_name,
+        "object": "model",
+        "created": created,
+        "owned_by": "sglang",
+        "root": cfg.served_model_name,
+        "parent": None,
+        "max_model_len": cfg.context_length,
+    }
+    return {"object": "list", "data": [card]}
+
+
+def stats_json(
+    cfg: EmulatorConfig, counters: Counters, scheduler: Scheduler, uptime_s: float, phase: str
+) -> dict[str, Any]:
+    """Counters for benchmarks: utilization = generated_tokens / (capacity * elapsed)."""
+    return {
+        **counters.to_json(),
+        "capacity_tokens_per_s": cfg.capacity_tokens_per_s,
+        "uptime_s": uptime_s,
+        "running": scheduler.running,
+        "waiting": scheduler.waiting,
+        "max_running": cfg.max_running,
+        "step_ms": cfg.step_ms,
+        "phase": phase,
+        "paused": scheduler.paused,
+        "hung": scheduler.hung,
+    }

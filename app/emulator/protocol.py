@@ -1,0 +1,321 @@
+"""The emulator's /generate protocol: a JSON body becomes request items; results become SGLang JSON.
+
+Mirrors SGLang 0.5.23's normalization (single vs batch, rid expansion, n) and its 400 texts.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from app.emulator.config import EmulatorConfig
+from app.emulator.model import FinishReason, reasoning_token_count, render_text
+from app.emulator.schema import check_generate_request
+
+TEXT_UNSUPPORTED = (
+    "The engine initialized with skip_tokenizer_init=True cannot accept text prompts. "
+    "Please provide input_ids or re-initialize the engine with skip_tokenizer_init=False."
+)
+QUEUE_FULL = "The request queue is full."
+GREEDY_TEMPERATURE = 1e-6
+TOP_K_ALL = 1 << 30
+
+
+class InvalidRequest(ValueError):
+    """SGLang rejects the request after its schema gate: HTTP 400 `{"error": {"message": ...}}`."""
+
+
+def waiting_abort() -> FinishReason:
+    """The finish reason of a request aborted before it was scheduled."""
+    return {"type": "abort", "message": "Abort in waiting queue"}
+
+
+def running_abort(message: str = "Aborted", status_code: int | None = None) -> FinishReason:
+    """The finish reason of a request aborted while it ran (SGLang's FINISH_ABORT)."""
+    return {"type": "abort", "message": message, "status_code": status_code, "err_type": None}
+
+
+@dataclass(frozen=True, slots=True)
+class ItemRequest:
+    """One prompt of a /generate call, after batch and n expansion."""
+
+    rid: str
+    input_ids: list[int]
+    sampling: Mapping[str, Any]
+    sample_index: int = 0
+    return_prompt_token_ids: bool = False
+    require_reasoning: bool = False
+    internal: bool = False
+
+    @property
+    def skip_special_tokens(self) -> bool:
+        return self.sampling.get("skip_special_tokens") is not False
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateCall:
+    """A parsed /generate body: its items in response order."""
+
+    items: list[ItemRequest]
+    is_single: bool
+    stream: bool
+
+
+def parse_generate(body: Any, cfg: EmulatorConfig) -> GenerateCall:
+    """Check and normalize a /generate body as SGLang does.
+
+    Raises SchemaViolation (400 `{"error": text}`) or InvalidRequest (400 `{"error":
+    {"message": text}}`), with SGLang's texts, in SGLang's order of checks.
+    """
+    check_generate_request(body)
+    text, input_ids = body.get("text"), body.get("input_ids")
+    if text is None and input_ids is None:
+        raise InvalidRequest("Either text, input_ids or input_embeds should be provided.")
+    if text is not None:
+        raise InvalidRequest(TEXT_UNSUPPORTED)
+    if len(input_ids) == 0:
+        raise InvalidRequest("input_ids cannot be empty.")
+
+    is_single = isinstance(input_ids[0], int)
+    prompts: list[list[int]] = [input_ids] if is_single else input_ids
+    samplings = _per_prompt_sampling(body.get("sampling_params"), len(prompts))
+    n = _parallel_sample_num(samplings)
+    is_single = is_single and n == 1
+    rids = _rids(body.get("rid"), len(prompts), is_single, n)
+    common = {
+        "return_prompt_token_ids": bool(body.get("return_prompt_token_ids")),
+        "require_reasoning": bool(body.get("require_reasoning")),
+    }
+    items = []
+    for index, (prompt, sampling) in enumerate(zip(prompts, samplings, strict=True)):
+        validate_item(prompt, sampling, cfg)
+        for sample in range(n):
+            rid = rids[index * n + sample]
+            items.append(ItemRequest(rid, prompt, sampling, sample_index=sample, **common))
+    return GenerateCall(items=items, is_single=is_single, stream=bool(body.get("stream")))
+
+
+def _per_prompt_sampling(value: Any, batch_size: int) -> list[Mapping[str, Any]]:
+    if value is None:
+        return [{}] * batch_size
+    if isinstance(value, dict):
+        return [value] * batch_size
+    if len(value) != batch_size:
+        raise InvalidRequest("The length of sampling_params should be equal to the batch size.")
+    return list(value)
+
+
+def _parallel_sample_num(samplings: list[Mapping[str, Any]]) -> int:
+    n = samplings[0].get("n") or 1
+    if any((sampling.get("n") or 1) != n for sampling in samplings):
+        raise InvalidRequest(
+            "The parallel_sample_num should be the same for all samples in sample params."
+        )
+    return max(int(n), 1)
+
+
+def _rids(value: Any, batch_size: int, is_single: bool, n: int) -> list[str]:
+    if n > 1:
+        # SGLang gives every parallel sample a fresh id
+        return [uuid.uuid4().hex for _ in range(batch_size * n)]
+    if is_single:
+        if isinstance(value, list):
+            if len(value) != 1:
+                raise InvalidRequest("The rid should be a string or a list of strings.")
+            return [value[0]]
+        return [value if value is not None else uuid.uuid4().hex]
+    if value is None:
+        return [uuid.uuid4().hex for _ in range(batch_size)]
+    if isinstance(value, str):
+        return [f"{value}_{i}" for i in range(batch_size)]
+    if len(value) != batch_size:
+        raise InvalidRequest(
+            "The specified rids length mismatch with the batch_size for batch processing."
+        )
+    return list(value)
+
+
+def validate_item(input_ids: list[int], sampling: Mapping[str, Any], cfg: EmulatorConfig) -> None:
+    """The per-prompt checks SGLang runs after tokenization: context length, then sampling."""
+    if not input_ids:
+        raise InvalidRequest("input_ids cannot be empty.")
+    input_len, context = len(input_ids), cfg.context_length
+    if input_len >= context:
+        raise InvalidRequest(
+            f"The input ({input_len} tokens) is longer than the model's context length "
+            f"({context} tokens)."
+        )
+    max_new_tokens = sampling.get("max_new_tokens")
+    if max_new_tokens is not None and max_new_tokens + input_len > context:
+        raise InvalidRequest(
+            f"Requested token count exceeds the model's maximum context length of {context} "
+            f"tokens. You requested a total of {max_new_tokens + input_len} tokens: {input_len} "
+            f"tokens from the input messages and {max_new_tokens} tokens for the completion. "
+            "Please reduce the number of tokens in the input messages or the completion to fit "
+            "within the limit."
+        )
+    verify_sampling(sampling, cfg)
+
+
+def _value(sampling: Mapping[str, Any], key: str, default: Any) -> Any:
+    value = sampling.get(key)
+    return default if value is None else value
+
+
+def verify_sampling(sampling: Mapping[str, Any], cfg: EmulatorConfig) -> None:
+    """SGLang's SamplingParams.verify, with its texts (after its own defaulting)."""
+    temperature = _value(sampling, "temperature", 1.0)
+    top_k = _value(sampling, "top_k", -1)
+    if 0 <= temperature < GREEDY_TEMPERATURE:
+        temperature, top_k = 1.0, 1
+    if top_k == -1:
+        top_k = TOP_K_ALL
+    top_p = _value(sampling, "top_p", 1.0)
+    min_p = _value(sampling, "min_p", 0.0)
+    frequency_penalty = _value(sampling, "frequency_penalty", 0.0)
+    presence_penalty = _value(sampling, "presence_penalty", 0.0)
+    repetition_penalty = _value(sampling, "repetition_penalty", 1.0)
+    min_new_tokens = _value(sampling, "min_new_tokens", 0)
+    max_new_tokens = sampling.get("max_new_tokens", 128)
+    beam_width = sampling.get("beam_width")
+
+    problems = [
+        (
+            beam_width is not None and beam_width < 1,
+            f"beam_width must be at least 1, got {beam_width}.",
+        ),
+        (
+            not math.isfinite(temperature) or temperature < 0.0,
+            f"temperature must be a non-negative finite number, got {temperature}.",
+        ),
+        (not 0.0 < top_p <= 1.0, f"top_p must be in (0, 1], got {top_p}."),
+        (not 0.0 <= min_p <= 1.0, f"min_p must be in [0, 1], got {min_p}."),
+        (top_k < 1, f"top_k must be -1 (disable) or at least 1, got {top_k}."),
+        (
+            not -2.0 <= frequency_penalty <= 2.0,
+            f"frequency_penalty must be in [-2, 2], got {frequency_penalty}.",
+        ),
+        (
+            not -2.0 <= presence_penalty <= 2.0,
+            f"presence_penalty must be in [-2, 2], got {presence_penalty}.",
+        ),
+        (
+            not 0.0 < repetition_penalty <= 2.0,
+            f"repetition_penalty must be in (0, 2] (1.0 = no penalty), got {repetition_penalty}.",
+        ),
+        (
+            min_new_tokens < 0,
+            f"min_new_tokens must be in [0, max_new_tokens], got {min_new_tokens}.",
+        ),
+    ]
+    if max_new_tokens is not None:
+        problems += [
+            (max_new_tokens < 0, f"max_new_tokens must be at least 0, got {max_new_tokens}."),
+            (
+                min_new_tokens > max_new_tokens,
+                f"min_new_tokens must be in [0, max_new_tokens({max_new_tokens})], got "
+                f"{min_new_tokens}.",
+            ),
+        ]
+    for failed, message in problems:
+        if failed:
+            raise InvalidRequest(message)
+    _verify_extras(sampling, cfg)
+
+
+def _verify_extras(sampling: Mapping[str, Any], cfg: EmulatorConfig) -> None:
+    for token_id in sampling.get("logit_bias") or {}:
+        try:
+            in_vocab = 0 <= int(token_id) < cfg.vocab_size
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from exc
+        if not in_vocab:
+            raise InvalidRequest(
+                f"logit_bias must has keys in [0, {cfg.vocab_size - 1}], got {token_id}."
+            )
+    seed = sampling.get("sampling_seed")
+    if seed is not None and not -(2**63) <= seed <= 2**63 - 1:
+        raise InvalidRequest(f"sampling_seed must be in [-2**63, 2**63 - 1], got {seed}.")
+    grammars = ("json_schema", "regex", "ebnf", "structural_tag")
+    if sum(bool(sampling.get(key)) for key in grammars) > 1:
+        raise InvalidRequest("Only one of json_schema, regex, ebnf, or structural_tag can be set.")
+
+
+# --- responses ------------------------------------------------------------------------
+
+
+def generate_response(
+    item: ItemRequest,
+    output_ids: list[int],
+    finish_reason: FinishReason | None,
+    cfg: EmulatorConfig,
+    *,
+    cached_tokens: int = 0,
+    e2e_latency_s: float | None = None,
+) -> dict[str, Any]:
+    """One /generate answer (or a stream event while finish_reason is None), as SGLang shapes it."""
+    reasoning = reasoning_token_count(output_ids, cfg) if item.require_reasoning else 0
+    meta: dict[str, Any] = {
+        "id": item.rid,
+        "finish_reason": finish_reason,
+        "prompt_tokens": len(item.input_ids),
+        "weight_version": cfg.weight_version,
+        "num_retractions": 0,
+        "reasoning_tokens": reasoning,
+        "completion_tokens": len(output_ids),
+        "cached_tokens": cached_tokens,
+    }
+    if e2e_latency_s is not None:
+        meta["e2e_latency"] = e2e_latency_s
+        meta["response_sent_to_client_ts"] = time.time()
+    return _with_prompt(
+        item,
+        {
+            "text": render_text(output_ids, cfg, skip_special_tokens=item.skip_special_tokens),
+            "output_ids": output_ids,
+            "meta_info": meta,
+        },
+    )
+
+
+def waiting_abort_response(
+    item: ItemRequest,
+    cfg: EmulatorConfig,
+    e2e_latency_s: float,
+    finish_reason: FinishReason | None = None,
+) -> dict[str, Any]:
+    """The answer of a request aborted before it was scheduled (SGLang's shorter meta_info)."""
+    meta = {
+        "id": item.rid,
+        "finish_reason": finish_reason or waiting_abort(),
+        "weight_version": cfg.weight_version,
+        "e2e_latency": e2e_latency_s,
+        "completion_tokens": 0,
+    }
+    return _with_prompt(item, {"text": "", "output_ids": [], "meta_info": meta})
+
+
+def _with_prompt(item: ItemRequest, response: dict[str, Any]) -> dict[str, Any]:
+    if item.return_prompt_token_ids:
+        response["prompt_token_ids"] = item.input_ids
+    return response
+
+
+def error_object(message: str, status: int) -> dict[str, Any]:
+    """SGLang's ErrorResponse body (queue full, scheduler aborts with a status)."""
+    return {
+        "object": "error",
+        "message": message,
+        "type": str(status),
+        "param": None,
+        "code": status,
+    }
+
+
+def dumps(value: Any) -> bytes:
+    return json.dumps(value, separators=(",", ":")).encode()

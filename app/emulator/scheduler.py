@@ -1,0 +1,341 @@
+"""Continuous batching of the SGLang emulator: slots, a waiting queue and one token per step.
+
+Each step every running request gains a token; waiting requests take free slots and pay prefill.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from app.emulator.config import EmulatorConfig
+from app.emulator.model import FinishReason, generate_output
+from app.emulator.protocol import ItemRequest, running_abort, waiting_abort
+
+logger = logging.getLogger(__name__)
+
+# A late event loop may catch up on missed steps, but never by more than this: a long stall
+# should not turn into a burst of instant steps.
+MAX_CATCH_UP_S = 0.05
+HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"
+
+
+@dataclass
+class Counters:
+    """What /emulator/stats reports; benchmarks compute utilization from it."""
+
+    requests: int = 0
+    completed: int = 0
+    aborted: int = 0
+    generated_tokens: int = 0
+    prefill_tokens: int = 0
+    cached_tokens: int = 0
+    busy_steps: int = 0
+    busy_time_s: float = 0.0
+    rejected_queue_full: int = 0
+    rejected_invalid: int = 0
+    injected_errors: int = 0
+    injected_drops: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class PrefixCache:
+    """A radix-cache stand-in: prompts are remembered in blocks, a repeated prefix is "cached"."""
+
+    block_tokens = 16
+
+    def __init__(self, max_blocks: int = 1_000_000) -> None:
+        self._blocks: set[int] = set()
+        self._max_blocks = max_blocks
+
+    def _keys(self, ids: list[int]) -> Iterator[int]:
+        key, size = 0, self.block_tokens
+        for start in range(0, len(ids) - size + 1, size):
+            key = hash((key, tuple(ids[start : start + size])))
+            yield key
+
+    def match(self, ids: list[int]) -> int:
+        """Cached prompt tokens; the last one is always computed again, as in SGLang."""
+        matched = 0
+        for key in self._keys(ids):
+            if key not in self._blocks:
+                break
+            matched += self.block_tokens
+        return min(matched, max(len(ids) - 1, 0))
+
+    def insert(self, ids: list[int]) -> None:
+        if len(self._blocks) > self._max_blocks:
+            self._blocks.clear()
+        self._blocks.update(self._keys(ids))
+
+    def clear(self) -> None:
+        self._blocks.clear()
+
+
+@dataclass(eq=False, slots=True)
+class Job:
+    """One request inside the scheduler: its planned output, and how much of it exists yet."""
+
+    item: ItemRequest
+    planned_ids: list[int]
+    planned_finish: FinishReason
+    arrival_s: float
+    done: asyncio.Future[None]
+    watcher: asyncio.Event | None = None
+    produced: int = 0
+    cached_tokens: int = 0
+    started: bool = False
+    abort_requested: bool = False
+    finish_reason: FinishReason | None = None
+    finished_s: float | None = None
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.planned_ids[: self.produced]
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def e2e_latency_s(self) -> float:
+        end = self.finished_s if self.finished_s is not None else time.perf_counter()
+        return end - self.arrival_s
+
+
+def new_job(item: ItemRequest, cfg: EmulatorConfig, arrival_s: float) -> Job:
+    output_ids, finish = generate_output(
+        item.input_ids, item.sampling, cfg, sample_index=item.sample_index
+    )
+    done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    return Job(item, output_ids, finish, arrival_s, done)
+
+
+@dataclass
+class _Gate:
+    """Why the scheduler does not step: a pause (lifted by continue) or a hang (forever)."""
+
+    paused: bool = False
+    hung: bool = False
+    waiters: list[asyncio.Future[None]] = field(default_factory=list)
+
+    @property
+    def frozen(self) -> bool:
+        return self.paused or self.hung
+
+
+class Scheduler:
+    """SGLang-like continuous batching over `max_running` slots, one token per `step_ms` step."""
+
+    def __init__(self, cfg: EmulatorConfig, counters: Counters | None = None) -> None:
+        self.cfg = cfg
+        self.counters = counters or Counters()
+        self.cache = PrefixCache()
+        self._waiting: deque[Job] = deque()
+        self._running: list[Job] = []
+        self._by_rid: dict[str, Job] = {}
+        self._gate = _Gate()
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    # --- lifecycle ----------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._task is None and not self.cfg.immediate:
+            self._task = asyncio.create_task(self._run(), name="emulator-scheduler")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    # --- state --------------------------------------------------------------------------
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def idle(self) -> bool:
+        return not self._running and not self._waiting
+
+    @property
+    def hung(self) -> bool:
+        return self._gate.hung
+
+    @property
+    def paused(self) -> bool:
+        return self._gate.paused
+
+    def hang(self) -> None:
+        """Freeze for good: no step ever completes again (the hung-scheduler fault)."""
+        if not self._gate.hung:
+            logger.warning(
+                "scheduler hung (fault injected): %d running, %d waiting",
+                self.running,
+                self.waiting,
+            )
+        self._gate.hung = True
+
+    def pause(self, mode: str) -> None:
+        """SGLang's pause_generation: "abort" aborts everything; other modes freeze in place."""
+        if mode == "abort":
+            self.abort_all()
+        else:
+            self._gate.paused = True
+
+    def resume(self) -> None:
+        self._gate.paused = False
+        self._wakeup.set()
+
+    # --- requests -----------------------------------------------------------------------
+
+    def submit(self, jobs: list[Job]) -> None:
+        for job in jobs:
+            self._waiting.append(job)
+            self._by_rid[job.item.rid] = job
+            if not job.item.internal:
+                self.counters.requests += 1
+        self._wakeup.set()
+
+    def abort(self, rid: str) -> None:
+        """Abort by rid as SGLang does: the rid must be live, then every rid it prefixes goes."""
+        if rid and rid in self._by_rid:
+            self._abort_where(lambda job: job.item.rid.startswith(rid))
+
+    def abort_all(self) -> None:
+        self._abort_where(lambda job: True)
+
+    def _abort_where(self, matches: Callable[[Job], bool]) -> None:
+        now = time.perf_counter()
+        kept: deque[Job] = deque()
+        for job in self._waiting:
+            if matches(job):
+                self._finish(job, waiting_abort(), now)
+            else:
+                kept.append(job)
+        self._waiting = kept
+        for job in self._running:
+            if matches(job):
+                # SGLang lets an aborted running request take one more decode step
+                job.abort_requested = True
+        self._wakeup.set()
+
+    async def probe(self, timeout_s: float) -> bool:
+        """True when the scheduler makes progress within the timeout (the /health_generate test)."""
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._gate.waiters.append(waiter)
+        if self.idle:
+            item = ItemRequest(
+                rid=f"{HEALTH_CHECK_RID_PREFIX}_{time.monotonic_ns()}",
+                input_ids=[0],
+                sampling={"max_new_tokens": 1, "temperature": 0.0},
+                internal=True,
+            )
+            self.submit([new_job(item, self.cfg, time.perf_counter())])
+        try:
+            await asyncio.wait_for(asyncio.shield(waiter), timeout_s)
+        except TimeoutError:
+            return False
+        finally:
+            if waiter in self._gate.waiters:
+                self._gate.waiters.remove(waiter)
+        return True
+
+    def flush_cache(self) -> bool:
+        """SGLang refuses to flush while anything runs or waits."""
+        if not self.idle:
+            return False
+        self.cache.clear()
+        return True
+
+    # --- the step loop ------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        step_s = self.cfg.step_ms / 1000.0
+        prefill_s_per_token = self.cfg.prefill_ms_per_1k_tokens / 1e6
+        deadline = loop.time()
+        while True:
+            if self._gate.frozen or self.idle:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                deadline = loop.time()
+                continue
+            duration_s = step_s + self._admit() * prefill_s_per_token
+            now = loop.time()
+            deadline = max(deadline + duration_s, now - MAX_CATCH_UP_S)
+            await asyncio.sleep(deadline - now)
+            if self._gate.frozen:
+                continue  # frozen mid-step: that step's tokens never come
+            self._advance()
+            self.counters.busy_time_s += duration_s
+
+    def _admit(self) -> int:
+        """Move waiting jobs into free slots; returns the prompt tokens to prefill."""
+        prefill_tokens = 0
+        while self._waiting and len(self._running) < self.cfg.max_running:
+            job = self._waiting.popleft()
+            ids = job.item.input_ids
+            job.cached_tokens = self.cache.match(ids)
+            self.cache.insert(ids)
+            job.started = True
+            prefill_tokens += len(ids) - job.cached_tokens
+            self._running.append(job)
+            if not job.item.internal:
+                self.counters.cached_tokens += job.cached_tokens
+        self.counters.prefill_tokens += prefill_tokens
+        return prefill_tokens
+
+    def _advance(self) -> None:
+        now = time.perf_counter()
+        still_running: list[Job] = []
+        produced = 0
+        for job in self._running:
+            if job.produced < len(job.planned_ids):
+                job.produced += 1
+                produced += 1
+            if job.abort_requested:
+                self._finish(job, running_abort(), now)
+            elif job.produced >= len(job.planned_ids):
+                self._finish(job, job.planned_finish, now)
+            else:
+                still_running.append(job)
+                if job.watcher is not None:
+                    job.watcher.set()
+        self._running = still_running
+        self.counters.generated_tokens += produced
+        self.counters.busy_steps += 1
+        waiters, self._gate.waiters = self._gate.waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def _finish(self, job: Job, reason: FinishReason, now: float) -> None:
+        job.finish_reason = reason
+        job.finished_s = now
+        if self._by_rid.get(job.item.rid) is job:
+            del self._by_rid[job.item.rid]
+        if job.started:
+            self.cache.insert(job.item.input_ids + job.output_ids)
+        if not job.item.internal:
+            if reason.get("type") == "abort":
+                self.counters.aborted += 1
+            else:
+                self.counters.completed += 1
+        if not job.done.done():
+            job.done.set_result(None)
+        if job.watcher is not None:
+            job.watcher.set()

@@ -1,0 +1,125 @@
+"""Exports of a run's finished samples: SpecForge pre-tokenized JSONL and conversations JSONL.
+
+Streams a page of rows at a time; the file appears under its final name only when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from sqlalchemy import Engine
+
+from app import ledger
+from app.ledger import RunInfo, StoredItem
+from app.tokenization import ChatTokenizer, split_reasoning
+
+log = logging.getLogger(__name__)
+
+ExportFormat = Literal["specforge", "conversations"]
+FORMATS: tuple[ExportFormat, ...] = ("specforge", "conversations")
+
+
+@dataclass
+class ExportReport:
+    path: Path
+    format: str
+    rows: int = 0
+    truncated: int = 0
+    tokens: int = 0
+
+
+def specforge_row(item: StoredItem) -> dict[str, Any]:
+    """input_ids = prompt + output; the loss mask trains only on what the model generated."""
+    output = item.output_ids or []
+    return {
+        "id": item.item_key,
+        "sample": item.sample_index,
+        "input_ids": item.prompt_ids + output,
+        "loss_mask": [0] * len(item.prompt_ids) + [1] * len(output),
+        "finish_reason": item.finish_reason,
+    }
+
+
+def assistant_turn(item: StoredItem, run: RunInfo, tokenizer: ChatTokenizer) -> dict[str, Any]:
+    """The regenerated assistant turn as text, its reasoning split off at the `</think>` id."""
+    output = list(item.output_ids or [])
+    if item.finish_reason == "stop" and output and output[-1] in set(run.eos_token_ids):
+        output = output[:-1]
+    think_end = run.think_end_id
+    reasoning_ids, answer_ids = split_reasoning(output, think_end)
+    if reasoning_ids is None and think_end is not None and item.finish_reason == "length":
+        # cut off before `</think>`: if the prompt opened the thinking block, all is reasoning
+        start = tokenizer.think_start_id
+        if start is not None and item.prompt_ids and item.prompt_ids[-1] == start:
+            reasoning_ids, answer_ids = output, []
+    turn: dict[str, Any] = {"role": "assistant", "content": tokenizer.decode(answer_ids)}
+    if reasoning_ids is not None:
+        start = tokenizer.think_start_id
+        if reasoning_ids and start is not None and reasoning_ids[0] == start:
+            reasoning_ids = reasoning_ids[1:]
+        turn["reasoning_content"] = tokenizer.decode(reasoning_ids)
+    return turn
+
+
+def conversations_row(item: StoredItem, run: RunInfo, tokenizer: ChatTokenizer) -> dict[str, Any]:
+    turns: list[dict[str, Any]] = [dict(t) for t in item.messages or []]
+    row: dict[str, Any] = {"id": item.item_key, "sample": item.sample_index}
+    if not turns:
+        row["prompt"] = tokenizer.decode(item.prompt_ids)
+    row["conversations"] = [*turns, assistant_turn(item, run, tokenizer)]
+    row["finish_reason"] = item.finish_reason
+    return row
+
+
+def iter_rows(
+    db: Engine, run: RunInfo, fmt: ExportFormat, tokenizer: ChatTokenizer | None
+) -> Iterator[tuple[StoredItem, dict[str, Any]]]:
+    with db.connect() as conn:
+        for item in ledger.iter_items(conn, run.id):
+            if fmt == "specforge":
+                yield item, specforge_row(item)
+            else:
+                assert tokenizer is not None
+                yield item, conversations_row(item, run, tokenizer)
+
+
+def export_run(
+    db: Engine,
+    run: RunInfo,
+    fmt: ExportFormat,
+    out: Path,
+    *,
+    tokenizer: ChatTokenizer | None = None,
+) -> ExportReport:
+    """Write every done sample of run to out (atomically: a temp file renamed when complete)."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    if fmt == "conversations" and tokenizer is None:
+        raise ValueError("the conversations export needs the run's tokenizer")
+    out = out.expanduser()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    report = ExportReport(path=out, format=fmt)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            for item, row in iter_rows(db, run, fmt, tokenizer):
+                fh.write(json.dumps(row, ensure_ascii=False, separators=(",", ":")))
+                fh.write("\n")
+                report.rows += 1
+                report.truncated += item.finish_reason == "length"
+                report.tokens += len(item.prompt_ids) + len(item.output_ids or [])
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp_name, out)
+    except BaseException:
+        Path(tmp_name).unlink(missing_ok=True)
+        raise
+    log.info("exported %d %s rows of run %s to %s", report.rows, fmt, run.name, out)
+    return report

@@ -1,0 +1,358 @@
+"""Prompt files: streaming JSONL parsing into PromptRecords, with one clear error per bad line.
+
+Also parses the `--chat-template-kwargs` option. No tokenizer here: records hold turns or ids.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any, cast
+
+from app.contracts import Message, PromptRecord, stable_hash
+from app.errors import ConfigurationError, InputError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_LINE_BYTES = 32 * 1024 * 1024
+# The ledger's item_key column holds 200 characters.
+MAX_KEY_CHARS = 200
+# Keys derived from content: 20 hex chars (80 bits) keep collisions out of reach.
+CONTENT_KEY_CHARS = 20
+_SKIP_CHUNK_BYTES = 1024 * 1024
+_UTF8_BOM = b"\xef\xbb\xbf"
+
+ROLES = frozenset({"system", "user", "assistant", "tool"})
+# ShareGPT "from" values and the roles they mean.
+SHAREGPT_ROLES: dict[str, str] = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "assistant": "assistant",
+    "model": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "system": "system",
+    "tool": "tool",
+    "function": "tool",
+    "observation": "tool",
+}
+# Turn fields a chat template may read; anything else on a turn is dropped.
+KEPT_TURN_FIELDS = ("role", "content", "name", "reasoning_content", "tool_calls", "tool_call_id")
+# Checked in this order; the first one present is used and the others are ignored.
+PROMPT_FIELDS = ("messages", "conversations", "prompt", "input_ids")
+
+
+def read_prompts(
+    path: Path, *, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES
+) -> Iterator[PromptRecord | InputError]:
+    """Yield a PromptRecord or an InputError for every non-blank line of a JSONL file.
+
+    Lines are read one at a time in binary (a `.gz` file is decompressed on the fly) and
+    numbered from 1; a bad line yields its InputError and reading goes on. A line may hold:
+
+    - `messages`: a list of `{"role", "content"}` turns (roles system, user, assistant, tool;
+      extra turn fields kept: name, reasoning_content, tool_calls, tool_call_id);
+    - `conversations`: ShareGPT turns `{"from", "value"}` (human/user, gpt/chatgpt/assistant,
+      system, tool/function/observation) or `{"role", "content"}` turns;
+    - `prompt`: a string, one user turn;
+    - `input_ids`: a non-empty list of non-negative ints, used as the prompt ids verbatim.
+
+    Optional `id` (string or int) is the item key; without it the key is a hash of the turns
+    (or ids), so the same prompt twice is reported as a duplicate. An optional non-empty
+    `system` string becomes a leading system turn (an error if the turns have their own).
+    Content may be a string or an OpenAI list of `{"type": "text", "text"}` parts, joined
+    with no separator. Trailing assistant turns are dropped: the prompt ends at the last user
+    (or tool) turn, and the answer after it is what gets regenerated.
+    """
+    seen: dict[str, int] = {}
+    with _open(Path(path)) as stream:
+        for line_no, raw, complete in _lines(stream, max_line_bytes):
+            if raw is None:
+                yield InputError(f"line is longer than {max_line_bytes} bytes", line_no)
+                continue
+            if not raw.strip():
+                continue
+            try:
+                record, explicit = _parse_line(raw, line_no, complete, first=line_no == 1)
+            except InputError as error:
+                yield error
+                continue
+            first = seen.setdefault(record.key, line_no)
+            if first == line_no:
+                yield record
+            elif explicit:
+                yield InputError(
+                    f"duplicate id {record.key!r} (first seen on line {first})", line_no
+                )
+            else:
+                yield InputError(f"duplicate prompt: same content as line {first}", line_no)
+
+
+def parse_chat_template_kwargs(text: str | None) -> dict[str, Any]:
+    """The JSON object given to `--chat-template-kwargs` (None or blank: no kwargs)."""
+    if text is None or not text.strip():
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise ConfigurationError(
+            f"--chat-template-kwargs is not valid JSON ({exc}); "
+            "give a JSON object such as '{\"thinking\": false}'"
+        ) from exc
+    if not isinstance(value, dict):
+        raise ConfigurationError(
+            f"--chat-template-kwargs must be a JSON object such as "
+            f"'{{\"thinking\": false}}', not a JSON {_json_type(value)}"
+        )
+    return value
+
+
+def content_key(kind: str, value: Any) -> str:
+    """The item key of a line without an id: a short hash of its turns or ids."""
+    return stable_hash({kind: value})[:CONTENT_KEY_CHARS]
+
+
+# --- reading lines --------------------------------------------------------------------------
+
+
+def _open(path: Path) -> IO[bytes]:
+    try:
+        if path.suffix == ".gz":
+            return cast(IO[bytes], gzip.open(path, "rb"))
+        return path.open("rb")
+    except OSError as exc:
+        raise InputError(f"cannot open the prompts file {str(path)!r}: {exc.strerror}") from exc
+
+
+def _lines(stream: IO[bytes], max_line_bytes: int) -> Iterator[tuple[int, bytes | None, bool]]:
+    """(line number, bytes without the newline or None if too long, ended by a newline)."""
+    line_no = 0
+    while True:
+        chunk = stream.readline(max_line_bytes + 1)
+        if not chunk:
+            return
+        line_no += 1
+        complete = chunk.endswith(b"\n")
+        if len(chunk) > max_line_bytes and not complete:
+            # Too long: skip to the end of the line without holding it in memory.
+            while chunk and not chunk.endswith(b"\n"):
+                chunk = stream.readline(_SKIP_CHUNK_BYTES)
+            yield line_no, None, True
+            continue
+        yield line_no, chunk.rstrip(b"\n").removesuffix(b"\r"), complete
+
+
+def _parse_line(
+    raw: bytes, line_no: int, complete: bool, *, first: bool
+) -> tuple[PromptRecord, bool]:
+    """The record of one line, and whether its key is an explicit id."""
+    if first:
+        raw = raw.removeprefix(_UTF8_BOM)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        reason = f"line is not valid UTF-8 (bad byte at offset {exc.start})"
+        raise InputError(reason, line_no) from None
+    try:
+        data = json.loads(text)
+    except RecursionError:
+        raise InputError("invalid JSON: nested too deeply", line_no) from None
+    except ValueError as exc:
+        if not complete:
+            raise InputError(
+                "truncated last line: no newline at the end of the file and the JSON is "
+                f"incomplete ({exc})",
+                line_no,
+            ) from None
+        raise InputError(f"invalid JSON: {exc}", line_no) from None
+    if not isinstance(data, dict):
+        raise InputError(f"line is a JSON {_json_type(data)}, not an object", line_no)
+    try:
+        return _record(data, line_no)
+    except _Bad as bad:
+        raise InputError(str(bad), line_no) from None
+
+
+class _Bad(Exception):
+    """A reason a line cannot be used (turned into an InputError with its line number)."""
+
+
+# --- one JSON object --------------------------------------------------------------------------
+
+
+def _record(data: dict[str, Any], line_no: int) -> tuple[PromptRecord, bool]:
+    field = next((name for name in PROMPT_FIELDS if data.get(name) is not None), None)
+    if field is None:
+        raise _Bad(
+            "no prompt field: expected one of 'messages', 'conversations', 'prompt' or "
+            f"'input_ids' (keys: {_key_list(data)})"
+        )
+    key = _explicit_key(data.get("id"))
+    system = _system_field(data.get("system"))
+    if field == "input_ids":
+        if system is not None:
+            raise _Bad("'system' cannot be combined with pre-tokenized 'input_ids'")
+        ids = _input_ids(data["input_ids"])
+        record = PromptRecord(line_no, key or content_key("input_ids", ids), input_ids=ids)
+        return record, key is not None
+    turns = [_prompt_turn(data["prompt"])] if field == "prompt" else _turns(data[field], field)
+    if system is not None:
+        if any(turn["role"] == "system" for turn in turns):
+            raise _Bad(f"both a 'system' field and a system turn in '{field}'")
+        turns.insert(0, {"role": "system", "content": system})
+    messages = _prompt_turns(turns, field)
+    record = PromptRecord(line_no, key or content_key("messages", messages), messages=messages)
+    return record, key is not None
+
+
+def _explicit_key(value: Any) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, str | int):
+        raise _Bad(f"'id' must be a string or an integer, not a JSON {_json_type(value)}")
+    key = str(value)
+    if not key.strip():
+        raise _Bad("'id' is empty")
+    if len(key) > MAX_KEY_CHARS:
+        raise _Bad(f"'id' is longer than {MAX_KEY_CHARS} characters")
+    return key
+
+
+def _system_field(value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise _Bad(f"'system' must be a string, not a JSON {_json_type(value)}")
+    # Many datasets carry "system": "" on every line: an empty one means none.
+    return value if value.strip() else None
+
+
+def _input_ids(value: Any) -> list[int]:
+    if not isinstance(value, list):
+        raise _Bad(f"'input_ids' must be a list of token ids, not a JSON {_json_type(value)}")
+    if not value:
+        raise _Bad("'input_ids' is empty")
+    for index, token in enumerate(value):
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise _Bad(f"'input_ids'[{index}] is {json.dumps(token)}, not a non-negative integer")
+    return list(value)
+
+
+def _prompt_turn(value: Any) -> Message:
+    if not isinstance(value, str):
+        raise _Bad(f"'prompt' must be a string, not a JSON {_json_type(value)}")
+    if not value.strip():
+        raise _Bad("'prompt' is empty")
+    return {"role": "user", "content": value}
+
+
+def _turns(value: Any, field: str) -> list[Message]:
+    if not isinstance(value, list):
+        raise _Bad(f"'{field}' must be a list of turns, not a JSON {_json_type(value)}")
+    if not value:
+        raise _Bad(f"'{field}' is empty")
+    return [_turn(item, f"{field}[{index}]") for index, item in enumerate(value)]
+
+
+def _turn(item: Any, where: str) -> Message:
+    if not isinstance(item, dict):
+        raise _Bad(f"{where} must be an object, not a JSON {_json_type(item)}")
+    if "from" in item:
+        speaker = item["from"]
+        if not isinstance(speaker, str) or speaker.lower() not in SHAREGPT_ROLES:
+            known = ", ".join(sorted(SHAREGPT_ROLES))
+            raise _Bad(f"{where} has unknown 'from' {json.dumps(speaker)} (known: {known})")
+        if "value" not in item:
+            raise _Bad(f"{where} has no 'value'")
+        turn: Message = {"role": SHAREGPT_ROLES[speaker.lower()], "content": item["value"]}
+        content_field = "value"
+    else:
+        if "role" not in item:
+            raise _Bad(f"{where} has no 'role' (or ShareGPT 'from')")
+        role = item["role"]
+        if not isinstance(role, str) or role not in ROLES:
+            raise _Bad(
+                f"{where} has unknown role {json.dumps(role)} "
+                "(allowed: system, user, assistant, tool)"
+            )
+        if "content" not in item:
+            raise _Bad(f"{where} has no 'content'")
+        turn = {name: item[name] for name in KEPT_TURN_FIELDS if item.get(name) is not None}
+        turn["content"] = item["content"]
+        content_field = "content"
+    turn["content"] = _content(turn, f"{where}.{content_field}")
+    if turn["role"] == "user" and not (turn["content"] or "").strip():
+        raise _Bad(f"{where}.{content_field} is empty (a user turn needs content)")
+    _check_extra_fields(turn, where)
+    return turn
+
+
+def _content(turn: Message, where: str) -> str | None:
+    content = turn["content"]
+    if content is None:
+        # OpenAI style: an assistant turn that only calls tools has no content.
+        if turn["role"] == "assistant" and turn.get("tool_calls"):
+            return None
+        raise _Bad(f"{where} is null")
+    if isinstance(content, list):
+        return "".join(_text_part(part, f"{where}[{i}]") for i, part in enumerate(content))
+    if not isinstance(content, str):
+        raise _Bad(
+            f"{where} must be a string or a list of text parts, not a JSON {_json_type(content)}"
+        )
+    return content
+
+
+def _text_part(part: Any, where: str) -> str:
+    if not isinstance(part, dict) or part.get("type") != "text":
+        kind = part.get("type") if isinstance(part, dict) else _json_type(part)
+        raise _Bad(f"{where} is a {json.dumps(kind)} part; only text parts are supported")
+    text = part.get("text")
+    if not isinstance(text, str):
+        raise _Bad(f"{where} has no string 'text'")
+    return text
+
+
+def _check_extra_fields(turn: Message, where: str) -> None:
+    for name in ("name", "tool_call_id", "reasoning_content"):
+        if name in turn and not isinstance(turn[name], str):
+            raise _Bad(f"{where}.{name} must be a string, not a JSON {_json_type(turn[name])}")
+    if "tool_calls" in turn and not isinstance(turn["tool_calls"], list):
+        raise _Bad(f"{where}.tool_calls must be a list")
+
+
+def _prompt_turns(turns: list[Message], field: str) -> list[Message]:
+    """Cut the turns after the last user (or tool) turn."""
+    while turns and turns[-1]["role"] == "assistant":
+        turns.pop()
+    if not any(turn["role"] == "user" for turn in turns):
+        raise _Bad(f"'{field}' has no user turn")
+    if turns[-1]["role"] not in ("user", "tool"):
+        raise _Bad(f"'{field}' ends with a {turns[-1]['role']} turn, not a user or tool turn")
+    return turns
+
+
+def _key_list(data: dict[str, Any]) -> str:
+    names = [repr(name) for name in list(data)[:8]]
+    return ", ".join(names) + (", ..." if len(data) > 8 else "") if names else "none"
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int | float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    if isinstance(value, dict):
+        return "object"
+    return type(value).__name__

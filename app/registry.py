@@ -1,0 +1,313 @@
+"""The ledger's server registry and event timeline: named queries on `servers` and `events`.
+
+Servers are first-class: their health state, durable pause flag (and who set it), probe
+results, fingerprint, restart command and bound workers all live here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import Connection, and_, func, insert, select, update
+
+from app.errors import NotFound
+from app.ledger import as_utc, events, items, runs, servers, utcnow
+from app.models import ItemStatus
+
+MAX_WORKERS_LISTED = 32
+
+# who paused a server: an operator's pause is never lifted by the watchdog
+PAUSED_BY_OPERATOR = "operator"
+PAUSED_BY_WATCHDOG = "watchdog"
+PAUSED_BY_FINGERPRINT = "fingerprint"
+PAUSED_BY_RESTART = "restart"
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    name: str
+    url: str
+    state: str
+    state_since: datetime | None
+    paused: bool
+    paused_by: str | None
+    pause_reason: str | None
+    consecutive_failures: int
+    consecutive_successes: int
+    last_probe_at: datetime | None
+    last_probe_ok: bool | None
+    last_probe_latency_s: float | None
+    last_error: str | None
+    fingerprint: dict[str, Any] | None
+    restart_command: list[str] | None
+    workers: list[str]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "url": self.url,
+            "state": self.state,
+            "state_since": self.state_since.isoformat() if self.state_since else None,
+            "paused": self.paused,
+            "paused_by": self.paused_by,
+            "pause_reason": self.pause_reason,
+            "consecutive_failures": self.consecutive_failures,
+            "consecutive_successes": self.consecutive_successes,
+            "last_probe_at": self.last_probe_at.isoformat() if self.last_probe_at else None,
+            "last_probe_ok": self.last_probe_ok,
+            "last_probe_latency_s": self.last_probe_latency_s,
+            "last_error": self.last_error,
+            "fingerprint": self.fingerprint,
+            "restart_command": self.restart_command,
+            "workers": self.workers,
+        }
+
+
+def _server(row: Any) -> ServerInfo:
+    return ServerInfo(
+        name=row.name,
+        url=row.url,
+        state=row.state,
+        state_since=as_utc(row.state_since),
+        paused=bool(row.paused),
+        paused_by=row.paused_by,
+        pause_reason=row.pause_reason,
+        consecutive_failures=row.consecutive_failures,
+        consecutive_successes=row.consecutive_successes,
+        last_probe_at=as_utc(row.last_probe_at),
+        last_probe_ok=row.last_probe_ok,
+        last_probe_latency_s=row.last_probe_latency_s,
+        last_error=row.last_error,
+        fingerprint=row.fingerprint,
+        restart_command=row.restart_command,
+        workers=list(row.workers or []),
+    )
+
+
+def get_server(conn: Connection, name: str) -> ServerInfo:
+    row = conn.execute(select(servers).where(servers.c.name == name)).first()
+    if row is None:
+        known = ", ".join(s.name for s in list_servers(conn)) or "none registered"
+        raise NotFound(f"no server named {name!r} (known: {known})")
+    return _server(row)
+
+
+def list_servers(conn: Connection) -> list[ServerInfo]:
+    return [_server(r) for r in conn.execute(select(servers).order_by(servers.c.name))]
+
+
+def pause_flag(conn: Connection, name: str) -> tuple[bool, str | None]:
+    """(paused, paused_by) of a server; an unregistered server is not paused."""
+    row = conn.execute(
+        select(servers.c.paused, servers.c.paused_by).where(servers.c.name == name)
+    ).first()
+    return (False, None) if row is None else (bool(row.paused), row.paused_by)
+
+
+def upsert_server(
+    conn: Connection, name: str, url: str, *, restart_command: list[str] | None = None
+) -> ServerInfo:
+    """Register a server by name, or update its URL (and restart command when given)."""
+    now = utcnow()
+    exists = conn.execute(select(servers.c.id).where(servers.c.name == name)).first()
+    if exists is None:
+        conn.execute(
+            insert(servers).values(
+                name=name,
+                url=url,
+                state="unknown",
+                state_since=now,
+                paused=False,
+                consecutive_failures=0,
+                consecutive_successes=0,
+                restart_command=restart_command,
+                workers=[],
+                created_at=now,
+                updated_at=now,
+            )
+        )
+    else:
+        values: dict[str, Any] = {"url": url, "updated_at": now}
+        if restart_command is not None:
+            values["restart_command"] = restart_command
+        conn.execute(update(servers).where(servers.c.name == name).values(**values))
+    return get_server(conn, name)
+
+
+def set_workers(conn: Connection, name: str, workers: list[str]) -> None:
+    conn.execute(
+        update(servers)
+        .where(servers.c.name == name)
+        .values(workers=workers[-MAX_WORKERS_LISTED:], updated_at=utcnow())
+    )
+
+
+def add_worker(conn: Connection, name: str, worker: str) -> None:
+    current = get_server(conn, name).workers
+    if worker not in current:
+        set_workers(conn, name, [*current, worker])
+
+
+def remove_worker(conn: Connection, name: str, worker: str) -> None:
+    current = get_server(conn, name).workers
+    if worker in current:
+        set_workers(conn, name, [w for w in current if w != worker])
+
+
+def set_paused(
+    conn: Connection, name: str, paused: bool, *, by: str | None, reason: str | None
+) -> bool:
+    """Set the durable pause flag; return True when it changed."""
+    before = get_server(conn, name)
+    conn.execute(
+        update(servers)
+        .where(servers.c.name == name)
+        .values(
+            paused=paused,
+            paused_by=by if paused else None,
+            pause_reason=reason if paused else None,
+            updated_at=utcnow(),
+        )
+    )
+    return before.paused != paused or (paused and before.paused_by != by)
+
+
+def record_probe(
+    conn: Connection,
+    name: str,
+    *,
+    state: str,
+    failures: int,
+    successes: int,
+    ok: bool,
+    latency_s: float | None,
+    error: str | None,
+) -> None:
+    now = utcnow()
+    before = get_server(conn, name)
+    values: dict[str, Any] = {
+        "state": state,
+        "consecutive_failures": failures,
+        "consecutive_successes": successes,
+        "last_probe_at": now,
+        "last_probe_ok": ok,
+        "last_probe_latency_s": latency_s,
+        "updated_at": now,
+    }
+    if error is not None:
+        values["last_error"] = error[:1000]
+    if before.state != state:
+        values["state_since"] = now
+    conn.execute(update(servers).where(servers.c.name == name).values(**values))
+
+
+def set_fingerprint(conn: Connection, name: str, fingerprint: dict[str, Any]) -> None:
+    conn.execute(
+        update(servers)
+        .where(servers.c.name == name)
+        .values(fingerprint=fingerprint, updated_at=utcnow())
+    )
+
+
+@dataclass(frozen=True)
+class ServerLoad:
+    leased: int
+    oldest_lease_at: datetime | None
+    last_finished_at: datetime | None
+
+
+def server_load(conn: Connection, name: str) -> ServerLoad:
+    """Items leased to a server now, the oldest of those leases, and its latest completion."""
+    leased, oldest = conn.execute(
+        select(func.count(), func.min(items.c.started_at)).where(
+            items.c.server == name, items.c.status == ItemStatus.LEASED.value
+        )
+    ).one()
+    last = conn.execute(
+        select(func.max(items.c.finished_at)).where(
+            items.c.server == name, items.c.status == ItemStatus.DONE.value
+        )
+    ).scalar()
+    return ServerLoad(int(leased), as_utc(oldest), as_utc(last))
+
+
+def is_stalled(load: ServerLoad, *, now: datetime, stall_s: float) -> bool:
+    """Work has waited on the server for stall_s and nothing finished in that time."""
+    if load.leased == 0 or load.oldest_lease_at is None:
+        return False
+    horizon = now - timedelta(seconds=stall_s)
+    if load.oldest_lease_at > horizon:
+        return False
+    return load.last_finished_at is None or load.last_finished_at < horizon
+
+
+def active_run_fingerprints(conn: Connection) -> list[tuple[int, str, dict[str, Any]]]:
+    """(run id, run name, pinned fingerprint) of runs that still have unfinished items."""
+    unfinished = (
+        select(items.c.run_id)
+        .where(
+            items.c.run_id == runs.c.id,
+            items.c.status.in_(
+                [ItemStatus.PENDING.value, ItemStatus.QUEUED.value, ItemStatus.LEASED.value]
+            ),
+        )
+        .exists()
+    )
+    stmt = select(runs.c.id, runs.c.name, runs.c.fingerprint).where(
+        and_(runs.c.fingerprint.is_not(None), unfinished)
+    )
+    return [(r.id, r.name, dict(r.fingerprint)) for r in conn.execute(stmt)]
+
+
+# --- events -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EventInfo:
+    at: datetime
+    kind: str
+    run: str | None
+    server: str | None
+    message: str
+    details: dict[str, Any] | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "at": self.at.isoformat(),
+            "kind": self.kind,
+            "run": self.run,
+            "server": self.server,
+            "message": self.message,
+            "details": self.details,
+        }
+
+
+def list_events(
+    conn: Connection, *, run_id: int | None = None, server: str | None = None, limit: int = 200
+) -> list[EventInfo]:
+    """The latest events, oldest first; a run's view includes server-wide events."""
+    stmt = (
+        select(events, runs.c.name.label("run_name"))
+        .select_from(events.outerjoin(runs, events.c.run_id == runs.c.id))
+        .order_by(events.c.id.desc())
+        .limit(limit)
+    )
+    if run_id is not None:
+        stmt = stmt.where((events.c.run_id == run_id) | events.c.run_id.is_(None))
+    if server is not None:
+        stmt = stmt.where(events.c.server == server)
+    rows = list(conn.execute(stmt))
+    rows.reverse()
+    return [
+        EventInfo(
+            at=as_utc(r.at) or utcnow(),
+            kind=r.kind,
+            run=r.run_name,
+            server=r.server,
+            message=r.message,
+            details=r.details,
+        )
+        for r in rows
+    ]

@@ -1,0 +1,93 @@
+"""The `tokenmill` command line: one group, commands registered from their modules.
+
+Global options set logging; every setting is also a `TOKENMILL_*` environment variable.
+"""
+
+from __future__ import annotations
+
+import click
+
+from app.settings import get_settings, redact_url
+from ops.demo import demo_cmd
+from ops.emulator_cmd import emulator
+from ops.fleet_cmds import events_cmd, pause_cmd, restart_cmd, resume_cmd, servers_group
+from ops.options import handle_errors, open_db, print_json, setup_logging
+from ops.pipeline_cmds import enqueue_cmd, export_cmd, reconcile_cmd, run_cmd, status_cmd
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option(
+    "--log-level",
+    envvar="TOKENMILL_LOG_LEVEL",
+    default="WARNING",
+    show_default=True,
+    help="Logging level (env TOKENMILL_LOG_LEVEL).",
+)
+def cli(log_level: str) -> None:
+    """tokenmill: token-exact training sequences from prompt sets, via SGLang servers."""
+    setup_logging(log_level)
+
+
+@cli.group("db")
+def db_group() -> None:
+    """Ledger schema commands."""
+
+
+@db_group.command("upgrade")
+@handle_errors
+def db_upgrade() -> None:
+    """Apply every migration to the configured database (TOKENMILL_DATABASE_URL)."""
+    from app.database import get_engine
+    from app.migrate import current_revision, upgrade
+
+    settings = get_settings()
+    engine = get_engine(settings)
+    upgrade(engine)
+    click.echo(f"{redact_url(settings.resolved_database_url())} is at {current_revision(engine)}")
+
+
+@db_group.command("current")
+@handle_errors
+def db_current() -> None:
+    """Show the schema revision of the configured database."""
+    from app.database import get_engine
+    from app.migrate import current_revision, head_revision
+
+    engine = get_engine()
+    click.echo(f"current {current_revision(engine)} (latest {head_revision()})")
+
+
+@cli.command("config")
+@handle_errors
+def config_cmd() -> None:
+    """Show the effective configuration (passwords redacted)."""
+    s = get_settings()
+    data = s.model_dump(mode="json")
+    data["database_url"] = redact_url(s.resolved_database_url())
+    data["broker_url"] = redact_url(s.resolved_broker_url())
+    data["storage_url"] = s.resolved_storage_url()
+    data["embedded"] = s.embedded
+    print_json(data)
+
+
+for command in (
+    enqueue_cmd,
+    run_cmd,
+    status_cmd,
+    export_cmd,
+    reconcile_cmd,
+    demo_cmd,
+    emulator,
+    servers_group,
+    pause_cmd,
+    resume_cmd,
+    restart_cmd,
+    events_cmd,
+):
+    cli.add_command(command)
+
+__all__ = ["cli", "main", "open_db"]
+
+
+def main() -> None:
+    cli(prog_name="tokenmill")

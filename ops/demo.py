@@ -1,0 +1,138 @@
+"""`tokenmill demo`: the whole pipeline on embedded defaults, no services, no network.
+
+Builds the Kimi-shaped fixture tokenizer, starts an emulator, runs, exports and checks.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import click
+
+from app import ledger
+from app.database import get_engine
+from app.export import export_run
+from app.fixtures import ensure_kimi_tokenizer
+from app.migrate import ensure_schema
+from app.settings import Settings, get_settings
+from app.tokenization import load_tokenizer
+from ops.emulator_proc import start_emulator
+from ops.options import build_sampling, console, handle_errors
+from workers.producer import EnqueueOptions, enqueue
+from workers.runner import EmbeddedRunner
+
+
+def demo_prompts_path() -> Path:
+    return Path(str(resources.files("app") / "data" / "demo_prompts.jsonl"))
+
+
+def check_export(path: Path, tokenizer_dir: Path, prompts: Path) -> tuple[int, int]:
+    """Re-derive every exported prompt from the input turns; count rows and mismatches."""
+    tokenizer = load_tokenizer(tokenizer_dir)
+    from app.inputs import read_prompts
+
+    expected: dict[str, list[int]] = {}
+    for record in read_prompts(prompts):
+        if isinstance(record, Exception):
+            continue
+        expected[record.key] = (
+            tokenizer.apply(record.messages) if record.messages else list(record.input_ids or [])
+        )
+    rows = bad = 0
+    with path.open(encoding="utf-8") as fh:
+        for line in fh:
+            row = json.loads(line)
+            rows += 1
+            prompt = expected[row["id"]]
+            n = len(prompt)
+            ok = row["input_ids"][:n] == prompt and row["loss_mask"] == [0] * n + [1] * (
+                len(row["input_ids"]) - n
+            )
+            bad += not ok
+    return rows, bad
+
+
+@click.command("demo")
+@click.option("--samples-per-prompt", type=click.IntRange(1, 8), default=2, show_default=True)
+@click.option("--max-new-tokens", type=int, default=1024, show_default=True)
+@handle_errors
+def demo_cmd(samples_per_prompt: int, max_new_tokens: int) -> None:
+    """Run the whole pipeline locally: fixture tokenizer, emulator, run, export, verify."""
+    base = get_settings()
+    settings = Settings(
+        data_dir=base.data_dir / "demo",
+        inflight=32,
+        database_url=None,
+        broker_url=None,
+        storage_url=None,
+    )
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    db = get_engine(settings)
+    ensure_schema(db, auto_upgrade=True)
+    console.print(f"demo data in {settings.data_dir} (SQLite ledger, no services)")
+    tokenizer_dir = ensure_kimi_tokenizer(base.data_dir / "tokenizers")
+    tokenizer = load_tokenizer(tokenizer_dir)
+    prompts = demo_prompts_path()
+    emulator = start_emulator(["--max-running", "32", "--median-tokens", "160", "--step-ms", "4"])
+    console.print(f"SGLang emulator at {emulator.url}")
+    try:
+        run_name = time.strftime("demo-%Y%m%d-%H%M%S")
+        opts: dict[str, Any] = {
+            "max_new_tokens": max_new_tokens,
+            "temperature": 0.7,
+            "top_p": 0.95,
+            "top_k": -1,
+            "min_p": 0.0,
+            "seed": 1234,
+        }
+        report = enqueue(
+            db,
+            tokenizer,
+            EnqueueOptions(
+                input_path=prompts,
+                run=run_name,
+                sampling=build_sampling(opts),
+                samples_per_prompt=samples_per_prompt,
+            ),
+            publish=None,
+        )
+        console.print(f"enqueued {report.inserted} items from {report.prompts} prompts")
+        with db.connect() as conn:
+            run = ledger.get_run(conn, run_name)
+        runner = EmbeddedRunner(db, settings, run, [emulator.url])
+        started = time.monotonic()
+        runner.start()
+        try:
+            last = [0.0]
+
+            def tick(c: ledger.RunCounts) -> None:
+                if time.monotonic() - last[0] > 2:
+                    last[0] = time.monotonic()
+                    console.print(
+                        f"  {c.done + c.failed}/{c.total} finished, {c.output_tokens} output tokens"
+                    )
+
+            counts = runner.wait(on_tick=tick)
+        finally:
+            runner.stop()
+        console.print(
+            f"run {run_name}: {counts.done} done ({counts.truncated} truncated), "
+            f"{counts.failed} failed in {time.monotonic() - started:.1f}s"
+        )
+    finally:
+        emulator.stop()
+    out_dir = settings.data_dir / "exports"
+    specforge = export_run(db, run, "specforge", out_dir / f"{run_name}.specforge.jsonl")
+    convs = export_run(
+        db, run, "conversations", out_dir / f"{run_name}.conversations.jsonl", tokenizer=tokenizer
+    )
+    rows, bad = check_export(specforge.path, tokenizer_dir, prompts)
+    console.print(f"checked {rows} exported samples against the chat template: {bad} mismatches")
+    click.echo(f"specforge:     {specforge.path} ({specforge.rows} rows)")
+    click.echo(f"conversations: {convs.path} ({convs.rows} rows)")
+    if bad or counts.failed:
+        raise SystemExit(1)

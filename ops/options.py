@@ -1,0 +1,118 @@
+"""Shared CLI plumbing: sampling options, settings and database opening, error reporting.
+
+Every option that has a setting names its `TOKENMILL_*` environment variable in --help.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import sys
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import click
+from rich.console import Console
+from sqlalchemy import Engine
+
+from app.contracts import SamplingParams
+from app.database import get_engine
+from app.errors import ConfigurationError, TokenmillError
+from app.migrate import ensure_schema
+from app.settings import Settings, get_settings
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+console = Console(stderr=True, highlight=False)
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    for noisy in ("httpx", "httpcore", "alembic.runtime.migration"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def open_db(settings: Settings | None = None) -> Engine:
+    """The ledger engine; the embedded SQLite ledger is created/upgraded on first use."""
+    settings = settings or get_settings()
+    engine = get_engine(settings)
+    ensure_schema(engine, auto_upgrade=settings.embedded)
+    return engine
+
+
+def handle_errors(func: F) -> F:
+    """Turn tokenmill errors into one clear line and exit code 2 instead of a traceback."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except TokenmillError as exc:
+            console.print(f"[red]error:[/red] {exc}", markup=True, soft_wrap=True)
+            raise SystemExit(2) from exc
+
+    return wrapper  # type: ignore[return-value]
+
+
+def sampling_options(func: F) -> F:
+    """--max-new-tokens, --temperature, --top-p, --top-k, --min-p, --seed, samples, kwargs."""
+    decorators = [
+        click.option(
+            "--max-new-tokens",
+            type=int,
+            default=2048,
+            show_default=True,
+            help="Generation budget per sample; sent explicitly.",
+        ),
+        click.option("--temperature", type=float, default=1.0, show_default=True),
+        click.option("--top-p", type=float, default=1.0, show_default=True),
+        click.option("--top-k", type=int, default=-1, show_default=True, help="-1 disables top-k."),
+        click.option("--min-p", type=float, default=0.0, show_default=True),
+        click.option(
+            "--seed",
+            type=int,
+            default=None,
+            help="Sample k of a prompt uses seed + k (reproducible, distinct samples).",
+        ),
+        click.option(
+            "--samples-per-prompt", type=click.IntRange(1, 1000), default=1, show_default=True
+        ),
+        click.option(
+            "--chat-template-kwargs",
+            default=None,
+            metavar="JSON",
+            help="Extra template variables, e.g. '{\"thinking\": false}'.",
+        ),
+        click.option(
+            "--trust-remote-code",
+            is_flag=True,
+            default=False,
+            help="Allow the tokenizer folder's own Python code (off unless asked).",
+        ),
+    ]
+    for decorator in reversed(decorators):
+        func = decorator(func)
+    return func
+
+
+def build_sampling(kwargs: dict[str, Any]) -> SamplingParams:
+    try:
+        return SamplingParams(
+            max_new_tokens=kwargs["max_new_tokens"],
+            temperature=kwargs["temperature"],
+            top_p=kwargs["top_p"],
+            top_k=kwargs["top_k"],
+            min_p=kwargs["min_p"],
+            seed=kwargs["seed"],
+        )
+    except ValueError as exc:
+        raise ConfigurationError(f"invalid sampling option: {exc}") from exc
+
+
+def print_json(data: Any) -> None:
+    click.echo(json.dumps(data, indent=2, sort_keys=False, default=str))

@@ -1,0 +1,294 @@
+"""The pipeline commands: enqueue, run, status, export, reconcile.
+
+Thin: parse options, call workers/app functions, show progress and counts.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.live import Live
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from app import ledger
+from app.errors import InputError
+from app.export import FORMATS, ExportFormat, export_run
+from app.inputs import parse_chat_template_kwargs
+from app.ledger import RunCounts
+from app.settings import get_settings
+from app.tokenization import ChatTokenizer, load_tokenizer
+from ops.options import (
+    build_sampling,
+    console,
+    handle_errors,
+    open_db,
+    print_json,
+    sampling_options,
+)
+from workers.producer import EnqueueOptions, EnqueueReport, enqueue
+from workers.runner import EmbeddedRunner
+
+MAX_ERRORS_SHOWN = 50
+
+
+def _enqueue(
+    input_path: Path, run: str, tokenizer_path: str, publish: bool, opts: dict[str, Any]
+) -> EnqueueReport:
+    settings = get_settings()
+    db = open_db(settings)
+    kwargs = parse_chat_template_kwargs(opts["chat_template_kwargs"])
+    tokenizer = load_tokenizer(tokenizer_path, trust_remote_code=opts["trust_remote_code"])
+    options = EnqueueOptions(
+        input_path=input_path,
+        run=run,
+        sampling=build_sampling(opts),
+        samples_per_prompt=opts["samples_per_prompt"],
+        chat_template_kwargs=kwargs,
+    )
+    publisher = None
+    if publish:
+        from workers.publish import publish_items
+
+        def publisher(ids: list[int]) -> None:
+            publish_items(ids, batch_size=settings.batch_size)
+
+    shown = 0
+
+    def on_error(error: InputError) -> None:
+        nonlocal shown
+        shown += 1
+        if shown <= MAX_ERRORS_SHOWN:
+            console.print(
+                f"[yellow]skipped[/yellow] {input_path} {error}", markup=True, soft_wrap=True
+            )
+        elif shown == MAX_ERRORS_SHOWN + 1:
+            console.print("[yellow]… more skipped lines; see the counts below[/yellow]")
+
+    total_bytes = input_path.stat().st_size if input_path.exists() else 0
+    with Progress(
+        TextColumn("enqueue"),
+        BarColumn(),
+        TextColumn("{task.fields[lines]} lines"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    ) as progress:
+        task = progress.add_task("enqueue", total=total_bytes or None, lines=0)
+        report = enqueue(
+            db,
+            tokenizer,
+            options,
+            publish=publisher,
+            on_error=on_error,
+            on_progress=lambda n: progress.update(task, lines=n),
+        )
+    console.print(
+        f"run [bold]{run}[/bold]: {report.prompts} prompts read, {report.inserted} items "
+        f"inserted, {report.published} published, {report.already_present} prompts already "
+        f"present, {report.skipped} lines skipped",
+        markup=True,
+    )
+    return report
+
+
+@click.command("enqueue")
+@click.argument("input_path", type=click.Path(path_type=Path, dir_okay=False))
+@click.option("--run", "run_name", required=True, help="Run name (created on first enqueue).")
+@click.option(
+    "--tokenizer",
+    "tokenizer_path",
+    required=True,
+    help="Local tokenizer folder with a chat template.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@sampling_options
+@handle_errors
+def enqueue_cmd(
+    input_path: Path, run_name: str, tokenizer_path: str, as_json: bool, **opts: Any
+) -> None:
+    """Read INPUT_PATH (JSONL), tokenize with the chat template, record and queue the items."""
+    report = _enqueue(input_path, run_name, tokenizer_path, True, opts)
+    if as_json:
+        print_json(report.to_json())
+
+
+def _progress_table(counts: RunCounts, runner: EmbeddedRunner, started: float) -> Table:
+    elapsed = max(time.monotonic() - started, 1e-6)
+    finished = counts.done + counts.failed
+    rate = counts.output_tokens / elapsed
+    items_rate = finished / elapsed
+    eta = (counts.total - finished) / items_rate if items_rate > 0 else float("nan")
+    table = Table.grid(padding=(0, 2))
+    width = 30
+    filled = int(width * finished / counts.total) if counts.total else width
+    bar = "█" * filled + "░" * (width - filled)
+    table.add_row(
+        f"[bold]{counts.run}[/bold]",
+        bar,
+        f"{finished}/{counts.total}",
+        f"done {counts.done}",
+        f"failed {counts.failed}",
+        f"truncated {counts.truncated}",
+        f"{rate:,.0f} tok/s",
+        f"ETA {eta:,.0f}s" if eta == eta else "ETA —",
+    )
+    for view in runner.servers():
+        state = "[red]unavailable[/red]" if view.unavailable else "[green]ok[/green]"
+        err = f"last error: {view.last_error[:80]}" if view.last_error else ""
+        table.add_row(
+            f"  {view.name}",
+            state,
+            f"in flight {view.inflight}",
+            f"done {view.done}",
+            f"failed {view.failed}",
+            "",
+            "",
+            err,
+        )
+    return table
+
+
+@click.command("run")
+@click.argument("input_path", type=click.Path(path_type=Path, dir_okay=False))
+@click.option("--run", "run_name", required=True, help="Run name.")
+@click.option("--tokenizer", "tokenizer_path", required=True, help="Local tokenizer folder.")
+@click.option(
+    "--server",
+    "servers",
+    multiple=True,
+    required=True,
+    help="SGLang server URL; repeat for several servers.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the final counts as JSON.")
+@sampling_options
+@handle_errors
+def run_cmd(
+    input_path: Path,
+    run_name: str,
+    tokenizer_path: str,
+    servers: tuple[str, ...],
+    as_json: bool,
+    **opts: Any,
+) -> None:
+    """Enqueue INPUT_PATH and generate it in this process against --server URLs until done."""
+    counts = run_pipeline(input_path, run_name, tokenizer_path, list(servers), opts)
+    if as_json:
+        print_json(counts.to_json())
+
+
+def run_pipeline(
+    input_path: Path, run_name: str, tokenizer_path: str, servers: list[str], opts: dict[str, Any]
+) -> RunCounts:
+    settings = get_settings()
+    db = open_db(settings)
+    _enqueue(input_path, run_name, tokenizer_path, False, opts)
+    with db.connect() as conn:
+        run = ledger.get_run(conn, run_name)
+    runner = EmbeddedRunner(db, settings, run, servers)
+    started = time.monotonic()
+    runner.start()
+    try:
+        with Live(console=console, refresh_per_second=4, transient=False) as live:
+            counts = runner.wait(on_tick=lambda c: live.update(_progress_table(c, runner, started)))
+    finally:
+        runner.stop()
+    console.print(
+        f"run [bold]{run_name}[/bold] finished in {time.monotonic() - started:.1f}s: "
+        f"{counts.done} done ({counts.truncated} truncated), {counts.failed} failed, "
+        f"{counts.output_tokens} output tokens",
+        markup=True,
+    )
+    return counts
+
+
+@click.command("status")
+@click.argument("run_name", required=False)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@handle_errors
+def status_cmd(run_name: str | None, as_json: bool) -> None:
+    """Counts per run (all runs, or RUN_NAME)."""
+    db = open_db()
+    with db.connect() as conn:
+        runs = [ledger.get_run(conn, run_name)] if run_name else ledger.list_runs(conn)
+        counts = [ledger.run_counts(conn, r) for r in runs]
+    if as_json:
+        print_json(counts[0].to_json() if run_name else [c.to_json() for c in counts])
+        return
+    table = Table(
+        "run",
+        "total",
+        "pending",
+        "queued",
+        "leased",
+        "done",
+        "failed",
+        "truncated",
+        "output tokens",
+    )
+    for c in counts:
+        table.add_row(
+            c.run,
+            *(
+                str(v)
+                for v in (
+                    c.total,
+                    c.pending,
+                    c.queued,
+                    c.leased,
+                    c.done,
+                    c.failed,
+                    c.truncated,
+                    c.output_tokens,
+                )
+            ),
+        )
+    console.print(table)
+
+
+@click.command("export")
+@click.argument("run_name")
+@click.option("--format", "fmt", type=click.Choice(FORMATS), default="specforge", show_default=True)
+@click.option("--out", type=click.Path(path_type=Path, dir_okay=False), required=True)
+@handle_errors
+def export_cmd(run_name: str, fmt: ExportFormat, out: Path) -> None:
+    """Write RUN_NAME's finished samples to --out as JSONL."""
+    db = open_db()
+    with db.connect() as conn:
+        run = ledger.get_run(conn, run_name)
+    tokenizer: ChatTokenizer | None = None
+    if fmt == "conversations":
+        tokenizer = load_tokenizer(run.tokenizer_path)
+        if tokenizer.tokenizer_hash != run.tokenizer_hash:
+            console.print(
+                f"[yellow]warning:[/yellow] the tokenizer at {run.tokenizer_path} "
+                "changed since the run was created",
+                markup=True,
+            )
+    report = export_run(db, run, fmt, out, tokenizer=tokenizer)
+    console.print(
+        f"wrote {report.rows} samples ({report.truncated} truncated, "
+        f"{report.tokens} tokens) to {report.path}"
+    )
+
+
+@click.command("reconcile")
+@click.argument("run_name", required=False)
+@handle_errors
+def reconcile_cmd(run_name: str | None) -> None:
+    """Re-queue items whose lease expired or that were never published."""
+    from workers.publish import publish_items
+    from workers.reconcile import reconcile
+
+    settings = get_settings()
+    db = open_db(settings)
+
+    def publish(ids: list[int], wait_s: float) -> None:
+        if ids:
+            publish_items(ids, batch_size=settings.batch_size, countdown_s=wait_s)
+
+    report = reconcile(db, settings, run=run_name, publish=publish)
+    print_json(report.to_json())

@@ -1,0 +1,206 @@
+"""Restarting one SGLang server safely: pause its workers, run its restart command (an
+argument list, never a shell), wait for readiness, check the fingerprint, then resume.
+
+A timeout or a changed fingerprint leaves the server paused and says why.
+"""
+
+from __future__ import annotations
+
+import shlex
+import string
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from sqlalchemy import Engine
+
+from app import ledger, registry
+from app.errors import ConfigurationError, GenerationError
+from app.registry import PAUSED_BY_RESTART, ServerInfo
+from app.settings import Settings
+from workers.control import WorkerControl, pause_server, resume_server
+from workers.watchdog import HttpProber, Prober, fingerprint_conflicts
+
+PLACEHOLDERS = frozenset({"name", "url", "host", "port"})
+EVENT_RESTART = "restart"
+
+
+def parse_command(text: str) -> list[str]:
+    """A restart command from the CLI: a JSON list of arguments, or a shell-like string that
+    is split into arguments (it is never run by a shell)."""
+    import json
+
+    text = text.strip()
+    if text.startswith("["):
+        try:
+            value = json.loads(text)
+        except ValueError as exc:
+            raise ConfigurationError(f"--restart-command is not a valid JSON list: {exc}") from exc
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigurationError("--restart-command as JSON must be a list of strings")
+        argv = value
+    else:
+        try:
+            argv = shlex.split(text)
+        except ValueError as exc:
+            raise ConfigurationError(f"--restart-command cannot be split: {exc}") from exc
+    if not argv:
+        raise ConfigurationError("--restart-command is empty")
+    validate_placeholders(argv)
+    return argv
+
+
+def validate_placeholders(argv: list[str]) -> None:
+    for arg in argv:
+        try:
+            fields = [f for _, f, _, _ in string.Formatter().parse(arg) if f is not None]
+        except ValueError as exc:
+            raise ConfigurationError(f"restart command argument {arg!r}: {exc}") from exc
+        for name in fields:
+            if name not in PLACEHOLDERS:
+                raise ConfigurationError(
+                    f"restart command argument {arg!r} uses {{{name}}}; allowed placeholders: "
+                    + ", ".join(f"{{{p}}}" for p in sorted(PLACEHOLDERS))
+                )
+
+
+def render_command(argv: list[str], server: ServerInfo) -> list[str]:
+    parts = urlsplit(server.url)
+    values = {
+        "name": server.name,
+        "url": server.url,
+        "host": parts.hostname or "",
+        "port": str(parts.port or (443 if parts.scheme == "https" else 80)),
+    }
+    validate_placeholders(argv)
+    return [arg.format(**values) for arg in argv]
+
+
+@dataclass
+class RestartProgress:
+    elapsed_s: float
+    phase: str
+    probe: str
+    successes: int
+
+
+@dataclass
+class RestartResult:
+    ok: bool
+    message: str
+    elapsed_s: float
+
+
+def restart_server(
+    db: Engine,
+    settings: Settings,
+    control: WorkerControl,
+    name: str,
+    *,
+    command: list[str] | None = None,
+    timeout_s: float | None = None,
+    poll_s: float = 2.0,
+    log_dir: Path | None = None,
+    prober: Prober | None = None,
+    on_progress: Callable[[RestartProgress], None] = lambda p: None,
+) -> RestartResult:
+    with db.connect() as conn:
+        server = registry.get_server(conn, name)
+    argv = command or server.restart_command
+    if not argv:
+        raise ConfigurationError(
+            f"server {name} has no restart command: pass --command, or register one with "
+            f"`tokenmill servers add {name} {server.url} --restart-command ...`"
+        )
+    argv = render_command(argv, server)
+    prober = prober or HttpProber(settings)
+    timeout_s = timeout_s or settings.restart_timeout_s
+    started = time.monotonic()
+    was_paused_by = server.paused_by if server.paused else None
+    pause_server(db, control, name, by=PAUSED_BY_RESTART, reason="restart in progress")
+    with db.begin() as conn:
+        ledger.record_event(
+            conn,
+            EVENT_RESTART,
+            f"{name}: restart started: {shlex.join(argv)}",
+            server=name,
+            details={"argv": argv},
+        )
+    log_dir = log_dir or settings.data_dir / "restarts"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"{name.replace('/', '_')}-{time.strftime('%Y%m%d-%H%M%S')}.log"
+    with log_path.open("ab") as log_file:
+        try:
+            process = subprocess.Popen(
+                argv,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        except OSError as exc:
+            return _give_up(db, name, started, f"restart command could not start: {exc}")
+    successes = 0
+    needed = settings.successes_to_up
+    while True:
+        elapsed = time.monotonic() - started
+        code = process.poll()
+        if code not in (None, 0):
+            tail = log_path.read_text(errors="replace")[-500:].strip()
+            return _give_up(
+                db,
+                name,
+                started,
+                f"restart command exited with code {code}: {tail or '(no output)'}",
+            )
+        probe = prober.probe(server)
+        successes = successes + 1 if probe.ok else 0
+        phase = "command running" if code is None else "waiting for the server"
+        on_progress(
+            RestartProgress(
+                elapsed, phase, "ok" if probe.ok else (probe.error or "down"), successes
+            )
+        )
+        if successes >= needed:
+            break
+        if elapsed > timeout_s:
+            return _give_up(
+                db, name, started, f"not ready after {timeout_s:.0f}s (last probe: {probe.error})"
+            )
+        time.sleep(poll_s)
+    try:
+        fingerprint = prober.fingerprint(server)
+    except GenerationError as exc:
+        return _give_up(db, name, started, f"ready, but its fingerprint is unreadable: {exc}")
+    with db.begin() as conn:
+        registry.set_fingerprint(conn, name, fingerprint.to_json())
+        conflicts = fingerprint_conflicts(fingerprint, registry.active_run_fingerprints(conn))
+    if conflicts:
+        return _give_up(
+            db, name, started, "fingerprint differs from the pinned one: " + " | ".join(conflicts)
+        )
+    elapsed = time.monotonic() - started
+    if was_paused_by and was_paused_by != PAUSED_BY_RESTART:
+        # it was paused before the restart (e.g. by an operator): keep that pause
+        pause_server(db, control, name, by=was_paused_by, reason="paused before the restart")
+        message = f"{name} restarted in {elapsed:.0f}s; still paused as before ({was_paused_by})"
+    else:
+        resume_server(db, control, name, by="restart", reason=f"ready after {elapsed:.0f}s")
+        message = f"{name} restarted and resumed after {elapsed:.0f}s"
+    with db.begin() as conn:
+        ledger.record_event(conn, EVENT_RESTART, message, server=name)
+    return RestartResult(True, message, elapsed)
+
+
+def _give_up(db: Engine, name: str, started: float, why: str) -> RestartResult:
+    elapsed = time.monotonic() - started
+    message = (
+        f"{name} stays paused: {why}. Fix it, then `tokenmill resume --server {name}` "
+        f"or `tokenmill restart {name}` again"
+    )
+    with db.begin() as conn:
+        ledger.record_event(conn, EVENT_RESTART, message, server=name)
+    return RestartResult(False, message, elapsed)

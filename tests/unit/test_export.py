@@ -1,0 +1,122 @@
+"""Export rows: SpecForge's input_ids/loss_mask, and the conversations turn whose reasoning is
+split at the `</think>` token id (never by string search)."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+from sqlalchemy import Engine
+
+from app import ledger
+from app.contracts import GenerateResult, SamplingParams
+from app.export import assistant_turn, export_run, specforge_row
+from app.ledger import RunInfo, StoredItem
+from app.tokenization import ChatTokenizer, load_tokenizer
+
+THINK, END_THINK, IM_END = 163606, 163607, 163586
+
+
+@pytest.fixture(scope="module")
+def tokenizer(kimi_tokenizer_dir: Path) -> ChatTokenizer:
+    return load_tokenizer(kimi_tokenizer_dir)
+
+
+def run_info() -> RunInfo:
+    return RunInfo(
+        1,
+        "r",
+        "/t",
+        "a",
+        "b",
+        {},
+        SamplingParams(),
+        1,
+        END_THINK,
+        [IM_END],
+        None,
+        datetime.now(UTC),
+    )
+
+
+def stored(prompt: list[int], output: list[int], finish: str = "stop") -> StoredItem:
+    return StoredItem(
+        1,
+        "k",
+        0,
+        "done",
+        [{"role": "user", "content": "hi"}],
+        prompt,
+        output,
+        finish,
+        len(output),
+        1,
+        "s",
+        None,
+        0.1,
+    )
+
+
+def test_specforge_row_masks_the_prompt() -> None:
+    row = specforge_row(stored([1, 2, THINK], [5, END_THINK, 6, IM_END]))
+    assert row["input_ids"] == [1, 2, THINK, 5, END_THINK, 6, IM_END]
+    assert row["loss_mask"] == [0, 0, 0, 1, 1, 1, 1]
+
+
+def test_reasoning_is_split_at_the_think_end_id(tokenizer: ChatTokenizer) -> None:
+    reasoning = tokenizer.apply([{"role": "user", "content": "plan"}])[3:6]
+    answer = [tokenizer.hf_tokenizer.convert_tokens_to_ids(t) for t in ["a", "b"]]
+    turn = assistant_turn(
+        stored([1, THINK], [*reasoning, END_THINK, *answer, IM_END]), run_info(), tokenizer
+    )
+    assert turn["reasoning_content"] == tokenizer.decode(reasoning)
+    assert turn["content"] == tokenizer.decode(answer)
+
+
+def test_truncated_inside_reasoning_is_all_reasoning(tokenizer: ChatTokenizer) -> None:
+    turn = assistant_turn(stored([1, THINK], [400, 401, 402], "length"), run_info(), tokenizer)
+    assert turn["content"] == "" and turn["reasoning_content"] == tokenizer.decode([400, 401, 402])
+
+
+def test_export_file_is_complete_and_atomic(
+    sqlite_engine: Engine, tokenizer: ChatTokenizer, tmp_path: Path
+) -> None:
+    spec = ledger.RunSpec(
+        "r", "/t", "a" * 64, "b" * 64, {}, SamplingParams(), 1, END_THINK, [IM_END]
+    )
+    with sqlite_engine.begin() as conn:
+        run, _ = ledger.get_or_create_run(conn, spec)
+        ledger.insert_items(
+            conn, run.id, [ledger.NewItem(f"k{i}", 0, i, None, [1, THINK]) for i in range(2500)]
+        )
+        ids = ledger.pending_ids(conn, run.id)
+        ledger.claim_items(conn, ids, owner="w", server="s", lease_s=60)
+        ledger.record_outcomes(
+            conn,
+            [
+                ledger.Done(
+                    i,
+                    GenerateResult(
+                        "r", [400, END_THINK, 401, IM_END], "stop", IM_END, 2, 4, 0, 0.1
+                    ),
+                )
+                for i in ids[:-1]
+            ]
+            + [ledger.Failed(ids[-1], "bad")],
+            owner="w",
+            lease_s=60,
+        )
+    out = tmp_path / "x" / "r.jsonl"
+    report = export_run(sqlite_engine, run, "specforge", out)
+    lines = out.read_text().splitlines()
+    assert report.rows == len(lines) == 2499
+    assert {json.loads(line)["id"] for line in lines} == {f"k{i}" for i in range(2499)}
+    assert [p.name for p in out.parent.iterdir()] == ["r.jsonl"]  # no temp file left behind
+    conv = export_run(
+        sqlite_engine, run, "conversations", tmp_path / "c.jsonl", tokenizer=tokenizer
+    )
+    first = json.loads((tmp_path / "c.jsonl").read_text().splitlines()[0])
+    assert conv.rows == 2499 and first["conversations"][-1]["role"] == "assistant"
+    assert first["prompt"] == tokenizer.decode([1, THINK])

@@ -1,0 +1,59 @@
+"""What the broker still holds: item ids in queued and unacknowledged generate messages.
+
+Lets reconcile find items the ledger says are queued but that no message carries any more
+(Redis restarted without persistence). Only Redis brokers can be read; others return None.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+from typing import Any
+
+from app.constants import GENERATE_TASK, WORK_QUEUE
+
+log = logging.getLogger(__name__)
+
+PRIORITY_SEP = "\x06\x16"
+UNACKED_KEY = "unacked"
+
+
+def _ids_in_message(raw: bytes | str) -> list[int]:
+    try:
+        message: Any = json.loads(raw)
+        if isinstance(message, list):  # unacked entries are [message, exchange, routing key]
+            message = message[0]
+        if message.get("headers", {}).get("task") != GENERATE_TASK:
+            return []
+        body = message["body"]
+        if message.get("properties", {}).get("body_encoding") == "base64":
+            body = base64.b64decode(body)
+        args = json.loads(body)[0]
+        return [int(i) for i in args[0]]
+    except (ValueError, KeyError, IndexError, TypeError) as exc:
+        log.debug("unreadable broker message skipped (%s)", exc)
+        return []
+
+
+def broker_item_ids(broker_url: str) -> set[int] | None:
+    """Every item id a generate message in the broker carries, or None if it cannot tell."""
+    if not broker_url.startswith(("redis://", "rediss://")):
+        return None
+    import redis
+
+    client = redis.Redis.from_url(broker_url, socket_timeout=30, socket_connect_timeout=5)
+    try:
+        found: set[int] = set()
+        keys = [WORK_QUEUE.encode(), *client.scan_iter(match=f"{WORK_QUEUE}{PRIORITY_SEP}*")]
+        for key in keys:
+            if client.type(key) != b"list":
+                continue
+            for start in range(0, int(client.llen(key)), 1000):
+                for raw in client.lrange(key, start, start + 999):
+                    found.update(_ids_in_message(raw))
+        for _, raw in client.hscan_iter(UNACKED_KEY):
+            found.update(_ids_in_message(raw))
+        return found
+    finally:
+        client.close()

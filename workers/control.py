@@ -1,0 +1,92 @@
+"""Pausing and resuming a server's workers: the durable ledger flag, an event, and Celery
+remote control (`cancel_consumer` / `add_consumer`) aimed at that server's workers.
+
+The flag is the truth; the broadcast is the fast path (workers also enforce the flag).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Protocol
+
+from sqlalchemy import Engine
+
+from app import ledger, registry
+from app.constants import WORK_QUEUE
+
+log = logging.getLogger(__name__)
+
+EVENT_PAUSED = "paused"
+EVENT_RESUMED = "resumed"
+
+
+class WorkerControl(Protocol):
+    def cancel_consumer(self, workers: list[str]) -> None: ...
+
+    def add_consumer(self, workers: list[str]) -> None: ...
+
+
+class CeleryControl:
+    """Remote control through the broker; a worker that misses it still honours the flag."""
+
+    def cancel_consumer(self, workers: list[str]) -> None:
+        self._send("cancel_consumer", workers)
+
+    def add_consumer(self, workers: list[str]) -> None:
+        self._send("add_consumer", workers)
+
+    def _send(self, command: str, workers: list[str]) -> None:
+        if not workers:
+            return
+        from app.celery_app import celery_app
+
+        try:
+            getattr(celery_app.control, command)(WORK_QUEUE, destination=workers, reply=False)
+            log.info("%s %s sent to %s", command, WORK_QUEUE, ", ".join(workers))
+        except Exception as exc:  # the flag still pauses them
+            log.warning("%s to %s failed (%s); workers enforce the flag", command, workers, exc)
+
+
+class NoControl:
+    """For the embedded runner: its windows read the flag directly."""
+
+    def cancel_consumer(self, workers: list[str]) -> None:
+        pass
+
+    def add_consumer(self, workers: list[str]) -> None:
+        pass
+
+
+def set_server_paused(
+    db: Engine, control: WorkerControl, name: str, paused: bool, *, by: str, reason: str
+) -> bool:
+    """Pause (or resume) a server's workers; return True if the flag changed."""
+    kind = EVENT_PAUSED if paused else EVENT_RESUMED
+    with db.begin() as conn:
+        changed = registry.set_paused(
+            conn, name, paused, by=by if paused else None, reason=reason if paused else None
+        )
+        workers = registry.get_server(conn, name).workers
+        if changed:
+            ledger.record_event(
+                conn,
+                kind,
+                f"{name} {kind} by {by}: {reason}",
+                server=name,
+                details={"by": by, "workers": workers},
+            )
+    if paused:
+        control.cancel_consumer(workers)
+    else:
+        control.add_consumer(workers)
+    if changed:
+        log.warning("server %s %s by %s: %s", name, kind, by, reason)
+    return changed
+
+
+def pause_server(db: Engine, control: WorkerControl, name: str, *, by: str, reason: str) -> bool:
+    return set_server_paused(db, control, name, True, by=by, reason=reason)
+
+
+def resume_server(db: Engine, control: WorkerControl, name: str, *, by: str, reason: str) -> bool:
+    return set_server_paused(db, control, name, False, by=by, reason=reason)

@@ -1,0 +1,67 @@
+"""Worker-side enforcement of a server's pause flag, on a short timer: cancel or re-add this
+worker's own consumer of the work queue, and give back requests stuck on a dead server.
+
+Covers a worker started after the pause, one that missed the broadcast, or a broker with no
+remote control; the task checks the flag again right before it sends.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from app.registry import PAUSED_BY_WATCHDOG
+from workers.control import WorkerControl
+from workers.runtime import WorkerRuntime
+
+log = logging.getLogger(__name__)
+
+
+class PauseEnforcer:
+    def __init__(
+        self, rt: WorkerRuntime, worker: str, control: WorkerControl, interval_s: float
+    ) -> None:
+        self.rt = rt
+        self.worker = worker
+        self.control = control
+        self.interval_s = interval_s
+        self.consuming: bool | None = None  # unknown until the first check
+        self._abandoned = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="tm-pause-enforcer", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def check(self) -> None:
+        paused, by = self.rt.pause_state(max_age_s=0.0)
+        if paused and self.consuming is not False:
+            log.warning(
+                "server %s is paused (%s): %s stops consuming", self.rt.server_name, by, self.worker
+            )
+            self.control.cancel_consumer([self.worker])
+            self.consuming = False
+        elif not paused and self.consuming is not True:
+            if self.consuming is False:
+                log.warning(
+                    "server %s resumed: %s consumes again", self.rt.server_name, self.worker
+                )
+                self.control.add_consumer([self.worker])
+            self.consuming = True
+        if paused and by == PAUSED_BY_WATCHDOG and not self._abandoned:
+            self.rt.window.abandon_inflight("server down or stalled (watchdog)")
+            self._abandoned = True
+        if not paused:
+            self._abandoned = False
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.check()
+            except Exception:
+                log.exception("pause check failed; trying again")
+            self._stop.wait(self.interval_s)

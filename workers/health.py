@@ -1,0 +1,61 @@
+"""The server health state machine: healthy → suspect → down → recovering → healthy.
+
+Pure logic with no I/O, so it is tested with a fake clock; the watchdog applies its verdicts.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class Health(enum.StrEnum):
+    UNKNOWN = "unknown"
+    HEALTHY = "healthy"
+    SUSPECT = "suspect"
+    DOWN = "down"
+    RECOVERING = "recovering"
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """Defaults close to SGLang's router: 3 failures to go down, 2 successes to come back."""
+
+    failures_to_down: int = 3
+    successes_to_up: int = 2
+
+    def __post_init__(self) -> None:
+        if self.failures_to_down < 1 or self.successes_to_up < 1:
+            raise ValueError("health thresholds must be at least 1")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    state: Health
+    failures: int
+    successes: int
+
+    @property
+    def serving(self) -> bool:
+        """May work be sent to the server in this state?"""
+        return self.state in (Health.HEALTHY, Health.SUSPECT, Health.UNKNOWN)
+
+
+def step(previous: Verdict, ok: bool, thresholds: Thresholds, *, stalled: bool = False) -> Verdict:
+    """The verdict after one probe (ok or not); a stalled server is down at once."""
+    if stalled:
+        return Verdict(Health.DOWN, max(previous.failures, thresholds.failures_to_down), 0)
+    state = previous.state
+    if ok:
+        if state in (Health.DOWN, Health.RECOVERING):
+            successes = previous.successes + 1 if state == Health.RECOVERING else 1
+            if successes >= thresholds.successes_to_up:
+                return Verdict(Health.HEALTHY, 0, successes)
+            return Verdict(Health.RECOVERING, 0, successes)
+        return Verdict(Health.HEALTHY, 0, previous.successes + 1)
+    failures = previous.failures + 1
+    if state in (Health.DOWN, Health.RECOVERING):
+        return Verdict(Health.DOWN, failures, 0)
+    if failures >= thresholds.failures_to_down:
+        return Verdict(Health.DOWN, failures, 0)
+    return Verdict(Health.SUSPECT, failures, 0)

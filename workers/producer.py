@@ -1,0 +1,213 @@
+"""The producer: stream prompts, template and tokenize them, write ledger rows, publish ids.
+
+A bad line is reported with its number and skipped; a rerun inserts and publishes nothing
+new; each chunk is one transaction, so nothing half-written is left behind.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Engine
+
+from app import ledger
+from app.constants import EVENT_ENQUEUED, EVENT_RUN_CREATED
+from app.contracts import PromptRecord, SamplingParams
+from app.errors import InputError
+from app.inputs import read_prompts
+from app.tokenization import ChatTokenizer
+
+log = logging.getLogger(__name__)
+
+CHUNK_LINES = 512
+
+
+@dataclass(frozen=True)
+class EnqueueOptions:
+    input_path: Path
+    run: str
+    sampling: SamplingParams
+    samples_per_prompt: int = 1
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class EnqueueReport:
+    run: str
+    run_created: bool = False
+    lines: int = 0
+    prompts: int = 0
+    inserted: int = 0
+    already_present: int = 0
+    published: int = 0
+    errors: list[InputError] = field(default_factory=list)
+
+    @property
+    def skipped(self) -> int:
+        return len(self.errors)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "run": self.run,
+            "run_created": self.run_created,
+            "prompts": self.prompts,
+            "inserted": self.inserted,
+            "already_present": self.already_present,
+            "published": self.published,
+            "skipped": self.skipped,
+            "errors": [{"line": e.line, "reason": e.reason} for e in self.errors],
+        }
+
+
+Publish = Callable[[list[int]], None]
+
+
+def _chunks(records: Iterator[PromptRecord | InputError], size: int) -> Iterator[list[Any]]:
+    chunk: list[Any] = []
+    for record in records:
+        chunk.append(record)
+        if len(chunk) >= size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def _tokenize(
+    tokenizer: ChatTokenizer, records: list[PromptRecord], kwargs: dict[str, Any]
+) -> list[list[int] | InputError]:
+    """Prompt ids for each record, or the error of the one record that could not be templated."""
+    out: list[list[int] | InputError] = [[] for _ in records]
+    chat = [(i, r) for i, r in enumerate(records) if r.messages is not None]
+    for i, r in enumerate(records):
+        if r.input_ids is not None:
+            out[i] = list(r.input_ids)
+    if chat:
+        try:
+            batch = tokenizer.apply_batch([r.messages or [] for _, r in chat], kwargs)
+            for (i, _), ids in zip(chat, batch, strict=True):
+                out[i] = ids
+        except Exception:
+            # find the line that breaks the template instead of losing the chunk
+            for i, r in chat:
+                try:
+                    out[i] = tokenizer.apply(r.messages or [], kwargs)
+                except Exception as exc:
+                    out[i] = InputError(f"chat template failed: {exc}", r.line)
+    return out
+
+
+def enqueue(
+    db: Engine,
+    tokenizer: ChatTokenizer,
+    options: EnqueueOptions,
+    *,
+    publish: Publish | None,
+    on_error: Callable[[InputError], None] = lambda e: None,
+    on_progress: Callable[[int], None] = lambda n: None,
+) -> EnqueueReport:
+    """Stream options.input_path into the ledger; publish new ids when publish is given."""
+    report = EnqueueReport(run=options.run)
+    spec = ledger.RunSpec(
+        name=options.run,
+        tokenizer_path=str(tokenizer.path),
+        tokenizer_hash=tokenizer.tokenizer_hash,
+        chat_template_hash=tokenizer.chat_template_hash,
+        chat_template_kwargs=options.chat_template_kwargs,
+        sampling=options.sampling,
+        samples_per_prompt=options.samples_per_prompt,
+        think_end_id=tokenizer.think_end_id,
+        eos_token_ids=list(tokenizer.eos_token_ids),
+    )
+    with db.begin() as conn:
+        run, created = ledger.get_or_create_run(conn, spec)
+        report.run_created = created
+        if created:
+            ledger.record_event(
+                conn,
+                EVENT_RUN_CREATED,
+                f"run {run.name} created: tokenizer {spec.tokenizer_path}, "
+                f"sampling {spec.sampling.to_json()}",
+                run_id=run.id,
+            )
+    context = tokenizer.context_length
+    published_after = 0
+
+    def fail(error: InputError) -> None:
+        report.errors.append(error)
+        on_error(error)
+
+    for chunk in _chunks(read_prompts(options.input_path), CHUNK_LINES):
+        records: list[PromptRecord] = []
+        for entry in chunk:
+            if isinstance(entry, InputError):
+                fail(entry)
+            else:
+                records.append(entry)
+        report.lines = max(report.lines, *(entry.line or 0 for entry in chunk))
+        with db.connect() as conn:
+            present = ledger.existing_keys(conn, run.id, (r.key for r in records))
+        fresh = [r for r in records if r.key not in present]
+        report.already_present += len(records) - len(fresh)
+        report.prompts += len(records)
+        new_items: list[ledger.NewItem] = []
+        for record, ids in zip(
+            fresh, _tokenize(tokenizer, fresh, options.chat_template_kwargs), strict=True
+        ):
+            if isinstance(ids, InputError):
+                fail(ids)
+                continue
+            if not ids:
+                fail(InputError("the prompt is empty after templating", record.line))
+                continue
+            if context is not None and len(ids) >= context:
+                fail(
+                    InputError(
+                        f"prompt has {len(ids)} tokens, at or over the model's context "
+                        f"length {context}",
+                        record.line,
+                    )
+                )
+                continue
+            for k in range(options.samples_per_prompt):
+                new_items.append(ledger.NewItem(record.key, k, record.line, record.messages, ids))
+        with db.begin() as conn:
+            report.inserted += ledger.insert_items(conn, run.id, new_items)
+        if publish is not None:
+            published_after = _publish_pending(db, run.id, publish, published_after, report)
+        on_progress(report.lines)
+    if publish is not None:
+        _publish_pending(db, run.id, publish, published_after, report)
+    with db.begin() as conn:
+        ledger.record_event(
+            conn,
+            EVENT_ENQUEUED,
+            f"{report.inserted} items inserted, {report.published} published, "
+            f"{report.already_present} prompts already present, {report.skipped} lines skipped",
+            run_id=run.id,
+            details=report.to_json() | {"errors": report.to_json()["errors"][:50]},
+        )
+    log.info(
+        "enqueue %s: %s", options.run, {k: v for k, v in report.to_json().items() if k != "errors"}
+    )
+    return report
+
+
+def _publish_pending(
+    db: Engine, run_id: int, publish: Publish, after_id: int, report: EnqueueReport
+) -> int:
+    """Publish every still-pending item of the run (new ones, and ones a crash left behind)."""
+    while True:
+        with db.connect() as conn:
+            ids = ledger.pending_ids(conn, run_id, after_id=after_id)
+        if not ids:
+            return after_id
+        publish(ids)
+        with db.begin() as conn:
+            ledger.mark_queued(conn, ids)
+        report.published += len(ids)
+        after_id = ids[-1]

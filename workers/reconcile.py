@@ -1,0 +1,122 @@
+"""Reconcile: the ledger says what is unfinished; put back what no worker holds.
+
+Expired leases (dead workers) and never-published items are re-queued; running it twice
+changes nothing because the messages it sends are idempotent claims.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from sqlalchemy import Engine
+
+from app import ledger
+from app.constants import EVENT_RECONCILED
+from app.settings import Settings
+from workers.broker_scan import broker_item_ids
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ReconcileReport:
+    expired: int = 0
+    unpublished: int = 0
+    lost: int = 0
+    broker_checked: bool = False
+
+    @property
+    def requeued(self) -> int:
+        return self.expired + self.unpublished + self.lost
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "expired": self.expired,
+            "unpublished": self.unpublished,
+            "lost": self.lost,
+            "broker_checked": self.broker_checked,
+        }
+
+
+def reconcile(
+    db: Engine,
+    settings: Settings,
+    *,
+    run: str | None,
+    publish: Callable[[list[int], float], None],
+) -> ReconcileReport:
+    report = ReconcileReport()
+    with db.begin() as conn:
+        run_id = ledger.get_run(conn, run).id if run else None
+        expired = ledger.requeue_expired(conn, run_id=run_id)
+        publish(expired, 0.0)
+    report.expired = len(expired)
+    runs = [run] if run else None
+    with db.connect() as conn:
+        run_infos = [ledger.get_run(conn, r) for r in runs] if runs else ledger.list_runs(conn)
+    for info in run_infos:
+        after = 0
+        while True:
+            with db.connect() as conn:
+                ids = ledger.pending_ids(conn, info.id, after_id=after)
+            if not ids:
+                break
+            publish(ids, 0.0)
+            with db.begin() as conn:
+                ledger.mark_queued(conn, ids)
+            report.unpublished += len(ids)
+            after = ids[-1]
+    report.lost = _requeue_lost(db, settings, run_infos, publish, report)
+    if report.requeued:
+        log.info(
+            "reconcile re-queued %d expired, %d unpublished and %d lost items",
+            report.expired,
+            report.unpublished,
+            report.lost,
+        )
+        with db.begin() as conn:
+            ledger.record_event(
+                conn,
+                EVENT_RECONCILED,
+                f"reconcile re-queued {report.expired} "
+                f"expired, {report.unpublished} unpublished and {report.lost} "
+                "items the broker had lost",
+                run_id=run_id,
+                details=report.to_json(),
+            )
+    return report
+
+
+def _requeue_lost(
+    db: Engine,
+    settings: Settings,
+    run_infos: list[ledger.RunInfo],
+    publish: Callable[[list[int], float], None],
+    report: ReconcileReport,
+) -> int:
+    """Items queued in the ledger for a while that no broker message carries any more."""
+    held = broker_item_ids(settings.resolved_broker_url())
+    if held is None:
+        return 0
+    report.broker_checked = True
+    cutoff = ledger.utcnow() - timedelta(seconds=settings.reconcile_grace_s)
+    lost_total = 0
+    for info in run_infos:
+        after = 0
+        while True:
+            with db.connect() as conn:
+                page = ledger.queued_before(conn, info.id, cutoff, after_id=after)
+            if not page:
+                break
+            lost = [i for i in page if i not in held]
+            if lost:
+                with db.begin() as conn:
+                    ledger.touch_queued(conn, lost)
+                publish(lost, 0.0)
+                lost_total += len(lost)
+            after = page[-1]
+    return lost_total

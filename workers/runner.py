@@ -1,0 +1,153 @@
+"""The embedded runner behind `tokenmill run` and `tokenmill demo`: one in-flight window per
+server, fed straight from the ledger (no broker), until every item is done or failed.
+
+Uses the same window, claims and idempotent writes as the Celery workers.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from sqlalchemy import Engine
+
+from app import ledger
+from app.errors import ConfigurationError
+from app.ledger import RunCounts, RunInfo
+from app.settings import Settings
+from workers.runtime import WorkerRuntime
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ServerView:
+    name: str
+    url: str
+    inflight: int
+    done: int
+    failed: int
+    output_tokens: int
+    unavailable: bool
+    last_error: str | None
+
+
+class EmbeddedRunner:
+    """Feeds claimable items of one run to a window per server until the run is finished."""
+
+    def __init__(
+        self,
+        db: Engine,
+        settings: Settings,
+        run: RunInfo,
+        server_urls: list[str],
+        *,
+        poll_s: float = 0.05,
+    ) -> None:
+        if not server_urls:
+            raise ConfigurationError("give at least one --server URL")
+        self.db = db
+        self.settings = settings
+        self.run = run
+        self.poll_s = poll_s
+        self.runtimes = [
+            WorkerRuntime(
+                settings,
+                db=db,
+                server_url=url,
+                server_name=None,
+                on_released=lambda ids, wait_s: None,  # released items are claimed from the ledger
+            )
+            for url in server_urls
+        ]
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._refused: dict[str, bool] = {}
+
+    def start(self) -> None:
+        for rt in self.runtimes:
+            rt.start()
+            thread = threading.Thread(
+                target=self._feed, args=(rt,), name=f"tm-feed-{rt.server_name}", daemon=True
+            )
+            thread.start()
+            self._threads.append(thread)
+
+    def _feed(self, rt: WorkerRuntime) -> None:
+        while not self._stop.is_set():
+            room = rt.window.room()
+            if room <= 0 or rt.window.unavailable() or rt.paused():
+                self._stop.wait(self.poll_s)
+                continue
+            if not rt.run_matches_server(self.run.id):
+                self._refused[rt.server_name] = True
+                self._stop.wait(max(self.poll_s, rt.settings.unavailable_wait_s))
+                rt.forget_run(self.run.id)  # look again: the server may come back fixed
+                continue
+            self._refused[rt.server_name] = False
+            try:
+                with self.db.begin() as conn:
+                    claimed = ledger.claim_next(
+                        conn,
+                        owner=rt.owner,
+                        server=rt.server_name,
+                        lease_s=rt.settings.lease_s,
+                        limit=min(room, 256),
+                        run_id=self.run.id,
+                    )
+            except Exception as exc:
+                log.warning("claiming from the ledger failed (%s); retrying", exc)
+                self._stop.wait(1.0)
+                continue
+            if claimed:
+                rt.window.submit(claimed)
+            else:
+                self._stop.wait(self.poll_s)
+
+    def counts(self) -> RunCounts:
+        with self.db.connect() as conn:
+            return ledger.run_counts(conn, self.run)
+
+    def servers(self) -> list[ServerView]:
+        return [
+            ServerView(
+                name=rt.server_name,
+                url=rt.server_url,
+                inflight=rt.window.stats.inflight,
+                done=rt.window.stats.done,
+                failed=rt.window.stats.failed,
+                output_tokens=rt.window.stats.output_tokens,
+                unavailable=rt.window.unavailable(),
+                last_error=rt.window.stats.last_error,
+            )
+            for rt in self.runtimes
+        ]
+
+    def all_refused(self) -> bool:
+        return len(self._refused) == len(self.runtimes) and all(self._refused.values())
+
+    def wait(
+        self, on_tick: Callable[[RunCounts], None] = lambda c: None, tick_s: float = 0.5
+    ) -> RunCounts:
+        """Block until the run has no unfinished items; lease expiries are swept meanwhile."""
+        last_sweep = time.monotonic()
+        while True:
+            counts = self.counts()
+            on_tick(counts)
+            if counts.finished and all(rt.window.idle() for rt in self.runtimes):
+                return counts
+            if time.monotonic() - last_sweep > self.settings.heartbeat_s:
+                last_sweep = time.monotonic()
+                with self.db.begin() as conn:
+                    ledger.requeue_expired(conn, run_id=self.run.id)
+            time.sleep(tick_s)
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=5)
+        for rt in self.runtimes:
+            rt.stop()

@@ -1,0 +1,209 @@
+"""One worker's runtime: the server it serves, its in-flight window and per-run pinned config.
+
+Created lazily in the worker process (after any fork); the Celery task and the embedded
+runner both hand claimed items to it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from urllib.parse import urlsplit
+
+from sqlalchemy import Engine
+
+from app import ledger, registry
+from app.constants import EVENT_FINGERPRINT_MISMATCH, EVENT_FINGERPRINT_PINNED
+from app.contracts import SamplingParams, ServerFingerprint
+from app.errors import GenerationError
+from app.settings import Settings
+from app.sglang import SGLangClient
+from workers.window import InflightWindow, WindowConfig
+
+log = logging.getLogger(__name__)
+
+
+def server_name_for(url: str) -> str:
+    """A readable default name for a server: host:port of its URL."""
+    parts = urlsplit(url)
+    return parts.netloc or url
+
+
+def client_for(url: str, settings: Settings) -> SGLangClient:
+    """A single-connection client of url with every timeout from settings."""
+    return SGLangClient(
+        url,
+        connect_timeout_s=settings.connect_timeout_s,
+        generate_timeout_s=settings.generate_timeout_s,
+        info_timeout_s=settings.info_timeout_s,
+        probe_timeout_s=settings.probe_timeout_s,
+    )
+
+
+def make_owner(label: str) -> str:
+    """A lease owner id unique to this process and window."""
+    return f"{socket.gethostname()}:{os.getpid()}:{label}:{uuid.uuid4().hex[:8]}"
+
+
+class WorkerRuntime:
+    """Everything one worker process needs to turn claimed item ids into stored results."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        db: Engine,
+        server_url: str,
+        server_name: str | None = None,
+        on_released: Callable[[list[int], float], None],
+        inflight: int | None = None,
+        backlog: int | None = None,
+    ) -> None:
+        self.settings = settings
+        self.db = db
+        self.server_url = server_url.rstrip("/")
+        self.server_name = server_name or server_name_for(self.server_url)
+        self.owner = make_owner(self.server_name)
+        self._lock = threading.Lock()
+        self._sampling: dict[int, SamplingParams] = {}
+        self._run_ok: dict[int, bool] = {}
+        self._pause_cache: tuple[float, bool, str | None] = (-1e9, False, None)
+        self._fingerprint: ServerFingerprint | None = None
+        n = inflight or settings.inflight
+        self.window = InflightWindow(
+            WindowConfig(
+                server_name=self.server_name,
+                inflight=n,
+                lease_s=settings.lease_s,
+                heartbeat_s=settings.heartbeat_s,
+                max_attempts=settings.max_attempts,
+                retry_backoff_s=settings.retry_backoff_s,
+                retry_backoff_max_s=settings.retry_backoff_max_s,
+                unavailable_wait_s=settings.unavailable_wait_s,
+                backlog=backlog if backlog is not None else max(2 * settings.batch_size, n // 4),
+            ),
+            db=db,
+            owner=self.owner,
+            client_factory=self.new_client,
+            sampling_for_run=self.sampling_for_run,
+            on_released=on_released,
+            is_paused=self.paused,
+        )
+
+    def new_client(self) -> SGLangClient:
+        return client_for(self.server_url, self.settings)
+
+    def start(self) -> None:
+        self.window.start()
+
+    def stop(self) -> None:
+        self.window.stop(self.settings.drain_timeout_s)
+
+    # --- per-run configuration --------------------------------------------------------------
+
+    def sampling_for_run(self, run_id: int) -> SamplingParams:
+        with self._lock:
+            cached = self._sampling.get(run_id)
+        if cached is not None:
+            return cached
+        with self.db.connect() as conn:
+            sampling = ledger.get_run_by_id(conn, run_id).sampling
+        with self._lock:
+            self._sampling[run_id] = sampling
+        return sampling
+
+    def paused(self) -> bool:
+        """The durable pause flag of this server, read at most once a second."""
+        return self.pause_state()[0]
+
+    def pause_state(self, *, max_age_s: float = 1.0) -> tuple[bool, str | None]:
+        """(paused, who paused it) from the ledger; on a read error the last known value."""
+        now = time.monotonic()
+        at, paused, by = self._pause_cache
+        if now - at < max_age_s:
+            return paused, by
+        try:
+            with self.db.connect() as conn:
+                paused, by = registry.pause_flag(conn, self.server_name)
+        except Exception as exc:
+            log.warning("could not read the pause flag of %s (%s)", self.server_name, exc)
+        self._pause_cache = (now, paused, by)
+        return paused, by
+
+    def register(self, worker: str | None) -> None:
+        """Record this server (and the worker serving it) in the ledger's registry."""
+        with self.db.begin() as conn:
+            registry.upsert_server(conn, self.server_name, self.server_url)
+            if worker:
+                registry.add_worker(conn, self.server_name, worker)
+
+    def unregister(self, worker: str) -> None:
+        try:
+            with self.db.begin() as conn:
+                registry.remove_worker(conn, self.server_name, worker)
+        except Exception as exc:
+            log.warning("could not unregister worker %s (%s)", worker, exc)
+
+    def server_fingerprint(self) -> ServerFingerprint:
+        if self._fingerprint is None:
+            client = self.new_client()
+            try:
+                self._fingerprint = client.fingerprint()
+            finally:
+                client.close()
+        return self._fingerprint
+
+    def run_matches_server(self, run_id: int) -> bool:
+        """Pin the server fingerprint on first use of a run; refuse a server that differs."""
+        with self._lock:
+            known = self._run_ok.get(run_id)
+        if known is not None:
+            return known
+        try:
+            fingerprint = self.server_fingerprint()
+        except GenerationError as exc:
+            log.info("fingerprint of %s unavailable (%s); deferring", self.server_name, exc)
+            return False
+        mine = fingerprint.to_json()
+        with self.db.begin() as conn:
+            pinned = ledger.pin_fingerprint(conn, run_id, mine)
+            ok = pinned == mine
+            if ok and pinned is not None:
+                log.info("run %d uses server %s fingerprint %s", run_id, self.server_name, mine)
+                ledger.record_event(
+                    conn,
+                    EVENT_FINGERPRINT_PINNED,
+                    f"{self.server_name} serves run with {mine}",
+                    run_id=run_id,
+                    server=self.server_name,
+                    details=mine,
+                )
+            if not ok:
+                diff = ServerFingerprint(**pinned).differences(fingerprint)
+                message = (
+                    f"server {self.server_name} does not match the run's pinned configuration: "
+                    + "; ".join(diff)
+                )
+                log.warning(message)
+                ledger.record_event(
+                    conn,
+                    EVENT_FINGERPRINT_MISMATCH,
+                    message,
+                    run_id=run_id,
+                    server=self.server_name,
+                    details={"pinned": pinned, "server": mine},
+                )
+        with self._lock:
+            self._run_ok[run_id] = ok
+        return ok
+
+    def forget_run(self, run_id: int) -> None:
+        """Check this run's fingerprint again on next use (the server may have changed)."""
+        with self._lock:
+            self._run_ok.pop(run_id, None)
+        self._fingerprint = None

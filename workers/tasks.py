@@ -1,0 +1,116 @@
+"""Celery tasks, thin shells: decode ids, call the pipeline, report counts.
+
+Task names are fixed strings (app.constants); queued messages refer to them. The watchdog and
+reconcile run on the control queue, which is never paused.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from celery.signals import worker_ready, worker_shutdown
+
+from app.celery_app import celery_app
+from app.constants import GENERATE_TASK, RECONCILE_TASK, WATCHDOG_TASK
+from app.database import get_engine
+from app.locks import exclusive
+from app.settings import get_settings
+from workers import reconcile as reconcile_logic
+from workers.control import CeleryControl
+from workers.enforcer import PauseEnforcer
+from workers.generate import handle_message
+from workers.publish import publish_items
+from workers.runtime import WorkerRuntime
+from workers.watchdog import run_watchdog
+
+log = logging.getLogger(__name__)
+
+_runtime: WorkerRuntime | None = None
+_enforcer: PauseEnforcer | None = None
+_runtime_lock = threading.Lock()
+
+
+def requeue(ids: list[int], countdown_s: float) -> None:
+    if ids:
+        publish_items(ids, batch_size=get_settings().batch_size, countdown_s=countdown_s)
+
+
+def runtime() -> WorkerRuntime:
+    """This process's runtime, created on first use (after the fork, never at import)."""
+    global _runtime
+    with _runtime_lock:
+        if _runtime is None:
+            settings = get_settings()
+            _runtime = WorkerRuntime(
+                settings,
+                db=get_engine(settings),
+                server_url=settings.sglang_url,
+                server_name=settings.server_name,
+                on_released=requeue,
+            )
+            _runtime.start()
+        return _runtime
+
+
+@worker_ready.connect
+def _on_worker_ready(sender: Any = None, **_: Any) -> None:
+    global _enforcer
+    rt = runtime()
+    hostname = getattr(sender, "hostname", None)
+    rt.register(hostname)
+    if hostname:
+        _enforcer = PauseEnforcer(rt, hostname, CeleryControl(), rt.settings.pause_check_s)
+        _enforcer.check()  # a worker started during a pause never consumes
+        _enforcer.start()
+    log.info(
+        "worker %s serves %s (%s), %d in flight",
+        hostname,
+        rt.server_name,
+        rt.server_url,
+        rt.window.config.inflight,
+    )
+
+
+@worker_shutdown.connect
+def _on_worker_shutdown(sender: Any = None, **_: Any) -> None:
+    global _runtime, _enforcer
+    with _runtime_lock:
+        rt, _runtime = _runtime, None
+        enforcer, _enforcer = _enforcer, None
+    if enforcer is not None:
+        enforcer.stop()
+    if rt is not None:
+        rt.stop()
+        hostname = getattr(sender, "hostname", None)
+        if hostname:
+            rt.unregister(hostname)
+
+
+@celery_app.task(name=GENERATE_TASK, acks_late=True, ignore_result=True)
+def generate(item_ids: list[int]) -> dict[str, int]:
+    """Claim these items and send them to this worker's SGLang server."""
+    return handle_message(runtime(), item_ids, requeue=requeue)
+
+
+@celery_app.task(name=RECONCILE_TASK, acks_late=True, ignore_result=True)
+def reconcile(run: str | None = None) -> dict[str, int]:
+    """Re-queue items whose lease expired, that were never published, or that the broker lost."""
+    settings = get_settings()
+    with exclusive(settings, "reconcile", ttl_s=600) as held:
+        if not held:
+            return {"skipped": 1}
+        report = reconcile_logic.reconcile(get_engine(settings), settings, run=run, publish=requeue)
+    return report.to_json()
+
+
+@celery_app.task(name=WATCHDOG_TASK, ignore_result=True)
+def watchdog() -> dict[str, str]:
+    """Probe every server once; pause the down, resume the healthy (one watchdog at a time)."""
+    settings = get_settings()
+    with exclusive(settings, "watchdog", ttl_s=settings.probe_timeout_s * 2 + 30) as held:
+        if not held:
+            log.info("another watchdog round is still running; skipping this one")
+            return {}
+        return run_watchdog(get_engine(settings), settings, CeleryControl())

@@ -1,0 +1,216 @@
+"""The watchdog: probes every server, moves it through the health states, pauses the workers
+of a server that is down or stalled and resumes them once it is healthy with the same
+fingerprint the runs pinned. Runs as a periodic task on the never-paused control queue.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Protocol
+
+from sqlalchemy import Engine
+
+from app import ledger, registry
+from app.contracts import ServerFingerprint
+from app.errors import GenerationError
+from app.registry import (
+    PAUSED_BY_FINGERPRINT,
+    PAUSED_BY_WATCHDOG,
+    ServerInfo,
+)
+from app.settings import Settings
+from app.sglang import SGLangClient
+from workers.control import WorkerControl, pause_server, resume_server
+from workers.health import Health, Thresholds, Verdict, step
+from workers.runtime import client_for
+
+log = logging.getLogger(__name__)
+
+EVENT_STATE = "state"
+EVENT_FINGERPRINT_MISMATCH = "fingerprint_mismatch"
+
+
+@dataclass(frozen=True)
+class Probe:
+    ok: bool
+    latency_s: float | None
+    error: str | None
+
+
+class Prober(Protocol):
+    def probe(self, server: ServerInfo) -> Probe: ...
+
+    def fingerprint(self, server: ServerInfo) -> ServerFingerprint: ...
+
+
+class HttpProber:
+    """Probes `/health_generate` with a client timeout above SGLang's own 20 s."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+
+    def _client(self, server: ServerInfo) -> SGLangClient:
+        return client_for(server.url, self.settings)
+
+    def probe(self, server: ServerInfo) -> Probe:
+        with self._client(server) as client:
+            result = client.health("/health_generate")
+        error = None
+        if not result.ok:
+            error = result.error or f"HTTP {result.status_code}"
+        return Probe(result.ok, result.latency_s, error)
+
+    def fingerprint(self, server: ServerInfo) -> ServerFingerprint:
+        with self._client(server) as client:
+            return client.fingerprint()
+
+
+def fingerprint_conflicts(
+    fingerprint: ServerFingerprint, pinned: list[tuple[int, str, dict[str, object]]]
+) -> list[str]:
+    """One line per active run whose pinned fingerprint this server does not match."""
+    lines = []
+    for _run_id, run_name, want in pinned:
+        diff = ServerFingerprint(**want).differences(fingerprint)  # type: ignore[arg-type]
+        if diff:
+            lines.append(f"run {run_name}: " + "; ".join(diff))
+    return lines
+
+
+def check_server(
+    db: Engine,
+    control: WorkerControl,
+    prober: Prober,
+    server: ServerInfo,
+    *,
+    thresholds: Thresholds,
+    stall_s: float,
+) -> Verdict:
+    """Probe one server, record the verdict, and pause or resume its workers accordingly."""
+    probe = prober.probe(server)
+    with db.connect() as conn:
+        load = registry.server_load(conn, server.name)
+    stalled = probe.ok and registry.is_stalled(load, now=ledger.utcnow(), stall_s=stall_s)
+    previous = Verdict(
+        Health(server.state), server.consecutive_failures, server.consecutive_successes
+    )
+    verdict = step(previous, probe.ok, thresholds, stalled=stalled)
+    error = probe.error
+    if stalled:
+        error = (
+            f"stalled: {load.leased} requests in flight and none finished for "
+            f"{stall_s:.0f}s (health route said ok)"
+        )
+    with db.begin() as conn:
+        registry.record_probe(
+            conn,
+            server.name,
+            state=verdict.state.value,
+            failures=verdict.failures,
+            successes=verdict.successes,
+            ok=probe.ok and not stalled,
+            latency_s=probe.latency_s,
+            error=error,
+        )
+        if verdict.state != previous.state:
+            message = f"{server.name}: {previous.state.value} → {verdict.state.value}"
+            if error and verdict.state in (Health.SUSPECT, Health.DOWN):
+                message += f" ({error})"
+            ledger.record_event(
+                conn,
+                EVENT_STATE,
+                message,
+                server=server.name,
+                details={"from": previous.state.value, "to": verdict.state.value, "error": error},
+            )
+            log.warning(message)
+    if verdict.state == Health.DOWN and not server.paused:
+        pause_server(
+            db, control, server.name, by=PAUSED_BY_WATCHDOG, reason=f"server down: {error}"
+        )
+    elif verdict.state == Health.HEALTHY and (
+        previous.state != Health.HEALTHY
+        or server.paused_by in (PAUSED_BY_WATCHDOG, PAUSED_BY_FINGERPRINT)
+    ):
+        _admit(db, control, prober, server)
+    return verdict
+
+
+def _admit(db: Engine, control: WorkerControl, prober: Prober, server: ServerInfo) -> None:
+    """A healthy server serves again only with the fingerprint its runs pinned."""
+    try:
+        fingerprint = prober.fingerprint(server)
+    except GenerationError as exc:
+        log.warning("fingerprint of %s unavailable (%s); it stays as it is", server.name, exc)
+        return
+    with db.begin() as conn:
+        registry.set_fingerprint(conn, server.name, fingerprint.to_json())
+        conflicts = fingerprint_conflicts(fingerprint, registry.active_run_fingerprints(conn))
+    if conflicts:
+        reason = "fingerprint differs from the pinned one: " + " | ".join(conflicts)
+        if pause_server(db, control, server.name, by=PAUSED_BY_FINGERPRINT, reason=reason):
+            with db.begin() as conn:
+                ledger.record_event(
+                    conn,
+                    EVENT_FINGERPRINT_MISMATCH,
+                    f"{server.name} stays paused: {reason}",
+                    server=server.name,
+                    details={"server": fingerprint.to_json()},
+                )
+        return
+    if server.paused and server.paused_by in (PAUSED_BY_WATCHDOG, PAUSED_BY_FINGERPRINT):
+        resume_server(
+            db,
+            control,
+            server.name,
+            by=PAUSED_BY_WATCHDOG,
+            reason="healthy again with the pinned fingerprint",
+        )
+
+
+def run_watchdog(
+    db: Engine,
+    settings: Settings,
+    control: WorkerControl,
+    prober: Prober | None = None,
+    *,
+    clock: Callable[[], float] = time.monotonic,
+) -> dict[str, str]:
+    """One round: every server probed once, concurrently, never two probes to one server."""
+    prober = prober or HttpProber(settings)
+    thresholds = Thresholds(settings.failures_to_down, settings.successes_to_up)
+    with db.connect() as conn:
+        servers = registry.list_servers(conn)
+    if not servers:
+        return {}
+    started = clock()
+    results: dict[str, str] = {}
+    with ThreadPoolExecutor(
+        max_workers=min(16, len(servers)), thread_name_prefix="tm-probe"
+    ) as pool:
+        futures = {
+            s.name: pool.submit(
+                check_server,
+                db,
+                control,
+                prober,
+                s,
+                thresholds=thresholds,
+                stall_s=settings.stall_s,
+            )
+            for s in servers
+        }
+        for name, future in futures.items():
+            try:
+                results[name] = future.result().state.value
+            except Exception:
+                log.exception("watchdog check of %s failed", name)
+                results[name] = "error"
+    log.debug(
+        "watchdog round over %d servers in %.2fs: %s", len(servers), clock() - started, results
+    )
+    return results
