@@ -8,6 +8,7 @@ from __future__ import annotations
 import gzip
 import json
 import logging
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any, cast
@@ -70,8 +71,9 @@ def read_prompts(
     (or tool) turn, and the answer after it is what gets regenerated.
     """
     seen: dict[str, int] = {}
-    with _open(Path(path)) as stream:
-        for line_no, raw, complete in _lines(stream, max_line_bytes):
+    path = Path(path)
+    with _open(path) as stream:
+        for line_no, raw, complete in _lines(stream, max_line_bytes, path):
             if raw is None:
                 yield InputError(f"line is longer than {max_line_bytes} bytes", line_no)
                 continue
@@ -129,11 +131,13 @@ def _open(path: Path) -> IO[bytes]:
         raise InputError(f"cannot open the prompts file {str(path)!r}: {exc.strerror}") from exc
 
 
-def _lines(stream: IO[bytes], max_line_bytes: int) -> Iterator[tuple[int, bytes | None, bool]]:
+def _lines(
+    stream: IO[bytes], max_line_bytes: int, path: Path
+) -> Iterator[tuple[int, bytes | None, bool]]:
     """(line number, bytes without the newline or None if too long, ended by a newline)."""
     line_no = 0
     while True:
-        chunk = stream.readline(max_line_bytes + 1)
+        chunk = _readline(stream, max_line_bytes + 1, path, line_no)
         if not chunk:
             return
         line_no += 1
@@ -141,10 +145,19 @@ def _lines(stream: IO[bytes], max_line_bytes: int) -> Iterator[tuple[int, bytes 
         if len(chunk) > max_line_bytes and not complete:
             # Too long: skip to the end of the line without holding it in memory.
             while chunk and not chunk.endswith(b"\n"):
-                chunk = stream.readline(_SKIP_CHUNK_BYTES)
+                chunk = _readline(stream, _SKIP_CHUNK_BYTES, path, line_no)
             yield line_no, None, True
             continue
         yield line_no, chunk.rstrip(b"\n").removesuffix(b"\r"), complete
+
+
+def _readline(stream: IO[bytes], size: int, path: Path, line_no: int) -> bytes:
+    """One readline; a file that cannot be read on (not gzip, truncated .gz) is an InputError."""
+    try:
+        return stream.readline(size)
+    except (OSError, EOFError, zlib.error) as exc:
+        where = f"after line {line_no}" if line_no else "at its start"
+        raise InputError(f"cannot read the prompts file {str(path)!r} {where}: {exc}") from exc
 
 
 def _parse_line(

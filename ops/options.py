@@ -10,17 +10,22 @@ import json
 import logging
 import sys
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
+from urllib.parse import unquote, urlsplit
 
 import click
+from kombu.exceptions import OperationalError as BrokerError
+from pydantic import ValidationError
 from rich.console import Console
-from sqlalchemy import Engine
+from rich.markup import escape
+from sqlalchemy import Engine, make_url
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from app.contracts import SamplingParams
 from app.database import get_engine
 from app.errors import ConfigurationError, TokenmillError
 from app.migrate import ensure_schema
-from app.settings import Settings, get_settings
+from app.settings import Settings, get_settings, redact_url
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -40,23 +45,86 @@ def setup_logging(level: str) -> None:
 def open_db(settings: Settings | None = None) -> Engine:
     """The ledger engine; the embedded SQLite ledger is created/upgraded on first use."""
     settings = settings or get_settings()
-    engine = get_engine(settings)
+    try:
+        engine = get_engine(settings)
+    except ValueError as exc:  # e.g. a port that is not a number
+        raise ConfigurationError(f"TOKENMILL_DATABASE_URL is not a usable URL: {exc}") from exc
     ensure_schema(engine, auto_upgrade=settings.embedded)
     return engine
 
 
 def handle_errors(func: F) -> F:
-    """Turn tokenmill errors into one clear line and exit code 2 instead of a traceback."""
+    """Turn tokenmill, database, broker and settings errors into one clear line and exit
+    code 2 instead of a traceback; the line never holds a configured password."""
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return func(*args, **kwargs)
         except TokenmillError as exc:
-            console.print(f"[red]error:[/red] {exc}", markup=True, soft_wrap=True)
-            raise SystemExit(2) from exc
+            _fail(str(exc))
+        except SQLAlchemyError as exc:
+            # A DBAPIError's own text appends SQL and parameters: keep the driver's message.
+            cause = exc.orig if isinstance(exc, DBAPIError) and exc.orig is not None else exc
+            _fail(f"the database {_redacted_url('database')} failed: {_first_line(cause)}")
+        except BrokerError as exc:
+            _fail(f"the broker {_redacted_url('broker')} failed: {_first_line(exc)}")
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"TOKENMILL_{'_'.join(map(str, error['loc'])).upper()}: {error['msg']}"
+                for error in exc.errors()
+            )
+            _fail(f"invalid configuration: {problems}")
 
     return wrapper  # type: ignore[return-value]
+
+
+def _fail(message: str) -> NoReturn:
+    for secret in _passwords():
+        message = message.replace(secret, "***")
+    console.print(f"[red]error:[/red] {escape(message)}", markup=True, soft_wrap=True)
+    raise SystemExit(2)
+
+
+def _configured_urls() -> dict[str, str]:
+    try:
+        settings = get_settings()
+    except ValueError:  # invalid settings (pydantic's ValidationError is a ValueError)
+        return {}
+    return {
+        "database": settings.resolved_database_url(),
+        "broker": settings.resolved_broker_url(),
+    }
+
+
+def _redacted_url(which: str) -> str:
+    url = _configured_urls().get(which)
+    if not url:
+        return "(not configured)"
+    if which == "database":
+        try:
+            make_url(url)
+        except (ValueError, SQLAlchemyError):
+            return "(an unparsable URL)"  # it may hold a password redact_url cannot find
+    return redact_url(url)
+
+
+def _passwords() -> set[str]:
+    """The passwords of the configured URLs, as written and percent-decoded."""
+    found: set[str] = set()
+    for url in _configured_urls().values():
+        try:
+            password = urlsplit(url).password
+        except ValueError:
+            continue
+        if password:
+            found |= {password, unquote(password)}
+    return found
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def sampling_options(func: F) -> F:

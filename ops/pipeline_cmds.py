@@ -11,11 +11,12 @@ from typing import Any
 
 import click
 from rich.live import Live
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from app import ledger
-from app.errors import InputError
+from app.errors import InputError, TokenizerError
 from app.export import FORMATS, ExportFormat, export_run
 from app.inputs import parse_chat_template_kwargs
 from app.ledger import RunCounts
@@ -41,7 +42,10 @@ def _enqueue(
     settings = get_settings()
     db = open_db(settings)
     kwargs = parse_chat_template_kwargs(opts["chat_template_kwargs"])
-    tokenizer = load_tokenizer(tokenizer_path, trust_remote_code=opts["trust_remote_code"])
+    try:
+        tokenizer = load_tokenizer(tokenizer_path, trust_remote_code=opts["trust_remote_code"])
+    except TokenizerError as exc:
+        raise TokenizerError(f"--tokenizer: {exc}") from exc
     options = EnqueueOptions(
         input_path=input_path,
         run=run,
@@ -63,7 +67,9 @@ def _enqueue(
         shown += 1
         if shown <= MAX_ERRORS_SHOWN:
             console.print(
-                f"[yellow]skipped[/yellow] {input_path} {error}", markup=True, soft_wrap=True
+                f"[yellow]skipped[/yellow] {escape(str(input_path))} {escape(str(error))}",
+                markup=True,
+                soft_wrap=True,
             )
         elif shown == MAX_ERRORS_SHOWN + 1:
             console.print("[yellow]… more skipped lines; see the counts below[/yellow]")
@@ -76,6 +82,7 @@ def _enqueue(
         TimeElapsedColumn(),
         console=console,
         transient=True,
+        disable=not console.is_terminal,  # a bar in a log file is only noise
     ) as progress:
         task = progress.add_task("enqueue", total=total_bytes or None, lines=0)
         report = enqueue(
@@ -87,10 +94,11 @@ def _enqueue(
             on_progress=lambda n: progress.update(task, lines=n),
         )
     console.print(
-        f"run [bold]{run}[/bold]: {report.prompts} prompts read, {report.inserted} items "
-        f"inserted, {report.published} published, {report.already_present} prompts already "
-        f"present, {report.skipped} lines skipped",
+        f"run [bold]{escape(run)}[/bold]: {report.prompts} prompts read, {report.inserted} "
+        f"items inserted, {report.published} published, {report.already_present} prompts "
+        f"already present, {report.skipped} lines skipped",
         markup=True,
+        soft_wrap=True,
     )
     return report
 
@@ -127,7 +135,7 @@ def _progress_table(counts: RunCounts, runner: EmbeddedRunner, started: float) -
     filled = int(width * finished / counts.total) if counts.total else width
     bar = "█" * filled + "░" * (width - filled)
     table.add_row(
-        f"[bold]{counts.run}[/bold]",
+        f"[bold]{escape(counts.run)}[/bold]",
         bar,
         f"{finished}/{counts.total}",
         f"done {counts.done}",
@@ -138,9 +146,9 @@ def _progress_table(counts: RunCounts, runner: EmbeddedRunner, started: float) -
     )
     for view in runner.servers():
         state = "[red]unavailable[/red]" if view.unavailable else "[green]ok[/green]"
-        err = f"last error: {view.last_error[:80]}" if view.last_error else ""
+        err = f"last error: {escape(view.last_error[:80])}" if view.last_error else ""
         table.add_row(
-            f"  {view.name}",
+            f"  {escape(view.name)}",
             state,
             f"in flight {view.inflight}",
             f"done {view.done}",
@@ -197,7 +205,7 @@ def run_pipeline(
     finally:
         runner.stop()
     console.print(
-        f"run [bold]{run_name}[/bold] finished in {time.monotonic() - started:.1f}s: "
+        f"run [bold]{escape(run_name)}[/bold] finished in {time.monotonic() - started:.1f}s: "
         f"{counts.done} done ({counts.truncated} truncated), {counts.failed} failed, "
         f"{counts.output_tokens} output tokens",
         markup=True,
@@ -231,7 +239,7 @@ def status_cmd(run_name: str | None, as_json: bool) -> None:
     )
     for c in counts:
         table.add_row(
-            c.run,
+            escape(c.run),
             *(
                 str(v)
                 for v in (
@@ -264,14 +272,14 @@ def export_cmd(run_name: str, fmt: ExportFormat, out: Path) -> None:
         tokenizer = load_tokenizer(run.tokenizer_path)
         if tokenizer.tokenizer_hash != run.tokenizer_hash:
             console.print(
-                f"[yellow]warning:[/yellow] the tokenizer at {run.tokenizer_path} "
+                f"[yellow]warning:[/yellow] the tokenizer at {escape(run.tokenizer_path)} "
                 "changed since the run was created",
                 markup=True,
             )
     report = export_run(db, run, fmt, out, tokenizer=tokenizer)
     console.print(
         f"wrote {report.rows} samples ({report.truncated} truncated, "
-        f"{report.tokens} tokens) to {report.path}"
+        f"{report.tokens} tokens) to {escape(str(report.path))}"
     )
 
 

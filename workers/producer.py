@@ -6,6 +6,7 @@ new; each chunk is one transaction, so nothing half-written is left behind.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -112,6 +113,15 @@ def enqueue(
 ) -> EnqueueReport:
     """Stream options.input_path into the ledger; publish new ids when publish is given."""
     report = EnqueueReport(run=options.run)
+    # Read the first line before writing anything: a file that is missing, unreadable or
+    # empty is refused with no run created.
+    entries = read_prompts(options.input_path)
+    first = next(entries, None)
+    if first is None:
+        raise InputError(
+            f"the prompts file {str(options.input_path)!r} is empty (no non-blank lines): "
+            "nothing to enqueue"
+        )
     spec = ledger.RunSpec(
         name=options.run,
         tokenizer_path=str(tokenizer.path),
@@ -141,7 +151,7 @@ def enqueue(
         report.errors.append(error)
         on_error(error)
 
-    for chunk in _chunks(read_prompts(options.input_path), CHUNK_LINES):
+    for chunk in _chunks(itertools.chain([first], entries), CHUNK_LINES):
         records: list[PromptRecord] = []
         for entry in chunk:
             if isinstance(entry, InputError):

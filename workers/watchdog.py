@@ -151,6 +151,8 @@ def _admit(db: Engine, control: WorkerControl, prober: Prober, server: ServerInf
         registry.set_fingerprint(conn, server.name, fingerprint.to_json())
         conflicts = fingerprint_conflicts(fingerprint, registry.active_run_fingerprints(conn))
     if conflicts:
+        if server.paused and server.paused_by not in (PAUSED_BY_WATCHDOG, PAUSED_BY_FINGERPRINT):
+            return  # an operator's or a restart's pause: theirs to lift, not ours to relabel
         reason = "fingerprint differs from the pinned one: " + " | ".join(conflicts)
         if pause_server(db, control, server.name, by=PAUSED_BY_FINGERPRINT, reason=reason):
             with db.begin() as conn:

@@ -26,6 +26,7 @@ from app import ledger
 from app.contracts import GenerateResult, SamplingParams
 from app.errors import PermanentError, RetryableError, ServerUnavailable
 from app.ledger import ClaimedItem, Done, Failed, Outcome, Released, RetryLater
+from app.sglang import ProbeResult
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +35,8 @@ class GenerateClient(Protocol):
     def generate(
         self, input_ids: list[int], sampling_params: dict[str, object], rid: str
     ) -> GenerateResult: ...
+
+    def health(self, path: str = ...) -> ProbeResult: ...
 
     def close(self) -> None: ...
 
@@ -292,9 +295,11 @@ class InflightWindow:
         except RetryableError as exc:
             if job.abandoned:
                 return
-            if self._is_paused():
-                # the watchdog paused this server mid-request: not the item's fault
-                self._settle(Released(item.id, f"server paused: {exc}"), job)
+            if self._is_paused() or (exc.status_code is None and self._server_gone(client)):
+                # the server died or was paused under the request: not the item's fault
+                self._unavailable_until = self._clock() + self.config.unavailable_wait_s
+                job.tries -= 1
+                self._settle(Released(item.id, f"server went away: {exc}"), job)
             elif item.attempts + job.tries >= self.config.max_attempts:
                 log.info(
                     "item %d failed after %d attempts: %s", item.id, item.attempts + job.tries, exc
@@ -341,6 +346,14 @@ class InflightWindow:
             with self._cond:
                 self.stats.inflight -= 1
                 self._sending.pop(item.id, None)
+
+    def _server_gone(self, client: GenerateClient) -> bool:
+        """After a reset or disconnect: is the server itself gone (refused, loading)?"""
+        try:
+            probe = client.health("/health")
+        except Exception:
+            return True
+        return not probe.ok and (probe.status_code is None or probe.status_code == 503)
 
     def _note(self, *, failed: int = 0, error: str | None = None) -> None:
         with self._cond:

@@ -14,7 +14,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.emulator.config import EmulatorConfig
-from app.emulator.model import FinishReason, reasoning_token_count, render_text
+from app.emulator.model import (
+    GREEDY_TEMPERATURE,
+    FinishReason,
+    reasoning_token_count,
+    render_text,
+)
 from app.emulator.schema import check_generate_request
 
 TEXT_UNSUPPORTED = (
@@ -22,8 +27,7 @@ TEXT_UNSUPPORTED = (
     "Please provide input_ids or re-initialize the engine with skip_tokenizer_init=False."
 )
 QUEUE_FULL = "The request queue is full."
-GREEDY_TEMPERATURE = 1e-6
-TOP_K_ALL = 1 << 30
+TOP_K_ALL = 1 << 30  # SGLang's top_k for "the whole vocabulary"
 
 
 class InvalidRequest(ValueError):

@@ -13,6 +13,7 @@ from sqlalchemy import Engine
 from app import ledger
 from app.contracts import GenerateResult, SamplingParams
 from app.errors import PermanentError, RetryableError, ServerUnavailable
+from app.sglang import ProbeResult
 from workers.window import InflightWindow, WindowConfig
 
 Behaviour = Callable[[list[int], int], float | Exception]
@@ -25,6 +26,7 @@ class FakeClient:
         self.script = script
         self.shared = shared
         self.lock = lock
+        self.server_up = True
 
     def generate(
         self, input_ids: list[int], sampling_params: dict[str, object], rid: str
@@ -44,6 +46,11 @@ class FakeClient:
         finally:
             with self.lock:
                 self.shared["now"] -= 1
+
+    def health(self, path: str = "/health") -> ProbeResult:
+        return ProbeResult(
+            ok=self.server_up, status_code=200 if self.server_up else None, latency_s=0.0
+        )
 
     def close(self) -> None:
         pass
@@ -229,3 +236,28 @@ def test_stop_gives_back_unsent_work(sqlite_engine: Engine, run: ledger.RunInfo)
     done = [i for i, r in rows.items() if r.status == "done"]
     assert sorted(done + released) == ids
     assert all(rows[i].status == "queued" and rows[i].attempts == 0 for i in released)
+
+
+def test_reset_by_a_dying_server_costs_no_attempt(
+    sqlite_engine: Engine, run: ledger.RunInfo, started: list[InflightWindow]
+) -> None:
+    released: list[int] = []
+    window, _ = make_window(
+        sqlite_engine, lambda ids, call: RetryableError("Server disconnected"), released=released
+    )
+    original = window._client_factory
+
+    def dead_server_client() -> FakeClient:
+        client = original()
+        assert isinstance(client, FakeClient)
+        client.server_up = False
+        return client
+
+    window._client_factory = dead_server_client
+    started.append(window)
+    window.start()
+    ids = feed(sqlite_engine, window, run, 3)
+    wait_idle(window)
+    rows = statuses(sqlite_engine, run)
+    assert sorted(released) == ids
+    assert {(r.status, r.attempts) for r in rows.values()} == {("queued", 0)}

@@ -1,0 +1,281 @@
+"""Server outages with real processes: beat + watchdog, two `celery -A app worker`s, two
+emulators, real Redis and Postgres. A SIGKILLed server that comes back after a closed-port
+load and loading 503s costs waiting, never a failed item or a spent attempt; `tokenmill
+restart` relaunches a server; a changed fingerprint keeps it paused."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from celery import Celery
+from sqlalchemy import Engine
+
+from app import ledger, registry
+from app.emulator.config import EmulatorConfig
+from app.emulator.model import generate_output
+from ops.emulator_proc import start_emulator
+from tests.support.procs import service_env, start_celery, start_worker, stop, tokenmill
+
+pytestmark = pytest.mark.e2e
+
+FLAGS = ["--max-running", "8", "--step-ms", "10", "--median-tokens", "30", "--sigma", "0.8"]
+CONFIG = EmulatorConfig(max_running=8, step_ms=10, median_tokens=30, sigma=0.8)
+PROMPTS = 300
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def emulator_cmd(port: int, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "app.emulator", "--port", str(port), *FLAGS, *extra]
+
+
+def wait_for(what: str, check: Callable[[], bool], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for: {what}"
+        time.sleep(0.25)
+
+
+def write_prompts(path: Path, n: int) -> Path:
+    import json
+
+    path.write_text(
+        "".join(
+            json.dumps({"id": f"p{i}", "prompt": f"Question number {i}?"}) + "\n" for i in range(n)
+        )
+    )
+    return path
+
+
+def counts(db: Engine, run: str = "outage") -> ledger.RunCounts:
+    with db.connect() as conn:
+        return ledger.run_counts(conn, ledger.get_run(conn, run))
+
+
+def server(db: Engine, name: str) -> registry.ServerInfo:
+    with db.connect() as conn:
+        return registry.get_server(conn, name)
+
+
+def state(db: Engine, name: str) -> str | None:
+    with db.connect() as conn:
+        known = {s.name: s.state for s in registry.list_servers(conn)}
+    return known.get(name)
+
+
+def assert_exact_and_once(db: Engine, run_name: str) -> list[ledger.StoredItem]:
+    with db.connect() as conn:
+        run = ledger.get_run(conn, run_name)
+        stored = list(ledger.iter_items(conn, run.id, statuses=("done", "failed")))
+    assert len({(s.item_key, s.sample_index) for s in stored}) == len(stored) == PROMPTS
+    assert [s for s in stored if s.status != "done"] == []
+    assert {s.attempts for s in stored} == {1}, "an outage spent attempts"
+    for s in stored:
+        expected, _ = generate_output(s.prompt_ids, run.sampling.for_sample(s.sample_index), CONFIG)
+        assert s.output_ids == expected
+    return stored
+
+
+@pytest.fixture
+def deployment(
+    pg_url: str, pg_engine: Engine, redis_url: str, kimi_tokenizer_dir: Path, tmp_path: Path
+) -> Iterator[tuple[dict[str, str], list[subprocess.Popen[bytes]], Path]]:
+    env = service_env(
+        pg_url,
+        redis_url,
+        tmp_path,
+        TOKENMILL_WATCHDOG_INTERVAL_S="1",
+        TOKENMILL_PAUSE_CHECK_S="0.5",
+        TOKENMILL_UNAVAILABLE_WAIT_S="1",
+        TOKENMILL_PROBE_TIMEOUT_S="25",
+        TOKENMILL_RECONCILE_INTERVAL_S="5",
+    )
+    prompts = write_prompts(tmp_path / "prompts.jsonl", PROMPTS)
+    result = tokenmill(
+        [
+            "enqueue",
+            str(prompts),
+            "--run",
+            "outage",
+            "--tokenizer",
+            str(kimi_tokenizer_dir),
+            "--max-new-tokens",
+            "100",
+            "--seed",
+            "1",
+        ],
+        env,
+    )
+    assert result.returncode == 0, result.stderr
+    procs: list[subprocess.Popen[bytes]] = []
+    yield env, procs, tmp_path
+    stop(procs)
+
+
+def test_killed_server_comes_back_and_nothing_fails(
+    deployment: tuple[dict[str, str], list[subprocess.Popen[bytes]], Path],
+    pg_engine: Engine,
+    redis_url: str,
+) -> None:
+    env, procs, tmp = deployment
+    port = free_port()
+    victim = subprocess.Popen(
+        emulator_cmd(port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    steady = start_emulator(FLAGS)
+    procs.append(victim)
+    try:
+        procs.append(
+            start_worker(
+                env
+                | {
+                    "TOKENMILL_SGLANG_URL": f"http://127.0.0.1:{port}",
+                    "TOKENMILL_SERVER_NAME": "gpu-a",
+                },
+                "wa",
+                tmp / "wa.log",
+            )
+        )
+        procs.append(
+            start_worker(
+                env | {"TOKENMILL_SGLANG_URL": steady.url, "TOKENMILL_SERVER_NAME": "gpu-b"},
+                "wb",
+                tmp / "wb.log",
+            )
+        )
+        procs.append(start_celery("beat", env, tmp / "beat.log"))
+        wait_for(
+            "both servers healthy",
+            lambda: all(state(pg_engine, n) == "healthy" for n in ("gpu-a", "gpu-b")),
+            60,
+        )
+        wait_for("gpu-a doing work", lambda: counts(pg_engine).done > 30, 60)
+
+        victim.kill()
+        wait_for("gpu-a paused by the watchdog", lambda: server(pg_engine, "gpu-a").paused, 30)
+        a = server(pg_engine, "gpu-a")
+        assert a.state == "down" and a.paused_by == "watchdog"
+        inspector = Celery(broker=redis_url).control.inspect(timeout=3.0)
+        queues = inspector.active_queues() or {}
+        wa = next(v for k, v in queues.items() if k.startswith("wa@"))
+        assert "generate" not in {q["name"] for q in wa}, "gpu-a's worker still consumes"
+        assert "tokenmill.control" in {q["name"] for q in wa}
+
+        # back after a 4 s load with the port closed, then 3 s of loading 503s
+        procs.append(
+            subprocess.Popen(
+                emulator_cmd(port, "--startup-delay-s", "4", "--loading-s", "3"),
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
+        wait_for("gpu-a resumed", lambda: not server(pg_engine, "gpu-a").paused, 60)
+        queues = inspector.active_queues() or {}
+        wa = next(v for k, v in queues.items() if k.startswith("wa@"))
+        assert "generate" in {q["name"] for q in wa}, "gpu-a's consumer was not re-added"
+        wait_for("run finished", lambda: counts(pg_engine).finished, 180)
+    finally:
+        steady.stop()
+    stored = assert_exact_and_once(pg_engine, "outage")
+    with pg_engine.connect() as conn:
+        timeline = [(e.kind, e.message) for e in registry.list_events(conn, server="gpu-a")]
+    kinds = [
+        k for k, m in timeline if k in ("paused", "resumed") or "→ down" in m or "→ healthy" in m
+    ]
+    assert kinds.index("paused") < kinds.index("resumed")
+    assert any("→ down" in m for _, m in timeline) and any(
+        "recovering → healthy" in m for _, m in timeline
+    )
+    assert {s.server for s in stored} == {"gpu-a", "gpu-b"}
+    events = tokenmill(["events", "--json", "--server", "gpu-a"], env)
+    assert events.returncode == 0 and '"kind": "resumed"' in events.stdout
+
+
+def test_restart_command_relaunches_and_changed_fingerprint_stays_paused(
+    deployment: tuple[dict[str, str], list[subprocess.Popen[bytes]], Path],
+    pg_engine: Engine,
+) -> None:
+    env, procs, tmp = deployment
+    port = free_port()
+    first = subprocess.Popen(
+        emulator_cmd(port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    procs.append(first)
+    procs.append(
+        start_worker(
+            env
+            | {
+                "TOKENMILL_SGLANG_URL": f"http://127.0.0.1:{port}",
+                "TOKENMILL_SERVER_NAME": "gpu-a",
+            },
+            "wa",
+            tmp / "wa.log",
+        )
+    )
+    procs.append(start_celery("beat", env, tmp / "beat.log"))
+    wait_for("work under way", lambda: counts(pg_engine).done > 20, 60)
+
+    # a restart script: stop the running server, start a new one in the background, exit
+    pattern = f"app.emulator --port {port} "
+    script = tmp / "restart.sh"
+    script.write_text(
+        "#!/bin/sh\n"
+        f"pkill -f '{pattern}'\n"
+        f"while pgrep -f '{pattern}' >/dev/null; do sleep 0.1; done\n"
+        f"nohup {' '.join(emulator_cmd(port))} --startup-delay-s 2 --loading-s 2 "
+        f'"$@" >{tmp}/relaunch.log 2>&1 &\n'
+    )
+    script.chmod(0o755)
+    result = tokenmill(
+        [
+            "restart",
+            "gpu-a",
+            "--command",
+            f"{script} --weight-version {{name}}-v1",
+            "--poll-s",
+            "0.5",
+            "--timeout-s",
+            "60",
+        ],
+        env,
+        timeout_s=120,
+    )
+    # the relaunched server reports another weight_version: it must stay paused
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "weight_version: default → gpu-a-v1" in result.stderr
+    a = server(pg_engine, "gpu-a")
+    assert a.paused and a.paused_by == "restart"
+    frozen = counts(pg_engine).done
+    time.sleep(3)
+    assert counts(pg_engine).done == frozen, "a paused server kept working"
+
+    # restart again with the right configuration: resumed, and the run completes exactly
+    result = tokenmill(
+        [
+            "restart",
+            "gpu-a",
+            "--command",
+            f"{script} --weight-version default",
+            "--poll-s",
+            "0.5",
+            "--timeout-s",
+            "60",
+        ],
+        env,
+        timeout_s=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "restarted and resumed" in result.stderr
+    wait_for("run finished", lambda: counts(pg_engine).finished, 180)
+    assert_exact_and_once(pg_engine, "outage")
+    subprocess.run(["pkill", "-f", pattern], check=False)

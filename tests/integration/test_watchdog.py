@@ -1,0 +1,145 @@
+"""The watchdog over a real ledger with a scripted prober and a recording control: pauses a
+down server's workers, resumes them healthy with the pinned fingerprint, keeps them paused on a
+changed one, catches a stall the health route hides, and never lifts an operator's pause."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from sqlalchemy import Engine, update
+
+from app import ledger, registry
+from app.contracts import SamplingParams, ServerFingerprint
+from app.ledger import items
+from app.settings import Settings
+from workers.control import pause_server
+from workers.watchdog import Probe, run_watchdog
+
+PINNED = ServerFingerprint("moonshotai/Kimi-K2.5", "default", None, "0.5.23")
+
+
+class ScriptedProber:
+    def __init__(self) -> None:
+        self.ok: dict[str, bool] = {}
+        self.fingerprints: dict[str, ServerFingerprint] = {}
+
+    def probe(self, server: registry.ServerInfo) -> Probe:
+        ok = self.ok.get(server.name, True)
+        return Probe(ok, 0.01, None if ok else "connection refused")
+
+    def fingerprint(self, server: registry.ServerInfo) -> ServerFingerprint:
+        return self.fingerprints.get(server.name, PINNED)
+
+
+class RecordingControl:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, list[str]]] = []
+
+    def cancel_consumer(self, workers: list[str]) -> None:
+        self.calls.append(("cancel", workers))
+
+    def add_consumer(self, workers: list[str]) -> None:
+        self.calls.append(("add", workers))
+
+
+@pytest.fixture
+def fleet(db: Engine, tmp_path: Path) -> tuple[Engine, Settings, ScriptedProber, RecordingControl]:
+    with db.begin() as conn:
+        registry.upsert_server(conn, "gpu-a", "http://a:30000")
+        registry.add_worker(conn, "gpu-a", "w1@host")
+        registry.upsert_server(conn, "gpu-b", "http://b:30000")
+        spec = ledger.RunSpec("r", "/t", "a" * 64, "b" * 64, {}, SamplingParams(), 1, None, [2])
+        run, _ = ledger.get_or_create_run(conn, spec)
+        ledger.pin_fingerprint(conn, run.id, PINNED.to_json())
+        ledger.insert_items(
+            conn, run.id, [ledger.NewItem(f"k{i}", 0, i, None, [1]) for i in range(4)]
+        )
+    settings = Settings(data_dir=tmp_path, stall_s=60)
+    return db, settings, ScriptedProber(), RecordingControl()
+
+
+def server(db: Engine, name: str) -> registry.ServerInfo:
+    with db.connect() as conn:
+        return registry.get_server(conn, name)
+
+
+def kinds(db: Engine) -> list[str]:
+    with db.connect() as conn:
+        return [f"{e.kind}:{e.message}" for e in registry.list_events(conn)]
+
+
+def test_down_pauses_and_healthy_resumes(
+    fleet: tuple[Engine, Settings, ScriptedProber, RecordingControl],
+) -> None:
+    db, settings, prober, control = fleet
+    assert run_watchdog(db, settings, control, prober) == {"gpu-a": "healthy", "gpu-b": "healthy"}
+    prober.ok["gpu-a"] = False
+    states = [run_watchdog(db, settings, control, prober)["gpu-a"] for _ in range(3)]
+    assert states == ["suspect", "suspect", "down"]
+    a = server(db, "gpu-a")
+    assert a.paused and a.paused_by == "watchdog" and "connection refused" in (a.last_error or "")
+    assert control.calls == [("cancel", ["w1@host"])]
+    assert not server(db, "gpu-b").paused
+    prober.ok["gpu-a"] = True
+    assert [run_watchdog(db, settings, control, prober)["gpu-a"] for _ in range(2)] == [
+        "recovering",
+        "healthy",
+    ]
+    assert not server(db, "gpu-a").paused
+    assert control.calls[-1] == ("add", ["w1@host"])
+    timeline = kinds(db)
+    assert any(k.startswith("state:gpu-a: suspect → down") for k in timeline)
+    assert [k.split(":")[0] for k in timeline if k.split(":")[0] in ("paused", "resumed")] == [
+        "paused",
+        "resumed",
+    ]
+
+
+def test_changed_fingerprint_stays_paused_and_says_what_changed(
+    fleet: tuple[Engine, Settings, ScriptedProber, RecordingControl],
+) -> None:
+    db, settings, prober, control = fleet
+    prober.ok["gpu-a"] = False
+    for _ in range(3):
+        run_watchdog(db, settings, control, prober)
+    prober.ok["gpu-a"] = True
+    prober.fingerprints["gpu-a"] = ServerFingerprint(
+        "moonshotai/Kimi-K2.5", "default", "kimi_k2", "0.5.23"
+    )
+    for _ in range(3):
+        run_watchdog(db, settings, control, prober)
+    a = server(db, "gpu-a")
+    assert a.state == "healthy" and a.paused and a.paused_by == "fingerprint"
+    assert "reasoning_parser: None → kimi_k2" in (a.pause_reason or "")
+    assert sum("fingerprint_mismatch" in k for k in kinds(db)) == 1  # said once, not per probe
+    # fixed by the operator: resumed on the next round
+    prober.fingerprints["gpu-a"] = PINNED
+    run_watchdog(db, settings, control, prober)
+    assert not server(db, "gpu-a").paused
+
+
+def test_stall_is_caught_when_the_health_route_lies(
+    fleet: tuple[Engine, Settings, ScriptedProber, RecordingControl],
+) -> None:
+    db, settings, prober, control = fleet
+    with db.begin() as conn:
+        run = ledger.get_run(conn, "r")
+        ids = ledger.pending_ids(conn, run.id)
+        ledger.claim_items(conn, ids, owner="w", server="gpu-a", lease_s=600)
+        conn.execute(update(items).values(started_at=ledger.utcnow() - timedelta(seconds=61)))
+    assert run_watchdog(db, settings, control, prober)["gpu-a"] == "down"
+    a = server(db, "gpu-a")
+    assert a.paused and "stalled: 4 requests in flight" in (a.last_error or "")
+
+
+def test_operator_pause_is_never_lifted_by_the_watchdog(
+    fleet: tuple[Engine, Settings, ScriptedProber, RecordingControl],
+) -> None:
+    db, settings, prober, control = fleet
+    pause_server(db, control, "gpu-b", by="operator", reason="maintenance")
+    for _ in range(3):
+        run_watchdog(db, settings, control, prober)
+    b = server(db, "gpu-b")
+    assert b.paused and b.paused_by == "operator"
