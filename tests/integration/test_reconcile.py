@@ -38,30 +38,36 @@ def publisher(settings: Settings) -> tuple[Callable[[list[int], float], None], l
 def test_reconcile_brings_back_lost_expired_and_unpublished(
     pg_url: str, pg_engine: Engine, redis_url: str, tmp_path: Path
 ) -> None:
-    settings = Settings(data_dir=tmp_path, database_url=pg_url, broker_url=redis_url,
-                        reconcile_grace_s=30)
+    settings = Settings(
+        data_dir=tmp_path, database_url=pg_url, broker_url=redis_url, reconcile_grace_s=30
+    )
     publish, sent = publisher(settings)
     spec = ledger.RunSpec("r", "/t", "a" * 64, "b" * 64, {}, SamplingParams(), 1, None, [2])
     with pg_engine.begin() as conn:
         run, _ = ledger.get_or_create_run(conn, spec)
-        ledger.insert_items(conn, run.id, [ledger.NewItem(f"k{i}", 0, i, None, [1, i])
-                                           for i in range(30)])
+        ledger.insert_items(
+            conn, run.id, [ledger.NewItem(f"k{i}", 0, i, None, [1, i]) for i in range(30)]
+        )
         ids = ledger.pending_ids(conn, run.id)
     # 10 published and then lost with Redis, 10 leased by a worker that died, 10 never sent
     publish(ids[:10], 0)
     with pg_engine.begin() as conn:
         ledger.mark_queued(conn, ids[:20])
         ledger.claim_items(conn, ids[10:20], owner="dead", server="s", lease_s=1)
-        conn.execute(update(items).where(items.c.id.in_(ids[:20])).values(
-            queued_at=ledger.utcnow() - timedelta(seconds=60),
-            lease_expires_at=ledger.utcnow() - timedelta(seconds=5)))
+        conn.execute(
+            update(items)
+            .where(items.c.id.in_(ids[:20]))
+            .values(
+                queued_at=ledger.utcnow() - timedelta(seconds=60),
+                lease_expires_at=ledger.utcnow() - timedelta(seconds=5),
+            )
+        )
     assert broker_item_ids(redis_url) == set(ids[:10])
     redis.Redis.from_url(redis_url).flushdb()  # Redis restarted without persistence
     sent.clear()
 
     first = reconcile(pg_engine, settings, run=None, publish=publish)
-    assert first.to_json() == {"expired": 10, "unpublished": 10, "lost": 10,
-                               "broker_checked": True}
+    assert first.to_json() == {"expired": 10, "unpublished": 10, "lost": 10, "broker_checked": True}
     assert sorted(sent) == ids
     assert broker_item_ids(redis_url) == set(ids)
     with pg_engine.connect() as conn:
