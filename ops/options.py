@@ -62,7 +62,7 @@ def handle_errors(func: F) -> F:
         try:
             return func(*args, **kwargs)
         except TokenmillError as exc:
-            _fail(str(exc))
+            _fail(_scrub(str(exc)))
         except SQLAlchemyError as exc:
             # A DBAPIError's own text appends SQL and parameters: keep the driver's message.
             cause = exc.orig if isinstance(exc, DBAPIError) and exc.orig is not None else exc
@@ -71,7 +71,7 @@ def handle_errors(func: F) -> F:
             _fail(f"the broker {_redacted_url('broker')} failed: {_first_line(exc)}")
         except ValidationError as exc:
             problems = "; ".join(
-                f"TOKENMILL_{'_'.join(map(str, error['loc'])).upper()}: {error['msg']}"
+                f"TOKENMILL_{'_'.join(map(str, error['loc'])).upper()}: {_scrub(error['msg'])}"
                 for error in exc.errors()
             )
             _fail(f"invalid configuration: {problems}")
@@ -80,8 +80,6 @@ def handle_errors(func: F) -> F:
 
 
 def _fail(message: str) -> NoReturn:
-    for secret in _passwords():
-        message = message.replace(secret, "***")
     console.print(f"[red]error:[/red] {escape(message)}", markup=True, soft_wrap=True)
     raise SystemExit(2)
 
@@ -122,9 +120,17 @@ def _passwords() -> set[str]:
     return found
 
 
+def _scrub(text: str) -> str:
+    """text with every configured password replaced."""
+    for secret in _passwords():
+        text = text.replace(secret, "***")
+    return text
+
+
 def _first_line(exc: BaseException) -> str:
+    """The first line of an exception's message, passwords scrubbed (drivers may quote DSNs)."""
     text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+    return _scrub(text.splitlines()[0]) if text else type(exc).__name__
 
 
 def sampling_options(func: F) -> F:

@@ -6,6 +6,9 @@ Integration tests get a private Postgres database for the session, emptied betwe
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +22,7 @@ from app.migrate import upgrade
 PG_ADMIN_URL = os.environ.get(
     "TOKENMILL_TEST_PG_ADMIN_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 )
-REDIS_URL = os.environ.get("TOKENMILL_TEST_REDIS_URL", "redis://127.0.0.1:6379/11")
+REDIS_URL = os.environ.get("TOKENMILL_TEST_REDIS_URL")
 TABLES = ("events", "items", "servers", "runs")
 
 
@@ -72,12 +75,57 @@ def kimi_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return ensure_kimi_tokenizer(tmp_path_factory.mktemp("tokenizers"))
 
 
-@pytest.fixture
-def redis_url() -> Iterator[str]:
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[str]:
+    """A private real redis-server for this session (or TOKENMILL_TEST_REDIS_URL), so that
+    concurrent test sessions never flush each other's queues."""
+    if REDIS_URL:
+        yield REDIS_URL
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [
+            "redis-server",
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     import redis
 
-    client = redis.Redis.from_url(REDIS_URL)
+    url = f"redis://127.0.0.1:{port}/0"
+    client = redis.Redis.from_url(url)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise
+            time.sleep(0.05)
+    client.close()
+    yield url
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+@pytest.fixture
+def redis_url(redis_server: str) -> Iterator[str]:
+    import redis
+
+    client = redis.Redis.from_url(redis_server)
     client.flushdb()
-    yield REDIS_URL
+    yield redis_server
     client.flushdb()
     client.close()

@@ -14,11 +14,12 @@ from pathlib import Path
 
 import pytest
 from celery import Celery
-from sqlalchemy import Engine
+from sqlalchemy import Engine, select
 
 from app import ledger, registry
 from app.emulator.config import EmulatorConfig
 from app.emulator.model import generate_output
+from app.ledger import items
 from ops.emulator_proc import start_emulator
 from tests.support.procs import service_env, start_celery, start_worker, stop, tokenmill
 
@@ -39,11 +40,31 @@ def emulator_cmd(port: int, *extra: str) -> list[str]:
     return [sys.executable, "-m", "app.emulator", "--port", str(port), *FLAGS, *extra]
 
 
-def wait_for(what: str, check: Callable[[], bool], timeout_s: float) -> None:
+def wait_for(
+    what: str, check: Callable[[], bool], timeout_s: float, explain: Callable[[], str] = str
+) -> None:
     deadline = time.monotonic() + timeout_s
     while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for: {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for: {what} {explain()}"
         time.sleep(0.25)
+
+
+def unfinished(db: Engine) -> str:
+    """What is left, for the message of a run that did not finish."""
+    with db.connect() as conn:
+        run = ledger.get_run(conn, "outage")
+        left = list(ledger.iter_items(conn, run.id, statuses=("pending", "queued", "leased")))
+        rows = conn.execute(
+            select(
+                items.c.id,
+                items.c.status,
+                items.c.lease_owner,
+                items.c.started_at,
+                items.c.attempts,
+                items.c.error,
+            ).where(items.c.id.in_([i.id for i in left]))
+        ).all()
+    return f"{len(left)} unfinished: " + "; ".join(str(tuple(r)) for r in rows[:10])
 
 
 def write_prompts(path: Path, n: int) -> Path:
@@ -183,7 +204,9 @@ def test_killed_server_comes_back_and_nothing_fails(
         queues = inspector.active_queues() or {}
         wa = next(v for k, v in queues.items() if k.startswith("wa@"))
         assert "generate" in {q["name"] for q in wa}, "gpu-a's consumer was not re-added"
-        wait_for("run finished", lambda: counts(pg_engine).finished, 180)
+        wait_for(
+            "run finished", lambda: counts(pg_engine).finished, 180, lambda: unfinished(pg_engine)
+        )
     finally:
         steady.stop()
     stored = assert_exact_and_once(pg_engine, "outage")
@@ -276,6 +299,6 @@ def test_restart_command_relaunches_and_changed_fingerprint_stays_paused(
     )
     assert result.returncode == 0, result.stderr
     assert "restarted and resumed" in result.stderr
-    wait_for("run finished", lambda: counts(pg_engine).finished, 180)
+    wait_for("run finished", lambda: counts(pg_engine).finished, 180, lambda: unfinished(pg_engine))
     assert_exact_and_once(pg_engine, "outage")
     subprocess.run(["pkill", "-f", pattern], check=False)
