@@ -57,6 +57,19 @@ _RESERVED_KWARGS = frozenset(
 )
 
 
+class _NoTorchAdvice(logging.Filter):
+    """tokenmill needs only tokenizers: transformers' "PyTorch was not found" line is noise."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "PyTorch was not found" not in record.getMessage()
+
+
+def _quiet_transformers() -> None:
+    logger = logging.getLogger("transformers")
+    if not any(isinstance(f, _NoTorchAdvice) for f in logger.filters):
+        logger.addFilter(_NoTorchAdvice())
+
+
 def load_tokenizer(path: str | Path, *, trust_remote_code: bool = False) -> ChatTokenizer:
     """Load a tokenizer from a local folder (never the hub) and check it has a chat template."""
     folder = Path(path).expanduser()
@@ -65,6 +78,7 @@ def load_tokenizer(path: str | Path, *, trust_remote_code: bool = False) -> Chat
     if not folder.is_dir():
         raise TokenizerError(f"tokenizer path {str(folder)!r} is not a folder")
     try:
+        _quiet_transformers()
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(

@@ -10,7 +10,7 @@ import logging
 import threading
 from typing import Any
 
-from celery.signals import worker_ready, worker_shutdown
+from celery.signals import after_setup_logger, worker_ready, worker_shutdown
 
 from app.celery_app import celery_app
 from app.constants import GENERATE_TASK, RECONCILE_TASK, WATCHDOG_TASK
@@ -52,6 +52,13 @@ def runtime() -> WorkerRuntime:
             )
             _runtime.start()
         return _runtime
+
+
+@after_setup_logger.connect
+def _quiet_http_logs(**_: Any) -> None:
+    # one line per request at INFO would drown the state changes the log is for
+    for name in ("httpx", "httpcore"):
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 @worker_ready.connect
