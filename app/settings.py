@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
+from typing import Literal
 from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import Field, SecretStr, field_validator
@@ -64,11 +65,32 @@ class Settings(BaseSettings):
 
     visibility_timeout_s: int = Field(default=6 * 3600, ge=60)
     log_level: str = "INFO"
+    # "json": one JSON object per log line (CLI and workers), for log shippers
+    log_format: Literal["text", "json"] = "text"
+
+    # `tokenmill flower`: where it listens and its basic-auth credentials; beyond loopback it
+    # refuses to start without a password
+    flower_host: str = "127.0.0.1"
+    flower_port: int = Field(default=5555, ge=1, le=65535)
+    flower_user: str = "admin"
+    flower_password: SecretStr | None = None
+
+    # `tokenmill metrics`: beyond loopback it refuses to serve without both credentials
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = Field(default=9464, ge=0, le=65535)
+    metrics_user: str | None = None
+    metrics_password: SecretStr | None = None
+    metrics_cache_s: float = Field(default=2.0, ge=0)
 
     @field_validator("sglang_url")
     @classmethod
     def _strip_slash(cls, value: str) -> str:
         return value.rstrip("/")
+
+    @field_validator("log_format", mode="before")
+    @classmethod
+    def _lower_format(cls, value: object) -> object:
+        return value.strip().lower() if isinstance(value, str) else value
 
     @property
     def embedded(self) -> bool:

@@ -11,8 +11,11 @@ from app.settings import get_settings, redact_url
 from ops.demo import demo_cmd
 from ops.emulator_cmd import emulator
 from ops.fleet_cmds import events_cmd, pause_cmd, restart_cmd, resume_cmd, servers_group
-from ops.options import handle_errors, open_db, print_json, setup_logging
+from ops.flower_cmd import flower_cmd
+from ops.metrics import metrics_cmd
+from ops.options import handle_errors, log_format_option, open_db, print_json, setup_logging
 from ops.pipeline_cmds import enqueue_cmd, export_cmd, reconcile_cmd, run_cmd, status_cmd
+from ops.report import report_cmd
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -23,9 +26,10 @@ from ops.pipeline_cmds import enqueue_cmd, export_cmd, reconcile_cmd, run_cmd, s
     show_default=True,
     help="Logging level (env TOKENMILL_LOG_LEVEL).",
 )
-def cli(log_level: str) -> None:
+@log_format_option
+def cli(log_level: str, log_format: str | None) -> None:
     """tokenmill: token-exact training sequences from prompt sets, via SGLang servers."""
-    setup_logging(log_level)
+    setup_logging(log_level, log_format)
 
 
 @cli.group("db")
@@ -83,6 +87,9 @@ for command in (
     resume_cmd,
     restart_cmd,
     events_cmd,
+    flower_cmd,
+    metrics_cmd,
+    report_cmd,
 ):
     cli.add_command(command)
 

@@ -24,6 +24,7 @@ from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from app.contracts import SamplingParams
 from app.database import get_engine
 from app.errors import ConfigurationError, TokenmillError
+from app.logs import JsonFormatter
 from app.migrate import ensure_schema
 from app.settings import Settings, get_settings, redact_url
 
@@ -32,14 +33,35 @@ F = TypeVar("F", bound=Callable[..., Any])
 console = Console(stderr=True, highlight=False)
 
 
-def setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+LOG_FORMATS = ("text", "json")
+
+log_format_option = click.option(
+    "--log-format",
+    type=click.Choice(LOG_FORMATS, case_sensitive=False),
+    default=None,
+    help="text, or json (one JSON object per line, for log shippers); "
+    "env TOKENMILL_LOG_FORMAT, default text.",
+)
+
+
+def setup_logging(level: str, log_format: str | None = None) -> None:
+    """Log to stderr at level, as text or JSON lines (None: TOKENMILL_LOG_FORMAT)."""
+    handler = logging.StreamHandler(sys.stderr)
+    if (log_format or _configured_log_format()).lower() == "json":
+        handler.setFormatter(JsonFormatter())
+        logging.captureWarnings(True)  # a bare warning line would break a JSON-lines reader
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), handlers=[handler])
     for noisy in ("httpx", "httpcore", "alembic.runtime.migration"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def _configured_log_format() -> str:
+    try:
+        return get_settings().log_format
+    except ValueError:  # invalid settings: the command itself reports them
+        return "text"
 
 
 def open_db(settings: Settings | None = None) -> Engine:

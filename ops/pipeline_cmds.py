@@ -22,6 +22,7 @@ from app.inputs import parse_chat_template_kwargs
 from app.ledger import RunCounts
 from app.settings import get_settings
 from app.tokenization import ChatTokenizer, load_tokenizer
+from ops.dashboard import watch as watch_dashboard
 from ops.options import (
     build_sampling,
     console,
@@ -58,7 +59,7 @@ def _enqueue(
         from workers.publish import publish_items
 
         def publisher(ids: list[int]) -> None:
-            publish_items(ids, batch_size=settings.batch_size)
+            publish_items(ids, batch_size=settings.batch_size, run=run)
 
     shown = 0
 
@@ -216,10 +217,23 @@ def run_pipeline(
 @click.command("status")
 @click.argument("run_name", required=False)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--watch", is_flag=True, help="A live dashboard of runs, servers and events.")
+@click.option(
+    "--interval-s",
+    type=click.FloatRange(min=0.1),
+    default=2.0,
+    show_default=True,
+    help="Seconds between --watch refreshes.",
+)
 @handle_errors
-def status_cmd(run_name: str | None, as_json: bool) -> None:
-    """Counts per run (all runs, or RUN_NAME)."""
+def status_cmd(run_name: str | None, as_json: bool, watch: bool, interval_s: float) -> None:
+    """Counts per run (all runs, or RUN_NAME); --watch for a live dashboard until Ctrl-C."""
     db = open_db()
+    if watch:
+        if as_json:
+            raise click.UsageError("--watch is for a terminal; use --json without it")
+        watch_dashboard(db, run_name=run_name, interval_s=interval_s, console=console)
+        return
     with db.connect() as conn:
         runs = [ledger.get_run(conn, run_name)] if run_name else ledger.list_runs(conn)
         counts = [ledger.run_counts(conn, r) for r in runs]

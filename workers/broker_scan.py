@@ -9,7 +9,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
-from typing import Any
+from typing import Any, cast
 
 from app.constants import GENERATE_TASK, WORK_QUEUE
 
@@ -17,6 +17,7 @@ log = logging.getLogger(__name__)
 
 PRIORITY_SEP = "\x06\x16"
 UNACKED_KEY = "unacked"
+UNACKED_INDEX_KEY = "unacked_index"  # delivery tag -> time of delivery
 
 
 def _ids_in_message(raw: bytes | str) -> list[int]:
@@ -36,8 +37,13 @@ def _ids_in_message(raw: bytes | str) -> list[int]:
         return []
 
 
-def broker_item_ids(broker_url: str) -> set[int] | None:
-    """Every item id a generate message in the broker carries, or None if it cannot tell."""
+def broker_item_ids(broker_url: str, *, unacked_grace_s: float | None = None) -> set[int] | None:
+    """Every item id a generate message in the broker carries, or None if it cannot tell.
+
+    Messages a worker fetched but has not acknowledged count only while their delivery is
+    younger than unacked_grace_s: a worker killed while holding one leaves it there until the
+    visibility timeout (hours), and its items must not wait that long.
+    """
     if not broker_url.startswith(("redis://", "rediss://")):
         return None
     import redis
@@ -52,8 +58,18 @@ def broker_item_ids(broker_url: str) -> set[int] | None:
             for start in range(0, int(client.llen(key)), 1000):
                 for raw in client.lrange(key, start, start + 999):
                     found.update(_ids_in_message(raw))
-        for _, raw in client.hscan_iter(UNACKED_KEY):
-            found.update(_ids_in_message(raw))
+        if unacked_grace_s is None:
+            for _, raw in client.hscan_iter(UNACKED_KEY):
+                found.update(_ids_in_message(raw))
+            return found
+        now_s = float(client.time()[0])
+        recent = cast(
+            list[bytes], client.zrangebyscore(UNACKED_INDEX_KEY, now_s - unacked_grace_s, "+inf")
+        )
+        for start in range(0, len(recent), 500):
+            for entry in client.hmget(UNACKED_KEY, recent[start : start + 500]):
+                if entry is not None:
+                    found.update(_ids_in_message(entry))
         return found
     finally:
         client.close()

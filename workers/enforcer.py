@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 
 from app.registry import PAUSED_BY_WATCHDOG
 from workers.control import WorkerControl
@@ -19,9 +20,15 @@ log = logging.getLogger(__name__)
 
 class PauseEnforcer:
     def __init__(
-        self, rt: WorkerRuntime, worker: str, control: WorkerControl, interval_s: float
+        self,
+        rt: WorkerRuntime,
+        worker: str,
+        control: WorkerControl,
+        interval_s: float,
+        consuming_now: Callable[[], bool | None] = lambda: None,
     ) -> None:
         self.rt = rt
+        self.consuming_now = consuming_now
         self.worker = worker
         self.control = control
         self.interval_s = interval_s
@@ -39,6 +46,10 @@ class PauseEnforcer:
 
     def check(self) -> None:
         paused, by = self.rt.pause_state(max_age_s=0.0)
+        actual = self.consuming_now()
+        if actual is not None and actual != self.consuming:
+            # someone else's cancel_consumer/add_consumer reached us: look at what is true
+            self.consuming = actual
         if paused and self.consuming is not False:
             log.warning(
                 "server %s is paused (%s): %s stops consuming", self.rt.server_name, by, self.worker

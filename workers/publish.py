@@ -18,8 +18,19 @@ def chunks(ids: Sequence[int], size: int) -> list[list[int]]:
     return [list(ids[i : i + size]) for i in range(0, len(ids), size)]
 
 
-def publish_items(ids: Sequence[int], *, batch_size: int, countdown_s: float = 0.0) -> int:
-    """Send ids as generate messages of at most batch_size ids; return messages sent."""
+def describe(chunk: Sequence[int], run: str | None = None) -> str:
+    """What Flower and the worker log show for a message's args: its run (when the sender
+    knows it) and its id range, e.g. `run=r1 [4 items: 10..13]`."""
+    ids = f"[{len(chunk)} items: {chunk[0]}..{chunk[-1]}]"
+    return f"run={run} {ids}" if run else ids
+
+
+def publish_items(
+    ids: Sequence[int], *, batch_size: int, countdown_s: float = 0.0, run: str | None = None
+) -> int:
+    """Send ids as generate messages of at most batch_size ids; return messages sent.
+
+    run, when the caller knows it, only labels the messages (argsrepr); the task reads ids."""
     sent = 0
     with celery_app.producer_or_acquire() as producer:
         for chunk in chunks(ids, batch_size):
@@ -28,7 +39,7 @@ def publish_items(ids: Sequence[int], *, batch_size: int, countdown_s: float = 0
                 args=[chunk],
                 queue=WORK_QUEUE,
                 countdown=countdown_s or None,
-                argsrepr=f"[{len(chunk)} items: {chunk[0]}..{chunk[-1]}]",
+                argsrepr=describe(chunk, run),
                 producer=producer,
             )
             sent += 1

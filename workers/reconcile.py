@@ -99,7 +99,9 @@ def _requeue_lost(
     report: ReconcileReport,
 ) -> int:
     """Items queued in the ledger for a while that no broker message carries any more."""
-    held = broker_item_ids(settings.resolved_broker_url())
+    held = broker_item_ids(
+        settings.resolved_broker_url(), unacked_grace_s=settings.reconcile_grace_s
+    )
     if held is None:
         return 0
     report.broker_checked = True

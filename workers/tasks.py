@@ -7,15 +7,24 @@ reconcile run on the control queue, which is never paused.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
+from functools import partial
 from typing import Any
 
-from celery.signals import after_setup_logger, worker_ready, worker_shutdown
+from celery.signals import (
+    after_setup_logger,
+    after_setup_task_logger,
+    celeryd_init,
+    worker_ready,
+    worker_shutdown,
+)
 
 from app.celery_app import celery_app
-from app.constants import GENERATE_TASK, RECONCILE_TASK, WATCHDOG_TASK
+from app.constants import GENERATE_TASK, RECONCILE_TASK, WATCHDOG_TASK, WORK_QUEUE
 from app.database import get_engine
 from app.locks import exclusive
+from app.logs import JsonFormatter, use_json
 from app.settings import get_settings
 from workers import reconcile as reconcile_logic
 from workers.control import CeleryControl
@@ -61,6 +70,42 @@ def _quiet_http_logs(**_: Any) -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
+_EARLY_WARNINGS = "tokenmill-early-warnings"
+
+
+@celeryd_init.connect
+def _json_early_warnings(**_: Any) -> None:
+    # the worker warns (e.g. about running as root) before its logging exists: JSON those too
+    if get_settings().log_format == "json":
+        logging.captureWarnings(True)
+        handler = logging.StreamHandler(sys.stderr)
+        handler.set_name(_EARLY_WARNINGS)
+        handler.setFormatter(JsonFormatter())
+        logging.getLogger("py.warnings").addHandler(handler)
+
+
+@after_setup_logger.connect
+@after_setup_task_logger.connect
+def _json_logs(logger: logging.Logger | None = None, **_: Any) -> None:
+    # TOKENMILL_LOG_FORMAT=json: log shippers read one JSON object per line
+    if logger is None or get_settings().log_format != "json":
+        return
+    use_json(logger.handlers)
+    logging.captureWarnings(True)
+    warnings_logger = logging.getLogger("py.warnings")
+    for handler in warnings_logger.handlers[:]:
+        if handler.name == _EARLY_WARNINGS:  # from now on warnings reach Celery's handlers
+            warnings_logger.removeHandler(handler)
+
+
+def _consumes(consumer: Any) -> bool | None:
+    """Does this worker's consumer take from the work queue right now? (None: cannot tell)"""
+    try:
+        return WORK_QUEUE in {q.name for q in consumer.task_consumer.queues}
+    except AttributeError:
+        return None
+
+
 @worker_ready.connect
 def _on_worker_ready(sender: Any = None, **_: Any) -> None:
     global _enforcer
@@ -68,7 +113,9 @@ def _on_worker_ready(sender: Any = None, **_: Any) -> None:
     hostname = getattr(sender, "hostname", None)
     rt.register(hostname)
     if hostname:
-        _enforcer = PauseEnforcer(rt, hostname, CeleryControl(), rt.settings.pause_check_s)
+        _enforcer = PauseEnforcer(
+            rt, hostname, CeleryControl(), rt.settings.pause_check_s, partial(_consumes, sender)
+        )
         _enforcer.check()  # a worker started during a pause never consumes
         _enforcer.start()
     log.info(
@@ -96,7 +143,7 @@ def _on_worker_shutdown(sender: Any = None, **_: Any) -> None:
 
 
 @celery_app.task(name=GENERATE_TASK, acks_late=True, ignore_result=True)
-def generate(item_ids: list[int]) -> dict[str, int]:
+def generate(item_ids: list[int]) -> dict[str, int | str]:
     """Claim these items and send them to this worker's SGLang server."""
     return handle_message(runtime(), item_ids, requeue=requeue)
 
@@ -105,7 +152,10 @@ def generate(item_ids: list[int]) -> dict[str, int]:
 def reconcile(run: str | None = None) -> dict[str, int]:
     """Re-queue items whose lease expired, that were never published, or that the broker lost."""
     settings = get_settings()
-    with exclusive(settings, "reconcile", ttl_s=600) as held:
+    # a worker killed while holding the lock must not block reconcile for long; two rounds
+    # overlapping is harmless (every step is idempotent)
+    ttl_s = min(300.0, max(10.0, 2 * settings.reconcile_interval_s))
+    with exclusive(settings, "reconcile", ttl_s=ttl_s) as held:
         if not held:
             return {"skipped": 1}
         report = reconcile_logic.reconcile(get_engine(settings), settings, run=run, publish=requeue)

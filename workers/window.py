@@ -229,6 +229,8 @@ class InflightWindow:
                 if client is None:
                     client = self._client_factory()
                 self._run_job(client, job)
+                if job.abandoned:
+                    return  # a replacement slot took this one's place when it was given up
         finally:
             if client is not None:
                 client.close()
@@ -252,18 +254,34 @@ class InflightWindow:
                 self._unwritten += 1
                 self._outcomes.put((Released(job.item.id, reason), True))
                 job.abandoned = True
+        # the abandoned slots may stay blocked on a hung socket until the generate timeout:
+        # fresh slots keep the window whole (they hold items back while the server is paused)
+        for job in jobs:
+            self._spawn(self._slot_loop, f"tm-slot-{self.config.server_name}-r{job.item.id}")
         if jobs:
             log.warning(
                 "gave back %d in-flight items of %s: %s", len(jobs), self.config.server_name, reason
             )
         return len(jobs)
 
+    def _ids(self, item: ClaimedItem) -> dict[str, object]:
+        """The ids an item's log lines carry as fields (JSON logs) besides the message."""
+        return {"run_id": item.run_id, "item_id": item.id, "server": self.config.server_name}
+
     def _run_job(self, client: GenerateClient, job: _Job) -> None:
         item = job.item
+        name = self.config.server_name
         if self._stopping.is_set():
             self._settle(Released(item.id, "worker shutting down"))
             return
         if self.unavailable() or self._is_paused():
+            log.info(
+                "run %d item %d released by %s: server paused or unavailable",
+                item.run_id,
+                item.id,
+                name,
+                extra=self._ids(item),
+            )
             self._settle(Released(item.id, "server paused or unavailable"))
             return
         rid = f"tm-{item.id}-{uuid.uuid4().hex[:12]}"
@@ -277,7 +295,14 @@ class InflightWindow:
                 item.prompt_ids, job.sampling.for_sample(item.sample_index), rid
             )
         except PermanentError as exc:
-            log.info("item %d failed permanently on %s: %s", item.id, self.config.server_name, exc)
+            log.info(
+                "run %d item %d failed permanently on %s: %s",
+                item.run_id,
+                item.id,
+                name,
+                exc,
+                extra=self._ids(item),
+            )
             self._settle(Failed(item.id, f"permanent: {exc}", attempts_used=1), job)
             self._note(failed=1, error=str(exc))
         except ServerUnavailable as exc:
@@ -285,10 +310,12 @@ class InflightWindow:
             self._unavailable_until = self._clock() + self.config.unavailable_wait_s
             job.tries -= 1
             log.info(
-                "server %s unavailable (%s); item %d goes back",
-                self.config.server_name,
+                "server %s unavailable (%s); run %d item %d goes back",
+                name,
                 exc,
+                item.run_id,
                 item.id,
+                extra=self._ids(item),
             )
             self._settle(Released(item.id, f"server unavailable: {exc}"), job)
             self._note(error=str(exc))
@@ -299,10 +326,24 @@ class InflightWindow:
                 # the server died or was paused under the request: not the item's fault
                 self._unavailable_until = self._clock() + self.config.unavailable_wait_s
                 job.tries -= 1
+                log.info(
+                    "server %s went away (%s); run %d item %d goes back",
+                    name,
+                    exc,
+                    item.run_id,
+                    item.id,
+                    extra=self._ids(item),
+                )
                 self._settle(Released(item.id, f"server went away: {exc}"), job)
             elif item.attempts + job.tries >= self.config.max_attempts:
                 log.info(
-                    "item %d failed after %d attempts: %s", item.id, item.attempts + job.tries, exc
+                    "run %d item %d failed on %s after %d attempts: %s",
+                    item.run_id,
+                    item.id,
+                    name,
+                    item.attempts + job.tries,
+                    exc,
+                    extra=self._ids(item),
                 )
                 self._settle(
                     Failed(
@@ -320,12 +361,14 @@ class InflightWindow:
                     self.config.retry_backoff_s * 2 ** (item.attempts + job.tries - 1),
                 )
                 log.info(
-                    "item %d attempt %d on %s failed (%s); retry in %.1fs",
+                    "run %d item %d attempt %d on %s failed (%s); retry in %.1fs",
+                    item.run_id,
                     item.id,
                     item.attempts + job.tries,
-                    self.config.server_name,
+                    name,
                     exc,
                     delay,
+                    extra=self._ids(item),
                 )
                 with self._cond:
                     heapq.heappush(
@@ -334,9 +377,23 @@ class InflightWindow:
                     self.stats.retried += 1
                 self._note(error=str(exc))
         except Exception as exc:  # a bug must not kill the slot or strand the lease
-            log.exception("unexpected error sending item %d", item.id)
+            log.exception(
+                "unexpected error sending run %d item %d",
+                item.run_id,
+                item.id,
+                extra=self._ids(item),
+            )
             self._settle(Released(item.id, f"internal error: {exc!r}"), job)
         else:
+            log.info(
+                "run %d item %d done on %s: %d tokens, %s",
+                item.run_id,
+                item.id,
+                name,
+                result.completion_tokens,
+                result.finish_reason,
+                extra=self._ids(item),
+            )
             self._settle(Done(item.id, result, attempts_used=1), job)
             with self._cond:
                 self.stats.done += 1

@@ -1,0 +1,665 @@
+"""Shared helpers of the benchmarks: a private Postgres database, Redis db 12, emulators,
+`celery -A app worker` processes, synthetic prompts, bare /generate clients and CPU meters.
+
+Every benchmark is run as `python bench/NAME.py` from the repository root; this module is
+imported as `common` (the script's folder is first on sys.path).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+from sqlalchemy import Engine, create_engine, func, select, text
+
+ROOT = Path(__file__).resolve().parents[1]
+PG_ADMIN_URL = os.environ.get(
+    "TOKENMILL_BENCH_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres"
+)
+REDIS_URL = os.environ.get("TOKENMILL_BENCH_REDIS_URL", "redis://127.0.0.1:6379/12")
+CACHE_DIR = Path(tempfile.gettempdir()) / "tokenmill-bench-cache"
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+# --- services ----------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def bench_database() -> Iterator[str]:
+    """A fresh Postgres database `tokenmill_bench_<random>` at the latest migration; dropped
+    afterwards. Yields its plain postgresql:// URL (what TOKENMILL_DATABASE_URL takes)."""
+    from app.database import make_engine
+    from app.migrate import upgrade
+    from app.settings import normalize_database_url
+
+    name = f"tokenmill_bench_{uuid.uuid4().hex[:10]}"
+    admin = create_engine(normalize_database_url(PG_ADMIN_URL), isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    url = PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
+    try:
+        engine = make_engine(normalize_database_url(url))
+        upgrade(engine)
+        engine.dispose()
+        yield url
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+def engine_for(url: str, pool_size: int = 4) -> Engine:
+    from app.database import make_engine
+    from app.settings import normalize_database_url
+
+    return make_engine(normalize_database_url(url), pool_size=pool_size)
+
+
+def flush_redis(url: str = REDIS_URL) -> None:
+    import redis
+
+    client = redis.Redis.from_url(url)
+    try:
+        client.flushdb()
+    finally:
+        client.close()
+
+
+def redis_cpu_s(url: str = REDIS_URL) -> float:
+    """CPU seconds the Redis server has used (all databases, all clients)."""
+    import redis
+
+    client = redis.Redis.from_url(url)
+    try:
+        info = client.info("cpu")
+    finally:
+        client.close()
+    return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
+
+
+def service_env(pg_url: str, redis_url: str, data_dir: Path, **settings: str) -> dict[str, str]:
+    """This process's environment without TOKENMILL_* settings, plus Postgres, Redis and
+    `settings` (e.g. TOKENMILL_INFLIGHT="64")."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENMILL_")}
+    env["TOKENMILL_DATA_DIR"] = str(data_dir)
+    env["TOKENMILL_DATABASE_URL"] = pg_url
+    env["TOKENMILL_BROKER_URL"] = redis_url
+    env.update(settings)
+    return env
+
+
+def run_tokenmill(args: Sequence[str], env: dict[str, str], timeout_s: float = 1800) -> str:
+    """`tokenmill ARGS` (as `python -m ops`) to completion; its stdout, or an error."""
+    done = subprocess.run(
+        [sys.executable, "-m", "ops", *args],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"tokenmill {' '.join(args)} failed:\n{done.stdout}\n{done.stderr}")
+    return done.stdout
+
+
+def start_worker(env: dict[str, str], name: str, log: Path) -> subprocess.Popen[bytes]:
+    """`celery -A app worker -E` as the README starts it (default log level WARNING)."""
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "app",
+            "worker",
+            "-E",
+            "-n",
+            f"{name}@%h",
+            "--without-mingle",
+            "--without-gossip",
+        ],
+        env=env,
+        cwd=ROOT,
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+    )
+
+
+def stop_process(proc: subprocess.Popen[Any], timeout_s: float = 60) -> None:
+    """SIGTERM (a warm shutdown for celery), then SIGKILL if it does not exit in time."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+@contextlib.contextmanager
+def emulator(args: Sequence[str]) -> Iterator[Any]:
+    """A fresh `python -m app.emulator --port 0 ARGS` process, stopped afterwards."""
+    from ops.emulator_proc import start_emulator
+
+    proc = start_emulator(list(args))
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+def emulator_stats(url: str) -> dict[str, Any]:
+    response = httpx.get(f"{url}/emulator/stats", timeout=30.0)
+    response.raise_for_status()
+    data: dict[str, Any] = response.json()
+    return data
+
+
+class StatsSampler:
+    """Polls /emulator/stats every interval_s in a thread: (time, running, waiting, tokens)."""
+
+    def __init__(self, url: str, interval_s: float = 0.1) -> None:
+        self.url = url
+        self.interval_s = interval_s
+        self.samples: list[tuple[float, int, int, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        with httpx.Client(base_url=self.url, timeout=10.0, trust_env=False) as client:
+            while not self._stop.is_set():
+                with contextlib.suppress(httpx.HTTPError):
+                    s = client.get("/emulator/stats").json()
+                    self.samples.append(
+                        (time.time(), s["running"], s["waiting"], s["generated_tokens"])
+                    )
+                self._stop.wait(self.interval_s)
+
+    def __enter__(self) -> StatsSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def busy(self, start: float, end: float) -> list[tuple[float, int, int, int]]:
+        return [s for s in self.samples if start <= s[0] <= end]
+
+    def ramp(self, start: float, seconds: float = 4.0) -> str:
+        """Running requests at each sample of the first `seconds` after start."""
+        first = [s for s in self.samples if start <= s[0] <= start + seconds]
+        return " ".join(f"{s[0] - start:.1f}:{s[1]}" for s in first)
+
+    def summary(self, start: float, end: float, slots: int) -> str:
+        """Ramp (first time all slots run), mean running requests over the whole busy span
+        [start, end] and over its middle (10%-80%: after the ramp, before the drain of the
+        longest outputs), and how often all slots ran in that middle part."""
+        busy = self.busy(start, end)
+        if not busy:
+            return "no samples"
+        span = end - start
+        middle = [s for s in busy if start + 0.1 * span <= s[0] <= start + 0.8 * span] or busy
+        mean_all = sum(s[1] for s in busy) / len(busy)
+        mean_mid = sum(s[1] for s in middle) / len(middle)
+        held_mid = sum(s[1] + s[2] for s in middle) / len(middle)
+        full = sum(1 for s in middle if s[1] >= slots) / len(middle)
+        ramp = next((s[0] - start for s in busy if s[1] >= slots), float("nan"))
+        return (
+            f"all {slots} running {ramp:.2f} s after the first request; mean running "
+            f"{mean_all:.1f} over the span; over its 10%-80% part: running {mean_mid:.1f}, "
+            f"running+waiting {held_mid:.1f}, all {slots} running in {100 * full:.0f}% of samples"
+        )
+
+
+# --- the fixture tokenizer and synthetic prompts ----------------------------------------
+
+
+def fixture_tokenizer_dir() -> Path:
+    """The bundled Kimi-K2.5-shaped fixture tokenizer (built once into a temp cache)."""
+    from app.fixtures import ensure_kimi_tokenizer
+
+    return ensure_kimi_tokenizer(CACHE_DIR / "tokenizers")
+
+
+_WORDS_TEXT = (
+    "a about after again against all also an and answer any are around as ask at away back "
+    "batch be because been before begin being below between both but by call came can case "
+    "change check clear code come could count data day did different do does done down draft "
+    "during each early easy end enough even every example explain fact far few find first "
+    "follow for form found from full get give go good great group had hand has have he help "
+    "her here high him his how idea if important in into is it its just keep kind know large "
+    "last later least left less let life like line little long look made make many may me "
+    "mean might model more most move much must my name need never new next no not note now "
+    "number of off often old on once one only open or order other our out over own part "
+    "people place plan point problem prompt put queue question quite rather read reason right "
+    "run said same say see server set she should show side since small so some something "
+    "sound start state still step such sure system take tell than that the their them then "
+    "there these they thing think this those though three through time to token together too "
+    "try turn two under until up upon use very want was water way we well went were what "
+    "when where which while who why will window with word work world would write year yes yet "
+    "you your"
+)
+WORDS = tuple(_WORDS_TEXT.split())
+SYSTEM_PROMPTS = (
+    "You are a helpful assistant.",
+    "Be brief and precise.",
+    "Think step by step, then answer.",
+    "You are an expert reviewer. Point out every problem you find.",
+)
+
+
+def synthetic_text(rng: random.Random, words: int) -> str:
+    out: list[str] = []
+    for i in range(words):
+        word = rng.choice(WORDS)
+        if i == 0 or out[-1].endswith("."):
+            word = word.capitalize()
+        if rng.random() < 0.08:
+            word += "."
+        elif rng.random() < 0.05:
+            word += ","
+        out.append(word)
+    return " ".join(out) + "?"
+
+
+def synthetic_conversation(rng: random.Random, words: int) -> list[dict[str, str]]:
+    """A chat of about `words` words: a system turn sometimes, and one to three user turns
+    (earlier ones answered), ending with a user turn (roughly 1.2 tokens a word)."""
+    messages: list[dict[str, str]] = []
+    if rng.random() < 0.5:
+        messages.append({"role": "system", "content": rng.choice(SYSTEM_PROMPTS)})
+    turns = rng.choice((1, 1, 1, 2, 3))
+    share = max(1, words // (2 * turns - 1))
+    for turn in range(turns):
+        messages.append({"role": "user", "content": synthetic_text(rng, share)})
+        if turn < turns - 1:
+            messages.append({"role": "assistant", "content": synthetic_text(rng, share)})
+    return messages
+
+
+def write_chat_prompts(path: Path, count: int, *, words: int, seed: int) -> Path:
+    """`count` JSONL lines {"id", "messages"}, each about `words` words (varied ±50%)."""
+    rng = random.Random(seed)
+    with path.open("w", encoding="utf-8") as out:
+        for i in range(count):
+            n = max(8, int(words * rng.uniform(0.5, 1.5)))
+            line = {"id": f"p{i:07d}", "messages": synthetic_conversation(rng, n)}
+            out.write(json.dumps(line, separators=(",", ":")) + "\n")
+    return path
+
+
+# --- the ledger ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LedgerItem:
+    id: int
+    sample_index: int
+    prompt_ids: list[int]
+
+
+def run_items(db: Engine, run_name: str) -> tuple[list[LedgerItem], Any]:
+    """The run's items in id order and its SamplingParams: what the workers would send."""
+    from app import ledger
+
+    with db.connect() as conn:
+        run = ledger.get_run(conn, run_name)
+        t = ledger.items
+        rows = conn.execute(
+            select(t.c.id, t.c.sample_index, t.c.prompt_ids)
+            .where(t.c.run_id == run.id)
+            .order_by(t.c.id)
+        ).all()
+    return [LedgerItem(r.id, r.sample_index, list(r.prompt_ids)) for r in rows], run.sampling
+
+
+def wait_run_finished(
+    db: Engine,
+    run_name: str,
+    *,
+    timeout_s: float,
+    poll_s: float = 0.25,
+    alive: Any = None,
+) -> Any:
+    """Poll `ledger.run_counts` until nothing is pending, queued or leased; the counts."""
+    from app import ledger
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with db.connect() as conn:
+            counts = ledger.run_counts(conn, ledger.get_run(conn, run_name))
+        if counts.total and counts.finished:
+            return counts
+        if alive is not None and not alive():
+            raise RuntimeError(f"the worker exited before run {run_name} finished: {counts}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"run {run_name} did not finish in {timeout_s:.0f} s: {counts}")
+        time.sleep(poll_s)
+
+
+def wait_first_claim(db: Engine, run_name: str, *, timeout_s: float = 120) -> None:
+    """Poll until a worker has claimed (or finished) an item of the run."""
+    from app import ledger
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with db.connect() as conn:
+            counts = ledger.run_counts(conn, ledger.get_run(conn, run_name))
+        if counts.leased or counts.done or counts.failed:
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"no worker claimed an item of {run_name} in {timeout_s:.0f} s")
+
+
+def run_span(db: Engine, run_name: str) -> tuple[datetime, datetime]:
+    """(first claim, last result written) of a run, from the ledger's timestamps."""
+    from app import ledger
+
+    with db.connect() as conn:
+        run = ledger.get_run(conn, run_name)
+        t = ledger.items
+        first, last = conn.execute(
+            select(func.min(t.c.started_at), func.max(t.c.finished_at)).where(t.c.run_id == run.id)
+        ).one()
+    return first, last
+
+
+# --- CPU meters --------------------------------------------------------------------------
+
+
+def proc_cpu_s(pid: int) -> float:
+    """user + system CPU seconds of a process (all its threads); 0 if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def postgres_backend_pids(db: Engine) -> list[int]:
+    """Backends connected to this engine's database (other databases are not counted)."""
+    with db.connect() as conn:
+        rows = conn.execute(
+            text("SELECT pid FROM pg_stat_activity WHERE datname = current_database()")
+        ).all()
+    return [int(r[0]) for r in rows]
+
+
+@dataclass
+class CpuMeter:
+    """CPU seconds used between start() and stop() by named processes, Postgres backends of
+    one database (sampled through the run so short-lived ones count too) and Redis."""
+
+    pids: dict[str, int]
+    db: Engine | None = None
+    redis_url: str | None = None
+    _start: dict[str, float] = field(default_factory=dict)
+    _pg: dict[int, tuple[float, float]] = field(default_factory=dict)
+    _stop_sampling: threading.Event = field(default_factory=threading.Event)
+    _sampler: threading.Thread | None = None
+    result: dict[str, float] = field(default_factory=dict)
+
+    def _sample_pg(self, *, baseline: bool = False) -> None:
+        """Backends seen at start count from their CPU then; later ones from zero (they
+        were born during the run)."""
+        assert self.db is not None
+        for pid in postgres_backend_pids(self.db):
+            cpu = proc_cpu_s(pid)
+            first = self._pg.get(pid, (cpu if baseline else 0.0, cpu))[0]
+            self._pg[pid] = (first, cpu)
+
+    def start(self) -> CpuMeter:
+        self._start = {name: proc_cpu_s(pid) for name, pid in self.pids.items()}
+        self._start["bench"] = time.process_time()
+        if self.redis_url:
+            self._start["redis"] = redis_cpu_s(self.redis_url)
+        if self.db is not None:
+            self._sample_pg(baseline=True)
+
+            def loop() -> None:
+                while not self._stop_sampling.wait(1.0):
+                    with contextlib.suppress(Exception):
+                        self._sample_pg()
+
+            self._sampler = threading.Thread(target=loop, daemon=True)
+            self._sampler.start()
+        return self
+
+    def stop(self) -> dict[str, float]:
+        self.result = {name: proc_cpu_s(pid) - self._start[name] for name, pid in self.pids.items()}
+        self.result["bench"] = time.process_time() - self._start["bench"]
+        if self.redis_url:
+            self.result["redis"] = redis_cpu_s(self.redis_url) - self._start["redis"]
+        if self.db is not None:
+            self._stop_sampling.set()
+            if self._sampler is not None:
+                self._sampler.join()
+            with contextlib.suppress(Exception):
+                self._sample_pg()
+            self.result["postgres"] = sum(last - first for first, last in self._pg.values())
+        return self.result
+
+
+# --- bare /generate clients --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Request:
+    input_ids: list[int]
+    sampling: dict[str, Any]
+    rid: str
+
+
+@dataclass
+class ClientRun:
+    """What a bare client run saw: per-request send and completion times, tokens."""
+
+    sent: list[float]
+    done: list[float]
+    tokens: list[int]
+    errors: list[str]
+    wall_s: float
+
+    @property
+    def span_s(self) -> float:
+        """First request sent to last answer received."""
+        return max(self.done) - min(self.sent)
+
+    @property
+    def generated(self) -> int:
+        return sum(self.tokens)
+
+
+def bare_client_run(
+    url: str, requests: Sequence[Request], *, window: int, barrier: bool = False
+) -> ClientRun:
+    """Send every request to url from `window` threads, each with its own single-connection
+    httpx client. barrier=False keeps exactly `window` requests in flight (a thread takes
+    the next request the moment its answer arrives); barrier=True sends `window` requests,
+    waits for all of them, then sends the next `window` ("batch and wait")."""
+    n = len(requests)
+    sent = [0.0] * n
+    done = [0.0] * n
+    tokens = [0] * n
+    errors: list[str] = []
+    counter = itertools.count()
+    rounds = (n + window - 1) // window
+    gate = threading.Barrier(window) if barrier else None
+    ready = threading.Barrier(window + 1)
+
+    def send(client: httpx.Client, i: int) -> None:
+        req = requests[i]
+        body = json.dumps(
+            {
+                "input_ids": req.input_ids,
+                "sampling_params": req.sampling,
+                "rid": req.rid,
+                "stream": False,
+            },
+            separators=(",", ":"),
+        ).encode()
+        sent[i] = time.time()
+        response = client.post(
+            "/generate", content=body, headers={"content-type": "application/json"}
+        )
+        done[i] = time.time()
+        if response.status_code != 200:
+            errors.append(f"{response.status_code}: {response.text[:200]}")
+            return
+        tokens[i] = int(json.loads(response.content)["meta_info"]["completion_tokens"])
+
+    def work(slot: int) -> None:
+        client = httpx.Client(
+            base_url=url,
+            timeout=httpx.Timeout(3600.0, connect=10.0),
+            limits=httpx.Limits(max_connections=1, max_keepalive_connections=1),
+            trust_env=False,
+        )
+        try:
+            ready.wait()
+            if gate is None:
+                while (i := next(counter)) < n:
+                    send(client, i)
+            else:
+                for r in range(rounds):
+                    i = r * window + slot
+                    if i < n:
+                        send(client, i)
+                    gate.wait()
+        except Exception as exc:
+            errors.append(repr(exc))
+            if gate is not None:
+                gate.abort()
+        finally:
+            client.close()
+
+    threads = [threading.Thread(target=work, args=(s,), daemon=True) for s in range(window)]
+    for t in threads:
+        t.start()
+    ready.wait()
+    wall0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    wall_s = time.perf_counter() - wall0
+    return ClientRun(sent, done, tokens, errors, wall_s)
+
+
+# --- output ------------------------------------------------------------------------------
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A plain aligned text table (first column left, the rest right)."""
+    cells = [[str(h) for h in headers], *[[_fmt(c) for c in row] for row in rows]]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = []
+    for r in cells:
+        rest = [c.rjust(w) for c, w in zip(r[1:], widths[1:], strict=True)]
+        parts = [r[0].ljust(widths[0]), *rest]
+        lines.append("  ".join(parts))
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        if abs(value) >= 1000:
+            return f"{value:,.0f}"
+        if abs(value) >= 10:
+            return f"{value:.1f}"
+        return f"{value:.3f}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
+
+
+def machine_note() -> str:
+    load = os.getloadavg()
+    return (
+        f"{os.cpu_count()} cores (shared, noisy), Python {sys.version.split()[0]}, "
+        f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at start, "
+        f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}"
+    )
+
+
+# --- profiling with py-spy ---------------------------------------------------------------
+
+
+def start_profile(pid: int, out: Path, *, duration_s: int, gil: bool = False) -> Any:
+    """`py-spy record` of pid into out (collapsed stacks, idle threads left out) in the
+    background; gil=True samples only the thread holding the GIL. None if py-spy is absent."""
+    import shutil
+
+    exe = shutil.which("py-spy")
+    if exe is None:
+        print("py-spy is not installed (pip install py-spy); no profile")
+        return None
+    cmd = [exe, "record", "--pid", str(pid), "--duration", str(duration_s), "--rate", "200"]
+    cmd += ["--format", "raw", "--output", str(out), "--nonblocking"]
+    if gil:
+        cmd.append("--gil")
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _frame_name(frame: str) -> str:
+    """`func (path/to/file.py:12)` → `func (file.py)`."""
+    name, _, where = frame.partition(" (")
+    path = where.rstrip(")").rsplit(":", 1)[0]
+    return f"{name} ({Path(path).name})" if path else name
+
+
+def profile_summary(raw: Path, top: int = 25, focus: Sequence[str] = ()) -> str:
+    """Top functions by self and by inclusive samples from py-spy's collapsed stacks; with
+    `focus`, first the inclusive share of the functions whose names contain those."""
+    from collections import Counter
+
+    self_c: Counter[str] = Counter()
+    incl: Counter[str] = Counter()
+    total = 0
+    if not raw.exists():
+        return f"(no profile at {raw})"
+    for line in raw.read_text(errors="replace").splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        n = int(count)
+        frames = [_frame_name(f) for f in stack.split(";")[1:]]  # [0] is the thread
+        if not frames:
+            continue
+        total += n
+        self_c[frames[-1]] += n
+        for f in set(frames):
+            incl[f] += n
+    if not total:
+        return "(empty profile)"
+    lines = [f"{total} samples"]
+    if focus:
+        lines.append("  incl%   focus")
+        for prefix in focus:
+            n = max((c for name, c in incl.items() if prefix in name), default=0)
+            lines.append(f"  {100 * n / total:5.1f}   {prefix}")
+    lines.append("  self%   function")
+    for name, n in self_c.most_common(top):
+        lines.append(f"  {100 * n / total:5.1f}   {name}")
+    lines.append("  incl%   function")
+    for name, n in incl.most_common(top + 15):
+        lines.append(f"  {100 * n / total:5.1f}   {name}")
+    return "\n".join(lines)

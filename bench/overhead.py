@@ -1,0 +1,409 @@
+"""Per-item overhead: tokenmill end to end against an emulator that answers at once.
+
+Against ONE emulator started with `--step-ms 0` (no batching delay: every request is
+answered as soon as it is parsed), in the same run:
+
+  bare       a bare client keeping a window of requests in flight (N threads, each with its
+             own single-connection httpx client): the most this machine can push through
+             the emulator;
+  tokenmill  per TOKENMILL_INFLIGHT:TOKENMILL_BATCH_SIZE config, a fresh run of the same
+             prompt ids and sampling enqueued with `workers.producer.enqueue` and published
+             to Redis, then ONE `celery -A app worker` (claim in Postgres, request, durable
+             group-commit write) until the ledger says the run is finished.
+
+Items/s = items / busy span (bare: first send to last answer; tokenmill: the ledger's first
+claim to its last written result). CPU ms per item is measured per process over the run:
+the worker (or the bare client), the Postgres backends of the benchmark database, Redis
+(whole server) and the emulator.
+
+    python bench/overhead.py                           # 20,000 items a config, ~4 minutes
+    python bench/overhead.py --items 5000 --configs 64:8,16:32
+    python bench/overhead.py --profile /tmp/oh         # py-spy profile of every worker
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from common import (
+    REDIS_URL,
+    CpuMeter,
+    Request,
+    bare_client_run,
+    bench_database,
+    emulator,
+    emulator_stats,
+    engine_for,
+    fixture_tokenizer_dir,
+    flush_redis,
+    machine_note,
+    profile_summary,
+    run_items,
+    run_span,
+    service_env,
+    start_profile,
+    start_worker,
+    stop_process,
+    table,
+    wait_first_claim,
+    wait_run_finished,
+)
+from sqlalchemy import text
+
+DEFAULT_CONFIGS = "64:8,64:32,16:32"
+# where the worker's time goes, by the functions that own it (py-spy frame names)
+FOCUS = (
+    "InflightWindow._slot_loop",
+    "SGLangClient.generate",
+    "SGLangClient._send",
+    "parse_generate_response",
+    "InflightWindow._writer_loop",
+    "record_outcomes",
+    "InflightWindow._timer_loop",
+    "handle_message",
+    "claim_items",
+    "InflightWindow.wait_for_room",
+    "trace_task",
+    "Consumer.start",
+    "EventDispatcher.send",
+    "Connection.commit",
+    "Session.commit",
+)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--items", type=int, default=20_000, help="items per tokenmill config")
+    p.add_argument(
+        "--configs",
+        default=DEFAULT_CONFIGS,
+        help="comma-separated INFLIGHT:BATCH_SIZE[:WORKER_THREADS] tokenmill configs",
+    )
+    p.add_argument("--bare-window", type=int, default=64, help="window of the bare client")
+    p.add_argument(
+        "--bare-items", type=int, default=10_000, help="items per bare client run (≤ --items)"
+    )
+    p.add_argument("--prompt-tokens", type=int, default=256, help="prompt length (ids)")
+    p.add_argument("--median-tokens", type=float, default=128.0, help="output length")
+    p.add_argument("--sigma", type=float, default=0.0, help="log-normal sigma of outputs")
+    p.add_argument("--max-new-tokens", type=int, default=1024)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument(
+        "--no-analyze",
+        action="store_true",
+        help="skip ANALYZE after enqueueing (claims then run on stale planner statistics)",
+    )
+    p.add_argument(
+        "--explain",
+        action="store_true",
+        help="print the plans of a claim and of the producer's key lookup before and after "
+        "ANALYZE (EXPLAIN ANALYZE in a rolled-back transaction)",
+    )
+    p.add_argument("--profile", type=Path, default=None, help="folder for py-spy profiles")
+    p.add_argument("--profile-s", type=int, default=10, help="seconds to profile each worker")
+    p.add_argument("--timeout", type=float, default=900.0, help="per-config limit, seconds")
+    return p.parse_args()
+
+
+def parse_configs(text: str) -> list[tuple[int, int, int | None]]:
+    configs = []
+    for part in text.split(","):
+        values = [int(v) for v in part.strip().split(":")]
+        if len(values) not in (2, 3):
+            raise SystemExit(f"bad config {part!r}: want INFLIGHT:BATCH_SIZE[:THREADS]")
+        configs.append((values[0], values[1], values[2] if len(values) == 3 else None))
+    return configs
+
+
+def write_id_prompts(path: Path, count: int, tokens: int, seed: int) -> Path:
+    """JSONL of pre-tokenized prompts ({"id", "input_ids"}): no templating in the way."""
+    import json
+
+    rng = random.Random(seed)
+    with path.open("w", encoding="utf-8") as out:
+        for i in range(count):
+            n = max(8, int(tokens * rng.uniform(0.75, 1.25)))
+            ids = [163587, *(rng.randrange(300, 1500) for _ in range(n - 3)), 163601, 163606]
+            out.write(json.dumps({"id": f"o{i:07d}", "input_ids": ids}) + "\n")
+    return path
+
+
+def enqueue_run(
+    args: argparse.Namespace, db: Any, tokenizer: Any, prompts: Path, run: str
+) -> float:
+    """Producer path with publish=None (ledger rows only); seconds taken."""
+    from app.contracts import SamplingParams
+    from workers.producer import EnqueueOptions, enqueue
+
+    options = EnqueueOptions(
+        input_path=prompts,
+        run=run,
+        sampling=SamplingParams(max_new_tokens=args.max_new_tokens, seed=args.seed),
+    )
+    t0 = time.perf_counter()
+    report = enqueue(db, tokenizer, options, publish=None)
+    if report.inserted != args.items:
+        raise RuntimeError(f"enqueue of {run}: {report.to_json()}")
+    return time.perf_counter() - t0
+
+
+def publish_run(db: Any, run: str, batch: int) -> float:
+    """Publish the run's pending ids in messages of `batch` ids and mark them queued, as the
+    producer does; only now, so no other config's worker can take them."""
+    from app import ledger
+    from workers.publish import publish_items
+
+    t0 = time.perf_counter()
+    with db.connect() as conn:
+        run_id = ledger.get_run(conn, run).id
+    after = 0
+    while True:
+        with db.connect() as conn:
+            ids = ledger.pending_ids(conn, run_id, after_id=after)
+        if not ids:
+            return time.perf_counter() - t0
+        publish_items(ids, batch_size=batch)
+        with db.begin() as conn:
+            ledger.mark_queued(conn, ids)
+        after = ids[-1]
+
+
+def explain(db: Any, run: str, when: str) -> None:
+    """EXPLAIN ANALYZE, rolled back, of the claim of 8 queued ids (the statement
+    `ledger.claim_items` builds) and of the producer's existing-keys lookup of 512 keys."""
+    from datetime import UTC, datetime
+
+    from sqlalchemy import select, update
+
+    from app import ledger
+
+    t = ledger.items
+    with db.connect() as conn:
+        run_id = ledger.get_run(conn, run).id
+        ids = list(
+            conn.execute(
+                select(t.c.id).where(t.c.run_id == run_id).order_by(t.c.id.desc()).limit(512)
+            ).scalars()
+        )
+        keys = list(conn.execute(select(t.c.item_key).where(t.c.id.in_(ids))).scalars())
+        claim = (
+            update(t)
+            .where(t.c.id.in_(ids[:8]), ledger._claimable(datetime.now(UTC)))
+            .values(status="leased")
+            .returning(t.c.id)
+        )
+        lookup = select(t.c.item_key).where(t.c.run_id == run_id, t.c.item_key.in_(keys))
+        for name, stmt in (("claim of 8 ids", claim), ("existing_keys of 512 keys", lookup)):
+            sql = str(stmt.compile(db, compile_kwargs={"literal_binds": True}))
+            plan = [r[0] for r in conn.execute(text("EXPLAIN ANALYZE " + sql))]
+            conn.rollback()
+            keep = [line[:150] for line in plan if "Filter:" not in line and "Cond:" not in line]
+            print(f"  plan, {name}, {when}:\n    " + "\n    ".join(keep), flush=True)
+
+
+def run_tokenmill(
+    args: argparse.Namespace,
+    pg_url: str,
+    data_dir: Path,
+    emu: Any,
+    run: str,
+    config: tuple[int, int, int | None],
+) -> dict[str, Any]:
+    inflight, batch, threads = config
+    settings = {
+        "TOKENMILL_SGLANG_URL": emu.url,
+        "TOKENMILL_INFLIGHT": str(inflight),
+        "TOKENMILL_BATCH_SIZE": str(batch),
+    }
+    if threads:
+        settings["TOKENMILL_WORKER_THREADS"] = str(threads)
+    env = service_env(pg_url, REDIS_URL, data_dir, **settings)
+    db = engine_for(pg_url)
+    log = data_dir / f"{run}.log"
+    started = time.monotonic()
+    worker = start_worker(env, run, log)
+    profiler = None
+    try:
+        wait_first_claim(db, run)
+        meter = CpuMeter(
+            {"worker": worker.pid, "emulator": emu.process.pid}, db=db, redis_url=REDIS_URL
+        ).start()
+        if args.profile is not None:
+            args.profile.mkdir(parents=True, exist_ok=True)
+            profiler = start_profile(
+                worker.pid, args.profile / f"{run}.raw", duration_s=args.profile_s, gil=True
+            )
+        counts = wait_run_finished(
+            db, run, timeout_s=args.timeout, alive=lambda: worker.poll() is None
+        )
+        whole_s = time.monotonic() - started
+        cpu = meter.stop()
+        del cpu["bench"]  # this process only polled the ledger
+    finally:
+        if profiler is not None:
+            profiler.wait()
+        stop_process(worker)
+    first, last = run_span(db, run)
+    db.dispose()
+    if counts.done != args.items:
+        print(f"  !! {run}: {counts.to_json()}; see {log}")
+    span_s = (last - first).total_seconds()
+    label = f"tokenmill {inflight}:{batch}" + (f":{threads}" if threads else "")
+    result = {
+        "label": label,
+        "items": counts.done,
+        "span_s": span_s,
+        "rate": counts.done / span_s,
+        "whole_s": whole_s,
+        "cpu": cpu,
+    }
+    if args.profile is not None:
+        summary = profile_summary(args.profile / f"{run}.raw", focus=FOCUS)
+        (args.profile / f"{run}-summary.txt").write_text(summary + "\n")
+        result["profile"] = summary
+    return result
+
+
+def run_bare(emu: Any, requests: list[Request], window: int, tag: str) -> dict[str, Any]:
+    reqs = [Request(r.input_ids, r.sampling, f"{tag}-{r.rid}") for r in requests]
+    meter = CpuMeter({"emulator": emu.process.pid}).start()
+    run = bare_client_run(emu.url, reqs, window=window)
+    cpu = meter.stop()
+    if run.errors:
+        raise RuntimeError(f"bare client: {len(run.errors)} errors, first: {run.errors[0]}")
+    return {
+        "label": f"bare client w={window}",
+        "items": len(reqs),
+        "span_s": run.span_s,
+        "rate": len(reqs) / run.span_s,
+        "whole_s": run.wall_s,
+        "cpu": {"worker": cpu["bench"], "emulator": cpu["emulator"]},
+    }
+
+
+def main() -> None:
+    args = parse_args()
+    configs = parse_configs(args.configs)
+    print(f"overhead benchmark — {machine_note()}")
+    emu_args = ["--step-ms", "0", "--median-tokens", str(args.median_tokens)]
+    emu_args += ["--sigma", str(args.sigma), "--log-level", "WARNING"]
+    print(
+        f"{args.items} items per config, ~{args.prompt_tokens} prompt ids, emulator: "
+        f"{' '.join(emu_args)}, max_new_tokens {args.max_new_tokens}"
+        + (", no ANALYZE after enqueue" if args.no_analyze else ", ANALYZE after enqueue"),
+        flush=True,
+    )
+    results: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="tm-bench-oh-") as tmp, bench_database() as pg_url:
+        data_dir = Path(tmp)
+        # this process publishes: its settings must name the benchmark's Redis and Postgres
+        os.environ.update(service_env(pg_url, REDIS_URL, data_dir))
+        from app.tokenization import load_tokenizer
+
+        flush_redis()
+        try:
+            tokenizer = load_tokenizer(fixture_tokenizer_dir())
+            prompts = write_id_prompts(
+                data_dir / "prompts.jsonl", args.items, args.prompt_tokens, args.seed
+            )
+            db = engine_for(pg_url)
+            runs = []
+            for i in range(len(configs)):
+                run = f"overhead-{i + 1}"
+                took = enqueue_run(args, db, tokenizer, prompts, run)
+                print(f"enqueued {run} in {took:.1f} s", flush=True)
+                runs.append(run)
+            if args.explain:
+                explain(db, runs[-1], "planner statistics as left by the enqueue")
+            if not args.no_analyze:
+                # what autovacuum does within a minute or so of a big enqueue; without it the
+                # claim UPDATE may plan a bitmap scan over every queued item (see README)
+                with db.begin() as conn:
+                    conn.execute(text("ANALYZE items"))
+                if args.explain:
+                    explain(db, runs[-1], "after ANALYZE items")
+            items, sampling = run_items(db, runs[0])
+            requests = [
+                Request(it.prompt_ids, sampling.for_sample(it.sample_index), str(it.id))
+                for it in items
+            ]
+            bare_requests = requests[: args.bare_items]
+            with emulator(emu_args) as emu:
+                # the bare client before and after every config: its neighbours are its
+                # baseline, so a noisy neighbour on the machine shows up on both sides
+                plan: list[tuple[str, Any]] = [("bare", None)]
+                for run, config in zip(runs, configs, strict=True):
+                    plan += [(run, config), ("bare", None)]
+                for k, (what, config) in enumerate(plan):
+                    if what == "bare":
+                        r = run_bare(emu, bare_requests, args.bare_window, f"bare{k}")
+                    else:
+                        flush_redis()
+                        took = publish_run(db, what, config[1])
+                        print(f"  published {what} in {took:.1f} s", flush=True)
+                        r = run_tokenmill(args, pg_url, data_dir, emu, what, config)
+                    results.append(r)
+                    parts = ", ".join(
+                        f"{name} {1000 * v / r['items']:.2f}" for name, v in r["cpu"].items()
+                    )
+                    print(
+                        f"  {r['label']}: {r['items']} items in {r['span_s']:.1f} s = "
+                        f"{r['rate']:.0f} items/s; CPU ms/item: {parts}",
+                        flush=True,
+                    )
+                    if "profile" in r:
+                        print(r["profile"], flush=True)
+                stats = emulator_stats(emu.url)
+            db.dispose()
+            print(f"emulator answered {stats['completed']} requests", flush=True)
+        finally:
+            flush_redis()
+    report(results)
+
+
+def report(results: list[dict[str, Any]]) -> None:
+    """Each tokenmill config against the mean of the bare runs just before and after it."""
+    rows = []
+    ratios: list[tuple[float, dict[str, Any], float]] = []
+    for i, r in enumerate(results):
+        baseline: Any = "-"
+        if r["label"].startswith("tokenmill"):
+            neighbours = [results[j]["rate"] for j in (i - 1, i + 1) if 0 <= j < len(results)]
+            baseline = sum(neighbours) / len(neighbours)
+            ratios.append((r["rate"] / baseline, r, baseline))
+        per = {k: 1000 * v / r["items"] for k, v in r["cpu"].items()}
+        rows.append(
+            [
+                r["label"],
+                r["items"],
+                r["span_s"],
+                r["rate"],
+                r["rate"] / baseline if baseline != "-" else "-",
+                per.get("worker", 0.0),
+                per.get("postgres", "-"),
+                per.get("redis", "-"),
+                per.get("emulator", 0.0),
+            ]
+        )
+    print()
+    headers = ["run", "items", "span s", "items/s", "/ bare"]
+    headers += ["worker|client CPU ms/item", "postgres ms/item", "redis ms/item"]
+    headers += ["emulator ms/item"]
+    print(table(headers, rows))
+    print("(/ bare: items/s over the mean of the bare client runs just before and after)")
+    ratio, best, baseline = max(ratios, key=lambda x: x[0])
+    verdict = "meets" if ratio >= 0.5 else "MISSES"
+    print(
+        f"\nbest tokenmill config: {best['label']} at {best['rate']:.0f} items/s = {ratio:.2f} "
+        f"of the bare client ({baseline:.0f} items/s around it); {verdict} the 0.5 target"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,459 @@
+"""Prometheus metrics of a fleet: a collector over the ledger and broker, and its HTTP server.
+
+Figures are computed from the shared ledger at scrape time (cached briefly), so they are right
+with any number of worker processes; beyond loopback the endpoint requires basic auth.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hmac
+import ipaddress
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from socketserver import ThreadingMixIn
+from typing import Any, cast
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
+from wsgiref.types import StartResponse, WSGIApplication, WSGIEnvironment
+
+import click
+from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+from sqlalchemy import Engine
+
+from app.constants import WORK_QUEUE
+from app.errors import ConfigurationError
+from app.metrics_queries import (
+    LATENCY_BUCKETS_S,
+    LatencyHistogram,
+    LedgerSnapshot,
+    read_snapshot,
+)
+from app.models import ItemStatus
+from app.settings import Settings, get_settings
+from ops.options import console, handle_errors, open_db
+from workers.broker_scan import PRIORITY_SEP
+from workers.health import Health
+
+log = logging.getLogger(__name__)
+
+PREFIX = "tokenmill_"
+OUTCOMES = ("stop", "length", "failed")
+REALM = "tokenmill metrics"
+NO_SERVER = ""  # items never leased to a server: an empty label is an absent one in PromQL
+
+
+# --- the collector ------------------------------------------------------------------------
+
+
+def broker_queue_depth(broker_url: str) -> int | None:
+    """Messages waiting in the generate queue and its priority sub-queues; None unless Redis."""
+    if not broker_url.startswith(("redis://", "rediss://")):
+        return None
+    import redis
+
+    client = redis.Redis.from_url(broker_url, socket_timeout=5, socket_connect_timeout=5)
+    try:
+        keys = [WORK_QUEUE.encode(), *client.scan_iter(match=f"{WORK_QUEUE}{PRIORITY_SEP}*")]
+        return sum(int(client.llen(key)) for key in keys if client.type(key) == b"list")
+    finally:
+        client.close()
+
+
+def ledger_families(snapshot: LedgerSnapshot) -> list[Metric]:
+    """The metric families the ledger snapshot holds (no I/O)."""
+    known = {s.name for s in snapshot.servers}
+    known |= {g.server for g in snapshot.groups if g.server is not None}
+
+    tokens: dict[str, int] = dict.fromkeys(known, 0)
+    outcomes: dict[tuple[str, str], int] = {(s, o): 0 for s in known for o in OUTCOMES}
+    in_flight: dict[str, int] = dict.fromkeys(known, 0)
+    run_items: dict[str, dict[str, int]] = {
+        run: dict.fromkeys((s.value for s in ItemStatus), 0) for run in snapshot.run_names
+    }
+    run_tokens: dict[str, int] = dict.fromkeys(snapshot.run_names, 0)
+    for g in snapshot.groups:
+        server = g.server or NO_SERVER
+        by_status = run_items.setdefault(g.run, {})
+        by_status[g.status] = by_status.get(g.status, 0) + g.items
+        if g.status == ItemStatus.DONE.value:
+            tokens[server] = tokens.get(server, 0) + g.completion_tokens
+            run_tokens[g.run] = run_tokens.get(g.run, 0) + g.completion_tokens
+            key = (server, g.finish_reason or "unknown")
+            outcomes[key] = outcomes.get(key, 0) + g.items
+        elif g.status == ItemStatus.FAILED.value:
+            outcomes[(server, "failed")] = outcomes.get((server, "failed"), 0) + g.items
+        elif g.status == ItemStatus.LEASED.value:
+            in_flight[server] = in_flight.get(server, 0) + g.items
+
+    generated = CounterMetricFamily(
+        PREFIX + "generated_tokens",
+        "Output tokens of finished items, by the server that generated them.",
+        labels=["server"],
+    )
+    for server, n in sorted(tokens.items()):
+        generated.add_metric([server], n)
+    requests = CounterMetricFamily(
+        PREFIX + "requests",
+        "Finished items by server and outcome: stop, length (truncated) or failed.",
+        labels=["server", "outcome"],
+    )
+    for (server, outcome), n in sorted(outcomes.items()):
+        requests.add_metric([server, outcome], n)
+    flight = GaugeMetricFamily(
+        PREFIX + "requests_in_flight",
+        "Items leased to a server now (being generated or about to be sent).",
+        labels=["server"],
+    )
+    for server, n in sorted(in_flight.items()):
+        flight.add_metric([server], n)
+    items = GaugeMetricFamily(
+        PREFIX + "run_items",
+        "Items of a run by status: pending, queued, leased, done, failed.",
+        labels=["run", "status"],
+    )
+    for run, by_status in run_items.items():
+        for status, n in sorted(by_status.items()):
+            items.add_metric([run, status], n)
+    per_run = CounterMetricFamily(
+        PREFIX + "run_generated_tokens", "Output tokens of a run's finished items.", labels=["run"]
+    )
+    for run, n in run_tokens.items():
+        per_run.add_metric([run], n)
+    return [
+        generated,
+        requests,
+        latency_family(snapshot, known),
+        flight,
+        *server_families(snapshot),
+        items,
+        per_run,
+    ]
+
+
+def latency_family(snapshot: LedgerSnapshot, known: set[str]) -> Metric:
+    """The latency histogram of each server; zeros for a known server with nothing finished."""
+    latency = HistogramMetricFamily(
+        PREFIX + "request_latency_seconds",
+        "End-to-end generation latency of finished items, by server.",
+        labels=["server"],
+    )
+    histograms = {h.server or NO_SERVER: h for h in snapshot.latencies}
+    for server in sorted(known - set(histograms)):  # a server with nothing finished yet: zeros
+        histograms[server] = LatencyHistogram(
+            server, LATENCY_BUCKETS_S, (0,) * len(LATENCY_BUCKETS_S), 0, 0.0
+        )
+    for server, h in sorted(histograms.items()):
+        buckets: list[tuple[str, float]] = [
+            (str(float(b)), n) for b, n in zip(h.buckets_s, h.cumulative, strict=True)
+        ]
+        buckets.append(("+Inf", h.count))
+        latency.add_metric([server], buckets, sum_value=h.sum_s)
+    return latency
+
+
+def server_families(snapshot: LedgerSnapshot) -> list[Metric]:
+    """State, pause flag and last probe of each registered server."""
+    state = GaugeMetricFamily(
+        PREFIX + "server_state",
+        "1 for the server's current health state, 0 for the others.",
+        labels=["server", "state"],
+    )
+    paused = GaugeMetricFamily(
+        PREFIX + "server_paused",
+        "1 while the server is paused, with who paused it (operator, watchdog, ...).",
+        labels=["server", "paused_by"],
+    )
+    probe_at = GaugeMetricFamily(
+        PREFIX + "server_last_probe_timestamp_seconds",
+        "Unix time of the server's last health probe.",
+        labels=["server"],
+    )
+    probe_ok = GaugeMetricFamily(
+        PREFIX + "server_last_probe_success",
+        "1 if the server's last health probe succeeded, else 0.",
+        labels=["server"],
+    )
+    probe_latency = GaugeMetricFamily(
+        PREFIX + "server_last_probe_latency_seconds",
+        "Duration of the server's last health probe.",
+        labels=["server"],
+    )
+    for s in snapshot.servers:
+        for known in sorted({h.value for h in Health} | {s.state}):
+            state.add_metric([s.name, known], 1 if known == s.state else 0)
+        paused.add_metric([s.name, (s.paused_by or "") if s.paused else ""], 1 if s.paused else 0)
+        if s.last_probe_at is not None:
+            probe_at.add_metric([s.name], s.last_probe_at.timestamp())
+        if s.last_probe_ok is not None:
+            probe_ok.add_metric([s.name], 1 if s.last_probe_ok else 0)
+        if s.last_probe_latency_s is not None:
+            probe_latency.add_metric([s.name], s.last_probe_latency_s)
+    return [state, paused, probe_at, probe_ok, probe_latency]
+
+
+class LedgerCollector(Collector):
+    """A prometheus_client collector: one ledger snapshot and queue depth per cache period,
+    shared by concurrent scrapes so many scrapers cost one set of queries."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        broker_url: str | None,
+        *,
+        cache_s: float = 2.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.engine = engine
+        self.broker_url = broker_url
+        self.cache_s = cache_s
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._families: list[Metric] = []
+        self._taken_at: float | None = None
+
+    def collect(self) -> Iterable[Metric]:
+        with self._lock:
+            if self._taken_at is None or self.clock() - self._taken_at >= self.cache_s:
+                self._families = self._scrape()
+                self._taken_at = self.clock()
+            return list(self._families)
+
+    def _scrape(self) -> list[Metric]:
+        started = time.perf_counter()
+        families: list[Metric] = []
+        try:
+            families += ledger_families(read_snapshot(self.engine))
+            ledger_up = 1
+        except Exception as exc:  # a scrape reports the outage instead of failing
+            log.warning("metrics: reading the ledger failed: %s", _first_line(exc))
+            ledger_up = 0
+        families.append(_gauge("ledger_up", "1 if the last ledger read succeeded.", ledger_up))
+        if self.broker_url is not None:
+            families += self._broker_families(self.broker_url)
+        families.append(
+            _gauge(
+                "scrape_duration_seconds",
+                "Time the last ledger and broker read took.",
+                time.perf_counter() - started,
+            )
+        )
+        return families
+
+    def _broker_families(self, broker_url: str) -> list[Metric]:
+        try:
+            depth = broker_queue_depth(broker_url)
+        except Exception as exc:  # e.g. Redis down: report it, keep the ledger figures
+            log.warning("metrics: reading the broker failed: %s", _first_line(exc))
+            return [_gauge("broker_up", "1 if the last broker read succeeded.", 0)]
+        if depth is None:  # not a broker whose queue can be read
+            return []
+        queue = GaugeMetricFamily(
+            PREFIX + "queue_messages",
+            "Messages waiting in the broker queue (each carries up to TOKENMILL_BATCH_SIZE ids).",
+            labels=["queue"],
+        )
+        queue.add_metric([WORK_QUEUE], depth)
+        return [_gauge("broker_up", "1 if the last broker read succeeded.", 1), queue]
+
+
+def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(PREFIX + name, documentation, value=value)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+# --- the HTTP server ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Credentials:
+    user: str
+    password: str
+
+    def __repr__(self) -> str:
+        return f"Credentials(user={self.user!r}, password='***')"
+
+
+def credentials_from(settings: Settings) -> Credentials | None:
+    """The basic-auth credentials configured, None if neither is; half of them is an error."""
+    user = settings.metrics_user or None
+    password = settings.metrics_password.get_secret_value() if settings.metrics_password else None
+    if user is None and not password:
+        return None
+    if user is None or not password:
+        raise ConfigurationError(
+            "set both TOKENMILL_METRICS_USER and TOKENMILL_METRICS_PASSWORD, or neither"
+        )
+    return Credentials(user, password)
+
+
+def is_loopback(host: str) -> bool:
+    """True when every address host stands for is a loopback address."""
+    host = host.strip("[]")
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(i[4][0]).is_loopback for i in infos)
+
+
+def check_exposure(host: str, credentials: Credentials | None) -> None:
+    """Refuse to listen beyond loopback without credentials (ConfigurationError)."""
+    if credentials is None and not is_loopback(host):
+        raise ConfigurationError(
+            f"refusing to serve metrics on {host!r} without credentials: set "
+            "TOKENMILL_METRICS_USER and TOKENMILL_METRICS_PASSWORD, or listen on 127.0.0.1"
+        )
+
+
+def _authorized(header: str, expected: Credentials) -> bool:
+    scheme, _, encoded = header.partition(" ")
+    if scheme.lower() != "basic":
+        return False
+    try:
+        user, sep, password = base64.b64decode(encoded.strip(), validate=True).partition(b":")
+    except (binascii.Error, ValueError):
+        return False
+    # compare both, always: the time taken says nothing about which part was wrong
+    user_ok = hmac.compare_digest(user, expected.user.encode())
+    password_ok = hmac.compare_digest(password, expected.password.encode())
+    return bool(sep) and user_ok and password_ok
+
+
+def require_basic_auth(app: WSGIApplication, credentials: Credentials) -> WSGIApplication:
+    """app behind HTTP basic auth: 401 with a challenge unless the credentials match."""
+
+    def guarded(environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
+        if _authorized(str(environ.get("HTTP_AUTHORIZATION", "")), credentials):
+            return app(environ, start_response)
+        start_response(
+            "401 Unauthorized",
+            [
+                ("Content-Type", "text/plain; charset=utf-8"),
+                ("WWW-Authenticate", f'Basic realm="{REALM}", charset="UTF-8"'),
+            ],
+        )
+        return [b"401 Unauthorized: credentials required\n"]
+
+    return guarded
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        log.debug("metrics: %s %s", self.address_string(), format % args)
+
+
+class MetricsServer(ThreadingMixIn, WSGIServer):
+    """A threaded WSGI server for the metrics app, IPv4 or IPv6 as the host asks."""
+
+    daemon_threads = True
+
+    def __init__(self, host: str, port: int, app: WSGIApplication) -> None:
+        try:
+            self.address_family = socket.getaddrinfo(
+                host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+            )[0][0]
+            super().__init__((host, port), _QuietHandler)
+        except OSError as exc:
+            raise ConfigurationError(
+                f"cannot listen on {host}:{port}: {exc.strerror or exc}"
+            ) from exc
+        self.set_app(app)
+
+    @property
+    def url(self) -> str:
+        address = self.server_address[0]
+        host = address.decode() if isinstance(address, bytes) else address
+        shown = f"[{host}]" if ":" in host else host
+        return f"http://{shown}:{self.server_address[1]}/metrics"
+
+
+def make_metrics_server(
+    *,
+    engine: Engine,
+    broker_url: str | None,
+    host: str,
+    port: int,
+    credentials: Credentials | None,
+    cache_s: float = 2.0,
+) -> MetricsServer:
+    """A bound (not yet serving) metrics server; refuses a non-loopback host without credentials."""
+    check_exposure(host, credentials)
+    registry = CollectorRegistry()
+    registry.register(LedgerCollector(engine, broker_url, cache_s=cache_s))
+    app = cast(WSGIApplication, make_wsgi_app(registry))
+    if credentials is not None:
+        app = require_basic_auth(app, credentials)
+    return MetricsServer(host, port, app)
+
+
+@click.command("metrics")
+@click.option(
+    "--host",
+    default=None,
+    help="Address to listen on (TOKENMILL_METRICS_HOST, default 127.0.0.1). Beyond loopback, "
+    "TOKENMILL_METRICS_USER and TOKENMILL_METRICS_PASSWORD are required.",
+)
+@click.option(
+    "--port",
+    type=click.IntRange(0, 65535),
+    default=None,
+    help="Port to listen on (TOKENMILL_METRICS_PORT, default 9464).",
+)
+@handle_errors
+def metrics_cmd(host: str | None, port: int | None) -> None:
+    """Serve Prometheus metrics of the whole fleet, computed from the ledger and broker."""
+    settings = get_settings()
+    host = settings.metrics_host if host is None else host
+    port = settings.metrics_port if port is None else port
+    credentials = credentials_from(settings)
+    check_exposure(host, credentials)  # refuse before touching the database
+    broker_url = settings.resolved_broker_url()
+    server = make_metrics_server(
+        engine=open_db(settings),
+        broker_url=broker_url,
+        host=host,
+        port=port,
+        credentials=credentials,
+        cache_s=settings.metrics_cache_s,
+    )
+    auth = "basic auth" if credentials else "no auth"
+    console.print(f"serving metrics on {server.url} ({auth}); Ctrl-C stops")
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+
+
+__all__ = [
+    "Credentials",
+    "LedgerCollector",
+    "MetricsServer",
+    "check_exposure",
+    "credentials_from",
+    "is_loopback",
+    "ledger_families",
+    "make_metrics_server",
+    "metrics_cmd",
+]
