@@ -22,6 +22,7 @@ from sqlalchemy import (
     insert,
     or_,
     select,
+    text,
     update,
 )
 from sqlalchemy.dialects import postgresql, sqlite
@@ -237,6 +238,13 @@ def insert_items(conn: Connection, run_id: int, new: Sequence[NewItem]) -> int:
     ]
     stmt = _insert_ignoring_conflicts(conn).returning(items.c.id)
     return len(conn.execute(stmt, rows).all())
+
+
+def refresh_statistics(conn: Connection) -> None:
+    """ANALYZE the items table on Postgres: after a large insert the planner's stale row counts
+    turn the claim UPDATE and the key lookup into scans (measured 5x slower per claim)."""
+    if conn.dialect.name == "postgresql":
+        conn.execute(text("ANALYZE items"))
 
 
 def existing_keys(conn: Connection, run_id: int, keys: Iterable[str]) -> set[str]:

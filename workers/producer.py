@@ -146,6 +146,7 @@ def enqueue(
             )
     context = tokenizer.context_length
     published_after = 0
+    analyzed_at = 0
 
     def fail(error: InputError) -> None:
         report.errors.append(error)
@@ -186,13 +187,17 @@ def enqueue(
             for k in range(options.samples_per_prompt):
                 new_items.append(ledger.NewItem(record.key, k, record.line, record.messages, ids))
         with db.begin() as conn:
-            report.inserted += ledger.insert_items(conn, run.id, new_items)
+            inserted = ledger.insert_items(conn, run.id, new_items)
+            report.inserted += inserted
+            analyzed_at = _maybe_analyze(conn, report.inserted, analyzed_at)
         if publish is not None:
             published_after = _publish_pending(db, run.id, publish, published_after, report)
         on_progress(report.lines)
     if publish is not None:
         _publish_pending(db, run.id, publish, published_after, report)
     with db.begin() as conn:
+        if report.inserted:
+            ledger.refresh_statistics(conn)
         ledger.record_event(
             conn,
             EVENT_ENQUEUED,
@@ -205,6 +210,14 @@ def enqueue(
         "enqueue %s: %s", options.run, {k: v for k, v in report.to_json().items() if k != "errors"}
     )
     return report
+
+
+def _maybe_analyze(conn: Any, inserted: int, analyzed_at: int) -> int:
+    """Refresh planner statistics each time the run has doubled (at least 20,000 rows)."""
+    if inserted >= max(20_000, 2 * analyzed_at):
+        ledger.refresh_statistics(conn)
+        return inserted
+    return analyzed_at
 
 
 def _publish_pending(

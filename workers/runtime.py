@@ -85,7 +85,7 @@ class WorkerRuntime:
                 retry_backoff_s=settings.retry_backoff_s,
                 retry_backoff_max_s=settings.retry_backoff_max_s,
                 unavailable_wait_s=settings.unavailable_wait_s,
-                backlog=backlog if backlog is not None else max(2 * settings.batch_size, n // 4),
+                backlog=backlog if backlog is not None else max(settings.batch_size, n // 4),
             ),
             db=db,
             owner=self.owner,
