@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -152,47 +153,66 @@ def enqueue(
         report.errors.append(error)
         on_error(error)
 
-    for chunk in _chunks(itertools.chain([first], entries), CHUNK_LINES):
-        records: list[PromptRecord] = []
-        for entry in chunk:
-            if isinstance(entry, InputError):
-                fail(entry)
-            else:
-                records.append(entry)
-        report.lines = max(report.lines, *(entry.line or 0 for entry in chunk))
-        with db.connect() as conn:
-            present = ledger.existing_keys(conn, run.id, (r.key for r in records))
-        fresh = [r for r in records if r.key not in present]
-        report.already_present += len(records) - len(fresh)
-        report.prompts += len(records)
-        new_items: list[ledger.NewItem] = []
-        for record, ids in zip(
-            fresh, _tokenize(tokenizer, fresh, options.chat_template_kwargs), strict=True
-        ):
-            if isinstance(ids, InputError):
-                fail(ids)
-                continue
-            if not ids:
-                fail(InputError("the prompt is empty after templating", record.line))
-                continue
-            if context is not None and len(ids) >= context:
-                fail(
-                    InputError(
-                        f"prompt has {len(ids)} tokens, at or over the model's context "
-                        f"length {context}",
-                        record.line,
-                    )
-                )
-                continue
-            for k in range(options.samples_per_prompt):
-                new_items.append(ledger.NewItem(record.key, k, record.line, record.messages, ids))
+    def store(new_items: list[ledger.NewItem], lines: int) -> None:
+        nonlocal analyzed_at, published_after
         with db.begin() as conn:
-            inserted = ledger.insert_items(conn, run.id, new_items)
-            report.inserted += inserted
+            report.inserted += ledger.insert_items(conn, run.id, new_items)
             analyzed_at = _maybe_analyze(conn, report.inserted, analyzed_at)
         if publish is not None:
             published_after = _publish_pending(db, run.id, publish, published_after, report)
-        on_progress(report.lines)
+        on_progress(lines)
+
+    writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tm-enqueue-writer")
+    pending: Future[None] | None = None
+
+    try:
+        for chunk in _chunks(itertools.chain([first], entries), CHUNK_LINES):
+            records: list[PromptRecord] = []
+            for entry in chunk:
+                if isinstance(entry, InputError):
+                    fail(entry)
+                else:
+                    records.append(entry)
+            report.lines = max(report.lines, *(entry.line or 0 for entry in chunk))
+            present: set[str] = set()
+            if not report.run_created:  # a new run has no keys but this file's (unique)
+                with db.connect() as conn:
+                    present = ledger.existing_keys(conn, run.id, (r.key for r in records))
+            fresh = [r for r in records if r.key not in present]
+            report.already_present += len(records) - len(fresh)
+            report.prompts += len(records)
+            new_items: list[ledger.NewItem] = []
+            for record, ids in zip(
+                fresh, _tokenize(tokenizer, fresh, options.chat_template_kwargs), strict=True
+            ):
+                if isinstance(ids, InputError):
+                    fail(ids)
+                    continue
+                if not ids:
+                    fail(InputError("the prompt is empty after templating", record.line))
+                    continue
+                if context is not None and len(ids) >= context:
+                    fail(
+                        InputError(
+                            f"prompt has {len(ids)} tokens, at or over the model's context "
+                            f"length {context}",
+                            record.line,
+                        )
+                    )
+                    continue
+                for k in range(options.samples_per_prompt):
+                    new_items.append(
+                        ledger.NewItem(record.key, k, record.line, record.messages, ids)
+                    )
+            # the database work of this chunk overlaps the templating of the next one; one chunk
+            # in flight at most, so order is kept and memory stays bounded
+            if pending is not None:
+                pending.result()
+            pending = writer.submit(store, new_items, report.lines)
+        if pending is not None:
+            pending.result()
+    finally:
+        writer.shutdown(wait=True)
     if publish is not None:
         _publish_pending(db, run.id, publish, published_after, report)
     with db.begin() as conn:
