@@ -13,13 +13,10 @@ WORK_QUEUE = "generate"
 CONTROL_QUEUE = "tokenmill.control"
 
 REDIS_PREFIX = "tokenmill:"
-PAUSE_KEY_PREFIX = REDIS_PREFIX + "paused:"
 
 # events recorded in the ledger timeline
 EVENT_RUN_CREATED = "run_created"
 EVENT_ENQUEUED = "enqueued"
 EVENT_RECONCILED = "reconciled"
-EVENT_WORKER_STARTED = "worker_started"
-EVENT_WORKER_STOPPED = "worker_stopped"
 EVENT_FINGERPRINT_PINNED = "fingerprint_pinned"
 EVENT_FINGERPRINT_MISMATCH = "fingerprint_mismatch"

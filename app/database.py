@@ -7,13 +7,10 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Engine, create_engine, event
-from sqlalchemy.orm import Session, sessionmaker
 
 from app.settings import Settings, get_settings
 
@@ -59,25 +56,3 @@ def get_engine(settings: Settings | None = None) -> Engine:
             engine = make_engine(url, pool_size=max(4, min(settings.inflight // 4, 32)))
             _engines[key] = engine
         return engine
-
-
-def dispose_engines() -> None:
-    with _lock:
-        for engine in _engines.values():
-            engine.dispose()
-        _engines.clear()
-
-
-@contextmanager
-def session_scope(engine: Engine | None = None) -> Iterator[Session]:
-    """A session that commits on success and rolls back on error."""
-    factory = sessionmaker(bind=engine or get_engine(), expire_on_commit=False)
-    session = factory()
-    try:
-        yield session
-        session.commit()
-    except BaseException:
-        session.rollback()
-        raise
-    finally:
-        session.close()

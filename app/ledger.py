@@ -564,18 +564,6 @@ def requeue_expired(
     return sorted(conn.execute(stmt).scalars())
 
 
-def unfinished_ids(
-    conn: Connection, run_id: int, *, statuses: Sequence[str], after_id: int = 0, limit: int = 5000
-) -> list[int]:
-    stmt = (
-        select(items.c.id)
-        .where(items.c.run_id == run_id, items.c.status.in_(list(statuses)), items.c.id > after_id)
-        .order_by(items.c.id)
-        .limit(limit)
-    )
-    return list(conn.execute(stmt).scalars())
-
-
 def queued_before(
     conn: Connection, run_id: int, cutoff: datetime, *, after_id: int = 0, limit: int = 5000
 ) -> list[int]:

@@ -146,7 +146,13 @@ def _progress_table(counts: RunCounts, runner: EmbeddedRunner, started: float) -
         f"ETA {eta:,.0f}s" if eta == eta else "ETA —",
     )
     for view in runner.servers():
-        state = "[red]unavailable[/red]" if view.unavailable else "[green]ok[/green]"
+        state = (
+            "[red]fingerprint differs: no work[/red]"
+            if view.refused
+            else "[red]unavailable[/red]"
+            if view.unavailable
+            else "[green]ok[/green]"
+        )
         err = f"last error: {escape(view.last_error[:80])}" if view.last_error else ""
         table.add_row(
             f"  {escape(view.name)}",

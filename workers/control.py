@@ -47,16 +47,6 @@ class CeleryControl:
             log.warning("%s to %s failed (%s); workers enforce the flag", command, workers, exc)
 
 
-class NoControl:
-    """For the embedded runner: its windows read the flag directly."""
-
-    def cancel_consumer(self, workers: list[str]) -> None:
-        pass
-
-    def add_consumer(self, workers: list[str]) -> None:
-        pass
-
-
 def set_server_paused(
     db: Engine, control: WorkerControl, name: str, paused: bool, *, by: str, reason: str
 ) -> bool:

@@ -32,6 +32,7 @@ class ServerView:
     failed: int
     output_tokens: int
     unavailable: bool
+    refused: bool  # its fingerprint differs from the run's: it takes no work
     last_error: str | None
 
 
@@ -121,13 +122,11 @@ class EmbeddedRunner:
                 failed=rt.window.stats.failed,
                 output_tokens=rt.window.stats.output_tokens,
                 unavailable=rt.window.unavailable(),
+                refused=self._refused.get(rt.server_name, False),
                 last_error=rt.window.stats.last_error,
             )
             for rt in self.runtimes
         ]
-
-    def all_refused(self) -> bool:
-        return len(self._refused) == len(self.runtimes) and all(self._refused.values())
 
     def wait(
         self, on_tick: Callable[[RunCounts], None] = lambda c: None, tick_s: float = 0.5

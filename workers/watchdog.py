@@ -15,6 +15,7 @@ from typing import Protocol
 from sqlalchemy import Engine
 
 from app import ledger, registry
+from app.constants import EVENT_FINGERPRINT_MISMATCH
 from app.contracts import ServerFingerprint
 from app.errors import GenerationError
 from app.registry import (
@@ -31,7 +32,6 @@ from workers.runtime import client_for
 log = logging.getLogger(__name__)
 
 EVENT_STATE = "state"
-EVENT_FINGERPRINT_MISMATCH = "fingerprint_mismatch"
 
 
 @dataclass(frozen=True)

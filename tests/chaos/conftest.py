@@ -285,27 +285,6 @@ class Deployment:
             )
             return {int(r[0]) for r in rows}
 
-    def unclaimed_in_unacked(self) -> set[int]:
-        """Item ids carried by fetched-but-unacknowledged generate messages (kombu's `unacked`
-        hash) that the ledger still has as queued: a worker took the message, not the items."""
-        import redis
-
-        from workers.broker_scan import UNACKED_KEY, _ids_in_message
-
-        client = redis.Redis.from_url(self.env["TOKENMILL_BROKER_URL"], socket_timeout=2)
-        try:
-            ids = {i for _, raw in client.hscan_iter(UNACKED_KEY) for i in _ids_in_message(raw)}
-        finally:
-            client.close()
-        if not ids:
-            return set()
-        with self.db.connect() as conn:
-            rows = conn.execute(
-                text("SELECT id FROM items WHERE status = 'queued' AND id = ANY(:ids)"),
-                {"ids": sorted(ids)},
-            )
-            return {int(r[0]) for r in rows}
-
     def finished_ids(self, ids: set[int]) -> set[int]:
         if not ids:
             return set()

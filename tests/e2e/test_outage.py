@@ -266,20 +266,12 @@ def test_restart_command_relaunches_and_changed_fingerprint_stays_paused(
         f'"$@" >{tmp}/relaunch.log 2>&1 &\n'
     )
     script.chmod(0o755)
-    result = tokenmill(
-        [
-            "restart",
-            "gpu-a",
-            "--command",
-            f"{script} --weight-version {{name}}-v1",
-            "--poll-s",
-            "0.5",
-            "--timeout-s",
-            "60",
-        ],
-        env,
-        timeout_s=120,
-    )
+
+    def restart(command: str) -> subprocess.CompletedProcess[str]:
+        args = ["restart", "gpu-a", "--command", command, "--poll-s", "0.5", "--timeout-s", "60"]
+        return tokenmill(args, env, timeout_s=120)
+
+    result = restart(f"{script} --weight-version {{name}}-v1")
     # the relaunched server reports another weight_version: it must stay paused
     assert result.returncode == 1, result.stdout + result.stderr
     assert "weight_version: default → gpu-a-v1" in result.stderr
@@ -290,20 +282,7 @@ def test_restart_command_relaunches_and_changed_fingerprint_stays_paused(
     assert counts(pg_engine).done == frozen, "a paused server kept working"
 
     # restart again with the right configuration: resumed, and the run completes exactly
-    result = tokenmill(
-        [
-            "restart",
-            "gpu-a",
-            "--command",
-            f"{script} --weight-version default",
-            "--poll-s",
-            "0.5",
-            "--timeout-s",
-            "60",
-        ],
-        env,
-        timeout_s=120,
-    )
+    result = restart(f"{script} --weight-version default")
     assert result.returncode == 0, result.stderr
     assert "restarted and resumed" in result.stderr
     wait_for("run finished", lambda: counts(pg_engine).finished, 180, lambda: unfinished(pg_engine))

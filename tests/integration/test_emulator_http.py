@@ -561,21 +561,19 @@ def test_step_ms_zero_answers_at_once_and_flags_come_from_the_environment() -> N
         assert (info["model_path"], info["weight_version"]) == ("org/other-model", "v7")
         assert info["reasoning_parser"] == "kimi_k2"
         sampling = {"max_new_tokens": 300}
-        started = time.perf_counter()
         with httpx.Client(base_url=process.base_url) as client:
             for i in range(300):
                 answer = client.post(
                     "/generate", json={"input_ids": [i + 1], "sampling_params": sampling}
                 )
                 assert answer.status_code == 200
-        elapsed_s = time.perf_counter() - started
         assert answer.json()["output_ids"] == generate_output([300], sampling, immediate)[0]
         assert answer.json()["meta_info"]["weight_version"] == "v7"
         streamed = post(process, {"input_ids": [5], "stream": True})
         assert streamed.text.endswith("data: [DONE]\n\n")
         assert get(process, "/health_generate").status_code == 200
         counted = stats(process)
-    assert elapsed_s < 15
+    assert counted["busy_steps"] == 0  # answered at once: the batching scheduler never stepped
     assert counted["requests"] == 301
     assert counted["capacity_tokens_per_s"] is None
 
