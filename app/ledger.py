@@ -207,11 +207,11 @@ class NewItem:
 def _insert_ignoring_conflicts(conn: Connection) -> Any:
     if conn.dialect.name == "postgresql":
         return postgresql.insert(items).on_conflict_do_nothing(
-            index_elements=["run_id", "item_key", "sample_index"]
+            index_elements=["run_id", "item_key", "sample_index", "turn_index"]
         )
     if conn.dialect.name == "sqlite":
         return sqlite.insert(items).on_conflict_do_nothing(
-            index_elements=["run_id", "item_key", "sample_index"]
+            index_elements=["run_id", "item_key", "sample_index", "turn_index"]
         )
     raise NotImplementedError(f"unsupported database {conn.dialect.name}")
 

@@ -61,6 +61,8 @@ def unpack_ids(data: bytes) -> list[int]:
 
 
 class ItemStatus(enum.StrEnum):
+    # a later turn of a conversation, waiting for the turn before it to finish
+    WAITING = "waiting"
     PENDING = "pending"
     QUEUED = "queued"
     LEASED = "leased"
@@ -68,7 +70,7 @@ class ItemStatus(enum.StrEnum):
     FAILED = "failed"
 
 
-UNFINISHED = (ItemStatus.PENDING, ItemStatus.QUEUED, ItemStatus.LEASED)
+UNFINISHED = (ItemStatus.WAITING, ItemStatus.PENDING, ItemStatus.QUEUED, ItemStatus.LEASED)
 
 
 class Base(DeclarativeBase):
@@ -95,8 +97,11 @@ class Run(Base):
 class Item(Base):
     __tablename__ = "items"
     __table_args__ = (
-        UniqueConstraint("run_id", "item_key", "sample_index", name="uq_items_run_key_sample"),
+        UniqueConstraint(
+            "run_id", "item_key", "sample_index", "turn_index", name="uq_items_run_key_sample_turn"
+        ),
         Index("ix_items_run_status", "run_id", "status"),
+        Index("ix_items_prev_item", "prev_item_id"),
         Index("ix_items_status_lease", "status", "lease_expires_at"),
         Index("ix_items_server_status", "server", "status"),
         Index("ix_items_server_finished", "server", "finished_at"),
@@ -106,6 +111,14 @@ class Item(Base):
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
     item_key: Mapped[str] = mapped_column(String(200))
     sample_index: Mapped[int] = mapped_column(Integer, default=0)
+    # multi-turn (`--turns all`): which assistant turn this item regenerates (0 = the first),
+    # and the item of the turn before it, which must be done before this one gets a prompt
+    turn_index: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    prev_item_id: Mapped[int | None] = mapped_column(
+        BigId,
+        ForeignKey("items.id", ondelete="CASCADE", name="fk_items_prev_item"),
+        nullable=True,
+    )
     line_no: Mapped[int | None] = mapped_column(Integer, nullable=True)
     messages: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON, nullable=True)
     prompt_ids: Mapped[list[int]] = mapped_column(TokenArray)
@@ -128,6 +141,9 @@ class Item(Base):
     queued_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    # compaction: the token arrays live in row `shard_row` of the Parquet shard `shard_uri`
+    shard_uri: Mapped[str | None] = mapped_column(Text, nullable=True)
+    shard_row: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
 
 class Server(Base):
