@@ -31,6 +31,8 @@ class Settings(BaseSettings):
     # the server a worker process serves
     sglang_url: str = "http://127.0.0.1:30000"
     server_name: str | None = None
+    # the servers' --api-key (one for the fleet), sent as `Authorization: Bearer ...`
+    sglang_api_key: SecretStr | None = None
 
     # requests a worker keeps in flight to its server
     inflight: int = Field(default=64, ge=1, le=4096)

@@ -145,7 +145,8 @@ def map_http_error(
       any other httpx or unexpected exception -> RetryableError.
     With a status:
       400 and other 4xx -> PermanentError with the server's message, except 408, 429 ->
-      RetryableError; 503 -> ServerUnavailable (loading, shutting down, empty body), except a
+      RetryableError, and 401, 403 -> ServerUnavailable (a wrong or missing API key is the
+      deployment's fault, not the item's: the server's items wait instead of failing); 503 -> ServerUnavailable (loading, shutting down, empty body), except a
       "request queue is full" message -> RetryableError: the server is up but full, so the
       item backs off instead of pausing the whole server; other 5xx -> RetryableError;
       any other status (1xx-3xx where a 200 was expected) -> RetryableError.
@@ -167,6 +168,11 @@ def map_http_error(
         return ServerUnavailable(text, status_code=status_code)
     if status_code in (408, 429):
         return RetryableError(text, status_code=status_code)
+    if status_code in (401, 403):
+        return ServerUnavailable(
+            f"{text} (the server wants an API key: check TOKENMILL_SGLANG_API_KEY)",
+            status_code=status_code,
+        )
     if 400 <= status_code < 500:
         return PermanentError(text, status_code=status_code)
     if status_code >= 500:
@@ -348,6 +354,7 @@ class SGLangClient:
         probe_timeout_s: float,
         max_connections: int = 1,
         transport: httpx.BaseTransport | None = None,
+        api_key: str | None = None,
     ) -> None:
         for name, value in (
             ("connect_timeout_s", connect_timeout_s),
@@ -377,6 +384,8 @@ class SGLangClient:
             trust_env=False,
             follow_redirects=False,
             verify=shared_ssl_context(),
+            # SGLang's --api-key; httpx keeps it out of repr() and our logs never print headers
+            headers={"Authorization": f"Bearer {api_key}"} if api_key else None,
         )
         # Absolute URLs built once: httpx would otherwise parse and join base + path per call.
         self._urls: dict[str, httpx.URL] = {}

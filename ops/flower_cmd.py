@@ -6,7 +6,6 @@ Basic auth comes from settings; without a password it listens on loopback only, 
 from __future__ import annotations
 
 import importlib.util
-import ipaddress
 import os
 import sys
 from dataclasses import dataclass, field
@@ -15,6 +14,7 @@ import click
 from rich.markup import escape
 
 from app.errors import ConfigurationError
+from app.network import is_loopback
 from app.settings import Settings, get_settings
 from ops.options import console, handle_errors
 
@@ -27,16 +27,6 @@ class FlowerLaunch:
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)
     user: str | None = None
-
-
-def is_loopback(host: str) -> bool:
-    """True for localhost and loopback addresses; an empty host means every interface."""
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False  # a host name could resolve anywhere
 
 
 def flower_launch(settings: Settings, host: str, port: int) -> FlowerLaunch:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import base64
 import binascii
 import hmac
-import ipaddress
 import logging
 import socket
 import threading
@@ -41,6 +40,7 @@ from app.metrics_queries import (
     read_snapshot,
 )
 from app.models import ItemStatus
+from app.network import is_loopback
 from app.settings import Settings, get_settings
 from ops.options import console, handle_errors, open_db
 from workers.broker_scan import PRIORITY_SEP
@@ -120,7 +120,7 @@ def ledger_families(snapshot: LedgerSnapshot) -> list[Metric]:
         flight.add_metric([server], n)
     items = GaugeMetricFamily(
         PREFIX + "run_items",
-        "Items of a run by status: pending, queued, leased, done, failed.",
+        "Items of a run by status: waiting, pending, queued, leased, done, failed.",
         labels=["run", "status"],
     )
     for run, by_status in run_items.items():
@@ -302,20 +302,6 @@ def credentials_from(settings: Settings) -> Credentials | None:
     return Credentials(user, password)
 
 
-def is_loopback(host: str) -> bool:
-    """True when every address host stands for is a loopback address."""
-    host = host.strip("[]")
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        pass
-    try:
-        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
-    except OSError:
-        return False
-    return bool(infos) and all(ipaddress.ip_address(i[4][0]).is_loopback for i in infos)
-
-
 def check_exposure(host: str, credentials: Credentials | None) -> None:
     """Refuse to listen beyond loopback without credentials (ConfigurationError)."""
     if credentials is None and not is_loopback(host):
@@ -452,7 +438,6 @@ __all__ = [
     "MetricsServer",
     "check_exposure",
     "credentials_from",
-    "is_loopback",
     "ledger_families",
     "make_metrics_server",
     "metrics_cmd",

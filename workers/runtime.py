@@ -42,6 +42,7 @@ def client_for(url: str, settings: Settings) -> SGLangClient:
         generate_timeout_s=settings.generate_timeout_s,
         info_timeout_s=settings.info_timeout_s,
         probe_timeout_s=settings.probe_timeout_s,
+        api_key=settings.sglang_api_key.get_secret_value() if settings.sglang_api_key else None,
     )
 
 

@@ -19,6 +19,7 @@ from app.emulator.config import (
     KIMI_THINK_END_ID,
     EmulatorConfig,
 )
+from app.network import is_loopback
 
 ENV_PREFIX = "TOKENMILL_EMULATOR_"
 NONE_WORDS = ("", "none", "null")
@@ -50,12 +51,22 @@ def _option(flag: str, *names: str, **kwargs: Any) -> Callable[[F], F]:
 
 
 @click.command("emulator")
-@_option("--host", default="127.0.0.1", help="Address to bind.")
+@_option(
+    "--host",
+    default="127.0.0.1",
+    help="Address to bind. Beyond loopback (e.g. 0.0.0.0) an --api-key is required.",
+)
 @_option(
     "--port",
     type=click.IntRange(0, 65535),
     default=30000,
     help="Port to bind; 0 picks a free one. Prints 'listening on http://HOST:PORT'.",
+)
+@_option(
+    "--api-key",
+    default=None,
+    help="Like SGLang's --api-key: every route except /health*, /metrics and OPTIONS needs "
+    "'Authorization: Bearer KEY' (workers send TOKENMILL_SGLANG_API_KEY).",
 )
 @_option("--model-path", default=DEFAULT_MODEL_PATH, help="Model path reported by /model_info.")
 @_option("--weight-version", default="default", help="weight_version reported everywhere.")
@@ -192,6 +203,11 @@ def emulator(sglang_version: str, log_level: str, **flags: Any) -> None:
         cfg = EmulatorConfig(version=sglang_version, **flags)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
+    if not cfg.api_key and not is_loopback(cfg.host):
+        raise click.UsageError(
+            f"refusing to listen on {cfg.host!r} without an API key: pass --api-key "
+            "(or TOKENMILL_EMULATOR_API_KEY), or listen on 127.0.0.1"
+        )
     logging.basicConfig(
         level=log_level.upper(),
         format="[%(asctime)s] %(levelname)s %(name)s: %(message)s",

@@ -25,6 +25,9 @@ class EmulatorConfig:
     # network and identity (what /model_info and /server_info report)
     host: str = "127.0.0.1"
     port: int = 30000
+    # SGLang's --api-key: every route but /health*, /metrics and OPTIONS needs
+    # `Authorization: Bearer <key>`; required to listen beyond loopback
+    api_key: str | None = None
     model_path: str = DEFAULT_MODEL_PATH
     weight_version: str = "default"
     reasoning_parser: str | None = None
@@ -132,5 +135,6 @@ class EmulatorConfig:
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
+        data.pop("api_key")
         data["architectures"] = list(self.architectures)
         return data

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import hmac
 import json
 import logging
 import random
 import signal
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -34,6 +36,7 @@ from app.emulator.scheduler import Counters, Job, Scheduler, new_job
 from app.emulator.schema import SchemaViolation
 
 logger = logging.getLogger(__name__)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 READY_LOG_LINE = "The server is fired up and ready to roll!"
 FLUSH_OK = (
@@ -89,7 +92,8 @@ class EmulatorServer:
         return self.scheduler.hung
 
     def build_app(self) -> web.Application:
-        app = web.Application(client_max_size=256 * 1024**2)
+        middlewares = [self.require_api_key] if self.cfg.api_key else []
+        app = web.Application(client_max_size=256 * 1024**2, middlewares=middlewares)
         add = app.router.add_route
         add("POST", "/generate", self.generate)
         add("PUT", "/generate", self.generate)
@@ -108,6 +112,18 @@ class EmulatorServer:
         add("POST", "/continue_generation", self.continue_generation)
         add("GET", "/emulator/stats", self.stats)
         return app
+
+    @web.middleware
+    async def require_api_key(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """SGLang's --api-key check: health probes, /metrics and OPTIONS pass without it."""
+        path = request.path
+        if request.method == "OPTIONS" or path.startswith(("/health", "/metrics")):
+            return await handler(request)
+        expected = f"Bearer {self.cfg.api_key}".encode()
+        given = request.headers.get("Authorization", "").encode()
+        if not hmac.compare_digest(given, expected):
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
 
     async def start(self) -> None:
         """Bind the port (the weights are "loaded"), then warm up for loading_s, then serve."""

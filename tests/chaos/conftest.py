@@ -27,8 +27,8 @@ from sqlalchemy import Engine, text
 from app import ledger, registry
 from app.emulator.config import EmulatorConfig
 from app.emulator.model import generate_output
-from tests.e2e.test_outage import free_port, wait_for
-from tests.support.procs import ROOT, service_env, start_celery, start_worker, tokenmill
+from tests.support.emulator import free_port
+from tests.support.procs import ROOT, service_env, start_celery, start_worker, tokenmill, wait_for
 
 __all__ = ["Deployment", "RedisServer", "free_port", "wait_for"]
 

@@ -55,9 +55,12 @@ def free_port() -> int:
 class EmulatorProcess:
     """A running `python -m app.emulator`; stdout and stderr lines are collected as they come."""
 
-    def __init__(self, popen: subprocess.Popen[str], host: str, port: int | None) -> None:
+    def __init__(
+        self, popen: subprocess.Popen[str], host: str, port: int | None, api_key: str | None = None
+    ) -> None:
         self.popen = popen
         self.host = host
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.port = port
         self.stdout: list[str] = []
         self.stderr: list[str] = []
@@ -108,7 +111,12 @@ class EmulatorProcess:
             self.wait_listening(timeout_s)
         while True:
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(self.base_url + "/ready", timeout=1.0).status_code == 200:
+                if (
+                    httpx.get(
+                        self.base_url + "/ready", timeout=1.0, headers=self.headers
+                    ).status_code
+                    == 200
+                ):
                     return
             if time.monotonic() > deadline or self.popen.poll() is not None:
                 raise TimeoutError(f"emulator not ready; stderr tail: {self.stderr[-5:]}")
@@ -150,7 +158,7 @@ def start_emulator(
         stderr=subprocess.PIPE,
         text=True,
     )
-    return EmulatorProcess(popen, cfg.host, port)
+    return EmulatorProcess(popen, cfg.host, port, cfg.api_key)
 
 
 @contextlib.contextmanager

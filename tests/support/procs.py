@@ -7,6 +7,8 @@ import os
 import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -75,3 +77,13 @@ def stop(procs: list[subprocess.Popen[bytes]], timeout_s: float = 60) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+
+
+def wait_for(
+    what: str, check: Callable[[], bool], timeout_s: float, explain: Callable[[], str] = str
+) -> None:
+    """Poll check until it holds; fail the test naming what never happened (and explain())."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for: {what} {explain()}"
+        time.sleep(0.25)

@@ -33,7 +33,7 @@ DOCKERIGNORE = ROOT / ".dockerignore"
 PYPROJECT = ROOT / "pyproject.toml"
 
 # what a user must provide (.env); everything else has a default in the file
-TEST_ENV = {"FLOWER_PASSWORD": "test-only-password"}
+TEST_ENV = {"FLOWER_PASSWORD": "test-only-password", "SGLANG_API_KEY": "test-only-key"}
 TOP_LEVEL_KEYS = {"name", "services", "volumes", "networks", "configs", "secrets", "include"}
 CONDITIONS = {"service_started", "service_healthy", "service_completed_successfully"}
 PROJECT_EXECUTABLES = {"tokenmill", "celery", "python"}
@@ -242,8 +242,19 @@ def test_interpolation_matches_compose() -> None:
 
 def test_flower_cannot_start_without_a_password() -> None:
     with pytest.raises(InterpolationError, match="FLOWER_PASSWORD"):
-        interpolate(raw_compose(), {})
-    assert interpolate(raw_compose(), {"FLOWER_PASSWORD": "p"})
+        interpolate(raw_compose(), {"SGLANG_API_KEY": "k"})
+    assert interpolate(raw_compose(), {"FLOWER_PASSWORD": "p", "SGLANG_API_KEY": "k"})
+
+
+def test_the_server_cannot_start_without_an_api_key_and_workers_send_it() -> None:
+    with pytest.raises(InterpolationError, match="SGLANG_API_KEY"):
+        interpolate(raw_compose(), {"FLOWER_PASSWORD": "p"})
+    emulator = services()["emulator"]
+    assert option_value(argv(emulator), "--host") == "0.0.0.0"
+    key = service_environment(emulator)["TOKENMILL_EMULATOR_API_KEY"]
+    assert key == TEST_ENV["SGLANG_API_KEY"]
+    assert "--api-key" not in argv(emulator), "a key on the command line shows in ps"
+    assert service_environment(services()["worker"])["TOKENMILL_SGLANG_API_KEY"] == key
 
 
 def test_every_service_has_a_healthcheck_or_is_a_one_shot_job() -> None:
@@ -324,6 +335,7 @@ def test_project_services_run_one_image_built_from_the_dockerfile() -> None:
 
 
 def test_project_services_share_the_tokenmill_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from app.emulator.cli import emulator as emulator_command
     from app.settings import Settings
 
     shared = {str(k): str(v) for k, v in compose()[SHARED_ENV_ANCHOR].items()}
@@ -334,12 +346,16 @@ def test_project_services_share_the_tokenmill_environment(monkeypatch: pytest.Mo
     assert urlsplit(shared["TOKENMILL_DATABASE_URL"]).hostname in services()
     assert urlsplit(shared["AWS_ENDPOINT_URL"]).hostname in services()
     fields = set(Settings.model_fields)
+    # the emulator's flags are also TOKENMILL_EMULATOR_* variables (click envvars)
+    emulator_envvars = {p.envvar for p in emulator_command.params}
     for name, service in project_services().items():
         env = service_environment(service)
         missing = {k: v for k, v in shared.items() if env.get(k) != v}
         assert not missing, f"{name} does not carry the shared environment: {missing}"
         for key in env:
-            if key.startswith("TOKENMILL_"):
+            if key.startswith("TOKENMILL_EMULATOR_"):
+                assert key in emulator_envvars, f"{name}: {key} is not an emulator flag"
+            elif key.startswith("TOKENMILL_"):
                 field = key.removeprefix("TOKENMILL_").lower()
                 assert field in fields, f"{name}: {key} is not a tokenmill setting"
         for key in [k for k in os.environ if k.startswith("TOKENMILL_")]:

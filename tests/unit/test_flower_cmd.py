@@ -12,26 +12,8 @@ from click.testing import CliRunner
 from app.errors import ConfigurationError
 from app.settings import SecretStr, Settings
 from ops import flower_cmd as module
-from ops.flower_cmd import flower_cmd, flower_launch, is_loopback
+from ops.flower_cmd import flower_cmd, flower_launch
 from workers.publish import describe
-
-
-@pytest.mark.parametrize(
-    ("host", "loopback"),
-    [
-        ("127.0.0.1", True),
-        ("127.0.0.2", True),
-        ("localhost", True),
-        ("::1", True),
-        ("[::1]", True),
-        ("", False),
-        ("0.0.0.0", False),
-        ("10.0.0.5", False),
-        ("flower.internal", False),
-    ],
-)
-def test_is_loopback(host: str, loopback: bool) -> None:
-    assert is_loopback(host) is loopback
 
 
 def test_without_password_loopback_only() -> None:

@@ -1,0 +1,135 @@
+"""Inputs cannot make tokenmill read files outside the paths it was given.
+
+A prompt file's lines, ids and `--chat-template-kwargs` are data: a path, a `file://` URL or a
+Jinja `{% include %}` in them is tokenized as text, never opened or rendered; content parts
+that point at files are refused; a tokenizer folder's custom code is never imported unless
+`--trust-remote-code` is given. Every `open` of the process is watched with an audit hook.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import Engine
+
+from app import ledger
+from app.contracts import SamplingParams
+from app.errors import ConfigurationError
+from app.tokenization import load_tokenizer
+from workers.producer import EnqueueOptions, enqueue
+
+_opened: list[str] | None = None
+
+
+def _audit(event: str, args: tuple[Any, ...]) -> None:
+    if _opened is not None and event == "open" and isinstance(args[0], str | bytes | Path):
+        _opened.append(str(args[0] if not isinstance(args[0], bytes) else args[0].decode()))
+
+
+sys.addaudithook(_audit)  # cannot be removed; it records only inside `watching_opens`
+
+
+@pytest.fixture
+def watching_opens() -> Iterator[list[str]]:
+    global _opened
+    _opened = []
+    try:
+        yield _opened
+    finally:
+        _opened = None
+
+
+@pytest.fixture
+def secret(tmp_path: Path) -> Path:
+    folder = tmp_path / "outside"
+    folder.mkdir()
+    path = folder / "secret.txt"
+    path.write_text("TOP-SECRET-CANARY")
+    return path
+
+
+def touched(opened: list[str], folder: Path) -> list[str]:
+    inside = folder.resolve()
+    return [p for p in opened if Path(p).resolve().is_relative_to(inside)]
+
+
+def test_paths_urls_and_templates_in_a_prompt_file_are_only_text(
+    pg_engine: Engine,
+    kimi_tokenizer_dir: Path,
+    tmp_path: Path,
+    secret: Path,
+    watching_opens: list[str],
+) -> None:
+    include = "{% include '" + str(secret) + "' %}{{ 7 * 7 }}"
+    lines: list[dict[str, Any]] = [
+        {"id": "path", "prompt": str(secret)},
+        {"id": "url", "prompt": secret.as_uri()},
+        {"id": "jinja", "messages": [{"role": "user", "content": include}]},
+        {"id": str(secret), "prompt": "an id that looks like a path"},
+        {
+            "id": "image",
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{"type": "image_url", "image_url": {"url": secret.as_uri()}}],
+                }
+            ],
+        },
+        {"id": "file-part", "messages": [{"role": "user", "content": [{"type": "file",
+                                                                        "file": str(secret)}]}]},
+        {"id": "ids", "input_ids": str(secret)},
+    ]  # fmt: skip
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    tokenizer = load_tokenizer(kimi_tokenizer_dir)
+    options = EnqueueOptions(
+        prompts,
+        "confined",
+        SamplingParams(max_new_tokens=8),
+        chat_template_kwargs={"note": include, "path": str(secret)},
+    )
+
+    report = enqueue(pg_engine, tokenizer, options, publish=None)
+
+    assert touched(watching_opens, secret.parent) == []
+    assert str(prompts) in watching_opens, "the audit hook saw no open at all"
+    assert sorted(e.line for e in report.errors) == [5, 6, 7]
+    messages = {e.line: e.reason for e in report.errors}
+    assert "image_url" in messages[5] and "file" in messages[6]
+    with pg_engine.connect() as conn:
+        run = ledger.get_run(conn, "confined")
+        stored = {i.item_key: i for i in ledger.iter_items(conn, run.id, statuses=("pending",))}
+    assert set(stored) == {"path", "url", "jinja", str(secret)}
+    decoded = {key: tokenizer.decode(item.prompt_ids) for key, item in stored.items()}
+    assert all("TOP-SECRET" not in text for text in decoded.values())
+    assert str(secret) in decoded["path"] and secret.as_uri() in decoded["url"]
+    assert include in decoded["jinja"], "user content went through Jinja"
+
+
+def test_a_tokenizer_folder_custom_code_is_not_imported(
+    kimi_tokenizer_dir: Path, tmp_path: Path, watching_opens: list[str]
+) -> None:
+    folder = tmp_path / "tokenizer"
+    shutil.copytree(kimi_tokenizer_dir, folder)
+    marker = tmp_path / "remote-code-ran"
+    (folder / "evil_tokenization.py").write_text(
+        f"open({str(marker)!r}, 'w').write('ran')\n"
+        "from transformers import PreTrainedTokenizerFast as EvilTokenizer\n"
+    )
+    config_path = folder / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["auto_map"] = {"AutoTokenizer": [None, "evil_tokenization.EvilTokenizer"]}
+    config["tokenizer_class"] = "EvilTokenizer"
+    config_path.write_text(json.dumps(config))
+
+    with pytest.raises(ConfigurationError, match="trust.remote.code"):
+        load_tokenizer(folder)
+    assert not marker.exists(), "the tokenizer folder's code ran without --trust-remote-code"
+    # transformers may read the file (inside the folder we were given) but never runs it
+    assert touched(watching_opens, tmp_path) == touched(watching_opens, folder)
