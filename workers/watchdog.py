@@ -48,7 +48,12 @@ class Prober(Protocol):
 
 
 class HttpProber:
-    """Probes `/health_generate` with a client timeout above SGLang's own 20 s."""
+    """Probes `/health_generate` with a client timeout above SGLang's own 20 s.
+
+    Health routes need no API key, so a healthy answer is followed by `/model_info`, which
+    does: a server that refuses our key is reported down (with the 401) instead of healthy
+    while every generate request bounces off it.
+    """
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -59,6 +64,12 @@ class HttpProber:
     def probe(self, server: ServerInfo) -> Probe:
         with self._client(server) as client:
             result = client.health("/health_generate")
+            if result.ok:
+                try:
+                    client.model_info()
+                except GenerationError as exc:
+                    if getattr(exc, "status_code", None) in (401, 403):
+                        return Probe(False, result.latency_s, str(exc))
         error = None
         if not result.ok:
             error = result.error or f"HTTP {result.status_code}"

@@ -44,10 +44,12 @@ def test_the_worker_client_sends_the_configured_key() -> None:
             assert client.generate([5, 6, 7], SAMPLING, "rid-1").output_ids
             assert client.fingerprint().version
         assert KEY not in repr(keyed) and KEY not in str(keyed.model_dump())
-        with client_for(emu.base_url, Settings()) as anonymous:
-            # the deployment's fault, not the item's: ServerUnavailable spends no attempt
-            with pytest.raises(ServerUnavailable, match="TOKENMILL_SGLANG_API_KEY"):
-                anonymous.generate([5, 6, 7], SAMPLING, "rid-2")
+        # the deployment's fault, not the item's: ServerUnavailable spends no attempt
+        with (
+            client_for(emu.base_url, Settings()) as anonymous,
+            pytest.raises(ServerUnavailable, match="TOKENMILL_SGLANG_API_KEY"),
+        ):
+            anonymous.generate([5, 6, 7], SAMPLING, "rid-2")
 
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "::"])
@@ -60,3 +62,21 @@ def test_the_emulator_refuses_to_listen_beyond_loopback_without_a_key(host: str)
     )
     assert result.returncode == 2
     assert "without an API key" in result.stderr and "--api-key" in result.stderr
+
+
+def test_the_watchdog_reports_a_refused_key_as_down_not_healthy() -> None:
+    from app.registry import ServerInfo
+    from workers.watchdog import HttpProber
+
+    with running_emulator(EmulatorConfig(api_key=KEY, step_ms=0)) as emu:
+        server = ServerInfo(
+            name="gpu-k", url=emu.base_url, state="healthy", state_since=None, paused=False,
+            paused_by=None, pause_reason=None, consecutive_failures=0, consecutive_successes=0,
+            last_probe_at=None, last_probe_ok=None, last_probe_latency_s=None, last_error=None,
+            fingerprint=None, restart_command=None, workers=[],
+        )  # fmt: skip
+        refused = HttpProber(Settings(sglang_api_key="wrong")).probe(server)
+        assert not refused.ok
+        assert refused.error is not None and "HTTP 401" in refused.error
+        assert "TOKENMILL_SGLANG_API_KEY" in refused.error
+        assert HttpProber(Settings(sglang_api_key=KEY)).probe(server).ok
