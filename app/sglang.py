@@ -146,7 +146,8 @@ def map_http_error(
     With a status:
       400 and other 4xx -> PermanentError with the server's message, except 408, 429 ->
       RetryableError, and 401, 403 -> ServerUnavailable (a wrong or missing API key is the
-      deployment's fault, not the item's: the server's items wait instead of failing); 503 -> ServerUnavailable (loading, shutting down, empty body), except a
+      deployment's fault, not the item's: the server's items wait instead of failing);
+      503 -> ServerUnavailable (loading, shutting down, empty body), except a
       "request queue is full" message -> RetryableError: the server is up but full, so the
       item backs off instead of pausing the whole server; other 5xx -> RetryableError;
       any other status (1xx-3xx where a 200 was expected) -> RetryableError.

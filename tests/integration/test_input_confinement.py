@@ -128,7 +128,7 @@ def test_a_tokenizer_folder_custom_code_is_not_imported(
     config["tokenizer_class"] = "EvilTokenizer"
     config_path.write_text(json.dumps(config))
 
-    with pytest.raises(ConfigurationError, match="trust.remote.code"):
+    with pytest.raises(ConfigurationError, match=r"trust.remote.code"):
         load_tokenizer(folder)
     assert not marker.exists(), "the tokenizer folder's code ran without --trust-remote-code"
     # transformers may read the file (inside the folder we were given) but never runs it
