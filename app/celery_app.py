@@ -11,6 +11,7 @@ from celery import Celery
 from kombu import Queue  # type: ignore[attr-defined]
 
 from app.constants import (
+    COMPACT_TASK,
     CONTROL_QUEUE,
     GENERATE_TASK,
     RECONCILE_TASK,
@@ -56,6 +57,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
             GENERATE_TASK: {"queue": WORK_QUEUE},
             RECONCILE_TASK: {"queue": CONTROL_QUEUE},
             WATCHDOG_TASK: {"queue": CONTROL_QUEUE},
+            COMPACT_TASK: {"queue": CONTROL_QUEUE},
         },
         "task_serializer": "json",
         "accept_content": ["json"],
@@ -90,6 +92,12 @@ def celery_config(settings: Settings) -> dict[str, Any]:
                 "task": RECONCILE_TASK,
                 "schedule": settings.reconcile_interval_s,
                 "options": {"queue": CONTROL_QUEUE, "expires": settings.reconcile_interval_s},
+            },
+            # moves finished token arrays from the ledger to shards in object storage
+            "tokenmill-compact": {
+                "task": COMPACT_TASK,
+                "schedule": settings.compact_interval_s,
+                "options": {"queue": CONTROL_QUEUE, "expires": settings.compact_interval_s},
             },
         },
         "beat_schedule_filename": str(settings.data_dir / "celerybeat-schedule"),

@@ -8,6 +8,7 @@ from __future__ import annotations
 GENERATE_TASK = "tokenmill.generate"
 RECONCILE_TASK = "tokenmill.reconcile"
 WATCHDOG_TASK = "tokenmill.watchdog"
+COMPACT_TASK = "tokenmill.compact"
 
 WORK_QUEUE = "generate"
 CONTROL_QUEUE = "tokenmill.control"
@@ -20,3 +21,5 @@ EVENT_ENQUEUED = "enqueued"
 EVENT_RECONCILED = "reconciled"
 EVENT_FINGERPRINT_PINNED = "fingerprint_pinned"
 EVENT_FINGERPRINT_MISMATCH = "fingerprint_mismatch"
+# a later turn cannot be templated: the run's tokenizer changed or cannot be loaded
+EVENT_TURNS_BLOCKED = "turns_blocked"

@@ -85,6 +85,9 @@ class PromptRecord:
     key: str
     messages: list[Message] | None = None
     input_ids: list[int] | None = None
+    # every turn of the line, trailing assistant turns included, when messages dropped some
+    # (`--turns all` regenerates those too)
+    conversation: list[Message] | None = None
 
     def __post_init__(self) -> None:
         if (self.messages is None) == (self.input_ids is None):

@@ -70,10 +70,12 @@ class TokenizerError(ConfigurationError):
 class InputError(TokenmillError):
     """A line of the input could not be used."""
 
-    def __init__(self, reason: str, line: int | None = None) -> None:
+    def __init__(self, reason: str, line: int | None = None, *, unit: str = "line") -> None:
         self.reason = reason
         self.line = line
-        where = f"line {line}: " if line is not None else ""
+        # "row" for Parquet and datasets inputs, whose rows stand in for lines
+        self.unit = unit
+        where = f"{unit} {line}: " if line is not None else ""
         super().__init__(f"{where}{reason}")
 
 

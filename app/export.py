@@ -17,6 +17,8 @@ from typing import Any, Literal
 from sqlalchemy import Engine
 
 from app import ledger
+from app.conversation import check_specforge_row, template_encoder, whole_conversation_mask
+from app.errors import ConfigurationError
 from app.ledger import RunInfo, StoredItem
 from app.tokenization import ChatTokenizer, split_reasoning
 
@@ -78,13 +80,62 @@ def conversations_row(item: StoredItem, run: RunInfo, tokenizer: ChatTokenizer) 
     return row
 
 
+def whole_conversation_row(
+    item: StoredItem, run: RunInfo, tokenizer: ChatTokenizer
+) -> dict[str, Any]:
+    """A `--turns all` chain as one SpecForge row: its last turn's prompt + output, the loss
+    mask on the last output and on every regenerated assistant turn inside the prompt."""
+    output = item.output_ids or []
+    encode = template_encoder(tokenizer, run.chat_template_kwargs)
+    mask = whole_conversation_mask(
+        item.id, item.messages or [], item.prompt_ids, len(output), encode
+    )
+    row = {
+        "id": item.item_key,
+        "sample": item.sample_index,
+        "turns": item.turn_index + 1,
+        "input_ids": item.prompt_ids + output,
+        "loss_mask": mask,
+        "finish_reason": item.finish_reason,
+    }
+    check_specforge_row(row)
+    return row
+
+
+def whole_conversations(run: RunInfo, fmt: ExportFormat, *, per_turn: bool, whole: bool) -> bool:
+    """Does this export write one row per chain (True) or per turn item? Per turn is SpecForge's
+    default (what it recommends for Kimi); conversations of a `--turns all` run default to the
+    whole regenerated conversation."""
+    if per_turn and whole:
+        raise ConfigurationError("choose one of --per-turn and --whole-conversation")
+    if whole and run.turns != "all":
+        raise ConfigurationError(
+            f"--whole-conversation needs a run enqueued with --turns all; run {run.name} "
+            "regenerated only the last turn (its earlier assistant turns are the input's)"
+        )
+    if fmt == "conversations" and run.turns == "all":
+        return not per_turn
+    return whole
+
+
 def iter_rows(
-    db: Engine, run: RunInfo, fmt: ExportFormat, tokenizer: ChatTokenizer | None
+    db: Engine,
+    run: RunInfo,
+    fmt: ExportFormat,
+    tokenizer: ChatTokenizer | None,
+    *,
+    whole: bool = False,
 ) -> Iterator[tuple[StoredItem, dict[str, Any]]]:
     with db.connect() as conn:
-        for item in ledger.iter_items(conn, run.id):
-            if fmt == "specforge":
-                yield item, specforge_row(item)
+        for item in ledger.iter_items(conn, run.id, final_turns_only=whole):
+            if fmt == "specforge" and whole:
+                assert tokenizer is not None
+                yield item, whole_conversation_row(item, run, tokenizer)
+            elif fmt == "specforge":
+                row = specforge_row(item)
+                if run.turns == "all":
+                    row["turn"] = item.turn_index
+                yield item, row
             else:
                 assert tokenizer is not None
                 yield item, conversations_row(item, run, tokenizer)
@@ -97,19 +148,25 @@ def export_run(
     out: Path,
     *,
     tokenizer: ChatTokenizer | None = None,
+    per_turn: bool = False,
+    whole_conversation: bool = False,
 ) -> ExportReport:
-    """Write every done sample of run to out (atomically: a temp file renamed when complete)."""
+    """Write every done sample of run to out (atomically: a temp file renamed when complete).
+
+    A `--turns all` run: one row per turn (per_turn), or per chain whose every turn is done
+    (whole_conversation; the default of the conversations format)."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
-    if fmt == "conversations" and tokenizer is None:
-        raise ValueError("the conversations export needs the run's tokenizer")
+    whole = whole_conversations(run, fmt, per_turn=per_turn, whole=whole_conversation)
+    if (fmt == "conversations" or whole) and tokenizer is None:
+        raise ValueError(f"the {fmt} export needs the run's tokenizer")
     out = out.expanduser()
     out.parent.mkdir(parents=True, exist_ok=True)
     report = ExportReport(path=out, format=fmt)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            for item, row in iter_rows(db, run, fmt, tokenizer):
+            for item, row in iter_rows(db, run, fmt, tokenizer, whole=whole):
                 fh.write(json.dumps(row, ensure_ascii=False, separators=(",", ":")))
                 fh.write("\n")
                 report.rows += 1

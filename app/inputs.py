@@ -15,6 +15,7 @@ from typing import IO, Any, cast
 
 from app.contracts import Message, PromptRecord, stable_hash
 from app.errors import ConfigurationError, InputError
+from app.input_formats import TableInput, iter_rows, open_table, prompt_columns
 
 logger = logging.getLogger(__name__)
 
@@ -49,9 +50,10 @@ PROMPT_FIELDS = ("messages", "conversations", "prompt", "input_ids")
 
 
 def read_prompts(
-    path: Path, *, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES
+    path: Path, *, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES, field: str | None = None
 ) -> Iterator[PromptRecord | InputError]:
-    """Yield a PromptRecord or an InputError for every non-blank line of a JSONL file.
+    """Yield a PromptRecord or an InputError for every non-blank line of a JSONL file, or for
+    every row of a Parquet / datasets input (see `app.input_formats`; errors say "row N").
 
     Lines are read one at a time in binary (a `.gz` file is decompressed on the fly) and
     numbered from 1; a bad line yields its InputError and reading goes on. A line may hold:
@@ -69,9 +71,20 @@ def read_prompts(
     Content may be a string or an OpenAI list of `{"type": "text", "text"}` parts, joined
     with no separator. Trailing assistant turns are dropped: the prompt ends at the last user
     (or tool) turn, and the answer after it is what gets regenerated.
+
+    `field` names the field (column) holding the prompt instead: its value is read as turns,
+    a prompt string or ids, whichever it holds.
     """
-    seen: dict[str, int] = {}
     path = Path(path)
+    table = open_table(path)
+    if table is not None:
+        return _unique(_table_records(table, field), "row")
+    return _unique(_jsonl_records(path, max_line_bytes, field), "line")
+
+
+def _jsonl_records(
+    path: Path, max_line_bytes: int, field: str | None
+) -> Iterator[tuple[PromptRecord, bool] | InputError]:
     with _open(path) as stream:
         for line_no, raw, complete in _lines(stream, max_line_bytes, path):
             if raw is None:
@@ -80,19 +93,45 @@ def read_prompts(
             if not raw.strip():
                 continue
             try:
-                record, explicit = _parse_line(raw, line_no, complete, first=line_no == 1)
+                yield _parse_line(raw, line_no, complete, first=line_no == 1, field=field)
             except InputError as error:
                 yield error
-                continue
-            first = seen.setdefault(record.key, line_no)
-            if first == line_no:
-                yield record
-            elif explicit:
-                yield InputError(
-                    f"duplicate id {record.key!r} (first seen on line {first})", line_no
-                )
-            else:
-                yield InputError(f"duplicate prompt: same content as line {first}", line_no)
+
+
+def _table_records(
+    table: TableInput, field: str | None
+) -> Iterator[tuple[PromptRecord, bool] | InputError]:
+    columns = prompt_columns(table, field)
+    for row_no, row in iter_rows(table, columns):
+        try:
+            yield _record(row, row_no, field)
+        except _Bad as bad:
+            yield InputError(str(bad), row_no, unit="row")
+
+
+def _unique(
+    entries: Iterator[tuple[PromptRecord, bool] | InputError], unit: str
+) -> Iterator[PromptRecord | InputError]:
+    """Records, with a second record of the same key reported as a duplicate of the first."""
+    seen: dict[str, int] = {}
+    for entry in entries:
+        if isinstance(entry, InputError):
+            yield entry
+            continue
+        record, explicit = entry
+        first = seen.setdefault(record.key, record.line)
+        if first == record.line:
+            yield record
+        elif explicit:
+            yield InputError(
+                f"duplicate id {record.key!r} (first seen on {unit} {first})",
+                record.line,
+                unit=unit,
+            )
+        else:
+            yield InputError(
+                f"duplicate prompt: same content as {unit} {first}", record.line, unit=unit
+            )
 
 
 def parse_chat_template_kwargs(text: str | None) -> dict[str, Any]:
@@ -161,7 +200,7 @@ def _readline(stream: IO[bytes], size: int, path: Path, line_no: int) -> bytes:
 
 
 def _parse_line(
-    raw: bytes, line_no: int, complete: bool, *, first: bool
+    raw: bytes, line_no: int, complete: bool, *, first: bool, field: str | None = None
 ) -> tuple[PromptRecord, bool]:
     """The record of one line, and whether its key is an explicit id."""
     if first:
@@ -186,7 +225,7 @@ def _parse_line(
     if not isinstance(data, dict):
         raise InputError(f"line is a JSON {_json_type(data)}, not an object", line_no)
     try:
-        return _record(data, line_no)
+        return _record(data, line_no, field)
     except _Bad as bad:
         raise InputError(str(bad), line_no) from None
 
@@ -198,29 +237,51 @@ class _Bad(Exception):
 # --- one JSON object --------------------------------------------------------------------------
 
 
-def _record(data: dict[str, Any], line_no: int) -> tuple[PromptRecord, bool]:
-    field = next((name for name in PROMPT_FIELDS if data.get(name) is not None), None)
-    if field is None:
-        raise _Bad(
-            "no prompt field: expected one of 'messages', 'conversations', 'prompt' or "
-            f"'input_ids' (keys: {_key_list(data)})"
-        )
+def _record(
+    data: dict[str, Any], line_no: int, named: str | None = None
+) -> tuple[PromptRecord, bool]:
+    if named is not None:
+        if data.get(named) is None:
+            raise _Bad(f"no value in the --field {named!r} (keys: {_key_list(data)})")
+        field, kind = named, _kind_of(data[named])
+    else:
+        found = next((name for name in PROMPT_FIELDS if data.get(name) is not None), None)
+        if found is None:
+            raise _Bad(
+                "no prompt field: expected one of 'messages', 'conversations', 'prompt' or "
+                f"'input_ids' (keys: {_key_list(data)})"
+            )
+        field = kind = found
     key = _explicit_key(data.get("id"))
     system = _system_field(data.get("system"))
-    if field == "input_ids":
+    if kind == "input_ids":
         if system is not None:
-            raise _Bad("'system' cannot be combined with pre-tokenized 'input_ids'")
-        ids = _input_ids(data["input_ids"])
+            raise _Bad(f"'system' cannot be combined with pre-tokenized '{field}'")
+        ids = _input_ids(data[field], field)
         record = PromptRecord(line_no, key or content_key("input_ids", ids), input_ids=ids)
         return record, key is not None
-    turns = [_prompt_turn(data["prompt"])] if field == "prompt" else _turns(data[field], field)
+    turns = [_prompt_turn(data[field], field)] if kind == "prompt" else _turns(data[field], field)
     if system is not None:
         if any(turn["role"] == "system" for turn in turns):
             raise _Bad(f"both a 'system' field and a system turn in '{field}'")
         turns.insert(0, {"role": "system", "content": system})
-    messages = _prompt_turns(turns, field)
-    record = PromptRecord(line_no, key or content_key("messages", messages), messages=messages)
+    messages = _prompt_turns(list(turns), field)
+    record = PromptRecord(
+        line_no,
+        key or content_key("messages", messages),
+        messages=messages,
+        conversation=turns if len(turns) > len(messages) else None,
+    )
     return record, key is not None
+
+
+def _kind_of(value: Any) -> str:
+    """What a --field value holds: a prompt string, token ids, or turns."""
+    if isinstance(value, str):
+        return "prompt"
+    if isinstance(value, list) and value and all(isinstance(v, int) for v in value):
+        return "input_ids"
+    return "messages"
 
 
 def _explicit_key(value: Any) -> str | None:
@@ -245,22 +306,22 @@ def _system_field(value: Any) -> str | None:
     return value if value.strip() else None
 
 
-def _input_ids(value: Any) -> list[int]:
+def _input_ids(value: Any, field: str = "input_ids") -> list[int]:
     if not isinstance(value, list):
-        raise _Bad(f"'input_ids' must be a list of token ids, not a JSON {_json_type(value)}")
+        raise _Bad(f"'{field}' must be a list of token ids, not a JSON {_json_type(value)}")
     if not value:
-        raise _Bad("'input_ids' is empty")
+        raise _Bad(f"'{field}' is empty")
     for index, token in enumerate(value):
         if isinstance(token, bool) or not isinstance(token, int) or token < 0:
-            raise _Bad(f"'input_ids'[{index}] is {json.dumps(token)}, not a non-negative integer")
+            raise _Bad(f"'{field}'[{index}] is {json.dumps(token)}, not a non-negative integer")
     return list(value)
 
 
-def _prompt_turn(value: Any) -> Message:
+def _prompt_turn(value: Any, field: str = "prompt") -> Message:
     if not isinstance(value, str):
-        raise _Bad(f"'prompt' must be a string, not a JSON {_json_type(value)}")
+        raise _Bad(f"'{field}' must be a string, not a JSON {_json_type(value)}")
     if not value.strip():
-        raise _Bad("'prompt' is empty")
+        raise _Bad(f"'{field}' is empty")
     return {"role": "user", "content": value}
 
 

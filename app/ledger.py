@@ -6,13 +6,16 @@ can never create a second result; the Postgres (or embedded SQLite) ledger is th
 
 from __future__ import annotations
 
+import json
 import logging
+import zlib
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
 from sqlalchemy import (
+    JSON,
     Connection,
     Table,
     and_,
@@ -30,6 +33,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from app.contracts import GenerateResult, SamplingParams
 from app.errors import NotFound, RunMismatch
 from app.models import Event, Item, ItemStatus, Run, Server
+from app.shards import ShardCache
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +73,10 @@ class RunSpec:
     samples_per_prompt: int
     think_end_id: int | None
     eos_token_ids: list[int]
+    # `--turns all`: every assistant turn regenerated, chained (pinned); the tokenizer's own
+    # code allowed, so workers can template later turns the way enqueue did (not compared)
+    turns: str = "last"
+    trust_remote_code: bool = False
 
 
 @dataclass(frozen=True)
@@ -85,9 +93,20 @@ class RunInfo:
     eos_token_ids: list[int]
     fingerprint: dict[str, Any] | None
     created_at: datetime
+    turns: str = "last"
+    trust_remote_code: bool = False
+
+
+# The run's turn mode rides in its pinned sampling_params JSON (no column of its own), under
+# keys SamplingParams does not have; present only for `--turns all`, so older runs read "last".
+_TURNS_KEY = "turns"
+_REMOTE_CODE_KEY = "trust_remote_code"
 
 
 def _run_info(row: Any) -> RunInfo:
+    pinned = dict(row.sampling_params)
+    turns = str(pinned.pop(_TURNS_KEY, "last"))
+    trust_remote_code = bool(pinned.pop(_REMOTE_CODE_KEY, False))
     return RunInfo(
         id=row.id,
         name=row.name,
@@ -95,12 +114,14 @@ def _run_info(row: Any) -> RunInfo:
         tokenizer_hash=row.tokenizer_hash,
         chat_template_hash=row.chat_template_hash,
         chat_template_kwargs=row.chat_template_kwargs or {},
-        sampling=SamplingParams.from_json(row.sampling_params),
+        sampling=SamplingParams.from_json(pinned),
         samples_per_prompt=row.samples_per_prompt,
         think_end_id=row.think_end_id,
         eos_token_ids=list(row.eos_token_ids or []),
         fingerprint=row.fingerprint,
         created_at=as_utc(row.created_at) or utcnow(),
+        turns=turns,
+        trust_remote_code=trust_remote_code,
     )
 
 
@@ -129,6 +150,8 @@ def run_differences(existing: RunInfo, spec: RunSpec) -> list[str]:
         diffs.append(
             f"samples per prompt: {existing.samples_per_prompt} → {spec.samples_per_prompt}"
         )
+    if existing.turns != spec.turns:
+        diffs.append(f"turns: {existing.turns} → {spec.turns}")
     return diffs
 
 
@@ -171,7 +194,7 @@ def get_or_create_run(conn: Connection, spec: RunSpec) -> tuple[RunInfo, bool]:
             tokenizer_hash=spec.tokenizer_hash,
             chat_template_hash=spec.chat_template_hash,
             chat_template_kwargs=spec.chat_template_kwargs,
-            sampling_params=spec.sampling.to_json(),
+            sampling_params=_pinned_sampling(spec),
             samples_per_prompt=spec.samples_per_prompt,
             think_end_id=spec.think_end_id,
             eos_token_ids=spec.eos_token_ids,
@@ -179,6 +202,15 @@ def get_or_create_run(conn: Connection, spec: RunSpec) -> tuple[RunInfo, bool]:
         )
     )
     return get_run(conn, spec.name), True
+
+
+def _pinned_sampling(spec: RunSpec) -> dict[str, Any]:
+    pinned = spec.sampling.to_json()
+    if spec.turns != "last":
+        pinned[_TURNS_KEY] = spec.turns
+        if spec.trust_remote_code:
+            pinned[_REMOTE_CODE_KEY] = True
+    return pinned
 
 
 def pin_fingerprint(conn: Connection, run_id: int, fingerprint: dict[str, Any]) -> dict[str, Any]:
@@ -202,6 +234,9 @@ class NewItem:
     line_no: int | None
     messages: list[dict[str, Any]] | None
     prompt_ids: list[int]
+    # a later turn of a `--turns all` chain: inserted waiting, with no prompt yet
+    turn_index: int = 0
+    waiting: bool = False
 
 
 def _insert_ignoring_conflicts(conn: Connection) -> Any:
@@ -230,14 +265,68 @@ def insert_items(conn: Connection, run_id: int, new: Sequence[NewItem]) -> int:
             "messages": n.messages,
             "prompt_ids": n.prompt_ids,
             "prompt_tokens": len(n.prompt_ids),
-            "status": ItemStatus.PENDING.value,
+            "turn_index": n.turn_index,
+            "status": (ItemStatus.WAITING if n.waiting else ItemStatus.PENDING).value,
             "attempts": 0,
             "created_at": now,
         }
         for n in new
     ]
+    if conn.dialect.name == "postgresql":
+        return _copy_insert_items(conn, rows)
     stmt = _insert_ignoring_conflicts(conn).returning(items.c.id)
     return len(conn.execute(stmt, rows).all())
+
+
+_ITEMS_LOAD = "tm_items_load"
+
+
+def _copy_processor(conn: Connection, type_: Any) -> Any:
+    """How a value of this column type is written by COPY: JSON as its text (psycopg's JSON
+    adaptation is set up for statements, not COPY), the rest as the type's bind processor."""
+    if isinstance(type_, JSON):
+        serialize = getattr(conn.dialect, "_json_serializer", None) or json.dumps
+        return serialize
+    return type_.bind_processor(conn.dialect)
+
+
+def _copy_insert_items(conn: Connection, rows: Sequence[dict[str, Any]]) -> int:
+    """Postgres: COPY the rows into a session-private temporary table, then one INSERT ...
+    SELECT ... ON CONFLICT DO NOTHING; its row count is exactly the number of new items.
+    A multi-row INSERT of 512 prompts spent most of its time in psycopg building one huge
+    statement (holding the GIL the templating needs); COPY streams the values instead."""
+    columns = list(rows[0])
+    # the SQLAlchemy column types turn values into what psycopg sends (token arrays → bytes,
+    # JSON → its text), so the COPY carries exactly what the INSERT would have
+    processors = [_copy_processor(conn, items.c[c].type) for c in columns]
+    names = ", ".join(columns)
+    # one load table per column set, so a pooled session never COPYs into a stale shape
+    load = f"{_ITEMS_LOAD}_{zlib.crc32(names.encode()):08x}"
+    dbapi = conn.connection.driver_connection
+    assert dbapi is not None
+    with dbapi.cursor() as cur:
+        # same column types as items, no constraints; rows vanish at commit, and the explicit
+        # TRUNCATE below keeps a second call in the same transaction from seeing these ones
+        cur.execute(
+            f"CREATE TEMP TABLE IF NOT EXISTS {load} ON COMMIT DELETE ROWS AS "
+            f"SELECT {names}, 0::bigint AS load_ord FROM items WITH NO DATA"
+        )
+        with cur.copy(f"COPY {load} ({names}, load_ord) FROM STDIN") as copy:
+            for ord_, row in enumerate(rows):
+                values = [
+                    row[c] if p is None or row[c] is None else p(row[c])
+                    for c, p in zip(columns, processors, strict=True)
+                ]
+                values.append(ord_)
+                copy.write_row(values)
+        # ids are handed out in line order, as the multi-row INSERT did
+        cur.execute(
+            f"INSERT INTO items ({names}) SELECT {names} FROM {load} ORDER BY load_ord "
+            "ON CONFLICT (run_id, item_key, sample_index, turn_index) DO NOTHING"
+        )
+        inserted: int = cur.rowcount
+        cur.execute(f"TRUNCATE {load}")
+    return inserted
 
 
 def refresh_statistics(conn: Connection) -> None:
@@ -271,13 +360,26 @@ def pending_ids(
     return list(conn.execute(stmt).scalars())
 
 
+def _in_id_order(conn: Connection, ids: Sequence[int]) -> Any:
+    """What an UPDATE of these ids matches, so that Postgres locks the rows in id order (a
+    `SELECT … ORDER BY id FOR UPDATE` subquery). Two UPDATEs of overlapping id sets (a
+    producer marking ids queued while a worker claims them) otherwise lock rows in scan
+    order, which stops being id order once rows have been updated: a deadlock, and one of the
+    two fails (measured: a worker lost a message that way in bench/balance.py)."""
+    if conn.dialect.name != "postgresql":
+        return list(ids)
+    return (
+        select(items.c.id).where(items.c.id.in_(list(ids))).order_by(items.c.id).with_for_update()
+    )
+
+
 def mark_queued(conn: Connection, ids: Sequence[int]) -> int:
     """pending → queued after the ids were published (a worker may already have claimed some)."""
     if not ids:
         return 0
     stmt = (
         update(items)
-        .where(items.c.id.in_(list(ids)), items.c.status == ItemStatus.PENDING.value)
+        .where(items.c.id.in_(_in_id_order(conn, ids)), items.c.status == ItemStatus.PENDING.value)
         .values(status=ItemStatus.QUEUED.value, queued_at=utcnow())
     )
     return conn.execute(stmt).rowcount
@@ -323,7 +425,7 @@ def claim_items(
     now = utcnow()
     stmt = (
         update(items)
-        .where(items.c.id.in_(list(ids)), _claimable(now))
+        .where(items.c.id.in_(_in_id_order(conn, ids)), _claimable(now))
         .values(
             status=ItemStatus.LEASED.value,
             lease_owner=owner,
@@ -433,6 +535,8 @@ def record_outcomes(
                 output_ids=bindparam("b_output_ids"),
                 finish_reason=bindparam("b_finish_reason"),
                 matched_stop=bindparam("b_matched"),
+                # the server's count, which `tokenmill verify` checks against prompt_ids
+                prompt_tokens=bindparam("b_prompt"),
                 completion_tokens=bindparam("b_completion"),
                 cached_tokens=bindparam("b_cached"),
                 latency_s=bindparam("b_latency"),
@@ -450,6 +554,7 @@ def record_outcomes(
                     "b_id": o.item_id,
                     "b_output_ids": o.result.output_ids,
                     "b_finish_reason": o.result.finish_reason,
+                    "b_prompt": o.result.prompt_tokens,
                     "b_matched": None
                     if o.result.matched_stop is None
                     else str(o.result.matched_stop)[:64],
@@ -591,6 +696,143 @@ def touch_queued(conn: Connection, ids: Sequence[int]) -> None:
     )
 
 
+# --- multi-turn chains (`--turns all`) -------------------------------------------------------
+
+
+def link_turns(conn: Connection, run_id: int, keys: Sequence[str]) -> int:
+    """Point every later turn of these keys at the item of the turn before it (same key and
+    sample); idempotent, only unlinked items are touched."""
+    if not keys:
+        return 0
+    prev = items.alias("prev")
+    prev_id = (
+        select(prev.c.id)
+        .where(
+            prev.c.run_id == items.c.run_id,
+            prev.c.item_key == items.c.item_key,
+            prev.c.sample_index == items.c.sample_index,
+            prev.c.turn_index == items.c.turn_index - 1,
+        )
+        .scalar_subquery()
+    )
+    stmt = (
+        update(items)
+        .where(
+            items.c.run_id == run_id,
+            items.c.item_key.in_(list(keys)),
+            items.c.turn_index > 0,
+            items.c.prev_item_id.is_(None),
+        )
+        .values(prev_item_id=prev_id)
+    )
+    return conn.execute(stmt).rowcount
+
+
+@dataclass(frozen=True)
+class WaitingTurn:
+    """A waiting turn whose previous turn has finished (done or failed): ready to advance.
+
+    context holds the original user/tool turns that lead to this turn's answer."""
+
+    id: int
+    run_id: int
+    item_key: str
+    sample_index: int
+    turn_index: int
+    context: list[dict[str, Any]]
+    prev: StoredItem
+
+
+def ready_turns(
+    conn: Connection,
+    *,
+    prev_ids: Sequence[int] | None = None,
+    run_id: int | None = None,
+    after_id: int = 0,
+    limit: int = 500,
+) -> list[WaitingTurn]:
+    """Waiting items whose previous turn is done or failed: the successors of prev_ids (the
+    worker's just-committed results), or of a whole run or every run (the catch-up)."""
+    if prev_ids is not None and not prev_ids:
+        return []
+    prev = items.alias("prev")
+    stmt = (
+        select(
+            items.c.id,
+            items.c.run_id,
+            items.c.item_key,
+            items.c.sample_index,
+            items.c.turn_index,
+            items.c.messages,
+            items.c.prev_item_id,
+        )
+        .join(prev, prev.c.id == items.c.prev_item_id)
+        .where(
+            items.c.status == ItemStatus.WAITING.value,
+            prev.c.status.in_([ItemStatus.DONE.value, ItemStatus.FAILED.value]),
+            items.c.id > after_id,
+        )
+        .order_by(items.c.id)
+        .limit(limit)
+    )
+    if prev_ids is not None:
+        stmt = stmt.where(items.c.prev_item_id.in_(list(prev_ids)))
+    if run_id is not None:
+        stmt = stmt.where(items.c.run_id == run_id)
+    rows = list(conn.execute(stmt))
+    # a later turn is only ever waiting on an uncompacted item (compaction skips those), so
+    # the previous turn's arrays are in the ledger
+    previous = {s.id: s for s in stored_items(conn, [r.prev_item_id for r in rows])}
+    return [
+        WaitingTurn(
+            id=r.id,
+            run_id=r.run_id,
+            item_key=r.item_key,
+            sample_index=r.sample_index,
+            turn_index=r.turn_index,
+            context=list(r.messages or []),
+            prev=previous[r.prev_item_id],
+        )
+        for r in rows
+    ]
+
+
+def start_turn(
+    conn: Connection, item_id: int, messages: list[dict[str, Any]], prompt_ids: list[int]
+) -> bool:
+    """waiting → pending with the prompt built from the regenerated history; False if another
+    advancer got there first (the update is conditional on the item still waiting)."""
+    stmt = (
+        update(items)
+        .where(items.c.id == item_id, items.c.status == ItemStatus.WAITING.value)
+        .values(
+            status=ItemStatus.PENDING.value,
+            messages=messages,
+            prompt_ids=prompt_ids,
+            prompt_tokens=len(prompt_ids),
+        )
+    )
+    return conn.execute(stmt).rowcount == 1
+
+
+def fail_waiting_chain(
+    conn: Connection, run_id: int, item_key: str, sample_index: int, from_turn: int, reason: str
+) -> int:
+    """Fail every still-waiting turn from from_turn on of one chain (no attempt spent)."""
+    stmt = (
+        update(items)
+        .where(
+            items.c.run_id == run_id,
+            items.c.item_key == item_key,
+            items.c.sample_index == sample_index,
+            items.c.turn_index >= from_turn,
+            items.c.status == ItemStatus.WAITING.value,
+        )
+        .values(status=ItemStatus.FAILED.value, error=_trim(reason), finished_at=utcnow())
+    )
+    return conn.execute(stmt).rowcount
+
+
 # --- reading results ----------------------------------------------------------------------
 
 
@@ -606,15 +848,18 @@ class RunCounts:
     truncated: int
     output_tokens: int
     prompt_tokens: int
+    # later turns of `--turns all` chains whose previous turn is not done yet
+    waiting: int = 0
 
     @property
     def finished(self) -> bool:
-        return self.pending == 0 and self.queued == 0 and self.leased == 0
+        return self.pending == 0 and self.queued == 0 and self.leased == 0 and self.waiting == 0
 
     def to_json(self) -> dict[str, Any]:
         return {
             "run": self.run,
             "total": self.total,
+            "waiting": self.waiting,
             "pending": self.pending,
             "queued": self.queued,
             "leased": self.leased,
@@ -657,6 +902,7 @@ def run_counts(conn: Connection, run: RunInfo) -> RunCounts:
         truncated=trunc,
         output_tokens=out_tokens,
         prompt_tokens=prompt_tokens,
+        waiting=by_status.get(ItemStatus.WAITING.value, 0),
     )
 
 
@@ -675,6 +921,49 @@ class StoredItem:
     server: str | None
     error: str | None
     latency_s: float | None
+    # the server's reported prompt count once done (len(prompt_ids) before), the stop it
+    # matched (an id, a stop string or a JSON list, as text) and the conversation turn
+    prompt_tokens: int | None = None
+    matched_stop: str | None = None
+    turn_index: int = 0
+    cached_tokens: int | None = None
+    # compacted: the token arrays above were read from row shard_row of this Parquet shard
+    shard_uri: str | None = None
+    shard_row: int | None = None
+
+
+_STORED_COLUMNS = (
+    items.c.id,
+    items.c.item_key,
+    items.c.sample_index,
+    items.c.status,
+    items.c.messages,
+    items.c.prompt_ids,
+    items.c.output_ids,
+    items.c.finish_reason,
+    items.c.completion_tokens,
+    items.c.attempts,
+    items.c.server,
+    items.c.error,
+    items.c.latency_s,
+    items.c.prompt_tokens,
+    items.c.matched_stop,
+    items.c.turn_index,
+    items.c.cached_tokens,
+    items.c.shard_uri,
+    items.c.shard_row,
+)
+
+
+def _hydrated(page: list[StoredItem], shards: ShardCache) -> list[StoredItem]:
+    """The page with the token arrays of compacted items read back from their shards."""
+    out = []
+    for item in page:
+        if item.shard_uri is not None and item.shard_row is not None:
+            prompt_ids, output_ids = shards.arrays(item.shard_uri, item.shard_row, item.id)
+            item = replace(item, prompt_ids=prompt_ids, output_ids=output_ids)
+        out.append(item)
+    return out
 
 
 def iter_items(
@@ -683,36 +972,141 @@ def iter_items(
     *,
     statuses: Sequence[str] = (ItemStatus.DONE.value,),
     page_size: int = 1000,
+    storage_options: dict[str, Any] | None = None,
+    final_turns_only: bool = False,
 ) -> Iterator[StoredItem]:
-    """Stream a run's items in id order, a page at a time (memory stays flat)."""
+    """Stream a run's items in id order, a page at a time (memory stays flat).
+
+    Compacted items come with their real token arrays, read from their shards (with
+    storage_options, default the configured ones); one row group of a shard is held at a time.
+    final_turns_only: only items no later turn follows (the last turn of each chain).
+    """
+    shards = ShardCache(storage_options)
+    try:
+        yield from _iter_items(conn, run_id, statuses, page_size, shards, final_turns_only)
+    finally:
+        shards.close()
+
+
+def _iter_items(
+    conn: Connection,
+    run_id: int,
+    statuses: Sequence[str],
+    page_size: int,
+    shards: ShardCache,
+    final_turns_only: bool = False,
+) -> Iterator[StoredItem]:
     after = 0
-    cols = (
-        items.c.id,
-        items.c.item_key,
-        items.c.sample_index,
-        items.c.status,
-        items.c.messages,
-        items.c.prompt_ids,
-        items.c.output_ids,
-        items.c.finish_reason,
-        items.c.completion_tokens,
-        items.c.attempts,
-        items.c.server,
-        items.c.error,
-        items.c.latency_s,
-    )
     while True:
         stmt = (
-            select(*cols)
+            select(*_STORED_COLUMNS)
             .where(items.c.run_id == run_id, items.c.status.in_(list(statuses)), items.c.id > after)
             .order_by(items.c.id)
             .limit(page_size)
         )
+        if final_turns_only:
+            later = items.alias("later")
+            stmt = stmt.where(
+                ~select(later.c.id).where(later.c.prev_item_id == items.c.id).exists()
+            )
         page = [StoredItem(**row._mapping) for row in conn.execute(stmt)]
         if not page:
             return
-        yield from page
+        yield from _hydrated(page, shards)
         after = page[-1].id
+
+
+# --- compaction: token arrays of finished items moved to Parquet shards ----------------------
+
+
+def _compactable(run_id: int) -> Any:
+    """Done items of the run whose arrays are still in the ledger and that no unfinished later
+    turn still reads (a multi-turn chain builds the next prompt from the previous turn)."""
+    later = items.alias("later")
+    depended_on = (
+        select(later.c.id)
+        .where(
+            later.c.prev_item_id == items.c.id,
+            later.c.status != ItemStatus.DONE.value,
+            later.c.status != ItemStatus.FAILED.value,
+        )
+        .exists()
+    )
+    return and_(
+        items.c.run_id == run_id,
+        items.c.status == ItemStatus.DONE.value,
+        items.c.shard_uri.is_(None),
+        ~depended_on,
+    )
+
+
+def count_compactable(conn: Connection, run_id: int) -> int:
+    return int(conn.execute(select(func.count()).where(_compactable(run_id))).scalar_one())
+
+
+def compactable_ids(conn: Connection, run_id: int, *, after_id: int = 0, limit: int) -> list[int]:
+    """Ids of items compaction may move, in id order."""
+    stmt = (
+        select(items.c.id)
+        .where(_compactable(run_id), items.c.id > after_id)
+        .order_by(items.c.id)
+        .limit(limit)
+    )
+    return list(conn.execute(stmt).scalars())
+
+
+def stored_items(conn: Connection, ids: Sequence[int]) -> list[StoredItem]:
+    """These items as stored in the ledger (not hydrated), in id order."""
+    if not ids:
+        return []
+    stmt = select(*_STORED_COLUMNS).where(items.c.id.in_(list(ids))).order_by(items.c.id)
+    return [StoredItem(**row._mapping) for row in conn.execute(stmt)]
+
+
+def mark_compacted(conn: Connection, shard_uri: str, rows: Sequence[tuple[int, int]]) -> int:
+    """Point items at (shard_uri, row) and empty their ledger arrays, for (item id, row) pairs;
+    items already compacted are left alone. Returns how many were changed."""
+    if not rows:
+        return 0
+    stmt = (
+        update(items)
+        .where(
+            items.c.id == bindparam("b_id"),
+            items.c.shard_uri.is_(None),
+            items.c.status == ItemStatus.DONE.value,
+        )
+        .values(
+            shard_uri=shard_uri,
+            shard_row=bindparam("b_row"),
+            prompt_ids=[],
+            output_ids=[],
+        )
+    )
+    result = conn.execute(stmt, [{"b_id": item_id, "b_row": row} for item_id, row in rows])
+    return int(result.rowcount)
+
+
+def shard_uris(conn: Connection, run_id: int) -> set[str]:
+    """Every shard the run's items point at."""
+    stmt = select(items.c.shard_uri).where(items.c.run_id == run_id, items.c.shard_uri.is_not(None))
+    return {str(u) for u in conn.execute(stmt.distinct()).scalars()}
+
+
+def compacted_count(conn: Connection, run_id: int) -> int:
+    stmt = select(func.count()).where(items.c.run_id == run_id, items.c.shard_uri.is_not(None))
+    return int(conn.execute(stmt).scalar_one())
+
+
+def runs_with_compactable(conn: Connection, min_items: int) -> list[RunInfo]:
+    """Runs with at least min_items done items whose arrays are still in the ledger."""
+    stmt = (
+        select(items.c.run_id)
+        .where(items.c.status == ItemStatus.DONE.value, items.c.shard_uri.is_(None))
+        .group_by(items.c.run_id)
+        .having(func.count() >= min_items)
+        .order_by(items.c.run_id)
+    )
+    return [get_run_by_id(conn, int(run_id)) for run_id in conn.execute(stmt).scalars()]
 
 
 # --- servers and events -------------------------------------------------------------------

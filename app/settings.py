@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import Field, SecretStr, field_validator
@@ -27,6 +27,15 @@ class Settings(BaseSettings):
     database_url: str | None = None
     broker_url: str | None = None
     storage_url: str | None = None
+    # passed to fsspec as the filesystem's options, e.g. for s3fs
+    # {"endpoint_url": "http://127.0.0.1:9000", "key": "...", "secret": "..."} (a JSON object)
+    storage_options: dict[str, Any] = Field(default_factory=dict)
+    # rows per Parquet shard, of exports and of compaction
+    shard_rows: int = Field(default=50_000, ge=1)
+    # periodic compaction (beat): every compact_interval_s, runs with at least
+    # compact_min_items finished items still in the ledger get their arrays moved to shards
+    compact_interval_s: float = Field(default=600.0, gt=0)
+    compact_min_items: int = Field(default=10_000, ge=1)
 
     # the server a worker process serves
     sglang_url: str = "http://127.0.0.1:30000"
@@ -40,6 +49,12 @@ class Settings(BaseSettings):
     batch_size: int = Field(default=32, ge=1, le=1000)
     # Celery pool threads taking messages; the window does the sending
     worker_threads: int = Field(default=4, ge=1, le=256)
+    # how long a message waits unclaimed for room in the window before its ids go back to the
+    # queue (taking what fits): a busy worker never sits on items an idle server could run
+    room_wait_s: float = Field(default=1.0, gt=0)
+    # claimed items waiting beyond the in-flight ones: at most this many seconds of the
+    # server's recent completions (0: always max(batch size, inflight/4))
+    backlog_s: float = Field(default=0.1, ge=0)
     drain_timeout_s: float = Field(default=30.0, ge=0)
 
     connect_timeout_s: float = Field(default=5.0, gt=0)
@@ -114,6 +129,22 @@ class Settings(BaseSettings):
         return self.storage_url or (self.data_dir / "storage").as_uri()
 
 
+SECRET_OPTION_WORDS = ("secret", "password", "token", "key", "credential")
+
+
+def redact_options(options: dict[str, Any]) -> dict[str, Any]:
+    """storage_options with the values of secret-looking keys replaced, for `tokenmill config`."""
+    out: dict[str, Any] = {}
+    for name, value in options.items():
+        if isinstance(value, dict):
+            out[name] = redact_options(value)
+        elif any(word in name.lower() for word in SECRET_OPTION_WORDS) and value is not None:
+            out[name] = "***"
+        else:
+            out[name] = value
+    return out
+
+
 def normalize_database_url(url: str) -> str:
     """Use psycopg 3 for plain postgres URLs."""
     for prefix in ("postgres://", "postgresql://"):
@@ -138,4 +169,11 @@ def get_settings() -> Settings:
     return Settings()
 
 
-__all__ = ["SecretStr", "Settings", "get_settings", "normalize_database_url", "redact_url"]
+__all__ = [
+    "SecretStr",
+    "Settings",
+    "get_settings",
+    "normalize_database_url",
+    "redact_options",
+    "redact_url",
+]

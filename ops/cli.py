@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import click
 
-from app.settings import get_settings, redact_url
+from app.settings import get_settings, redact_options, redact_url
 from ops.demo import demo_cmd
 from ops.emulator_cmd import emulator
 from ops.fleet_cmds import events_cmd, pause_cmd, restart_cmd, resume_cmd, servers_group
@@ -16,6 +16,8 @@ from ops.metrics import metrics_cmd
 from ops.options import handle_errors, log_format_option, open_db, print_json, setup_logging
 from ops.pipeline_cmds import enqueue_cmd, export_cmd, reconcile_cmd, run_cmd, status_cmd
 from ops.report import report_cmd
+from ops.storage_cmds import compact_cmd
+from ops.verify_cmd import verify_cmd
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -70,6 +72,7 @@ def config_cmd() -> None:
     data["database_url"] = redact_url(s.resolved_database_url())
     data["broker_url"] = redact_url(s.resolved_broker_url())
     data["storage_url"] = s.resolved_storage_url()
+    data["storage_options"] = redact_options(s.storage_options)
     data["embedded"] = s.embedded
     print_json(data)
 
@@ -90,6 +93,8 @@ for command in (
     flower_cmd,
     metrics_cmd,
     report_cmd,
+    compact_cmd,
+    verify_cmd,
 ):
     cli.add_command(command)
 

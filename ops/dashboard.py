@@ -81,7 +81,8 @@ def _runs_table(runs: list[RunProgress], not_shown: int) -> Table:
         table.add_row(
             escape(c.run),
             ProgressBar(total=max(c.total, 1), completed=run.finished, width=BAR_WIDTH),
-            f"{run.finished}/{c.total} {pct:3.0f}%",
+            f"{run.finished}/{c.total} {pct:3.0f}%"
+            + (f" ({c.waiting} waiting)" if c.waiting else ""),  # later turns of chains
             str(c.done),
             str(c.truncated),
             f"[red]{c.failed}[/red]" if c.failed else "0",

@@ -185,6 +185,15 @@ def sampling_options(func: F) -> F:
             help="Extra template variables, e.g. '{\"thinking\": false}'.",
         ),
         click.option(
+            "--turns",
+            type=click.Choice(["last", "all"]),
+            default="last",
+            show_default=True,
+            help="last: regenerate the answer to the last user turn. all: regenerate every "
+            "assistant turn in order, each prompt built from the regenerated history "
+            "(pinned by the run).",
+        ),
+        click.option(
             "--trust-remote-code",
             is_flag=True,
             default=False,
@@ -212,3 +221,13 @@ def build_sampling(kwargs: dict[str, Any]) -> SamplingParams:
 
 def print_json(data: Any) -> None:
     click.echo(json.dumps(data, indent=2, sort_keys=False, default=str))
+
+
+field_option = click.option(
+    "--field",
+    "prompt_field",
+    default=None,
+    metavar="NAME",
+    help="The field (Parquet/datasets column) holding the prompt: turns, a prompt string or "
+    "token ids. Default: the first of messages, conversations, prompt, input_ids.",
+)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import click
 from rich.live import Live
@@ -16,7 +16,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from app import ledger
-from app.errors import InputError, TokenizerError
+from app.errors import ConfigurationError, InputError, TokenizerError
 from app.export import FORMATS, ExportFormat, export_run
 from app.inputs import parse_chat_template_kwargs
 from app.ledger import RunCounts
@@ -26,11 +26,13 @@ from ops.dashboard import watch as watch_dashboard
 from ops.options import (
     build_sampling,
     console,
+    field_option,
     handle_errors,
     open_db,
     print_json,
     sampling_options,
 )
+from ops.storage_cmds import export_to_storage
 from workers.producer import EnqueueOptions, EnqueueReport, enqueue
 from workers.runner import EmbeddedRunner
 
@@ -53,6 +55,9 @@ def _enqueue(
         sampling=build_sampling(opts),
         samples_per_prompt=opts["samples_per_prompt"],
         chat_template_kwargs=kwargs,
+        prompt_field=opts.get("prompt_field"),
+        turns=opts.get("turns", "last"),
+        trust_remote_code=opts["trust_remote_code"],
     )
     publisher = None
     if publish:
@@ -75,7 +80,7 @@ def _enqueue(
         elif shown == MAX_ERRORS_SHOWN + 1:
             console.print("[yellow]… more skipped lines; see the counts below[/yellow]")
 
-    total_bytes = input_path.stat().st_size if input_path.exists() else 0
+    total_bytes = input_path.stat().st_size if input_path.is_file() else 0
     with Progress(
         TextColumn("enqueue"),
         BarColumn(),
@@ -97,15 +102,20 @@ def _enqueue(
     console.print(
         f"run [bold]{escape(run)}[/bold]: {report.prompts} prompts read, {report.inserted} "
         f"items inserted, {report.published} published, {report.already_present} prompts "
-        f"already present, {report.skipped} lines skipped",
+        f"already present, {report.skipped} {_unit(report)}s skipped",
         markup=True,
         soft_wrap=True,
     )
     return report
 
 
+def _unit(report: EnqueueReport) -> str:
+    """The unit of the skipped entries: "row" for a Parquet/datasets input, else "line"."""
+    return report.errors[0].unit if report.errors else "line"
+
+
 @click.command("enqueue")
-@click.argument("input_path", type=click.Path(path_type=Path, dir_okay=False))
+@click.argument("input_path", type=click.Path(path_type=Path))
 @click.option("--run", "run_name", required=True, help="Run name (created on first enqueue).")
 @click.option(
     "--tokenizer",
@@ -114,12 +124,17 @@ def _enqueue(
     help="Local tokenizer folder with a chat template.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@field_option
 @sampling_options
 @handle_errors
 def enqueue_cmd(
     input_path: Path, run_name: str, tokenizer_path: str, as_json: bool, **opts: Any
 ) -> None:
-    """Read INPUT_PATH (JSONL), tokenize with the chat template, record and queue the items."""
+    """Read INPUT_PATH, tokenize with the chat template, record and queue the items.
+
+    INPUT_PATH is a JSONL(.gz) file, a .parquet file or folder of them, or a folder written
+    by datasets' save_to_disk.
+    """
     report = _enqueue(input_path, run_name, tokenizer_path, True, opts)
     if as_json:
         print_json(report.to_json())
@@ -168,7 +183,7 @@ def _progress_table(counts: RunCounts, runner: EmbeddedRunner, started: float) -
 
 
 @click.command("run")
-@click.argument("input_path", type=click.Path(path_type=Path, dir_okay=False))
+@click.argument("input_path", type=click.Path(path_type=Path))
 @click.option("--run", "run_name", required=True, help="Run name.")
 @click.option("--tokenizer", "tokenizer_path", required=True, help="Local tokenizer folder.")
 @click.option(
@@ -179,6 +194,7 @@ def _progress_table(counts: RunCounts, runner: EmbeddedRunner, started: float) -
     help="SGLang server URL; repeat for several servers.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the final counts as JSON.")
+@field_option
 @sampling_options
 @handle_errors
 def run_cmd(
@@ -249,6 +265,7 @@ def status_cmd(run_name: str | None, as_json: bool, watch: bool, interval_s: flo
     table = Table(
         "run",
         "total",
+        "waiting",
         "pending",
         "queued",
         "leased",
@@ -264,6 +281,7 @@ def status_cmd(run_name: str | None, as_json: bool, watch: bool, interval_s: flo
                 str(v)
                 for v in (
                     c.total,
+                    c.waiting,
                     c.pending,
                     c.queued,
                     c.leased,
@@ -279,24 +297,65 @@ def status_cmd(run_name: str | None, as_json: bool, watch: bool, interval_s: flo
 
 @click.command("export")
 @click.argument("run_name")
-@click.option("--format", "fmt", type=click.Choice(FORMATS), default="specforge", show_default=True)
-@click.option("--out", type=click.Path(path_type=Path, dir_okay=False), required=True)
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice((*FORMATS, "parquet")),
+    default="specforge",
+    show_default=True,
+)
+@click.option(
+    "--out",
+    required=True,
+    help="A JSONL file; for parquet a folder URL (local path, file://, s3://...), where the "
+    "shards and manifest.json go (options from TOKENMILL_STORAGE_OPTIONS).",
+)
+@click.option(
+    "--per-turn",
+    is_flag=True,
+    help="A --turns all run: one row per regenerated turn (the specforge default; what "
+    "SpecForge recommends for Kimi).",
+)
+@click.option(
+    "--whole-conversation",
+    is_flag=True,
+    help="A --turns all run: one row per conversation whose every turn is done; specforge "
+    "masks every regenerated assistant turn (the conversations default).",
+)
 @handle_errors
-def export_cmd(run_name: str, fmt: ExportFormat, out: Path) -> None:
-    """Write RUN_NAME's finished samples to --out as JSONL."""
+def export_cmd(run_name: str, fmt: str, out: str, per_turn: bool, whole_conversation: bool) -> None:
+    """Write RUN_NAME's finished samples to --out: JSONL, or Parquet shards + manifest.json."""
+    if fmt == "parquet":
+        export_to_storage(run_name, out)
+        return
     db = open_db()
     with db.connect() as conn:
         run = ledger.get_run(conn, run_name)
     tokenizer: ChatTokenizer | None = None
-    if fmt == "conversations":
-        tokenizer = load_tokenizer(run.tokenizer_path)
+    if whole_conversation:  # the loss mask spans come from the run's own template
+        tokenizer = load_tokenizer(run.tokenizer_path, trust_remote_code=run.trust_remote_code)
+        if tokenizer.chat_template_hash != run.chat_template_hash:
+            raise ConfigurationError(
+                f"the chat template at {run.tokenizer_path} differs from the one run "
+                f"{run.name} pinned; --whole-conversation needs the run's own template"
+            )
+    elif fmt == "conversations":
+        tokenizer = load_tokenizer(run.tokenizer_path, trust_remote_code=run.trust_remote_code)
         if tokenizer.tokenizer_hash != run.tokenizer_hash:
             console.print(
                 f"[yellow]warning:[/yellow] the tokenizer at {escape(run.tokenizer_path)} "
                 "changed since the run was created",
                 markup=True,
             )
-    report = export_run(db, run, fmt, out, tokenizer=tokenizer)
+    report = export_run(
+        db,
+        run,
+        cast(ExportFormat, fmt),
+        Path(out),
+        tokenizer=tokenizer,
+        per_turn=per_turn,
+        whole_conversation=whole_conversation,
+    )
     console.print(
         f"wrote {report.rows} samples ({report.truncated} truncated, "
         f"{report.tokens} tokens) to {escape(str(report.path))}"

@@ -19,9 +19,12 @@ from sqlalchemy import Engine
 from app import ledger
 from app.constants import EVENT_ENQUEUED, EVENT_RUN_CREATED
 from app.contracts import PromptRecord, SamplingParams
+from app.conversation import TurnPlan
 from app.errors import InputError
+from app.input_formats import open_table
 from app.inputs import read_prompts
 from app.tokenization import ChatTokenizer
+from workers import turns
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +38,11 @@ class EnqueueOptions:
     sampling: SamplingParams
     samples_per_prompt: int = 1
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # the field (column) holding the prompt, instead of the JSONL field names
+    prompt_field: str | None = None
+    # "all": one item per assistant turn, chained (workers/turns.py); pinned by the run
+    turns: str = "last"
+    trust_remote_code: bool = False
 
 
 @dataclass
@@ -116,7 +124,8 @@ def enqueue(
     report = EnqueueReport(run=options.run)
     # Read the first line before writing anything: a file that is missing, unreadable or
     # empty is refused with no run created.
-    entries = read_prompts(options.input_path)
+    entries = read_prompts(options.input_path, field=options.prompt_field)
+    unit = "row" if open_table(options.input_path) is not None else "line"
     first = next(entries, None)
     if first is None:
         raise InputError(
@@ -133,6 +142,8 @@ def enqueue(
         samples_per_prompt=options.samples_per_prompt,
         think_end_id=tokenizer.think_end_id,
         eos_token_ids=list(tokenizer.eos_token_ids),
+        turns=options.turns,
+        trust_remote_code=options.trust_remote_code,
     )
     with db.begin() as conn:
         run, created = ledger.get_or_create_run(conn, spec)
@@ -150,6 +161,8 @@ def enqueue(
     analyzed_at = 0
 
     def fail(error: InputError) -> None:
+        if error.line is not None and error.unit != unit:  # rows of a Parquet/datasets input
+            error = InputError(error.reason, error.line, unit=unit)
         report.errors.append(error)
         on_error(error)
 
@@ -157,6 +170,7 @@ def enqueue(
         nonlocal analyzed_at, published_after
         with db.begin() as conn:
             report.inserted += ledger.insert_items(conn, run.id, new_items)
+            turns.link_chains(conn, run.id, new_items)
             analyzed_at = _maybe_analyze(conn, report.inserted, analyzed_at)
         if publish is not None:
             published_after = _publish_pending(db, run.id, publish, published_after, report)
@@ -181,6 +195,9 @@ def enqueue(
             fresh = [r for r in records if r.key not in present]
             report.already_present += len(records) - len(fresh)
             report.prompts += len(records)
+            plans: dict[str, list[TurnPlan]] = {}
+            if options.turns == "all":  # template turn 0 now; later turns wait for it
+                fresh = turns.first_turns(fresh, plans, fail)
             new_items: list[ledger.NewItem] = []
             for record, ids in zip(
                 fresh, _tokenize(tokenizer, fresh, options.chat_template_kwargs), strict=True
@@ -200,10 +217,11 @@ def enqueue(
                         )
                     )
                     continue
-                for k in range(options.samples_per_prompt):
-                    new_items.append(
-                        ledger.NewItem(record.key, k, record.line, record.messages, ids)
+                new_items.extend(
+                    turns.chain_items(
+                        record, ids, options.samples_per_prompt, plans.get(record.key)
                     )
+                )
             # the database work of this chunk overlaps the templating of the next one; one chunk
             # in flight at most, so order is kept and memory stays bounded
             if pending is not None:

@@ -17,6 +17,7 @@ from sqlalchemy import Engine
 from app import ledger
 from app.constants import EVENT_RECONCILED
 from app.settings import Settings
+from workers import turns
 from workers.broker_scan import broker_item_ids
 
 log = logging.getLogger(__name__)
@@ -28,6 +29,9 @@ class ReconcileReport:
     unpublished: int = 0
     lost: int = 0
     broker_checked: bool = False
+    # later turns started (or failed) whose previous turn finished unnoticed (a killed worker)
+    turns_started: int = 0
+    turns_failed: int = 0
 
     @property
     def requeued(self) -> int:
@@ -39,6 +43,8 @@ class ReconcileReport:
             "unpublished": self.unpublished,
             "lost": self.lost,
             "broker_checked": self.broker_checked,
+            "turns_started": self.turns_started,
+            "turns_failed": self.turns_failed,
         }
 
 
@@ -59,6 +65,10 @@ def reconcile(
     with db.connect() as conn:
         run_infos = [ledger.get_run(conn, r) for r in runs] if runs else ledger.list_runs(conn)
     for info in run_infos:
+        if info.turns == "all":  # started turns are pending: the loop below publishes them
+            advanced = turns.advance(db, turns.shared_cache(), run_id=info.id)
+            report.turns_started += len(advanced.started)
+            report.turns_failed += advanced.failed
         after = 0
         while True:
             with db.connect() as conn:

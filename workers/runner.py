@@ -18,6 +18,7 @@ from app import ledger
 from app.errors import ConfigurationError
 from app.ledger import RunCounts, RunInfo
 from app.settings import Settings
+from workers import turns
 from workers.runtime import WorkerRuntime
 
 log = logging.getLogger(__name__)
@@ -138,11 +139,30 @@ class EmbeddedRunner:
             on_tick(counts)
             if counts.finished and all(rt.window.idle() for rt in self.runtimes):
                 return counts
+            if counts.waiting and self._only_waiting(counts):
+                self._catch_up_turns()
             if time.monotonic() - last_sweep > self.settings.heartbeat_s:
                 last_sweep = time.monotonic()
                 with self.db.begin() as conn:
                     ledger.requeue_expired(conn, run_id=self.run.id)
             time.sleep(tick_s)
+
+    def _only_waiting(self, counts: RunCounts) -> bool:
+        active = counts.pending or counts.queued or counts.leased
+        return not active and all(rt.window.idle() and rt.turns.idle() for rt in self.runtimes)
+
+    def _catch_up_turns(self) -> None:
+        """Nothing in flight, yet later turns wait: start them (a notification was lost), or
+        stop with the reason if none can be started (the run's tokenizer cannot be used)."""
+        advanced = turns.advance(self.db, turns.shared_cache(), run_id=self.run.id)
+        if advanced.started or advanced.failed:
+            return
+        counts = self.counts()
+        if counts.waiting and self._only_waiting(counts):
+            raise ConfigurationError(
+                f"{counts.waiting} later turns of run {self.run.name} cannot be started "
+                f"(see `tokenmill events --run {self.run.name}`); they stay waiting"
+            )
 
     def stop(self) -> None:
         self._stop.set()

@@ -23,6 +23,7 @@ from app.contracts import SamplingParams, ServerFingerprint
 from app.errors import GenerationError
 from app.settings import Settings
 from app.sglang import SGLangClient
+from workers.turns import TurnAdvancer
 from workers.window import InflightWindow, WindowConfig
 
 log = logging.getLogger(__name__)
@@ -76,6 +77,8 @@ class WorkerRuntime:
         self._pause_cache: tuple[float, bool, str | None] = (-1e9, False, None)
         self._fingerprint: ServerFingerprint | None = None
         n = inflight or settings.inflight
+        # later turns of `--turns all` chains, started as their previous turn is committed
+        self.turns = TurnAdvancer(db, publish=lambda ids: on_released(ids, 0.0))
         self.window = InflightWindow(
             WindowConfig(
                 server_name=self.server_name,
@@ -87,6 +90,7 @@ class WorkerRuntime:
                 retry_backoff_max_s=settings.retry_backoff_max_s,
                 unavailable_wait_s=settings.unavailable_wait_s,
                 backlog=backlog if backlog is not None else max(settings.batch_size, n // 4),
+                backlog_s=settings.backlog_s,
             ),
             db=db,
             owner=self.owner,
@@ -94,16 +98,19 @@ class WorkerRuntime:
             sampling_for_run=self.sampling_for_run,
             on_released=on_released,
             is_paused=self.paused,
+            on_finished=self.turns.notify,
         )
 
     def new_client(self) -> SGLangClient:
         return client_for(self.server_url, self.settings)
 
     def start(self) -> None:
+        self.turns.start()
         self.window.start()
 
     def stop(self) -> None:
         self.window.stop(self.settings.drain_timeout_s)
+        self.turns.stop()
 
     # --- per-run configuration --------------------------------------------------------------
 

@@ -21,12 +21,19 @@ from celery.signals import (
 )
 
 from app.celery_app import celery_app
-from app.constants import GENERATE_TASK, RECONCILE_TASK, WATCHDOG_TASK, WORK_QUEUE
+from app.constants import (
+    COMPACT_TASK,
+    GENERATE_TASK,
+    RECONCILE_TASK,
+    WATCHDOG_TASK,
+    WORK_QUEUE,
+)
 from app.database import get_engine
 from app.locks import exclusive
 from app.logs import JsonFormatter, use_json
 from app.settings import get_settings
 from workers import reconcile as reconcile_logic
+from workers.compaction import compact_due
 from workers.control import CeleryControl
 from workers.enforcer import PauseEnforcer
 from workers.generate import handle_message
@@ -171,3 +178,12 @@ def watchdog() -> dict[str, str]:
             log.info("another watchdog round is still running; skipping this one")
             return {}
         return run_watchdog(get_engine(settings), settings, CeleryControl())
+
+
+@celery_app.task(name=COMPACT_TASK, acks_late=True, ignore_result=True)
+def compact() -> list[dict[str, object]]:
+    """Move the token arrays of runs with enough finished items to shards in object storage
+    (each run under its own lock, so two beats or workers never compact the same run)."""
+    settings = get_settings()
+    reports = compact_due(get_engine(settings), settings)
+    return [r.to_json() for r in reports if r.compacted or r.orphans_removed]

@@ -66,6 +66,7 @@ def test_json_stays_as_it_was_and_refuses_watch(tmp_path: Path) -> None:
     assert counts == {
         "run": "r2",
         "total": 1,
+        "waiting": 0,
         "pending": 0,
         "queued": 0,
         "leased": 0,

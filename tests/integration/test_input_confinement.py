@@ -133,3 +133,25 @@ def test_a_tokenizer_folder_custom_code_is_not_imported(
     assert not marker.exists(), "the tokenizer folder's code ran without --trust-remote-code"
     # transformers may read the file (inside the folder we were given) but never runs it
     assert touched(watching_opens, tmp_path) == touched(watching_opens, folder)
+
+
+@pytest.mark.parametrize("escape", ["../outside/secret.arrow", "/etc/hostname", "a/../../x.arrow"])
+def test_a_datasets_folder_cannot_name_files_outside_itself(
+    tmp_path: Path, secret: Path, escape: str, watching_opens: list[str]
+) -> None:
+    import datasets
+
+    from app.errors import InputError
+    from app.inputs import read_prompts
+
+    folder = tmp_path / "ds"
+    datasets.Dataset.from_list([{"id": "a", "prompt": "hi"}]).save_to_disk(str(folder))
+    shutil.copy(next(folder.glob("data-*.arrow")), secret.parent / "secret.arrow")
+    state = json.loads((folder / "state.json").read_text())
+    state["_data_files"] = [{"filename": escape}]
+    (folder / "state.json").write_text(json.dumps(state))
+    watching_opens.clear()
+    with pytest.raises(InputError, match="outside its folder"):
+        list(read_prompts(folder))
+    assert touched(watching_opens, secret.parent) == []
+    assert not [p for p in watching_opens if p == "/etc/hostname"]

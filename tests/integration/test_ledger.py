@@ -29,7 +29,8 @@ def spec(name: str = "r1", **sampling: object) -> ledger.RunSpec:
 
 
 def result(ids: list[int], finish: str = "stop") -> GenerateResult:
-    return GenerateResult("rid", ids, finish, ids[-1], 4, len(ids), 0, 0.5)  # type: ignore[arg-type]
+    # prompt_tokens 3: what the server reports for new_items' 3-id prompts (the ledger keeps it)
+    return GenerateResult("rid", ids, finish, ids[-1], 3, len(ids), 0, 0.5)  # type: ignore[arg-type]
 
 
 def new_items(n: int, samples: int = 2) -> list[ledger.NewItem]:
@@ -175,6 +176,7 @@ def test_release_owner_and_counts(db: Engine, run: ledger.RunInfo) -> None:
     assert counts.to_json() == {
         "run": "r1",
         "total": 6,
+        "waiting": 0,
         "pending": 2,
         "queued": 2,
         "leased": 0,

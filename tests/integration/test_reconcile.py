@@ -67,7 +67,14 @@ def test_reconcile_brings_back_lost_expired_and_unpublished(
     sent.clear()
 
     first = reconcile(pg_engine, settings, run=None, publish=publish)
-    assert first.to_json() == {"expired": 10, "unpublished": 10, "lost": 10, "broker_checked": True}
+    assert first.to_json() == {
+        "expired": 10,
+        "unpublished": 10,
+        "lost": 10,
+        "broker_checked": True,
+        "turns_started": 0,
+        "turns_failed": 0,
+    }
     assert sorted(sent) == ids
     assert broker_item_ids(redis_url) == set(ids)
     with pg_engine.connect() as conn:

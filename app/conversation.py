@@ -1,0 +1,160 @@
+"""Multi-turn regeneration, the pure part: splitting a conversation into assistant turns,
+building the regenerated history, and the loss-mask spans of a whole regenerated conversation.
+
+No I/O and no ledger: the template is passed in as a function, so unit tests need no tokenizer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from app.contracts import Message
+from app.errors import InputError, TokenmillError
+from app.tokenization import ChatTokenizer
+
+TurnsMode = Literal["last", "all"]
+TURNS_MODES: tuple[TurnsMode, ...] = ("last", "all")
+
+# (messages, add_generation_prompt) → token ids, as the run's pinned chat template makes them
+Encode = Callable[[Sequence[Message], bool], list[int]]
+
+
+class WholeConversationError(InputError):
+    """A whole-conversation loss mask cannot be built from this chat template."""
+
+
+class SpecForgeRowError(TokenmillError):
+    """An exported row would be refused by SpecForge."""
+
+
+@dataclass(frozen=True)
+class TurnPlan:
+    """What one assistant turn needs from the input: the original non-assistant turns since
+    the assistant turn before it (for turn 0, everything before the first assistant turn)."""
+
+    index: int
+    context: list[Message]
+
+
+def split_turns(messages: Sequence[Message]) -> list[TurnPlan]:
+    """One plan per assistant turn of a conversation; a trailing user/tool turn makes a final
+    turn too (its answer is what the model is asked for). Assistant turns are what gets
+    regenerated, so their original text is not kept.
+
+    A turn must follow a user or tool turn: two assistant turns in a row, or an assistant
+    turn before any user turn, is an InputError naming the turn.
+    """
+    plans: list[TurnPlan] = []
+    context: list[Message] = []
+    for position, turn in enumerate(messages):
+        if turn["role"] != "assistant":
+            context.append(dict(turn))
+            continue
+        if not plans and not any(t["role"] == "user" for t in context):
+            raise InputError(
+                f"messages[{position}] is an assistant turn before any user turn; "
+                "--turns all regenerates each assistant turn from the turns before it"
+            )
+        if not context or context[-1]["role"] not in ("user", "tool"):
+            raise InputError(
+                f"messages[{position}] is an assistant turn that does not follow a user or "
+                "tool turn; --turns all needs one before each assistant turn"
+            )
+        plans.append(TurnPlan(len(plans), context))
+        context = []
+    if context:
+        if not plans and not any(t["role"] == "user" for t in context):
+            raise InputError("the conversation has no user turn")
+        if context[-1]["role"] not in ("user", "tool"):
+            raise InputError(
+                f"the conversation ends with a {context[-1]['role']} turn after its last "
+                "assistant turn, not a user or tool turn"
+            )
+        plans.append(TurnPlan(len(plans), context))
+    if not plans:
+        raise InputError("the conversation has no turn to regenerate")
+    return plans
+
+
+def next_history(
+    history: Sequence[Message], regenerated: Message, context: Sequence[Message]
+) -> list[Message]:
+    """The prompt turns of the next turn: this turn's prompt turns, the regenerated answer,
+    then the original user/tool turns that lead to the next assistant turn."""
+    return [*(dict(t) for t in history), dict(regenerated), *(dict(t) for t in context)]
+
+
+def whole_conversation_mask(
+    item_id: int,
+    history: Sequence[Message],
+    prompt_ids: Sequence[int],
+    output_len: int,
+    encode: Encode,
+) -> list[int]:
+    """Loss mask over `prompt_ids + output` of a chain's last turn: 1 on the last output and
+    on every regenerated assistant turn inside the prompt, 0 elsewhere.
+
+    An assistant turn's span is found by rendering: before = history up to it with the
+    generation prompt, after = history through it without; both must be token prefixes of the
+    prompt. A template that rewrites earlier turns (Kimi's drops their reasoning) fails this,
+    and the error names the item and points to --per-turn.
+    """
+    mask = [0] * len(prompt_ids) + [1] * output_len
+    for position, turn in enumerate(history):
+        if turn["role"] != "assistant":
+            continue
+        before = encode(history[:position], True)
+        after = encode(history[: position + 1], False)
+        if not (_is_prefix(before, prompt_ids) and _is_prefix(after, prompt_ids)):
+            raise WholeConversationError(
+                f"item {item_id}: the chat template renders earlier turns differently in a "
+                f"later prompt (assistant turn at messages[{position}] is not a token prefix of "
+                "the final prompt; templates such as Kimi's drop earlier reasoning), so no "
+                "whole-conversation loss mask exists; export with --per-turn instead"
+            )
+        if len(after) <= len(before):
+            raise WholeConversationError(
+                f"item {item_id}: the assistant turn at messages[{position}] renders to no tokens"
+            )
+        for i in range(len(before), len(after)):
+            mask[i] = 1
+    return mask
+
+
+def _is_prefix(part: Sequence[int], whole: Sequence[int]) -> bool:
+    return len(part) <= len(whole) and list(whole[: len(part)]) == list(part)
+
+
+def check_specforge_row(row: Mapping[str, Any]) -> None:
+    """The checks SpecForge applies to a `data.prompts_path` row: equal lengths, a 0/1 mask,
+    at least one trainable token. SpecForgeRowError naming the row's id otherwise."""
+    ids, mask = row["input_ids"], row["loss_mask"]
+    where = f"row id={row.get('id')!r} sample={row.get('sample')!r}"
+    if len(ids) != len(mask):
+        raise SpecForgeRowError(f"{where}: {len(ids)} input_ids but {len(mask)} loss_mask values")
+    if any(m not in (0, 1) for m in mask):
+        raise SpecForgeRowError(f"{where}: loss_mask holds a value other than 0 and 1")
+    if not any(mask):
+        raise SpecForgeRowError(f"{where}: loss_mask has no 1 (nothing to train on)")
+
+
+def template_encoder(tokenizer: ChatTokenizer, chat_template_kwargs: Mapping[str, Any]) -> Encode:
+    """The run's chat template as an Encode function, with or without the generation prompt."""
+    hf = tokenizer.hf_tokenizer
+    kwargs = dict(chat_template_kwargs)
+
+    def encode(messages: Sequence[Message], add_generation_prompt: bool) -> list[int]:
+        if not messages:
+            return []
+        result = hf.apply_chat_template(
+            [dict(m) for m in messages],
+            add_generation_prompt=add_generation_prompt,
+            tokenize=True,
+            **kwargs,
+        )
+        ids = result if isinstance(result, list) else result["input_ids"]
+        return [int(i) for i in ids]
+
+    return encode

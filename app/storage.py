@@ -1,0 +1,334 @@
+"""Parquet exports of a run in object storage: shards streamed from the ledger, manifest.json,
+and check_export, which compares an export with the ledger row by row.
+
+The shard format, filesystems and atomic writes live in app.shards; this module adds the run.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import Connection, Engine
+
+from app import ledger, registry
+from app.errors import NotFound
+from app.ledger import RunInfo, StoredItem
+from app.shards import (
+    Location,
+    ShardInfo,
+    ShardRow,
+    ShardWriter,
+    StorageError,
+    iter_shard,
+    list_names,
+    open_location,
+    read_object,
+    remove_objects,
+    sha256_of,
+    shard_row_count,
+    write_object,
+)
+
+log = logging.getLogger(__name__)
+
+MANIFEST_NAME = "manifest.json"
+MANIFEST_FORMAT = "tokenmill.parquet/1"
+SHARD_PREFIX = "part-"
+SHARD_SUFFIX = ".parquet"
+MAX_PROBLEMS = 50
+
+
+def shard_row(item: StoredItem) -> ShardRow:
+    """A done item as a row of a shard (exports and compaction write the same columns)."""
+    return ShardRow(
+        id=item.item_key,
+        sample=item.sample_index,
+        turn=item.turn_index,
+        prompt_ids=item.prompt_ids,
+        output_ids=item.output_ids or [],
+        finish_reason=item.finish_reason,
+        prompt_tokens=item.prompt_tokens,
+        completion_tokens=item.completion_tokens,
+        cached_tokens=item.cached_tokens,
+        server=item.server,
+        latency_s=item.latency_s,
+        item_id=item.id,
+    )
+
+
+def run_manifest(run: RunInfo) -> dict[str, Any]:
+    return {
+        "name": run.name,
+        "id": run.id,
+        "tokenizer_path": run.tokenizer_path,
+        "tokenizer_hash": run.tokenizer_hash,
+        "chat_template_hash": run.chat_template_hash,
+        "chat_template_kwargs": run.chat_template_kwargs,
+        "sampling_params": run.sampling.to_json(),
+        "samples_per_prompt": run.samples_per_prompt,
+        "eos_token_ids": run.eos_token_ids,
+        "think_end_id": run.think_end_id,
+        "created_at": run.created_at.isoformat(),
+    }
+
+
+def server_fingerprints(conn: Connection, run: RunInfo, names: set[str]) -> dict[str, Any]:
+    """The registered fingerprint of each server that produced rows; a server the registry
+    does not know (an embedded `tokenmill run` registers none) gets the run's pinned one."""
+    out: dict[str, Any] = {}
+    for name in sorted(names):
+        try:
+            fingerprint = registry.get_server(conn, name).fingerprint
+        except NotFound:
+            fingerprint = None
+        out[name] = fingerprint if fingerprint is not None else run.fingerprint
+    return out
+
+
+@dataclass
+class ParquetExport:
+    url: str
+    rows: int = 0
+    truncated: int = 0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    shards: list[ShardInfo] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt_tokens + self.output_tokens
+
+
+def export_parquet(
+    db: Engine,
+    run: RunInfo,
+    url: str,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    shard_rows: int = 50_000,
+) -> ParquetExport:
+    """Write every done sample of run as Parquet shards and a manifest.json under url.
+
+    Shards appear only complete (app.shards writes them under a temporary name) and are named
+    `part-NNNNN-<export id>.parquet`, new names every export: shards of an earlier export at
+    the same url stay untouched until the new manifest.json has replaced the old one, so a
+    crash at any point leaves the previous export whole and no manifest listing a partial or
+    foreign shard. After the manifest, shards it does not list are removed.
+    """
+    if shard_rows < 1:
+        raise ValueError("shard_rows must be at least 1")
+    loc = open_location(url, storage_options)
+    export_id = uuid.uuid4().hex[:8]
+    report = ParquetExport(url=loc.url)
+    servers: set[str] = set()
+    with db.connect() as conn:
+        writer: ShardWriter | None = None
+        try:
+            for item in ledger.iter_items(conn, run.id):
+                if writer is None:
+                    name = f"{SHARD_PREFIX}{len(report.shards):05d}-{export_id}{SHARD_SUFFIX}"
+                    writer = ShardWriter(loc, name)
+                writer.write([shard_row(item)])
+                report.rows += 1
+                report.truncated += item.finish_reason == "length"
+                report.prompt_tokens += len(item.prompt_ids)
+                report.output_tokens += len(item.output_ids or [])
+                if item.server:
+                    servers.add(item.server)
+                if writer.rows >= shard_rows:
+                    report.shards.append(writer.commit())
+                    writer = None
+            if writer is not None:
+                report.shards.append(writer.commit())
+                writer = None
+        finally:
+            if writer is not None:
+                writer.abort()
+        counts = ledger.run_counts(conn, run)
+        fingerprints = server_fingerprints(conn, run, servers)
+    manifest = {
+        "format": MANIFEST_FORMAT,
+        "run": run_manifest(run),
+        "server_fingerprints": fingerprints,
+        "counts": {
+            "rows": report.rows,
+            "truncated": report.truncated,
+            "prompt_tokens": report.prompt_tokens,
+            "output_tokens": report.output_tokens,
+            "failed": counts.failed,
+            "unfinished": counts.total - counts.done - counts.failed,
+        },
+        "shards": [s.to_json() for s in report.shards],
+        "created_at": ledger.utcnow().isoformat(),
+    }
+    write_object(loc, MANIFEST_NAME, json.dumps(manifest, indent=1).encode("utf-8"))
+    listed = {s.path for s in report.shards}
+    stale = [
+        n for n in list_names(loc, prefix=SHARD_PREFIX, suffix=SHARD_SUFFIX) if n not in listed
+    ]
+    remove_objects(loc, stale)
+    report.removed = stale
+    log.info(
+        "exported %d rows of run %s to %s in %d shards (%d old shards removed)",
+        report.rows,
+        run.name,
+        loc.url,
+        len(report.shards),
+        len(stale),
+    )
+    return report
+
+
+def read_manifest(url: str, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The manifest.json of the export at url (NotFound if there is none)."""
+    loc = open_location(url, storage_options)
+    return _read_manifest(loc)
+
+
+def _read_manifest(loc: Location) -> dict[str, Any]:
+    raw = read_object(loc, MANIFEST_NAME)
+    try:
+        manifest = json.loads(raw)
+    except ValueError as exc:
+        raise StorageError(f"{loc.uri(MANIFEST_NAME)} is not JSON: {exc}") from exc
+    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
+        raise StorageError(f"{loc.uri(MANIFEST_NAME)} is not a {MANIFEST_FORMAT} manifest")
+    return manifest
+
+
+# --- checking an export against the ledger ----------------------------------------------------
+
+
+@dataclass
+class ExportCheck:
+    """What check_export found: rows and shards listed, and every problem as one line."""
+
+    rows: int
+    shards: int
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def check_export(
+    conn: Connection,
+    run_id: int,
+    url: str,
+    storage_options: dict[str, Any] | None = None,
+) -> ExportCheck:
+    """Check the Parquet export at url against the ledger: the manifest, each shard's presence,
+    byte size, sha256 and row count, the total against the done items, then every row's
+    (item_id, id, sample, prompt_ids, output_ids, finish_reason) against the ledger's."""
+    check = ExportCheck(rows=0, shards=0)
+    problems = check.problems
+    loc = open_location(url, storage_options)
+    try:
+        manifest = _read_manifest(loc)
+    except (NotFound, StorageError) as exc:
+        problems.append(str(exc))
+        return check
+    shards = manifest.get("shards") or []
+    check.shards = len(shards)
+    check.rows = sum(int(s.get("rows", 0)) for s in shards)
+    run = ledger.get_run_by_id(conn, run_id)
+    listed_run = (manifest.get("run") or {}).get("id")
+    if listed_run != run_id:
+        problems.append(f"the manifest is of run id {listed_run}, not {run_id} ({run.name})")
+    readable: list[str] = []
+    for shard in shards:
+        name = str(shard.get("path"))
+        readable_now = _check_shard(loc, shard, problems)
+        if readable_now:
+            readable.append(name)
+    done = ledger.run_counts(conn, run).done
+    if check.rows != done:
+        problems.append(f"the manifest lists {check.rows} rows; the ledger has {done} done items")
+    counted = (manifest.get("counts") or {}).get("rows")
+    if counted != check.rows:
+        problems.append(f"manifest counts.rows is {counted}; its shards add up to {check.rows}")
+    if len(readable) == len(shards):
+        _compare_rows(conn, run_id, loc, readable, problems)
+    else:
+        problems.append("rows were not compared with the ledger: a shard is unreadable")
+    if len(problems) > MAX_PROBLEMS:
+        extra = len(problems) - MAX_PROBLEMS
+        del problems[MAX_PROBLEMS:]
+        problems.append(f"... and {extra} more problems")
+    return check
+
+
+def _check_shard(loc: Location, shard: dict[str, Any], problems: list[str]) -> bool:
+    """Append what is wrong with one listed shard; True if its rows can be read."""
+    name = str(shard.get("path"))
+    path = loc.path(name)
+    if not loc.fs.exists(path):
+        problems.append(f"shard {name}: missing")
+        return False
+    digest, size = sha256_of(loc.fs, path)
+    if size != shard.get("bytes"):
+        problems.append(f"shard {name}: {size} bytes, the manifest says {shard.get('bytes')}")
+    if digest != shard.get("sha256"):
+        problems.append(f"shard {name}: sha256 {digest} differs from the manifest's")
+    try:
+        rows = shard_row_count(loc, name)
+    except Exception as exc:  # any pyarrow error: the bytes are not a Parquet file
+        problems.append(f"shard {name}: not a readable Parquet file ({exc})")
+        return False
+    if rows != shard.get("rows"):
+        problems.append(f"shard {name}: {rows} rows, the manifest says {shard.get('rows')}")
+    return True
+
+
+def _export_rows(loc: Location, names: list[str]) -> Iterator[tuple[str, ShardRow]]:
+    for name in names:
+        for row in iter_shard(loc, name):
+            yield name, row
+
+
+def _compare_rows(
+    conn: Connection, run_id: int, loc: Location, names: list[str], problems: list[str]
+) -> None:
+    mismatches = 0
+    position = 0
+    try:
+        pairs = itertools.zip_longest(_export_rows(loc, names), ledger.iter_items(conn, run_id))
+        for position, (exported, stored) in enumerate(pairs):  # noqa: B007
+            if exported is None:
+                assert stored is not None
+                problems.append(f"item {stored.id} ({stored.item_key}) is not in the export")
+                break
+            name, row = exported
+            if stored is None:
+                problems.append(f"shard {name}: item {row.item_id} is not a done item")
+                break
+            diffs = _row_differences(row, stored)
+            if diffs:
+                mismatches += 1
+                problems.append(
+                    f"shard {name}: item {row.item_id} differs from the ledger: {', '.join(diffs)}"
+                )
+                if mismatches >= MAX_PROBLEMS:
+                    break
+    except Exception as exc:  # a shard failing mid-read
+        problems.append(f"reading the export failed after {position} rows: {exc}")
+
+
+def _row_differences(row: ShardRow, item: StoredItem) -> list[str]:
+    wanted: dict[str, Any] = {
+        "item_id": item.id,
+        "id": item.item_key,
+        "sample": item.sample_index,
+        "prompt_ids": item.prompt_ids,
+        "output_ids": item.output_ids or [],
+        "finish_reason": item.finish_reason,
+    }
+    return [f"{k} (ledger item {item.id})" for k, v in wanted.items() if getattr(row, k) != v]

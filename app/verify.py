@@ -1,0 +1,321 @@
+"""`tokenmill verify`: re-checks a run's stored items against its pinned configuration.
+
+Streams the finished items once (template, stop/EOS, max_new_tokens, server counts), keeping
+only counters and the first few mismatches per check; optionally checks a Parquet export.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import Engine
+
+from app import ledger
+from app.errors import TokenmillError
+from app.ledger import RunInfo, StoredItem
+from app.storage import check_export
+from app.tokenization import ChatTokenizer
+
+log = logging.getLogger(__name__)
+
+EXAMPLES_PER_CHECK = 5
+TEMPLATE_BATCH = 64
+
+CHECK_TEMPLATE = "template"
+CHECK_STOP = "stop_token"
+CHECK_LENGTH = "max_new_tokens"
+CHECK_COMPLETION = "completion_tokens"
+CHECK_PROMPT = "prompt_tokens"
+CHECKS = (CHECK_TEMPLATE, CHECK_STOP, CHECK_LENGTH, CHECK_COMPLETION, CHECK_PROMPT)
+CHECK_TITLES = {
+    CHECK_TEMPLATE: "chat template re-applied reproduces prompt_ids",
+    CHECK_STOP: "stopped outputs end with a stop/EOS id",
+    CHECK_LENGTH: "truncated outputs have exactly max_new_tokens ids",
+    CHECK_COMPLETION: "len(output_ids) == the server's completion_tokens",
+    CHECK_PROMPT: "len(prompt_ids) == the server's prompt_tokens",
+}
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    item_id: int
+    key: str
+    sample: int
+    turn: int
+    detail: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "item_id": self.item_id,
+            "id": self.key,
+            "sample": self.sample,
+            "turn": self.turn,
+            "detail": self.detail,
+        }
+
+
+@dataclass
+class CheckTally:
+    """One check: items it applied to, items it could not check, mismatches (first few kept)."""
+
+    name: str
+    checked: int = 0
+    not_checkable: int = 0
+    mismatches: int = 0
+    examples: list[Mismatch] = field(default_factory=list)
+
+    def passed(self) -> None:
+        self.checked += 1
+
+    def failed(self, item: StoredItem, detail: str) -> None:
+        self.checked += 1
+        self.mismatches += 1
+        if len(self.examples) < EXAMPLES_PER_CHECK:
+            self.examples.append(
+                Mismatch(item.id, item.item_key, item.sample_index, item.turn_index, detail)
+            )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "check": self.name,
+            "description": CHECK_TITLES[self.name],
+            "checked": self.checked,
+            "not_checkable": self.not_checkable,
+            "mismatches": self.mismatches,
+            "examples": [m.to_json() for m in self.examples],
+        }
+
+
+@dataclass
+class ExportSummary:
+    url: str
+    rows: int
+    shards: int
+    problems: list[str]
+
+
+@dataclass
+class VerifyReport:
+    run: str
+    items: int = 0
+    findings: list[str] = field(default_factory=list)
+    checks: dict[str, CheckTally] = field(
+        default_factory=lambda: {name: CheckTally(name) for name in CHECKS}
+    )
+    export: ExportSummary | None = None
+
+    @property
+    def clean(self) -> bool:
+        exported_ok = self.export is None or not self.export.problems
+        return (
+            not self.findings
+            and exported_ok
+            and not any(t.mismatches for t in self.checks.values())
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        data: dict[str, Any] = {
+            "run": self.run,
+            "clean": self.clean,
+            "items": self.items,
+            "findings": list(self.findings),
+            "checks": [tally.to_json() for tally in self.checks.values()],
+        }
+        if self.export is not None:
+            data["export"] = {
+                "url": self.export.url,
+                "rows": self.export.rows,
+                "shards": self.export.shards,
+                "problems": list(self.export.problems),
+            }
+        return data
+
+
+def tokenizer_findings(run: RunInfo, tokenizer: ChatTokenizer) -> list[str]:
+    """Lines saying how the tokenizer differs from what the run pinned (none if it matches)."""
+    found: list[str] = []
+    if tokenizer.tokenizer_hash != run.tokenizer_hash:
+        found.append(
+            f"the tokenizer files in {tokenizer.path} are not the ones the run pinned: hash "
+            f"{tokenizer.tokenizer_hash[:12]} now, {run.tokenizer_hash[:12]} pinned "
+            "(template mismatches below may come from this)"
+        )
+    if tokenizer.chat_template_hash != run.chat_template_hash:
+        found.append(
+            f"the chat template in {tokenizer.path} is not the one the run pinned: hash "
+            f"{tokenizer.chat_template_hash[:12]} now, {run.chat_template_hash[:12]} pinned "
+            "(template mismatches below may come from this)"
+        )
+    return found
+
+
+def verify_run(
+    db: Engine,
+    run: RunInfo,
+    tokenizer: ChatTokenizer | None,
+    *,
+    export_url: str | None = None,
+    storage_options: dict[str, Any] | None = None,
+    on_progress: Callable[[int], None] = lambda n: None,
+) -> VerifyReport:
+    """Check every done item of run; with tokenizer None the template check is skipped
+    (counted as not checkable). Nothing per item is kept beyond a few examples."""
+    report = VerifyReport(run=run.name)
+    if tokenizer is not None:
+        report.findings += tokenizer_findings(run, tokenizer)
+    stops = set(run.eos_token_ids) | set(run.sampling.stop_token_ids)
+    pending: list[StoredItem] = []
+    with db.connect() as conn:
+        for item in ledger.iter_items(conn, run.id, storage_options=storage_options):
+            report.items += 1
+            _check_finish(report, item, stops, run.sampling.max_new_tokens)
+            _check_counts(report, item)
+            if item.messages is None or tokenizer is None:
+                report.checks[CHECK_TEMPLATE].not_checkable += 1
+            else:
+                pending.append(item)
+                if len(pending) >= TEMPLATE_BATCH:
+                    _check_templates(report, tokenizer, run.chat_template_kwargs, pending)
+                    pending = []
+            if report.items % 1000 == 0:
+                on_progress(report.items)
+        if pending and tokenizer is not None:
+            _check_templates(report, tokenizer, run.chat_template_kwargs, pending)
+        if export_url is not None:
+            result = check_export(conn, run.id, export_url, storage_options)
+            report.export = ExportSummary(export_url, result.rows, result.shards, result.problems)
+    on_progress(report.items)
+    log.info(
+        "verified run %s: %d items, %s",
+        run.name,
+        report.items,
+        {name: tally.mismatches for name, tally in report.checks.items()},
+    )
+    return report
+
+
+# --- the checks -----------------------------------------------------------------------------
+
+
+def _check_templates(
+    report: VerifyReport,
+    tokenizer: ChatTokenizer,
+    kwargs: dict[str, Any],
+    batch: Sequence[StoredItem],
+) -> None:
+    tally = report.checks[CHECK_TEMPLATE]
+    expected: list[list[int] | str]
+    try:
+        expected = list(tokenizer.apply_batch([item.messages or [] for item in batch], kwargs))
+    except TokenmillError:
+        # one conversation breaks the template: find it, keep checking the others
+        expected = []
+        for item in batch:
+            try:
+                expected.append(tokenizer.apply(item.messages or [], kwargs))
+            except TokenmillError as exc:
+                expected.append(str(exc))
+    for item, ids in zip(batch, expected, strict=True):
+        if isinstance(ids, str):
+            tally.failed(item, ids)
+        elif ids != item.prompt_ids:
+            tally.failed(item, _ids_difference(item.prompt_ids, ids))
+        else:
+            tally.passed()
+
+
+def _ids_difference(stored: list[int], templated: list[int]) -> str:
+    at = next(
+        (i for i, (a, b) in enumerate(zip(stored, templated, strict=False)) if a != b),
+        min(len(stored), len(templated)),
+    )
+    stored_id = stored[at] if at < len(stored) else "(end)"
+    templated_id = templated[at] if at < len(templated) else "(end)"
+    return (
+        f"prompt_ids differ from the re-applied template at position {at}: stored "
+        f"{stored_id}, template {templated_id} ({len(stored)} stored ids, "
+        f"{len(templated)} from the template)"
+    )
+
+
+def _check_finish(
+    report: VerifyReport, item: StoredItem, stops: set[int], max_new_tokens: int
+) -> None:
+    output = item.output_ids or []
+    if item.finish_reason == "length":
+        tally = report.checks[CHECK_LENGTH]
+        if len(output) == max_new_tokens:
+            tally.passed()
+        else:
+            tally.failed(
+                item,
+                f"finish_reason length with {len(output)} output ids; max_new_tokens is "
+                f"{max_new_tokens}",
+            )
+        return
+    tally = report.checks[CHECK_STOP]
+    if item.finish_reason != "stop":
+        tally.failed(item, f"finish_reason {item.finish_reason!r} is neither stop nor length")
+    elif output and output[-1] in stops:
+        tally.passed()
+    else:
+        tally.failed(item, _stop_difference(output, item.matched_stop, stops))
+
+
+def _stop_difference(output: list[int], matched: str | None, stops: set[int]) -> str:
+    """Why a stopped output does not end with a stop id, in the server's terms.
+
+    SGLang's matched stop is an id, a stop string, or a list of ids; tokenmill never sends
+    stop strings, so a string match means the server applied one of its own, and the
+    sequence then ends without the EOS the training data needs: a mismatch either way.
+    """
+    known = ", ".join(str(s) for s in sorted(stops)) or "none"
+    if not output:
+        return "finish_reason stop with no output ids"
+    head = f"finish_reason stop but the last output id {output[-1]} is not a stop/EOS id ({known})"
+    if matched is None:
+        return f"{head}; the server reported no matched stop"
+    try:
+        value = json.loads(matched)
+    except ValueError:
+        value = matched
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value in stops:
+            return f"{head}; the server reported stopping on id {value}"
+        return f"{head}; the server stopped on id {value}, which the run does not list"
+    if isinstance(value, list):
+        return f"{head}; the server matched the stop ids {matched}"
+    return (
+        f"{head}; the server matched the stop string {matched!r}, which tokenmill does not "
+        "send (a server-side default), so the sequence has no EOS"
+    )
+
+
+def _check_counts(report: VerifyReport, item: StoredItem) -> None:
+    completion = report.checks[CHECK_COMPLETION]
+    output = item.output_ids or []
+    if item.completion_tokens is None:
+        completion.not_checkable += 1
+    elif item.completion_tokens == len(output):
+        completion.passed()
+    else:
+        completion.failed(
+            item,
+            f"{len(output)} output ids stored; the server reported completion_tokens "
+            f"{item.completion_tokens}",
+        )
+    prompt = report.checks[CHECK_PROMPT]
+    if item.prompt_tokens is None:
+        prompt.not_checkable += 1
+    elif item.prompt_tokens == len(item.prompt_ids):
+        prompt.passed()
+    else:
+        prompt.failed(
+            item,
+            f"{len(item.prompt_ids)} prompt ids stored; the server reported prompt_tokens "
+            f"{item.prompt_tokens}",
+        )

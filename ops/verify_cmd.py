@@ -1,0 +1,137 @@
+"""The `verify` command: re-check a run's stored items (and optionally its export).
+
+Exit 0 when everything matches, 1 on any mismatch or finding, 2 on usage/configuration errors.
+"""
+
+from __future__ import annotations
+
+import click
+from rich.console import Console
+from rich.markup import escape
+
+from app import ledger
+from app.errors import TokenizerError
+from app.ledger import RunInfo
+from app.settings import get_settings
+from app.tokenization import ChatTokenizer, load_tokenizer
+from app.verify import CHECK_TITLES, VerifyReport, verify_run
+from ops.options import handle_errors, open_db, print_json
+
+# the summary is the command's output: stdout (errors go to stderr through handle_errors)
+out = Console(highlight=False, soft_wrap=True)
+
+
+@click.command("verify")
+@click.argument("run_name")
+@click.option(
+    "--export",
+    "export_url",
+    default=None,
+    metavar="URL",
+    help="Also check the Parquet export at URL (a path, file://, s3://...) against the "
+    "ledger: counts, checksums, rows. Storage options: env TOKENMILL_STORAGE_OPTIONS.",
+)
+@click.option(
+    "--tokenizer",
+    "tokenizer_path",
+    default=None,
+    metavar="DIR",
+    help="Tokenizer folder to re-apply the template with, if the run's pinned path moved "
+    "(its hashes are still checked against the pinned ones).",
+)
+@click.option(
+    "--trust-remote-code",
+    is_flag=True,
+    default=False,
+    help="Allow the tokenizer folder's own Python code (off unless asked).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@handle_errors
+def verify_cmd(
+    run_name: str,
+    export_url: str | None,
+    tokenizer_path: str | None,
+    trust_remote_code: bool,
+    as_json: bool,
+) -> None:
+    """Check RUN_NAME's finished items against what the run pinned.
+
+    The chat template re-applied to the stored turns gives the stored prompt_ids; stopped
+    outputs end with a stop/EOS id; truncated ones have exactly max_new_tokens ids; the
+    stored arrays match the server's prompt_tokens / completion_tokens. Exit 0 when clean,
+    1 on any mismatch, 2 on usage errors.
+    """
+    settings = get_settings()
+    db = open_db(settings)
+    with db.connect() as conn:
+        run = ledger.get_run(conn, run_name)
+    tokenizer, problem = _tokenizer(run, tokenizer_path, trust_remote_code)
+    report = verify_run(
+        db,
+        run,
+        tokenizer,
+        export_url=export_url,
+        storage_options=settings.storage_options,
+    )
+    if problem is not None:
+        report.findings.insert(0, problem)
+    if as_json:
+        print_json(report.to_json())
+    else:
+        _print_summary(report)
+    raise SystemExit(0 if report.clean else 1)
+
+
+def _tokenizer(
+    run: RunInfo, override: str | None, trust_remote_code: bool
+) -> tuple[ChatTokenizer | None, str | None]:
+    """The tokenizer to re-apply the template with; the run's own path not loading is a
+    finding (nothing can vouch for the prompts), a bad --tokenizer a usage error."""
+    if override is not None:
+        try:
+            return load_tokenizer(override, trust_remote_code=trust_remote_code), None
+        except TokenizerError as exc:
+            raise TokenizerError(f"--tokenizer: {exc}") from exc
+    try:
+        return load_tokenizer(run.tokenizer_path, trust_remote_code=trust_remote_code), None
+    except TokenizerError as exc:
+        return None, (
+            f"the run's tokenizer could not be loaded, so the chat template was not checked: "
+            f"{exc}; give its folder with --tokenizer DIR"
+        )
+
+
+def _print_summary(report: VerifyReport) -> None:
+    out.print(f"run [bold]{escape(report.run)}[/bold]: {report.items} finished items")
+    for finding in report.findings:
+        out.print(f"[red]finding:[/red] {escape(finding)}", soft_wrap=True)
+    for tally in report.checks.values():
+        status = "[red]FAIL[/red]" if tally.mismatches else "[green]ok[/green]  "
+        counts = f"{tally.checked} checked"
+        if tally.mismatches:
+            counts += f", {tally.mismatches} mismatched"
+        if tally.not_checkable:
+            counts += f", {tally.not_checkable} not checkable"
+        out.print(
+            f"{status} {tally.name:<18} {counts:<40} {escape(CHECK_TITLES[tally.name])}",
+            soft_wrap=True,
+        )
+        for m in tally.examples:
+            out.print(
+                f"       item {m.item_id} (id {escape(repr(m.key))}, sample {m.sample}, "
+                f"turn {m.turn}): {escape(m.detail)}",
+                soft_wrap=True,
+            )
+        if tally.mismatches > len(tally.examples):
+            out.print(f"       … and {tally.mismatches - len(tally.examples)} more")
+    if report.export is not None:
+        export = report.export
+        status = "[red]FAIL[/red]" if export.problems else "[green]ok[/green]  "
+        out.print(
+            f"{status} export {escape(export.url)}: {export.shards} shards, {export.rows} rows",
+            soft_wrap=True,
+        )
+        for problem in export.problems:
+            out.print(f"       {escape(problem)}", soft_wrap=True)
+    verdict = "[green]clean[/green]" if report.clean else "[red]mismatches found[/red]"
+    out.print(verdict)

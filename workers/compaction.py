@@ -1,0 +1,189 @@
+"""Compaction: moves the token arrays of a run's finished items out of the ledger into Parquet
+shards under `<storage_url>/runs/<run name>/compacted/`, leaving a (shard, row) pointer.
+
+Order and crash safety. For each batch of at most `shard_rows` compactable items (done, arrays
+still in the ledger, no unfinished later turn reading them), in id order:
+1. the shard `items-<first id>-<last id>.parquet` is written atomically (app.shards);
+2. one transaction points the items at it and empties their arrays, only where
+   `shard_uri IS NULL`.
+A crash before 2 leaves the items untouched and a shard nobody points at. The next compaction
+first lists the folder and deletes every `items-*.parquet` that no item of the run points at
+(and temporary files a killed writer left), then compacts again: the same ids give the same key,
+so the shard is simply rewritten. Every compaction of a run holds the lock `compact-<run id>`
+(Redis or a file, app.locks), so the cleanup never deletes a shard that another compaction has
+written and not yet recorded; a compaction stops starting shards well before the lock expires.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import Engine
+
+from app import ledger
+from app.ledger import RunInfo
+from app.locks import exclusive
+from app.settings import Settings
+from app.shards import (
+    Location,
+    ShardWriter,
+    list_names,
+    open_location,
+    remove_objects,
+    split_uri,
+)
+from app.storage import shard_row
+
+log = logging.getLogger(__name__)
+
+SHARD_PREFIX = "items-"
+SHARD_SUFFIX = ".parquet"
+# the lock outlives a compaction: it starts no new shard after COMPACT_BUDGET_S
+COMPACT_LOCK_TTL_S = 3600.0
+COMPACT_BUDGET_S = 2700.0
+READ_PAGE_ITEMS = 1000
+
+
+@dataclass
+class CompactionReport:
+    run: str
+    compactable: int = 0
+    compacted: int = 0
+    shards: list[str] = field(default_factory=list)
+    orphans_removed: list[str] = field(default_factory=list)
+    skipped: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "run": self.run,
+            "compactable": self.compactable,
+            "compacted": self.compacted,
+            "shards": self.shards,
+            "orphans_removed": self.orphans_removed,
+            "skipped": self.skipped,
+        }
+
+
+def compaction_location(settings: Settings, run_name: str) -> Location:
+    """Where the compacted shards of a run live."""
+    base = settings.resolved_storage_url().rstrip("/")
+    return open_location(f"{base}/runs/{run_name}/compacted", settings.storage_options)
+
+
+def shard_name(first_id: int, last_id: int) -> str:
+    return f"{SHARD_PREFIX}{first_id}-{last_id}{SHARD_SUFFIX}"
+
+
+def compact_run(
+    db: Engine,
+    settings: Settings,
+    run: RunInfo,
+    *,
+    force: bool = False,
+    shard_rows: int | None = None,
+) -> CompactionReport:
+    """Compact run's finished items (all of them if force, else only when at least
+    compact_min_items are waiting); a second call with nothing new changes nothing."""
+    report = CompactionReport(run=run.name)
+    with exclusive(settings, f"compact-{run.id}", ttl_s=COMPACT_LOCK_TTL_S) as held:
+        if not held:
+            report.skipped = "another compaction of this run is running"
+            return report
+        _compact_locked(db, settings, run, report, force, shard_rows or settings.shard_rows)
+    return report
+
+
+def _compact_locked(
+    db: Engine,
+    settings: Settings,
+    run: RunInfo,
+    report: CompactionReport,
+    force: bool,
+    shard_rows: int,
+) -> None:
+    loc = compaction_location(settings, run.name)
+    report.orphans_removed = remove_orphans(db, run, loc)
+    with db.connect() as conn:
+        report.compactable = ledger.count_compactable(conn, run.id)
+    if report.compactable == 0:
+        report.skipped = "nothing to compact"
+        return
+    if not force and report.compactable < settings.compact_min_items:
+        report.skipped = (
+            f"{report.compactable} finished items wait, fewer than compact_min_items "
+            f"({settings.compact_min_items}); use --all to compact them anyway"
+        )
+        return
+    started = time.monotonic()
+    after = 0
+    while True:
+        if time.monotonic() - started > COMPACT_BUDGET_S:
+            report.skipped = "time budget used up; the rest is compacted next time"
+            break
+        with db.connect() as conn:
+            ids = ledger.compactable_ids(conn, run.id, after_id=after, limit=shard_rows)
+        if not ids:
+            break
+        report.compacted += compact_ids(db, loc, ids)
+        report.shards.append(shard_name(ids[0], ids[-1]))
+        after = ids[-1]
+    log.info(
+        "compacted %d items of run %s into %d shards under %s",
+        report.compacted,
+        run.name,
+        len(report.shards),
+        loc.url,
+    )
+
+
+def _pages(ids: list[int], size: int) -> Iterator[list[int]]:
+    for start in range(0, len(ids), size):
+        yield ids[start : start + size]
+
+
+def compact_ids(db: Engine, loc: Location, ids: list[int]) -> int:
+    """Write one shard of these items, then point them at it; return how many were moved."""
+    name = shard_name(ids[0], ids[-1])
+    written: list[tuple[int, int]] = []
+    with ShardWriter(loc, name) as writer:
+        for page in _pages(ids, READ_PAGE_ITEMS):
+            with db.connect() as conn:
+                stored = ledger.stored_items(conn, page)
+            rows = [shard_row(item) for item in stored if item.shard_uri is None]
+            written += [(row.item_id, len(written) + i) for i, row in enumerate(rows)]
+            writer.write(rows)
+        writer.commit()
+    with db.begin() as conn:
+        moved = ledger.mark_compacted(conn, loc.uri(name), written)
+    log.info("compacted %d items into %s", moved, loc.uri(name))
+    return moved
+
+
+def remove_orphans(db: Engine, run: RunInfo, loc: Location) -> list[str]:
+    """Delete shards of the folder no item points at (a compaction that died before its ledger
+    update) and temporary files of killed writers; call only while holding the run's lock."""
+    with db.connect() as conn:
+        referenced = ledger.shard_uris(conn, run.id)
+    # by name, not full URL: a storage URL spelled differently must never make live shards
+    # look unreferenced
+    referenced_names = {split_uri(uri)[1] for uri in referenced}
+    names = list_names(loc, prefix=SHARD_PREFIX, suffix=SHARD_SUFFIX)
+    orphans = [n for n in names if n not in referenced_names]
+    if loc.local:
+        orphans += list_names(loc, prefix=f".{SHARD_PREFIX}", suffix=".tmp")
+    if orphans:
+        log.info("removing %d unreferenced shards of run %s: %s", len(orphans), run.name, orphans)
+        remove_objects(loc, orphans)
+    return orphans
+
+
+def compact_due(db: Engine, settings: Settings) -> list[CompactionReport]:
+    """The periodic task's body: compact every run with at least compact_min_items finished
+    items still in the ledger."""
+    with db.connect() as conn:
+        due = ledger.runs_with_compactable(conn, settings.compact_min_items)
+    return [compact_run(db, settings, run) for run in due]

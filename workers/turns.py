@@ -1,0 +1,349 @@
+"""Multi-turn chains (`--turns all`): the items of a conversation at enqueue, and advancing a
+chain when a turn finishes, its next prompt templated from the regenerated history.
+
+Advancing is idempotent (a conditional waiting → pending update); workers do it right after
+committing results, reconcile and the embedded runner catch up on whatever was missed.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from sqlalchemy import Connection, Engine
+
+from app import ledger
+from app.constants import EVENT_TURNS_BLOCKED
+from app.contracts import PromptRecord
+from app.conversation import TurnPlan, next_history, split_turns
+from app.errors import InputError, TokenmillError
+from app.export import assistant_turn
+from app.ledger import NewItem, RunInfo, WaitingTurn
+from app.tokenization import ChatTokenizer, load_tokenizer, tokenizer_files_hash
+
+log = logging.getLogger(__name__)
+
+ADVANCE_PAGE = 500
+# a run whose tokenizer could not be used is tried again after this long (it may be fixed)
+BLOCKED_RETRY_S = 60.0
+
+
+# --- enqueue ---------------------------------------------------------------------------------
+
+
+def first_turns(
+    records: Sequence[PromptRecord],
+    plans: dict[str, list[TurnPlan]],
+    fail: Callable[[InputError], None],
+) -> list[PromptRecord]:
+    """Records whose messages are turn 0's prompt turns; each chat record's turn plans go to
+    plans (by key). Pre-tokenized records stay single-turn; a conversation that cannot be
+    split is reported through fail and dropped."""
+    out: list[PromptRecord] = []
+    for record in records:
+        if record.messages is None:
+            out.append(record)
+            continue
+        try:
+            split = split_turns(record.conversation or record.messages)
+        except InputError as exc:
+            fail(InputError(exc.reason, record.line))
+            continue
+        plans[record.key] = split
+        out.append(PromptRecord(record.line, record.key, messages=split[0].context))
+    return out
+
+
+def chain_items(
+    record: PromptRecord, prompt_ids: list[int], samples: int, plans: list[TurnPlan] | None
+) -> list[NewItem]:
+    """Turn 0 of every sample with its prompt, then each later turn waiting, holding the
+    original turns it will need (samples are independent chains)."""
+    later = (plans or [])[1:]
+    new: list[NewItem] = []
+    for k in range(samples):
+        new.append(NewItem(record.key, k, record.line, record.messages, prompt_ids))
+        for plan in later:
+            new.append(
+                NewItem(record.key, k, record.line, plan.context, [], plan.index, waiting=True)
+            )
+    return new
+
+
+def link_chains(conn: Connection, run_id: int, new_items: Sequence[NewItem]) -> None:
+    """Point the later turns just inserted at the item of the turn before them."""
+    keys = sorted({n.item_key for n in new_items if n.turn_index > 0})
+    if keys:
+        ledger.link_turns(conn, run_id, keys)
+
+
+# --- advancing ---------------------------------------------------------------------------------
+
+
+class TokenizerCache:
+    """Each run's tokenizer, loaded once per process from the run's tokenizer path and used
+    only if its hashes are the run's pinned ones (never a prompt from another template)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._runs: dict[int, RunInfo] = {}
+        self._tokenizers: dict[int, ChatTokenizer] = {}
+        self._blocked: dict[int, float] = {}
+        self._reported: set[int] = set()
+
+    def run(self, db: Engine, run_id: int) -> RunInfo:
+        with self._lock:
+            cached = self._runs.get(run_id)
+        if cached is None:
+            with db.connect() as conn:
+                cached = ledger.get_run_by_id(conn, run_id)
+            with self._lock:
+                self._runs[run_id] = cached
+        return cached
+
+    def tokenizer(self, db: Engine, run: RunInfo) -> ChatTokenizer | None:
+        """The run's tokenizer, or None (ERROR logged, event recorded once) if it changed or
+        cannot be loaded; the turns stay waiting."""
+        with self._lock:
+            found = self._tokenizers.get(run.id)
+            blocked_at = self._blocked.get(run.id)
+        if found is not None:
+            return found
+        if blocked_at is not None and time.monotonic() - blocked_at < BLOCKED_RETRY_S:
+            return None
+        try:
+            tokenizer = self._load(run)
+        except TokenmillError as exc:
+            self._block(db, run, str(exc))
+            return None
+        with self._lock:
+            self._tokenizers[run.id] = tokenizer
+            self._blocked.pop(run.id, None)
+        return tokenizer
+
+    @staticmethod
+    def _load(run: RunInfo) -> ChatTokenizer:
+        from pathlib import Path
+
+        folder = Path(run.tokenizer_path)
+        # hash the files before loading: the tokenizer's own code (trust_remote_code) only
+        # runs if it is byte for byte what the run was enqueued with
+        if folder.is_dir() and tokenizer_files_hash(folder) != run.tokenizer_hash:
+            raise TokenmillError(
+                f"the tokenizer files at {run.tokenizer_path} changed since the run was "
+                f"created (hash {run.tokenizer_hash[:12]})"
+            )
+        tokenizer = load_tokenizer(folder, trust_remote_code=run.trust_remote_code)
+        if tokenizer.chat_template_hash != run.chat_template_hash:
+            raise TokenmillError(
+                f"the chat template at {run.tokenizer_path} differs from the run's "
+                f"(hash {tokenizer.chat_template_hash[:12]}, pinned {run.chat_template_hash[:12]})"
+            )
+        return tokenizer
+
+    def _block(self, db: Engine, run: RunInfo, reason: str) -> None:
+        with self._lock:
+            self._blocked[run.id] = time.monotonic()
+            first = run.id not in self._reported
+            self._reported.add(run.id)
+        message = f"run {run.name}: later turns stay waiting: {reason}"
+        log.error(message)
+        if first:
+            try:
+                with db.begin() as conn:
+                    ledger.record_event(conn, EVENT_TURNS_BLOCKED, message, run_id=run.id)
+            except Exception as exc:
+                log.warning("could not record the event (%s)", exc)
+
+
+_shared_cache = TokenizerCache()
+
+
+def shared_cache() -> TokenizerCache:
+    """This process's tokenizer cache (loaded lazily, never at import)."""
+    return _shared_cache
+
+
+@dataclass
+class AdvanceReport:
+    started: list[int] = field(default_factory=list)  # waiting → pending
+    failed: int = 0  # later turns failed because an earlier one failed or was truncated
+    blocked: int = 0  # left waiting: the run's tokenizer cannot be used
+
+    def to_json(self) -> dict[str, int]:
+        return {"started": len(self.started), "failed": self.failed, "blocked": self.blocked}
+
+
+def _fail_chain(db: Engine, turn: WaitingTurn, reason: str, report: AdvanceReport) -> None:
+    with db.begin() as conn:
+        n = ledger.fail_waiting_chain(
+            conn, turn.run_id, turn.item_key, turn.sample_index, turn.turn_index, reason
+        )
+    report.failed += n
+    if n:
+        log.info(
+            "run %d key %s sample %d: %d later turns failed: %s",
+            turn.run_id,
+            turn.item_key,
+            turn.sample_index,
+            n,
+            reason,
+        )
+
+
+def _advance_one(
+    db: Engine, cache: TokenizerCache, turn: WaitingTurn, report: AdvanceReport
+) -> None:
+    prev = turn.prev
+    if prev.status == "failed":
+        _fail_chain(db, turn, f"turn {prev.turn_index} failed: {prev.error}", report)
+        return
+    if prev.finish_reason != "stop":
+        _fail_chain(db, turn, f"turn {prev.turn_index} was truncated at max_new_tokens", report)
+        return
+    run = cache.run(db, turn.run_id)
+    tokenizer = cache.tokenizer(db, run)
+    if tokenizer is None:
+        report.blocked += 1
+        return
+    history = next_history(prev.messages or [], assistant_turn(prev, run, tokenizer), turn.context)
+    try:
+        prompt_ids = tokenizer.apply(history, run.chat_template_kwargs)
+    except InputError as exc:
+        reason = f"turn {turn.turn_index}: {exc.reason} (on the regenerated history)"
+        _fail_chain(db, turn, reason, report)
+        return
+    context = tokenizer.context_length
+    if context is not None and len(prompt_ids) >= context:
+        reason = (
+            f"turn {turn.turn_index}: prompt has {len(prompt_ids)} tokens, at or over the "
+            f"model's context length {context}"
+        )
+        _fail_chain(db, turn, reason, report)
+        return
+    with db.begin() as conn:
+        started = ledger.start_turn(conn, turn.id, history, prompt_ids)
+    if started:
+        report.started.append(turn.id)
+        log.info(
+            "run %d item %d: turn %d ready, prompt of %d tokens",
+            turn.run_id,
+            turn.id,
+            turn.turn_index,
+            len(prompt_ids),
+        )
+
+
+def advance(
+    db: Engine,
+    cache: TokenizerCache,
+    *,
+    prev_ids: Sequence[int] | None = None,
+    run_id: int | None = None,
+) -> AdvanceReport:
+    """Advance the waiting successors of prev_ids (just committed), or every waiting turn
+    whose previous turn finished (of run_id, or of every run). Safe to run twice or at once
+    in several processes; the started items are pending and still need publishing."""
+    report = AdvanceReport()
+    if prev_ids is not None:
+        ids = list(prev_ids)
+        for i in range(0, len(ids), ADVANCE_PAGE):
+            chunk = ids[i : i + ADVANCE_PAGE]
+            with db.connect() as conn:
+                ready = ledger.ready_turns(conn, prev_ids=chunk, limit=len(chunk))
+            for turn in ready:
+                _advance_one(db, cache, turn, report)
+        return report
+    after = 0
+    while True:
+        with db.connect() as conn:
+            ready = ledger.ready_turns(conn, run_id=run_id, after_id=after, limit=ADVANCE_PAGE)
+        if not ready:
+            return report
+        for turn in ready:
+            _advance_one(db, cache, turn, report)
+        after = ready[-1].id
+
+
+def publish_started(db: Engine, ids: list[int], publish: Callable[[list[int]], None]) -> None:
+    """Publish started turns, then mark them queued (as the producer does)."""
+    if not ids:
+        return
+    publish(ids)
+    with db.begin() as conn:
+        ledger.mark_queued(conn, ids)
+
+
+class TurnAdvancer:
+    """A worker's background advancer: the writer hands it the ids it just committed, and it
+    starts their next turns off the hot path, a batch at a time. A lost notification (killed
+    worker) is caught up by reconcile."""
+
+    def __init__(
+        self,
+        db: Engine,
+        publish: Callable[[list[int]], None],
+        cache: TokenizerCache | None = None,
+    ) -> None:
+        self._db = db
+        self._publish = publish
+        self._cache = cache or shared_cache()
+        self._queue: queue.Queue[list[int] | None] = queue.Queue()
+        self._lock = threading.Lock()
+        self._unprocessed = 0  # notifications not yet fully advanced
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="tm-turns", daemon=True)
+            self._thread.start()
+
+    def notify(self, finished_ids: list[int]) -> None:
+        """Items just committed as done or failed (cheap: a queue put)."""
+        if finished_ids:
+            with self._lock:
+                self._unprocessed += 1
+            self._queue.put(list(finished_ids))
+
+    def idle(self) -> bool:
+        with self._lock:
+            return self._unprocessed == 0
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout=timeout_s)
+            self._thread = None
+
+    def _loop(self) -> None:
+        while True:
+            first = self._queue.get()
+            if first is None:
+                return
+            batch, stop, taken = list(first), False, 1
+            while len(batch) < ADVANCE_PAGE:
+                try:
+                    more = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    stop = True
+                    break
+                batch.extend(more)
+                taken += 1
+            try:
+                report = advance(self._db, self._cache, prev_ids=batch)
+                publish_started(self._db, report.started, self._publish)
+            except Exception:
+                log.exception(
+                    "advancing the turns after %d results failed; reconcile will", len(batch)
+                )
+            finally:
+                with self._lock:
+                    self._unprocessed -= taken
+            if stop:
+                return
