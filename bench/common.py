@@ -7,6 +7,7 @@ imported as `common` (the script's folder is first on sys.path).
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import itertools
 import json
@@ -663,3 +664,25 @@ def profile_summary(raw: Path, top: int = 25, focus: Sequence[str] = ()) -> str:
     for name, n in incl.most_common(top + 15):
         lines.append(f"  {100 * n / total:5.1f}   {name}")
     return "\n".join(lines)
+
+
+def enqueue_cli(args: argparse.Namespace, env: dict[str, str], prompts: Path, run: str) -> None:
+    """`tokenmill enqueue` of the prompt file into a new run (publishes to Redis); args carries
+    max_new_tokens and seed."""
+    run_tokenmill(
+        [
+            "enqueue",
+            str(prompts),
+            "--run",
+            run,
+            "--tokenizer",
+            str(fixture_tokenizer_dir()),
+            "--max-new-tokens",
+            str(args.max_new_tokens),
+            "--seed",
+            str(args.seed),
+            "--temperature",
+            "1.0",
+        ],
+        env,
+    )

@@ -137,7 +137,7 @@ def instrument() -> dict[str, float]:
         setattr(owner, name, timed)
 
     wrap(producer, "_tokenize", "chat template + tokenize (_tokenize → apply_batch)")
-    wrap(ledger, "insert_items", "insert_items (INSERT … RETURNING, no commit)")
+    wrap(ledger, "insert_items", "insert_items (COPY + INSERT … SELECT, no commit)")
     wrap(ledger, "existing_keys", "existing_keys (SELECT per chunk)")
     read = producer.read_prompts
 

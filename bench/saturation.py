@@ -40,13 +40,13 @@ from common import (
     emulator,
     emulator_stats,
     engine_for,
+    enqueue_cli,
     fixture_tokenizer_dir,
     flush_redis,
     machine_note,
     profile_summary,
     run_items,
     run_span,
-    run_tokenmill,
     service_env,
     start_profile,
     start_worker,
@@ -153,27 +153,6 @@ def figures(label: str, span_s: float, stats: dict[str, Any], extra: str = "") -
         "completed": int(stats["completed"]),
         "extra": extra,
     }
-
-
-def enqueue_run(args: argparse.Namespace, env: dict[str, str], prompts: Path, run: str) -> None:
-    """`tokenmill enqueue` of the prompt file into a new run (publishes to Redis)."""
-    run_tokenmill(
-        [
-            "enqueue",
-            str(prompts),
-            "--run",
-            run,
-            "--tokenizer",
-            str(fixture_tokenizer_dir()),
-            "--max-new-tokens",
-            str(args.max_new_tokens),
-            "--seed",
-            str(args.seed),
-            "--temperature",
-            "1.0",
-        ],
-        env,
-    )
 
 
 def run_tokenmill_mode(
@@ -290,7 +269,7 @@ def main() -> None:
                 pg_url, REDIS_URL, data_dir, TOKENMILL_BATCH_SIZE=str(args.batch_size)
             )
             t0 = time.perf_counter()
-            enqueue_run(args, env, prompts, f"{RUN}-1")
+            enqueue_cli(args, env, prompts, f"{RUN}-1")
             print(f"enqueued in {time.perf_counter() - t0:.1f} s", flush=True)
             db = engine_for(pg_url)
             items, sampling = run_items(db, f"{RUN}-1")
@@ -310,7 +289,7 @@ def main() -> None:
                         runs += 1
                         run = f"{RUN}-{runs}"
                         if runs > 1:  # a fresh run of the same prompts and sampling
-                            enqueue_run(args, env, prompts, run)
+                            enqueue_cli(args, env, prompts, run)
                         r = run_tokenmill_mode(args, pg_url, data_dir, emu_args, run, mode)
                     else:
                         r = run_client_mode(mode, args, emu_args, requests)

@@ -7,6 +7,7 @@ Plain functions, testable without Celery.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 
 from app import ledger
@@ -41,34 +42,52 @@ def handle_message(
     if rt.window.unavailable() or rt.paused():
         requeue(ids, wait_s)
         return {"claimed": 0, "skipped": 0, "deferred": len(ids), "server": rt.server_name}
-    # claim before waiting: while this task waits for room its items are leased in the ledger
-    # (and come back by lease expiry if the worker dies), not hidden in an unacked message
-    with rt.db.begin() as conn:
-        claimed = ledger.claim_items(
-            conn, ids, owner=rt.owner, server=rt.server_name, lease_s=rt.settings.lease_s
-        )
-    # backpressure: hold the message until the window can take its items
-    room = rt.window.wait_for_room(len(claimed)) if claimed else True
-    if not room or rt.window.unavailable() or rt.paused():
-        back = _release(rt, claimed, "server paused or worker stopping while waiting")
-        requeue(back, 0.0 if not room else wait_s)
-        return {
-            "claimed": 0,
-            "skipped": len(ids) - len(claimed),
-            "deferred": len(back),
-            "server": rt.server_name,
-        }
-    refused = [c for c in claimed if not rt.run_matches_server(c.run_id)]
-    if refused:
-        requeue(_release(rt, refused, "server fingerprint differs from the run's"), wait_s)
-    accepted = [c for c in claimed if c not in refused]
-    rt.window.submit(accepted)
-    skipped = len(ids) - len(claimed)
+    # backpressure without hoarding: wait (a bounded time) for room BEFORE claiming, claim only
+    # what fits, a share at a time, and send the rest back to the queue unclaimed. Claimed
+    # items waiting for room would sit here while a faster or idle server could run them.
+    deadline = time.monotonic() + rt.settings.room_wait_s
+    accepted: list[ledger.ClaimedItem] = []
+    refused: list[ledger.ClaimedItem] = []
+    skipped = 0
+    rest = ids
+    while rest:
+        held = rt.window.reserve(len(rest), max(0.0, deadline - time.monotonic()))
+        if not held:
+            break
+        if rt.window.unavailable() or rt.paused():
+            rt.window.unreserve(held)
+            break
+        take, rest = rest[:held], rest[held:]
+        try:
+            with rt.db.begin() as conn:
+                claimed = ledger.claim_items(
+                    conn, take, owner=rt.owner, server=rt.server_name, lease_s=rt.settings.lease_s
+                )
+        except BaseException:
+            rt.window.unreserve(held)
+            raise
+        rt.window.unreserve(held - len(claimed))  # ids already taken or finished
+        skipped += len(take) - len(claimed)
+        try:
+            refused_now = [c for c in claimed if not rt.run_matches_server(c.run_id)]
+        except BaseException:
+            rt.window.unreserve(len(claimed))  # the leases come back by expiry or reconcile
+            raise
+        if refused_now:
+            rt.window.unreserve(len(refused_now))
+            requeue(_release(rt, refused_now, "server fingerprint differs from the run's"), wait_s)
+            refused += refused_now
+        now_ok = [c for c in claimed if c not in refused_now]
+        rt.window.submit(now_ok, reserved=True)
+        accepted += now_ok
+    if rest:
+        requeue(rest, wait_s if rt.window.unavailable() or rt.paused() else 0.0)
+        log.debug("message of %d items: %d sent back unclaimed (no room)", len(ids), len(rest))
     if skipped:
         log.info("message of %d items: %d already taken or finished", len(ids), skipped)
     return {
         "claimed": len(accepted),
         "skipped": skipped,
-        "deferred": len(refused),
+        "deferred": len(refused) + len(rest),
         "server": rt.server_name,
     }

@@ -11,10 +11,12 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import math
 import queue
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -52,6 +54,10 @@ class WindowConfig:
     retry_backoff_max_s: float
     unavailable_wait_s: float
     backlog: int = 0  # extra claimed items waiting beyond the in-flight ones
+    # > 0: the backlog holds at most this many seconds of the server's recent completions (at
+    # least one item, at most `backlog`): enough to cover the claim round trip, and a slow
+    # server does not sit on claimed items a faster one could run at the end of a run
+    backlog_s: float = 0.0
     writer_batch: int = 256
     writer_linger_s: float = 0.005
 
@@ -88,6 +94,7 @@ class _Job:
 
 
 _STOP = object()
+RATE_WINDOW_S = 30.0  # completions this far back set the server's rate (backlog_s)
 
 
 class InflightWindow:
@@ -103,6 +110,7 @@ class InflightWindow:
         sampling_for_run: Callable[[int], SamplingParams],
         on_released: Callable[[list[int], float], None],
         is_paused: Callable[[], bool] = lambda: False,
+        on_finished: Callable[[list[int]], None] = lambda ids: None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
@@ -112,6 +120,8 @@ class InflightWindow:
         self._client_factory = client_factory
         self._sampling_for_run = sampling_for_run
         self._on_released = on_released
+        # told the ids of results just committed (multi-turn chains start their next turn)
+        self._on_finished = on_finished
         self._is_paused = is_paused
         self._clock = clock
         self._backlog: queue.Queue[_Job | object] = queue.Queue()
@@ -122,6 +132,8 @@ class InflightWindow:
         self._seq = itertools.count()
         self._cond = threading.Condition()
         self._outstanding = 0  # claimed items this window holds and has not settled
+        self._completions: deque[tuple[float, int]] = deque()  # (commit time, items finished)
+        self._completed = 0  # sum of the counts in _completions
         self._unwritten = 0  # outcomes handed to the writer and not yet committed
         self._unavailable_until = 0.0
         self._stopping = threading.Event()
@@ -186,12 +198,32 @@ class InflightWindow:
     def unavailable(self) -> bool:
         return self._clock() < self._unavailable_until
 
+    def _backlog_limit(self) -> int:
+        """Claimed items allowed to wait beyond the in-flight ones (call with _cond held)."""
+        cfg = self.config
+        limit = max(cfg.backlog, 1)
+        if cfg.backlog_s <= 0:
+            return limit
+        now = self._clock()
+        while self._completions and self._completions[0][0] < now - RATE_WINDOW_S:
+            self._completed -= self._completions.popleft()[1]
+        seen = self._completed
+        if seen < 8:  # too few completions to tell the rate yet
+            return limit
+        span = max(0.5, now - self._completions[0][0])
+        return max(1, min(limit, math.ceil(seen / span * cfg.backlog_s)))
+
+    def capacity(self) -> int:
+        """Items this window takes: the in-flight slots plus the backlog."""
+        with self._cond:
+            return self.config.inflight + self._backlog_limit()
+
     def wait_for_room(self, n: int, timeout_s: float | None = None) -> bool:
         """Block until n more items fit in the window (backpressure on the message consumer)."""
-        n = min(n, self.config.capacity())
+        n = min(n, self.capacity())
         deadline = None if timeout_s is None else self._clock() + timeout_s
         with self._cond:
-            while self._outstanding + n > self.config.capacity():
+            while self._outstanding + n > self.config.inflight + self._backlog_limit():
                 if self._stopping.is_set():
                     return False
                 remaining = None if deadline is None else deadline - self._clock()
@@ -200,16 +232,47 @@ class InflightWindow:
                 self._cond.wait(timeout=0.5 if remaining is None else min(0.5, remaining))
             return True
 
-    def room(self) -> int:
+    def reserve(self, n: int, timeout_s: float) -> int:
+        """Hold room for up to n items before claiming them: wait up to timeout_s until a
+        worthwhile share fits (all n, or a full backlog's worth), then hold what fits; after
+        the wait, whatever fits (maybe 0; 0 when stopping). The caller claims that many ids
+        and hands the rest back unclaimed, so no claimed item waits here for a slot while
+        another server could run it. Settle with submit(..., reserved=True) or unreserve()."""
+        deadline = self._clock() + timeout_s
         with self._cond:
-            return max(0, self.config.capacity() - self._outstanding)
+            while not self._stopping.is_set():
+                backlog = self._backlog_limit()
+                room = self.config.inflight + backlog - self._outstanding
+                if room >= min(n, backlog) or self._clock() >= deadline:
+                    break
+                self._cond.wait(timeout=min(0.5, max(0.0, deadline - self._clock())))
+            if self._stopping.is_set():
+                return 0
+            room = self.config.inflight + self._backlog_limit() - self._outstanding
+            held = max(0, min(n, room))
+            self._outstanding += held
+            return held
 
-    def submit(self, claimed: list[ClaimedItem]) -> None:
-        """Queue claimed items for sending; each settles as done, failed or released."""
-        if not claimed:
+    def unreserve(self, n: int) -> None:
+        """Give back room reserved for items that were not submitted after all."""
+        if n <= 0:
             return
         with self._cond:
-            self._outstanding += len(claimed)
+            self._outstanding -= n
+            self._cond.notify_all()
+
+    def room(self) -> int:
+        with self._cond:
+            return max(0, self.config.inflight + self._backlog_limit() - self._outstanding)
+
+    def submit(self, claimed: list[ClaimedItem], *, reserved: bool = False) -> None:
+        """Queue claimed items for sending; each settles as done, failed or released.
+        reserved=True: their room was taken by reserve() (exactly len(claimed) of it)."""
+        if not claimed:
+            return
+        if not reserved:
+            with self._cond:
+                self._outstanding += len(claimed)
         for item in claimed:
             self._backlog.put(_Job(item=item, sampling=self._sampling_for_run(item.run_id)))
 
@@ -496,6 +559,10 @@ class InflightWindow:
                 time.sleep(delay_s)
                 delay_s = min(delay_s * 2, 10.0)
         settled = sum(1 for _, settles in entries if settles)
+        ended = sum(1 for o in batch if isinstance(o, Done | Failed))
+        finished = [o.item_id for o in batch if isinstance(o, Done | Failed)]
+        if finished:
+            self._on_finished(finished)
         if released:
             with self._cond:
                 self.stats.released += len(released)
@@ -505,6 +572,9 @@ class InflightWindow:
             except Exception:
                 log.exception("could not re-queue %d released items; reconcile will", len(released))
         with self._cond:
+            if ended:
+                self._completions.append((self._clock(), ended))
+                self._completed += ended
             self._outstanding -= settled
             self._unwritten -= settled
             self._cond.notify_all()

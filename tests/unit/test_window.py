@@ -261,3 +261,91 @@ def test_reset_by_a_dying_server_costs_no_attempt(
     rows = statuses(sqlite_engine, run)
     assert sorted(released) == ids
     assert {(r.status, r.attempts) for r in rows.values()} == {("queued", 0)}
+
+
+def test_reserve_holds_only_the_room_there_is(sqlite_engine: Engine) -> None:
+    """Room is taken before items are claimed: all of it when it fits, what fits once the wait
+    is over, nothing while the window is stopping; unreserve gives it back."""
+    window, _ = make_window(sqlite_engine, lambda ids, call: 0.0, inflight=4)  # capacity 8
+    assert window.reserve(6, timeout_s=0.01) == 6
+    assert window.reserve(5, timeout_s=0.01) == 2  # waited, then took the 2 that fit
+    assert window.reserve(1, timeout_s=0.01) == 0
+    assert window.outstanding == 8
+    window.unreserve(3)
+    assert window.room() == 3
+    assert window.reserve(20, timeout_s=0.01) == 3  # never more than the capacity
+    window.unreserve(8)
+    assert window.idle()
+    window.start()
+    window.stop(drain_timeout_s=1)
+    assert window.reserve(1, timeout_s=0.01) == 0
+
+
+def test_submit_of_reserved_items_does_not_count_them_twice(
+    sqlite_engine: Engine, run: ledger.RunInfo, started: list[InflightWindow]
+) -> None:
+    window, shared = make_window(sqlite_engine, lambda ids, call: 0.0, inflight=2)
+    started.append(window)
+    window.start()
+    with sqlite_engine.begin() as conn:
+        ledger.insert_items(
+            conn, run.id, [ledger.NewItem(f"k{i}", 0, i, None, [1, i]) for i in range(3)]
+        )
+        ids = ledger.pending_ids(conn, run.id)
+    assert window.reserve(3, timeout_s=0.01) == 3
+    with sqlite_engine.begin() as conn:
+        claimed = ledger.claim_items(conn, ids, owner=window.owner, server="fake", lease_s=60)
+    window.submit(claimed, reserved=True)
+    wait_idle(window)
+    assert window.outstanding == 0 and shared["calls"] == 3
+    assert {i.status for i in statuses(sqlite_engine, run).values()} == {"done"}
+
+
+def test_backlog_shrinks_to_what_the_server_finishes_in_backlog_s(
+    sqlite_engine: Engine, run: ledger.RunInfo, started: list[InflightWindow]
+) -> None:
+    """A slow server keeps fewer claimed items waiting: with backlog_s the backlog is its
+    recent completion rate times backlog_s (1 to `backlog`), the full backlog until the rate
+    is known."""
+    now = [1000.0]
+    lock = threading.Lock()
+    shared = {"calls": 0, "now": 0, "peak": 0}
+    window = InflightWindow(
+        WindowConfig(
+            server_name="fake",
+            inflight=4,
+            lease_s=60,
+            heartbeat_s=3600,
+            max_attempts=3,
+            retry_backoff_s=0.01,
+            retry_backoff_max_s=0.05,
+            unavailable_wait_s=0.05,
+            backlog=8,
+            backlog_s=0.1,
+        ),
+        db=sqlite_engine,
+        owner="owner-1",
+        client_factory=lambda: FakeClient(lambda ids, call: 0.0, shared, lock),
+        sampling_for_run=lambda run_id: SamplingParams(seed=1),
+        on_released=lambda ids, wait_s: None,
+        clock=lambda: now[0],
+    )
+    started.append(window)
+    assert window.capacity() == 12  # no completions yet: the full backlog
+    window.start()
+    with sqlite_engine.begin() as conn:
+        ledger.insert_items(
+            conn, run.id, [ledger.NewItem(f"k{i}", 0, i, None, [1, i]) for i in range(12)]
+        )
+        ids = ledger.pending_ids(conn, run.id)
+        claimed = ledger.claim_items(conn, ids, owner=window.owner, server="fake", lease_s=60)
+    window.submit(claimed)
+    wait_idle(window)
+    now[0] = 1000.5  # 12 finished in the last 0.5 s: 24/s, 2.4 items in 0.1 s
+    assert window.capacity() == 4 + 3
+    now[0] = 1010.0  # 1.2/s: one waiting item is enough
+    assert window.capacity() == 4 + 1
+    assert window.reserve(10, timeout_s=0.0) == 5
+    window.unreserve(5)
+    now[0] = 1031.0  # nothing finished for 30 s: the rate is unknown again
+    assert window.capacity() == 12
