@@ -75,7 +75,11 @@ def test_turns_all_survive_a_killed_worker(
     config.write_text(config.read_text().replace(*KEEP_REASONING))
     prompts = tmp_path / "conversations.jsonl"
     prompts.write_text("".join(json.dumps(line) + "\n" for line in LINES))
-    env = service_env(pg_url, redis_url, tmp_path, TOKENMILL_LEASE_S="5")
+    # the killed worker's leases expire after 5 s, and the ids in messages it held unacked
+    # (received, not yet claimed) are republished by reconcile after 3 s instead of 120
+    env = service_env(
+        pg_url, redis_url, tmp_path, TOKENMILL_LEASE_S="5", TOKENMILL_RECONCILE_GRACE_S="3"
+    )
     enqueue = tokenmill(
         [
             "enqueue",
