@@ -15,7 +15,7 @@ from rich.table import Table
 from app import ledger, registry
 from app.errors import ConfigurationError
 from app.settings import get_settings
-from ops.options import console, handle_errors, open_db, print_json
+from ops.options import console, handle_errors, open_db, print_json, print_table
 from ops.restart import RestartProgress, parse_command, restart_server
 from workers.control import CeleryControl, pause_server, resume_server
 
@@ -56,7 +56,7 @@ def servers_group(ctx: click.Context, as_json: bool) -> None:
             _ago(s.last_probe_at),
             (s.last_error or "")[:60],
         )
-    console.print(table)
+    print_table(table)
 
 
 @servers_group.command("add")

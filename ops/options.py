@@ -18,6 +18,7 @@ from kombu.exceptions import OperationalError as BrokerError
 from pydantic import ValidationError
 from rich.console import Console
 from rich.markup import escape
+from rich.table import Table
 from sqlalchemy import Engine, make_url
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
@@ -30,7 +31,19 @@ from app.settings import Settings, get_settings, redact_url
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+# messages and progress go to stderr; a command's own output (tables, JSON) to stdout
 console = Console(stderr=True, highlight=False)
+out = Console(highlight=False)
+
+
+def print_table(table: Table) -> None:
+    """A table on stdout, whole: rich drops columns that do not fit the terminal, so a table
+    whose columns' minimum widths add up to more is printed wider instead."""
+    needed = sum((column.min_width or 0) + 2 for column in table.columns)
+    if needed <= out.width:
+        out.print(table)
+    else:  # Console.print never renders wider than the console it is called on
+        Console(highlight=False, width=needed, force_terminal=out.is_terminal).print(table)
 
 
 LOG_FORMATS = ("text", "json")

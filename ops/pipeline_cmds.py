@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import click
+from rich import box
 from rich.live import Live
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -30,6 +31,7 @@ from ops.options import (
     handle_errors,
     open_db,
     print_json,
+    print_table,
     sampling_options,
 )
 from ops.storage_cmds import export_to_storage
@@ -262,37 +264,37 @@ def status_cmd(run_name: str | None, as_json: bool, watch: bool, interval_s: flo
     if as_json:
         print_json(counts[0].to_json() if run_name else [c.to_json() for c in counts])
         return
-    table = Table(
-        "run",
-        "total",
-        "waiting",
-        "pending",
-        "queued",
-        "leased",
-        "done",
-        "failed",
-        "truncated",
-        "output tokens",
-    )
-    for c in counts:
-        table.add_row(
-            escape(c.run),
-            *(
-                str(v)
-                for v in (
-                    c.total,
-                    c.waiting,
-                    c.pending,
-                    c.queued,
-                    c.leased,
-                    c.done,
-                    c.failed,
-                    c.truncated,
-                    c.output_tokens,
-                )
-            ),
-        )
-    console.print(table)
+    # the waiting column (later turns of `--turns all` runs) only when some run has any
+    fields = [
+        (name, attr)
+        for name, attr in STATUS_COLUMNS
+        if attr != "waiting" or any(c.waiting for c in counts)
+    ]
+    rows = [[str(getattr(c, attr)) for _, attr in fields] for c in counts]
+    # names and numbers are never cut: each column is at least as wide as its longest value
+    # (headers wrap instead), and the light box leaves room for the columns in 80
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    table.add_column("run", no_wrap=True, min_width=max((len(c.run) for c in counts), default=3))
+    for i, (name, _) in enumerate(fields):
+        widest = max((len(r[i]) for r in rows), default=1)
+        # short headers keep their width; "out tokens" may wrap onto two lines
+        table.add_column(name, justify="right", min_width=max(widest, min(len(name), 6)))
+    for c, row in zip(counts, rows, strict=True):
+        table.add_row(escape(c.run), *row)
+    print_table(table)
+
+
+STATUS_COLUMNS = (
+    ("total", "total"),
+    ("wait", "waiting"),
+    ("pend", "pending"),
+    ("queued", "queued"),
+    ("leased", "leased"),
+    ("done", "done"),
+    ("failed", "failed"),
+    ("trunc", "truncated"),
+    ("out tokens", "output_tokens"),
+)
 
 
 @click.command("export")
