@@ -6,33 +6,16 @@ from __future__ import annotations
 from sqlalchemy import Engine, select
 
 from app import ledger
-from app.contracts import SamplingParams
 from app.ledger import items
-
-
-def make_run(db: Engine, name: str) -> ledger.RunInfo:
-    spec = ledger.RunSpec(
-        name=name,
-        tokenizer_path="/tok",
-        tokenizer_hash="a" * 64,
-        chat_template_hash="b" * 64,
-        chat_template_kwargs={},
-        sampling=SamplingParams(seed=1),
-        samples_per_prompt=1,
-        think_end_id=None,
-        eos_token_ids=[2],
-    )
-    with db.begin() as conn:
-        info, _ = ledger.get_or_create_run(conn, spec)
-    return info
-
+from tests.support.runs import make_run
 
 # text COPY escapes tabs, newlines and backslashes; JSON adds its own escapes on top
 AWKWARD = 'tab\there, newline\nthere, back\\slash, "quotes", \\N, ünï, \u2028, \x7f'
 
 
 def test_bulk_insert_counts_new_rows_exactly_and_keeps_order(db: Engine) -> None:
-    run = make_run(db, "copy")
+    with db.begin() as conn:
+        run = make_run(conn, "copy")
     first = [
         ledger.NewItem(f"key\t{i}\\", 0, i + 1, [{"role": "user", "content": AWKWARD}], [i, 7])
         for i in range(5)
