@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from sqlalchemy import Connection, Engine
 
@@ -127,8 +128,6 @@ class TokenizerCache:
 
     @staticmethod
     def _load(run: RunInfo) -> ChatTokenizer:
-        from pathlib import Path
-
         folder = Path(run.tokenizer_path)
         # hash the files before loading: the tokenizer's own code (trust_remote_code) only
         # runs if it is byte for byte what the run was enqueued with

@@ -1,5 +1,6 @@
 """`tokenmill restart` runs the registered command as an argument list, never through a shell:
-metacharacters and `{placeholders}` filled from the server's URL reach the program verbatim."""
+metacharacters, and `{placeholders}` filled from the server's name and URL, reach the program
+verbatim."""
 
 from __future__ import annotations
 
