@@ -432,6 +432,7 @@ def claim_items(
             lease_expires_at=now + timedelta(seconds=lease_s),
             server=server,
             started_at=now,
+            hedge_owner=None,
         )
         .returning(*_CLAIM_COLUMNS)
     )
@@ -462,6 +463,80 @@ def claim_next(
     return claim_items(conn, ids, owner=owner, server=server, lease_s=lease_s)
 
 
+def hedge_candidates(
+    conn: Connection, *, server: str, limit: int, skip_runs: Sequence[int] = ()
+) -> list[tuple[int, int]]:
+    """(item id, run id) of up to `limit` items worth a second copy on `server` ("hedging"):
+    leased to another server, not hedged yet, in runs with nothing left to claim (the end of
+    a run, when `server` would otherwise idle) and not in skip_runs (runs `server` may not
+    serve); the longest-running first."""
+    if limit <= 0:
+        return []
+    other = items.alias("other")
+    claimable_left = (
+        select(other.c.id)
+        .where(other.c.run_id == items.c.run_id, other.c.status.in_(CLAIMABLE))
+        .exists()
+    )
+    pick = (
+        select(items.c.id, items.c.run_id)
+        .where(
+            items.c.status == ItemStatus.LEASED.value,
+            items.c.lease_expires_at > utcnow(),
+            items.c.server != server,
+            items.c.hedge_owner.is_(None),
+            ~claimable_left,
+            *([items.c.run_id.not_in(list(skip_runs))] if skip_runs else []),
+        )
+        .order_by(items.c.started_at, items.c.id)
+        .limit(limit)
+    )
+    return [(int(r[0]), int(r[1])) for r in conn.execute(pick)]
+
+
+def mark_hedged(conn: Connection, ids: Sequence[int], *, owner: str) -> list[ClaimedItem]:
+    """Mark items as hedged by owner and return what a copy needs; the lease stays with its
+    holder and the first result written wins. Conditional, so of two hedgers racing for an
+    item one gets it; an item finished or released meanwhile is skipped."""
+    if not ids:
+        return []
+    stmt = (
+        update(items)
+        .where(
+            items.c.id.in_(list(ids)),
+            items.c.status == ItemStatus.LEASED.value,
+            items.c.hedge_owner.is_(None),
+        )
+        .values(hedge_owner=owner)
+        .returning(*_CLAIM_COLUMNS)
+    )
+    order = {item_id: i for i, item_id in enumerate(ids)}
+    hedged = [ClaimedItem(**row._mapping) for row in conn.execute(stmt)]
+    hedged.sort(key=lambda c: order[c.id])
+    return hedged
+
+
+def unmark_hedged(conn: Connection, ids: Sequence[int], *, owner: str) -> int:
+    """Take back owner's hedge marks (copies that were never sent), so others may hedge."""
+    if not ids:
+        return 0
+    stmt = (
+        update(items)
+        .where(items.c.id.in_(list(ids)), items.c.hedge_owner == owner)
+        .values(hedge_owner=None)
+    )
+    return conn.execute(stmt).rowcount
+
+
+def finished_among(conn: Connection, ids: Sequence[int]) -> set[int]:
+    """Which of these items are done or failed (so a copy still running is wasted)."""
+    if not ids:
+        return set()
+    final = (ItemStatus.DONE.value, ItemStatus.FAILED.value)
+    stmt = select(items.c.id).where(items.c.id.in_(list(ids)), items.c.status.in_(final))
+    return set(conn.execute(stmt).scalars())
+
+
 def extend_leases(conn: Connection, *, owner: str, lease_s: float) -> int:
     """Heartbeat: push out the expiry of every lease this owner holds."""
     stmt = (
@@ -477,6 +552,9 @@ class Done:
     item_id: int
     result: GenerateResult
     attempts_used: int = 1
+    # the server that produced the result, when it is not the one that claimed the item (a
+    # hedge); None keeps the claimer's
+    server: str | None = None
 
 
 @dataclass(frozen=True)
@@ -540,6 +618,9 @@ def record_outcomes(
                 completion_tokens=bindparam("b_completion"),
                 cached_tokens=bindparam("b_cached"),
                 latency_s=bindparam("b_latency"),
+                server=func.coalesce(
+                    bindparam("b_server", type_=items.c.server.type), items.c.server
+                ),
                 attempts=items.c.attempts + bindparam("b_attempts"),
                 error=None,
                 lease_owner=None,
@@ -562,6 +643,7 @@ def record_outcomes(
                     "b_cached": o.result.cached_tokens,
                     "b_latency": o.result.e2e_latency_s,
                     "b_attempts": o.attempts_used,
+                    "b_server": o.server,
                 }
                 for o in done
             ],

@@ -130,6 +130,9 @@ class Item(Base):
         DateTime(timezone=True), nullable=True
     )
     server: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    # the worker running a second copy of this leased item on another server (hedging the
+    # end of a run); cleared by the next claim. The first result written wins.
+    hedge_owner: Mapped[str | None] = mapped_column(String(200), nullable=True)
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
     output_ids: Mapped[list[int] | None] = mapped_column(TokenArray, nullable=True)
     finish_reason: Mapped[str | None] = mapped_column(String(16), nullable=True)

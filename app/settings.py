@@ -55,6 +55,10 @@ class Settings(BaseSettings):
     # claimed items waiting beyond the in-flight ones: at most this many seconds of the
     # server's recent completions (0: always max(batch size, inflight/4))
     backlog_s: float = Field(default=0.1, ge=0)
+    # at the end of a run, a worker with free slots runs a second copy of items still running
+    # on other servers (first result wins; the other copy is aborted); checked this often
+    hedge: bool = True
+    hedge_interval_s: float = Field(default=0.2, gt=0)
     drain_timeout_s: float = Field(default=30.0, ge=0)
 
     connect_timeout_s: float = Field(default=5.0, gt=0)

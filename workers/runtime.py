@@ -91,6 +91,7 @@ class WorkerRuntime:
                 unavailable_wait_s=settings.unavailable_wait_s,
                 backlog=backlog if backlog is not None else max(settings.batch_size, n // 4),
                 backlog_s=settings.backlog_s,
+                hedge_interval_s=settings.hedge_interval_s,
             ),
             db=db,
             owner=self.owner,
@@ -99,6 +100,10 @@ class WorkerRuntime:
             on_released=on_released,
             is_paused=self.paused,
             on_finished=self.turns.notify,
+            # without hedging the window still aborts its copies of items finished elsewhere
+            # (another worker's hedge won)
+            find_hedges=self.find_hedges if settings.hedge else None,
+            unmark_hedges=self.unmark_hedges,
         )
 
     def new_client(self) -> SGLangClient:
@@ -111,6 +116,27 @@ class WorkerRuntime:
     def stop(self) -> None:
         self.window.stop(self.settings.drain_timeout_s)
         self.turns.stop()
+
+    def find_hedges(self, limit: int) -> list[ledger.ClaimedItem]:
+        """Up to limit items running on other servers, in runs with nothing left to claim,
+        that this server may serve; marked as hedged by this worker."""
+        with self._lock:
+            refused = [run_id for run_id, ok in self._run_ok.items() if not ok]
+        with self.db.connect() as conn:
+            candidates = ledger.hedge_candidates(
+                conn, server=self.server_name, limit=limit, skip_runs=refused
+            )
+        # checked outside the transaction: a first use pins the run's fingerprint (a write)
+        ids = [item_id for item_id, run_id in candidates if self.run_matches_server(run_id)]
+        if not ids:
+            return []
+        with self.db.begin() as conn:
+            return ledger.mark_hedged(conn, ids, owner=self.owner)
+
+    def unmark_hedges(self, ids: list[int]) -> None:
+        """Hedges marked but never sent (the worker is stopping): others may take them."""
+        with self.db.begin() as conn:
+            ledger.unmark_hedged(conn, ids, owner=self.owner)
 
     # --- per-run configuration --------------------------------------------------------------
 

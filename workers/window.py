@@ -4,6 +4,12 @@ Claimed items wait in a small backlog; each of N slot threads (one single-connec
 each) takes the next item the moment its previous request finishes, so there are no batch
 barriers and heavy-tailed output lengths never idle the server. Outcomes go to one writer
 thread that commits them in small groups; a heartbeat keeps this worker's leases alive.
+
+Hedging (the end of a run): when slots are free and the run has nothing left to claim, the
+timer asks for items still running on other servers and sends a second copy of each to this
+server. The first result written wins (the ledger never writes a finished item again); the
+copy that lost is aborted on its server (`/abort_request`) once the ledger shows the item
+finished, and hedges give their slots back at once when real work arrives.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 
 from app import ledger
 from app.contracts import GenerateResult, SamplingParams
-from app.errors import PermanentError, RetryableError, ServerUnavailable
+from app.errors import GenerationError, PermanentError, RetryableError, ServerUnavailable
 from app.ledger import ClaimedItem, Done, Failed, Outcome, Released, RetryLater
 from app.sglang import ProbeResult
 
@@ -39,6 +45,8 @@ class GenerateClient(Protocol):
     ) -> GenerateResult: ...
 
     def health(self, path: str = ...) -> ProbeResult: ...
+
+    def abort(self, rid: str) -> bool: ...
 
     def close(self) -> None: ...
 
@@ -60,6 +68,9 @@ class WindowConfig:
     backlog_s: float = 0.0
     writer_batch: int = 256
     writer_linger_s: float = 0.005
+    # > 0: every this many seconds, abort copies of items that finished elsewhere and (given a
+    # hedge source) fill free slots with hedges
+    hedge_interval_s: float = 0.0
 
     def capacity(self) -> int:
         return self.inflight + max(self.backlog, 1)
@@ -76,6 +87,9 @@ class WindowStats:
     inflight: int = 0
     last_completion: float | None = None
     last_error: str | None = None
+    hedges: int = 0  # second copies sent of items leased to other servers
+    hedge_results: int = 0  # of those, answered (written only if no other result was first)
+    cancelled: int = 0  # copies aborted: finished on another server, or a hedge making room
 
 
 @dataclass(order=True)
@@ -91,6 +105,10 @@ class _Job:
     sampling: SamplingParams
     tries: int = 0  # attempts made under this lease
     abandoned: bool = False  # given back while its request was still out
+    hedge: bool = False  # a second copy of an item leased to another server
+    rid: str | None = None  # of the request in flight
+    cancelled: bool = False  # not worth an answer any more (aborted on its server)
+    sent_at: float = 0.0
 
 
 _STOP = object()
@@ -111,6 +129,8 @@ class InflightWindow:
         on_released: Callable[[list[int], float], None],
         is_paused: Callable[[], bool] = lambda: False,
         on_finished: Callable[[list[int]], None] = lambda ids: None,
+        find_hedges: Callable[[int], list[ClaimedItem]] | None = None,
+        unmark_hedges: Callable[[list[int]], None] = lambda ids: None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
@@ -123,11 +143,17 @@ class InflightWindow:
         # told the ids of results just committed (multi-turn chains start their next turn)
         self._on_finished = on_finished
         self._is_paused = is_paused
+        # up to n items leased elsewhere, marked as hedged by this window (hedge_interval_s)
+        self._find_hedges = find_hedges
+        self._unmark_hedges = unmark_hedges
         self._clock = clock
         self._backlog: queue.Queue[_Job | object] = queue.Queue()
         # (outcome, settles): settles=False for a late answer to an abandoned request
         self._outcomes: queue.Queue[tuple[Outcome, bool] | object] = queue.Queue()
         self._sending: dict[int, _Job] = {}
+        self._hedging: dict[int, _Job] = {}  # hedge jobs queued or in flight, by id(job)
+        self._to_abort: list[str] = []  # rids the timer asks the server to abort
+        self._control: GenerateClient | None = None  # the timer's client (aborts)
         self._delayed: list[_Delayed] = []
         self._seq = itertools.count()
         self._cond = threading.Condition()
@@ -165,9 +191,12 @@ class InflightWindow:
         up to drain_timeout_s, write every outcome, then release whatever is still leased."""
         if not self._started:
             return
-        self._stopping.set()
         with self._cond:
+            self._stopping.set()
+            # hedges are spare copies: abort them instead of waiting for them to finish
+            self._yield_hedges(len(self._hedging))
             self._cond.notify_all()
+        self._send_aborts()
         for _ in range(self.config.inflight):
             self._backlog.put(_STOP)
         deadline = self._clock() + drain_timeout_s
@@ -186,6 +215,8 @@ class InflightWindow:
                 self._on_released(leftover, 0.0)
         except Exception:
             log.exception("could not release leases at shutdown; they expire on their own")
+        if self._control is not None:
+            self._control.close()
         log.info("window stopped server=%s", self.config.server_name)
 
     # --- intake ---------------------------------------------------------------------------
@@ -226,6 +257,9 @@ class InflightWindow:
             while self._outstanding + n > self.config.inflight + self._backlog_limit():
                 if self._stopping.is_set():
                     return False
+                self._yield_hedges(
+                    self._outstanding + n - self.config.inflight - self._backlog_limit()
+                )
                 remaining = None if deadline is None else deadline - self._clock()
                 if remaining is not None and remaining <= 0:
                     return False
@@ -245,6 +279,7 @@ class InflightWindow:
                 room = self.config.inflight + backlog - self._outstanding
                 if room >= min(n, backlog) or self._clock() >= deadline:
                     break
+                self._yield_hedges(min(n, backlog) - room)
                 self._cond.wait(timeout=min(0.5, max(0.0, deadline - self._clock())))
             if self._stopping.is_set():
                 return 0
@@ -270,9 +305,14 @@ class InflightWindow:
         reserved=True: their room was taken by reserve() (exactly len(claimed) of it)."""
         if not claimed:
             return
-        if not reserved:
-            with self._cond:
+        with self._cond:
+            if not reserved:
                 self._outstanding += len(claimed)
+            # real work never waits behind a hedge: as many hedges as items would wait for a
+            # slot give theirs up (hedges already cancelled are on their way out)
+            waiting = self._outstanding - self.config.inflight
+            leaving = sum(1 for j in self._hedging.values() if j.cancelled)
+            self._yield_hedges(min(len(claimed), waiting - leaving))
         for item in claimed:
             self._backlog.put(_Job(item=item, sampling=self._sampling_for_run(item.run_id)))
 
@@ -318,6 +358,16 @@ class InflightWindow:
                 self._unwritten += 1
                 self._outcomes.put((Released(job.item.id, reason), True))
                 job.abandoned = True
+            # hedges on this server are dropped (the item stays with its holder)
+            hedges = [j for j in self._hedging.values() if j.rid is not None and not j.abandoned]
+            for job in hedges:
+                job.abandoned = job.cancelled = True
+                self._hedging.pop(id(job), None)
+                self._outstanding -= 1
+            self._yield_hedges(len(self._hedging))  # the queued ones
+            if hedges:
+                self._cond.notify_all()
+            jobs += hedges
         # the abandoned slots may stay blocked on a hung socket until the generate timeout:
         # fresh slots keep the window whole (they hold items back while the server is paused)
         for job in jobs:
@@ -333,6 +383,9 @@ class InflightWindow:
         return {"run_id": item.run_id, "item_id": item.id, "server": self.config.server_name}
 
     def _run_job(self, client: GenerateClient, job: _Job) -> None:
+        if job.hedge:
+            self._run_hedge(client, job)
+            return
         item = job.item
         name = self.config.server_name
         if self._stopping.is_set():
@@ -353,11 +406,17 @@ class InflightWindow:
         with self._cond:
             self.stats.sent += 1
             self.stats.inflight += 1
+            job.rid = rid
             self._sending[item.id] = job
         try:
-            result = client.generate(
-                item.prompt_ids, job.sampling.for_sample(item.sample_index), rid
-            )
+            try:
+                result: GenerateResult | None = client.generate(
+                    item.prompt_ids, job.sampling.for_sample(item.sample_index), rid
+                )
+            except GenerationError:
+                if not job.cancelled:
+                    raise
+                result = None  # aborted because a hedge on another server finished it first
         except PermanentError as exc:
             log.info(
                 "run %d item %d failed permanently on %s: %s",
@@ -449,16 +508,18 @@ class InflightWindow:
             )
             self._settle(Released(item.id, f"internal error: {exc!r}"), job)
         else:
-            log.info(
-                "run %d item %d done on %s: %d tokens, %s",
-                item.run_id,
-                item.id,
-                name,
-                result.completion_tokens,
-                result.finish_reason,
-                extra=self._ids(item),
-            )
-            self._settle(Done(item.id, result, attempts_used=1), job)
+            if result is None:
+                log.info(
+                    "run %d item %d: the copy on %s was aborted, another server finished it",
+                    item.run_id,
+                    item.id,
+                    name,
+                    extra=self._ids(item),
+                )
+                self._settle(Released(item.id, "finished on another server"), job)
+                return
+            self._log_done(item, result, "")
+            self._settle(Done(item.id, result, attempts_used=1, server=name), job)
             with self._cond:
                 self.stats.done += 1
                 self.stats.output_tokens += result.completion_tokens
@@ -467,6 +528,149 @@ class InflightWindow:
             with self._cond:
                 self.stats.inflight -= 1
                 self._sending.pop(item.id, None)
+
+    # --- hedges ---------------------------------------------------------------------------
+
+    def _run_hedge(self, client: GenerateClient, job: _Job) -> None:
+        """Send a second copy of an item leased to another server; write its result if it
+        comes (first wins), drop it silently otherwise: a hedge never spends an attempt and
+        never changes the item's lease."""
+        item = job.item
+        name = self.config.server_name
+        if job.cancelled or self._stopping.is_set() or self.unavailable() or self._is_paused():
+            self._drop_hedge(job)
+            return
+        rid = f"tm-{item.id}-hedge-{uuid.uuid4().hex[:8]}"
+        with self._cond:
+            job.rid = rid
+            job.sent_at = self._clock()
+            self.stats.hedges += 1
+            self.stats.inflight += 1
+        try:
+            result = client.generate(
+                item.prompt_ids, job.sampling.for_sample(item.sample_index), rid
+            )
+        except Exception as exc:
+            if isinstance(exc, ServerUnavailable):
+                self._unavailable_until = self._clock() + self.config.unavailable_wait_s
+            log.info(
+                "run %d item %d: hedge on %s ended without a result (%s)",
+                item.run_id,
+                item.id,
+                name,
+                "aborted" if job.cancelled else exc,
+                extra=self._ids(item),
+            )
+            if not job.abandoned:
+                self._drop_hedge(job)
+        else:
+            self._log_done(item, result, " (hedge)")
+            with self._cond:
+                self.stats.hedge_results += 1
+                self._hedging.pop(id(job), None)
+            self._settle(Done(item.id, result, attempts_used=1, server=name), job)
+        finally:
+            with self._cond:
+                self.stats.inflight -= 1
+
+    def _drop_hedge(self, job: _Job) -> None:
+        """A hedge ends without a result: give its room back, write nothing."""
+        with self._cond:
+            self._hedging.pop(id(job), None)
+            self._outstanding -= 1
+            self._cond.notify_all()
+
+    def _yield_hedges(self, n: int) -> None:
+        """Cancel up to n hedges to make room for real work (call with _cond held): queued
+        ones first, then the latest sent (the least progress lost). Their room comes back
+        when each settles."""
+        if n <= 0:
+            return
+        live = [j for j in self._hedging.values() if not j.cancelled]
+        live.sort(key=lambda j: (j.rid is not None, -j.sent_at))
+        for job in live[:n]:
+            job.cancelled = True
+            self.stats.cancelled += 1
+            if job.rid is not None:
+                self._to_abort.append(job.rid)
+
+    def _send_aborts(self) -> None:
+        with self._cond:
+            rids, self._to_abort = self._to_abort, []
+            if rids and self._control is None:
+                self._control = self._client_factory()
+            control = self._control
+        if control is None:
+            return
+        for rid in rids:
+            control.abort(rid)  # best effort; logs its own failures
+
+    def _hedge_round(self) -> None:
+        """Abort copies of items that finished elsewhere, then fill free slots with hedges."""
+        with self._cond:
+            jobs = [
+                j
+                for j in (*self._sending.values(), *self._hedging.values())
+                if j.rid is not None and not j.cancelled and not j.abandoned
+            ]
+        if jobs:
+            with self._db.connect() as conn:
+                final = ledger.finished_among(conn, [j.item.id for j in jobs])
+            with self._cond:
+                for job in jobs:
+                    if job.item.id in final and not job.cancelled and job.rid is not None:
+                        job.cancelled = True
+                        self.stats.cancelled += 1
+                        self._to_abort.append(job.rid)
+            self._send_aborts()
+        if self._find_hedges is None or self._stopping.is_set():
+            return
+        if self.unavailable() or self._is_paused() or not self._backlog.empty():
+            return
+        with self._cond:  # hold the free slots while asking, so a claim cannot take them too
+            free = self.config.inflight - self._outstanding
+            if free <= 0:
+                return
+            self._outstanding += free
+        try:
+            found = self._find_hedges(free)[:free]
+            jobs = [
+                _Job(item=c, sampling=self._sampling_for_run(c.run_id), hedge=True) for c in found
+            ]
+        except BaseException:
+            self.unreserve(free)
+            raise
+        with self._cond:
+            # stop() cancels the hedges it sees and then queues the slots' stop marks: under
+            # the lock, these jobs are either seen by it or queued ahead of the marks
+            stopping = self._stopping.is_set()
+            self._outstanding -= free if stopping else free - len(jobs)
+            if not stopping:
+                for job in jobs:
+                    self._hedging[id(job)] = job
+                    self._backlog.put(job)
+            self._cond.notify_all()
+        if stopping:  # never sent: let others hedge them
+            self._unmark_hedges([c.id for c in found])
+            return
+        if jobs:
+            log.info(
+                "%s has free slots and nothing to claim: hedging %d items running elsewhere",
+                self.config.server_name,
+                len(found),
+            )
+
+    def _log_done(self, item: ClaimedItem, result: GenerateResult, how: str) -> None:
+        log.info(
+            "run %d item %d done on %s%s: %d tokens, %s",
+            item.run_id,
+            item.id,
+            self.config.server_name,
+            how,
+            result.completion_tokens,
+            result.finish_reason,
+            extra=self._ids(item),
+        )
 
     def _server_gone(self, client: GenerateClient) -> bool:
         """After a reset or disconnect: is the server itself gone (refused, loading)?"""
@@ -486,6 +690,7 @@ class InflightWindow:
 
     def _timer_loop(self) -> None:
         next_beat = self._clock() + self.config.heartbeat_s
+        next_hedge = self._clock()
         while not self._stopping.is_set():
             now = self._clock()
             due: list[_Job] = []
@@ -494,6 +699,13 @@ class InflightWindow:
                     due.append(heapq.heappop(self._delayed).job)
             for job in due:
                 self._backlog.put(job)
+            if self.config.hedge_interval_s > 0 and now >= next_hedge:
+                next_hedge = now + self.config.hedge_interval_s
+                try:
+                    self._hedge_round()
+                except Exception as exc:
+                    log.warning("hedge round failed (%s); trying again", exc)
+            self._send_aborts()
             if now >= next_beat:
                 next_beat = now + self.config.heartbeat_s
                 try:

@@ -52,18 +52,11 @@ class FakeClient:
             ok=self.server_up, status_code=200 if self.server_up else None, latency_s=0.0
         )
 
+    def abort(self, rid: str) -> bool:
+        return False  # nothing here is ever hedged or finished elsewhere
+
     def close(self) -> None:
         pass
-
-
-@pytest.fixture
-def run(sqlite_engine: Engine) -> ledger.RunInfo:
-    spec = ledger.RunSpec(
-        "r", "/t", "a" * 64, "b" * 64, {}, SamplingParams(seed=1), 1, None, [163586]
-    )
-    with sqlite_engine.begin() as conn:
-        info, _ = ledger.get_or_create_run(conn, spec)
-    return info
 
 
 def make_window(
