@@ -8,11 +8,15 @@ answer a ping, `tokenmill enqueue` publishes N chat prompts. From the ledger: it
 per server and their ratio (target about the speed ratio), each server's last finish, the gap
 between them and the median item time (target: gap at most one median item time). A sampler
 polls the ledger's leased items per server, to show what the slow server still held when the
-fast one ran dry.
+fast one ran dry; another polls each emulator's running requests, which gives the moment each
+server last worked on the run (a hedge that lost is aborted, so it ends then too). Hedging
+(on by default): items won by a second copy, copies aborted, and the tokens generated beyond
+the ones kept (what hedging costs in GPU time, spent while a server would otherwise idle).
 
     python bench/balance.py                        # 2,000 prompts, step 2 ms vs 4 ms
     python bench/balance.py --prompts 1000 --sigma 0.5
     python bench/balance.py --repeat 2
+    python bench/balance.py --modes current,no-hedge,claim-then-wait
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from common import (
     StatsSampler,
     bench_database,
     emulator,
+    emulator_stats,
     engine_for,
     enqueue_cli,
     flush_redis,
@@ -44,7 +49,14 @@ from common import (
 from sqlalchemy import func, select
 
 SERVERS = ("fast", "slow")
-MODES = ("current", "claim-then-wait")
+MODES = ("current", "no-hedge", "claim-then-wait")
+# extra worker settings of each mode
+MODE_ENV = {
+    "current": {},
+    "no-hedge": {"TOKENMILL_HEDGE": "false"},
+    # the handler before the hoarding fix, with the fixed backlog of that time, no hedging
+    "claim-then-wait": {"TOKENMILL_BACKLOG_S": "0", "TOKENMILL_HEDGE": "false"},
+}
 
 # `claim-then-wait` (for comparison, in the same run): the workers' message handler as it was
 # before this benchmark (claim every id of the message, then wait with them for room), put in
@@ -90,9 +102,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--repeat", type=int, default=1)
     p.add_argument(
         "--modes",
-        default=",".join(MODES),
-        help="message handlers to compare, each round: current (the project as it is) and "
-        "claim-then-wait (the handler before the fix, patched in)",
+        default="current,no-hedge",
+        help="what to compare, each round: current (the project as it is), no-hedge (the same "
+        "with TOKENMILL_HEDGE=false), claim-then-wait (the message handler before the hoarding "
+        "fix, patched in, no hedging)",
     )
     p.add_argument(
         "--env",
@@ -143,6 +156,7 @@ class LeaseSampler:
         self.db, self.run, self.interval_s = db, run, interval_s
         self.samples: list[tuple[float, dict[str, int]]] = []
         self.running: dict[str, StatsSampler] = {}  # each server's emulator, sampled
+        self.emulator_stats: dict[str, dict[str, Any]] = {}  # at the end of the round
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
@@ -187,6 +201,11 @@ class LeaseSampler:
             worst = max(worst, held.get(server, 0) - running)
         return worst
 
+    def last_busy(self, server: str) -> float | None:
+        """The last sample at which `server`'s emulator was running a request."""
+        busy = [s[0] for s in self.running[server].samples if s[1] > 0]
+        return busy[-1] if busy else None
+
     def held_at(self, when: float) -> dict[str, int]:
         before = [s for s in self.samples if s[0] <= when]
         return before[-1][1] if before else {}
@@ -221,7 +240,7 @@ def one_round(
                     site.mkdir(exist_ok=True)
                     (site / "sitecustomize.py").write_text(CLAIM_THEN_WAIT)
                     env["PYTHONPATH"] = str(site)
-                    env["TOKENMILL_BACKLOG_S"] = "0"  # the fixed backlog it had
+                env.update(MODE_ENV[mode])
                 workers[name] = start_worker(env, f"{run}-{name}", tmp / f"{run}-{name}.log")
             wait_workers(base, [f"{run}-{n}" for n in SERVERS])
             with (
@@ -237,6 +256,11 @@ def one_round(
                     timeout_s=args.timeout,
                     alive=lambda: all(w.poll() is None for w in workers.values()),
                 )
+                time.sleep(1.0)  # copies that lost are aborted within a hedge interval
+            sampler.emulator_stats = {
+                "fast": emulator_stats(fast.url),
+                "slow": emulator_stats(slow.url),
+            }
         finally:
             for w in workers.values():
                 stop_process(w)
@@ -244,9 +268,14 @@ def one_round(
     with db.connect() as conn:
         run_id = ledger.get_run(conn, run).id
         rows = conn.execute(
-            select(t.c.server, t.c.started_at, t.c.finished_at, t.c.latency_s).where(
-                t.c.run_id == run_id, t.c.status == "done"
-            )
+            select(
+                t.c.server,
+                t.c.started_at,
+                t.c.finished_at,
+                t.c.latency_s,
+                t.c.hedge_owner,
+                t.c.completion_tokens,
+            ).where(t.c.run_id == run_id, t.c.status == "done")
         ).all()
     db.dispose()
     return counts, rows, sampler
@@ -296,6 +325,28 @@ def report(args: argparse.Namespace, counts: Any, rows: Any, sampler: LeaseSampl
         f"({'meets' if gap <= median else 'MISSES'} the 'within one median item' target); "
         f"when {earlier} finished its last item, {later} still held "
         f"{held.get(later, 0)} leased items; done {counts.done}, failed {counts.failed}"
+    )
+    busy = {n: sampler.last_busy(n) for n in SERVERS}
+    if all(b is not None for b in busy.values()):
+        last = {n: float(busy[n] or 0.0) - t0 for n in SERVERS}
+        busy_gap = abs(last["fast"] - last["slow"])
+        print(
+            "last moment each server ran a request (emulator samples, 0.1 s): "
+            + ", ".join(f"{n} {last[n]:.2f} s" for n in SERVERS)
+            + f"; {busy_gap:.2f} s apart = {busy_gap / median:.2f} median item times"
+        )
+    hedged = [r for r in rows if r.hedge_owner is not None]
+    # the owner id names the worker's server: host:pid:server:random
+    won = [r for r in hedged if f":{r.server}:" in r.hedge_owner]
+    kept = sum(r.completion_tokens or 0 for r in rows)
+    made = sum(int(s.get("generated_tokens", 0)) for s in sampler.emulator_stats.values())
+    aborted = {n: int(s.get("aborted", 0)) for n, s in sampler.emulator_stats.items()}
+    print(
+        f"hedging: {len(hedged)} items got a second copy, {len(won)} were won by it; "
+        f"requests aborted on the emulators: "
+        + ", ".join(f"{n} {aborted.get(n, 0)}" for n in SERVERS)
+        + f"; tokens generated {made:,}, kept {kept:,} "
+        f"(+{(made - kept) / max(1, kept):.1%} spent on copies that lost)"
     )
 
 
