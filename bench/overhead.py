@@ -18,6 +18,7 @@ the worker (or the bare client), the Postgres backends of the benchmark database
 
     python bench/overhead.py                           # 20,000 items a config, ~4 minutes
     python bench/overhead.py --items 5000 --configs 64:8,16:32
+    python bench/overhead.py --configs 64:32,64:32@TOKENMILL_HEDGE=false   # with a setting
     python bench/overhead.py --profile /tmp/oh         # py-spy profile of every worker
 """
 
@@ -83,7 +84,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--configs",
         default=DEFAULT_CONFIGS,
-        help="comma-separated INFLIGHT:BATCH_SIZE[:WORKER_THREADS] tokenmill configs",
+        help="comma-separated INFLIGHT:BATCH_SIZE[:WORKER_THREADS][@NAME=VALUE...] tokenmill "
+        "configs; each @NAME=VALUE is one more worker setting",
     )
     p.add_argument("--bare-window", type=int, default=64, help="window of the bare client")
     p.add_argument(
@@ -111,13 +113,20 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def parse_configs(text: str) -> list[tuple[int, int, int | None]]:
+Config = tuple[int, int, int | None, dict[str, str]]
+
+
+def parse_configs(text: str) -> list[Config]:
     configs = []
     for part in text.split(","):
-        values = [int(v) for v in part.strip().split(":")]
-        if len(values) not in (2, 3):
-            raise SystemExit(f"bad config {part!r}: want INFLIGHT:BATCH_SIZE[:THREADS]")
-        configs.append((values[0], values[1], values[2] if len(values) == 3 else None))
+        sizes, *extra = part.strip().split("@")
+        values = [int(v) for v in sizes.split(":")]
+        if len(values) not in (2, 3) or not all("=" in kv for kv in extra):
+            raise SystemExit(
+                f"bad config {part!r}: want INFLIGHT:BATCH_SIZE[:THREADS][@NAME=VALUE...]"
+            )
+        settings = dict(kv.split("=", 1) for kv in extra)
+        configs.append((values[0], values[1], values[2] if len(values) == 3 else None, settings))
     return configs
 
 
@@ -213,9 +222,9 @@ def run_tokenmill(
     data_dir: Path,
     emu: Any,
     run: str,
-    config: tuple[int, int, int | None],
+    config: Config,
 ) -> dict[str, Any]:
-    inflight, batch, threads = config
+    inflight, batch, threads, extra = config
     settings = {
         "TOKENMILL_SGLANG_URL": emu.url,
         "TOKENMILL_INFLIGHT": str(inflight),
@@ -223,6 +232,7 @@ def run_tokenmill(
     }
     if threads:
         settings["TOKENMILL_WORKER_THREADS"] = str(threads)
+    settings.update(extra)
     env = service_env(pg_url, REDIS_URL, data_dir, **settings)
     db = engine_for(pg_url)
     log = data_dir / f"{run}.log"
@@ -255,6 +265,7 @@ def run_tokenmill(
         print(f"  !! {run}: {counts.to_json()}; see {log}")
     span_s = (last - first).total_seconds()
     label = f"tokenmill {inflight}:{batch}" + (f":{threads}" if threads else "")
+    label += "".join(f" {k}={v}" for k, v in extra.items())
     result = {
         "label": label,
         "items": counts.done,
