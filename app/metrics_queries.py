@@ -43,6 +43,7 @@ class ItemGroup:
     finish_reason: str | None
     items: int
     completion_tokens: int
+    hedged: int = 0  # of those items, how many got a second copy (hedging at the end of a run)
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,7 @@ def item_groups(conn: Connection) -> list[ItemGroup]:
             items.c.finish_reason,
             func.count(),
             func.coalesce(func.sum(items.c.completion_tokens), 0),
+            func.count(items.c.hedge_owner),
         )
         .select_from(items.join(runs, items.c.run_id == runs.c.id))
         .group_by(runs.c.name, items.c.server, items.c.status, items.c.finish_reason)
@@ -93,8 +95,9 @@ def item_groups(conn: Connection) -> list[ItemGroup]:
             finish_reason=finish_reason,
             items=int(count),
             completion_tokens=int(tokens),
+            hedged=int(hedged),
         )
-        for run, server, status, finish_reason, count, tokens in conn.execute(stmt)
+        for run, server, status, finish_reason, count, tokens, hedged in conn.execute(stmt)
     ]
 
 

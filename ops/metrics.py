@@ -82,11 +82,20 @@ def ledger_families(snapshot: LedgerSnapshot) -> list[Metric]:
     run_items: dict[str, dict[str, int]] = {
         run: dict.fromkeys((s.value for s in ItemStatus), 0) for run in snapshot.run_names
     }
+    run_hedged: dict[str, dict[str, int]] = {
+        run: dict.fromkeys(
+            (ItemStatus.LEASED.value, ItemStatus.DONE.value, ItemStatus.FAILED.value), 0
+        )
+        for run in snapshot.run_names
+    }
     run_tokens: dict[str, int] = dict.fromkeys(snapshot.run_names, 0)
     for g in snapshot.groups:
         server = g.server or NO_SERVER
         by_status = run_items.setdefault(g.run, {})
         by_status[g.status] = by_status.get(g.status, 0) + g.items
+        if g.hedged:
+            hedged = run_hedged.setdefault(g.run, {})
+            hedged[g.status] = hedged.get(g.status, 0) + g.hedged
         if g.status == ItemStatus.DONE.value:
             tokens[server] = tokens.get(server, 0) + g.completion_tokens
             run_tokens[g.run] = run_tokens.get(g.run, 0) + g.completion_tokens
@@ -126,6 +135,15 @@ def ledger_families(snapshot: LedgerSnapshot) -> list[Metric]:
     for run, by_status in run_items.items():
         for status, n in sorted(by_status.items()):
             items.add_metric([run, status], n)
+    hedged_items = GaugeMetricFamily(
+        PREFIX + "run_hedged_items",
+        "Items of a run that got a second copy on an idle server at the end of the run "
+        "(hedging), by status; items.server names the server whose result was kept.",
+        labels=["run", "status"],
+    )
+    for run, by_status in run_hedged.items():
+        for status, n in sorted(by_status.items()):
+            hedged_items.add_metric([run, status], n)
     per_run = CounterMetricFamily(
         PREFIX + "run_generated_tokens", "Output tokens of a run's finished items.", labels=["run"]
     )
@@ -138,6 +156,7 @@ def ledger_families(snapshot: LedgerSnapshot) -> list[Metric]:
         flight,
         *server_families(snapshot),
         items,
+        hedged_items,
         per_run,
     ]
 

@@ -168,6 +168,8 @@ def build_fleet(engine: Engine) -> Engine:
         [done(r1[0], 10, 0.4), done(r1[1], 20, 3.0, "length"), Failed(r1[2], "HTTP 400")],
     )
     finish(engine, "gpu-b", r1[3:5], [done(r1[3], 7, 45.0)])  # r1[4] stays leased
+    with engine.begin() as conn:  # and gpu-a runs a second copy of it
+        assert [c.id for c in ledger.mark_hedged(conn, [r1[4]], owner="worker-gpu-a")] == [r1[4]]
     finish(engine, "gpu-a", r2[:1], [done(r2[0], 5, 700.0)])
     finish(engine, "gpu-b", r2[1:2], [])  # leased; r1[5] queued, r2[2:] pending
     return engine
@@ -233,6 +235,12 @@ def test_scrape_reports_exact_ledger_figures(db: Engine) -> None:
         "done": 1,
         "failed": 0,
     }
+    hedged = {
+        (run, s): value(m, "tokenmill_run_hedged_items", run=run, status=s)
+        for run in ("r1", "r2")
+        for s in ("leased", "done", "failed")
+    }
+    assert hedged == {(run, s): 1 if (run, s) == ("r1", "leased") else 0 for run, s in hedged}
     assert value(m, "tokenmill_run_generated_tokens_total", run="r1") == 37
     assert value(m, "tokenmill_run_generated_tokens_total", run="r2") == 5
 
