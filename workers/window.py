@@ -152,8 +152,9 @@ class InflightWindow:
         self._outcomes: queue.Queue[tuple[Outcome, bool] | object] = queue.Queue()
         self._sending: dict[int, _Job] = {}
         self._hedging: dict[int, _Job] = {}  # hedge jobs queued or in flight, by id(job)
-        self._to_abort: list[str] = []  # rids the timer asks the server to abort
-        self._control: GenerateClient | None = None  # the timer's client (aborts)
+        # rids of copies not worth an answer, for the abort thread to send (a hung server
+        # can keep an abort waiting for its timeout: never on the timer's heartbeat path)
+        self._aborts: queue.Queue[str | object] = queue.Queue()
         self._delayed: list[_Delayed] = []
         self._seq = itertools.count()
         self._cond = threading.Condition()
@@ -177,6 +178,8 @@ class InflightWindow:
             self._spawn(self._slot_loop, f"tm-slot-{name}-{i}")
         self._spawn(self._writer_loop, f"tm-writer-{name}")
         self._spawn(self._timer_loop, f"tm-timer-{name}")
+        if self.config.hedge_interval_s > 0:
+            self._spawn(self._abort_loop, f"tm-abort-{name}")
         log.info(
             "window started server=%s inflight=%d owner=%s", name, self.config.inflight, self.owner
         )
@@ -196,7 +199,6 @@ class InflightWindow:
             # hedges are spare copies: abort them instead of waiting for them to finish
             self._yield_hedges(len(self._hedging))
             self._cond.notify_all()
-        self._send_aborts()
         for _ in range(self.config.inflight):
             self._backlog.put(_STOP)
         deadline = self._clock() + drain_timeout_s
@@ -215,8 +217,10 @@ class InflightWindow:
                 self._on_released(leftover, 0.0)
         except Exception:
             log.exception("could not release leases at shutdown; they expire on their own")
-        if self._control is not None:
-            self._control.close()
+        self._aborts.put(_STOP)
+        for thread in self._threads:
+            if thread.name.startswith("tm-abort"):
+                thread.join(timeout=5.0)  # the hedges' aborts go out before the process ends
         log.info("window stopped server=%s", self.config.server_name)
 
     # --- intake ---------------------------------------------------------------------------
@@ -592,18 +596,22 @@ class InflightWindow:
             job.cancelled = True
             self.stats.cancelled += 1
             if job.rid is not None:
-                self._to_abort.append(job.rid)
+                self._aborts.put(job.rid)
 
-    def _send_aborts(self) -> None:
-        with self._cond:
-            rids, self._to_abort = self._to_abort, []
-            if rids and self._control is None:
-                self._control = self._client_factory()
-            control = self._control
-        if control is None:
-            return
-        for rid in rids:
-            control.abort(rid)  # best effort; logs its own failures
+    def _abort_loop(self) -> None:
+        client: GenerateClient | None = None
+        try:
+            while True:
+                rid = self._aborts.get()
+                if rid is _STOP:
+                    return
+                assert isinstance(rid, str)
+                if client is None:
+                    client = self._client_factory()
+                client.abort(rid)  # best effort; logs its own failures
+        finally:
+            if client is not None:
+                client.close()
 
     def _hedge_round(self) -> None:
         """Abort copies of items that finished elsewhere, then fill free slots with hedges."""
@@ -621,8 +629,7 @@ class InflightWindow:
                     if job.item.id in final and not job.cancelled and job.rid is not None:
                         job.cancelled = True
                         self.stats.cancelled += 1
-                        self._to_abort.append(job.rid)
-            self._send_aborts()
+                        self._aborts.put(job.rid)
         if self._find_hedges is None or self._stopping.is_set():
             return
         if self.unavailable() or self._is_paused() or not self._backlog.empty():
@@ -705,7 +712,6 @@ class InflightWindow:
                     self._hedge_round()
                 except Exception as exc:
                     log.warning("hedge round failed (%s); trying again", exc)
-            self._send_aborts()
             if now >= next_beat:
                 next_beat = now + self.config.heartbeat_s
                 try:

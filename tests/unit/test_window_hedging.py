@@ -31,6 +31,8 @@ class Server:
         self.calls: dict[int, int] = {}  # by the prompt's last id (the item's index)
         self.sent: dict[int, list[str]] = {}  # rids by the prompt's last id
         self.aborted: list[str] = []
+        self.hung = threading.Event()  # set: aborts hang (a wedged server) until released
+        self.release = threading.Event()
         self._abort: dict[str, threading.Event] = {}
 
     def event(self, rid: str) -> threading.Event:
@@ -59,6 +61,8 @@ class AbortableClient:
         return GenerateResult(rid, out, "stop", 163586, len(input_ids), len(out), 0, 0.01)
 
     def abort(self, rid: str) -> bool:
+        if self.server.hung.is_set():
+            self.server.release.wait(30.0)
         with self.server.lock:
             self.server.aborted.append(rid)
         self.server.event(rid).set()
@@ -229,21 +233,32 @@ def test_a_failed_hedge_changes_nothing_and_is_not_repeated(
     assert server.calls == {0: 1} and fast.stats.hedges == 1
 
 
+def holding_two(
+    db: Engine, run: ledger.RunInfo, windows: list[InflightWindow]
+) -> tuple[list[int], Server, InflightWindow]:
+    """A window of server "slow" (no hedging) with two items of its own running until aborted."""
+    ids = add_items(db, run, 2)
+    server = Server(lambda prompt: BLOCK)
+    slow = make_window(db, windows, server, name="slow", hedge=False)
+    slow.submit(lease_to(db, ids, slow.owner, "slow"))
+    wait_for(lambda: len(server.sent) == 2, "both requests to be sent")
+    return ids, server, slow
+
+
+def finish_elsewhere(db: Engine, item_id: int) -> None:
+    """Server "fast"'s copy of the item is written first."""
+    won = GenerateResult("h", [5, 163586], "stop", 163586, 2, 2, 0, 0.1)
+    with db.begin() as conn:
+        ledger.record_outcomes(
+            conn, [ledger.Done(item_id, won, server="fast")], owner="owner-fast", lease_s=60
+        )
+
+
 def test_a_copy_is_aborted_when_its_item_finishes_elsewhere(
     sqlite_engine: Engine, run: ledger.RunInfo, windows: list[InflightWindow]
 ) -> None:
-    ids = add_items(sqlite_engine, run, 2)
-    server = Server(lambda prompt: BLOCK)
-    slow = make_window(sqlite_engine, windows, server, name="slow", hedge=False)
-    slow.submit(lease_to(sqlite_engine, ids, slow.owner, "slow"))
-    wait_for(lambda: len(server.sent) == 2, "both requests to be sent")
-
-    # another server's copy of the first item is written first
-    won = GenerateResult("h", [5, 163586], "stop", 163586, 2, 2, 0, 0.1)
-    with sqlite_engine.begin() as conn:
-        ledger.record_outcomes(
-            conn, [ledger.Done(ids[0], won, server="fast")], owner="owner-fast", lease_s=60
-        )
+    ids, server, slow = holding_two(sqlite_engine, run, windows)
+    finish_elsewhere(sqlite_engine, ids[0])
     wait_for(lambda: slow.outstanding == 1, "the copy that lost to settle")
     assert server.aborted == server.sent[0]
     assert server.calls == {0: 1, 1: 1}  # aborted, not retried
@@ -256,6 +271,24 @@ def test_a_copy_is_aborted_when_its_item_finishes_elsewhere(
         1,
     )
     assert (second.status, second.lease_owner) == ("leased", slow.owner)
+
+
+def test_a_hanging_abort_does_not_hold_up_the_timer(
+    sqlite_engine: Engine, run: ledger.RunInfo, windows: list[InflightWindow]
+) -> None:
+    ids, server, slow = holding_two(sqlite_engine, run, windows)
+    server.hung.set()  # from now on an abort waits until released
+
+    for item_id in ids:  # finished elsewhere, one after the other
+        finish_elsewhere(sqlite_engine, item_id)
+        wait_for(
+            lambda: slow.stats.cancelled == ids.index(item_id) + 1,  # noqa: B023
+            "the timer to notice, while the first abort hangs",
+        )
+    assert server.aborted == []
+    server.release.set()
+    wait_for(lambda: slow.outstanding == 0, "both copies to settle once aborts go through")
+    assert sorted(server.aborted) == sorted(server.sent[0] + server.sent[1])
 
 
 def test_hedges_give_their_slots_to_real_work(
