@@ -109,10 +109,12 @@ class _Job:
     rid: str | None = None  # of the request in flight
     cancelled: bool = False  # not worth an answer any more (aborted on its server)
     sent_at: float = 0.0
+    cancelled_at: float = 0.0
 
 
 _STOP = object()
 RATE_WINDOW_S = 30.0  # completions this far back set the server's rate (backlog_s)
+ABORT_AGAIN_S = 1.0  # a cancelled copy still out after this long is aborted again
 
 
 class InflightWindow:
@@ -541,15 +543,21 @@ class InflightWindow:
         never changes the item's lease."""
         item = job.item
         name = self.config.server_name
-        if job.cancelled or self._stopping.is_set() or self.unavailable() or self._is_paused():
+        if self.unavailable() or self._is_paused():
             self._drop_hedge(job)
             return
         rid = f"tm-{item.id}-hedge-{uuid.uuid4().hex[:8]}"
         with self._cond:
-            job.rid = rid
-            job.sent_at = self._clock()
-            self.stats.hedges += 1
-            self.stats.inflight += 1
+            # under the lock: a hedge cancelled from now on has a rid, so its abort is sent
+            go = not (job.cancelled or self._stopping.is_set())
+            if go:
+                job.rid = rid
+                job.sent_at = self._clock()
+                self.stats.hedges += 1
+                self.stats.inflight += 1
+        if not go:
+            self._drop_hedge(job)
+            return
         try:
             result = client.generate(
                 item.prompt_ids, job.sampling.for_sample(item.sample_index), rid
@@ -593,10 +601,16 @@ class InflightWindow:
         live = [j for j in self._hedging.values() if not j.cancelled]
         live.sort(key=lambda j: (j.rid is not None, -j.sent_at))
         for job in live[:n]:
-            job.cancelled = True
-            self.stats.cancelled += 1
-            if job.rid is not None:
-                self._aborts.put(job.rid)
+            self._cancel(job)
+
+    def _cancel(self, job: _Job) -> None:
+        """Mark a copy not worth an answer and ask its server to abort it if it was sent
+        (call with _cond held)."""
+        job.cancelled = True
+        job.cancelled_at = self._clock()
+        self.stats.cancelled += 1
+        if job.rid is not None:
+            self._aborts.put(job.rid)
 
     def _abort_loop(self) -> None:
         client: GenerateClient | None = None
@@ -626,10 +640,16 @@ class InflightWindow:
                 final = ledger.finished_among(conn, [j.item.id for j in jobs])
             with self._cond:
                 for job in jobs:
-                    if job.item.id in final and not job.cancelled and job.rid is not None:
-                        job.cancelled = True
-                        self.stats.cancelled += 1
-                        self._aborts.put(job.rid)
+                    if job.item.id in final and not job.cancelled:
+                        self._cancel(job)
+        with self._cond:
+            # an abort that reached the server before its request did is lost: ask again
+            # for copies still out a while after they were cancelled
+            due = self._clock() - ABORT_AGAIN_S
+            for job in (*self._sending.values(), *self._hedging.values()):
+                if job.cancelled and job.rid is not None and job.cancelled_at < due:
+                    job.cancelled_at = self._clock()
+                    self._aborts.put(job.rid)
         if self._find_hedges is None or self._stopping.is_set():
             return
         if self.unavailable() or self._is_paused() or not self._backlog.empty():
@@ -641,7 +661,7 @@ class InflightWindow:
             self._outstanding += free
         try:
             found = self._find_hedges(free)[:free]
-            jobs = [
+            copies = [
                 _Job(item=c, sampling=self._sampling_for_run(c.run_id), hedge=True) for c in found
             ]
         except BaseException:
@@ -651,16 +671,16 @@ class InflightWindow:
             # stop() cancels the hedges it sees and then queues the slots' stop marks: under
             # the lock, these jobs are either seen by it or queued ahead of the marks
             stopping = self._stopping.is_set()
-            self._outstanding -= free if stopping else free - len(jobs)
+            self._outstanding -= free if stopping else free - len(copies)
             if not stopping:
-                for job in jobs:
+                for job in copies:
                     self._hedging[id(job)] = job
                     self._backlog.put(job)
             self._cond.notify_all()
         if stopping:  # never sent: let others hedge them
             self._unmark_hedges([c.id for c in found])
             return
-        if jobs:
+        if copies:
             log.info(
                 "%s has free slots and nothing to claim: hedging %d items running elsewhere",
                 self.config.server_name,

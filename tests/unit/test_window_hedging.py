@@ -32,6 +32,7 @@ class Server:
         self.sent: dict[int, list[str]] = {}  # rids by the prompt's last id
         self.aborted: list[str] = []
         self.hung = threading.Event()  # set: aborts hang (a wedged server) until released
+        self.lose_first_abort = False  # the first abort of each rid is lost (came too early)
         self.release = threading.Event()
         self._abort: dict[str, threading.Event] = {}
 
@@ -65,7 +66,9 @@ class AbortableClient:
             self.server.release.wait(30.0)
         with self.server.lock:
             self.server.aborted.append(rid)
-        self.server.event(rid).set()
+            lost = self.server.lose_first_abort and self.server.aborted.count(rid) == 1
+        if not lost:
+            self.server.event(rid).set()
         return True
 
     def health(self, path: str = "/health") -> ProbeResult:
@@ -311,6 +314,24 @@ def test_hedges_give_their_slots_to_real_work(
         ("leased", "owner-slow")
     }
     assert fast.stats.cancelled == 2 and fast.stats.hedge_results == 0
+
+
+def test_an_abort_that_is_lost_is_sent_again(
+    sqlite_engine: Engine, run: ledger.RunInfo, windows: list[InflightWindow]
+) -> None:
+    elsewhere = add_items(sqlite_engine, run, 1)
+    lease_to(sqlite_engine, elsewhere, "owner-slow", "slow")
+    server = Server(lambda prompt: BLOCK if prompt[-1] == 0 else 0.01)
+    server.lose_first_abort = True  # as when the abort reaches the server before the request
+    fast = make_window(sqlite_engine, windows, server, inflight=1)
+    wait_for(lambda: len(server.sent) == 1, "the hedge in flight")
+
+    mine = add_items(sqlite_engine, run, 1, start=1)
+    fast.submit(lease_to(sqlite_engine, mine, fast.owner, "fast"))
+    wait_for(lambda: rows(sqlite_engine, mine)[mine[0]].status == "done", "the real item")
+    hedge_rid = server.sent[0][0]
+    assert server.aborted[:2] == [hedge_rid, hedge_rid]
+    assert fast.stats.cancelled == 1
 
 
 def test_hedges_stay_while_free_slots_are_enough_for_the_work(
