@@ -55,6 +55,16 @@ def unfinished(db: Engine) -> str:
     return f"{len(left)} unfinished: " + "; ".join(str(tuple(r)) for r in rows[:10])
 
 
+def worker_for(env: dict[str, str], url: str, name: str, tmp: Path) -> subprocess.Popen[bytes]:
+    """A worker (node name w<last letter of name>, log in tmp) serving server `name` at url."""
+    label = "w" + name[-1]
+    return start_worker(
+        env | {"TOKENMILL_SGLANG_URL": url, "TOKENMILL_SERVER_NAME": name},
+        label,
+        tmp / f"{label}.log",
+    )
+
+
 def write_prompts(path: Path, n: int) -> Path:
     import json
 
@@ -144,24 +154,8 @@ def test_killed_server_comes_back_and_nothing_fails(
     steady = start_emulator(FLAGS)
     procs.append(victim)
     try:
-        procs.append(
-            start_worker(
-                env
-                | {
-                    "TOKENMILL_SGLANG_URL": f"http://127.0.0.1:{port}",
-                    "TOKENMILL_SERVER_NAME": "gpu-a",
-                },
-                "wa",
-                tmp / "wa.log",
-            )
-        )
-        procs.append(
-            start_worker(
-                env | {"TOKENMILL_SGLANG_URL": steady.url, "TOKENMILL_SERVER_NAME": "gpu-b"},
-                "wb",
-                tmp / "wb.log",
-            )
-        )
+        procs.append(worker_for(env, f"http://127.0.0.1:{port}", "gpu-a", tmp))
+        procs.append(worker_for(env, steady.url, "gpu-b", tmp))
         procs.append(start_celery("beat", env, tmp / "beat.log"))
         wait_for(
             "both servers healthy",
@@ -234,17 +228,7 @@ def test_restart_command_relaunches_and_changed_fingerprint_stays_paused(
         emulator_cmd(port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
     procs.append(first)
-    procs.append(
-        start_worker(
-            env
-            | {
-                "TOKENMILL_SGLANG_URL": f"http://127.0.0.1:{port}",
-                "TOKENMILL_SERVER_NAME": "gpu-a",
-            },
-            "wa",
-            tmp / "wa.log",
-        )
-    )
+    procs.append(worker_for(env, f"http://127.0.0.1:{port}", "gpu-a", tmp))
     procs.append(start_celery("beat", env, tmp / "beat.log"))
     wait_for("work under way", lambda: counts(pg_engine).done > 20, 60)
 
