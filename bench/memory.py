@@ -165,16 +165,30 @@ def build_id_run(db: Any, run: str, items: int, tokens: int, seed: int) -> int:
     )
     with db.begin() as conn:
         run_info, _ = ledger.get_or_create_run(conn, spec)
+    insert_random_items(db, run_info.id, items, tokens, rng, chat=False)
+    return int(run_info.id)
+
+
+def insert_random_items(
+    db: Any, run_id: int, items: int, tokens: int, rng: random.Random, *, chat: bool
+) -> None:
+    """`items` prompts of about `tokens` random ids each, inserted 5,000 at a time; with chat,
+    a short user message and a line number each (what an export writes out)."""
+    from app import ledger
+
     chunk: list[Any] = []
     for i in range(items):
         n = max(8, int(tokens * rng.uniform(0.75, 1.25)))
         ids = [rng.randrange(300, 1500) for _ in range(n)]
-        chunk.append(ledger.NewItem(f"m{i:07d}", 0, None, None, ids))
+        if chat:
+            messages = [{"role": "user", "content": f"question {i}: " + "word " * 40}]
+            chunk.append(ledger.NewItem(f"x{i:07d}", 0, i + 1, messages, ids))
+        else:
+            chunk.append(ledger.NewItem(f"m{i:07d}", 0, None, None, ids))
         if len(chunk) == 5000 or i == items - 1:
             with db.begin() as conn:
-                ledger.insert_items(conn, run_info.id, chunk)
+                ledger.insert_items(conn, run_id, chunk)
             chunk = []
-    return int(run_info.id)
 
 
 def publish_all(db: Any, run_id: int, batch: int) -> None:
@@ -307,16 +321,7 @@ def build_done_run(db: Any, run: str, items: int, tokens: int, seed: int) -> Non
     rng = random.Random(seed)
     with db.begin() as conn:
         run_info, _ = ledger.get_or_create_run(conn, spec)
-    chunk: list[Any] = []
-    for i in range(items):
-        n = max(8, int(tokens * rng.uniform(0.75, 1.25)))
-        ids = [rng.randrange(300, 1500) for _ in range(n)]
-        messages = [{"role": "user", "content": f"question {i}: " + "word " * 40}]
-        chunk.append(ledger.NewItem(f"x{i:07d}", 0, i + 1, messages, ids))
-        if len(chunk) == 5000 or i == items - 1:
-            with db.begin() as conn:
-                ledger.insert_items(conn, run_info.id, chunk)
-            chunk = []
+    insert_random_items(db, run_info.id, items, tokens, rng, chat=True)
     with db.begin() as conn:
         # the output: the prompt's ids reversed is as good as any (a few hundred tokens)
         conn.execute(
