@@ -69,6 +69,18 @@ def _option(flag: str, *names: str, **kwargs: Any) -> Callable[[F], F]:
     "'Authorization: Bearer KEY' (workers send TOKENMILL_SGLANG_API_KEY).",
 )
 @_option("--model-path", default=DEFAULT_MODEL_PATH, help="Model path reported by /model_info.")
+@_option(
+    "--tokenizer",
+    default=None,
+    callback=_text_or_none,
+    metavar="DIR|none",
+    help="Tokenizer folder (with its chat template) that /v1/tokenize and /v1/detokenize use.",
+)
+@_option(
+    "--trust-remote-code/--no-trust-remote-code",
+    default=False,
+    help="Let the --tokenizer folder run its own tokenizer code (custom-code tokenizers).",
+)
 @_option("--weight-version", default="default", help="weight_version reported everywhere.")
 @_option(
     "--reasoning-parser",

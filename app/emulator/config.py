@@ -36,6 +36,10 @@ class EmulatorConfig:
     vocab_size: int = 163840
     model_type: str = "kimi_k25"
     architectures: tuple[str, ...] = ("KimiK25ForConditionalGeneration",)
+    # the tokenizer folder /v1/tokenize and /v1/detokenize use (None: they answer 400);
+    # trust_remote_code lets it run the folder's own tokenizer code
+    tokenizer: str | None = None
+    trust_remote_code: bool = False
 
     # deterministic generation (see app.emulator.model)
     median_tokens: float = 256.0

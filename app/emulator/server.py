@@ -34,6 +34,8 @@ from app.emulator.protocol import (
 )
 from app.emulator.scheduler import Counters, Job, Scheduler, new_job
 from app.emulator.schema import SchemaViolation
+from app.emulator.tokenize import TokenizeAnswer, detokenize, error_body, tokenize
+from app.tokenization import ChatTokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -80,6 +82,7 @@ class EmulatorServer:
         self._bound_at = 0.0
         self._runner: web.AppRunner | None = None
         self._lifecycle: asyncio.Task[None] | None = None
+        self.tokenizer: ChatTokenizer | None = None
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -105,6 +108,10 @@ class EmulatorServer:
         for path in ("/server_info", "/get_server_info"):
             add("GET", path, self.server_info)
         add("GET", "/v1/models", self.models)
+        for path in ("/v1/tokenize", "/tokenize"):
+            add("POST", path, self.tokenize)
+        for path in ("/v1/detokenize", "/detokenize"):
+            add("POST", path, self.detokenize)
         add("POST", "/abort_request", self.abort_request)
         add("GET", "/flush_cache", self.flush_cache)
         add("POST", "/flush_cache", self.flush_cache)
@@ -127,6 +134,11 @@ class EmulatorServer:
 
     async def start(self) -> None:
         """Bind the port (the weights are "loaded"), then warm up for loading_s, then serve."""
+        if self.cfg.tokenizer is not None and self.tokenizer is None:
+            folder, remote = self.cfg.tokenizer, self.cfg.trust_remote_code
+            self.tokenizer = await asyncio.get_running_loop().run_in_executor(
+                None, lambda: load_tokenizer(folder, trust_remote_code=remote)
+            )
         self.scheduler.start()
         runner = web.AppRunner(
             self.build_app(), access_log=None, handle_signals=False, handler_cancellation=True
@@ -421,6 +433,40 @@ class EmulatorServer:
         return _empty(200 if ok else 503)
 
     # --- information --------------------------------------------------------------------
+
+    # --- /v1/tokenize, /v1/detokenize ---------------------------------------------------
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        return await self._tokenizer_route(request, tokenize_body=True)
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        return await self._tokenizer_route(request, tokenize_body=False)
+
+    async def _tokenizer_route(self, request: web.Request, *, tokenize_body: bool) -> web.Response:
+        if self.phase is Phase.DRAINING:
+            return _empty(503)
+        media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+        if media_type != "application/json":
+            message = (
+                "1 validation error:\n  {'loc': ('header', 'content-type'), 'msg': "
+                "\"Unsupported Media Type: Only 'application/json' is allowed\", "
+                "'type': 'value_error'}"
+            )
+            return _json(error_body(message, 400, "Bad Request"), 400)
+        try:
+            body = json.loads(await request.read())
+        except ValueError as exc:
+            return _json(error_body(f"JSON decode error: {exc}", 400, "Bad Request"), 400)
+        tokenizer, context = self.tokenizer, self.cfg.context_length
+
+        def answer() -> TokenizeAnswer:
+            if tokenize_body:
+                return tokenize(body, tokenizer, context)
+            return detokenize(body, tokenizer)
+
+        # rendering and encoding run off the event loop, as SGLang runs them
+        result = await asyncio.get_running_loop().run_in_executor(None, answer)
+        return _json(result.body, result.status)
 
     async def model_info(self, request: web.Request) -> web.Response:
         return _json(model_info(self.cfg))
