@@ -23,3 +23,7 @@ EVENT_FINGERPRINT_PINNED = "fingerprint_pinned"
 EVENT_FINGERPRINT_MISMATCH = "fingerprint_mismatch"
 # a later turn cannot be templated: the run's tokenizer changed or cannot be loaded
 EVENT_TURNS_BLOCKED = "turns_blocked"
+# an enqueue stopped before its end (its render server stayed down); a rerun completes it
+EVENT_ENQUEUE_STOPPED = "enqueue_stopped"
+# a server re-rendered a sample of a run's stored prompts (the parity preflight)
+EVENT_PARITY = "parity"

@@ -77,6 +77,9 @@ class RunSpec:
     # code allowed, so workers can template later turns the way enqueue did (not compared)
     turns: str = "last"
     trust_remote_code: bool = False
+    # `--render-with URL`: prompts built by that server's /v1/tokenize (pinned)
+    render_with: str | None = None
+    require_parity: bool = False
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,8 @@ class RunInfo:
     created_at: datetime
     turns: str = "last"
     trust_remote_code: bool = False
+    render_with: str | None = None
+    require_parity: bool = False
 
 
 # The run's turn mode rides in its pinned sampling_params JSON (no column of its own), under
@@ -122,6 +127,8 @@ def _run_info(row: Any) -> RunInfo:
         created_at=as_utc(row.created_at) or utcnow(),
         turns=turns,
         trust_remote_code=trust_remote_code,
+        render_with=row.render_with,
+        require_parity=bool(row.require_parity),
     )
 
 
@@ -152,6 +159,10 @@ def run_differences(existing: RunInfo, spec: RunSpec) -> list[str]:
         )
     if existing.turns != spec.turns:
         diffs.append(f"turns: {existing.turns} → {spec.turns}")
+    if existing.render_with != spec.render_with:
+        diffs.append(f"render with: {existing.render_with} → {spec.render_with}")
+    if existing.require_parity != spec.require_parity:
+        diffs.append(f"require parity: {existing.require_parity} → {spec.require_parity}")
     return diffs
 
 
@@ -198,6 +209,8 @@ def get_or_create_run(conn: Connection, spec: RunSpec) -> tuple[RunInfo, bool]:
             samples_per_prompt=spec.samples_per_prompt,
             think_end_id=spec.think_end_id,
             eos_token_ids=spec.eos_token_ids,
+            render_with=spec.render_with,
+            require_parity=spec.require_parity,
             created_at=utcnow(),
         )
     )

@@ -23,6 +23,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    false,
 )
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -91,6 +92,10 @@ class Run(Base):
     think_end_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
     eos_token_ids: Mapped[list[int]] = mapped_column(JSON, default=list)
     fingerprint: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    # `--render-with URL`: every prompt is built by that server's /v1/tokenize
+    render_with: Mapped[str | None] = mapped_column(Text, nullable=True)
+    # `--require-parity`: a server whose rendering differs from the stored prompts is paused
+    require_parity: Mapped[bool] = mapped_column(default=False, server_default=false())
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
 
 
@@ -167,6 +172,8 @@ class Server(Base):
     last_probe_latency_s: Mapped[float | None] = mapped_column(Float, nullable=True)
     last_error: Mapped[str | None] = mapped_column(Text, nullable=True)
     fingerprint: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    # the last parity check per run name: {"run": {"status", "checked", "mismatched", "at"}}
+    parity: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     restart_command: Mapped[list[str] | None] = mapped_column(JSON, nullable=True)
     workers: Mapped[list[str]] = mapped_column(JSON, default=list)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))

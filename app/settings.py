@@ -66,6 +66,14 @@ class Settings(BaseSettings):
     probe_timeout_s: float = Field(default=30.0, gt=0)
     info_timeout_s: float = Field(default=30.0, gt=0)
 
+    # `--render-with`: /v1/tokenize requests in flight, the read timeout of one, and how long
+    # an enqueue waits for a render server that is down before it stops (a rerun completes it)
+    render_window: int = Field(default=16, ge=1, le=1024)
+    render_timeout_s: float = Field(default=120.0, gt=0)
+    render_wait_s: float = Field(default=600.0, ge=0)
+    # prompts a server re-renders when it is first seen healthy for a run (the parity preflight)
+    parity_sample: int = Field(default=8, ge=0)
+
     lease_s: float = Field(default=300.0, gt=0)
     heartbeat_s: float = Field(default=30.0, gt=0)
     max_attempts: int = Field(default=5, ge=1)

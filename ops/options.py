@@ -218,6 +218,29 @@ def sampling_options(func: F) -> F:
     return func
 
 
+def render_options(func: F) -> F:
+    """--render-with URL and --require-parity (both pinned by the run)."""
+    decorators = [
+        click.option(
+            "--render-with",
+            default=None,
+            metavar="URL",
+            help="Build every prompt with this SGLang server's /v1/tokenize (its own chat "
+            "path) instead of the local chat template; pinned by the run, later turns too.",
+        ),
+        click.option(
+            "--require-parity",
+            is_flag=True,
+            default=False,
+            help="Keep a server paused when its rendering of the run's prompts differs from "
+            "the stored ones (checked when it is first seen healthy).",
+        ),
+    ]
+    for decorator in reversed(decorators):
+        func = decorator(func)
+    return func
+
+
 def build_sampling(kwargs: dict[str, Any]) -> SamplingParams:
     try:
         return SamplingParams(

@@ -21,6 +21,7 @@ from app.errors import ConfigurationError, InputError, TokenizerError
 from app.export import FORMATS, ExportFormat, export_run
 from app.inputs import parse_chat_template_kwargs
 from app.ledger import RunCounts
+from app.render import render_client
 from app.settings import get_settings
 from app.tokenization import ChatTokenizer, load_tokenizer
 from ops.dashboard import watch as watch_dashboard
@@ -32,6 +33,7 @@ from ops.options import (
     open_db,
     print_json,
     print_table,
+    render_options,
     sampling_options,
 )
 from ops.storage_cmds import export_to_storage
@@ -60,6 +62,8 @@ def _enqueue(
         prompt_field=opts.get("prompt_field"),
         turns=opts.get("turns", "last"),
         trust_remote_code=opts["trust_remote_code"],
+        render_with=_render_url(opts.get("render_with")),
+        require_parity=bool(opts.get("require_parity")),
     )
     publisher = None
     if publish:
@@ -93,14 +97,20 @@ def _enqueue(
         disable=not console.is_terminal,  # a bar in a log file is only noise
     ) as progress:
         task = progress.add_task("enqueue", total=total_bytes or None, lines=0)
-        report = enqueue(
-            db,
-            tokenizer,
-            options,
-            publish=publisher,
-            on_error=on_error,
-            on_progress=lambda n: progress.update(task, lines=n),
-        )
+        renderer = render_client(options.render_with, settings) if options.render_with else None
+        try:
+            report = enqueue(
+                db,
+                tokenizer,
+                options,
+                publish=publisher,
+                renderer=renderer,
+                on_error=on_error,
+                on_progress=lambda n: progress.update(task, lines=n),
+            )
+        finally:
+            if renderer is not None:
+                renderer.close()
     console.print(
         f"run [bold]{escape(run)}[/bold]: {report.prompts} prompts read, {report.inserted} "
         f"items inserted, {report.published} published, {report.already_present} prompts "
@@ -109,6 +119,14 @@ def _enqueue(
         soft_wrap=True,
     )
     return report
+
+
+def _render_url(url: str | None) -> str | None:
+    if url is None:
+        return None
+    if not url.startswith(("http://", "https://")):
+        raise ConfigurationError(f"--render-with: {url!r} is not an http(s) URL")
+    return url.rstrip("/")
 
 
 def _unit(report: EnqueueReport) -> str:
@@ -128,6 +146,7 @@ def _unit(report: EnqueueReport) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @field_option
 @sampling_options
+@render_options
 @handle_errors
 def enqueue_cmd(
     input_path: Path, run_name: str, tokenizer_path: str, as_json: bool, **opts: Any
@@ -198,6 +217,7 @@ def _progress_table(counts: RunCounts, runner: EmbeddedRunner, started: float) -
 @click.option("--json", "as_json", is_flag=True, help="Print the final counts as JSON.")
 @field_option
 @sampling_options
+@render_options
 @handle_errors
 def run_cmd(
     input_path: Path,

@@ -17,12 +17,13 @@ from typing import Any
 from sqlalchemy import Engine
 
 from app import ledger
-from app.constants import EVENT_ENQUEUED, EVENT_RUN_CREATED
+from app.constants import EVENT_ENQUEUE_STOPPED, EVENT_ENQUEUED, EVENT_RUN_CREATED
 from app.contracts import PromptRecord, SamplingParams
 from app.conversation import TurnPlan
 from app.errors import InputError
 from app.input_formats import open_table
 from app.inputs import read_prompts
+from app.render import RenderClient, RenderServerUnavailable, prompt_request
 from app.tokenization import ChatTokenizer
 from workers import turns
 
@@ -43,6 +44,10 @@ class EnqueueOptions:
     # "all": one item per assistant turn, chained (workers/turns.py); pinned by the run
     turns: str = "last"
     trust_remote_code: bool = False
+    # `--render-with URL`: every prompt built by that server's /v1/tokenize; pinned by the run
+    render_with: str | None = None
+    # `--require-parity`: servers whose rendering differs from the stored prompts stay paused
+    require_parity: bool = False
 
 
 @dataclass
@@ -111,12 +116,30 @@ def _tokenize(
     return out
 
 
+def _render(
+    client: RenderClient, records: list[PromptRecord], kwargs: dict[str, Any]
+) -> list[list[int] | InputError]:
+    """Prompt ids from the render server for each chat record, as `_tokenize` gives them
+    locally; pre-tokenized records keep their ids. RenderServerUnavailable passes through."""
+    out: list[list[int] | InputError] = [list(r.input_ids or []) for r in records]
+    chat = [(i, r) for i, r in enumerate(records) if r.messages is not None]
+    rendered = client.render_many([prompt_request(r.messages or [], kwargs) for _, r in chat])
+    for (i, r), ids in zip(chat, rendered, strict=True):
+        out[i] = (
+            InputError(f"the render server refused the prompt: {ids}", r.line)
+            if isinstance(ids, Exception)
+            else ids
+        )
+    return out
+
+
 def enqueue(
     db: Engine,
     tokenizer: ChatTokenizer,
     options: EnqueueOptions,
     *,
     publish: Publish | None,
+    renderer: RenderClient | None = None,
     on_error: Callable[[InputError], None] = lambda e: None,
     on_progress: Callable[[int], None] = lambda n: None,
 ) -> EnqueueReport:
@@ -144,7 +167,18 @@ def enqueue(
         eos_token_ids=list(tokenizer.eos_token_ids),
         turns=options.turns,
         trust_remote_code=options.trust_remote_code,
+        render_with=options.render_with,
+        require_parity=options.require_parity,
     )
+    if (renderer is None) != (options.render_with is None):
+        raise ValueError("a renderer is given exactly when options.render_with is set")
+    kwargs = options.chat_template_kwargs
+
+    def prompt_ids(records: list[PromptRecord]) -> list[list[int] | InputError]:
+        if renderer is not None:
+            return _render(renderer, records, kwargs)
+        return _tokenize(tokenizer, records, kwargs)
+
     with db.begin() as conn:
         run, created = ledger.get_or_create_run(conn, spec)
         report.run_created = created
@@ -199,9 +233,14 @@ def enqueue(
             if options.turns == "all":  # template turn 0 now; later turns wait for it
                 fresh = turns.first_turns(fresh, plans, fail)
             new_items: list[ledger.NewItem] = []
-            for record, ids in zip(
-                fresh, _tokenize(tokenizer, fresh, options.chat_template_kwargs), strict=True
-            ):
+            try:
+                built = prompt_ids(fresh)
+            except RenderServerUnavailable as exc:
+                if pending is not None:
+                    pending.result()
+                    pending = None
+                raise _stopped(db, run.id, report, chunk[0].line, exc) from exc
+            for record, ids in zip(fresh, built, strict=True):
                 if isinstance(ids, InputError):
                     fail(ids)
                     continue
@@ -248,6 +287,31 @@ def enqueue(
         "enqueue %s: %s", options.run, {k: v for k, v in report.to_json().items() if k != "errors"}
     )
     return report
+
+
+def _stopped(
+    db: Engine,
+    run_id: int,
+    report: EnqueueReport,
+    first_line: int | None,
+    exc: RenderServerUnavailable,
+) -> RenderServerUnavailable:
+    """The enqueue stops: recorded as an event, and said so that a rerun completes it."""
+    message = (
+        f"enqueue of run {report.run} stopped: {exc}. {report.inserted} items were stored; "
+        f"nothing from line {first_line} on was. Run the same enqueue again to complete the "
+        "run (stored prompts are skipped, none is duplicated)."
+    )
+    with db.begin() as conn:
+        ledger.record_event(
+            conn,
+            EVENT_ENQUEUE_STOPPED,
+            message,
+            run_id=run_id,
+            details={k: v for k, v in report.to_json().items() if k != "errors"},
+        )
+    log.error(message)
+    return RenderServerUnavailable(message)
 
 
 def _maybe_analyze(conn: Any, inserted: int, analyzed_at: int) -> int:

@@ -21,9 +21,11 @@ from app import ledger
 from app.constants import EVENT_TURNS_BLOCKED
 from app.contracts import PromptRecord
 from app.conversation import TurnPlan, next_history, split_turns
-from app.errors import InputError, TokenmillError
+from app.errors import GenerationError, InputError, PermanentError, TokenmillError
 from app.export import assistant_turn
 from app.ledger import NewItem, RunInfo, WaitingTurn
+from app.render import RenderClient, prompt_request, render_client
+from app.settings import get_settings
 from app.tokenization import ChatTokenizer, load_tokenizer, tokenizer_files_hash
 
 log = logging.getLogger(__name__)
@@ -95,6 +97,15 @@ class TokenizerCache:
         self._tokenizers: dict[int, ChatTokenizer] = {}
         self._blocked: dict[int, float] = {}
         self._reported: set[int] = set()
+        self._renderers: dict[str, RenderClient] = {}
+
+    def renderer(self, url: str) -> RenderClient:
+        """The render client of a `--render-with` run's server (one per process and URL)."""
+        with self._lock:
+            client = self._renderers.get(url)
+            if client is None:
+                client = self._renderers[url] = render_client(url, get_settings())
+            return client
 
     def run(self, db: Engine, run_id: int) -> RunInfo:
         with self._lock:
@@ -211,10 +222,21 @@ def _advance_one(
         return
     history = next_history(prev.messages or [], assistant_turn(prev, run, tokenizer), turn.context)
     try:
-        prompt_ids = tokenizer.apply(history, run.chat_template_kwargs)
-    except InputError as exc:
-        reason = f"turn {turn.turn_index}: {exc.reason} (on the regenerated history)"
+        if run.render_with is not None:  # built by the run's render server, as at enqueue
+            request = prompt_request(history, run.chat_template_kwargs)
+            prompt_ids = cache.renderer(run.render_with).render_patiently(request)
+        else:
+            prompt_ids = tokenizer.apply(history, run.chat_template_kwargs)
+    except (InputError, PermanentError) as exc:
+        why = exc.reason if isinstance(exc, InputError) else f"the render server refused it: {exc}"
+        reason = f"turn {turn.turn_index}: {why} (on the regenerated history)"
         _fail_chain(db, turn, reason, report)
+        return
+    except GenerationError as exc:  # the render server stayed down: the turn waits
+        log.error(
+            "run %s item %d: turn %d stays waiting: %s", run.name, turn.id, turn.turn_index, exc
+        )
+        report.blocked += 1
         return
     context = tokenizer.context_length
     if context is not None and len(prompt_ids) >= context:

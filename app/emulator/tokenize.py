@@ -398,8 +398,8 @@ def detokenize(body: Any, tokenizer: ChatTokenizer | None) -> TokenizeAnswer:
         if not tokens:
             return TokenizeAnswer(200, {"text": ""})
         if isinstance(tokens[0], int):
-            return TokenizeAnswer(200, {"text": tokenizer.decode(tokens, skip_special_tokens=skip)})  # type: ignore[arg-type]
-        texts = [tokenizer.decode(row, skip_special_tokens=skip) for row in tokens]  # type: ignore[arg-type]
+            return TokenizeAnswer(200, {"text": tokenizer.decode(tokens, skip_special_tokens=skip)})
+        texts = [tokenizer.decode(row, skip_special_tokens=skip) for row in tokens]
         return TokenizeAnswer(200, {"text": texts})
     except Exception as exc:
         if "decode" in str(exc).lower():
