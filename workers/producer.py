@@ -17,6 +17,7 @@ from typing import Any
 from sqlalchemy import Engine
 
 from app import ledger
+from app.chat_path import merge_template_kwargs
 from app.constants import EVENT_ENQUEUE_STOPPED, EVENT_ENQUEUED, EVENT_RUN_CREATED
 from app.contracts import PromptRecord, SamplingParams
 from app.conversation import TurnPlan
@@ -123,7 +124,16 @@ def _render(
     locally; pre-tokenized records keep their ids. RenderServerUnavailable passes through."""
     out: list[list[int] | InputError] = [list(r.input_ids or []) for r in records]
     chat = [(i, r) for i, r in enumerate(records) if r.messages is not None]
-    rendered = client.render_many([prompt_request(r.messages or [], kwargs) for _, r in chat])
+    rendered = client.render_many(
+        [
+            prompt_request(
+                r.messages or [],
+                merge_template_kwargs(kwargs, r.chat_template_kwargs),
+                tools=r.tools,
+            )
+            for _, r in chat
+        ]
+    )
     for (i, r), ids in zip(chat, rendered, strict=True):
         out[i] = (
             InputError(f"the render server refused the prompt: {ids}", r.line)

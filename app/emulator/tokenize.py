@@ -8,7 +8,6 @@ chat path normalizes and renders them with the tokenizer folder given by `--toke
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -16,6 +15,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
+from app.chat_path import (
+    bare_function_tools,
+    merge_template_kwargs,
+    normalize_messages,
+    normalize_tools,
+)
+from app.errors import ConfigurationError, InputError
 from app.tokenization import ChatTokenizer
 
 logger = logging.getLogger(__name__)
@@ -166,55 +172,21 @@ class DetokenizeBody(BaseModel):
     skip_special_tokens: bool = True
 
 
-# --- dumps: what SGLang hands its chat path -----------------------------------------------------
-
-
-def _dump_function(function: _Function, given: Sequence[str]) -> dict[str, Any]:
-    """Declared fields, given keys first in their order (templates render dicts as given);
-    strict and defer_loading only when set."""
-    data = function.model_dump()
-    for key in ("defer_loading", "strict"):
-        if data[key] is None:
-            data.pop(key)
-    order = [k for k in given if k in data]
-    return {k: data[k] for k in [*order, *(k for k in data if k not in order)]}
-
-
-def dump_tools(tools: Sequence[_Tool], raw: Sequence[Any]) -> list[dict[str, Any]]:
-    out = []
-    for tool, source in zip(tools, raw, strict=True):
-        given = list(source.get("function", {})) if isinstance(source, Mapping) else []
-        if tool.defer_loading is not None and tool.function.defer_loading is None:
-            tool.function.defer_loading = tool.defer_loading
-        out.append(
-            {
-                "type": tool.type,
-                "function": _dump_function(tool.function, given),
-                "defer_loading": tool.defer_loading,
-            }
-        )
-    return out
+# --- the chat path -------------------------------------------------------------------------------
 
 
 def dump_messages(
     messages: Sequence[_GenericMessage | _UserMessage], raw: Sequence[Any]
 ) -> list[dict[str, Any]]:
-    """Each message as its model dumps it: declared fields only, defaults included."""
+    """Each message as its model dumps it: declared fields only (others are dropped), defaults
+    included; a system turn's tools as given, for the chat path to shape."""
     out = []
     for message, source in zip(messages, raw, strict=True):
-        data = message.model_dump(exclude={"tools"})
-        if isinstance(message, _GenericMessage):
-            source_tools = source.get("tools") if isinstance(source, Mapping) else None
-            data["tools"] = (
-                dump_tools(message.tools, source_tools or []) if message.tools is not None else None
-            )
-            # key order of the model's fields
-            data = {name: data[name] for name in _GenericMessage.model_fields}
+        data = message.model_dump()
+        if isinstance(message, _GenericMessage) and message.tools is not None:
+            data["tools"] = list(source.get("tools") or [])
         out.append(data)
     return out
-
-
-# --- rendering --------------------------------------------------------------------------------
 
 
 def render_chat_ids(
@@ -223,58 +195,45 @@ def render_chat_ids(
     *,
     tools: list[dict[str, Any]] | None,
     chat_template_kwargs: dict[str, Any],
-    add_generation_prompt: bool,
+    add_generation_prompt: bool | None,
     add_special_tokens: bool,
 ) -> list[int]:
-    """The chat path after validation: normalize, render to text, encode the text."""
-    normalized = [_normalize(message) for message in messages]
-    hf = tokenizer.hf_tokenizer
+    """tokenmill's reproduction of the chat path (app.chat_path) on the validated request.
 
-    def render(tool_list: list[dict[str, Any]] | None) -> str:
-        return str(
-            hf.apply_chat_template(
-                normalized,
-                tools=tool_list,
-                add_generation_prompt=add_generation_prompt,
-                tokenize=False,
-                **chat_template_kwargs,
-            )
-        )
-
+    add_generation_prompt None is a chat completion's rendering (`ChatTokenizer.apply`);
+    given, it goes to the template as is and the text is encoded with add_special_tokens.
+    """
     try:
-        text = render(tools)
-    except Exception:
-        bare = [t.get("function", t) for t in tools] if tools else None
-        try:
-            text = render(bare)
-        except Exception as exc:
-            raise ValueError(str(exc)) from exc
-    return [int(i) for i in hf.encode(text, add_special_tokens=add_special_tokens)]
+        if add_generation_prompt is None:
+            return tokenizer.apply(messages, chat_template_kwargs, tools=tools)
+        turns = normalize_messages(messages, tokenizer.content_format)
+        shaped = normalize_tools(tools) if tools else None
+        hf = tokenizer.hf_tokenizer
 
-
-def _normalize(message: dict[str, Any]) -> dict[str, Any]:
-    out = dict(message)
-    if out.get("content") is None:
-        out["content"] = ""
-    for call in out.get("tool_calls") or []:
-        function = call.get("function") if isinstance(call, dict) else None
-        if isinstance(function, dict) and isinstance(function.get("arguments"), str):
-            try:
-                parsed = json.loads(function["arguments"])
-            except ValueError as exc:
-                raise TokenizeFailure(
-                    "Assistant tool call function.arguments must be valid JSON."
-                ) from exc
-            if not isinstance(parsed, dict):
-                raise TokenizeFailure(
-                    "Assistant tool call function.arguments must be a JSON object."
+        def render(tool_list: list[dict[str, Any]] | None) -> str:
+            return str(
+                hf.apply_chat_template(
+                    turns,
+                    tools=tool_list,
+                    add_generation_prompt=add_generation_prompt,
+                    tokenize=False,
+                    **chat_template_kwargs,
                 )
-            function["arguments"] = parsed
-    out = {k: v for k, v in out.items() if v is not None}
-    content = out.get("content")
-    if isinstance(content, list) and all(p.get("type") == "text" for p in content):
-        out["content"] = " ".join(str(p.get("text", "")) for p in content)
-    return out
+            )
+
+        try:
+            text = render(shaped)
+        except Exception:
+            if not shaped:
+                raise
+            text = render(bare_function_tools(shaped))
+        return [int(i) for i in hf.encode(text, add_special_tokens=add_special_tokens)]
+    except (InputError, ConfigurationError) as exc:
+        raise TokenizeFailure(str(exc).removeprefix("chat template failed: ")) from exc
+    except TokenizeFailure:
+        raise
+    except (TypeError, ValueError, LookupError) as exc:  # a template's own errors are a 400
+        raise TokenizeFailure(str(exc)) from exc
 
 
 # --- handlers -----------------------------------------------------------------------------------
@@ -355,8 +314,8 @@ def _chat_ids(
             "Request-supplied chat_template is not allowed. Start the server "
             "with --trust-request-chat-template to permit it."
         )
-    if request.reasoning_effort is not None:
-        kwargs = {"reasoning_effort": request.reasoning_effort, **kwargs}
+    # a request's reasoning_effort is a template variable and sets the thinking defaults
+    kwargs = merge_template_kwargs(None, kwargs, request.reasoning_effort)
     if request.add_generation_prompt is False and request.continue_final_message:
         raise TokenizeFailure(
             "continue_final_message needs add_generation_prompt to open the assistant turn."
@@ -364,24 +323,21 @@ def _chat_ids(
     dumped = dump_messages(messages, body.get("messages") or [])
     tools = None
     if request.tools and request.tool_choice != "none":
-        tools = dump_tools(request.tools, body.get("tools") or [])
+        tools = list(body.get("tools") or [])
     add_generation_prompt = request.add_generation_prompt
     add_special_tokens = (
         add_generation_prompt is not None
         and "add_special_tokens" in request.model_fields_set
         and request.add_special_tokens
     )
-    try:
-        return render_chat_ids(
-            tokenizer,
-            dumped,
-            tools=tools,
-            chat_template_kwargs=kwargs,
-            add_generation_prompt=add_generation_prompt is not False,
-            add_special_tokens=add_special_tokens,
-        )
-    except ValueError as exc:
-        raise TokenizeFailure(str(exc)) from exc
+    return render_chat_ids(
+        tokenizer,
+        dumped,
+        tools=tools,
+        chat_template_kwargs=kwargs,
+        add_generation_prompt=add_generation_prompt,
+        add_special_tokens=add_special_tokens,
+    )
 
 
 def detokenize(body: Any, tokenizer: ChatTokenizer | None) -> TokenizeAnswer:
