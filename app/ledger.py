@@ -1111,6 +1111,32 @@ def _iter_items(
         after = page[-1].id
 
 
+def prompt_item_ids(conn: Connection, run_id: int) -> list[int]:
+    """Ids of the run's items whose prompt was rendered from messages (every turn that has
+    its prompt; not pre-tokenized items, not later turns still waiting), in id order."""
+    stmt = (
+        select(items.c.id)
+        .where(
+            items.c.run_id == run_id,
+            items.c.messages.is_not(None),
+            items.c.status != ItemStatus.WAITING.value,
+        )
+        .order_by(items.c.id)
+    )
+    return [int(i) for i in conn.execute(stmt).scalars()]
+
+
+def stored_prompts(
+    conn: Connection, ids: Sequence[int], storage_options: dict[str, Any] | None = None
+) -> list[StoredItem]:
+    """These items with their real prompt ids (read back from shards once compacted)."""
+    shards = ShardCache(storage_options)
+    try:
+        return _hydrated(stored_items(conn, ids), shards)
+    finally:
+        shards.close()
+
+
 # --- compaction: token arrays of finished items moved to Parquet shards ----------------------
 
 

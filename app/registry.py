@@ -23,6 +23,8 @@ PAUSED_BY_OPERATOR = "operator"
 PAUSED_BY_WATCHDOG = "watchdog"
 PAUSED_BY_FINGERPRINT = "fingerprint"
 PAUSED_BY_RESTART = "restart"
+# its rendering of a `--require-parity` run's prompts differs from the stored ones
+PAUSED_BY_PARITY = "parity"
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,12 @@ class ServerInfo:
     fingerprint: dict[str, Any] | None
     restart_command: list[str] | None
     workers: list[str]
+    # the last parity check per run name (see `record_parity`)
+    parity: dict[str, Any] | None = None
+
+    def differing_runs(self) -> list[str]:
+        """Runs whose stored prompts this server renders differently (last check)."""
+        return sorted(r for r, p in (self.parity or {}).items() if p.get("status") == "differs")
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -62,6 +70,7 @@ class ServerInfo:
             "fingerprint": self.fingerprint,
             "restart_command": self.restart_command,
             "workers": self.workers,
+            "parity": self.parity,
         }
 
 
@@ -83,6 +92,7 @@ def _server(row: Any) -> ServerInfo:
         fingerprint=row.fingerprint,
         restart_command=row.restart_command,
         workers=list(row.workers or []),
+        parity=row.parity,
     )
 
 
@@ -209,6 +219,34 @@ def set_fingerprint(conn: Connection, name: str, fingerprint: dict[str, Any]) ->
         .where(servers.c.name == name)
         .values(fingerprint=fingerprint, updated_at=utcnow())
     )
+
+
+def record_parity(conn: Connection, name: str, run_name: str, result: dict[str, Any]) -> None:
+    """Keep a server's last parity check of a run: {"status", "checked", "mismatched", "at"}."""
+    row = conn.execute(select(servers.c.parity).where(servers.c.name == name)).first()
+    if row is None:
+        return
+    parity = dict(row.parity or {})
+    parity[run_name] = result
+    conn.execute(
+        update(servers).where(servers.c.name == name).values(parity=parity, updated_at=utcnow())
+    )
+
+
+def active_runs(conn: Connection) -> list[tuple[int, str, bool]]:
+    """(run id, run name, require_parity) of runs that still have unfinished items."""
+    unfinished = (
+        select(items.c.run_id)
+        .where(
+            items.c.run_id == runs.c.id,
+            items.c.status.in_(
+                [ItemStatus.PENDING.value, ItemStatus.QUEUED.value, ItemStatus.LEASED.value]
+            ),
+        )
+        .exists()
+    )
+    stmt = select(runs.c.id, runs.c.name, runs.c.require_parity).where(unfinished)
+    return [(r.id, r.name, bool(r.require_parity)) for r in conn.execute(stmt.order_by(runs.c.id))]
 
 
 @dataclass(frozen=True)

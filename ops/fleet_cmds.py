@@ -42,7 +42,15 @@ def servers_group(ctx: click.Context, as_json: bool) -> None:
         print_json([s.to_json() | {"in_flight": load.leased} for s, load in rows])
         return
     table = Table(
-        "name", "url", "state", "paused", "workers", "in flight", "last probe", "last error"
+        "name",
+        "url",
+        "state",
+        "paused",
+        "workers",
+        "in flight",
+        "last probe",
+        "rendering",
+        "last error",
     )
     for s, load in rows:
         paused = f"yes ({s.paused_by})" if s.paused else "no"
@@ -54,9 +62,18 @@ def servers_group(ctx: click.Context, as_json: bool) -> None:
             str(len(s.workers)),
             str(load.leased),
             _ago(s.last_probe_at),
+            _rendering(s),
             (s.last_error or "")[:60],
         )
     print_table(table)
+
+
+def _rendering(server: registry.ServerInfo) -> str:
+    """What the parity preflight found: the runs whose prompts it renders differently."""
+    differing = server.differing_runs()
+    if differing:
+        return "differs: " + ", ".join(differing)
+    return "as stored" if server.parity else "—"
 
 
 @servers_group.command("add")

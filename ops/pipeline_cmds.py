@@ -16,7 +16,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from app import ledger
+from app import ledger, registry
 from app.errors import ConfigurationError, InputError, TokenizerError
 from app.export import FORMATS, ExportFormat, export_run
 from app.inputs import parse_chat_template_kwargs
@@ -189,6 +189,8 @@ def _progress_table(counts: RunCounts, runner: EmbeddedRunner, started: float) -
             if view.unavailable
             else "[green]ok[/green]"
         )
+        if view.parity_differs:
+            state += " [yellow]renders prompts differently[/yellow]"
         err = f"last error: {escape(view.last_error[:80])}" if view.last_error else ""
         table.add_row(
             f"  {escape(view.name)}",
@@ -281,8 +283,10 @@ def status_cmd(run_name: str | None, as_json: bool, watch: bool, interval_s: flo
     with db.connect() as conn:
         runs = [ledger.get_run(conn, run_name)] if run_name else ledger.list_runs(conn)
         counts = [ledger.run_counts(conn, r) for r in runs]
+        differing = _differing_servers(registry.list_servers(conn))
     if as_json:
-        print_json(counts[0].to_json() if run_name else [c.to_json() for c in counts])
+        found = [c.to_json() | {"rendering_differs": differing.get(c.run, [])} for c in counts]
+        print_json(found[0] if run_name else found)
         return
     # the waiting column (later turns of `--turns all` runs) only when some run has any
     fields = [
@@ -302,6 +306,24 @@ def status_cmd(run_name: str | None, as_json: bool, watch: bool, interval_s: flo
     for c, row in zip(counts, rows, strict=True):
         table.add_row(escape(c.run), *row)
     print_table(table)
+    for c in counts:
+        for server in differing.get(c.run, []):
+            console.print(
+                f"[yellow]run {escape(c.run)}: server {escape(server)} renders its prompts "
+                f"differently[/yellow] (tokenmill parity {escape(c.run)} --server "
+                f"{escape(server)})",
+                markup=True,
+                soft_wrap=True,
+            )
+
+
+def _differing_servers(servers: list[registry.ServerInfo]) -> dict[str, list[str]]:
+    """Run name → the servers whose last parity check of it found a difference."""
+    out: dict[str, list[str]] = {}
+    for server in servers:
+        for run in server.differing_runs():
+            out.setdefault(run, []).append(server.name)
+    return out
 
 
 STATUS_COLUMNS = (

@@ -19,6 +19,7 @@ from app.errors import ConfigurationError
 from app.ledger import RunCounts, RunInfo
 from app.settings import Settings
 from workers import turns
+from workers.parity import preflight
 from workers.runtime import WorkerRuntime
 
 log = logging.getLogger(__name__)
@@ -35,6 +36,9 @@ class ServerView:
     unavailable: bool
     refused: bool  # its fingerprint differs from the run's: it takes no work
     last_error: str | None
+    # its rendering of the run's prompts differs from the stored ones (the parity preflight);
+    # with --require-parity it takes no work
+    parity_differs: bool = False
 
 
 class EmbeddedRunner:
@@ -68,6 +72,7 @@ class EmbeddedRunner:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._refused: dict[str, bool] = {}
+        self._parity: dict[str, str] = {}  # server name → "equal" | "differs"
 
     def start(self) -> None:
         for rt in self.runtimes:
@@ -78,11 +83,25 @@ class EmbeddedRunner:
             thread.start()
             self._threads.append(thread)
 
+    def _parity_blocks(self, rt: WorkerRuntime) -> bool:
+        """The preflight, once per server when it first answers: True when the server renders
+        this `--require-parity` run's prompts differently (it then takes no work)."""
+        status = self._parity.get(rt.server_name)
+        if status is None and self.settings.parity_sample > 0:
+            report = preflight(self.db, self.settings, self.run, rt.server_name, rt.server_url)
+            if report is None:  # the server did not answer: try again in a moment
+                return True
+            status = self._parity[rt.server_name] = report.status
+        return self.run.require_parity and status == "differs"
+
     def _feed(self, rt: WorkerRuntime) -> None:
         while not self._stop.is_set():
             room = rt.window.room()
             if room <= 0 or rt.window.unavailable() or rt.paused():
                 self._stop.wait(self.poll_s)
+                continue
+            if self._parity_blocks(rt):
+                self._stop.wait(max(self.poll_s, rt.settings.unavailable_wait_s))
                 continue
             if not rt.run_matches_server(self.run.id):
                 self._refused[rt.server_name] = True
@@ -125,6 +144,7 @@ class EmbeddedRunner:
                 unavailable=rt.window.unavailable(),
                 refused=self._refused.get(rt.server_name, False),
                 last_error=rt.window.stats.last_error,
+                parity_differs=self._parity.get(rt.server_name) == "differs",
             )
             for rt in self.runtimes
         ]
@@ -139,6 +159,14 @@ class EmbeddedRunner:
             on_tick(counts)
             if counts.finished and all(rt.window.idle() for rt in self.runtimes):
                 return counts
+            if self.run.require_parity and all(
+                self._parity.get(rt.server_name) == "differs" for rt in self.runtimes
+            ):
+                raise ConfigurationError(
+                    f"every server renders the prompts of run {self.run.name} differently from "
+                    "the stored ones, and the run requires parity (see `tokenmill parity "
+                    f"{self.run.name} --server URL`); nothing was sent"
+                )
             if counts.waiting and self._only_waiting(counts):
                 self._catch_up_turns()
             if time.monotonic() - last_sweep > self.settings.heartbeat_s:

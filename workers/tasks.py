@@ -37,6 +37,7 @@ from workers.compaction import compact_due
 from workers.control import CeleryControl
 from workers.enforcer import PauseEnforcer
 from workers.generate import handle_message
+from workers.parity import ParityGate
 from workers.publish import publish_items
 from workers.runtime import WorkerRuntime
 from workers.watchdog import run_watchdog
@@ -177,7 +178,9 @@ def watchdog() -> dict[str, str]:
         if not held:
             log.info("another watchdog round is still running; skipping this one")
             return {}
-        return run_watchdog(get_engine(settings), settings, CeleryControl())
+        return run_watchdog(
+            get_engine(settings), settings, CeleryControl(), parity=ParityGate(settings)
+        )
 
 
 @celery_app.task(name=COMPACT_TASK, acks_late=True, ignore_result=True)

@@ -20,6 +20,7 @@ from app.contracts import ServerFingerprint
 from app.errors import GenerationError
 from app.registry import (
     PAUSED_BY_FINGERPRINT,
+    PAUSED_BY_PARITY,
     PAUSED_BY_WATCHDOG,
     ServerInfo,
 )
@@ -27,6 +28,7 @@ from app.settings import Settings
 from app.sglang import SGLangClient
 from workers.control import WorkerControl, pause_server, resume_server
 from workers.health import Health, Thresholds, Verdict, step
+from workers.parity import ParityGate
 from workers.runtime import client_for
 
 log = logging.getLogger(__name__)
@@ -100,8 +102,12 @@ def check_server(
     *,
     thresholds: Thresholds,
     stall_s: float,
+    parity: ParityGate | None = None,
 ) -> Verdict:
-    """Probe one server, record the verdict, and pause or resume its workers accordingly."""
+    """Probe one server, record the verdict, and pause or resume its workers accordingly.
+
+    With a parity gate, a healthy server re-renders a sample of each active run's prompts the
+    first time it is seen for that run (and again whenever it is admitted back)."""
     probe = prober.probe(server)
     with db.connect() as conn:
         load = registry.server_load(conn, server.name)
@@ -144,15 +150,39 @@ def check_server(
             db, control, server.name, by=PAUSED_BY_WATCHDOG, reason=f"server down: {error}"
         )
     elif verdict.state == Health.HEALTHY and (
-        previous.state != Health.HEALTHY
-        or server.paused_by in (PAUSED_BY_WATCHDOG, PAUSED_BY_FINGERPRINT)
+        previous.state != Health.HEALTHY or server.paused_by in _GUARDED
     ):
-        _admit(db, control, prober, server)
+        _admit(db, control, prober, server, parity)
+    elif verdict.state == Health.HEALTHY and parity is not None and not server.paused:
+        blocking = parity.blocking_runs(db, server, again=False)
+        if blocking:
+            _pause_for_parity(db, control, server, blocking)
     return verdict
 
 
-def _admit(db: Engine, control: WorkerControl, prober: Prober, server: ServerInfo) -> None:
-    """A healthy server serves again only with the fingerprint its runs pinned."""
+# pauses the watchdog sets and lifts itself
+_GUARDED = (PAUSED_BY_WATCHDOG, PAUSED_BY_FINGERPRINT, PAUSED_BY_PARITY)
+
+
+def _pause_for_parity(
+    db: Engine, control: WorkerControl, server: ServerInfo, runs: list[str]
+) -> None:
+    reason = (
+        f"renders the stored prompts of --require-parity run(s) {', '.join(runs)} differently "
+        f"(see `tokenmill parity RUN --server {server.name}`)"
+    )
+    pause_server(db, control, server.name, by=PAUSED_BY_PARITY, reason=reason)
+
+
+def _admit(
+    db: Engine,
+    control: WorkerControl,
+    prober: Prober,
+    server: ServerInfo,
+    parity: ParityGate | None = None,
+) -> None:
+    """A healthy server serves again only with the fingerprint its runs pinned (and, for
+    `--require-parity` runs, rendering their prompts as stored)."""
     try:
         fingerprint = prober.fingerprint(server)
     except GenerationError as exc:
@@ -162,7 +192,7 @@ def _admit(db: Engine, control: WorkerControl, prober: Prober, server: ServerInf
         registry.set_fingerprint(conn, server.name, fingerprint.to_json())
         conflicts = fingerprint_conflicts(fingerprint, registry.active_run_fingerprints(conn))
     if conflicts:
-        if server.paused and server.paused_by not in (PAUSED_BY_WATCHDOG, PAUSED_BY_FINGERPRINT):
+        if server.paused and server.paused_by not in _GUARDED:
             return  # an operator's or a restart's pause: theirs to lift, not ours to relabel
         reason = "fingerprint differs from the pinned one: " + " | ".join(conflicts)
         if pause_server(db, control, server.name, by=PAUSED_BY_FINGERPRINT, reason=reason):
@@ -175,7 +205,13 @@ def _admit(db: Engine, control: WorkerControl, prober: Prober, server: ServerInf
                     details={"server": fingerprint.to_json()},
                 )
         return
-    if server.paused and server.paused_by in (PAUSED_BY_WATCHDOG, PAUSED_BY_FINGERPRINT):
+    blocking = parity.blocking_runs(db, server, again=True) if parity is not None else []
+    if blocking:
+        if server.paused and server.paused_by not in _GUARDED:
+            return
+        _pause_for_parity(db, control, server, blocking)
+        return
+    if server.paused and server.paused_by in _GUARDED:
         resume_server(
             db,
             control,
@@ -191,6 +227,7 @@ def run_watchdog(
     control: WorkerControl,
     prober: Prober | None = None,
     *,
+    parity: ParityGate | None = None,
     clock: Callable[[], float] = time.monotonic,
 ) -> dict[str, str]:
     """One round: every server probed once, concurrently, never two probes to one server."""
@@ -214,6 +251,7 @@ def run_watchdog(
                 s,
                 thresholds=thresholds,
                 stall_s=settings.stall_s,
+                parity=parity,
             )
             for s in servers
         }

@@ -1,0 +1,257 @@
+"""Parity: a server re-renders a run's stored prompts through its /v1/tokenize and each one is
+compared with the stored ids; the preflight does it for a small sample when a server is first
+seen healthy for a run, records a `parity` event and keeps the result on the server.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from sqlalchemy import Engine
+
+from app import ledger, registry
+from app.constants import EVENT_PARITY
+from app.errors import GenerationError, PermanentError
+from app.ledger import RunInfo, StoredItem
+from app.render import RenderClient, RenderRequest, prompt_request, render_client
+from app.settings import Settings
+
+log = logging.getLogger(__name__)
+
+# tokens shown on each side of the first difference
+CONTEXT_TOKENS = 12
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """One stored prompt the server renders differently: where, and both sides around it."""
+
+    item_id: int
+    item_key: str
+    sample_index: int
+    turn_index: int
+    position: int | None  # first differing token; None when the server refused the prompt
+    stored_tokens: int
+    server_tokens: int
+    before: str = ""  # the common text just before the difference
+    stored: str = ""  # the stored prompt from the difference on (a few tokens)
+    server: str = ""  # the server's rendering from the difference on
+    stored_ids: list[int] = field(default_factory=list)
+    server_ids: list[int] = field(default_factory=list)
+    error: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "item": self.item_id,
+            "key": self.item_key,
+            "sample": self.sample_index,
+            "turn": self.turn_index,
+            "position": self.position,
+            "stored_tokens": self.stored_tokens,
+            "server_tokens": self.server_tokens,
+            "before": self.before,
+            "stored": self.stored,
+            "server": self.server,
+            "stored_ids": self.stored_ids,
+            "server_ids": self.server_ids,
+            "error": self.error,
+        }
+
+
+@dataclass
+class ParityReport:
+    run: str
+    server: str
+    checked: int = 0
+    equal: int = 0
+    mismatches: list[Mismatch] = field(default_factory=list)
+
+    @property
+    def mismatched(self) -> int:
+        return len(self.mismatches)
+
+    @property
+    def status(self) -> str:
+        return "equal" if not self.mismatches else "differs"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "run": self.run,
+            "server": self.server,
+            "checked": self.checked,
+            "equal": self.equal,
+            "mismatched": self.mismatched,
+            "mismatches": [m.to_json() for m in self.mismatches],
+        }
+
+
+def first_difference(stored: Sequence[int], rendered: Sequence[int]) -> int | None:
+    """Index of the first token where the two differ (the shorter length if one is a prefix
+    of the other), or None when they are equal."""
+    for i, (a, b) in enumerate(zip(stored, rendered, strict=False)):
+        if a != b:
+            return i
+    return None if len(stored) == len(rendered) else min(len(stored), len(rendered))
+
+
+def item_request(item: StoredItem, run: RunInfo) -> RenderRequest:
+    """What the server re-renders for a stored item: its messages and the run's kwargs."""
+    return prompt_request(item.messages or [], run.chat_template_kwargs)
+
+
+def sample_ids(ids: Sequence[int], sample: int | None, seed: int) -> list[int]:
+    """All ids, or `sample` of them drawn with the seed (the same seed, the same items)."""
+    if sample is None or sample >= len(ids):
+        return list(ids)
+    return sorted(random.Random(seed).sample(list(ids), sample))
+
+
+def check_run(
+    db: Engine,
+    run: RunInfo,
+    client: RenderClient,
+    *,
+    server: str,
+    sample: int | None = None,
+    seed: int = 0,
+    page: int = 256,
+) -> ParityReport:
+    """Re-render the run's prompts (all, or a seeded sample) and compare each with its stored
+    ids. An outage of the server raises (ServerUnavailable, RetryableError): nothing is known."""
+    with db.connect() as conn:
+        ids = sample_ids(ledger.prompt_item_ids(conn, run.id), sample, seed)
+    report = ParityReport(run=run.name, server=server)
+    for start in range(0, len(ids), page):
+        with db.connect() as conn:
+            page_items = ledger.stored_prompts(conn, ids[start : start + page])
+        stored = [i for i in page_items if i.messages is not None]
+        rendered = client.render_many([item_request(i, run) for i in stored])
+        for item, answer in zip(stored, rendered, strict=True):
+            report.checked += 1
+            mismatch = _compare(client, item, answer)
+            if mismatch is None:
+                report.equal += 1
+            else:
+                report.mismatches.append(mismatch)
+    return report
+
+
+def _compare(
+    client: RenderClient, item: StoredItem, answer: list[int] | PermanentError
+) -> Mismatch | None:
+    where = Mismatch(
+        item_id=item.id,
+        item_key=item.item_key,
+        sample_index=item.sample_index,
+        turn_index=item.turn_index,
+        position=None,
+        stored_tokens=len(item.prompt_ids),
+        server_tokens=0,
+    )
+    if isinstance(answer, PermanentError):
+        return replace(where, error=str(answer))
+    position = first_difference(item.prompt_ids, answer)
+    if position is None:
+        return None
+    lo = max(0, position - CONTEXT_TOKENS)
+    stored_ids = item.prompt_ids[position : position + CONTEXT_TOKENS]
+    server_ids = answer[position : position + CONTEXT_TOKENS]
+    try:
+        before, stored, server = client.detokenize(
+            [item.prompt_ids[lo:position], stored_ids, server_ids]
+        )
+    except GenerationError as exc:  # the ids still say where they differ
+        log.warning("could not decode the difference of item %d (%s)", item.id, exc)
+        before, stored, server = "", "", ""
+    return replace(
+        where,
+        position=position,
+        server_tokens=len(answer),
+        before=before,
+        stored=stored,
+        server=server,
+        stored_ids=list(stored_ids),
+        server_ids=list(server_ids),
+    )
+
+
+# --- the preflight -------------------------------------------------------------------------------
+
+
+def preflight(
+    db: Engine, settings: Settings, run: RunInfo, server: str, url: str
+) -> ParityReport | None:
+    """Check `settings.parity_sample` of the run's prompts on the server, record a `parity`
+    event and (for a registered server) the result; None if the server could not answer."""
+    if settings.parity_sample <= 0:
+        return None
+    try:
+        with render_client(url, settings, wait_s=0.0) as client:
+            report = check_run(db, run, client, server=server, sample=settings.parity_sample)
+    except GenerationError as exc:
+        log.warning("parity preflight of run %s on %s not done: %s", run.name, server, exc)
+        return None
+    result = {
+        "status": report.status,
+        "checked": report.checked,
+        "mismatched": report.mismatched,
+        "at": ledger.utcnow().isoformat(),
+    }
+    if not report.checked:  # nothing rendered from messages: nothing to compare
+        with db.begin() as conn:
+            registry.record_parity(conn, server, run.name, result)
+        return report
+    message = (
+        f"{server} renders {report.equal} of {report.checked} sampled prompts of run "
+        f"{run.name} as stored"
+    )
+    if report.mismatches:
+        first = report.mismatches[0]
+        message += (
+            f"; {report.mismatched} differ (item {first.item_id}"
+            + (f" at token {first.position}" if first.position is not None else "")
+            + "): see `tokenmill parity "
+            + f"{run.name} --server {server}`"
+        )
+    with db.begin() as conn:
+        registry.record_parity(conn, server, run.name, result)
+        ledger.record_event(
+            conn,
+            EVENT_PARITY,
+            message,
+            run_id=run.id,
+            server=server,
+            details=report.to_json() | {"mismatches": report.to_json()["mismatches"][:5]},
+        )
+    (log.warning if report.mismatches else log.info)("%s", message)
+    return report
+
+
+class ParityGate:
+    """The preflight as the watchdog uses it: each active run is checked on a healthy server
+    the first time it is seen (or every time with again=True, when the server comes back)."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+
+    def blocking_runs(self, db: Engine, server: registry.ServerInfo, *, again: bool) -> list[str]:
+        """`--require-parity` runs whose prompts the server renders differently."""
+        with db.connect() as conn:
+            active = registry.active_runs(conn)
+        known = server.parity or {}
+        blocking = []
+        for run_id, name, required in active:
+            status = (known.get(name) or {}).get("status")
+            if again or status is None:
+                with db.connect() as conn:
+                    run = ledger.get_run_by_id(conn, run_id)
+                report = preflight(db, self.settings, run, server.name, server.url)
+                if report is not None:
+                    status = report.status
+            if required and status == "differs":
+                blocking.append(name)
+        return blocking
