@@ -14,6 +14,7 @@ from ops.fleet_cmds import events_cmd, pause_cmd, restart_cmd, resume_cmd, serve
 from ops.flower_cmd import flower_cmd
 from ops.metrics import metrics_cmd
 from ops.options import handle_errors, log_format_option, open_db, print_json, setup_logging
+from ops.parity_cmd import parity_cmd
 from ops.pipeline_cmds import enqueue_cmd, export_cmd, reconcile_cmd, run_cmd, status_cmd
 from ops.report import report_cmd
 from ops.storage_cmds import compact_cmd
@@ -95,6 +96,7 @@ for command in (
     report_cmd,
     compact_cmd,
     verify_cmd,
+    parity_cmd,
 ):
     cli.add_command(command)
 
