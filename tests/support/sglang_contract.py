@@ -9,6 +9,8 @@ extracted next to it. Use `load_contract().GenerateRequest.from_json_value(body)
 from __future__ import annotations
 
 import functools
+import importlib.abc
+import importlib.machinery
 import importlib.util
 import os
 import subprocess
@@ -84,3 +86,94 @@ def decode_response(body: Any) -> Any:
     if isinstance(body, list):
         return [decode(item) for item in body]
     return decode(body)
+
+
+# --- the OpenAI-compatible protocol models (sglang/srt/entrypoints/openai/protocol.py) -----------
+
+PROTOCOL_MEMBER = "sglang/srt/entrypoints/openai/protocol.py"
+PROTOCOL_MODULE = "sglang_openai_protocol"
+# packages protocol.py imports that are not installed here (or would pull in torch); what it
+# takes from them is replaced by stand-ins that validate anything
+_STUBBED_PACKAGES = ("openai", "sglang", "xgrammar")
+
+
+def protocol_path(cache_dir: Path = CACHE_DIR, version: str = SGLANG_VERSION) -> Path:
+    """The extracted protocol.py of the wheel, fetched and extracted on first use."""
+    target = cache_dir / f"openai_protocol-{version}.py"
+    if target.exists():
+        return target
+    with zipfile.ZipFile(_wheel(cache_dir, version)) as wheel:
+        source = wheel.read(PROTOCOL_MEMBER)
+    handle, temporary = tempfile.mkstemp(dir=cache_dir, suffix=".py.part")
+    with os.fdopen(handle, "wb") as out:
+        out.write(source)
+    os.replace(temporary, target)
+    return target
+
+
+def _stand_in(name: str) -> Any:
+    """A class that subclasses cleanly (TypedDict-style keywords too) and that pydantic
+    validates as Any; a lower-case name is a function returning None."""
+    from pydantic_core import core_schema
+
+    if name[:1].islower():
+        return lambda *args, **kwargs: None
+
+    class StandIn:
+        def __init_subclass__(cls, **kwargs: Any) -> None:
+            pass
+
+        @classmethod
+        def __get_pydantic_core_schema__(cls, source: Any, handler: Any) -> Any:
+            return core_schema.any_schema()
+
+    StandIn.__name__ = StandIn.__qualname__ = name
+    return StandIn
+
+
+class _StubModule(ModuleType):
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _stand_in(name)
+
+
+class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname.split(".")[0] in _STUBBED_PACKAGES:
+            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+        return None
+
+    def create_module(self, spec: Any) -> ModuleType:
+        module = _StubModule(spec.name)
+        module.__path__ = []
+        return module
+
+    def exec_module(self, module: ModuleType) -> None:
+        pass
+
+
+@functools.cache
+def load_protocol() -> ModuleType:
+    """SGLang's protocol models (TokenizeRequest, TokenizeResponse, DetokenizeRequest, ...).
+
+    Its imports of openai, sglang and xgrammar are answered by stand-ins while it loads (and
+    only then: the finder is removed again), so the module runs with pydantic alone.
+    """
+    path = protocol_path()
+    finder = _StubFinder()
+    saved = {k: v for k, v in sys.modules.items() if k.split(".")[0] in _STUBBED_PACKAGES}
+    sys.meta_path.insert(0, finder)
+    try:
+        spec = importlib.util.spec_from_file_location(PROTOCOL_MODULE, path)
+        if spec is None or spec.loader is None:
+            raise RuntimeError(f"cannot load {path}")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[PROTOCOL_MODULE] = module  # pydantic resolves annotations through it
+        spec.loader.exec_module(module)
+    finally:
+        sys.meta_path.remove(finder)
+        for name in [k for k in sys.modules if k.split(".")[0] in _STUBBED_PACKAGES]:
+            if name not in saved:
+                del sys.modules[name]
+    return module

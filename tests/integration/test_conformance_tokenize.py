@@ -1,0 +1,246 @@
+"""The emulator's /v1/tokenize and /v1/detokenize against SGLang 0.5.23's published protocol
+models (sglang/srt/entrypoints/openai/protocol.py, loaded from the wheel with stand-ins for
+its other imports).
+
+Every body gets the same verdict from the emulator as from TokenizeRequest / DetokenizeRequest;
+every answer decodes as TokenizeResponse, DetokenizeResponse or ErrorResponse; a chat body is
+rendered from exactly the fields SGLang's request models keep; and every body tokenmill's
+render client sends is a valid TokenizeRequest rendered as a chat completion.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import httpx
+import pytest
+from pydantic import ValidationError
+
+from app.emulator.config import EmulatorConfig
+from app.render import prompt_request
+from app.tokenization import ChatTokenizer, load_tokenizer
+from tests.support.emulator import EmulatorProcess, running_emulator
+from tests.support.sglang_contract import load_protocol
+
+Json = dict[str, Any]
+USER = {"role": "user", "content": "What is the weather in Paris?"}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather of a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    },
+    {"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}},
+]
+AGENTIC = [
+    {"role": "system", "content": "You are helpful."},
+    USER,
+    {
+        "role": "assistant",
+        "content": None,
+        "reasoning_content": "I should call the tool.",
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+            }
+        ],
+    },
+    {
+        "role": "tool",
+        "tool_call_id": "call_1",
+        "content": [{"type": "text", "text": "18 C"}, {"type": "text", "text": "sunny"}],
+    },
+]
+# SGLang's models drop turn fields they do not declare (here "source" and "thinking")
+EXTRA_FIELDS = [USER | {"source": "web"}, {"role": "assistant", "content": "Hi", "thinking": "x"}]
+
+VALID: list[Json] = [
+    {"messages": [USER]},
+    {"messages": AGENTIC, "tools": TOOLS},
+    {"messages": AGENTIC, "tools": TOOLS, "chat_template_kwargs": {"thinking": False}},
+    {"messages": [USER], "reasoning_effort": "low"},
+    {"messages": [*EXTRA_FIELDS, USER]},
+    {"messages": [{"role": "SYSTEM", "content": "Be brief."}, USER]},
+    {"messages": [USER], "add_generation_prompt": False},
+    {"messages": [USER], "add_generation_prompt": True, "add_special_tokens": True},
+    {"messages": [USER], "model": "default", "some_extra_key": 1},
+    {"prompt": "hello world"},
+    {"prompt": "hello world", "add_special_tokens": False},
+    {"prompt": ["one", "two three"]},
+    {"messages": []},  # valid shape, refused by the handler ("Messages cannot be empty.")
+]
+INVALID: list[Json] = [
+    {},
+    {"prompt": "x", "messages": [USER]},
+    {"messages": [{"role": "robot", "content": "x"}]},
+    {"messages": [{"role": "USER", "content": "x"}]},
+    {"messages": [{"role": "user"}]},
+    {"messages": "hello"},
+    {"prompt": 5},
+    {"prompt": "x", "add_special_tokens": "maybe"},
+    {"messages": [USER], "tools": [{"type": "function", "function": {"description": "no name"}}]},
+    {"messages": [USER], "chat_template_kwargs": ["thinking"]},
+    {"messages": [{"role": "user", "content": [{"type": "thinking", "thinking": "x"}]}]},
+    {"messages": [{"role": "assistant", "content": "x", "tool_calls": [{"id": "c"}]}]},
+]
+DETOKENIZE_VALID: list[Json] = [
+    {"tokens": [163587, 100, 163601]},
+    {"tokens": [163587, 100, 163601], "skip_special_tokens": False},
+    {"tokens": [[163587, 100], [101, 102]], "skip_special_tokens": False},
+    {"tokens": []},
+]
+DETOKENIZE_INVALID: list[Json] = [{}, {"tokens": "abc"}, {"tokens": [1, "x"]}]
+
+
+@pytest.fixture(scope="module")
+def protocol() -> ModuleType:
+    return load_protocol()
+
+
+@pytest.fixture(scope="module")
+def emulator(kimi_tokenizer_dir: Path) -> Iterator[EmulatorProcess]:
+    cfg = EmulatorConfig(port=0, tokenizer=str(kimi_tokenizer_dir))
+    with running_emulator(cfg) as process:
+        yield process
+
+
+@pytest.fixture(scope="module")
+def tokenizer(kimi_tokenizer_dir: Path) -> ChatTokenizer:
+    return load_tokenizer(kimi_tokenizer_dir)
+
+
+def post(emulator: EmulatorProcess, path: str, body: Any) -> httpx.Response:
+    return httpx.post(emulator.base_url + path, json=body, timeout=30)
+
+
+def protocol_accepts(model: Any, body: Json) -> bool:
+    try:
+        model.model_validate(copy.deepcopy(body))
+    except ValidationError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("body", VALID + INVALID)
+def test_tokenize_verdicts_and_answers_follow_the_protocol(
+    protocol: ModuleType, emulator: EmulatorProcess, body: Json
+) -> None:
+    accepted = protocol_accepts(protocol.TokenizeRequest, body)
+    assert accepted == (body in VALID)
+    for path in ("/v1/tokenize", "/tokenize"):
+        response = post(emulator, path, body)
+        if not accepted:
+            assert response.status_code == 400, response.text
+            error = protocol.ErrorResponse.model_validate(response.json())
+            assert (error.object, error.type, error.code) == ("error", "Bad Request", 400)
+            continue
+        if body == {"messages": []}:
+            assert response.status_code == 400
+            assert response.json()["message"] == "Messages cannot be empty."
+            protocol.ErrorResponse.model_validate(response.json())
+            continue
+        assert response.status_code == 200, response.text
+        answer = protocol.TokenizeResponse.model_validate(response.json())
+        if isinstance(body.get("prompt"), list):
+            assert isinstance(answer.count, list) and len(answer.tokens) == len(body["prompt"])
+        else:
+            assert answer.count == len(answer.tokens) > 0
+
+
+@pytest.mark.parametrize("body", [b for b in VALID if b.get("messages") and len(b) <= 3])
+def test_chat_bodies_render_from_the_fields_sglang_keeps(
+    protocol: ModuleType, emulator: EmulatorProcess, tokenizer: ChatTokenizer, body: Json
+) -> None:
+    """The protocol's own dump of the request (what SGLang's chat path starts from) through
+    tokenmill's chat path gives the emulator's tokens."""
+    if "add_generation_prompt" in body:
+        pytest.skip("rendered with the template's own add_generation_prompt")
+    request = protocol.TokenizeRequest.model_validate(copy.deepcopy(body))
+    chat = request.to_chat_completion_request()
+    messages = [m.model_dump() for m in chat.messages]
+    kwargs = dict(chat.chat_template_kwargs or {})
+    if chat.reasoning_effort is not None:
+        kwargs = {"reasoning_effort": chat.reasoning_effort, **kwargs}
+    expected = tokenizer.apply(messages, kwargs, tools=body.get("tools"))
+    assert post(emulator, "/v1/tokenize", body).json()["tokens"] == expected
+
+
+def test_undeclared_turn_fields_do_not_reach_the_template(
+    emulator: EmulatorProcess, tokenizer: ChatTokenizer
+) -> None:
+    with_extra = post(emulator, "/v1/tokenize", {"messages": [*EXTRA_FIELDS, USER]}).json()
+    plain = [USER, {"role": "assistant", "content": "Hi"}, USER]
+    assert with_extra["tokens"] == tokenizer.apply(plain)
+
+
+def test_generation_prompt_and_special_tokens_when_asked(emulator: EmulatorProcess) -> None:
+    chat = post(emulator, "/v1/tokenize", {"messages": [USER]}).json()["tokens"]
+    without = post(emulator, "/v1/tokenize", {"messages": [USER], "add_generation_prompt": False})
+    assert chat[: len(without.json()["tokens"])] == without.json()["tokens"]
+    assert len(without.json()["tokens"]) < len(chat)
+    prompt = post(emulator, "/v1/tokenize", {"prompt": "hello"}).json()["tokens"]
+    bare = post(emulator, "/v1/tokenize", {"prompt": "hello", "add_special_tokens": False})
+    assert prompt[-len(bare.json()["tokens"]) :] == bare.json()["tokens"]
+
+
+def test_a_body_that_is_not_json_content_is_refused(
+    protocol: ModuleType, emulator: EmulatorProcess
+) -> None:
+    response = httpx.post(
+        emulator.base_url + "/v1/tokenize",
+        content=b'{"prompt": "x"}',
+        headers={"content-type": "text/plain"},
+        timeout=30,
+    )
+    assert response.status_code == 400
+    assert "application/json" in protocol.ErrorResponse.model_validate(response.json()).message
+
+
+@pytest.mark.parametrize("body", DETOKENIZE_VALID + DETOKENIZE_INVALID)
+def test_detokenize_follows_the_protocol(
+    protocol: ModuleType, emulator: EmulatorProcess, tokenizer: ChatTokenizer, body: Json
+) -> None:
+    accepted = protocol_accepts(protocol.DetokenizeRequest, body)
+    assert accepted == (body in DETOKENIZE_VALID)
+    response = post(emulator, "/v1/detokenize", body)
+    if not accepted:
+        assert response.status_code == 400
+        protocol.ErrorResponse.model_validate(response.json())
+        return
+    assert response.status_code == 200, response.text
+    text = protocol.DetokenizeResponse.model_validate(response.json()).text
+    skip = body.get("skip_special_tokens", True)
+    tokens = body["tokens"]
+    if tokens and isinstance(tokens[0], list):
+        assert text == [tokenizer.decode(row, skip_special_tokens=skip) for row in tokens]
+    else:
+        assert text == (tokenizer.decode(tokens, skip_special_tokens=skip) if tokens else "")
+
+
+def test_the_render_client_sends_valid_chat_completion_renderings(
+    protocol: ModuleType, emulator: EmulatorProcess, tokenizer: ChatTokenizer
+) -> None:
+    """What `--render-with` and `parity` send: valid TokenizeRequests with messages, no
+    add_generation_prompt (rendered as a chat completion), equal to local templating."""
+    requests = [
+        prompt_request([USER], {}),
+        prompt_request(AGENTIC, {"thinking": False}, tools=TOOLS),
+        prompt_request(AGENTIC, None, tools=TOOLS),
+    ]
+    for request in requests:
+        body = request.body()
+        parsed = protocol.TokenizeRequest.model_validate(copy.deepcopy(body))
+        assert parsed.messages is not None and parsed.prompt is None
+        assert parsed.add_generation_prompt is None
+        ids = post(emulator, "/v1/tokenize", body).json()["tokens"]
+        local = tokenizer.apply(request.messages, request.chat_template_kwargs, tools=request.tools)
+        assert ids == local
