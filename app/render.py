@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -124,6 +125,8 @@ class RenderClient:
             headers={"Authorization": f"Bearer {api_key}"} if api_key else None,
         )
         self._pool = ThreadPoolExecutor(max_workers=window, thread_name_prefix="tm-render")
+        self._outage_lock = threading.Lock()
+        self._in_outage = False
 
     def __enter__(self) -> RenderClient:
         return self
@@ -158,7 +161,7 @@ class RenderClient:
         down_since: float | None = None
         while True:
             try:
-                return self.render(request)
+                ids = self.render(request)
             except PermanentError:
                 raise
             except GenerationError as exc:
@@ -169,9 +172,29 @@ class RenderClient:
                         f"the render server {self.base_url} has not answered /v1/tokenize "
                         f"for {now - down_since:.0f}s (last error: {exc})"
                     ) from exc
-                logger.warning("render server %s: %s; retrying in %.1fs", self.base_url, exc, delay)
+                self._outage(exc)
                 self._sleep(delay)
                 delay = min(delay * 2, self.policy.backoff_max_s)
+            else:
+                if down_since is not None:
+                    self._outage(None)
+                return ids
+
+    def _outage(self, exc: GenerationError | None) -> None:
+        """One log line when an outage begins and one when it ends, whatever the window."""
+        with self._outage_lock:
+            began = exc is not None and not self._in_outage
+            ended = exc is None and self._in_outage
+            self._in_outage = exc is not None
+        if began:
+            logger.warning(
+                "render server %s: %s; retrying for up to %.0fs",
+                self.base_url,
+                exc,
+                self.policy.wait_s,
+            )
+        elif ended:
+            logger.info("render server %s answers again", self.base_url)
 
     def render_many(self, requests: Sequence[RenderRequest]) -> list[list[int] | PermanentError]:
         """Every prompt (in order) or the PermanentError of the one the server refused.

@@ -1,0 +1,368 @@
+"""Rendering on the server and parity, against real emulator processes: `--render-with`
+stores exactly the server's rendering, an outage during it loses and duplicates nothing,
+`tokenmill parity` finds a same-template server equal and a different one mismatched (with a
+readable diff), and the watchdog's preflight records a `parity` event and pauses a differing
+server of a `--require-parity` run."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+from sqlalchemy import Engine, func, select
+
+from app import ledger, registry
+from app.constants import EVENT_ENQUEUE_STOPPED, EVENT_PARITY
+from app.contracts import SamplingParams
+from app.emulator.config import EmulatorConfig
+from app.errors import RunMismatch
+from app.ledger import items
+from app.render import RenderClient, RenderPolicy, RenderServerUnavailable, prompt_request
+from app.settings import Settings, get_settings
+from app.tokenization import ChatTokenizer, load_tokenizer
+from ops.cli import cli
+from tests.support.emulator import EmulatorProcess, free_port, running_emulator, start_emulator
+from tests.support.procs import clean_env, tokenmill
+from tests.support.rows import chat_rows, write_rows
+from tests.support.templates import thinking_off_by_default
+from workers import producer
+from workers.parity import ParityGate, check_run
+from workers.watchdog import run_watchdog
+
+FAST = {"median_tokens": 8.0, "token_min": 300, "token_max": 400, "step_ms": 1.0}
+
+
+@pytest.fixture(scope="module")
+def same(kimi_tokenizer_dir: Path) -> Iterator[EmulatorProcess]:
+    """An emulator serving the same tokenizer folder as the runs use."""
+    with running_emulator(EmulatorConfig(port=0, tokenizer=str(kimi_tokenizer_dir), **FAST)) as p:
+        yield p
+
+
+@pytest.fixture(scope="module")
+def off(kimi_tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """An emulator whose template thinks only when asked (the runs' thinks unless told not to)."""
+    folder = thinking_off_by_default(kimi_tokenizer_dir, tmp_path_factory.mktemp("off") / "tok")
+    with running_emulator(EmulatorConfig(port=0, tokenizer=str(folder), **FAST)) as p:
+        yield p
+
+
+@pytest.fixture(scope="module")
+def tokenizer(kimi_tokenizer_dir: Path) -> ChatTokenizer:
+    return load_tokenizer(kimi_tokenizer_dir)
+
+
+def client(url: str, wait_s: float = 5.0, window: int = 8) -> RenderClient:
+    return RenderClient(
+        url,
+        window=window,
+        connect_timeout_s=2,
+        timeout_s=30,
+        policy=RenderPolicy(wait_s=wait_s, backoff_s=0.1, backoff_max_s=0.5),
+    )
+
+
+def options(path: Path, run: str, render_with: str | None, **extra: Any) -> producer.EnqueueOptions:
+    return producer.EnqueueOptions(
+        input_path=path,
+        run=run,
+        sampling=SamplingParams(max_new_tokens=16, seed=1),
+        render_with=render_with,
+        **extra,
+    )
+
+
+def stored(db: Engine, run: str) -> list[ledger.StoredItem]:
+    with db.connect() as conn:
+        info = ledger.get_run(conn, run)
+        return ledger.stored_prompts(conn, ledger.prompt_item_ids(conn, info.id))
+
+
+# --- --render-with --------------------------------------------------------------------------
+
+
+def test_render_with_stores_the_servers_rendering(
+    db: Engine, tmp_path: Path, same: EmulatorProcess, tokenizer: ChatTokenizer
+) -> None:
+    path = write_rows(tmp_path / "rows.jsonl", chat_rows(40))
+    with client(same.base_url) as renderer:
+        report = producer.enqueue(
+            db, tokenizer, options(path, "rw", same.base_url), publish=None, renderer=renderer
+        )
+        assert (report.inserted, report.skipped) == (40, 0)
+        rows = stored(db, "rw")
+        assert len(rows) == 40
+        for item in rows:
+            request = prompt_request(item.messages or [], {})
+            assert item.prompt_ids == renderer.render(request)
+            # the same tokenizer folder on both sides: the client's own templating agrees
+            assert item.prompt_ids == tokenizer.apply(item.messages or [])
+    with db.connect() as conn:
+        assert ledger.get_run(conn, "rw").render_with == same.base_url
+    # pinned: enqueueing into the run with local templating is refused
+    with pytest.raises(RunMismatch, match="render with"):
+        producer.enqueue(db, tokenizer, options(path, "rw", None), publish=None)
+
+
+def test_render_with_through_a_different_template_stores_that_template(
+    db: Engine, tmp_path: Path, off: EmulatorProcess, tokenizer: ChatTokenizer
+) -> None:
+    """The server decides: its template (thinking off) builds the prompts, not the local one."""
+    path = write_rows(tmp_path / "rows.jsonl", chat_rows(8))
+    with client(off.base_url) as renderer:
+        producer.enqueue(
+            db, tokenizer, options(path, "off", off.base_url), publish=None, renderer=renderer
+        )
+    think, think_end = tokenizer.think_start_id, tokenizer.think_end_id
+    for item in stored(db, "off"):
+        assert item.prompt_ids[-2:] == [think, think_end]
+        assert item.prompt_ids != tokenizer.apply(item.messages or [])
+
+
+def _count(db: Engine, run: str) -> tuple[int, int]:
+    with db.connect() as conn:
+        run_id = ledger.get_run(conn, run).id
+        total = conn.execute(select(func.count()).where(items.c.run_id == run_id)).scalar_one()
+        keys = conn.execute(
+            select(func.count(func.distinct(items.c.item_key))).where(items.c.run_id == run_id)
+        ).scalar_one()
+    return int(total), int(keys)
+
+
+def _restart_on(port: int, tokenizer_dir: Path) -> EmulatorProcess:
+    process = start_emulator(EmulatorConfig(port=port, tokenizer=str(tokenizer_dir), **FAST))
+    process.wait_ready(60)
+    return process
+
+
+def test_an_outage_longer_than_the_wait_stops_and_a_rerun_completes(
+    db: Engine, tmp_path: Path, kimi_tokenizer_dir: Path, tokenizer: ChatTokenizer
+) -> None:
+    lines = producer.CHUNK_LINES * 2 + 40
+    path = write_rows(tmp_path / "rows.jsonl", chat_rows(lines))
+    port = free_port()
+    server = _restart_on(port, kimi_tokenizer_dir)
+    url = server.base_url
+    try:
+        killed = threading.Event()
+
+        def kill_after_first_chunk(_: int) -> None:
+            if not killed.is_set():
+                killed.set()
+                server.popen.kill()
+                server.popen.wait()
+
+        with client(url, wait_s=1.0) as renderer, pytest.raises(RenderServerUnavailable) as err:
+            producer.enqueue(
+                db,
+                tokenizer,
+                options(path, "outage", url),
+                publish=None,
+                renderer=renderer,
+                on_progress=kill_after_first_chunk,
+            )
+        assert "Run the same enqueue again" in str(err.value)
+        assert _count(db, "outage") == (producer.CHUNK_LINES, producer.CHUNK_LINES)
+        with db.connect() as conn:
+            run_id = ledger.get_run(conn, "outage").id
+            kinds = [e.kind for e in registry.list_events(conn, run_id=run_id)]
+        assert EVENT_ENQUEUE_STOPPED in kinds
+
+        server = _restart_on(port, kimi_tokenizer_dir)
+        with client(url) as renderer:
+            report = producer.enqueue(
+                db, tokenizer, options(path, "outage", url), publish=None, renderer=renderer
+            )
+            assert report.already_present == producer.CHUNK_LINES
+            assert report.inserted == lines - producer.CHUNK_LINES
+            assert _count(db, "outage") == (lines, lines)
+            with db.connect() as conn:
+                run = ledger.get_run(conn, "outage")
+            parity = check_run(db, run, renderer, server=url)
+        assert (parity.checked, parity.equal) == (lines, lines)
+    finally:
+        server.stop()
+
+
+def test_an_outage_shorter_than_the_wait_is_waited_out(
+    db: Engine, tmp_path: Path, kimi_tokenizer_dir: Path, tokenizer: ChatTokenizer
+) -> None:
+    lines = producer.CHUNK_LINES + 100
+    path = write_rows(tmp_path / "rows.jsonl", chat_rows(lines))
+    port = free_port()
+    servers = [_restart_on(port, kimi_tokenizer_dir)]
+    url = servers[0].base_url
+    try:
+
+        def restart_later() -> None:
+            time.sleep(1.0)  # the enqueue meets a refused connection meanwhile
+            servers.append(_restart_on(port, kimi_tokenizer_dir))
+
+        def kill_after_first_chunk(_: int) -> None:
+            if len(servers) == 1 and servers[0].popen.poll() is None:
+                servers[0].popen.kill()
+                servers[0].popen.wait()
+                threading.Thread(target=restart_later, daemon=True).start()
+
+        with client(url, wait_s=120.0) as renderer:
+            report = producer.enqueue(
+                db,
+                tokenizer,
+                options(path, "blip", url),
+                publish=None,
+                renderer=renderer,
+                on_progress=kill_after_first_chunk,
+            )
+            assert report.inserted == lines
+            assert _count(db, "blip") == (lines, lines)
+            with db.connect() as conn:
+                run = ledger.get_run(conn, "blip")
+            parity = check_run(db, run, renderer, server=url)
+        assert (parity.checked, parity.equal) == (lines, lines)
+    finally:
+        for server in servers:
+            server.stop()
+
+
+# --- tokenmill parity -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def local_run(tmp_path_factory: pytest.TempPathFactory, kimi_tokenizer_dir: Path) -> dict[str, str]:
+    """A 40-row run templated locally (embedded ledger), for the CLI."""
+    folder = tmp_path_factory.mktemp("cli")
+    env = clean_env(folder / "data")
+    path = write_rows(folder / "rows.jsonl", chat_rows(40))
+    args = ["enqueue", str(path), "--run", "local", "--tokenizer", str(kimi_tokenizer_dir)]
+    done = tokenmill(args, env)
+    assert done.returncode == 0, done.stderr
+    return env
+
+
+def test_parity_is_equal_on_a_server_with_the_same_template(
+    local_run: dict[str, str], same: EmulatorProcess
+) -> None:
+    done = tokenmill(["parity", "local", "--server", same.base_url, "--json"], local_run)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert set(report) == {"run", "server", "checked", "equal", "mismatched", "mismatches"}
+    assert (report["checked"], report["equal"], report["mismatched"]) == (40, 40, 0)
+    text = tokenmill(["parity", "local", "--server", same.base_url], local_run)
+    assert text.returncode == 0
+    assert "40 checked, 40 equal, 0 mismatched" in text.stdout
+
+
+def test_parity_reports_every_mismatch_with_a_readable_diff(
+    local_run: dict[str, str], off: EmulatorProcess, tokenizer: ChatTokenizer
+) -> None:
+    done = tokenmill(["parity", "local", "--server", off.base_url, "--json"], local_run)
+    assert done.returncode == 1, done.stderr
+    report = json.loads(done.stdout)
+    assert (report["checked"], report["equal"], report["mismatched"]) == (40, 0, 40)
+    for mismatch in report["mismatches"]:
+        # the stored prompt ends by opening the reasoning; the server's closes it at once
+        assert mismatch["position"] == mismatch["stored_tokens"]
+        assert mismatch["server_tokens"] == mismatch["stored_tokens"] + 1
+        assert (mismatch["stored_ids"], mismatch["server_ids"]) == ([], [tokenizer.think_end_id])
+        assert (mismatch["stored"], mismatch["server"]) == ("", "</think>")
+        assert mismatch["before"].endswith("<|im_assistant|>assistant<|im_middle|><think>")
+    text = tokenmill(["parity", "local", "--server", off.base_url], local_run)
+    assert text.returncode == 1
+    assert "40 checked, 0 equal, 40 mismatched" in text.stdout
+    assert "first difference at token" in text.stdout
+    assert "'</think>'" in text.stdout
+
+
+def test_parity_samples_with_a_seed_and_takes_a_registered_name(
+    local_run: dict[str, str], off: EmulatorProcess
+) -> None:
+    added = tokenmill(["servers", "add", "gpu-off", off.base_url], local_run)
+    assert added.returncode == 0, added.stderr
+
+    def sampled(seed: int) -> list[int]:
+        args = ["parity", "local", "--server", "gpu-off", "--sample", "5", "--seed", str(seed)]
+        done = tokenmill([*args, "--json"], local_run)
+        assert done.returncode == 1, done.stderr
+        report = json.loads(done.stdout)
+        assert (report["server"], report["checked"]) == ("gpu-off", 5)
+        return [m["item"] for m in report["mismatches"]]
+
+    assert sampled(3) == sampled(3)
+    assert len({tuple(sampled(seed)) for seed in range(4)}) > 1
+
+
+# --- the preflight ----------------------------------------------------------------------------
+
+
+class RecordingControl:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, list[str]]] = []
+
+    def cancel_consumer(self, workers: list[str]) -> None:
+        self.calls.append(("cancel", workers))
+
+    def add_consumer(self, workers: list[str]) -> None:
+        self.calls.append(("add", workers))
+
+
+@pytest.mark.parametrize("require_parity", [True, False])
+def test_the_watchdog_preflight_records_parity_and_pauses_when_required(
+    db: Engine,
+    tmp_path: Path,
+    same: EmulatorProcess,
+    off: EmulatorProcess,
+    tokenizer: ChatTokenizer,
+    require_parity: bool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    path = write_rows(tmp_path / "rows.jsonl", chat_rows(12))
+    run_opts = options(path, "pre", None, require_parity=require_parity)
+    producer.enqueue(db, tokenizer, run_opts, publish=None)
+    with db.begin() as conn:
+        registry.upsert_server(conn, "gpu-same", same.base_url)
+        registry.upsert_server(conn, "gpu-off", off.base_url)
+    settings = Settings(data_dir=tmp_path, successes_to_up=1, parity_sample=4)
+    control = RecordingControl()
+    gate = ParityGate(settings)
+    for _ in range(2):  # the second round sees the servers healthy already: no new checks
+        assert run_watchdog(db, settings, control, parity=gate) == {
+            "gpu-off": "healthy",
+            "gpu-same": "healthy",
+        }
+    with db.connect() as conn:
+        run_id = ledger.get_run(conn, "pre").id
+        events = [e for e in registry.list_events(conn, run_id=run_id) if e.kind == EVENT_PARITY]
+        same_info = registry.get_server(conn, "gpu-same")
+        off_info = registry.get_server(conn, "gpu-off")
+    assert sorted(e.server or "" for e in events) == ["gpu-off", "gpu-same"]
+    assert same_info.parity and same_info.parity["pre"]["status"] == "equal"
+    assert off_info.parity and off_info.parity["pre"]["status"] == "differs"
+    assert off_info.parity["pre"]["mismatched"] == off_info.parity["pre"]["checked"] == 4
+    assert off_info.differing_runs() == ["pre"]
+    assert not same_info.paused
+    assert off_info.paused is require_parity
+    if require_parity:
+        assert off_info.paused_by == registry.PAUSED_BY_PARITY
+        assert "pre" in (off_info.pause_reason or "")
+
+    # servers and status name the differing server
+    monkeypatch.setenv("TOKENMILL_DATABASE_URL", db.url.render_as_string(hide_password=False))
+    monkeypatch.setenv("TOKENMILL_DATA_DIR", str(tmp_path))
+    get_settings.cache_clear()
+    try:
+        runner = CliRunner()
+        servers = json.loads(runner.invoke(cli, ["servers", "--json"]).output)
+        by_name = {s["name"]: s for s in servers}
+        assert by_name["gpu-off"]["parity"]["pre"]["status"] == "differs"
+        status = json.loads(runner.invoke(cli, ["status", "pre", "--json"]).output)
+        assert status["rendering_differs"] == ["gpu-off"]
+        table = runner.invoke(cli, ["status"]).output
+        assert "server gpu-off renders its prompts differently" in table
+    finally:
+        get_settings.cache_clear()
