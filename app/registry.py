@@ -233,6 +233,16 @@ def record_parity(conn: Connection, name: str, run_name: str, result: dict[str, 
     )
 
 
+def parity_status(conn: Connection, name: str, run_name: str) -> str | None:
+    """The status of the server's last parity check of the run (None: never checked, or the
+    server is not registered)."""
+    row = conn.execute(select(servers.c.parity).where(servers.c.name == name)).first()
+    if row is None or not row.parity:
+        return None
+    status = (row.parity.get(run_name) or {}).get("status")
+    return str(status) if status is not None else None
+
+
 def active_runs(conn: Connection) -> list[tuple[int, str, bool]]:
     """(run id, run name, require_parity) of runs that still have unfinished items."""
     unfinished = (

@@ -185,8 +185,9 @@ def _compare(
 def preflight(
     db: Engine, settings: Settings, run: RunInfo, server: str, url: str
 ) -> ParityReport | None:
-    """Check `settings.parity_sample` of the run's prompts on the server, record a `parity`
-    event and (for a registered server) the result; None if the server could not answer."""
+    """Check `settings.parity_sample` of the run's prompts on the server, keep the result on a
+    registered server, and record a `parity` event when the outcome is new for it (a first
+    check, or a change); None if the server could not answer."""
     if settings.parity_sample <= 0:
         return None
     try:
@@ -218,16 +219,19 @@ def preflight(
             + f"{run.name} --server {server}`"
         )
     with db.begin() as conn:
+        before = registry.parity_status(conn, server, run.name)
         registry.record_parity(conn, server, run.name, result)
-        ledger.record_event(
-            conn,
-            EVENT_PARITY,
-            message,
-            run_id=run.id,
-            server=server,
-            details=report.to_json() | {"mismatches": report.to_json()["mismatches"][:5]},
-        )
-    (log.warning if report.mismatches else log.info)("%s", message)
+        if before != report.status:  # a re-check with the same outcome is not news
+            ledger.record_event(
+                conn,
+                EVENT_PARITY,
+                message,
+                run_id=run.id,
+                server=server,
+                details=report.to_json() | {"mismatches": report.to_json()["mismatches"][:5]},
+            )
+    if before != report.status:
+        (log.warning if report.mismatches else log.info)("%s", message)
     return report
 
 
