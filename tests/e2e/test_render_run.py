@@ -1,0 +1,92 @@
+"""`tokenmill run --render-with URL` end to end, in real processes: every prompt of every turn
+of a `--turns all` run is the server's rendering of its stored turns (later turns rendered
+when they become ready), the run has a `parity` event, and `--require-parity` refuses servers
+that render differently."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from app.emulator.config import EmulatorConfig
+from tests.support.emulator import EmulatorProcess, running_emulator
+from tests.support.procs import clean_env, tokenmill
+from tests.support.rows import chat_rows, write_rows
+from tests.support.templates import thinking_off_by_default
+
+FAST: dict[str, Any] = {"median_tokens": 12.0, "sigma": 0.3, "step_ms": 1.0}
+
+
+@pytest.fixture
+def same(kimi_tokenizer_dir: Path) -> Iterator[EmulatorProcess]:
+    with running_emulator(EmulatorConfig(port=0, tokenizer=str(kimi_tokenizer_dir), **FAST)) as p:
+        yield p
+
+
+def test_run_renders_every_turn_on_the_server(
+    tmp_path: Path, kimi_tokenizer_dir: Path, same: EmulatorProcess
+) -> None:
+    env = clean_env(tmp_path / "data")
+    rows = write_rows(tmp_path / "rows.jsonl", chat_rows(16, tools=False))
+    run = tokenmill(
+        [
+            "run",
+            str(rows),
+            "--run",
+            "rendered",
+            "--tokenizer",
+            str(kimi_tokenizer_dir),
+            "--server",
+            same.base_url,
+            "--render-with",
+            same.base_url,
+            "--turns",
+            "all",
+            "--max-new-tokens",
+            "24",
+            "--json",
+        ],
+        env,
+    )
+    assert run.returncode == 0, run.stderr
+    counts = json.loads(run.stdout)
+    assert counts["done"] == counts["total"] > 16  # the multi-turn rows made later turns
+    parity = tokenmill(["parity", "rendered", "--server", same.base_url, "--json"], env)
+    assert parity.returncode == 0, parity.stderr
+    report = json.loads(parity.stdout)
+    assert report["checked"] == counts["total"] and report["mismatched"] == 0
+    events = tokenmill(["events", "--run", "rendered", "--json"], env)
+    assert any(e["kind"] == "parity" for e in json.loads(events.stdout))
+
+
+def test_require_parity_refuses_a_server_that_renders_differently(
+    tmp_path: Path, kimi_tokenizer_dir: Path, same: EmulatorProcess
+) -> None:
+    folder = thinking_off_by_default(kimi_tokenizer_dir, tmp_path / "off")
+    env = clean_env(tmp_path / "data")
+    rows = write_rows(tmp_path / "rows.jsonl", chat_rows(6))
+    with running_emulator(EmulatorConfig(port=0, tokenizer=str(folder), **FAST)) as off:
+        run = tokenmill(
+            [
+                "run",
+                str(rows),
+                "--run",
+                "strict",
+                "--tokenizer",
+                str(kimi_tokenizer_dir),
+                "--server",
+                off.base_url,
+                "--render-with",
+                same.base_url,
+                "--require-parity",
+            ],
+            env,
+        )
+    assert run.returncode == 2
+    assert "renders the prompts of run strict differently" in run.stderr
+    status = json.loads(tokenmill(["status", "strict", "--json"], env).stdout)
+    assert status["done"] == 0 and status["pending"] == 6
