@@ -99,8 +99,12 @@ def first_difference(stored: Sequence[int], rendered: Sequence[int]) -> int | No
 
 
 def item_request(item: StoredItem, run: RunInfo) -> RenderRequest:
-    """What the server re-renders for a stored item: its messages and the run's kwargs."""
-    return prompt_request(item.messages or [], run.chat_template_kwargs)
+    """What the server re-renders for a stored item: what built its prompt (its turns, its
+    row's tools, its merged kwargs or else the run's), as `--render-with` sends it."""
+    kwargs = item.chat_template_kwargs
+    if kwargs is None:
+        kwargs = run.chat_template_kwargs
+    return prompt_request(item.messages or [], kwargs, tools=item.tools)
 
 
 def sample_ids(ids: Sequence[int], sample: int | None, seed: int) -> list[int]:

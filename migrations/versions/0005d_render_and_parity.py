@@ -5,7 +5,7 @@ A run created with `--render-with URL` pins the URL so later enqueues and later 
 the same way. `--require-parity` keeps a server whose rendering differs paused.
 
 Revision ID: 0005d
-Revises: 0004
+Revises: 0005
 Create Date: 2026-12-01 08:10:00.000000
 """
 
@@ -17,7 +17,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision: str = "0005d"
-down_revision: str | None = "0004"
+down_revision: str | None = "0005"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
