@@ -360,6 +360,23 @@ def pending_ids(
     return list(conn.execute(stmt).scalars())
 
 
+def pending_keys(
+    conn: Connection, run_id: int, *, after_id: int = 0, limit: int = 5000
+) -> list[tuple[int, str]]:
+    """(id, item key) of the run's pending items in id order (pending_ids with their keys)."""
+    stmt = (
+        select(items.c.id, items.c.item_key)
+        .where(
+            items.c.run_id == run_id,
+            items.c.status == ItemStatus.PENDING.value,
+            items.c.id > after_id,
+        )
+        .order_by(items.c.id)
+        .limit(limit)
+    )
+    return [(int(r[0]), str(r[1])) for r in conn.execute(stmt)]
+
+
 def _in_id_order(conn: Connection, ids: Sequence[int]) -> Any:
     """What an UPDATE of these ids matches, so that Postgres locks the rows in id order (a
     `SELECT … ORDER BY id FOR UPDATE` subquery). Two UPDATEs of overlapping id sets (a
