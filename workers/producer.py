@@ -17,13 +17,14 @@ from typing import Any
 from sqlalchemy import Engine
 
 from app import ledger
+from app.chat_path import ChatInputs, check_version, merge_template_kwargs
 from app.constants import EVENT_ENQUEUED, EVENT_RUN_CREATED
 from app.contracts import PromptRecord, SamplingParams
 from app.conversation import TurnPlan
 from app.errors import InputError
 from app.input_formats import open_table
 from app.inputs import read_prompts
-from app.tokenization import ChatTokenizer
+from app.tokenization import ChatTokenizer, check_template_kwargs
 from workers import turns
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,17 @@ class EnqueueReport:
     already_present: int = 0
     published: int = 0
     errors: list[InputError] = field(default_factory=list)
+    # top-level fields, and how many rows had each: those that built the prompts (the prompt
+    # field, id, system, tools, chat_template_kwargs, reasoning_effort) and those kept as
+    # row metadata (exported with each sample)
+    prompt_fields: dict[str, int] = field(default_factory=dict)
+    metadata_fields: dict[str, int] = field(default_factory=dict)
+
+    def count_fields(self, record: PromptRecord) -> None:
+        for name in record.prompt_fields:
+            self.prompt_fields[name] = self.prompt_fields.get(name, 0) + 1
+        for name in record.metadata or {}:
+            self.metadata_fields[name] = self.metadata_fields.get(name, 0) + 1
 
     @property
     def skipped(self) -> int:
@@ -73,6 +85,8 @@ class EnqueueReport:
             "already_present": self.already_present,
             "published": self.published,
             "skipped": self.skipped,
+            "prompt_fields": dict(self.prompt_fields),
+            "metadata_fields": dict(self.metadata_fields),
             "errors": [{"line": e.line, "reason": e.reason} for e in self.errors],
         }
 
@@ -91,27 +105,30 @@ def _chunks(records: Iterator[PromptRecord | InputError], size: int) -> Iterator
         yield chunk
 
 
+def row_kwargs(run_kwargs: dict[str, Any], record: PromptRecord) -> dict[str, Any] | None:
+    """The record's template kwargs merged over the run's; None when it has none of its own
+    (the item then uses the run's)."""
+    if record.chat_template_kwargs is None and record.reasoning_effort is None:
+        return None
+    return merge_template_kwargs(run_kwargs, record.chat_template_kwargs, record.reasoning_effort)
+
+
 def _tokenize(
     tokenizer: ChatTokenizer, records: list[PromptRecord], kwargs: dict[str, Any]
 ) -> list[list[int] | InputError]:
-    """Prompt ids for each record, or the error of the one record that could not be templated."""
+    """Prompt ids for each record, or the error of a record that could not be templated."""
     out: list[list[int] | InputError] = [[] for _ in records]
-    chat = [(i, r) for i, r in enumerate(records) if r.messages is not None]
+    chat: list[tuple[int, PromptRecord]] = []
     for i, r in enumerate(records):
         if r.input_ids is not None:
             out[i] = list(r.input_ids)
-    if chat:
-        try:
-            batch = tokenizer.apply_batch([r.messages or [] for _, r in chat], kwargs)
-            for (i, _), ids in zip(chat, batch, strict=True):
-                out[i] = ids
-        except Exception:
-            # find the line that breaks the template instead of losing the chunk
-            for i, r in chat:
-                try:
-                    out[i] = tokenizer.apply(r.messages or [], kwargs)
-                except Exception as exc:
-                    out[i] = InputError(f"chat template failed: {exc}", r.line)
+        else:
+            chat.append((i, r))
+    batch = [
+        ChatInputs(r.messages or [], r.tools, row_kwargs(kwargs, r) or kwargs) for _, r in chat
+    ]
+    for (i, r), ids in zip(chat, tokenizer.apply_each(batch), strict=True):
+        out[i] = InputError(ids.reason, r.line) if isinstance(ids, InputError) else ids
     return out
 
 
@@ -128,7 +145,10 @@ def enqueue(
     report = EnqueueReport(run=options.run)
     # Read the first line before writing anything: a file that is missing, unreadable or
     # empty is refused with no run created.
-    entries = read_prompts(options.input_path, field=options.prompt_field)
+    check_template_kwargs(options.chat_template_kwargs)
+    entries = read_prompts(
+        options.input_path, field=options.prompt_field, content_format=tokenizer.content_format
+    )
     unit = "row" if open_table(options.input_path) is not None else "line"
     first = next(entries, None)
     if first is None:
@@ -151,6 +171,8 @@ def enqueue(
     )
     with db.begin() as conn:
         run, created = ledger.get_or_create_run(conn, spec)
+        # later enqueues build prompts with the rules the run pinned (or are refused)
+        check_version(run.normalization_version, run=run.name)
         report.run_created = created
         if created:
             ledger.record_event(
@@ -195,6 +217,7 @@ def enqueue(
                     fail(entry)
                 else:
                     records.append(entry)
+                    report.count_fields(entry)
             report.lines = max(report.lines, *(entry.line or 0 for entry in chunk))
             present: set[str] = set()
             if not report.run_created:  # a new run has no keys but this file's (unique)
@@ -237,7 +260,11 @@ def enqueue(
                     continue
                 new_items.extend(
                     turns.chain_items(
-                        record, ids, options.samples_per_prompt, plans.get(record.key)
+                        record,
+                        ids,
+                        options.samples_per_prompt,
+                        plans.get(record.key),
+                        row_kwargs(options.chat_template_kwargs, record),
                     )
                 )
             # the database work of this chunk overlaps the templating of the next one; one chunk
