@@ -254,7 +254,17 @@ def enqueue(
                     continue
                 if turn is not None:
                     new_items.extend(
-                        ledger.NewItem(record.key, k, record.line, record.messages, ids, turn)
+                        ledger.NewItem(
+                            record.key,
+                            k,
+                            record.line,
+                            record.messages,
+                            ids,
+                            turn,
+                            tools=record.tools,
+                            chat_template_kwargs=row_kwargs(options.chat_template_kwargs, record),
+                            metadata=record.metadata,
+                        )
                         for k in range(options.samples_per_prompt)
                     )
                     continue

@@ -83,8 +83,9 @@ def first_turns(
 def boundary_records(
     records: Sequence[PromptRecord], fail: Callable[[InputError], None]
 ) -> tuple[list[PromptRecord], list[int]]:
-    """`--turns each`: one record per boundary sample of each chat record (shortest first),
-    and the turn index of each; pre-tokenized records stay one item of turn 0. A
+    """`--turns each`: one record per boundary sample of each chat record (shortest first;
+    the row's tools, kwargs and metadata kept), and the turn index of each; pre-tokenized
+    records stay one item of turn 0. A
     conversation that cannot be split is reported through fail and dropped."""
     out: list[PromptRecord] = []
     turn_of: list[int] = []
@@ -99,7 +100,7 @@ def boundary_records(
             fail(InputError(exc.reason, record.line))
             continue
         for boundary in split:
-            out.append(PromptRecord(record.line, record.key, messages=boundary.messages))
+            out.append(replace(record, messages=boundary.messages, conversation=None))
             turn_of.append(boundary.index)
     return out, turn_of
 

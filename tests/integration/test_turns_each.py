@@ -12,6 +12,7 @@ import pytest
 from sqlalchemy import Engine
 
 from app import ledger
+from app.chat_path import normalize_messages, normalize_tools
 from app.contracts import GenerateResult, SamplingParams
 from app.errors import ConfigurationError
 from app.export import export_run
@@ -44,8 +45,24 @@ CHAT: list[dict[str, Any]] = [
     {"role": "user", "content": "beta"},
     {"role": "assistant", "content": "ORIGINAL beta"},
 ]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "search",
+            "description": "Search the web.",
+            "parameters": {"type": "object", "properties": {"q": {"type": "string"}}},
+        },
+    }
+]
 LINES: list[dict[str, Any]] = [
-    {"id": "agent", "messages": AGENT},
+    {
+        "id": "agent",
+        "messages": AGENT,
+        "tools": TOOLS,
+        "chat_template_kwargs": {"thinking": False},
+        "source": "tide-bot",
+    },
     {"id": "chat", "messages": CHAT},
     {"id": "single", "prompt": "one question"},
 ]
@@ -114,8 +131,14 @@ def test_each_boundary_is_an_item_on_its_original_history(
     for item in found:
         history = BOUNDARIES[item.item_key][item.turn_index]
         assert item.status == "pending"
-        assert item.messages == history
-        assert item.prompt_ids == tokenizer.apply(history)
+        assert item.messages == normalize_messages(history, tokenizer.content_format)
+        if item.item_key == "agent":  # every boundary carries the row's template inputs
+            assert (item.tools, item.metadata) == (normalize_tools(TOOLS), {"source": "tide-bot"})
+            assert item.chat_template_kwargs == {"thinking": False}
+            assert item.prompt_ids == tokenizer.apply(history, {"thinking": False}, TOOLS)
+        else:
+            assert (item.tools, item.chat_template_kwargs, item.metadata) == (None, None, None)
+            assert item.prompt_ids == tokenizer.apply(history)
     # within a conversation, ids run shortest history first
     agent = [i for i in found if i.item_key == "agent"]
     lengths = [len(i.prompt_ids) for i in sorted(agent, key=lambda i: i.id)]
@@ -179,14 +202,16 @@ def test_exports_carry_the_regenerated_turn(
     )
     by_turn = {(r["id"], r["sample"], r["turn"]): r for r in rows}
     agent_turn_1 = by_turn[("agent", 0, 1)]
-    assert agent_turn_1["input_ids"] == tokenizer.apply(AGENT[:4]) + answer
+    assert (
+        agent_turn_1["input_ids"] == tokenizer.apply(AGENT[:4], {"thinking": False}, TOOLS) + answer
+    )
 
     conv = tmp_path / "conv.jsonl"
     export_run(db, run, "conversations", conv, tokenizer=tokenizer)
     conv_rows = {(r["id"], r["sample"], r["turn"]): r for r in map(json.loads, conv.open())}
     assert len(conv_rows) == len(found)
     turns = conv_rows[("agent", 1, 2)]["conversations"]
-    assert turns[:-1] == AGENT
+    assert turns[:-1] == normalize_messages(AGENT, tokenizer.content_format)
     assert turns[-1]["role"] == "assistant" and turns[-1]["content"] == "fine"
 
     with pytest.raises(ConfigurationError, match="boundary samples"):
