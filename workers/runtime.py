@@ -121,15 +121,22 @@ class WorkerRuntime:
 
     def find_hedges(self, limit: int) -> list[ledger.ClaimedItem]:
         """Up to limit items running on other servers, in runs with nothing left to claim,
-        that this server may serve; marked as hedged by this worker."""
+        that this server may serve (not boundary samples); marked as hedged by this worker."""
         with self._lock:
             refused = [run_id for run_id, ok in self._run_ok.items() if not ok]
+            refused += [run_id for run_id, info in self._runs.items() if info.turns == "each"]
         with self.db.connect() as conn:
             candidates = ledger.hedge_candidates(
                 conn, server=self.server_name, limit=limit, skip_runs=refused
             )
-        # checked outside the transaction: a first use pins the run's fingerprint (a write)
-        ids = [item_id for item_id, run_id in candidates if self.run_matches_server(run_id)]
+        # checked outside the transaction: a first use pins the run's fingerprint (a write).
+        # Boundary samples are not hedged: a conversation's items wait on their server on
+        # purpose (its prefix cache holds their history), and a copy elsewhere finds none.
+        ids = [
+            item_id
+            for item_id, run_id in candidates
+            if self.run_info(run_id).turns != "each" and self.run_matches_server(run_id)
+        ]
         if not ids:
             return []
         with self.db.begin() as conn:
