@@ -14,8 +14,8 @@ from app.contracts import Message
 from app.errors import InputError, TokenmillError
 from app.tokenization import ChatTokenizer
 
-TurnsMode = Literal["last", "all"]
-TURNS_MODES: tuple[TurnsMode, ...] = ("last", "all")
+TurnsMode = Literal["last", "all", "each"]
+TURNS_MODES: tuple[TurnsMode, ...] = ("last", "all", "each")
 
 # (messages, add_generation_prompt) → token ids, as the run's pinned chat template makes them
 Encode = Callable[[Sequence[Message], bool], list[int]]
@@ -76,6 +76,57 @@ def split_turns(messages: Sequence[Message]) -> list[TurnPlan]:
     if not plans:
         raise InputError("the conversation has no turn to regenerate")
     return plans
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """A boundary sample (`--turns each`): the original turns before assistant turn `index`
+    (counted among the assistant turns), or before the answer to a trailing user/tool turn."""
+
+    index: int
+    messages: list[Message]
+
+
+def split_boundaries(messages: Sequence[Message]) -> list[Boundary]:
+    """One boundary per assistant turn, its prompt the original history before it (earlier
+    assistant turns as the dataset has them, tool calls and reasoning included), plus one for
+    a trailing user or tool turn. Shortest first. The same rules as split_turns: each
+    assistant turn follows a user or tool turn, and a user turn comes before the first."""
+    boundaries: list[Boundary] = []
+    seen_user = False
+    for position, turn in enumerate(messages):
+        if turn["role"] != "assistant":
+            seen_user = seen_user or turn["role"] == "user"
+            continue
+        if not seen_user:
+            raise InputError(
+                f"messages[{position}] is an assistant turn before any user turn; "
+                "--turns each regenerates each assistant turn from the turns before it"
+            )
+        if messages[position - 1]["role"] not in ("user", "tool"):
+            raise InputError(
+                f"messages[{position}] is an assistant turn that does not follow a user or "
+                "tool turn; --turns each needs one before each assistant turn"
+            )
+        boundaries.append(Boundary(len(boundaries), [dict(t) for t in messages[:position]]))
+    last = messages[-1]["role"] if messages else None
+    if not seen_user:
+        raise InputError("the conversation has no user turn")
+    if last in ("user", "tool"):
+        boundaries.append(Boundary(len(boundaries), [dict(t) for t in messages]))
+    elif last != "assistant":
+        raise InputError(
+            f"the conversation ends with a {last} turn, not a user, tool or assistant turn"
+        )
+    return boundaries
+
+
+def tool_turn_position(messages: Sequence[Message]) -> int | None:
+    """The position of the first tool turn or assistant turn with tool calls, if any."""
+    for position, turn in enumerate(messages):
+        if turn["role"] == "tool" or turn.get("tool_calls"):
+            return position
+    return None
 
 
 def next_history(

@@ -127,7 +127,11 @@ def whole_conversations(run: RunInfo, fmt: ExportFormat, *, per_turn: bool, whol
     if whole and run.turns != "all":
         raise ConfigurationError(
             f"--whole-conversation needs a run enqueued with --turns all; run {run.name} "
-            "regenerated only the last turn (its earlier assistant turns are the input's)"
+            + (
+                "holds boundary samples (--turns each), each on its original history"
+                if run.turns == "each"
+                else "regenerated only the last turn (its earlier assistant turns are the input's)"
+            )
         )
     if fmt == "conversations" and run.turns == "all":
         return not per_turn
@@ -149,12 +153,15 @@ def iter_rows(
                 yield item, whole_conversation_row(item, run, tokenizer)
             elif fmt == "specforge":
                 row = specforge_row(item)
-                if run.turns == "all":
+                if run.turns != "last":
                     row["turn"] = item.turn_index
                 yield item, row
             else:
                 assert tokenizer is not None
-                yield item, conversations_row(item, run, tokenizer)
+                row = conversations_row(item, run, tokenizer)
+                if run.turns == "each":
+                    row["turn"] = item.turn_index
+                yield item, row
 
 
 def export_run(

@@ -412,6 +412,23 @@ def pending_ids(
     return list(conn.execute(stmt).scalars())
 
 
+def pending_keys(
+    conn: Connection, run_id: int, *, after_id: int = 0, limit: int = 5000
+) -> list[tuple[int, str]]:
+    """(id, item key) of the run's pending items in id order (pending_ids with their keys)."""
+    stmt = (
+        select(items.c.id, items.c.item_key)
+        .where(
+            items.c.run_id == run_id,
+            items.c.status == ItemStatus.PENDING.value,
+            items.c.id > after_id,
+        )
+        .order_by(items.c.id)
+        .limit(limit)
+    )
+    return [(int(r[0]), str(r[1])) for r in conn.execute(stmt)]
+
+
 def _in_id_order(conn: Connection, ids: Sequence[int]) -> Any:
     """What an UPDATE of these ids matches, so that Postgres locks the rows in id order (a
     `SELECT … ORDER BY id FOR UPDATE` subquery). Two UPDATEs of overlapping id sets (a
@@ -449,6 +466,8 @@ class ClaimedItem:
     sample_index: int
     prompt_ids: list[int]
     attempts: int
+    item_key: str = ""
+    turn_index: int = 0
 
 
 _CLAIM_COLUMNS = (
@@ -457,6 +476,8 @@ _CLAIM_COLUMNS = (
     items.c.sample_index,
     items.c.prompt_ids,
     items.c.attempts,
+    items.c.item_key,
+    items.c.turn_index,
 )
 
 
@@ -511,6 +532,45 @@ def claim_next(
         pick = pick.where(items.c.run_id == run_id)
     if conn.dialect.name == "postgresql":
         pick = pick.with_for_update(skip_locked=True)
+    ids = list(conn.execute(pick).scalars())
+    return claim_items(conn, ids, owner=owner, server=server, lease_s=lease_s)
+
+
+def item_keys(conn: Connection, ids: Sequence[int]) -> dict[int, tuple[int, str]]:
+    """id → (run id, item key) of these items (what a message's ids group by)."""
+    if not ids:
+        return {}
+    stmt = select(items.c.id, items.c.run_id, items.c.item_key).where(items.c.id.in_(list(ids)))
+    return {int(r[0]): (int(r[1]), str(r[2])) for r in conn.execute(stmt)}
+
+
+def claim_next_groups(
+    conn: Connection,
+    *,
+    owner: str,
+    server: str,
+    lease_s: float,
+    limit: int,
+    run_id: int,
+) -> list[ClaimedItem]:
+    """Lease the claimable items of up to limit keys of a run, every claimable item of a key
+    together (a `--turns each` conversation runs on one server); keys in id order."""
+    if limit <= 0:
+        return []
+    now = utcnow()
+    first = (
+        select(items.c.item_key, func.min(items.c.id).label("first_id"))
+        .where(_claimable(now), items.c.run_id == run_id)
+        .group_by(items.c.item_key)
+        .order_by("first_id")
+        .limit(limit)
+    )
+    keys = [str(r[0]) for r in conn.execute(first)]
+    if not keys:
+        return []
+    pick = select(items.c.id).where(
+        items.c.run_id == run_id, items.c.item_key.in_(keys), _claimable(now)
+    )
     ids = list(conn.execute(pick).scalars())
     return claim_items(conn, ids, owner=owner, server=server, lease_s=lease_s)
 

@@ -59,6 +59,10 @@ class Settings(BaseSettings):
     # on other servers (first result wins; the other copy is aborted); checked this often
     hedge: bool = True
     hedge_interval_s: float = Field(default=0.2, gt=0)
+    # a `--turns each` conversation's items go to one server one at a time, shortest first,
+    # each once the one before it finished; a slot that would idle takes the next one once
+    # the one before has been out this long (its prefill is done: the history is cached)
+    group_stagger_s: float = Field(default=5.0, ge=0)
     drain_timeout_s: float = Field(default=30.0, ge=0)
 
     connect_timeout_s: float = Field(default=5.0, gt=0)

@@ -199,12 +199,14 @@ def sampling_options(func: F) -> F:
         ),
         click.option(
             "--turns",
-            type=click.Choice(["last", "all"]),
+            type=click.Choice(["last", "all", "each"]),
             default="last",
             show_default=True,
             help="last: regenerate the answer to the last user turn. all: regenerate every "
-            "assistant turn in order, each prompt built from the regenerated history "
-            "(pinned by the run).",
+            "assistant turn in order, each prompt built from the regenerated history (no tool "
+            "turns). each: one independent sample per assistant turn (and a trailing user or "
+            "tool turn), each on the original history before it: boundary samples, for "
+            "agentic data. Pinned by the run.",
         ),
         click.option(
             "--trust-remote-code",

@@ -64,13 +64,19 @@ def _enqueue(
         trust_remote_code=opts["trust_remote_code"],
         render_with=_render_url(opts.get("render_with")),
         require_parity=bool(opts.get("require_parity")),
+        batch_size=settings.batch_size,
     )
     publisher = None
     if publish:
         from workers.publish import publish_items
 
+        # `--turns each`: the producer hands over one message's ids at a time (a conversation's
+        # items stay in one message, even past batch_size)
+        whole = options.turns == "each"
+
         def publisher(ids: list[int]) -> None:
-            publish_items(ids, batch_size=settings.batch_size, run=run)
+            size = max(settings.batch_size, len(ids)) if whole else settings.batch_size
+            publish_items(ids, batch_size=size, run=run)
 
     shown = 0
 

@@ -32,6 +32,26 @@ def _release(rt: WorkerRuntime, claimed: Sequence[ledger.ClaimedItem], reason: s
         )
 
 
+def _units(rt: WorkerRuntime, ids: list[int]) -> list[list[int]]:
+    """The message's ids in units of room: a conversation's items together (the window sends
+    them one at a time), every other item on its own; in message order."""
+    with rt.db.connect() as conn:
+        keys = ledger.item_keys(conn, ids)
+    units: list[list[int]] = []
+    index: dict[object, int] = {}
+    for item_id in ids:
+        run_and_key = keys.get(item_id)
+        group = None if run_and_key is None else rt.window.group_of(*run_and_key)
+        if group is None:
+            units.append([item_id])
+        elif group in index:
+            units[index[group]].append(item_id)
+        else:
+            index[group] = len(units)
+            units.append([item_id])
+    return units
+
+
 def handle_message(
     rt: WorkerRuntime, item_ids: Sequence[int], *, requeue: Requeue
 ) -> dict[str, int | str]:
@@ -49,15 +69,16 @@ def handle_message(
     accepted: list[ledger.ClaimedItem] = []
     refused: list[ledger.ClaimedItem] = []
     skipped = 0
-    rest = ids
-    while rest:
-        held = rt.window.reserve(len(rest), max(0.0, deadline - time.monotonic()))
+    units = _units(rt, ids)  # a conversation of boundary samples is one unit: one server
+    while units:
+        held = rt.window.reserve(len(units), max(0.0, deadline - time.monotonic()))
         if not held:
             break
         if rt.window.unavailable() or rt.paused():
             rt.window.unreserve(held)
             break
-        take, rest = rest[:held], rest[held:]
+        take = [i for unit in units[:held] for i in unit]
+        units = units[held:]
         try:
             with rt.db.begin() as conn:
                 claimed = ledger.claim_items(
@@ -66,20 +87,20 @@ def handle_message(
         except BaseException:
             rt.window.unreserve(held)
             raise
-        rt.window.unreserve(held - len(claimed))  # ids already taken or finished
         skipped += len(take) - len(claimed)
         try:
             refused_now = [c for c in claimed if not rt.run_matches_server(c.run_id)]
         except BaseException:
-            rt.window.unreserve(len(claimed))  # the leases come back by expiry or reconcile
+            rt.window.unreserve(held)  # the leases come back by expiry or reconcile
             raise
         if refused_now:
-            rt.window.unreserve(len(refused_now))
             requeue(_release(rt, refused_now, "server fingerprint differs from the run's"), wait_s)
             refused += refused_now
         now_ok = [c for c in claimed if c not in refused_now]
+        rt.window.unreserve(held - rt.window.units(now_ok))  # taken, finished or refused
         rt.window.submit(now_ok, reserved=True)
         accepted += now_ok
+    rest = [i for unit in units for i in unit]
     if rest:
         requeue(rest, wait_s if rt.window.unavailable() or rt.paused() else 0.0)
         log.debug("message of %d items: %d sent back unclaimed (no room)", len(ids), len(rest))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +31,7 @@ from workers import turns
 log = logging.getLogger(__name__)
 
 CHUNK_LINES = 512
+PENDING_PAGE = 5000  # ledger.pending_keys' page
 
 
 @dataclass(frozen=True)
@@ -42,13 +43,16 @@ class EnqueueOptions:
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     # the field (column) holding the prompt, instead of the JSONL field names
     prompt_field: str | None = None
-    # "all": one item per assistant turn, chained (workers/turns.py); pinned by the run
+    # "all": one item per assistant turn, chained (workers/turns.py); "each": one independent
+    # item per assistant turn on the original history (boundary samples); pinned by the run
     turns: str = "last"
     trust_remote_code: bool = False
     # `--render-with URL`: every prompt built by that server's /v1/tokenize; pinned by the run
     render_with: str | None = None
     # `--require-parity`: servers whose rendering differs from the stored prompts stay paused
     require_parity: bool = False
+    # ids per generate message; a `--turns each` conversation's items share one message
+    batch_size: int = 32
 
 
 @dataclass
@@ -218,6 +222,7 @@ def enqueue(
                 run_id=run.id,
             )
     context = tokenizer.context_length
+    group_size = options.batch_size if run.turns == "each" else None
     published_after = 0
     analyzed_at = 0
 
@@ -231,10 +236,13 @@ def enqueue(
         nonlocal analyzed_at, published_after
         with db.begin() as conn:
             report.inserted += ledger.insert_items(conn, run.id, new_items)
-            turns.link_chains(conn, run.id, new_items)
+            if options.turns == "all":
+                turns.link_chains(conn, run.id, new_items)
             analyzed_at = _maybe_analyze(conn, report.inserted, analyzed_at)
         if publish is not None:
-            published_after = _publish_pending(db, run.id, publish, published_after, report)
+            published_after = _publish_pending(
+                db, run.id, publish, published_after, report, group_size
+            )
         on_progress(lines)
 
     writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tm-enqueue-writer")
@@ -258,8 +266,11 @@ def enqueue(
             report.already_present += len(records) - len(fresh)
             report.prompts += len(records)
             plans: dict[str, list[TurnPlan]] = {}
+            turn_of: list[int] | None = None
             if options.turns == "all":  # template turn 0 now; later turns wait for it
                 fresh = turns.first_turns(fresh, plans, fail)
+            elif options.turns == "each":  # every boundary now, each on its original history
+                fresh, turn_of = turns.boundary_records(fresh, fail)
             new_items: list[ledger.NewItem] = []
             try:
                 built = prompt_ids(fresh)
@@ -268,20 +279,38 @@ def enqueue(
                     pending.result()
                     pending = None
                 raise _stopped(db, run.id, report, chunk[0].line, exc) from exc
-            for record, ids in zip(fresh, built, strict=True):
+            for position, (record, ids) in enumerate(zip(fresh, built, strict=True)):
+                turn = None if turn_of is None else turn_of[position]
+                where = "" if turn is None else f"turn {turn}: "
                 if isinstance(ids, InputError):
-                    fail(ids)
+                    fail(InputError(where + ids.reason, ids.line))
                     continue
                 if not ids:
-                    fail(InputError("the prompt is empty after templating", record.line))
+                    fail(InputError(f"{where}the prompt is empty after templating", record.line))
                     continue
                 if context is not None and len(ids) >= context:
                     fail(
                         InputError(
-                            f"prompt has {len(ids)} tokens, at or over the model's context "
-                            f"length {context}",
+                            f"{where}prompt has {len(ids)} tokens, at or over the model's "
+                            f"context length {context}",
                             record.line,
                         )
+                    )
+                    continue
+                if turn is not None:
+                    new_items.extend(
+                        ledger.NewItem(
+                            record.key,
+                            k,
+                            record.line,
+                            record.messages,
+                            ids,
+                            turn,
+                            tools=record.tools,
+                            chat_template_kwargs=row_kwargs(options.chat_template_kwargs, record),
+                            metadata=record.metadata,
+                        )
+                        for k in range(options.samples_per_prompt)
                     )
                     continue
                 new_items.extend(
@@ -303,7 +332,7 @@ def enqueue(
     finally:
         writer.shutdown(wait=True)
     if publish is not None:
-        _publish_pending(db, run.id, publish, published_after, report)
+        _publish_pending(db, run.id, publish, published_after, report, group_size)
     with db.begin() as conn:
         if report.inserted:
             ledger.refresh_statistics(conn)
@@ -355,9 +384,18 @@ def _maybe_analyze(conn: Any, inserted: int, analyzed_at: int) -> int:
 
 
 def _publish_pending(
-    db: Engine, run_id: int, publish: Publish, after_id: int, report: EnqueueReport
+    db: Engine,
+    run_id: int,
+    publish: Publish,
+    after_id: int,
+    report: EnqueueReport,
+    batch_size: int | None = None,
 ) -> int:
-    """Publish every still-pending item of the run (new ones, and ones a crash left behind)."""
+    """Publish every still-pending item of the run (new ones, and ones a crash left behind).
+    With batch_size (`--turns each`), publish is called once per message: the items of one
+    conversation (one key) together, so that they run on one server."""
+    if batch_size is not None:
+        return _publish_groups(db, run_id, publish, after_id, report, batch_size)
     while True:
         with db.connect() as conn:
             ids = ledger.pending_ids(conn, run_id, after_id=after_id)
@@ -368,3 +406,37 @@ def _publish_pending(
             ledger.mark_queued(conn, ids)
         report.published += len(ids)
         after_id = ids[-1]
+
+
+def pack(groups: Sequence[Sequence[int]], size: int) -> list[list[int]]:
+    """Messages of whole groups: consecutive groups share a message up to size ids, and a
+    group larger than size is a message of its own (its items must reach one server)."""
+    messages: list[list[int]] = []
+    current: list[int] = []
+    for group in groups:
+        if current and len(current) + len(group) > size:
+            messages.append(current)
+            current = []
+        current.extend(group)
+    if current:
+        messages.append(current)
+    return messages
+
+
+def _publish_groups(
+    db: Engine, run_id: int, publish: Publish, after_id: int, report: EnqueueReport, size: int
+) -> int:
+    while True:
+        with db.connect() as conn:
+            rows = ledger.pending_keys(conn, run_id, after_id=after_id)
+        if not rows:
+            return after_id
+        groups = [[i for i, _ in g] for _, g in itertools.groupby(rows, key=lambda r: r[1])]
+        if len(rows) == PENDING_PAGE and len(groups) > 1:
+            groups.pop()  # may go on in the next page: published with the rest of it
+        for message in pack(groups, size):
+            publish(message)
+            with db.begin() as conn:
+                ledger.mark_queued(conn, message)
+            report.published += len(message)
+        after_id = groups[-1][-1]

@@ -73,6 +73,8 @@ class EmbeddedRunner:
         self._threads: list[threading.Thread] = []
         self._refused: dict[str, bool] = {}
         self._parity: dict[str, str] = {}  # server name → "equal" | "differs"
+        # `--turns each`: a conversation's items are claimed together by one server's feed
+        self._claim_lock = threading.Lock()
 
     def start(self) -> None:
         for rt in self.runtimes:
@@ -110,15 +112,7 @@ class EmbeddedRunner:
                 continue
             self._refused[rt.server_name] = False
             try:
-                with self.db.begin() as conn:
-                    claimed = ledger.claim_next(
-                        conn,
-                        owner=rt.owner,
-                        server=rt.server_name,
-                        lease_s=rt.settings.lease_s,
-                        limit=min(room, 256),
-                        run_id=self.run.id,
-                    )
+                claimed = self._claim(rt, min(room, 256))
             except Exception as exc:
                 log.warning("claiming from the ledger failed (%s); retrying", exc)
                 self._stop.wait(1.0)
@@ -127,6 +121,28 @@ class EmbeddedRunner:
                 rt.window.submit(claimed)
             else:
                 self._stop.wait(self.poll_s)
+
+    def _claim(self, rt: WorkerRuntime, room: int) -> list[ledger.ClaimedItem]:
+        """Up to room items, or (boundary samples) every item of up to room conversations."""
+        if self.run.turns != "each":
+            with self.db.begin() as conn:
+                return ledger.claim_next(
+                    conn,
+                    owner=rt.owner,
+                    server=rt.server_name,
+                    lease_s=rt.settings.lease_s,
+                    limit=room,
+                    run_id=self.run.id,
+                )
+        with self._claim_lock, self.db.begin() as conn:
+            return ledger.claim_next_groups(
+                conn,
+                owner=rt.owner,
+                server=rt.server_name,
+                lease_s=rt.settings.lease_s,
+                limit=room,
+                run_id=self.run.id,
+            )
 
     def counts(self) -> RunCounts:
         with self.db.connect() as conn:

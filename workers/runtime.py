@@ -12,7 +12,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from urllib.parse import urlsplit
 
 from sqlalchemy import Engine
@@ -72,7 +72,7 @@ class WorkerRuntime:
         self.server_name = server_name or server_name_for(self.server_url)
         self.owner = make_owner(self.server_name)
         self._lock = threading.Lock()
-        self._sampling: dict[int, SamplingParams] = {}
+        self._runs: dict[int, ledger.RunInfo] = {}
         self._run_ok: dict[int, bool] = {}
         self._pause_cache: tuple[float, bool, str | None] = (-1e9, False, None)
         self._fingerprint: ServerFingerprint | None = None
@@ -92,6 +92,7 @@ class WorkerRuntime:
                 backlog=backlog if backlog is not None else max(settings.batch_size, n // 4),
                 backlog_s=settings.backlog_s,
                 hedge_interval_s=settings.hedge_interval_s,
+                group_stagger_s=settings.group_stagger_s,
             ),
             db=db,
             owner=self.owner,
@@ -104,6 +105,7 @@ class WorkerRuntime:
             # (another worker's hedge won)
             find_hedges=self.find_hedges if settings.hedge else None,
             unmark_hedges=self.unmark_hedges,
+            group_of=self.group_of,
         )
 
     def new_client(self) -> SGLangClient:
@@ -119,15 +121,22 @@ class WorkerRuntime:
 
     def find_hedges(self, limit: int) -> list[ledger.ClaimedItem]:
         """Up to limit items running on other servers, in runs with nothing left to claim,
-        that this server may serve; marked as hedged by this worker."""
+        that this server may serve (not boundary samples); marked as hedged by this worker."""
         with self._lock:
             refused = [run_id for run_id, ok in self._run_ok.items() if not ok]
+            refused += [run_id for run_id, info in self._runs.items() if info.turns == "each"]
         with self.db.connect() as conn:
             candidates = ledger.hedge_candidates(
                 conn, server=self.server_name, limit=limit, skip_runs=refused
             )
-        # checked outside the transaction: a first use pins the run's fingerprint (a write)
-        ids = [item_id for item_id, run_id in candidates if self.run_matches_server(run_id)]
+        # checked outside the transaction: a first use pins the run's fingerprint (a write).
+        # Boundary samples are not hedged: a conversation's items wait on their server on
+        # purpose (its prefix cache holds their history), and a copy elsewhere finds none.
+        ids = [
+            item_id
+            for item_id, run_id in candidates
+            if self.run_info(run_id).turns != "each" and self.run_matches_server(run_id)
+        ]
         if not ids:
             return []
         with self.db.begin() as conn:
@@ -140,16 +149,27 @@ class WorkerRuntime:
 
     # --- per-run configuration --------------------------------------------------------------
 
-    def sampling_for_run(self, run_id: int) -> SamplingParams:
+    def run_info(self, run_id: int) -> ledger.RunInfo:
+        """The run's pinned configuration, read once per process."""
         with self._lock:
-            cached = self._sampling.get(run_id)
+            cached = self._runs.get(run_id)
         if cached is not None:
             return cached
         with self.db.connect() as conn:
-            sampling = ledger.get_run_by_id(conn, run_id).sampling
+            info = ledger.get_run_by_id(conn, run_id)
         with self._lock:
-            self._sampling[run_id] = sampling
-        return sampling
+            self._runs[run_id] = info
+        return info
+
+    def sampling_for_run(self, run_id: int) -> SamplingParams:
+        return self.run_info(run_id).sampling
+
+    def group_of(self, run_id: int, item_key: str) -> Hashable | None:
+        """The conversation an item belongs to, for runs of boundary samples (`--turns
+        each`): its items run on one server, one after another; None for other runs."""
+        if self.run_info(run_id).turns != "each":
+            return None
+        return (run_id, item_key)
 
     def paused(self) -> bool:
         """The durable pause flag of this server, read at most once a second."""

@@ -22,7 +22,13 @@ from app import ledger
 from app.chat_path import check_version, normalize_messages
 from app.constants import EVENT_TURNS_BLOCKED
 from app.contracts import PromptRecord
-from app.conversation import TurnPlan, next_history, split_turns
+from app.conversation import (
+    TurnPlan,
+    next_history,
+    split_boundaries,
+    split_turns,
+    tool_turn_position,
+)
 from app.errors import GenerationError, InputError, PermanentError, TokenmillError
 from app.export import assistant_turn
 from app.ledger import NewItem, RunInfo, WaitingTurn
@@ -53,14 +59,52 @@ def first_turns(
         if record.messages is None:
             out.append(record)
             continue
+        conversation = record.conversation or record.messages
+        tool_at = tool_turn_position(conversation)
+        if tool_at is not None:
+            fail(
+                InputError(
+                    f"messages[{tool_at}] is a tool call or tool result: --turns all chains "
+                    "regenerated turns, and a regenerated tool call no longer matches the "
+                    "dataset's tool results; use --turns each (one boundary sample per "
+                    "assistant turn, on the original history)",
+                    record.line,
+                )
+            )
+            continue
         try:
-            split = split_turns(record.conversation or record.messages)
+            split = split_turns(conversation)
         except InputError as exc:
             fail(InputError(exc.reason, record.line))
             continue
         plans[record.key] = split
         out.append(replace(record, messages=split[0].context, conversation=None))
     return out
+
+
+def boundary_records(
+    records: Sequence[PromptRecord], fail: Callable[[InputError], None]
+) -> tuple[list[PromptRecord], list[int]]:
+    """`--turns each`: one record per boundary sample of each chat record (shortest first;
+    the row's tools, kwargs and metadata kept), and the turn index of each; pre-tokenized
+    records stay one item of turn 0. A
+    conversation that cannot be split is reported through fail and dropped."""
+    out: list[PromptRecord] = []
+    turn_of: list[int] = []
+    for record in records:
+        if record.messages is None:
+            out.append(record)
+            turn_of.append(0)
+            continue
+        try:
+            split = split_boundaries(record.conversation or record.messages)
+        except InputError as exc:
+            fail(InputError(exc.reason, record.line))
+            continue
+        for boundary in split:
+            out.append(replace(record, messages=boundary.messages, conversation=None))
+            turn_of.append(boundary.index)
+    return out, turn_of
 
 
 def chain_items(

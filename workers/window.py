@@ -23,7 +23,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -35,6 +35,7 @@ from app.contracts import GenerateResult, SamplingParams
 from app.errors import GenerationError, PermanentError, RetryableError, ServerUnavailable
 from app.ledger import ClaimedItem, Done, Failed, Outcome, Released, RetryLater
 from app.sglang import ProbeResult
+from workers.groups import Conversations
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,9 @@ class WindowConfig:
     # > 0: every this many seconds, abort copies of items that finished elsewhere and (given a
     # hedge source) fill free slots with hedges
     hedge_interval_s: float = 0.0
+    # > 0: a slot that would idle takes the next item of a conversation whose last item has
+    # been out this long (past its prefill: its prompt is cached); 0: only once it finished
+    group_stagger_s: float = 0.0
 
     def capacity(self) -> int:
         return self.inflight + max(self.backlog, 1)
@@ -110,6 +114,7 @@ class _Job:
     cancelled: bool = False  # not worth an answer any more (aborted on its server)
     sent_at: float = 0.0
     cancelled_at: float = 0.0
+    group: Hashable | None = None  # its conversation (`--turns each`), sent one at a time
 
 
 _STOP = object()
@@ -133,6 +138,7 @@ class InflightWindow:
         on_finished: Callable[[list[int]], None] = lambda ids: None,
         find_hedges: Callable[[int], list[ClaimedItem]] | None = None,
         unmark_hedges: Callable[[list[int]], None] = lambda ids: None,
+        group_of: Callable[[int, str], Hashable | None] = lambda run_id, key: None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
@@ -149,6 +155,11 @@ class InflightWindow:
         self._find_hedges = find_hedges
         self._unmark_hedges = unmark_hedges
         self._clock = clock
+        # the conversation of an item (run id, item key), or None: sent on its own
+        self.group_of = group_of
+        self._groups: Conversations[_Job] = Conversations(
+            order=lambda j: (len(j.item.prompt_ids), j.item.turn_index, j.item.sample_index)
+        )
         self._backlog: queue.Queue[_Job | object] = queue.Queue()
         # (outcome, settles): settles=False for a late answer to an abandoned request
         self._outcomes: queue.Queue[tuple[Outcome, bool] | object] = queue.Queue()
@@ -200,6 +211,7 @@ class InflightWindow:
             self._stopping.set()
             # hedges are spare copies: abort them instead of waiting for them to finish
             self._yield_hedges(len(self._hedging))
+            self._give_back(self._groups.drop_all(), "worker shutting down")
             self._cond.notify_all()
         for _ in range(self.config.inflight):
             self._backlog.put(_STOP)
@@ -306,21 +318,68 @@ class InflightWindow:
         with self._cond:
             return max(0, self.config.inflight + self._backlog_limit() - self._outstanding)
 
+    def units(self, claimed: list[ClaimedItem]) -> int:
+        """The room these items take: one per conversation, one per other item."""
+        groups = {self.group_of(c.run_id, c.item_key) for c in claimed}
+        singles = sum(1 for c in claimed if self.group_of(c.run_id, c.item_key) is None)
+        return singles + len(groups - {None})
+
     def submit(self, claimed: list[ClaimedItem], *, reserved: bool = False) -> None:
         """Queue claimed items for sending; each settles as done, failed or released.
-        reserved=True: their room was taken by reserve() (exactly len(claimed) of it)."""
+        reserved=True: their room was taken by reserve() (exactly units(claimed) of it).
+
+        The items of one conversation go out one at a time, shortest first: the next when
+        the one before it settles (see Conversations), so each finds its history cached."""
         if not claimed:
             return
+        jobs = [
+            _Job(
+                item=c,
+                sampling=self._sampling_for_run(c.run_id),
+                group=self.group_of(c.run_id, c.item_key),
+            )
+            for c in claimed
+        ]
+        by_group: dict[Hashable, list[_Job]] = {}
+        for job in jobs:
+            if job.group is not None:
+                by_group.setdefault(job.group, []).append(job)
         with self._cond:
             if not reserved:
-                self._outstanding += len(claimed)
+                self._outstanding += self.units(claimed)
+            ready = [j for j in jobs if j.group is None]
+            for key, members in by_group.items():
+                head = self._groups.admit(key, members)
+                if head is None:
+                    self._outstanding -= 1  # rides on the head its conversation has out
+                else:
+                    ready.append(head)
             # real work never waits behind a hedge: as many hedges as items would wait for a
             # slot give theirs up (hedges already cancelled are on their way out)
             waiting = self._outstanding - self.config.inflight
             leaving = sum(1 for j in self._hedging.values() if j.cancelled)
-            self._yield_hedges(min(len(claimed), waiting - leaving))
-        for item in claimed:
-            self._backlog.put(_Job(item=item, sampling=self._sampling_for_run(item.run_id)))
+            self._yield_hedges(min(len(ready), waiting - leaving))
+        for job in ready:
+            self._backlog.put(job)
+
+    def _give_back(self, jobs: list[_Job], reason: str) -> None:
+        """Release held items that will not be sent (call with _cond held)."""
+        for job in jobs:
+            self._outstanding += 1
+            self._unwritten += 1
+            self._outcomes.put((Released(job.item.id, reason), True))
+
+    def _release_early(self) -> None:
+        """Slots about to idle take the next items of conversations whose head is past its
+        prefill (group_stagger_s), instead of waiting for the head to finish."""
+        with self._cond:
+            free = self.config.inflight - self.stats.inflight
+            if free <= 0 or not self._backlog.empty() or self._stopping.is_set():
+                return
+            early = self._groups.early(self._clock(), self.config.group_stagger_s, free)
+            self._outstanding += len(early)
+            for job in early:
+                self._backlog.put(job)
 
     def idle(self) -> bool:
         with self._cond:
@@ -353,6 +412,13 @@ class InflightWindow:
                     self._outcomes.put((outcome, False))
                 return
             self._unwritten += 1
+            if job is not None and job.group is not None:
+                successor = self._groups.settled(job.group, job)
+                if successor is not None:
+                    # the conversation's unit of room passes to its next item (queued under
+                    # the lock: ahead of any stop marks)
+                    self._outstanding += 1
+                    self._backlog.put(successor)
         self._outcomes.put((outcome, True))
 
     def abandon_inflight(self, reason: str) -> int:
@@ -364,6 +430,8 @@ class InflightWindow:
                 self._unwritten += 1
                 self._outcomes.put((Released(job.item.id, reason), True))
                 job.abandoned = True
+                if job.group is not None:  # its conversation goes elsewhere with it
+                    self._give_back(self._groups.drop(job.group), reason)
             # hedges on this server are dropped (the item stays with its holder)
             hedges = [j for j in self._hedging.values() if j.rid is not None and not j.abandoned]
             for job in hedges:
@@ -395,7 +463,7 @@ class InflightWindow:
         item = job.item
         name = self.config.server_name
         if self._stopping.is_set():
-            self._settle(Released(item.id, "worker shutting down"))
+            self._settle(Released(item.id, "worker shutting down"), job)
             return
         if self.unavailable() or self._is_paused():
             log.info(
@@ -405,7 +473,7 @@ class InflightWindow:
                 name,
                 extra=self._ids(item),
             )
-            self._settle(Released(item.id, "server paused or unavailable"))
+            self._settle(Released(item.id, "server paused or unavailable"), job)
             return
         rid = f"tm-{item.id}-{uuid.uuid4().hex[:12]}"
         job.tries += 1
@@ -414,6 +482,8 @@ class InflightWindow:
             self.stats.inflight += 1
             job.rid = rid
             self._sending[item.id] = job
+            if job.group is not None:
+                self._groups.sent(job.group, job, self._clock())
         try:
             try:
                 result: GenerateResult | None = client.generate(
@@ -726,6 +796,8 @@ class InflightWindow:
                     due.append(heapq.heappop(self._delayed).job)
             for job in due:
                 self._backlog.put(job)
+            if self.config.group_stagger_s > 0:
+                self._release_early()
             if self.config.hedge_interval_s > 0 and now >= next_hedge:
                 next_hedge = now + self.config.hedge_interval_s
                 try:
@@ -745,7 +817,7 @@ class InflightWindow:
             pending = [d.job for d in self._delayed]
             self._delayed.clear()
         for job in pending:
-            self._settle(Released(job.item.id, "worker shutting down"))
+            self._settle(Released(job.item.id, "worker shutting down"), job)
 
     # --- writer ---------------------------------------------------------------------------
 

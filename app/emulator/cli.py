@@ -152,6 +152,14 @@ def _option(flag: str, *names: str, **kwargs: Any) -> Callable[[F], F]:
     help="Prefill time added to the step that admits a request.",
 )
 @_option(
+    "--prefix-cache-tokens",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Tokens the prefix (radix) cache holds, least recently used evicted first; cached "
+    "prompt tokens skip prefill and are reported as meta_info.cached_tokens. Default: the KV "
+    "pool (max running x context length); 0 turns the cache off.",
+)
+@_option(
     "--startup-delay-s",
     type=click.FloatRange(min=0),
     default=0.0,

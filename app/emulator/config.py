@@ -53,6 +53,9 @@ class EmulatorConfig:
     max_running: int = 64
     step_ms: float = 5.0
     prefill_ms_per_1k_tokens: float = 2.0
+    # the prefix cache (SGLang's radix cache): tokens it holds before evicting the least
+    # recently used; None: the KV pool's size (max_running x context_length), 0: no cache
+    prefix_cache_tokens: int | None = None
 
     # startup, health and faults (see app.emulator.server)
     startup_delay_s: float = 0.0
@@ -80,6 +83,10 @@ class EmulatorConfig:
             (self.max_running >= 1, "max_running must be at least 1"),
             (self.step_ms >= 0, "step_ms must be >= 0"),
             (self.prefill_ms_per_1k_tokens >= 0, "prefill_ms_per_1k_tokens must be >= 0"),
+            (
+                self.prefix_cache_tokens is None or self.prefix_cache_tokens >= 0,
+                "prefix_cache_tokens must be >= 0",
+            ),
             (self.startup_delay_s >= 0, "startup_delay_s must be >= 0"),
             (self.loading_s >= 0, "loading_s must be >= 0"),
             (self.hang_after_s is None or self.hang_after_s >= 0, "hang_after_s must be >= 0"),
@@ -108,6 +115,18 @@ class EmulatorConfig:
         return self.max_running * 1000.0 / self.step_ms
 
     @property
+    def max_total_tokens(self) -> int:
+        """The KV pool in tokens, as /server_info reports it (max_total_num_tokens)."""
+        return self.max_running * self.context_length
+
+    @property
+    def cache_tokens(self) -> int:
+        """Tokens the prefix cache holds at most."""
+        if self.prefix_cache_tokens is None:
+            return self.max_total_tokens
+        return self.prefix_cache_tokens
+
+    @property
     def served_model_name(self) -> str:
         return self.model_path
 
@@ -127,6 +146,7 @@ class EmulatorConfig:
             "weight_version": self.weight_version,
             "skip_tokenizer_init": False,
             "incremental_streaming_output": False,
+            "disable_radix_cache": self.prefix_cache_tokens == 0,
             "disaggregation_mode": "null",
             "load_format": "auto",
             "trust_remote_code": True,

@@ -46,7 +46,7 @@ def launch_command(cfg: EmulatorConfig, port: int | None) -> str:
 def server_info(cfg: EmulatorConfig, port: int | None, startup_time: float) -> dict[str, Any]:
     """Server args, scheduler facts, `internal_states` (one per DP rank) and `version`."""
     args = cfg.server_args(port)
-    max_total_num_tokens = cfg.max_running * cfg.context_length
+    max_total_num_tokens = cfg.max_total_tokens
     internal_state = {
         **args,
         "world_size": 1,

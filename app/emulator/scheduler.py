@@ -9,12 +9,13 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from app.emulator.config import EmulatorConfig
 from app.emulator.model import FinishReason, generate_output
+from app.emulator.prefix_cache import RadixCache
 from app.emulator.protocol import ItemRequest, running_abort, waiting_abort
 
 logger = logging.getLogger(__name__)
@@ -44,39 +45,6 @@ class Counters:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
-
-
-class PrefixCache:
-    """A radix-cache stand-in: prompts are remembered in blocks, a repeated prefix is "cached"."""
-
-    block_tokens = 16
-
-    def __init__(self, max_blocks: int = 1_000_000) -> None:
-        self._blocks: set[int] = set()
-        self._max_blocks = max_blocks
-
-    def _keys(self, ids: list[int]) -> Iterator[int]:
-        key, size = 0, self.block_tokens
-        for start in range(0, len(ids) - size + 1, size):
-            key = hash((key, tuple(ids[start : start + size])))
-            yield key
-
-    def match(self, ids: list[int]) -> int:
-        """Cached prompt tokens; the last one is always computed again, as in SGLang."""
-        matched = 0
-        for key in self._keys(ids):
-            if key not in self._blocks:
-                break
-            matched += self.block_tokens
-        return min(matched, max(len(ids) - 1, 0))
-
-    def insert(self, ids: list[int]) -> None:
-        if len(self._blocks) > self._max_blocks:
-            self._blocks.clear()
-        self._blocks.update(self._keys(ids))
-
-    def clear(self) -> None:
-        self._blocks.clear()
 
 
 @dataclass(eq=False, slots=True)
@@ -137,7 +105,8 @@ class Scheduler:
     def __init__(self, cfg: EmulatorConfig, counters: Counters | None = None) -> None:
         self.cfg = cfg
         self.counters = counters or Counters()
-        self.cache = PrefixCache()
+        self.cache = RadixCache(cfg.cache_tokens)
+        self._prefilling: list[Job] = []  # admitted; their prompts enter the cache after the step
         self._waiting: deque[Job] = deque()
         self._running: list[Job] = []
         self._by_rid: dict[str, Job] = {}
@@ -289,8 +258,9 @@ class Scheduler:
         while self._waiting and len(self._running) < self.cfg.max_running:
             job = self._waiting.popleft()
             ids = job.item.input_ids
+            # requests admitted in the same step prefill together: none sees the others' prompts
             job.cached_tokens = self.cache.match(ids)
-            self.cache.insert(ids)
+            self._prefilling.append(job)
             job.started = True
             prefill_tokens += len(ids) - job.cached_tokens
             self._running.append(job)
@@ -301,6 +271,9 @@ class Scheduler:
 
     def _advance(self) -> None:
         now = time.perf_counter()
+        for job in self._prefilling:  # prefill done: the prompt is cached (cache_unfinished_req)
+            self.cache.insert(job.item.input_ids)
+        self._prefilling.clear()
         still_running: list[Job] = []
         produced = 0
         for job in self._running:
@@ -328,8 +301,9 @@ class Scheduler:
         job.finished_s = now
         if self._by_rid.get(job.item.rid) is job:
             del self._by_rid[job.item.rid]
-        if job.started:
-            self.cache.insert(job.item.input_ids + job.output_ids)
+        if job.started and job not in self._prefilling:
+            # cache_finished_req: the prompt and every output token but the last
+            self.cache.insert(job.item.input_ids + job.output_ids[:-1])
         if not job.item.internal:
             if reason.get("type") == "abort":
                 self.counters.aborted += 1

@@ -288,7 +288,8 @@ def test_stats_count_requests_and_report_capacity(emu: EmulatorProcess) -> None:
 def test_a_repeated_prompt_reports_cached_tokens(emu: EmulatorProcess) -> None:
     body = {"input_ids": list(range(2000, 2200)), "sampling_params": {"max_new_tokens": 2}}
     assert generate(emu, body)["meta_info"]["cached_tokens"] == 0
-    assert generate(emu, body)["meta_info"]["cached_tokens"] == 192
+    # every prompt token but the last, which SGLang always computes
+    assert generate(emu, body)["meta_info"]["cached_tokens"] == 199
 
 
 # --- abort, flush, pause --------------------------------------------------------------

@@ -17,7 +17,6 @@ from app.emulator.model import (
     render_text,
     resolve_max_new_tokens,
 )
-from app.emulator.scheduler import PrefixCache
 
 CFG = EmulatorConfig(median_tokens=40, sigma=0.8)
 PROMPT = [163587, 1204, 163601, 500, 163586, 163588, 163606]
@@ -231,15 +230,3 @@ def test_invalid_configs_are_refused(changes: dict[str, object]) -> None:
 def test_capacity_is_slots_times_steps_per_second() -> None:
     assert EmulatorConfig(max_running=64, step_ms=5).capacity_tokens_per_s == 12_800
     assert EmulatorConfig(step_ms=0).capacity_tokens_per_s is None
-
-
-def test_the_prefix_cache_reports_a_repeated_prefix() -> None:
-    cache = PrefixCache()
-    prompt = list(range(1000, 1100))
-    assert cache.match(prompt) == 0
-    cache.insert(prompt)
-    assert cache.match(prompt) == 96  # whole blocks, never the last token
-    assert cache.match(prompt[:40] + [1, 2, 3] * 20) == 32
-    assert cache.match([5, *prompt]) == 0
-    cache.clear()
-    assert cache.match(prompt) == 0
