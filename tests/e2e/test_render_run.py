@@ -15,7 +15,7 @@ import pytest
 from app.emulator.config import EmulatorConfig
 from tests.support.emulator import EmulatorProcess, running_emulator
 from tests.support.procs import clean_env, tokenmill
-from tests.support.rows import chat_rows, write_rows
+from tests.support.rows import agentic_rows, chat_rows, write_rows
 from tests.support.templates import thinking_off_by_default
 
 FAST: dict[str, Any] = {"median_tokens": 12.0, "sigma": 0.3, "step_ms": 1.0}
@@ -61,6 +61,22 @@ def test_run_renders_every_turn_on_the_server(
     assert report["checked"] == counts["total"] and report["mismatched"] == 0
     events = tokenmill(["events", "--run", "rendered", "--json"], env)
     assert any(e["kind"] == "parity" for e in json.loads(events.stdout))
+
+
+def test_run_renders_every_agentic_boundary_on_the_server(
+    tmp_path: Path, kimi_tokenizer_dir: Path, same: EmulatorProcess
+) -> None:
+    env = clean_env(tmp_path / "data")
+    rows = write_rows(tmp_path / "rows.jsonl", agentic_rows(40))
+    args = ["run", str(rows), "--run", "agents", "--tokenizer", str(kimi_tokenizer_dir)]
+    args += ["--server", same.base_url, "--render-with", same.base_url, "--turns", "each"]
+    run = tokenmill([*args, "--max-new-tokens", "24", "--json"], env)
+    assert run.returncode == 0, run.stderr
+    counts = json.loads(run.stdout)
+    assert counts["done"] == counts["total"] == 120
+    parity = tokenmill(["parity", "agents", "--server", same.base_url, "--json"], env)
+    assert parity.returncode == 0, parity.stderr
+    assert json.loads(parity.stdout)["equal"] == 120
 
 
 def test_require_parity_refuses_a_server_that_renders_differently(

@@ -29,7 +29,7 @@ from app.tokenization import ChatTokenizer, load_tokenizer
 from ops.cli import cli
 from tests.support.emulator import EmulatorProcess, free_port, running_emulator, start_emulator
 from tests.support.procs import clean_env, tokenmill
-from tests.support.rows import chat_rows, write_rows
+from tests.support.rows import agentic_rows, chat_rows, write_rows
 from tests.support.templates import thinking_off_by_default
 from workers import producer
 from workers.parity import ParityGate, check_run
@@ -366,3 +366,47 @@ def test_the_watchdog_preflight_records_parity_and_pauses_when_required(
         assert "server gpu-off renders its prompts differently" in table
     finally:
         get_settings.cache_clear()
+
+
+# --- the agentic corpus as boundary samples ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def agentic_run(
+    tmp_path_factory: pytest.TempPathFactory, kimi_tokenizer_dir: Path
+) -> dict[str, str]:
+    """40 agentic rows as a `--turns each` run templated locally (embedded ledger)."""
+    folder = tmp_path_factory.mktemp("agentic")
+    env = clean_env(folder / "data")
+    path = write_rows(folder / "rows.jsonl", agentic_rows(40))
+    args = ["enqueue", str(path), "--run", "agents", "--tokenizer", str(kimi_tokenizer_dir)]
+    done = tokenmill([*args, "--turns", "each", "--json"], env)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["inserted"] == 120  # two assistant turns + a trailing user
+    return env
+
+
+def test_agentic_boundaries_are_equal_on_a_server_with_the_same_template(
+    agentic_run: dict[str, str], same: EmulatorProcess
+) -> None:
+    done = tokenmill(["parity", "agents", "--server", same.base_url, "--json"], agentic_run)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert (report["checked"], report["equal"], report["mismatched"]) == (120, 120, 0)
+
+
+def test_agentic_boundaries_differ_where_the_templates_do(
+    agentic_run: dict[str, str], off: EmulatorProcess
+) -> None:
+    """Rows that turn thinking off render alike on both templates; every other prompt differs
+    and is reported."""
+    done = tokenmill(["parity", "agents", "--server", off.base_url, "--json"], agentic_run)
+    assert done.returncode == 1, done.stderr
+    report = json.loads(done.stdout)
+    thinking_off = {f"agent-{i:03d}" for i in range(40) if i % 5 == 2}
+    expected = 120 - 3 * len(thinking_off)
+    assert (report["checked"], report["mismatched"]) == (120, expected)
+    keys = {m["key"] for m in report["mismatches"]}
+    assert keys == {f"agent-{i:03d}" for i in range(40)} - thinking_off
+    assert sorted(m["turn"] for m in report["mismatches"]) == sorted([0, 1, 2] * len(keys))
+    assert all(m["server"] == "</think>" for m in report["mismatches"])
