@@ -1,0 +1,135 @@
+"""The render client's logic over a scripted transport: bodies, order, per-prompt refusals,
+waiting out an outage, giving up after the wait; and parity's comparison and sampling."""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any
+
+import httpx
+import pytest
+
+from app.errors import PermanentError, RetryableError
+from app.render import (
+    RenderClient,
+    RenderPolicy,
+    RenderServerUnavailable,
+    parse_tokenize_response,
+    prompt_request,
+)
+from workers.parity import first_difference, sample_ids
+
+
+class Script:
+    """Answers /v1/tokenize with the prompt's first content's length as ids; a prompt whose
+    content is "bad" gets a 400; the first `down` requests are refused (connection errors)."""
+
+    def __init__(self, down: int = 0) -> None:
+        self.down = down
+        self.bodies: list[dict[str, Any]] = []
+        self.lock = threading.Lock()
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        with self.lock:
+            if self.down > 0:
+                self.down -= 1
+                raise httpx.ConnectError("refused", request=request)
+            body = json.loads(request.content)
+            self.bodies.append(body)
+        if request.url.path == "/v1/detokenize":
+            return httpx.Response(200, json={"text": [str(t) for t in body["tokens"]]})
+        text = body["messages"][0]["content"]
+        if text == "bad":
+            error = {"object": "error", "message": "template says no", "type": "x", "code": 400}
+            return httpx.Response(400, json=error)
+        ids = list(range(len(text)))
+        return httpx.Response(200, json={"tokens": ids, "count": len(ids), "max_model_len": 99})
+
+
+def make(script: Script, wait_s: float = 60.0) -> RenderClient:
+    return RenderClient(
+        "http://render",
+        window=4,
+        connect_timeout_s=1,
+        timeout_s=1,
+        policy=RenderPolicy(wait_s=wait_s, backoff_s=0.001, backoff_max_s=0.002),
+        sleep=lambda s: None,
+        transport=httpx.MockTransport(script),
+    )
+
+
+def test_bodies_omit_the_generation_prompt_and_carry_tools_and_kwargs() -> None:
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    body = prompt_request([{"role": "user", "content": "hi"}], {"thinking": False}, tools=tools)
+    assert body.body() == {
+        "messages": [{"role": "user", "content": "hi"}],
+        "tools": tools,
+        "chat_template_kwargs": {"thinking": False},
+    }
+    assert prompt_request([{"role": "user", "content": "hi"}], {}).body() == {
+        "messages": [{"role": "user", "content": "hi"}]
+    }
+
+
+def test_render_many_keeps_order_and_returns_refusals_per_prompt() -> None:
+    script = Script()
+    texts = ["a", "bbb", "bad", "cc"] * 5
+    with make(script) as client:
+        out = client.render_many(
+            [prompt_request([{"role": "user", "content": t}], {}) for t in texts]
+        )
+    for text, ids in zip(texts, out, strict=True):
+        if text == "bad":
+            assert isinstance(ids, PermanentError) and "template says no" in str(ids)
+        else:
+            assert ids == list(range(len(text)))
+
+
+def test_an_outage_shorter_than_the_wait_is_waited_out() -> None:
+    script = Script(down=7)
+    with make(script) as client:
+        out = client.render_many([prompt_request([{"role": "user", "content": "xy"}], {})] * 3)
+    assert out == [[0, 1]] * 3
+
+
+def test_an_outage_longer_than_the_wait_raises() -> None:
+    script = Script(down=10**6)
+    with (
+        make(script, wait_s=0.0) as client,
+        pytest.raises(RenderServerUnavailable, match="http://render"),
+    ):
+        client.render_many([prompt_request([{"role": "user", "content": "xy"}], {})])
+
+
+def test_a_malformed_answer_is_retryable() -> None:
+    with pytest.raises(RetryableError):
+        parse_tokenize_response(b'{"tokens": [1, "x"], "count": 2}')
+    with pytest.raises(RetryableError):
+        parse_tokenize_response(b'{"tokens": [1, 2], "count": 3}')
+    assert parse_tokenize_response(b'{"tokens": [1, 2], "count": 2, "max_model_len": 9}') == [1, 2]
+
+
+def test_detokenize_sends_rows_with_special_tokens_kept() -> None:
+    script = Script()
+    with make(script) as client:
+        assert client.detokenize([[1, 2], [3]]) == ["[1, 2]", "[3]"]
+    assert script.bodies[-1] == {"tokens": [[1, 2], [3]], "skip_special_tokens": False}
+
+
+def test_first_difference() -> None:
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 2, 3], [1, 9, 3]) == 1
+    assert first_difference([1, 2], [1, 2, 3]) == 2
+    assert first_difference([1, 2, 3], [1]) == 1
+    assert first_difference([], []) is None
+
+
+def test_sample_ids_is_seeded_and_sorted() -> None:
+    ids = list(range(100, 200))
+    assert sample_ids(ids, None, 0) == ids
+    assert sample_ids(ids, 500, 0) == ids
+    drawn = sample_ids(ids, 10, 7)
+    assert drawn == sorted(drawn) and len(set(drawn)) == 10 and set(drawn) <= set(ids)
+    assert sample_ids(ids, 10, 7) == drawn
+    assert any(sample_ids(ids, 10, seed) != drawn for seed in range(8))
