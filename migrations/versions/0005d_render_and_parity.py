@@ -26,9 +26,7 @@ def upgrade() -> None:
     with op.batch_alter_table("runs", schema=None) as batch_op:
         batch_op.add_column(sa.Column("render_with", sa.Text(), nullable=True))
         batch_op.add_column(
-            sa.Column(
-                "require_parity", sa.Boolean(), nullable=False, server_default=sa.false()
-            )
+            sa.Column("require_parity", sa.Boolean(), nullable=False, server_default=sa.false())
         )
     with op.batch_alter_table("servers", schema=None) as batch_op:
         batch_op.add_column(sa.Column("parity", sa.JSON(), nullable=True))
