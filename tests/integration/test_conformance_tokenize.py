@@ -27,8 +27,8 @@ from tests.support.emulator import EmulatorProcess, running_emulator
 from tests.support.sglang_contract import load_protocol
 
 Json = dict[str, Any]
-USER = {"role": "user", "content": "What is the weather in Paris?"}
-TOOLS = [
+USER: Json = {"role": "user", "content": "What is the weather in Paris?"}
+TOOLS: list[Json] = [
     {
         "type": "function",
         "function": {
@@ -39,7 +39,7 @@ TOOLS = [
     },
     {"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}},
 ]
-AGENTIC = [
+AGENTIC: list[Json] = [
     {"role": "system", "content": "You are helpful."},
     USER,
     {
@@ -61,7 +61,10 @@ AGENTIC = [
     },
 ]
 # SGLang's models drop turn fields they do not declare (here "source" and "thinking")
-EXTRA_FIELDS = [USER | {"source": "web"}, {"role": "assistant", "content": "Hi", "thinking": "x"}]
+EXTRA_FIELDS: list[Json] = [
+    USER | {"source": "web"},
+    {"role": "assistant", "content": "Hi", "thinking": "x"},
+]
 
 VALID: list[Json] = [
     {"messages": [USER]},
@@ -242,5 +245,6 @@ def test_the_render_client_sends_valid_chat_completion_renderings(
         assert parsed.messages is not None and parsed.prompt is None
         assert parsed.add_generation_prompt is None
         ids = post(emulator, "/v1/tokenize", body).json()["tokens"]
-        local = tokenizer.apply(request.messages, request.chat_template_kwargs, tools=request.tools)
+        tools = [dict(t) for t in request.tools] if request.tools else None
+        local = tokenizer.apply(request.messages, request.chat_template_kwargs, tools=tools)
         assert ids == local

@@ -35,7 +35,7 @@ from workers import producer
 from workers.parity import ParityGate, check_run
 from workers.watchdog import run_watchdog
 
-FAST = {"median_tokens": 8.0, "token_min": 300, "token_max": 400, "step_ms": 1.0}
+FAST: dict[str, Any] = {"median_tokens": 8.0, "token_min": 300, "token_max": 400, "step_ms": 1.0}
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,11 @@ def chat_rows(count: int, *, multi_turn: bool = True, tools: bool = True) -> lis
     rows: list[Row] = []
     for i in range(count):
         shape = i % 4
-        user = {"role": "user", "content": f"Question {i}: how do tides work near {i} km?"}
+        user: dict[str, Any] = {
+            "role": "user",
+            "content": f"Question {i}: how do tides work near {i} km?",
+        }
+        messages: list[dict[str, Any]]
         if shape == 0 or (shape == 3 and not tools) or (shape == 2 and not multi_turn):
             messages = [user]
         elif shape == 1:
