@@ -34,7 +34,7 @@ from app.emulator.protocol import (
 )
 from app.emulator.scheduler import Counters, Job, Scheduler, new_job
 from app.emulator.schema import SchemaViolation
-from app.emulator.tokenize import TokenizeAnswer, detokenize, error_body, tokenize
+from app.emulator.tokenize import TokenizeAnswer, answer_raw
 from app.tokenization import ChatTokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -445,24 +445,11 @@ class EmulatorServer:
     async def _tokenizer_route(self, request: web.Request, *, tokenize_body: bool) -> web.Response:
         if self.phase is Phase.DRAINING:
             return _empty(503)
-        media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
-        if media_type != "application/json":
-            message = (
-                "1 validation error:\n  {'loc': ('header', 'content-type'), 'msg': "
-                "\"Unsupported Media Type: Only 'application/json' is allowed\", "
-                "'type': 'value_error'}"
-            )
-            return _json(error_body(message, 400, "Bad Request"), 400)
-        try:
-            body = json.loads(await request.read())
-        except ValueError as exc:
-            return _json(error_body(f"JSON decode error: {exc}", 400, "Bad Request"), 400)
+        content_type, raw = request.headers.get("content-type", ""), await request.read()
         tokenizer, context = self.tokenizer, self.cfg.context_length
 
         def answer() -> TokenizeAnswer:
-            if tokenize_body:
-                return tokenize(body, tokenizer, context)
-            return detokenize(body, tokenizer)
+            return answer_raw(content_type, raw, tokenizer, context, tokenize_body=tokenize_body)
 
         # rendering and encoding run off the event loop, as SGLang runs them
         result = await asyncio.get_running_loop().run_in_executor(None, answer)

@@ -8,6 +8,7 @@ chat path normalizes and renders them with the tokenizer folder given by `--toke
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -363,3 +364,29 @@ def detokenize(body: Any, tokenizer: ChatTokenizer | None) -> TokenizeAnswer:
             return TokenizeAnswer(400, error_body(message, 400, "DecodeError"))
         message = f"Internal server error during detokenization: {exc}"
         return TokenizeAnswer(500, error_body(message, 500, "InternalServerError"))
+
+
+def answer_raw(
+    content_type: str,
+    raw: bytes,
+    tokenizer: ChatTokenizer | None,
+    context_length: int,
+    *,
+    tokenize_body: bool,
+) -> TokenizeAnswer:
+    """One HTTP request to /v1/tokenize (tokenize_body) or /v1/detokenize, from its content
+    type and bytes: SGLang answers a body that is not `application/json` with a 400."""
+    if content_type.split(";", 1)[0].strip().lower() != "application/json":
+        message = (
+            "1 validation error:\n  {'loc': ('header', 'content-type'), 'msg': "
+            "\"Unsupported Media Type: Only 'application/json' is allowed\", "
+            "'type': 'value_error'}"
+        )
+        return TokenizeAnswer(400, error_body(message, 400, "Bad Request"))
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:
+        return TokenizeAnswer(400, error_body(f"JSON decode error: {exc}", 400, "Bad Request"))
+    if tokenize_body:
+        return tokenize(body, tokenizer, context_length)
+    return detokenize(body, tokenizer)
