@@ -30,37 +30,31 @@ def same(kimi_tokenizer_dir: Path) -> Iterator[EmulatorProcess]:
 def test_run_renders_every_turn_on_the_server(
     tmp_path: Path, kimi_tokenizer_dir: Path, same: EmulatorProcess
 ) -> None:
+    """Rendered by a server whose template differs from the local one (thinking off), every
+    prompt, later turns included, is that server's: parity equal there, different locally."""
+    folder = thinking_off_by_default(kimi_tokenizer_dir, tmp_path / "off")
     env = clean_env(tmp_path / "data")
     rows = write_rows(tmp_path / "rows.jsonl", chat_rows(16, tools=False))
-    run = tokenmill(
-        [
-            "run",
-            str(rows),
-            "--run",
-            "rendered",
-            "--tokenizer",
-            str(kimi_tokenizer_dir),
-            "--server",
-            same.base_url,
-            "--render-with",
-            same.base_url,
-            "--turns",
-            "all",
-            "--max-new-tokens",
-            "24",
-            "--json",
-        ],
-        env,
-    )
-    assert run.returncode == 0, run.stderr
-    counts = json.loads(run.stdout)
-    assert counts["done"] == counts["total"] > 16  # the multi-turn rows made later turns
-    parity = tokenmill(["parity", "rendered", "--server", same.base_url, "--json"], env)
-    assert parity.returncode == 0, parity.stderr
-    report = json.loads(parity.stdout)
-    assert report["checked"] == counts["total"] and report["mismatched"] == 0
-    events = tokenmill(["events", "--run", "rendered", "--json"], env)
-    assert any(e["kind"] == "parity" for e in json.loads(events.stdout))
+    with running_emulator(EmulatorConfig(port=0, tokenizer=str(folder), **FAST)) as off:
+        args = ["run", str(rows), "--run", "rendered", "--tokenizer", str(kimi_tokenizer_dir)]
+        args += ["--server", same.base_url, "--render-with", off.base_url, "--turns", "all"]
+        run = tokenmill([*args, "--max-new-tokens", "24", "--json"], env)
+        assert run.returncode == 0, run.stderr
+        counts = json.loads(run.stdout)
+        assert counts["done"] == counts["total"] > 16  # the multi-turn rows made later turns
+        parity = tokenmill(["parity", "rendered", "--server", off.base_url, "--json"], env)
+        assert parity.returncode == 0, parity.stderr
+        report = json.loads(parity.stdout)
+        assert report["checked"] == counts["total"] and report["mismatched"] == 0
+    local = tokenmill(["parity", "rendered", "--server", same.base_url, "--json"], env)
+    assert local.returncode == 1
+    mismatches = json.loads(local.stdout)["mismatches"]
+    assert len(mismatches) == counts["total"]
+    assert {m["turn"] for m in mismatches} == {0, 1}
+    assert all(m["stored"] == "</think>" and m["server"] == "" for m in mismatches)
+    # the generation server checked the run's prompts before its first request
+    events = json.loads(tokenmill(["events", "--run", "rendered", "--json"], env).stdout)
+    assert any(e["kind"] == "parity" for e in events)
 
 
 def test_run_renders_every_agentic_boundary_on_the_server(
