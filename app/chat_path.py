@@ -28,7 +28,9 @@ Where tokenmill differs on purpose: every other field of a turn reaches the temp
 (SGLang's request models keep only the fields they declare), and `reasoning` / `thinking` on a
 turn are aliases of `reasoning_content` (`resolve_reasoning_aliases`, applied when reading).
 Tool results are not reordered: SGLang reorders a run of tool results only when one of them
-holds media, and tokenmill rows are text only.
+holds media, and tokenmill rows are text only. Tool calls are not checked for answering tool
+turns: SGLang checks that pairing only for MiniMax-M3. Tool parameter schemas are passed as
+given: SGLang's request validation rewrites database-style types (`varchar`, `int`) first.
 
 The rules carry NORMALIZATION_VERSION; a run pins the version it was created with, and
 `check_version` refuses a run pinned to rules this tokenmill does not have.
