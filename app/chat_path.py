@@ -76,6 +76,9 @@ class ChatInputs:
     messages: list[Message]
     tools: list[dict[str, Any]] | None = None
     chat_template_kwargs: Mapping[str, Any] | None = None
+    # the turns and tools are already what normalize_messages / parse_tools return (read by
+    # app.inputs, or stored by an item), so rendering does not normalize them again
+    normalized: bool = False
 
 
 # --- versions ---------------------------------------------------------------------------------
