@@ -12,6 +12,7 @@ from typing import Any
 
 from sqlalchemy import Connection, and_, func, insert, select, update
 
+from app.constants import EVENT_ENQUEUE_STOPPED, EVENT_ENQUEUED
 from app.errors import NotFound
 from app.ledger import as_utc, events, items, runs, servers, utcnow
 from app.models import ItemStatus
@@ -241,6 +242,25 @@ def parity_status(conn: Connection, name: str, run_name: str) -> str | None:
         return None
     status = (row.parity.get(run_name) or {}).get("status")
     return str(status) if status is not None else None
+
+
+def stopped_enqueues(conn: Connection, run_ids: list[int]) -> set[int]:
+    """Runs whose last enqueue stopped before the end of its input (a render server stayed
+    down): their last enqueue event is `enqueue_stopped`, not `enqueued`."""
+    if not run_ids:
+        return set()
+    latest = (
+        select(events.c.run_id, func.max(events.c.id).label("last"))
+        .where(
+            events.c.run_id.in_(run_ids),
+            events.c.kind.in_([EVENT_ENQUEUED, EVENT_ENQUEUE_STOPPED]),
+        )
+        .group_by(events.c.run_id)
+        .subquery()
+    )
+    stmt = select(events.c.run_id).join(latest, events.c.id == latest.c.last)
+    stmt = stmt.where(events.c.kind == EVENT_ENQUEUE_STOPPED)
+    return {int(r) for r in conn.execute(stmt).scalars()}
 
 
 def active_runs(conn: Connection) -> list[tuple[int, str, bool]]:

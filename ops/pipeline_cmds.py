@@ -297,8 +297,17 @@ def status_cmd(run_name: str | None, as_json: bool, watch: bool, interval_s: flo
         runs = [ledger.get_run(conn, run_name)] if run_name else ledger.list_runs(conn)
         counts = [ledger.run_counts(conn, r) for r in runs]
         differing = _differing_servers(registry.list_servers(conn))
+        stopped = registry.stopped_enqueues(conn, [r.id for r in runs])
+    stopped_names = {r.name for r in runs if r.id in stopped}
     if as_json:
-        found = [c.to_json() | {"rendering_differs": differing.get(c.run, [])} for c in counts]
+        found = [
+            c.to_json()
+            | {
+                "rendering_differs": differing.get(c.run, []),
+                "enqueue_stopped": c.run in stopped_names,
+            }
+            for c in counts
+        ]
         print_json(found[0] if run_name else found)
         return
     # the waiting column (later turns of `--turns all` runs) only when some run has any
@@ -320,6 +329,13 @@ def status_cmd(run_name: str | None, as_json: bool, watch: bool, interval_s: flo
         table.add_row(escape(c.run), *row)
     print_table(table)
     for c in counts:
+        if c.run in stopped_names:
+            console.print(
+                f"[red]run {escape(c.run)}: its last enqueue stopped before the end of the input"
+                "[/red] (see `tokenmill events`); run the same enqueue again to complete it",
+                markup=True,
+                soft_wrap=True,
+            )
         for server in differing.get(c.run, []):
             console.print(
                 f"[yellow]run {escape(c.run)}: server {escape(server)} renders its prompts "

@@ -172,6 +172,7 @@ def test_an_outage_longer_than_the_wait_stops_and_a_rerun_completes(
         with db.connect() as conn:
             run_id = ledger.get_run(conn, "outage").id
             kinds = [e.kind for e in registry.list_events(conn, run_id=run_id)]
+            assert registry.stopped_enqueues(conn, [run_id]) == {run_id}  # status says so
         assert EVENT_ENQUEUE_STOPPED in kinds
 
         server = _restart_on(port, kimi_tokenizer_dir)
@@ -184,6 +185,7 @@ def test_an_outage_longer_than_the_wait_stops_and_a_rerun_completes(
             assert _count(db, "outage") == (lines, lines)
             with db.connect() as conn:
                 run = ledger.get_run(conn, "outage")
+                assert registry.stopped_enqueues(conn, [run.id]) == set()
             parity = check_run(db, run, renderer, server=url)
         assert (parity.checked, parity.equal) == (lines, lines)
     finally:
