@@ -73,6 +73,11 @@ def _rendering(server: registry.ServerInfo) -> str:
     differing = server.differing_runs()
     if differing:
         return "differs: " + ", ".join(differing)
+    unchecked = sorted(
+        r for r, p in (server.parity or {}).items() if p.get("status") == "unchecked"
+    )
+    if unchecked:
+        return "not checked: " + ", ".join(unchecked)
     return "as stored" if server.parity else "—"
 
 

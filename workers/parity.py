@@ -76,7 +76,13 @@ class ParityReport:
 
     @property
     def status(self) -> str:
-        return "equal" if not self.mismatches else "differs"
+        """equal; differs; or unchecked: the server refused every prompt (a server without
+        /v1/tokenize or without a tokenizer cannot say how it renders them)."""
+        if not self.mismatches:
+            return "equal"
+        if not self.equal and all(m.position is None for m in self.mismatches):
+            return "unchecked"
+        return "differs"
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -214,7 +220,12 @@ def preflight(
         f"{server} renders {report.equal} of {report.checked} sampled prompts of run "
         f"{run.name} as stored"
     )
-    if report.mismatches:
+    if report.status == "unchecked":
+        message = (
+            f"{server} cannot render the prompts of run {run.name} ("
+            f"{report.mismatches[0].error}); their parity is not checked"
+        )
+    elif report.mismatches:
         first = report.mismatches[0]
         message += (
             f"; {report.mismatched} differ (item {first.item_id}"
@@ -235,7 +246,7 @@ def preflight(
                 details=report.to_json() | {"mismatches": report.to_json()["mismatches"][:5]},
             )
     if before != report.status:
-        (log.warning if report.mismatches else log.info)("%s", message)
+        (log.warning if report.status != "equal" else log.info)("%s", message)
     return report
 
 

@@ -18,7 +18,7 @@ from app.render import (
     parse_tokenize_response,
     prompt_request,
 )
-from workers.parity import first_difference, sample_ids
+from workers.parity import Mismatch, ParityReport, first_difference, sample_ids
 
 
 class Script:
@@ -133,3 +133,14 @@ def test_sample_ids_is_seeded_and_sorted() -> None:
     assert drawn == sorted(drawn) and len(set(drawn)) == 10 and set(drawn) <= set(ids)
     assert sample_ids(ids, 10, 7) == drawn
     assert any(sample_ids(ids, 10, seed) != drawn for seed in range(8))
+
+
+def test_a_report_is_unchecked_when_the_server_refused_every_prompt() -> None:
+    def mismatch(position: int | None) -> Mismatch:
+        return Mismatch(1, "k", 0, 0, position, 10, 0 if position is None else 11, error="x")
+
+    assert ParityReport("r", "s", checked=2, equal=2).status == "equal"
+    refused = ParityReport("r", "s", checked=2, mismatches=[mismatch(None), mismatch(None)])
+    assert refused.status == "unchecked"
+    assert ParityReport("r", "s", 2, 0, [mismatch(None), mismatch(4)]).status == "differs"
+    assert ParityReport("r", "s", 2, 1, [mismatch(None)]).status == "differs"
