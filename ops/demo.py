@@ -84,7 +84,10 @@ def demo_cmd(samples_per_prompt: int, max_new_tokens: int) -> None:
     tokenizer_dir = ensure_kimi_tokenizer(base.data_dir / "tokenizers")
     tokenizer = load_tokenizer(tokenizer_dir)
     prompts = demo_prompts_path()
-    emulator = start_emulator(["--max-running", "32", "--median-tokens", "160", "--step-ms", "4"])
+    # the emulator renders with the same folder, so the runner's parity preflight has a server
+    # rendering to compare the prompts with
+    flags = ["--max-running", "32", "--median-tokens", "160", "--step-ms", "4"]
+    emulator = start_emulator([*flags, "--tokenizer", str(tokenizer_dir)])
     console.print(f"SGLang emulator at {emulator.url}")
     try:
         run_name = time.strftime("demo-%Y%m%d-%H%M%S")
