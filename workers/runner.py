@@ -10,6 +10,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from sqlalchemy import Engine
@@ -77,6 +78,7 @@ class EmbeddedRunner:
         self._claim_lock = threading.Lock()
 
     def start(self) -> None:
+        self._preflight_all()
         for rt in self.runtimes:
             rt.start()
             thread = threading.Thread(
@@ -84,6 +86,20 @@ class EmbeddedRunner:
             )
             thread.start()
             self._threads.append(thread)
+
+    def _preflight_all(self) -> None:
+        """The parity preflight of every server at once, before any takes work, so that no
+        server starts ahead of the others; one that does not answer is checked when it does."""
+        if self.settings.parity_sample <= 0:
+            return
+
+        def check(rt: WorkerRuntime) -> None:
+            report = preflight(self.db, self.settings, self.run, rt.server_name, rt.server_url)
+            if report is not None:
+                self._parity[rt.server_name] = report.status
+
+        with ThreadPoolExecutor(len(self.runtimes), thread_name_prefix="tm-parity") as pool:
+            list(pool.map(check, self.runtimes))
 
     def _parity_blocks(self, rt: WorkerRuntime) -> bool:
         """The preflight, once per server when it first answers: True when the server renders
