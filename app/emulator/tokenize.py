@@ -17,7 +17,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
 from app.chat_path import (
+    ChatInputs,
     bare_function_tools,
+    final_assistant_as_user,
     merge_template_kwargs,
     normalize_messages,
     normalize_tools,
@@ -198,43 +200,82 @@ def render_chat_ids(
     chat_template_kwargs: dict[str, Any],
     add_generation_prompt: bool | None,
     add_special_tokens: bool,
+    continue_final_message: bool = False,
 ) -> list[int]:
     """tokenmill's reproduction of the chat path (app.chat_path) on the validated request.
 
-    add_generation_prompt None is a chat completion's rendering (`ChatTokenizer.apply`);
-    given, it goes to the template as is and the text is encoded with add_special_tokens.
+    add_generation_prompt None is a chat completion's rendering (`ChatTokenizer.apply_each`):
+    a final assistant turn with string content is sent as a user turn, or with
+    continue_final_message its text is appended to the prompt. Given, add_generation_prompt
+    goes to the template as is and the text is encoded with add_special_tokens.
     """
     try:
-        if add_generation_prompt is None:
-            return tokenizer.apply(messages, chat_template_kwargs, tools=tools)
         turns = normalize_messages(messages, tokenizer.content_format)
         shaped = normalize_tools(tools) if tools else None
-        hf = tokenizer.hf_tokenizer
-
-        def render(tool_list: list[dict[str, Any]] | None) -> str:
-            return str(
-                hf.apply_chat_template(
-                    turns,
-                    tools=tool_list,
-                    add_generation_prompt=add_generation_prompt,
-                    tokenize=False,
-                    **chat_template_kwargs,
-                )
+        prefix = None
+        if add_generation_prompt is None or continue_final_message:
+            last = turns[-1] if turns else {}
+            if not continue_final_message:
+                turns = final_assistant_as_user(turns)
+            elif last.get("role") == "assistant" and isinstance(last.get("content"), str):
+                prefix, turns = str(last["content"]), turns[:-1]
+        if add_generation_prompt is None:
+            inputs = ChatInputs(turns, shaped, chat_template_kwargs, normalized=True)
+            [ids] = tokenizer.apply_each([inputs])
+            if isinstance(ids, InputError):
+                raise ids
+        else:
+            ids = _render_as_asked(
+                tokenizer,
+                turns,
+                shaped,
+                chat_template_kwargs,
+                add_generation_prompt,
+                add_special_tokens,
             )
-
-        try:
-            text = render(shaped)
-        except Exception:
-            if not shaped:
-                raise
-            text = render(bare_function_tools(shaped))
-        return [int(i) for i in hf.encode(text, add_special_tokens=add_special_tokens)]
+        if prefix:
+            hf = tokenizer.hf_tokenizer
+            encoded = [int(i) for i in hf.encode(prefix)]
+            if encoded and encoded[0] == hf.bos_token_id:
+                encoded = encoded[1:]
+            ids = ids + encoded
+        return ids
     except (InputError, ConfigurationError) as exc:
         raise TokenizeFailure(str(exc).removeprefix("chat template failed: ")) from exc
     except TokenizeFailure:
         raise
     except (TypeError, ValueError, LookupError) as exc:  # a template's own errors are a 400
         raise TokenizeFailure(str(exc)) from exc
+
+
+def _render_as_asked(
+    tokenizer: ChatTokenizer,
+    turns: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    chat_template_kwargs: dict[str, Any],
+    add_generation_prompt: bool,
+    add_special_tokens: bool,
+) -> list[int]:
+    hf = tokenizer.hf_tokenizer
+
+    def render(tool_list: list[dict[str, Any]] | None) -> str:
+        return str(
+            hf.apply_chat_template(
+                turns,
+                tools=tool_list,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
+                **chat_template_kwargs,
+            )
+        )
+
+    try:
+        text = render(tools)
+    except Exception:
+        if not tools:
+            raise
+        text = render(bare_function_tools(tools))
+    return [int(i) for i in hf.encode(text, add_special_tokens=add_special_tokens)]
 
 
 # --- handlers -----------------------------------------------------------------------------------
@@ -338,6 +379,7 @@ def _chat_ids(
         chat_template_kwargs=kwargs,
         add_generation_prompt=add_generation_prompt,
         add_special_tokens=add_special_tokens,
+        continue_final_message=request.continue_final_message,
     )
 
 

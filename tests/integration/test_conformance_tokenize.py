@@ -248,3 +248,17 @@ def test_the_render_client_sends_valid_chat_completion_renderings(
         tools = [dict(t) for t in request.tools] if request.tools else None
         local = tokenizer.apply(request.messages, request.chat_template_kwargs, tools=tools)
         assert ids == local
+
+
+def test_a_final_assistant_turn_is_sent_as_a_user_turn_or_continued(
+    emulator: EmulatorProcess, tokenizer: ChatTokenizer
+) -> None:
+    """As SGLang's chat completion: a final assistant turn with text becomes a user turn; with
+    continue_final_message its text follows the generation prompt."""
+    ending = [USER, {"role": "assistant", "content": "It is sunny"}]
+    as_user = post(emulator, "/v1/tokenize", {"messages": ending}).json()["tokens"]
+    assert as_user == tokenizer.apply([USER, {"role": "user", "content": "It is sunny"}])
+    body = {"messages": ending, "continue_final_message": True}
+    continued = post(emulator, "/v1/tokenize", body).json()["tokens"]
+    text = tokenizer.hf_tokenizer.encode("It is sunny", add_special_tokens=False)
+    assert continued == tokenizer.apply([USER]) + text
