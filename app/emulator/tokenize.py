@@ -12,9 +12,9 @@ import json
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from app.chat_path import (
     ChatInputs,
@@ -146,6 +146,18 @@ class _UserMessage(BaseModel):
         return self
 
 
+class _ToolChoiceName(BaseModel):
+    name: str | None = None
+
+
+class _ToolChoice(BaseModel):
+    function: _ToolChoiceName
+    type: Literal["function"] = "function"
+
+
+_EffortTier = Literal["none", "minimal", "low", "medium", "high", "xhigh", "ultra", "max"]
+
+
 class TokenizeBody(BaseModel):
     """POST /v1/tokenize: exactly one of `prompt` and `messages`."""
 
@@ -155,8 +167,8 @@ class TokenizeBody(BaseModel):
     prompt: str | list[str] | None = None
     messages: list[_GenericMessage | _UserMessage] | None = None
     tools: list[_Tool] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    reasoning_effort: str | None = None
+    tool_choice: Literal["auto", "required", "none"] | _ToolChoice | None = None
+    reasoning_effort: _EffortTier | Annotated[float, Field(ge=0.0, le=0.99)] | None = None
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = True
@@ -362,10 +374,17 @@ def _chat_ids(
         raise TokenizeFailure(
             "continue_final_message needs add_generation_prompt to open the assistant turn."
         )
+    choice_error = _tool_choice_error(request)
+    if choice_error:
+        raise TokenizeFailure(choice_error)
     dumped = dump_messages(messages, body.get("messages") or [])
     tools = None
     if request.tools and request.tool_choice != "none":
         tools = list(body.get("tools") or [])
+        if isinstance(request.tool_choice, _ToolChoice):  # only the chosen tool is rendered
+            name = request.tool_choice.function.name
+            chosen = zip(tools, request.tools, strict=True)
+            tools = [raw for raw, tool in chosen if tool.function.name == name]
     add_generation_prompt = request.add_generation_prompt
     add_special_tokens = (
         add_generation_prompt is not None
@@ -381,6 +400,23 @@ def _chat_ids(
         add_special_tokens=add_special_tokens,
         continue_final_message=request.continue_final_message,
     )
+
+
+def _tool_choice_error(request: TokenizeBody) -> str | None:
+    """SGLang's checks of tool_choice against the request's (and system turns') tools."""
+    tools = [t.function.name for t in request.tools or []]
+    for message in request.messages or []:
+        if isinstance(message, _GenericMessage) and message.role in ("root", "system", "developer"):
+            tools += [t.function.name for t in message.tools or []]
+    choice = request.tool_choice
+    if choice == "required" and not tools:
+        return "Tools cannot be empty if tool choice is set to required."
+    if isinstance(choice, _ToolChoice):
+        if not tools:
+            return "Tools cannot be empty if tool choice is set to a specific tool."
+        if choice.function.name not in tools:
+            return f"Tool '{choice.function.name}' not found in tools list."
+    return None
 
 
 def detokenize(body: Any, tokenizer: ChatTokenizer | None) -> TokenizeAnswer:

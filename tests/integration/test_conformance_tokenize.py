@@ -79,8 +79,19 @@ VALID: list[Json] = [
     {"prompt": "hello world"},
     {"prompt": "hello world", "add_special_tokens": False},
     {"prompt": ["one", "two three"]},
-    {"messages": []},  # valid shape, refused by the handler ("Messages cannot be empty.")
+    {"messages": [USER], "tools": TOOLS, "tool_choice": {"function": {"name": "now"}}},
+    {"messages": [USER], "tools": TOOLS, "tool_choice": "none"},
+    {"messages": [USER], "reasoning_effort": 0.5},
+    # valid shapes the handler refuses
+    {"messages": []},
+    {"messages": [USER], "tool_choice": "required"},
+    {"messages": [USER], "tools": TOOLS, "tool_choice": {"function": {"name": "nope"}}},
 ]
+HANDLER_ERRORS = {
+    0: "Messages cannot be empty.",
+    1: "Tools cannot be empty if tool choice is set to required.",
+    2: "Tool 'nope' not found in tools list.",
+}
 INVALID: list[Json] = [
     {},
     {"prompt": "x", "messages": [USER]},
@@ -94,6 +105,9 @@ INVALID: list[Json] = [
     {"messages": [USER], "chat_template_kwargs": ["thinking"]},
     {"messages": [{"role": "user", "content": [{"type": "thinking", "thinking": "x"}]}]},
     {"messages": [{"role": "assistant", "content": "x", "tool_calls": [{"id": "c"}]}]},
+    {"messages": [USER], "tool_choice": "sometimes"},
+    {"messages": [USER], "reasoning_effort": "extreme"},
+    {"messages": [USER], "reasoning_effort": 1.5},
 ]
 DETOKENIZE_VALID: list[Json] = [
     {"tokens": [163587, 100, 163601]},
@@ -146,9 +160,10 @@ def test_tokenize_verdicts_and_answers_follow_the_protocol(
             error = protocol.ErrorResponse.model_validate(response.json())
             assert (error.object, error.type, error.code) == ("error", "Bad Request", 400)
             continue
-        if body == {"messages": []}:
+        refusals = [HANDLER_ERRORS[i] for i, b in enumerate(VALID[-3:]) if b == body]
+        if refusals:
             assert response.status_code == 400
-            assert response.json()["message"] == "Messages cannot be empty."
+            assert response.json()["message"] == refusals[0]
             protocol.ErrorResponse.model_validate(response.json())
             continue
         assert response.status_code == 200, response.text
@@ -159,7 +174,9 @@ def test_tokenize_verdicts_and_answers_follow_the_protocol(
             assert answer.count == len(answer.tokens) > 0
 
 
-@pytest.mark.parametrize("body", [b for b in VALID if b.get("messages") and len(b) <= 3])
+@pytest.mark.parametrize(
+    "body", [b for b in VALID[:-3] if b.get("messages") and len(b) <= 3 and "tool_choice" not in b]
+)
 def test_chat_bodies_render_from_the_fields_sglang_keeps(
     protocol: ModuleType, emulator: EmulatorProcess, tokenizer: ChatTokenizer, body: Json
 ) -> None:
@@ -262,3 +279,13 @@ def test_a_final_assistant_turn_is_sent_as_a_user_turn_or_continued(
     continued = post(emulator, "/v1/tokenize", body).json()["tokens"]
     text = tokenizer.hf_tokenizer.encode("It is sunny", add_special_tokens=False)
     assert continued == tokenizer.apply([USER]) + text
+
+
+def test_a_chosen_tool_is_the_only_one_rendered(
+    emulator: EmulatorProcess, tokenizer: ChatTokenizer
+) -> None:
+    body = {"messages": [USER], "tools": TOOLS, "tool_choice": {"function": {"name": "now"}}}
+    chosen = post(emulator, "/v1/tokenize", body).json()["tokens"]
+    assert chosen == tokenizer.apply([USER], tools=[TOOLS[1]])
+    none = {"messages": [USER], "tools": TOOLS, "tool_choice": "none"}
+    assert post(emulator, "/v1/tokenize", none).json()["tokens"] == tokenizer.apply([USER])
