@@ -35,6 +35,7 @@ from app.emulator.protocol import (
 from app.emulator.scheduler import Counters, Job, Scheduler, new_job
 from app.emulator.schema import SchemaViolation
 from app.emulator.tokenize import TokenizeAnswer, answer_raw
+from app.errors import TokenizerError
 from app.tokenization import ChatTokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -564,5 +565,8 @@ def run(cfg: EmulatorConfig) -> int:
         asyncio.run(serve(cfg))
     except OSError as exc:  # the port is taken, the host is wrong
         print(f"emulator: cannot listen on {cfg.host}:{cfg.port}: {exc}", file=sys.stderr)
+        return 1
+    except TokenizerError as exc:  # --tokenizer cannot be loaded (custom code not allowed, ...)
+        print(f"emulator: --tokenizer: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -11,6 +11,10 @@ render client sends is a valid TokenizeRequest rendered as a chat completion.
 from __future__ import annotations
 
 import copy
+import json
+import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -23,7 +27,7 @@ from pydantic import ValidationError
 from app.emulator.config import EmulatorConfig
 from app.render import prompt_request
 from app.tokenization import ChatTokenizer, load_tokenizer
-from tests.support.emulator import EmulatorProcess, running_emulator
+from tests.support.emulator import REPO_ROOT, EmulatorProcess, running_emulator
 from tests.support.sglang_contract import load_protocol
 
 Json = dict[str, Any]
@@ -289,3 +293,37 @@ def test_a_chosen_tool_is_the_only_one_rendered(
     assert chosen == tokenizer.apply([USER], tools=[TOOLS[1]])
     none = {"messages": [USER], "tools": TOOLS, "tool_choice": "none"}
     assert post(emulator, "/v1/tokenize", none).json()["tokens"] == tokenizer.apply([USER])
+
+
+def custom_code_folder(src: Path, dst: Path) -> Path:
+    """The fixture folder as a custom-code tokenizer (its own class, loaded by auto_map)."""
+    shutil.copytree(src, dst)
+    (dst / "tokenization_custom.py").write_text(
+        "from transformers import PreTrainedTokenizerFast\n\n\n"
+        "class CustomTokenizer(PreTrainedTokenizerFast):\n"
+        "    pass\n",
+        encoding="utf-8",
+    )
+    config_file = dst / "tokenizer_config.json"
+    config = json.loads(config_file.read_text(encoding="utf-8"))
+    config["auto_map"] = {"AutoTokenizer": [None, "tokenization_custom.CustomTokenizer"]}
+    config["tokenizer_class"] = "CustomTokenizer"
+    config_file.write_text(json.dumps(config), encoding="utf-8")
+    return dst
+
+
+def test_a_custom_code_tokenizer_needs_trust_remote_code(
+    kimi_tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    folder = custom_code_folder(kimi_tokenizer_dir, tmp_path / "custom")
+    command = [sys.executable, "-m", "app.emulator", "--port", "0", "--tokenizer", str(folder)]
+    refused = subprocess.run(
+        command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert refused.returncode == 1
+    assert "emulator: --tokenizer:" in refused.stderr and "custom code" in refused.stderr
+    local = load_tokenizer(folder, trust_remote_code=True)
+    cfg = EmulatorConfig(port=0, tokenizer=str(folder), trust_remote_code=True)
+    with running_emulator(cfg) as emulator:
+        ids = post(emulator, "/v1/tokenize", {"messages": [USER]}).json()["tokens"]
+    assert ids == local.apply([USER])
