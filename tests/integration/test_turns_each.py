@@ -229,3 +229,27 @@ def test_turns_all_refuses_tool_conversations_and_points_at_each(
     assert "--turns each" in reason
     # the other conversations are enqueued as chains
     assert report.inserted == 2 * (2 + 1)
+
+
+def test_the_runner_claims_whole_conversations(
+    db: Engine, tokenizer: ChatTokenizer, tmp_path: Path
+) -> None:
+    enqueue_each(db, tokenizer, write_lines(tmp_path, LINES))
+    with db.connect() as conn:
+        run = ledger.get_run(conn, "agentic")
+    with db.begin() as conn:
+        first = ledger.claim_next_groups(
+            conn, owner="a", server="gpu-a", lease_s=60, limit=1, run_id=run.id
+        )
+    # the first key in id order, every sample and turn of it
+    assert {c.item_key for c in first} == {"agent"} and len(first) == 6
+    assert sorted(c.turn_index for c in first) == [0, 0, 1, 1, 2, 2]
+    with db.begin() as conn:
+        rest = ledger.claim_next_groups(
+            conn, owner="b", server="gpu-b", lease_s=60, limit=5, run_id=run.id
+        )
+        nothing = ledger.claim_next_groups(
+            conn, owner="c", server="gpu-c", lease_s=60, limit=5, run_id=run.id
+        )
+    assert sorted({c.item_key for c in rest}) == ["chat", "single"] and len(rest) == 6
+    assert nothing == []
