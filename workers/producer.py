@@ -125,7 +125,8 @@ def _tokenize(
         else:
             chat.append((i, r))
     batch = [
-        ChatInputs(r.messages or [], r.tools, row_kwargs(kwargs, r) or kwargs) for _, r in chat
+        ChatInputs(r.messages or [], r.tools, row_kwargs(kwargs, r) or kwargs, normalized=True)
+        for _, r in chat
     ]
     for (i, r), ids in zip(chat, tokenizer.apply_each(batch), strict=True):
         out[i] = InputError(ids.reason, r.line) if isinstance(ids, InputError) else ids
