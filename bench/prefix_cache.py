@@ -65,7 +65,7 @@ TOOLS: list[dict[str, Any]] = [
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--chats", type=int, default=40)
-    parser.add_argument("--cache-tokens", type=int, default=48_000, help="per emulator")
+    parser.add_argument("--cache-tokens", type=int, default=96_000, help="per emulator")
     parser.add_argument("--max-running", type=int, default=16)
     parser.add_argument("--inflight", type=int, default=8, help="TOKENMILL_INFLIGHT")
     parser.add_argument("--step-ms", type=float, default=2.0)

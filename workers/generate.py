@@ -42,6 +42,8 @@ def _units(rt: WorkerRuntime, ids: list[int]) -> list[list[int]]:
     for item_id in ids:
         run_and_key = keys.get(item_id)
         group = None if run_and_key is None else rt.window.group_of(*run_and_key)
+        if group is not None:
+            rt.window.serves_conversations = True
         if group is None:
             units.append([item_id])
         elif group in index:

@@ -80,6 +80,7 @@ class EmbeddedRunner:
     def start(self) -> None:
         self._preflight_all()
         for rt in self.runtimes:
+            rt.window.serves_conversations = self.run.turns == "each"
             rt.start()
             thread = threading.Thread(
                 target=self._feed, args=(rt,), name=f"tm-feed-{rt.server_name}", daemon=True

@@ -157,6 +157,8 @@ class InflightWindow:
         self._clock = clock
         # the conversation of an item (run id, item key), or None: sent on its own
         self.group_of = group_of
+        # set once this window takes `--turns each` conversations (see _backlog_limit)
+        self.serves_conversations = False
         self._groups: Conversations[_Job] = Conversations(
             order=lambda j: (len(j.item.prompt_ids), j.item.turn_index, j.item.sample_index)
         )
@@ -250,6 +252,10 @@ class InflightWindow:
     def _backlog_limit(self) -> int:
         """Claimed items allowed to wait beyond the in-flight ones (call with _cond held)."""
         cfg = self.config
+        if self.serves_conversations:
+            # a waiting conversation is many items' work: hold one at most, so the others
+            # (and their histories) go to servers with free slots
+            return 1
         limit = max(cfg.backlog, 1)
         if cfg.backlog_s <= 0:
             return limit
@@ -345,6 +351,7 @@ class InflightWindow:
             if job.group is not None:
                 by_group.setdefault(job.group, []).append(job)
         with self._cond:
+            self.serves_conversations = self.serves_conversations or bool(by_group)
             if not reserved:
                 self._outstanding += self.units(claimed)
             ready = [j for j in jobs if j.group is None]

@@ -106,6 +106,13 @@ def enqueue_each(
     return enqueue(db, tokenizer, options, publish=publish)
 
 
+def enqueued_run(db: Engine, tokenizer: ChatTokenizer, tmp_path: Path) -> ledger.RunInfo:
+    """The run of LINES, enqueued with --turns each."""
+    enqueue_each(db, tokenizer, write_lines(tmp_path, LINES))
+    with db.connect() as conn:
+        return ledger.get_run(conn, "agentic")
+
+
 def all_items(db: Engine, run_id: int) -> list[ledger.StoredItem]:
     statuses = ("waiting", "pending", "queued", "leased", "done", "failed")
     with db.connect() as conn:
@@ -183,9 +190,7 @@ def test_a_turn_over_the_context_is_reported_and_the_others_kept(
 def test_exports_carry_the_regenerated_turn(
     db: Engine, tokenizer: ChatTokenizer, tmp_path: Path
 ) -> None:
-    enqueue_each(db, tokenizer, write_lines(tmp_path, LINES))
-    with db.connect() as conn:
-        run = ledger.get_run(conn, "agentic")
+    run = enqueued_run(db, tokenizer, tmp_path)
     found = all_items(db, run.id)
     answer = [*tokenizer.hf_tokenizer.encode("fine", add_special_tokens=False)]
     answer.append(tokenizer.eos_token_ids[0])
@@ -229,3 +234,25 @@ def test_turns_all_refuses_tool_conversations_and_points_at_each(
     assert "--turns each" in reason
     # the other conversations are enqueued as chains
     assert report.inserted == 2 * (2 + 1)
+
+
+def test_the_runner_claims_whole_conversations(
+    db: Engine, tokenizer: ChatTokenizer, tmp_path: Path
+) -> None:
+    run = enqueued_run(db, tokenizer, tmp_path)
+    with db.begin() as conn:
+        first = ledger.claim_next_groups(
+            conn, owner="a", server="gpu-a", lease_s=60, limit=1, run_id=run.id
+        )
+    # the first key in id order, every sample and turn of it
+    assert {c.item_key for c in first} == {"agent"} and len(first) == 6
+    assert sorted(c.turn_index for c in first) == [0, 0, 1, 1, 2, 2]
+    with db.begin() as conn:
+        rest = ledger.claim_next_groups(
+            conn, owner="b", server="gpu-b", lease_s=60, limit=5, run_id=run.id
+        )
+        nothing = ledger.claim_next_groups(
+            conn, owner="c", server="gpu-c", lease_s=60, limit=5, run_id=run.id
+        )
+    assert sorted({c.item_key for c in rest}) == ["chat", "single"] and len(rest) == 6
+    assert nothing == []

@@ -103,3 +103,34 @@ def test_a_paused_server_claims_nothing(sqlite_engine: Engine) -> None:
     out = handle_message(rt, ids, requeue=lambda b, s: sent_back.append((b, s)))  # type: ignore[arg-type]
     assert out["claimed"] == 0 and sent_back == [(ids, 5.0)]
     assert leased(sqlite_engine) == set() and rt.window.outstanding == 0
+
+
+def test_a_conversation_is_one_unit_of_room_and_never_split(sqlite_engine: Engine) -> None:
+    rt, ids = setup(sqlite_engine, 0)
+    spec = ledger.RunSpec("r", "/t", "a" * 64, "b" * 64, {}, SamplingParams(), 1, None, [2])
+    with sqlite_engine.begin() as conn:
+        info, _ = ledger.get_or_create_run(conn, spec)
+        # two conversations of 5 boundaries each, then 2 single items
+        new = [ledger.NewItem(f"c{c}", 0, c, None, [1, t], t) for c in range(2) for t in range(5)]
+        new += [ledger.NewItem(f"s{i}", 0, 9, None, [2, i]) for i in range(2)]
+        ledger.insert_items(conn, info.id, new)
+        ids = ledger.pending_ids(conn, info.id)
+    rt.window.group_of = lambda run_id, key: (run_id, key) if key.startswith("c") else None
+    sent_back: list[tuple[list[int], float]] = []
+    out = handle_message(rt, ids, requeue=lambda b, s: sent_back.append((b, s)))  # type: ignore[arg-type]
+    # 4 slots + a backlog of one conversation: both conversations and both singles fit
+    assert out["claimed"] == 12 and sent_back == []
+    assert rt.window.outstanding == 4  # a unit per conversation, one per single item
+    assert rt.window.serves_conversations
+    # a window with one unit of room left: a conversation is claimed whole, never in part
+    with sqlite_engine.begin() as conn:
+        more = [ledger.NewItem("c9", 0, 1, None, [3, t], t) for t in range(3)]
+        more += [ledger.NewItem(f"t{i}", 0, 9, None, [4, i]) for i in range(2)]
+        ledger.insert_items(conn, info.id, more)
+        extra = ledger.pending_ids(conn, info.id)
+    out = handle_message(rt, extra, requeue=lambda b, s: sent_back.append((b, s)))  # type: ignore[arg-type]
+    # the one unit of room left takes the whole conversation; the singles go back unclaimed
+    assert out["claimed"] == 3
+    assert sent_back == [(extra[3:], 0.0)]
+    assert set(extra[:3]) <= leased(sqlite_engine)
+    assert rt.window.outstanding == 5  # one more unit: the new conversation

@@ -209,3 +209,16 @@ def test_conversations_order_hold_and_release() -> None:
     assert groups.drop("a") == ["xxxx"]
     assert groups.settled("a", "xxx") is None
     assert groups.held == 0
+
+
+def test_a_window_serving_conversations_holds_one_waiting_at_most(
+    sqlite_engine: Engine, run: ledger.RunInfo, windows: list[InflightWindow]
+) -> None:
+    log: list[tuple[str, int, float]] = []
+    window = make_window(sqlite_engine, windows, log, inflight=2, delay_s=0.05)
+    assert window.capacity() == 2 + 2  # the configured backlog
+    ids = insert(sqlite_engine, run, conversation("conv-e", 1000, [10, 20]))
+    window.submit(claim(sqlite_engine, ids))
+    # a conversation is many items' work: beyond the slots, one waits at most
+    assert window.capacity() == 2 + 1
+    wait_idle(window)
