@@ -34,6 +34,7 @@ from app.contracts import GenerateResult, SamplingParams
 from app.errors import NotFound, RunMismatch
 from app.models import Event, Item, ItemStatus, Run, Server
 from app.shards import ShardCache
+from app.tokenization import file_changes
 
 log = logging.getLogger(__name__)
 
@@ -73,10 +74,14 @@ class RunSpec:
     samples_per_prompt: int
     think_end_id: int | None
     eos_token_ids: list[int]
-    # `--turns all`: every assistant turn regenerated, chained (pinned); the tokenizer's own
-    # code allowed, so workers can template later turns the way enqueue did (not compared)
+    # `--turns all`: every assistant turn regenerated, chained (pinned)
     turns: str = "last"
+    # the tokenizer's own code allowed: export, verify, reports and later turns load it so too
     trust_remote_code: bool = False
+    # sha256 of each tokenizer file (a later enqueue names the one that changed); the hash
+    # runs older than the manifest pinned, to compare them with
+    tokenizer_files: dict[str, str] | None = None
+    legacy_tokenizer_hash: str | None = None
 
 
 @dataclass(frozen=True)
@@ -95,18 +100,17 @@ class RunInfo:
     created_at: datetime
     turns: str = "last"
     trust_remote_code: bool = False
+    tokenizer_files: dict[str, str] | None = None
 
 
 # The run's turn mode rides in its pinned sampling_params JSON (no column of its own), under
-# keys SamplingParams does not have; present only for `--turns all`, so older runs read "last".
+# a key SamplingParams does not have; present only for `--turns all`, so older runs read "last".
 _TURNS_KEY = "turns"
-_REMOTE_CODE_KEY = "trust_remote_code"
 
 
 def _run_info(row: Any) -> RunInfo:
     pinned = dict(row.sampling_params)
     turns = str(pinned.pop(_TURNS_KEY, "last"))
-    trust_remote_code = bool(pinned.pop(_REMOTE_CODE_KEY, False))
     return RunInfo(
         id=row.id,
         name=row.name,
@@ -121,17 +125,27 @@ def _run_info(row: Any) -> RunInfo:
         fingerprint=row.fingerprint,
         created_at=as_utc(row.created_at) or utcnow(),
         turns=turns,
-        trust_remote_code=trust_remote_code,
+        trust_remote_code=bool(row.trust_remote_code),
+        tokenizer_files=dict(row.tokenizer_files) if row.tokenizer_files is not None else None,
     )
 
 
 def run_differences(existing: RunInfo, spec: RunSpec) -> list[str]:
     """Lines naming every pinned setting in which spec differs from the existing run."""
     diffs: list[str] = []
-    if existing.tokenizer_hash != spec.tokenizer_hash:
-        diffs.append(
-            f"tokenizer: {existing.tokenizer_path} (hash {existing.tokenizer_hash[:12]}) → "
-            f"{spec.tokenizer_path} (hash {spec.tokenizer_hash[:12]})"
+    if spec.tokenizer_files is None:  # a spec built by hand: the hashes alone
+        if existing.tokenizer_hash != spec.tokenizer_hash:
+            diffs.append(
+                f"tokenizer: {existing.tokenizer_path} (hash {existing.tokenizer_hash[:12]}) → "
+                f"{spec.tokenizer_path} (hash {spec.tokenizer_hash[:12]})"
+            )
+    else:
+        diffs += file_changes(
+            existing.tokenizer_hash,
+            existing.tokenizer_files,
+            spec.tokenizer_hash,
+            spec.tokenizer_files,
+            spec.legacy_tokenizer_hash or spec.tokenizer_hash,
         )
     if existing.chat_template_hash != spec.chat_template_hash:
         diffs.append(
@@ -198,6 +212,8 @@ def get_or_create_run(conn: Connection, spec: RunSpec) -> tuple[RunInfo, bool]:
             samples_per_prompt=spec.samples_per_prompt,
             think_end_id=spec.think_end_id,
             eos_token_ids=spec.eos_token_ids,
+            trust_remote_code=spec.trust_remote_code,
+            tokenizer_files=spec.tokenizer_files,
             created_at=utcnow(),
         )
     )
@@ -208,8 +224,6 @@ def _pinned_sampling(spec: RunSpec) -> dict[str, Any]:
     pinned = spec.sampling.to_json()
     if spec.turns != "last":
         pinned[_TURNS_KEY] = spec.turns
-        if spec.trust_remote_code:
-            pinned[_REMOTE_CODE_KEY] = True
     return pinned
 
 

@@ -17,7 +17,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from app import ledger
-from app.errors import ConfigurationError, InputError, TokenizerError
+from app.errors import ConfigurationError, InputError, NotFound, TokenizerError
 from app.export import FORMATS, ExportFormat, export_run
 from app.inputs import parse_chat_template_kwargs
 from app.ledger import RunCounts
@@ -47,8 +47,10 @@ def _enqueue(
     settings = get_settings()
     db = open_db(settings)
     kwargs = parse_chat_template_kwargs(opts["chat_template_kwargs"])
+    # a run created with --trust-remote-code keeps it: a later enqueue need not repeat it
+    trusted = opts["trust_remote_code"] or _run_trusts_code(db, run)
     try:
-        tokenizer = load_tokenizer(tokenizer_path, trust_remote_code=opts["trust_remote_code"])
+        tokenizer = load_tokenizer(tokenizer_path, trust_remote_code=trusted)
     except TokenizerError as exc:
         raise TokenizerError(f"--tokenizer: {exc}") from exc
     options = EnqueueOptions(
@@ -59,7 +61,7 @@ def _enqueue(
         chat_template_kwargs=kwargs,
         prompt_field=opts.get("prompt_field"),
         turns=opts.get("turns", "last"),
-        trust_remote_code=opts["trust_remote_code"],
+        trust_remote_code=trusted,
     )
     publisher = None
     if publish:
@@ -109,6 +111,14 @@ def _enqueue(
         soft_wrap=True,
     )
     return report
+
+
+def _run_trusts_code(db: Any, run: str) -> bool:
+    with db.connect() as conn:
+        try:
+            return ledger.get_run(conn, run).trust_remote_code
+        except NotFound:
+            return False
 
 
 def _unit(report: EnqueueReport) -> str:
@@ -343,11 +353,13 @@ def export_cmd(run_name: str, fmt: str, out: str, per_turn: bool, whole_conversa
             )
     elif fmt == "conversations":
         tokenizer = load_tokenizer(run.tokenizer_path, trust_remote_code=run.trust_remote_code)
-        if tokenizer.tokenizer_hash != run.tokenizer_hash:
+        changes = tokenizer.changes_from(run.tokenizer_hash, run.tokenizer_files)
+        if changes:
             console.print(
                 f"[yellow]warning:[/yellow] the tokenizer at {escape(run.tokenizer_path)} "
-                "changed since the run was created",
+                f"changed since the run was created: {escape('; '.join(changes))}",
                 markup=True,
+                soft_wrap=True,
             )
     report = export_run(
         db,

@@ -136,6 +136,8 @@ def enqueue(
         name=options.run,
         tokenizer_path=str(tokenizer.path),
         tokenizer_hash=tokenizer.tokenizer_hash,
+        tokenizer_files=tokenizer.tokenizer_files,
+        legacy_tokenizer_hash=tokenizer.legacy_hash,
         chat_template_hash=tokenizer.chat_template_hash,
         chat_template_kwargs=options.chat_template_kwargs,
         sampling=options.sampling,
