@@ -88,6 +88,15 @@ class PromptRecord:
     # every turn of the line, trailing assistant turns included, when messages dropped some
     # (`--turns all` regenerates those too)
     conversation: list[Message] | None = None
+    # the row's tool declarations (a `tools` list, or a JSON string of one, parsed), passed
+    # to the template as `tools=`; None when the row has none
+    tools: list[dict[str, Any]] | None = None
+    # the row's template kwargs (its `chat_template_kwargs`, and a `reasoning_effort`), merged
+    # over the run's when the prompt is rendered; None when the row has none
+    chat_template_kwargs: dict[str, Any] | None = None
+    # the row's other top-level fields (source, category, ...): not template inputs, kept
+    # and exported with each sample; None when the row has none
+    metadata: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if (self.messages is None) == (self.input_ids is None):

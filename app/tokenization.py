@@ -12,6 +12,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from app.chat_path import (
+    ChatInputs,
+    ContentFormat,
+    bare_function_tools,
+    detect_content_format,
+    normalize_messages,
+    normalize_tools,
+)
 from app.contracts import Message
 from app.errors import InputError, TokenizerError
 
@@ -73,8 +81,12 @@ _RESERVED_KWARGS = frozenset(
         "return_dict",
         "return_assistant_tokens_mask",
         "tokenizer_kwargs",
+        "tools",
     }
 )
+
+
+_FAILED = "chat template failed: "
 
 
 class _NoTorchAdvice(logging.Filter):
@@ -150,7 +162,9 @@ def custom_code_class(folder: Path) -> str | None:
 class ChatTokenizer:
     """A Hugging Face tokenizer with its chat template, as the producer and exporter use it.
 
-    `apply` gives exactly the ids of `apply_chat_template(messages, add_generation_prompt=True)`.
+    `apply` gives the prompt ids SGLang's chat path makes: the turns normalized as
+    `app.chat_path` does, rendered to text with the tools and kwargs and the generation prompt,
+    and encoded without adding special tokens.
     """
 
     def __init__(self, tokenizer: Any, path: Path, *, trust_remote_code: bool = False) -> None:
@@ -167,6 +181,7 @@ class ChatTokenizer:
         self._think_end_id = _single_token_id(tokenizer, THINK_END)
         self._eos_token_ids = _eos_token_ids(tokenizer, path)
         self._context_length = _context_length(tokenizer, path)
+        self._content_format = detect_content_format(_default_template(template))
 
     @property
     def hf_tokenizer(self) -> Any:
@@ -235,56 +250,105 @@ class ChatTokenizer:
     def context_length(self) -> int | None:
         return self._context_length
 
+    @property
+    def content_format(self) -> ContentFormat:
+        """How the template takes list content: "string" (parts joined) or "openai" (kept),
+        detected from the template as SGLang detects it."""
+        return self._content_format
+
     def render(
-        self, messages: Sequence[Message], chat_template_kwargs: Mapping[str, Any] | None = None
+        self,
+        messages: Sequence[Message],
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        tools: Sequence[dict[str, Any]] | None = None,
     ) -> str:
-        """The prompt text the template makes, generation prompt included."""
-        kwargs = _template_kwargs(chat_template_kwargs)
-        try:
-            text = self._tokenizer.apply_chat_template(
-                list(messages), add_generation_prompt=True, tokenize=False, **kwargs
-            )
-        except Exception as exc:
-            raise InputError(f"chat template failed: {exc}") from exc
-        return str(text)
+        """The prompt text SGLang's chat path makes of these turns, tools and template kwargs,
+        generation prompt included (the turns and tools are normalized first: `app.chat_path`).
+        """
+        inputs = ChatInputs(list(messages), list(tools) if tools else None, chat_template_kwargs)
+        return self._render(*self._prepared(inputs))
 
     def apply(
-        self, messages: Sequence[Message], chat_template_kwargs: Mapping[str, Any] | None = None
+        self,
+        messages: Sequence[Message],
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        tools: Sequence[dict[str, Any]] | None = None,
     ) -> list[int]:
-        """Prompt ids, as `apply_chat_template(messages, add_generation_prompt=True)` gives them."""
-        kwargs = _template_kwargs(chat_template_kwargs)
-        try:
-            result = self._tokenizer.apply_chat_template(
-                list(messages), add_generation_prompt=True, tokenize=True, **kwargs
-            )
-        except Exception as exc:
-            raise InputError(f"chat template failed: {exc}") from exc
-        return _ids_of(result)
+        """Prompt ids: `render`, then encoded without adding special tokens, as SGLang does."""
+        return self._encode([self.render(messages, chat_template_kwargs, tools)])[0]
 
     def apply_batch(
         self,
         conversations: Sequence[Sequence[Message]],
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        tools: Sequence[dict[str, Any]] | None = None,
     ) -> list[list[int]]:
-        """`apply` for many conversations in one call: the same ids, about twice as fast.
+        """`apply` for many conversations sharing kwargs and tools: the same ids, faster.
 
-        apply_chat_template on a list of conversations renders each one, then encodes all
-        texts in one batched call of the fast tokenizer (on all cores), exactly as it encodes a
-        single one (add_special_tokens=False). If the template fails on a conversation, the
-        InputError names its index in the batch; `apply` them one by one to keep the others.
+        The texts are encoded in one batched call (on all cores for a fast tokenizer). If the
+        template fails on a conversation, the InputError names its index in the batch; use
+        `apply_each` to keep the others.
         """
-        if not conversations:
-            return []
-        batch = [list(conversation) for conversation in conversations]
-        kwargs = _template_kwargs(chat_template_kwargs)
+        shared = list(tools) if tools else None
+        batch = [ChatInputs(list(c), shared, chat_template_kwargs) for c in conversations]
+        results = self.apply_each(batch)
+        for index, result in enumerate(results):
+            if isinstance(result, InputError):
+                reason = result.reason.removeprefix(_FAILED)
+                raise InputError(
+                    f"chat template failed on conversation {index} of the batch: {reason}"
+                )
+        return [ids for ids in results if not isinstance(ids, InputError)]
+
+    def apply_each(self, batch: Sequence[ChatInputs]) -> list[list[int] | InputError]:
+        """Prompt ids for each entry (its own turns, tools and kwargs), or the InputError of
+        an entry that cannot be normalized or rendered; the texts are encoded in one call."""
+        texts: list[str | InputError] = []
+        for inputs in batch:
+            try:
+                texts.append(self._render(*self._prepared(inputs)))
+            except InputError as exc:
+                texts.append(exc)
+        rendered = [text for text in texts if isinstance(text, str)]
+        encoded = iter(self._encode(rendered) if rendered else [])
+        return [text if isinstance(text, InputError) else next(encoded) for text in texts]
+
+    def _prepared(
+        self, inputs: ChatInputs
+    ) -> tuple[list[Message], list[dict[str, Any]] | None, dict[str, Any]]:
+        kwargs = _template_kwargs(inputs.chat_template_kwargs)
+        turns = normalize_messages(inputs.messages, self._content_format)
+        tools = normalize_tools(inputs.tools) if inputs.tools else None
+        return turns, tools or None, kwargs
+
+    def _render(
+        self, turns: list[Message], tools: list[dict[str, Any]] | None, kwargs: dict[str, Any]
+    ) -> str:
         try:
-            result = self._tokenizer.apply_chat_template(
-                batch, add_generation_prompt=True, tokenize=True, **kwargs
-            )
+            return self._template(turns, tools, kwargs)
         except Exception as exc:
-            raise _batch_error(self._tokenizer, batch, kwargs, exc) from exc
-        rows = result if isinstance(result, list) else result["input_ids"]
-        return [[int(i) for i in ids] for ids in rows]
+            if not tools:
+                raise InputError(f"{_FAILED}{exc}") from exc
+        # SGLang's second try: some templates take tools without the OpenAI wrapper
+        try:
+            return self._template(turns, bare_function_tools(tools), kwargs)
+        except Exception as exc:
+            raise InputError(f"{_FAILED}{exc}") from exc
+
+    def _template(
+        self, turns: list[Message], tools: list[dict[str, Any]] | None, kwargs: dict[str, Any]
+    ) -> str:
+        text = self._tokenizer.apply_chat_template(
+            turns, tools=tools, add_generation_prompt=True, tokenize=False, **kwargs
+        )
+        return str(text)
+
+    def _encode(self, texts: list[str]) -> list[list[int]]:
+        """Rendered prompts to ids without adding special tokens (the template has them)."""
+        if len(texts) == 1:
+            return [[int(i) for i in self._tokenizer.encode(texts[0], add_special_tokens=False)]]
+        encoded = self._tokenizer(texts, add_special_tokens=False)["input_ids"]
+        return [[int(i) for i in ids] for ids in encoded]
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
         return str(self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
@@ -423,26 +487,18 @@ def _template_kwargs(chat_template_kwargs: Mapping[str, Any] | None) -> dict[str
     return kwargs
 
 
-def _batch_error(
-    tokenizer: Any, batch: list[list[Message]], kwargs: dict[str, Any], exc: Exception
-) -> InputError:
-    """The error of the first conversation the template fails on, else of the whole batch."""
-    for index, conversation in enumerate(batch):
-        try:
-            tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=True, tokenize=False, **kwargs
-            )
-        except Exception as item_exc:
-            return InputError(
-                f"chat template failed on conversation {index} of the batch: {item_exc}"
-            )
-    return InputError(f"chat template failed: {exc}")
-
-
-def _ids_of(result: Any) -> list[int]:
-    """Ids from apply_chat_template: a BatchEncoding in transformers 5, a list in 4."""
-    ids = result if isinstance(result, list) else result["input_ids"]
-    return [int(i) for i in ids]
+def _default_template(template: Any) -> str | None:
+    """The template text SGLang reads for the content format: the "default" one of several."""
+    if isinstance(template, str):
+        return template
+    if isinstance(template, dict):
+        chosen = template.get("default")
+        return chosen if isinstance(chosen, str) else None
+    if isinstance(template, list):  # [{"name", "template"}, ...] as tokenizer_config holds it
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        chosen = named.get("default")
+        return chosen if isinstance(chosen, str) else None
+    return None
 
 
 def _single_token_id(tokenizer: Any, text: str) -> int | None:

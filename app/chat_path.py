@@ -1,0 +1,430 @@
+"""SGLang 0.5.23's chat path before rendering: message normalization, tools, template kwargs.
+
+Pure functions, no tokenizer: what `/v1/chat/completions` does to a request before its Jinja
+chat template runs, so that client-built prompts are the ones the deployed model sees.
+
+The rules, read from `sglang/srt/entrypoints/openai/serving_chat.py`, `protocol.py` and
+`sglang/srt/parser/jinja_template_utils.py` of the 0.5.23 wheel:
+
+- Assistant `tool_calls` take the shape of SGLang's `ToolCall` model: `{"id", "index",
+  "type": "function", "function": {"name", "arguments"}}` (missing ones null, other keys
+  dropped); `arguments` given as a JSON string is parsed into an object, and one that is not
+  a JSON object is an error.
+- `content: null` becomes `""`; then every key whose value is None is dropped from the turn.
+- Content given as a list of parts: for templates that take `string` content the text parts
+  are joined with a single space; for `openai` templates the list is kept, each text part as
+  `{"type": "text", "text"}`. A `tool` turn whose parts are all text is joined with a space
+  in either case.
+- Tools (the request's `tools`) take the shape of SGLang's `Tool` model: `{"type",
+  "function": {...}, "defer_loading"}`, the function's keys in the order given, `description`
+  and `parameters` added as null when missing, `strict` / `defer_loading` only when given.
+  When rendering fails with the tools, it is tried once more with each tool reduced to its
+  bare `function` object (`bare_function_tools`).
+- Template kwargs: the run's, then the row's over them; a `reasoning_effort` sets the template
+  variable `reasoning_effort` and defaults `thinking` and `enable_thinking` to
+  `effort != "none"`, as a request's `reasoning_effort` does.
+
+Where tokenmill differs on purpose: every other field of a turn reaches the template as given
+(SGLang's request models keep only the fields they declare), and `reasoning` / `thinking` on a
+turn are aliases of `reasoning_content` (`resolve_reasoning_aliases`, applied when reading).
+Tool results are not reordered: SGLang reorders a run of tool results only when one of them
+holds media, and tokenmill rows are text only.
+
+The rules carry NORMALIZATION_VERSION; a run pins the version it was created with, and
+`check_version` refuses a run pinned to rules this tokenmill does not have.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from app.contracts import Message
+from app.errors import ConfigurationError, InputError
+
+logger = logging.getLogger(__name__)
+
+ContentFormat = Literal["string", "openai"]
+
+# The message-normalization rules of this module. Bump the suffix when a rule changes, so a
+# run keeps the rules it was created with (or is refused) instead of mixing two.
+NORMALIZATION_VERSION = "sglang-0.5.23.1"
+KNOWN_VERSIONS = frozenset({NORMALIZATION_VERSION})
+
+# Turn fields that are aliases of reasoning_content (vLLM-style datasets).
+REASONING_ALIASES = ("reasoning", "thinking")
+# Content part types read as text (SGLang's "input_text" is the Responses API spelling).
+_TEXT_PART_TYPES = ("text", "input_text")
+# Template text that makes SGLang treat content as a list of parts without looking further.
+_MULTIMODAL_WORDS = ("image", "audio", "video", "vision")
+# The loop variables SGLang recognizes in `{% for x in message['content'] %}`.
+_MESSAGE_VARIABLES = ("message", "msg", "m")
+# The fields of SGLang's Function model, in its order.
+_FUNCTION_FIELDS = ("description", "name", "parameters", "strict", "defer_loading")
+
+
+@dataclass(frozen=True)
+class ChatInputs:
+    """Everything one prompt is rendered from: the turns, the tools, the template kwargs."""
+
+    messages: list[Message]
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: Mapping[str, Any] | None = None
+
+
+# --- versions ---------------------------------------------------------------------------------
+
+
+def check_version(version: str | None, *, run: str | None = None) -> str:
+    """The pinned version, if this tokenmill has its rules; else a ConfigurationError."""
+    name = f"run {run!r}" if run else "the run"
+    if version is None:
+        raise ConfigurationError(
+            f"{name} was created before tokenmill pinned its message-normalization rules, so "
+            "its prompts cannot be rebuilt the same way; create a new run (new --run name)"
+        )
+    if version not in KNOWN_VERSIONS:
+        raise ConfigurationError(
+            f"{name} pins the message-normalization rules {version!r}, which this tokenmill "
+            f"does not have (it has {', '.join(sorted(KNOWN_VERSIONS))}); use the tokenmill "
+            "version that created the run, or a new run"
+        )
+    return version
+
+
+# --- content format -----------------------------------------------------------------------------
+
+
+def detect_content_format(template: str | None) -> ContentFormat:
+    """`openai` when the template iterates over a message's content (or mentions image, audio,
+    video or vision anywhere), else `string`; a template that does not parse is `string`.
+
+    The template is parsed with transformers' own chat-template Jinja environment, as SGLang
+    does; the loop may be over `message`, `msg` or `m`, by key or attribute, through filters,
+    tests or slices (`message['content'] | list`, `message.content[1:]`).
+    """
+    if not template:
+        return "string"
+    if any(word in template for word in _MULTIMODAL_WORDS):
+        return "openai"
+    try:
+        import jinja2.nodes
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+
+        tree = _compile_jinja_template(template).environment.parse(template)
+        loops = list(tree.find_all(jinja2.nodes.For))
+    except Exception as exc:  # SGLang reads a template it cannot parse as "string"
+        logger.debug("chat template does not parse (%s): content format 'string'", exc)
+        return "string"
+    for loop in loops:
+        if any(_reads_content(loop.iter, name) for name in _MESSAGE_VARIABLES):
+            return "openai"
+    return "string"
+
+
+def _reads_content(node: Any, variable: str) -> bool:
+    """Whether node is `variable['content']` / `variable.content`, possibly filtered, tested
+    or sliced."""
+    import jinja2.nodes as nodes
+
+    if isinstance(node, nodes.Filter):
+        return node.node is not None and _reads_content(node.node, variable)
+    if isinstance(node, nodes.Test):
+        return _reads_content(node.node, variable)
+    if isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Slice):
+        return _reads_content(node.node, variable)
+    if isinstance(node, nodes.Getitem):
+        return (
+            _is_load(node.node, variable)
+            and isinstance(node.arg, nodes.Const)
+            and node.arg.value == "content"
+        )
+    if isinstance(node, nodes.Getattr):
+        return _is_load(node.node, variable) and node.attr == "content"
+    return False
+
+
+def _is_load(node: Any, variable: str) -> bool:
+    import jinja2.nodes as nodes
+
+    return isinstance(node, nodes.Name) and node.ctx == "load" and node.name == variable
+
+
+# --- messages ---------------------------------------------------------------------------------
+
+
+def resolve_reasoning_aliases(turn: Message, where: str = "turn") -> Message:
+    """The turn with `reasoning` / `thinking` renamed to `reasoning_content`.
+
+    Null ones are ignored; two non-null ones that differ are an InputError naming them.
+    """
+    if not any(alias in turn for alias in REASONING_ALIASES):
+        return turn
+    names = ("reasoning_content", *REASONING_ALIASES)
+    present = [name for name in names if turn.get(name) is not None]
+    values = [turn[name] for name in present]
+    if any(value != values[0] for value in values[1:]):
+        raise InputError(
+            f"{where} has different {' and '.join(present)}; they are the same field "
+            "(reasoning_content) and may hold one text"
+        )
+    out = {k: v for k, v in turn.items() if k not in REASONING_ALIASES}
+    if present:
+        out["reasoning_content"] = turn[present[0]]
+    return out
+
+
+def normalize_messages(messages: Sequence[Message], content_format: ContentFormat) -> list[Message]:
+    """The turns as SGLang's chat path hands them to a Jinja template (see the module doc).
+
+    Returns new dicts; the input is not changed. Idempotent: normalized turns come back equal.
+    Raises InputError naming the turn and field (`messages[2].tool_calls[0].function.arguments`)
+    for tool-call arguments that are not a JSON object, and for content parts that are not text.
+    """
+    if content_format not in ("string", "openai"):
+        raise ValueError(f"content format must be 'string' or 'openai', not {content_format!r}")
+    return [
+        _normalize_turn(turn, content_format, f"messages[{index}]")
+        for index, turn in enumerate(messages)
+    ]
+
+
+def _normalize_turn(turn: Message, content_format: ContentFormat, where: str) -> Message:
+    out = dict(turn)
+    if isinstance(out.get("tool_calls"), list):
+        # SGLang parses the arguments of assistant turns only
+        parse = out.get("role") == "assistant"
+        out["tool_calls"] = [
+            _tool_call(call, f"{where}.tool_calls[{i}]", parse=parse)
+            for i, call in enumerate(out["tool_calls"])
+        ]
+    if isinstance(out.get("tools"), list):  # tools declared on a system turn
+        out["tools"] = normalize_tools(out["tools"], f"{where}.tools")
+    if out.get("content") is None:
+        out["content"] = ""
+    content = out["content"]
+    if isinstance(content, list):
+        parts = [_text_part(part, f"{where}.content[{i}]") for i, part in enumerate(content)]
+        if content_format == "string":
+            out["content"] = " ".join(parts)
+        else:
+            # SGLang rebuilds such a turn with its content last
+            del out["content"]
+            out["content"] = [{"type": "text", "text": text} for text in parts]
+            if out.get("role") == "tool":
+                out["content"] = " ".join(parts)
+    return {key: value for key, value in out.items() if value is not None}
+
+
+def _text_part(part: Any, where: str) -> str:
+    if not isinstance(part, dict) or part.get("type") not in _TEXT_PART_TYPES:
+        kind = part.get("type") if isinstance(part, dict) else _json_type(part)
+        raise InputError(f"{where} is a {json.dumps(kind)} part; only text parts are supported")
+    text = part.get("text")
+    if not isinstance(text, str):
+        raise InputError(f"{where} has no string 'text'")
+    return text
+
+
+def _tool_call(call: Any, where: str, *, parse: bool) -> dict[str, Any]:
+    """One tool call in SGLang's ToolCall shape, its arguments parsed when parse is set."""
+    if not isinstance(call, dict):
+        raise InputError(f"{where} must be an object, not a JSON {_json_type(call)}")
+    function = call.get("function")
+    if not isinstance(function, dict):
+        raise InputError(f"{where}.function must be an object with 'name' and 'arguments'")
+    kind = call.get("type", "function")
+    if kind != "function":
+        raise InputError(f'{where}.type is {json.dumps(kind)}; only "function" is allowed')
+    for name, value in (("id", call.get("id")), ("function.name", function.get("name"))):
+        if value is not None and not isinstance(value, str):
+            raise InputError(f"{where}.{name} must be a string, not a JSON {_json_type(value)}")
+    index = call.get("index")
+    if index is not None and (isinstance(index, bool) or not isinstance(index, int)):
+        raise InputError(f"{where}.index must be an integer, not a JSON {_json_type(index)}")
+    arguments = function.get("arguments")
+    if isinstance(arguments, str) and parse:
+        arguments = parse_tool_call_arguments(arguments, f"{where}.function.arguments")
+    elif arguments is not None and not isinstance(arguments, str | dict):
+        raise InputError(
+            f"{where}.function.arguments must be a JSON object or a string holding one, "
+            f"not a JSON {_json_type(arguments)}"
+        )
+    return {
+        "id": call.get("id"),
+        "index": index,
+        "type": "function",
+        "function": {"name": function.get("name"), "arguments": arguments},
+    }
+
+
+def parse_tool_call_arguments(text: str, where: str = "arguments") -> dict[str, Any]:
+    """Tool-call arguments given as a JSON string, as the object the template receives."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise InputError(f"{where} is not valid JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise InputError(f"{where} must hold a JSON object, not a JSON {_json_type(value)}")
+    return value
+
+
+def final_assistant_as_user(messages: Sequence[Message]) -> list[Message]:
+    """A chat completion whose last turn is an assistant turn with string content: SGLang
+    sends that turn as a user turn of the same content (without `continue_final_message`).
+
+    tokenmill prompts never end with an assistant turn (the answer is what is regenerated);
+    this is for callers that render arbitrary requests, like the emulator's `/v1/tokenize`.
+    """
+    out = list(messages)
+    if out and out[-1].get("role") == "assistant" and isinstance(out[-1].get("content"), str):
+        out[-1] = {"role": "user", "content": out[-1]["content"]}
+    return out
+
+
+# --- tools ------------------------------------------------------------------------------------
+
+
+def parse_tools(value: Any, where: str = "tools") -> list[dict[str, Any]] | None:
+    """A row's `tools`: a list of tool objects, or a JSON string of one, in SGLang's Tool shape.
+
+    None or an empty list is None (no tools reach the template, as in SGLang). Raises
+    InputError naming the field for a string that is not JSON or a tool that is not valid.
+    """
+    if isinstance(value, str):
+        if not value.strip():
+            return None
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise InputError(f"'{where}' is a string that is not valid JSON ({exc})") from None
+        if value is None:
+            return None
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise InputError(
+            f"'{where}' must be a list of tools (or a JSON string of one), "
+            f"not a JSON {_json_type(value)}"
+        )
+    return normalize_tools(value, where) or None
+
+
+def normalize_tools(tools: Iterable[Any], where: str = "tools") -> list[dict[str, Any]]:
+    """Each tool as SGLang's `Tool.model_dump()` gives it to the template."""
+    return [_tool(tool, f"{where}[{i}]") for i, tool in enumerate(tools)]
+
+
+def _tool(tool: Any, where: str) -> dict[str, Any]:
+    if not isinstance(tool, dict):
+        raise InputError(f"{where} must be an object, not a JSON {_json_type(tool)}")
+    function = tool.get("function")
+    if not isinstance(function, dict):
+        raise InputError(
+            f"{where} has no 'function' object; a tool is "
+            '{"type": "function", "function": {"name": ..., "parameters": ...}}'
+        )
+    kind = tool.get("type", "function")
+    if not isinstance(kind, str):
+        raise InputError(f"{where}.type must be a string, not a JSON {_json_type(kind)}")
+    defer = _optional_bool(tool.get("defer_loading"), f"{where}.defer_loading")
+    return {
+        "type": kind,
+        "function": _function(function, defer, f"{where}.function"),
+        "defer_loading": defer,
+    }
+
+
+def _function(function: dict[str, Any], tool_defer: bool | None, where: str) -> dict[str, Any]:
+    name = function.get("name")
+    if not isinstance(name, str):
+        raise InputError(f"{where}.name must be a string, not a JSON {_json_type(name)}")
+    description = function.get("description")
+    if description is not None and not isinstance(description, str):
+        raise InputError(f"{where}.description must be a string or null")
+    strict = _optional_bool(function.get("strict"), f"{where}.strict")
+    defer = _optional_bool(function.get("defer_loading"), f"{where}.defer_loading")
+    if defer is None:
+        defer = tool_defer
+    values: dict[str, Any] = {
+        "description": description,
+        "name": name,
+        "parameters": function.get("parameters"),
+        "strict": strict,
+        "defer_loading": defer,
+    }
+    for key in ("strict", "defer_loading"):
+        if values[key] is None:
+            del values[key]
+    given = [key for key in function if key in values]
+    return {key: values[key] for key in given + [k for k in values if k not in given]}
+
+
+def _optional_bool(value: Any, where: str) -> bool | None:
+    if value is None or isinstance(value, bool):
+        return value
+    raise InputError(f"{where} must be true, false or null, not a JSON {_json_type(value)}")
+
+
+def bare_function_tools(tools: Sequence[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """The tools reduced to their `function` objects: SGLang's second try when a template
+    fails with the full tools (some templates take tools without the OpenAI wrapper)."""
+    if not tools:
+        return None
+    return [tool.get("function", tool) for tool in tools]
+
+
+# --- template kwargs ----------------------------------------------------------------------------
+
+
+def merge_template_kwargs(
+    run_kwargs: Mapping[str, Any] | None,
+    row_kwargs: Mapping[str, Any] | None,
+    reasoning_effort: Any = None,
+) -> dict[str, Any]:
+    """The template kwargs of one row: the run's, the row's over them, then a row's
+    `reasoning_effort` as SGLang applies a request's (a `reasoning_effort` inside the kwargs
+    wins as the variable's value, but only the request-level one sets the thinking defaults)."""
+    merged = dict(run_kwargs or {})
+    merged.update(row_kwargs or {})
+    if reasoning_effort is not None:
+        merged.setdefault("thinking", reasoning_effort != "none")
+        merged.setdefault("enable_thinking", reasoning_effort != "none")
+        merged.setdefault("reasoning_effort", reasoning_effort)
+    return merged
+
+
+def check_reasoning_effort(value: Any, where: str = "reasoning_effort") -> str | float | None:
+    """A row's `reasoning_effort`: one of SGLang's tiers or a number in [0, 0.99]."""
+    if value is None:
+        return None
+    if isinstance(value, str) and value in _EFFORT_TIERS:
+        return value
+    if isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value <= 0.99:
+        return float(value)
+    raise InputError(
+        f"'{where}' must be one of {', '.join(_EFFORT_TIERS)} or a number from 0 to 0.99, "
+        f"not {json.dumps(value)}"
+    )
+
+
+_EFFORT_TIERS = ("none", "minimal", "low", "medium", "high", "xhigh", "ultra", "max")
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int | float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    if isinstance(value, dict):
+        return "object"
+    return type(value).__name__
