@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -17,12 +18,14 @@ from typing import Any
 from sqlalchemy import Engine
 
 from app import ledger
+from app.chat_path import ChatInputs, merge_template_kwargs
 from app.constants import EVENT_ENQUEUED, EVENT_RUN_CREATED
 from app.contracts import PromptRecord, SamplingParams
 from app.conversation import TurnPlan
 from app.errors import InputError
 from app.input_formats import open_table
 from app.inputs import read_prompts
+from app.template_pool import Templater
 from app.tokenization import ChatTokenizer
 from workers import turns
 
@@ -43,6 +46,8 @@ class EnqueueOptions:
     # "all": one item per assistant turn, chained (workers/turns.py); pinned by the run
     turns: str = "last"
     trust_remote_code: bool = False
+    # processes templating a slow (pure-Python) tokenizer; None: one per core
+    template_processes: int | None = None
 
 
 @dataclass
@@ -87,27 +92,46 @@ def _chunks(records: Iterator[PromptRecord | InputError], size: int) -> Iterator
         yield chunk
 
 
-def _tokenize(
-    tokenizer: ChatTokenizer, records: list[PromptRecord], kwargs: dict[str, Any]
-) -> list[list[int] | InputError]:
-    """Prompt ids for each record, or the error of the one record that could not be templated."""
-    out: list[list[int] | InputError] = [[] for _ in records]
-    chat = [(i, r) for i, r in enumerate(records) if r.messages is not None]
-    for i, r in enumerate(records):
-        if r.input_ids is not None:
-            out[i] = list(r.input_ids)
-    if chat:
+@dataclass
+class _Chunk:
+    """One chunk of records on its way: templated (maybe in another process), then stored."""
+
+    records: list[PromptRecord]
+    plans: dict[str, list[TurnPlan]]
+    lines: int
+    ids: Future[list[list[int] | InputError]]
+
+
+def _submit(
+    templater: Templater, records: list[PromptRecord], kwargs: dict[str, Any]
+) -> Future[list[list[int] | InputError]]:
+    """Template the chat records of a chunk; pre-tokenized records keep their ids."""
+    chat = [
+        ChatInputs(r.messages or [], r.tools, merge_template_kwargs(kwargs, r.chat_template_kwargs))
+        for r in records
+        if r.messages is not None
+    ]
+    templated = templater.submit(chat)
+    out: Future[list[list[int] | InputError]] = Future()
+
+    def merge(done: Future[list[list[int] | InputError]]) -> None:
         try:
-            batch = tokenizer.apply_batch([r.messages or [] for _, r in chat], kwargs)
-            for (i, _), ids in zip(chat, batch, strict=True):
-                out[i] = ids
-        except Exception:
-            # find the line that breaks the template instead of losing the chunk
-            for i, r in chat:
-                try:
-                    out[i] = tokenizer.apply(r.messages or [], kwargs)
-                except Exception as exc:
-                    out[i] = InputError(f"chat template failed: {exc}", r.line)
+            rows = iter(done.result())
+        except Exception as exc:
+            out.set_exception(exc)
+            return
+        merged: list[list[int] | InputError] = []
+        for r in records:
+            if r.input_ids is not None:
+                merged.append(list(r.input_ids))
+                continue
+            ids = next(rows)
+            if isinstance(ids, InputError):  # the line that breaks the template
+                ids = InputError(ids.reason, r.line)
+            merged.append(ids)
+        out.set_result(merged)
+
+    templated.add_done_callback(merge)
     return out
 
 
@@ -178,8 +202,46 @@ def enqueue(
             published_after = _publish_pending(db, run.id, publish, published_after, report)
         on_progress(lines)
 
+    def finish(chunk: _Chunk) -> list[ledger.NewItem]:
+        new_items: list[ledger.NewItem] = []
+        for record, ids in zip(chunk.records, chunk.ids.result(), strict=True):
+            if isinstance(ids, InputError):
+                fail(ids)
+                continue
+            if not ids:
+                fail(InputError("the prompt is empty after templating", record.line))
+                continue
+            if context is not None and len(ids) >= context:
+                fail(
+                    InputError(
+                        f"prompt has {len(ids)} tokens, at or over the model's context "
+                        f"length {context}",
+                        record.line,
+                    )
+                )
+                continue
+            new_items.extend(
+                turns.chain_items(
+                    record, ids, options.samples_per_prompt, chunk.plans.get(record.key)
+                )
+            )
+        return new_items
+
     writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tm-enqueue-writer")
+    templater = Templater(tokenizer, options.template_processes)
+    # chunks templated ahead: one per templating process, plus one being stored
+    in_flight: deque[_Chunk] = deque()
     pending: Future[None] | None = None
+
+    def store_next() -> None:
+        nonlocal pending
+        chunk = in_flight.popleft()
+        new_items = finish(chunk)
+        # the database work of a chunk overlaps the templating of the next ones; one chunk
+        # stored at a time, so order is kept and memory stays bounded
+        if pending is not None:
+            pending.result()
+        pending = writer.submit(store, new_items, chunk.lines)
 
     try:
         for chunk in _chunks(itertools.chain([first], entries), CHUNK_LINES):
@@ -200,38 +262,16 @@ def enqueue(
             plans: dict[str, list[TurnPlan]] = {}
             if options.turns == "all":  # template turn 0 now; later turns wait for it
                 fresh = turns.first_turns(fresh, plans, fail)
-            new_items: list[ledger.NewItem] = []
-            for record, ids in zip(
-                fresh, _tokenize(tokenizer, fresh, options.chat_template_kwargs), strict=True
-            ):
-                if isinstance(ids, InputError):
-                    fail(ids)
-                    continue
-                if not ids:
-                    fail(InputError("the prompt is empty after templating", record.line))
-                    continue
-                if context is not None and len(ids) >= context:
-                    fail(
-                        InputError(
-                            f"prompt has {len(ids)} tokens, at or over the model's context "
-                            f"length {context}",
-                            record.line,
-                        )
-                    )
-                    continue
-                new_items.extend(
-                    turns.chain_items(
-                        record, ids, options.samples_per_prompt, plans.get(record.key)
-                    )
-                )
-            # the database work of this chunk overlaps the templating of the next one; one chunk
-            # in flight at most, so order is kept and memory stays bounded
-            if pending is not None:
-                pending.result()
-            pending = writer.submit(store, new_items, report.lines)
+            ids = _submit(templater, fresh, options.chat_template_kwargs)
+            in_flight.append(_Chunk(fresh, plans, report.lines, ids))
+            if len(in_flight) > templater.processes:
+                store_next()
+        while in_flight:
+            store_next()
         if pending is not None:
             pending.result()
     finally:
+        templater.close()
         writer.shutdown(wait=True)
     if publish is not None:
         _publish_pending(db, run.id, publish, published_after, report)
