@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 
@@ -35,9 +36,10 @@ class Templater:
     """`ChatTokenizer.apply_each` on batches, each batch's result in the order submitted.
 
     A slow tokenizer's batches go to a pool of `processes` processes, started (spawned, as the
-    caller may hold threads and connections) at the second batch, so a small file never pays
-    for it; the ids are the same as templating in this process. A fast tokenizer encodes
-    batches on all cores already and is templated inline.
+    caller may hold threads and connections) at the second batch; until every process has
+    loaded the tokenizer, batches are templated here, so a small file never waits for the
+    pool. The ids are the same either way. A fast tokenizer encodes batches on all cores
+    already and is templated inline.
     """
 
     def __init__(self, tokenizer: ChatTokenizer, processes: int | None = None) -> None:
@@ -45,7 +47,9 @@ class Templater:
         wanted = default_processes() if processes is None else processes
         self._processes = 1 if tokenizer.is_fast else max(1, wanted)
         self._pool: ProcessPoolExecutor | None = None
+        self._warmups: list[Future[int]] = []
         self._batches = 0
+        self.pooled_batches = 0  # batches templated by the pool (the others here)
 
     @property
     def processes(self) -> int:
@@ -54,18 +58,37 @@ class Templater:
 
     def submit(self, batch: Sequence[ChatInputs]) -> Future[list[Result]]:
         self._batches += 1
-        if self._processes > 1 and (self._pool is not None or self._batches > 1):
-            pool = self._pool or self._start()
-            remote = pool.submit(_apply_each, list(batch))
+        if self._processes > 1 and self._batches > 1 and self._pool is None:
+            self._start()
+        if self._pool is not None and self._ready():
+            self.pooled_batches += 1
+            remote = self._pool.submit(_apply_each, list(batch))
             done: Future[list[Result]] = Future()
             remote.add_done_callback(lambda f: _relay(f, done))
             return done
+        # no pool, or its processes still loading the tokenizer: template here meanwhile
         inline: Future[list[Result]] = Future()
         try:
             inline.set_result(self._tokenizer.apply_each(batch))
         except Exception as exc:
             inline.set_exception(exc)
         return inline
+
+    def warm_up(self) -> None:
+        """Start the pool now (a slow tokenizer) and wait until every process has loaded it."""
+        if self._processes > 1:
+            if self._pool is None:
+                self._start()
+            for warmup in self._warmups:
+                warmup.result()
+
+    def _ready(self) -> bool:
+        """Every pool process has loaded the tokenizer (a failed load is raised here)."""
+        if not all(f.done() for f in self._warmups):
+            return False
+        for warmup in self._warmups:
+            warmup.result()
+        return True
 
     def _start(self) -> ProcessPoolExecutor:
         logger.info(
@@ -83,6 +106,8 @@ class Templater:
                 self._tokenizer.tokenizer_hash,
             ),
         )
+        # one task per process that returns once its initializer has loaded the tokenizer
+        self._warmups = [self._pool.submit(_warm, k) for k in range(self._processes)]
         return self._pool
 
     def close(self) -> None:
@@ -112,6 +137,13 @@ def _load(path: str, trust_remote_code: bool, tokenizer_hash: str) -> None:
     if tokenizer.tokenizer_hash != tokenizer_hash:  # the folder changed under the enqueue
         raise RuntimeError(f"the tokenizer files in {path} changed while templating")
     _process_tokenizer = tokenizer
+
+
+def _warm(k: int) -> int:
+    """A task that needs only the loaded tokenizer; it holds its process a moment so that
+    each warm-up task lands in another process."""
+    time.sleep(0.2)
+    return k
 
 
 def _apply_each(batch: list[ChatInputs]) -> list[list[int] | str]:

@@ -152,8 +152,13 @@ def test_parallel_templating_equals_serial(slow_folder: Path) -> None:
     serial = [slow.apply_each(b) for b in batches]
     with Templater(slow, processes=2) as templater:
         assert templater.processes == 2
-        futures = [templater.submit(b) for b in batches]
+        # until its processes have loaded the tokenizer, batches are templated here
+        first = templater.submit(batches[0])
+        assert templater.pooled_batches == 0
+        templater.warm_up()
+        futures = [first, *(templater.submit(b) for b in batches[1:])]
         assert [f.result() for f in futures] == serial
+        assert templater.pooled_batches == 2
 
 
 def test_a_fast_tokenizer_is_templated_inline(kimi_tokenizer_dir: Path) -> None:
