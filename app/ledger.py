@@ -78,8 +78,8 @@ class RunSpec:
     turns: str = "last"
     # the tokenizer's own code allowed: export, verify, reports and later turns load it so too
     trust_remote_code: bool = False
-    # sha256 of each tokenizer file (a later enqueue names the one that changed); the hash
-    # runs older than the manifest pinned, to compare them with
+    # sha256 of each tokenizer file (a later enqueue names the one that changed), and the
+    # folder's hash by the rule of runs created before the manifest, to compare those with
     tokenizer_files: dict[str, str] | None = None
     legacy_tokenizer_hash: str | None = None
 

@@ -17,12 +17,12 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from app import ledger
-from app.errors import ConfigurationError, InputError, NotFound, TokenizerError
+from app.errors import ConfigurationError, InputError, NotFound, RunMismatch, TokenizerError
 from app.export import FORMATS, ExportFormat, export_run
 from app.inputs import parse_chat_template_kwargs
-from app.ledger import RunCounts
+from app.ledger import RunCounts, RunInfo
 from app.settings import get_settings
-from app.tokenization import ChatTokenizer, load_tokenizer
+from app.tokenization import ChatTokenizer, folder_changes, load_tokenizer
 from ops.dashboard import watch as watch_dashboard
 from ops.options import (
     build_sampling,
@@ -47,8 +47,11 @@ def _enqueue(
     settings = get_settings()
     db = open_db(settings)
     kwargs = parse_chat_template_kwargs(opts["chat_template_kwargs"])
+    existing = _existing_run(db, run)
+    if existing is not None:
+        _check_pinned_files(existing, tokenizer_path)
     # a run created with --trust-remote-code keeps it: a later enqueue need not repeat it
-    trusted = opts["trust_remote_code"] or _run_trusts_code(db, run)
+    trusted = opts["trust_remote_code"] or (existing is not None and existing.trust_remote_code)
     try:
         tokenizer = load_tokenizer(tokenizer_path, trust_remote_code=trusted)
     except TokenizerError as exc:
@@ -113,12 +116,26 @@ def _enqueue(
     return report
 
 
-def _run_trusts_code(db: Any, run: str) -> bool:
+def _existing_run(db: Any, run: str) -> RunInfo | None:
     with db.connect() as conn:
         try:
-            return ledger.get_run(conn, run).trust_remote_code
+            return ledger.get_run(conn, run)
         except NotFound:
-            return False
+            return None
+
+
+def _check_pinned_files(run: RunInfo, tokenizer_path: str) -> None:
+    """Refuse a tokenizer folder whose files differ from the run's before any of its code runs,
+    naming each changed, new or removed file."""
+    folder = Path(tokenizer_path).expanduser()
+    if not folder.is_dir():
+        return  # load_tokenizer says what is wrong with the path
+    changes = folder_changes(folder.resolve(), run.tokenizer_hash, run.tokenizer_files)
+    if changes:
+        raise RunMismatch(
+            f"run {run.name!r} already exists with other tokenizer files; use a new --run name "
+            "or the original files. Differences: " + "; ".join(changes)
+        )
 
 
 def _unit(report: EnqueueReport) -> str:
