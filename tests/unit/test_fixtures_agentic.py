@@ -6,13 +6,15 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 
 from app.agentic_rows import CASES, WEATHER_TOOL, agentic_rows
 from app.chat_path import ChatInputs
-from app.errors import TokenizerError
+from app.contracts import SamplingParams
+from app.errors import TokenizerError, TokenmillError
 from app.fixtures import SPECIAL_TOKENS_BY_NAME
 from app.fixtures_agentic import (
     HELPER_MODULE,
@@ -20,8 +22,10 @@ from app.fixtures_agentic import (
     chat_template,
     ensure_agentic_tokenizer,
 )
+from app.ledger import RunInfo
 from app.template_pool import Templater
 from app.tokenization import ChatTokenizer, load_tokenizer
+from workers.turns import TokenizerCache
 
 THINK, IM_END = SPECIAL_TOKENS_BY_NAME["<think>"], SPECIAL_TOKENS_BY_NAME["<|im_end|>"]
 CALL = {"role": "assistant", "content": None}
@@ -167,3 +171,31 @@ def test_a_fast_tokenizer_is_templated_inline(kimi_tokenizer_dir: Path) -> None:
         assert templater.processes == 1
         batch = chat(10)
         assert templater.submit(batch).result() == fast.apply_each(batch)
+
+
+def test_later_turns_load_the_pinned_custom_code_and_refuse_a_changed_file(
+    folder: Path, tmp_path: Path
+) -> None:
+    copy = Path(shutil.copytree(folder, tmp_path / "tok"))
+    pinned = load_tokenizer(copy, trust_remote_code=True)
+    run = RunInfo(
+        id=1,
+        name="r",
+        tokenizer_path=str(copy),
+        tokenizer_hash=pinned.tokenizer_hash,
+        chat_template_hash=pinned.chat_template_hash,
+        chat_template_kwargs={},
+        sampling=SamplingParams(),
+        samples_per_prompt=1,
+        think_end_id=pinned.think_end_id,
+        eos_token_ids=pinned.eos_token_ids,
+        fingerprint=None,
+        created_at=datetime.now(UTC),
+        turns="all",
+        trust_remote_code=True,
+        tokenizer_files=pinned.tokenizer_files,
+    )
+    assert TokenizerCache._load(run).tokenizer_hash == pinned.tokenizer_hash
+    (copy / HELPER_MODULE).write_text("raise RuntimeError('must never run')\n")
+    with pytest.raises(TokenmillError, match=f"tokenizer file '{HELPER_MODULE}' changed"):
+        TokenizerCache._load(run)
