@@ -36,6 +36,7 @@ The rules carry NORMALIZATION_VERSION; a run pins the version it was created wit
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from collections.abc import Iterable, Mapping, Sequence
@@ -177,17 +178,20 @@ def resolve_reasoning_aliases(turn: Message, where: str = "turn") -> Message:
     return out
 
 
-def normalize_messages(messages: Sequence[Message], content_format: ContentFormat) -> list[Message]:
+def normalize_messages(
+    messages: Sequence[Message], content_format: ContentFormat, *, field: str = "messages"
+) -> list[Message]:
     """The turns as SGLang's chat path hands them to a Jinja template (see the module doc).
 
     Returns new dicts; the input is not changed. Idempotent: normalized turns come back equal.
-    Raises InputError naming the turn and field (`messages[2].tool_calls[0].function.arguments`)
-    for tool-call arguments that are not a JSON object, and for content parts that are not text.
+    Raises InputError naming the turn and field (`messages[2].tool_calls[0].function.arguments`,
+    `field` being the first name) for tool-call arguments that are not a JSON object, and for
+    content parts that are not text.
     """
     if content_format not in ("string", "openai"):
         raise ValueError(f"content format must be 'string' or 'openai', not {content_format!r}")
     return [
-        _normalize_turn(turn, content_format, f"messages[{index}]")
+        _normalize_turn(turn, content_format, f"{field}[{index}]")
         for index, turn in enumerate(messages)
     ]
 
@@ -375,6 +379,13 @@ def bare_function_tools(tools: Sequence[dict[str, Any]] | None) -> list[dict[str
     if not tools:
         return None
     return [tool.get("function", tool) for tool in tools]
+
+
+def tools_hash(tools: Sequence[dict[str, Any]]) -> str:
+    """sha256 of the tools' JSON in their own key order (the order a template renders them
+    in, so two lists that differ only in key order are two lists)."""
+    text = json.dumps(list(tools), ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 # --- template kwargs ----------------------------------------------------------------------------

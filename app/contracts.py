@@ -94,9 +94,14 @@ class PromptRecord:
     # the row's template kwargs (its `chat_template_kwargs`, and a `reasoning_effort`), merged
     # over the run's when the prompt is rendered; None when the row has none
     chat_template_kwargs: dict[str, Any] | None = None
+    # the row's `reasoning_effort` (a template input as SGLang treats a request's; see
+    # app.chat_path.merge_template_kwargs)
+    reasoning_effort: str | float | None = None
     # the row's other top-level fields (source, category, ...): not template inputs, kept
     # and exported with each sample; None when the row has none
     metadata: dict[str, Any] | None = None
+    # the top-level fields the prompt was built from (prompt field, id, system, tools, ...)
+    prompt_fields: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if (self.messages is None) == (self.input_ids is None):

@@ -140,10 +140,17 @@ def check_specforge_row(row: Mapping[str, Any]) -> None:
         raise SpecForgeRowError(f"{where}: loss_mask has no 1 (nothing to train on)")
 
 
-def template_encoder(tokenizer: ChatTokenizer, chat_template_kwargs: Mapping[str, Any]) -> Encode:
-    """The run's chat template as an Encode function, with or without the generation prompt."""
+def template_encoder(
+    tokenizer: ChatTokenizer,
+    chat_template_kwargs: Mapping[str, Any],
+    tools: Sequence[dict[str, Any]] | None = None,
+) -> Encode:
+    """The run's chat template as an Encode function, with or without the generation prompt
+    (with the row's tools and kwargs, as its prompts were rendered)."""
     hf = tokenizer.hf_tokenizer
     kwargs = dict(chat_template_kwargs)
+    if tools:
+        kwargs["tools"] = list(tools)
 
     def encode(messages: Sequence[Message], add_generation_prompt: bool) -> list[int]:
         if not messages:

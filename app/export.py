@@ -40,13 +40,21 @@ class ExportReport:
 def specforge_row(item: StoredItem) -> dict[str, Any]:
     """input_ids = prompt + output; the loss mask trains only on what the model generated."""
     output = item.output_ids or []
-    return {
+    row = {
         "id": item.item_key,
         "sample": item.sample_index,
         "input_ids": item.prompt_ids + output,
         "loss_mask": [0] * len(item.prompt_ids) + [1] * len(output),
         "finish_reason": item.finish_reason,
     }
+    return _with_metadata(row, item)
+
+
+def _with_metadata(row: dict[str, Any], item: StoredItem) -> dict[str, Any]:
+    """The row with the input row's metadata fields (source, category, ...), if it had any."""
+    if item.metadata is not None:
+        row["metadata"] = item.metadata
+    return row
 
 
 def assistant_turn(item: StoredItem, run: RunInfo, tokenizer: ChatTokenizer) -> dict[str, Any]:
@@ -76,8 +84,13 @@ def conversations_row(item: StoredItem, run: RunInfo, tokenizer: ChatTokenizer) 
     if not turns:
         row["prompt"] = tokenizer.decode(item.prompt_ids)
     row["conversations"] = [*turns, assistant_turn(item, run, tokenizer)]
+    # what else built the prompt, so a trainer that re-renders it gets the same text
+    if item.tools is not None:
+        row["tools"] = item.tools
+    if item.chat_template_kwargs is not None:
+        row["chat_template_kwargs"] = item.chat_template_kwargs
     row["finish_reason"] = item.finish_reason
-    return row
+    return _with_metadata(row, item)
 
 
 def whole_conversation_row(
@@ -86,7 +99,10 @@ def whole_conversation_row(
     """A `--turns all` chain as one SpecForge row: its last turn's prompt + output, the loss
     mask on the last output and on every regenerated assistant turn inside the prompt."""
     output = item.output_ids or []
-    encode = template_encoder(tokenizer, run.chat_template_kwargs)
+    kwargs = run.chat_template_kwargs
+    if item.chat_template_kwargs is not None:
+        kwargs = item.chat_template_kwargs
+    encode = template_encoder(tokenizer, kwargs, item.tools)
     mask = whole_conversation_mask(
         item.id, item.messages or [], item.prompt_ids, len(output), encode
     )
@@ -99,7 +115,7 @@ def whole_conversation_row(
         "finish_reason": item.finish_reason,
     }
     check_specforge_row(row)
-    return row
+    return _with_metadata(row, item)
 
 
 def whole_conversations(run: RunInfo, fmt: ExportFormat, *, per_turn: bool, whole: bool) -> bool:

@@ -21,7 +21,6 @@ logger = logging.getLogger(__name__)
 BATCH_ROWS = 256
 # The columns a row is read for when no --field names one (the JSONL field names).
 DEFAULT_PROMPT_COLUMNS = ("messages", "conversations", "prompt", "input_ids")
-EXTRA_COLUMNS = ("id", "system")
 _DATASET_MARKERS = ("state.json", "dataset_info.json")
 # Arrow structs give every turn every field of the column; a null one means "not on this
 # turn", except content, whose null is meaningful (an assistant turn that only calls tools).
@@ -72,7 +71,8 @@ def open_table(path: Path) -> TableInput | None:
 
 def prompt_columns(table: TableInput, field: str | None) -> list[str]:
     """The columns to read: the --field column (checked to exist) or the default prompt
-    columns present, plus id and system when present."""
+    columns present, then every other column (template inputs such as id, system, tools and
+    chat_template_kwargs, and the rest, kept as row metadata)."""
     present = set(table.columns)
     if field is not None:
         if field not in present:
@@ -89,7 +89,7 @@ def prompt_columns(table: TableInput, field: str | None) -> list[str]:
                 f"'conversations', 'prompt' or 'input_ids' (columns: "
                 f"{_column_list(table.columns)}); name the one to use with --field"
             )
-    return prompt + [c for c in EXTRA_COLUMNS if c in present and c not in prompt]
+    return prompt + [c for c in table.columns if c not in prompt]
 
 
 def iter_rows(table: TableInput, columns: Sequence[str]) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -99,7 +99,7 @@ def iter_rows(table: TableInput, columns: Sequence[str]) -> Iterator[tuple[int, 
         for batch in _batches(table, file, columns):
             for row in batch:
                 row_no += 1
-                yield row_no, {name: _clean(value) for name, value in row.items()}
+                yield row_no, {name: _clean(name, value) for name, value in row.items()}
 
 
 # --- opening ------------------------------------------------------------------------------
@@ -184,8 +184,11 @@ def _batches(
         raise InputError(f"cannot read {str(file)!r}: {exc}") from exc
 
 
-def _clean(value: Any) -> Any:
-    """Drop the null fields Arrow structs give turns that do not have them."""
+def _clean(name: str, value: Any) -> Any:
+    """Drop the null fields Arrow structs give turns (and template kwargs) that do not have
+    them."""
+    if name == "chat_template_kwargs" and isinstance(value, dict):
+        return {k: v for k, v in value.items() if v is not None}
     if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
         return [
             {k: v for k, v in turn.items() if v is not None or k in _KEEP_NULL_TURN_FIELDS}

@@ -13,6 +13,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any, cast
 
+from app.chat_path import (
+    ContentFormat,
+    check_reasoning_effort,
+    normalize_messages,
+    parse_tools,
+    resolve_reasoning_aliases,
+)
 from app.contracts import Message, PromptRecord, stable_hash
 from app.errors import ConfigurationError, InputError
 from app.input_formats import TableInput, iter_rows, open_table, prompt_columns
@@ -43,14 +50,19 @@ SHAREGPT_ROLES: dict[str, str] = {
     "function": "tool",
     "observation": "tool",
 }
-# Turn fields a chat template may read; anything else on a turn is dropped.
-KEPT_TURN_FIELDS = ("role", "content", "name", "reasoning_content", "tool_calls", "tool_call_id")
-# Checked in this order; the first one present is used and the others are ignored.
+# Checked in this order; the first one present is used (the others are kept as metadata).
 PROMPT_FIELDS = ("messages", "conversations", "prompt", "input_ids")
+# Top-level fields that are template inputs or the item key, besides the prompt field; every
+# other top-level field is row metadata, exported with each sample.
+INPUT_FIELDS = ("id", "system", "tools", "chat_template_kwargs", "reasoning_effort")
 
 
 def read_prompts(
-    path: Path, *, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES, field: str | None = None
+    path: Path,
+    *,
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+    field: str | None = None,
+    content_format: ContentFormat = "string",
 ) -> Iterator[PromptRecord | InputError]:
     """Yield a PromptRecord or an InputError for every non-blank line of a JSONL file, or for
     every row of a Parquet / datasets input (see `app.input_formats`; errors say "row N").
@@ -58,8 +70,9 @@ def read_prompts(
     Lines are read one at a time in binary (a `.gz` file is decompressed on the fly) and
     numbered from 1; a bad line yields its InputError and reading goes on. A line may hold:
 
-    - `messages`: a list of `{"role", "content"}` turns (roles system, user, assistant, tool;
-      extra turn fields kept: name, reasoning_content, tool_calls, tool_call_id);
+    - `messages`: a list of `{"role", "content"}` turns (roles system, user, assistant, tool);
+      every other field of a turn reaches the template as given, `reasoning` and `thinking`
+      being aliases of `reasoning_content`;
     - `conversations`: ShareGPT turns `{"from", "value"}` (human/user, gpt/chatgpt/assistant,
       system, tool/function/observation) or `{"role", "content"}` turns;
     - `prompt`: a string, one user turn;
@@ -68,9 +81,16 @@ def read_prompts(
     Optional `id` (string or int) is the item key; without it the key is a hash of the turns
     (or ids), so the same prompt twice is reported as a duplicate. An optional non-empty
     `system` string becomes a leading system turn (an error if the turns have their own).
-    Content may be a string or an OpenAI list of `{"type": "text", "text"}` parts, joined
-    with no separator. Trailing assistant turns are dropped: the prompt ends at the last user
-    (or tool) turn, and the answer after it is what gets regenerated.
+    `tools` (a list of OpenAI tools, or a JSON string of one) goes to the template as
+    `tools=`; `chat_template_kwargs` (an object) and `reasoning_effort` are the row's template
+    kwargs, merged over the run's. Every other top-level field is kept as row metadata.
+
+    The turns are normalized as SGLang's chat path does (`app.chat_path`, for the template's
+    `content_format`): tool-call arguments given as JSON strings parsed (invalid JSON is the
+    line's error), content parts joined with a space for "string" templates and kept as a
+    list for "openai" ones, null content "" and null fields dropped. Trailing assistant turns
+    are dropped: the prompt ends at the last user (or tool) turn, and the answer after it is
+    what gets regenerated.
 
     `field` names the field (column) holding the prompt instead: its value is read as turns,
     a prompt string or ids, whichever it holds.
@@ -78,12 +98,12 @@ def read_prompts(
     path = Path(path)
     table = open_table(path)
     if table is not None:
-        return _unique(_table_records(table, field), "row")
-    return _unique(_jsonl_records(path, max_line_bytes, field), "line")
+        return _unique(_table_records(table, field, content_format), "row")
+    return _unique(_jsonl_records(path, max_line_bytes, field, content_format), "line")
 
 
 def _jsonl_records(
-    path: Path, max_line_bytes: int, field: str | None
+    path: Path, max_line_bytes: int, field: str | None, content_format: ContentFormat
 ) -> Iterator[tuple[PromptRecord, bool] | InputError]:
     with _open(path) as stream:
         for line_no, raw, complete in _lines(stream, max_line_bytes, path):
@@ -93,18 +113,20 @@ def _jsonl_records(
             if not raw.strip():
                 continue
             try:
-                yield _parse_line(raw, line_no, complete, first=line_no == 1, field=field)
+                yield _parse_line(
+                    raw, line_no, complete, first=line_no == 1, field=field, fmt=content_format
+                )
             except InputError as error:
                 yield error
 
 
 def _table_records(
-    table: TableInput, field: str | None
+    table: TableInput, field: str | None, content_format: ContentFormat
 ) -> Iterator[tuple[PromptRecord, bool] | InputError]:
     columns = prompt_columns(table, field)
     for row_no, row in iter_rows(table, columns):
         try:
-            yield _record(row, row_no, field)
+            yield _record(row, row_no, field, content_format)
         except _Bad as bad:
             yield InputError(str(bad), row_no, unit="row")
 
@@ -200,7 +222,13 @@ def _readline(stream: IO[bytes], size: int, path: Path, line_no: int) -> bytes:
 
 
 def _parse_line(
-    raw: bytes, line_no: int, complete: bool, *, first: bool, field: str | None = None
+    raw: bytes,
+    line_no: int,
+    complete: bool,
+    *,
+    first: bool,
+    field: str | None = None,
+    fmt: ContentFormat = "string",
 ) -> tuple[PromptRecord, bool]:
     """The record of one line, and whether its key is an explicit id."""
     if first:
@@ -225,7 +253,7 @@ def _parse_line(
     if not isinstance(data, dict):
         raise InputError(f"line is a JSON {_json_type(data)}, not an object", line_no)
     try:
-        return _record(data, line_no, field)
+        return _record(data, line_no, field, fmt)
     except _Bad as bad:
         raise InputError(str(bad), line_no) from None
 
@@ -238,7 +266,10 @@ class _Bad(Exception):
 
 
 def _record(
-    data: dict[str, Any], line_no: int, named: str | None = None
+    data: dict[str, Any],
+    line_no: int,
+    named: str | None = None,
+    content_format: ContentFormat = "string",
 ) -> tuple[PromptRecord, bool]:
     if named is not None:
         if data.get(named) is None:
@@ -254,25 +285,93 @@ def _record(
         field = kind = found
     key = _explicit_key(data.get("id"))
     system = _system_field(data.get("system"))
+    used = [field] + [name for name in INPUT_FIELDS if data.get(name) is not None]
+    metadata = _metadata(data, used)
     if kind == "input_ids":
-        if system is not None:
-            raise _Bad(f"'system' cannot be combined with pre-tokenized '{field}'")
+        for name in ("system", "tools", "chat_template_kwargs", "reasoning_effort"):
+            if data.get(name) is not None:
+                raise _Bad(f"'{name}' cannot be combined with pre-tokenized '{field}'")
         ids = _input_ids(data[field], field)
-        record = PromptRecord(line_no, key or content_key("input_ids", ids), input_ids=ids)
+        record = PromptRecord(
+            line_no,
+            key or content_key("input_ids", ids),
+            input_ids=ids,
+            metadata=metadata,
+            prompt_fields=tuple(used),
+        )
         return record, key is not None
     turns = [_prompt_turn(data[field], field)] if kind == "prompt" else _turns(data[field], field)
     if system is not None:
         if any(turn["role"] == "system" for turn in turns):
             raise _Bad(f"both a 'system' field and a system turn in '{field}'")
         turns.insert(0, {"role": "system", "content": system})
+    try:
+        turns = normalize_messages(turns, content_format, field=field)
+        tools = parse_tools(data.get("tools"))
+        effort = check_reasoning_effort(data.get("reasoning_effort"))
+    except InputError as error:
+        raise _Bad(error.reason) from None
+    row_kwargs = _row_kwargs(data.get("chat_template_kwargs"))
     messages = _prompt_turns(list(turns), field)
     record = PromptRecord(
         line_no,
-        key or content_key("messages", messages),
+        key or content_key("messages", _key_content(messages, tools, row_kwargs, effort)),
         messages=messages,
         conversation=turns if len(turns) > len(messages) else None,
+        tools=tools,
+        chat_template_kwargs=row_kwargs,
+        reasoning_effort=effort,
+        metadata=metadata,
+        prompt_fields=tuple(used),
     )
     return record, key is not None
+
+
+def _key_content(
+    messages: list[Message],
+    tools: list[dict[str, Any]] | None,
+    kwargs: dict[str, Any] | None,
+    effort: str | float | None,
+) -> Any:
+    """What a content key hashes: the turns, and the row's tools and kwargs when it has any
+    (so rows without them keep the keys they always had)."""
+    if tools is None and kwargs is None and effort is None:
+        return messages
+    return {"messages": messages, "tools": tools, "kwargs": kwargs, "effort": effort}
+
+
+def _row_kwargs(value: Any) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise _Bad(
+            f"'chat_template_kwargs' must be a JSON object such as {{\"thinking\": false}}, "
+            f"not a JSON {_json_type(value)}"
+        )
+    return dict(value)
+
+
+def _metadata(data: dict[str, Any], used: list[str]) -> dict[str, Any] | None:
+    """The row's fields that are neither its prompt nor a template input, as JSON values."""
+    kept = {name: _jsonable(value) for name, value in data.items() if name not in used}
+    # a null input field (say "tools": null) is no input and no metadata
+    unused = (*INPUT_FIELDS, *PROMPT_FIELDS)
+    kept = {name: value for name, value in kept.items() if value is not None or name not in unused}
+    return kept or None
+
+
+def _jsonable(value: Any) -> Any:
+    """A value as JSON can hold it (Parquet columns may hold dates, bytes, decimals)."""
+    if value is None or isinstance(value, str | bool | int | float):
+        return value
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, bytes):
+        return value.hex()
+    isoformat = getattr(value, "isoformat", None)
+    return isoformat() if callable(isoformat) else str(value)
 
 
 def _kind_of(value: Any) -> str:
@@ -345,6 +444,7 @@ def _turn(item: Any, where: str) -> Message:
         if "value" not in item:
             raise _Bad(f"{where} has no 'value'")
         turn: Message = {"role": SHAREGPT_ROLES[speaker.lower()], "content": item["value"]}
+        turn.update((k, v) for k, v in item.items() if k not in ("from", "value", "role"))
         content_field = "value"
     else:
         if "role" not in item:
@@ -357,17 +457,27 @@ def _turn(item: Any, where: str) -> Message:
             )
         if "content" not in item:
             raise _Bad(f"{where} has no 'content'")
-        turn = {name: item[name] for name in KEPT_TURN_FIELDS if item.get(name) is not None}
-        turn["content"] = item["content"]
+        turn = dict(item)
         content_field = "content"
+    try:
+        turn = resolve_reasoning_aliases(turn, where)
+    except InputError as error:
+        raise _Bad(error.reason) from None
     turn["content"] = _content(turn, f"{where}.{content_field}")
-    if turn["role"] == "user" and not (turn["content"] or "").strip():
+    if turn["role"] == "user" and not _text_of(turn["content"]).strip():
         raise _Bad(f"{where}.{content_field} is empty (a user turn needs content)")
     _check_extra_fields(turn, where)
     return turn
 
 
-def _content(turn: Message, where: str) -> str | None:
+def _text_of(content: str | list[Any] | None) -> str:
+    if isinstance(content, list):
+        return "".join(str(part.get("text") or "") for part in content if isinstance(part, dict))
+    return content or ""
+
+
+def _content(turn: Message, where: str) -> str | list[Any] | None:
+    """The content as given (a string, a list of text parts, or null where allowed)."""
     content = turn["content"]
     if content is None:
         # OpenAI style: an assistant turn that only calls tools has no content.
@@ -375,7 +485,9 @@ def _content(turn: Message, where: str) -> str | None:
             return None
         raise _Bad(f"{where} is null")
     if isinstance(content, list):
-        return "".join(_text_part(part, f"{where}[{i}]") for i, part in enumerate(content))
+        for i, part in enumerate(content):
+            _text_part(part, f"{where}[{i}]")
+        return content
     if not isinstance(content, str):
         raise _Bad(
             f"{where} must be a string or a list of text parts, not a JSON {_json_type(content)}"
@@ -384,7 +496,7 @@ def _content(turn: Message, where: str) -> str | None:
 
 
 def _text_part(part: Any, where: str) -> str:
-    if not isinstance(part, dict) or part.get("type") != "text":
+    if not isinstance(part, dict) or part.get("type") not in ("text", "input_text"):
         kind = part.get("type") if isinstance(part, dict) else _json_type(part)
         raise _Bad(f"{where} is a {json.dumps(kind)} part; only text parts are supported")
     text = part.get("text")
@@ -395,9 +507,9 @@ def _text_part(part: Any, where: str) -> str:
 
 def _check_extra_fields(turn: Message, where: str) -> None:
     for name in ("name", "tool_call_id", "reasoning_content"):
-        if name in turn and not isinstance(turn[name], str):
+        if turn.get(name) is not None and not isinstance(turn[name], str):
             raise _Bad(f"{where}.{name} must be a string, not a JSON {_json_type(turn[name])}")
-    if "tool_calls" in turn and not isinstance(turn["tool_calls"], list):
+    if turn.get("tool_calls") is not None and not isinstance(turn["tool_calls"], list):
         raise _Bad(f"{where}.tool_calls must be a list")
 
 

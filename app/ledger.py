@@ -30,9 +30,10 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import postgresql, sqlite
 
+from app.chat_path import NORMALIZATION_VERSION, tools_hash
 from app.contracts import GenerateResult, SamplingParams
 from app.errors import NotFound, RunMismatch
-from app.models import Event, Item, ItemStatus, Run, Server
+from app.models import Event, Item, ItemStatus, Run, Server, ToolSet
 from app.shards import ShardCache
 from app.tokenization import file_changes
 
@@ -42,6 +43,7 @@ items = cast(Table, Item.__table__)
 runs = cast(Table, Run.__table__)
 servers = cast(Table, Server.__table__)
 events = cast(Table, Event.__table__)
+tool_sets = cast(Table, ToolSet.__table__)
 
 CLAIMABLE = (ItemStatus.PENDING.value, ItemStatus.QUEUED.value)
 ERROR_MAX_CHARS = 2000
@@ -82,6 +84,8 @@ class RunSpec:
     # folder's hash by the rule of runs created before the manifest, to compare those with
     tokenizer_files: dict[str, str] | None = None
     legacy_tokenizer_hash: str | None = None
+    # the message-normalization rules the prompts are built with (app.chat_path)
+    normalization_version: str = NORMALIZATION_VERSION
 
 
 @dataclass(frozen=True)
@@ -101,6 +105,8 @@ class RunInfo:
     turns: str = "last"
     trust_remote_code: bool = False
     tokenizer_files: dict[str, str] | None = None
+    # None: created before the rules were pinned (app.chat_path.check_version refuses it)
+    normalization_version: str | None = None
 
 
 # The run's turn mode rides in its pinned sampling_params JSON (no column of its own), under
@@ -127,6 +133,7 @@ def _run_info(row: Any) -> RunInfo:
         turns=turns,
         trust_remote_code=bool(row.trust_remote_code),
         tokenizer_files=dict(row.tokenizer_files) if row.tokenizer_files is not None else None,
+        normalization_version=row.normalization_version,
     )
 
 
@@ -215,6 +222,7 @@ def get_or_create_run(conn: Connection, spec: RunSpec) -> tuple[RunInfo, bool]:
             trust_remote_code=spec.trust_remote_code,
             tokenizer_files=spec.tokenizer_files,
             created_at=utcnow(),
+            normalization_version=spec.normalization_version,
         )
     )
     return get_run(conn, spec.name), True
@@ -251,6 +259,10 @@ class NewItem:
     # a later turn of a `--turns all` chain: inserted waiting, with no prompt yet
     turn_index: int = 0
     waiting: bool = False
+    # the row's tools, its kwargs merged over the run's (None: the run's) and its metadata
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
 
 
 def _insert_ignoring_conflicts(conn: Connection) -> Any:
@@ -270,6 +282,7 @@ def insert_items(conn: Connection, run_id: int, new: Sequence[NewItem]) -> int:
     if not new:
         return 0
     now = utcnow()
+    tool_set_ids = _tool_set_ids(conn, run_id, [n.tools for n in new if n.tools])
     rows = [
         {
             "run_id": run_id,
@@ -277,6 +290,9 @@ def insert_items(conn: Connection, run_id: int, new: Sequence[NewItem]) -> int:
             "sample_index": n.sample_index,
             "line_no": n.line_no,
             "messages": n.messages,
+            "tool_set_id": tool_set_ids[tools_hash(n.tools)] if n.tools else None,
+            "chat_template_kwargs": n.chat_template_kwargs,
+            "row_metadata": n.metadata,
             "prompt_ids": n.prompt_ids,
             "prompt_tokens": len(n.prompt_ids),
             "turn_index": n.turn_index,
@@ -290,6 +306,29 @@ def insert_items(conn: Connection, run_id: int, new: Sequence[NewItem]) -> int:
         return _copy_insert_items(conn, rows)
     stmt = _insert_ignoring_conflicts(conn).returning(items.c.id)
     return len(conn.execute(stmt, rows).all())
+
+
+def _tool_set_ids(
+    conn: Connection, run_id: int, lists: Sequence[list[dict[str, Any]]]
+) -> dict[str, int]:
+    """The tool_sets id of each distinct tools list (by hash), stored once per run."""
+    distinct = {tools_hash(tools): tools for tools in lists}
+    if not distinct:
+        return {}
+    rows = [{"run_id": run_id, "tools_hash": h, "tools": t} for h, t in distinct.items()]
+    if conn.dialect.name == "postgresql":
+        stmt: Any = postgresql.insert(tool_sets).on_conflict_do_nothing(
+            index_elements=["run_id", "tools_hash"]
+        )
+    else:
+        stmt = sqlite.insert(tool_sets).on_conflict_do_nothing(
+            index_elements=["run_id", "tools_hash"]
+        )
+    conn.execute(stmt, rows)
+    found = select(tool_sets.c.tools_hash, tool_sets.c.id).where(
+        tool_sets.c.run_id == run_id, tool_sets.c.tools_hash.in_(list(distinct))
+    )
+    return {str(h): int(i) for h, i in conn.execute(found)}
 
 
 _ITEMS_LOAD = "tm_items_load"
@@ -1026,6 +1065,11 @@ class StoredItem:
     # compacted: the token arrays above were read from row shard_row of this Parquet shard
     shard_uri: str | None = None
     shard_row: int | None = None
+    # what else built the prompt: the row's tools and its merged kwargs (None: the run's)
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    # the row's fields that are not template inputs, exported with each sample
+    metadata: dict[str, Any] | None = None
 
 
 _STORED_COLUMNS = (
@@ -1048,7 +1092,12 @@ _STORED_COLUMNS = (
     items.c.cached_tokens,
     items.c.shard_uri,
     items.c.shard_row,
+    tool_sets.c.tools.label("tools"),
+    items.c.chat_template_kwargs,
+    items.c.row_metadata.label("metadata"),
 )
+# items with their tools list
+_STORED_FROM = items.outerjoin(tool_sets, tool_sets.c.id == items.c.tool_set_id)
 
 
 def _hydrated(page: list[StoredItem], shards: ShardCache) -> list[StoredItem]:
@@ -1096,6 +1145,7 @@ def _iter_items(
     while True:
         stmt = (
             select(*_STORED_COLUMNS)
+            .select_from(_STORED_FROM)
             .where(items.c.run_id == run_id, items.c.status.in_(list(statuses)), items.c.id > after)
             .order_by(items.c.id)
             .limit(page_size)
@@ -1155,7 +1205,12 @@ def stored_items(conn: Connection, ids: Sequence[int]) -> list[StoredItem]:
     """These items as stored in the ledger (not hydrated), in id order."""
     if not ids:
         return []
-    stmt = select(*_STORED_COLUMNS).where(items.c.id.in_(list(ids))).order_by(items.c.id)
+    stmt = (
+        select(*_STORED_COLUMNS)
+        .select_from(_STORED_FROM)
+        .where(items.c.id.in_(list(ids)))
+        .order_by(items.c.id)
+    )
     return [StoredItem(**row._mapping) for row in conn.execute(stmt)]
 
 

@@ -98,6 +98,22 @@ class Run(Base):
     eos_token_ids: Mapped[list[int]] = mapped_column(JSON, default=list)
     fingerprint: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    # the message-normalization rules the run's prompts are built with (app.chat_path);
+    # null for runs created before they were pinned
+    normalization_version: Mapped[str | None] = mapped_column(String(40), nullable=True)
+
+
+class ToolSet(Base):
+    """One distinct tools list of a run, stored once and referenced by its items."""
+
+    __tablename__ = "tool_sets"
+    __table_args__ = (UniqueConstraint("run_id", "tools_hash", name="uq_tool_sets_run_hash"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    # sha256 of the tools' JSON in their own key order (the order the template renders)
+    tools_hash: Mapped[str] = mapped_column(String(64))
+    tools: Mapped[list[dict[str, Any]]] = mapped_column(JSON)
 
 
 class Item(Base):
@@ -127,6 +143,16 @@ class Item(Base):
     )
     line_no: Mapped[int | None] = mapped_column(Integer, nullable=True)
     messages: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON, nullable=True)
+    # what else built the prompt: the row's tools (a run's distinct tools lists are stored
+    # once) and its template kwargs merged over the run's (null: the run's own)
+    tool_set_id: Mapped[int | None] = mapped_column(
+        BigId,
+        ForeignKey("tool_sets.id", ondelete="CASCADE", name="fk_items_tool_set"),
+        nullable=True,
+    )
+    chat_template_kwargs: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    # the row's fields that are not template inputs (source, category, ...), exported
+    row_metadata: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     prompt_ids: Mapped[list[int]] = mapped_column(TokenArray)
     prompt_tokens: Mapped[int] = mapped_column(Integer)
     status: Mapped[str] = mapped_column(String(16), default=ItemStatus.PENDING)

@@ -50,6 +50,8 @@ SHARD_SCHEMA = pa.schema(
         pa.field("server", pa.string()),
         pa.field("latency_s", pa.float64()),
         pa.field("item_id", pa.int64(), nullable=False),
+        # the row's fields that were not template inputs (source, category, ...), as JSON text
+        pa.field("metadata", pa.string()),
     ]
 )
 COLUMNS: tuple[str, ...] = tuple(SHARD_SCHEMA.names)
@@ -75,6 +77,7 @@ class ShardRow:
     server: str | None
     latency_s: float | None
     item_id: int
+    metadata: str | None = None
 
 
 @dataclass(frozen=True)
@@ -304,14 +307,16 @@ class ShardWriter:
 
 
 def _row_from(columns: dict[str, list[Any]], i: int) -> ShardRow:
-    return ShardRow(**{c: columns[c][i] for c in COLUMNS})
+    # shards written before a column existed read it as null
+    return ShardRow(**{c: columns[c][i] for c in COLUMNS if c in columns})
 
 
 def iter_shard(loc: Location, name: str, *, batch_rows: int = ROW_GROUP_ROWS) -> Iterator[ShardRow]:
     """Every row of a shard in order, a batch at a time (memory stays flat)."""
     with loc.fs.open(loc.path(name), "rb") as fh:
         parquet = pq.ParquetFile(fh)
-        for batch in parquet.iter_batches(batch_size=batch_rows, columns=list(COLUMNS)):
+        present = [c for c in COLUMNS if c in parquet.schema_arrow.names]
+        for batch in parquet.iter_batches(batch_size=batch_rows, columns=present):
             columns = batch.to_pydict()
             for i in range(batch.num_rows):
                 yield _row_from(columns, i)

@@ -59,6 +59,7 @@ def shard_row(item: StoredItem) -> ShardRow:
         server=item.server,
         latency_s=item.latency_s,
         item_id=item.id,
+        metadata=None if item.metadata is None else json.dumps(item.metadata, ensure_ascii=False),
     )
 
 
@@ -72,6 +73,7 @@ def run_manifest(run: RunInfo) -> dict[str, Any]:
         "trust_remote_code": run.trust_remote_code,
         "chat_template_hash": run.chat_template_hash,
         "chat_template_kwargs": run.chat_template_kwargs,
+        "normalization_version": run.normalization_version,
         "sampling_params": run.sampling.to_json(),
         "samples_per_prompt": run.samples_per_prompt,
         "eos_token_ids": run.eos_token_ids,

@@ -289,6 +289,7 @@ class ChatTokenizer:
         template fails on a conversation, the InputError names its index in the batch; use
         `apply_each` to keep the others.
         """
+        _template_kwargs(chat_template_kwargs)  # a bad shared kwarg is the caller's error
         shared = list(tools) if tools else None
         batch = [ChatInputs(list(c), shared, chat_template_kwargs) for c in conversations]
         results = self.apply_each(batch)
@@ -302,13 +303,16 @@ class ChatTokenizer:
 
     def apply_each(self, batch: Sequence[ChatInputs]) -> list[list[int] | InputError]:
         """Prompt ids for each entry (its own turns, tools and kwargs), or the InputError of
-        an entry that cannot be normalized or rendered; the texts are encoded in one call."""
+        an entry that cannot be normalized or rendered (its kwargs included); the texts are
+        encoded in one call."""
         texts: list[str | InputError] = []
         for inputs in batch:
             try:
                 texts.append(self._render(*self._prepared(inputs)))
             except InputError as exc:
                 texts.append(exc)
+            except TokenizerError as exc:  # this entry's kwargs
+                texts.append(InputError(str(exc)))
         rendered = [text for text in texts if isinstance(text, str)]
         encoded = iter(self._encode(rendered) if rendered else [])
         return [text if isinstance(text, InputError) else next(encoded) for text in texts]
@@ -466,6 +470,11 @@ def file_changes(
     if not lines and pinned_hash != hash_now:
         lines.append(f"tokenizer files: hash {pinned_hash[:12]} pinned, {hash_now[:12]} now")
     return lines
+
+
+def check_template_kwargs(chat_template_kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The kwargs as a dict; TokenizerError for a non-object or a name tokenmill sets itself."""
+    return _template_kwargs(chat_template_kwargs)
 
 
 def _template_kwargs(chat_template_kwargs: Mapping[str, Any] | None) -> dict[str, Any]:

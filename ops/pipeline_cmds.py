@@ -113,6 +113,13 @@ def _enqueue(
         markup=True,
         soft_wrap=True,
     )
+    for title, fields in (
+        ("prompts built from", report.prompt_fields),
+        ("kept as row metadata (exported with each sample)", report.metadata_fields),
+    ):
+        if fields:
+            counts = ", ".join(f"{escape(name)} ({n} rows)" for name, n in fields.items())
+            console.print(f"fields {title}: {counts}", markup=True, soft_wrap=True)
     return report
 
 

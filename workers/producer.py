@@ -18,7 +18,7 @@ from typing import Any
 from sqlalchemy import Engine
 
 from app import ledger
-from app.chat_path import ChatInputs, merge_template_kwargs
+from app.chat_path import ChatInputs, check_version, merge_template_kwargs
 from app.constants import EVENT_ENQUEUED, EVENT_RUN_CREATED
 from app.contracts import PromptRecord, SamplingParams
 from app.conversation import TurnPlan
@@ -26,7 +26,7 @@ from app.errors import InputError
 from app.input_formats import open_table
 from app.inputs import read_prompts
 from app.template_pool import Templater
-from app.tokenization import ChatTokenizer
+from app.tokenization import ChatTokenizer, check_template_kwargs
 from workers import turns
 
 log = logging.getLogger(__name__)
@@ -60,6 +60,17 @@ class EnqueueReport:
     already_present: int = 0
     published: int = 0
     errors: list[InputError] = field(default_factory=list)
+    # top-level fields, and how many rows had each: those that built the prompts (the prompt
+    # field, id, system, tools, chat_template_kwargs, reasoning_effort) and those kept as
+    # row metadata (exported with each sample)
+    prompt_fields: dict[str, int] = field(default_factory=dict)
+    metadata_fields: dict[str, int] = field(default_factory=dict)
+
+    def count_fields(self, record: PromptRecord) -> None:
+        for name in record.prompt_fields:
+            self.prompt_fields[name] = self.prompt_fields.get(name, 0) + 1
+        for name in record.metadata or {}:
+            self.metadata_fields[name] = self.metadata_fields.get(name, 0) + 1
 
     @property
     def skipped(self) -> int:
@@ -74,6 +85,8 @@ class EnqueueReport:
             "already_present": self.already_present,
             "published": self.published,
             "skipped": self.skipped,
+            "prompt_fields": dict(self.prompt_fields),
+            "metadata_fields": dict(self.metadata_fields),
             "errors": [{"line": e.line, "reason": e.reason} for e in self.errors],
         }
 
@@ -92,6 +105,14 @@ def _chunks(records: Iterator[PromptRecord | InputError], size: int) -> Iterator
         yield chunk
 
 
+def row_kwargs(run_kwargs: dict[str, Any], record: PromptRecord) -> dict[str, Any] | None:
+    """The record's template kwargs merged over the run's; None when it has none of its own
+    (the item then uses the run's)."""
+    if record.chat_template_kwargs is None and record.reasoning_effort is None:
+        return None
+    return merge_template_kwargs(run_kwargs, record.chat_template_kwargs, record.reasoning_effort)
+
+
 @dataclass
 class _Chunk:
     """One chunk of records on its way: templated (maybe in another process), then stored."""
@@ -107,7 +128,7 @@ def _submit(
 ) -> Future[list[list[int] | InputError]]:
     """Template the chat records of a chunk; pre-tokenized records keep their ids."""
     chat = [
-        ChatInputs(r.messages or [], r.tools, merge_template_kwargs(kwargs, r.chat_template_kwargs))
+        ChatInputs(r.messages or [], r.tools, row_kwargs(kwargs, r) or kwargs)
         for r in records
         if r.messages is not None
     ]
@@ -148,7 +169,10 @@ def enqueue(
     report = EnqueueReport(run=options.run)
     # Read the first line before writing anything: a file that is missing, unreadable or
     # empty is refused with no run created.
-    entries = read_prompts(options.input_path, field=options.prompt_field)
+    check_template_kwargs(options.chat_template_kwargs)
+    entries = read_prompts(
+        options.input_path, field=options.prompt_field, content_format=tokenizer.content_format
+    )
     unit = "row" if open_table(options.input_path) is not None else "line"
     first = next(entries, None)
     if first is None:
@@ -173,6 +197,8 @@ def enqueue(
     )
     with db.begin() as conn:
         run, created = ledger.get_or_create_run(conn, spec)
+        # later enqueues build prompts with the rules the run pinned (or are refused)
+        check_version(run.normalization_version, run=run.name)
         report.run_created = created
         if created:
             ledger.record_event(
@@ -222,7 +248,11 @@ def enqueue(
                 continue
             new_items.extend(
                 turns.chain_items(
-                    record, ids, options.samples_per_prompt, chunk.plans.get(record.key)
+                    record,
+                    ids,
+                    options.samples_per_prompt,
+                    chunk.plans.get(record.key),
+                    row_kwargs(options.chat_template_kwargs, record),
                 )
             )
         return new_items
@@ -251,6 +281,7 @@ def enqueue(
                     fail(entry)
                 else:
                     records.append(entry)
+                    report.count_fields(entry)
             report.lines = max(report.lines, *(entry.line or 0 for entry in chunk))
             present: set[str] = set()
             if not report.run_created:  # a new run has no keys but this file's (unique)

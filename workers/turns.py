@@ -12,12 +12,14 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy import Connection, Engine
 
 from app import ledger
+from app.chat_path import check_version, normalize_messages
 from app.constants import EVENT_TURNS_BLOCKED
 from app.contracts import PromptRecord
 from app.conversation import TurnPlan, next_history, split_turns
@@ -55,22 +57,44 @@ def first_turns(
             fail(InputError(exc.reason, record.line))
             continue
         plans[record.key] = split
-        out.append(PromptRecord(record.line, record.key, messages=split[0].context))
+        out.append(replace(record, messages=split[0].context, conversation=None))
     return out
 
 
 def chain_items(
-    record: PromptRecord, prompt_ids: list[int], samples: int, plans: list[TurnPlan] | None
+    record: PromptRecord,
+    prompt_ids: list[int],
+    samples: int,
+    plans: list[TurnPlan] | None,
+    kwargs: dict[str, Any] | None = None,
 ) -> list[NewItem]:
     """Turn 0 of every sample with its prompt, then each later turn waiting, holding the
-    original turns it will need (samples are independent chains)."""
+    original turns it will need (samples are independent chains). Every item keeps the row's
+    tools, its merged template kwargs (None: the run's) and its metadata."""
     later = (plans or [])[1:]
+    first = NewItem(
+        record.key,
+        0,
+        record.line,
+        record.messages,
+        prompt_ids,
+        tools=record.tools,
+        chat_template_kwargs=kwargs,
+        metadata=record.metadata,
+    )
     new: list[NewItem] = []
     for k in range(samples):
-        new.append(NewItem(record.key, k, record.line, record.messages, prompt_ids))
+        new.append(replace(first, sample_index=k))
         for plan in later:
             new.append(
-                NewItem(record.key, k, record.line, plan.context, [], plan.index, waiting=True)
+                replace(
+                    first,
+                    sample_index=k,
+                    messages=plan.context,
+                    prompt_ids=[],
+                    turn_index=plan.index,
+                    waiting=True,
+                )
             )
     return new
 
@@ -128,6 +152,7 @@ class TokenizerCache:
 
     @staticmethod
     def _load(run: RunInfo) -> ChatTokenizer:
+        check_version(run.normalization_version, run=run.name)
         folder = Path(run.tokenizer_path)
         # hash the files before loading: the tokenizer's own code (trust_remote_code) only
         # runs if it is byte for byte what the run was enqueued with
@@ -215,8 +240,12 @@ def _advance_one(
         report.blocked += 1
         return
     history = next_history(prev.messages or [], assistant_turn(prev, run, tokenizer), turn.context)
+    kwargs = prev.chat_template_kwargs
+    if kwargs is None:
+        kwargs = run.chat_template_kwargs
     try:
-        prompt_ids = tokenizer.apply(history, run.chat_template_kwargs)
+        history = normalize_messages(history, tokenizer.content_format)
+        prompt_ids = tokenizer.apply(history, kwargs, prev.tools)
     except InputError as exc:
         reason = f"turn {turn.turn_index}: {exc.reason} (on the regenerated history)"
         _fail_chain(db, turn, reason, report)

@@ -6,7 +6,7 @@ moves out of the sampling_params JSON, where `--turns all` runs kept it. tokeniz
 the sha256 of every file of the folder but weights, so a changed file is named.
 
 Revision ID: 0005b
-Revises: 0004
+Revises: 0005 (merged from i12-core; written on 0004)
 Create Date: 2026-12-01 08:30:00.000000
 """
 
@@ -18,7 +18,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision: str = "0005b"
-down_revision: str | None = "0004"
+down_revision: str | None = "0005"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

@@ -92,7 +92,7 @@ GOOD: list[tuple[str, dict[str, Any], list[dict[str, Any]]]] = [
     ),
     ("empty system field ignored", {"system": " ", "messages": [U]}, [U]),
     (
-        "text parts joined",
+        "text parts joined with a space",
         {
             "messages": [
                 {
@@ -101,10 +101,10 @@ GOOD: list[tuple[str, dict[str, Any], list[dict[str, Any]]]] = [
                 }
             ]
         },
-        [{"role": "user", "content": "a b"}],
+        [{"role": "user", "content": "a  b"}],
     ),
     (
-        "template fields kept, others dropped",
+        "every turn field kept, null ones dropped",
         {
             "messages": [
                 {"role": "user", "content": "q", "name": "ann", "weight": 0, "loss": False},
@@ -113,8 +113,8 @@ GOOD: list[tuple[str, dict[str, Any], list[dict[str, Any]]]] = [
             ]
         },
         [
-            {"role": "user", "content": "q", "name": "ann"},
-            {"role": "assistant", "content": "a", "reasoning_content": "r"},
+            {"role": "user", "content": "q", "name": "ann", "weight": 0, "loss": False},
+            {"role": "assistant", "content": "a", "reasoning_content": "r", "weight": 1},
             {"role": "user", "content": "q2"},
         ],
     ),
@@ -135,8 +135,15 @@ GOOD: list[tuple[str, dict[str, Any], list[dict[str, Any]]]] = [
             U,
             {
                 "role": "assistant",
-                "content": None,
-                "tool_calls": [{"id": "c1", "function": {"name": "f", "arguments": "{}"}}],
+                "content": "",
+                "tool_calls": [
+                    {
+                        "id": "c1",
+                        "index": None,
+                        "type": "function",
+                        "function": {"name": "f", "arguments": {}},
+                    }
+                ],
             },
             {"role": "tool", "content": "42", "tool_call_id": "c1"},
         ],

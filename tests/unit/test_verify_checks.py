@@ -10,6 +10,7 @@ from typing import Any, cast
 from sqlalchemy import Engine, insert
 
 from app import ledger
+from app.chat_path import ChatInputs
 from app.contracts import Message
 from app.errors import InputError
 from app.ledger import items
@@ -44,6 +45,15 @@ class FakeTokenizer:
         self, conversations: Sequence[Sequence[Message]], kwargs: Mapping[str, Any] | None = None
     ) -> list[list[int]]:
         return [self.apply(c, kwargs) for c in conversations]
+
+    def apply_each(self, batch: Sequence[ChatInputs]) -> list[list[int] | InputError]:
+        out: list[list[int] | InputError] = []
+        for inputs in batch:
+            try:
+                out.append(self.apply(inputs.messages, inputs.chat_template_kwargs))
+            except InputError as exc:
+                out.append(exc)
+        return out
 
 
 def add(engine: Engine, run_id: int, key: str, **values: Any) -> None:
