@@ -307,7 +307,7 @@ def _record(
         turns.insert(0, {"role": "system", "content": system})
     try:
         turns = normalize_messages(turns, content_format, field=field)
-        tools = parse_tools(data.get("tools"))
+        tools = parse_tools(sharegpt_tools(data.get("tools"), data[field]))
         effort = check_reasoning_effort(data.get("reasoning_effort"))
     except InputError as error:
         raise _Bad(error.reason) from None
@@ -576,6 +576,33 @@ def sharegpt_tool_turns(items: list[Any], field: str) -> list[Any]:
         else:
             out.append(item)
     return out
+
+
+def sharegpt_tools(value: Any, turns: Any) -> Any:
+    """A ShareGPT row's `tools` in OpenAI's shape; any other row's unchanged.
+
+    LLaMA-Factory stores a row's tools as a JSON string of bare function objects
+    (`[{"name", "description", "parameters"}]`): for rows whose turns are ShareGPT
+    (`from`/`value`), the string is parsed and each bare function is wrapped as
+    `{"type": "function", "function": ...}`. Invalid JSON is the line's error.
+    """
+    if not (isinstance(turns, list) and any(isinstance(t, dict) and "from" in t for t in turns)):
+        return value
+    if isinstance(value, str):
+        if not value.strip():
+            return None
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise _Bad(f"'tools' is a string that is not valid JSON ({exc})") from None
+    if not isinstance(value, list):
+        return value
+    return [
+        {"type": "function", "function": tool}
+        if isinstance(tool, dict) and "function" not in tool and "name" in tool
+        else tool
+        for tool in value
+    ]
 
 
 def _sharegpt_calls(value: Any, turn: int, where: str) -> list[dict[str, Any]]:

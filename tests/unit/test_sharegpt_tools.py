@@ -48,22 +48,39 @@ def test_function_call_and_observation_become_tool_calls_and_tool_turns(tmp_path
     assert [t["role"] for t in turns] == [
         "user", "assistant", "tool", "assistant", "user", "assistant", "tool", "tool",
     ]  # fmt: skip
-    first = turns[1]
-    assert first.get("content") is None
-    assert first["tool_calls"] == [
-        {
-            "id": "call_1_0",
-            "type": "function",
-            "function": {"name": "weather", "arguments": {"city": "Paris"}},
-        }
+    calls = turns[1]["tool_calls"]
+    assert not turns[1]["content"]  # a call-only turn: no content (null, normalized to "")
+    assert [(c["id"], c["type"], c["function"]) for c in calls] == [
+        ("call_1_0", "function", {"name": "weather", "arguments": {"city": "Paris"}})
     ]
-    assert turns[2] == {"role": "tool", "content": "12 C", "tool_call_id": "call_1_0"}
+    assert (turns[2]["content"], turns[2]["tool_call_id"]) == ("12 C", "call_1_0")
     parallel = turns[5]["tool_calls"]
     assert [c["id"] for c in parallel] == ["call_5_0", "call_5_1"]
-    # string arguments stay a string here: the chat path parses them like OpenAI ones
-    assert parallel[1]["function"]["arguments"] == '{"city": "Oslo"}'
+    # string arguments are parsed by the chat path, as SGLang parses OpenAI ones
+    assert parallel[1]["function"]["arguments"] == {"city": "Oslo"}
     # the observations answer the calls in order
     assert [t["tool_call_id"] for t in turns[6:]] == ["call_5_0", "call_5_1"]
+
+
+def test_a_tools_string_of_bare_functions_becomes_openai_tools(tmp_path: Path) -> None:
+    weather = {"name": "weather", "description": "Weather now", "parameters": {"type": "object"}}
+    row = {
+        "tools": json.dumps([weather]),
+        "conversations": [
+            {"from": "human", "value": "Weather?"},
+            {"from": "function_call", "value": json.dumps(call("weather", {}))},
+            {"from": "observation", "value": "sunny"},
+        ],
+    }
+    bad = {**row, "tools": "[{"}
+    record, error = read(tmp_path, row, bad)
+    assert isinstance(record, PromptRecord)
+    assert record.tools is not None
+    assert [(t["type"], t["function"]["name"]) for t in record.tools] == [("function", "weather")]
+    assert record.tools[0]["function"]["description"] == "Weather now"
+    assert isinstance(error, InputError)
+    assert error.line == 2
+    assert "'tools' is a string that is not valid JSON" in error.reason
 
 
 def test_the_id_rule() -> None:
