@@ -63,6 +63,13 @@ def test_a_custom_code_run_is_pinned(
     assert run.tokenizer_path == str(folder.resolve())
     assert run.trust_remote_code
     assert run.tokenizer_files is not None and HELPER_MODULE in run.tokenizer_files
+    with pg_engine.connect() as conn:
+        pending = ledger.iter_items(conn, run.id, statuses=("pending",))
+        prompts = {i.item_key: i.prompt_ids for i in pending}
+    # the row's tools reached the template through the folder's helper module
+    assert "namespace functions {\n// Current weather of a city.\ntype get_weather" in (
+        tokenizer.decode(prompts["agentic-0"])
+    )
     finish_every_item(pg_engine, run, tokenizer.eos_token_ids[0])
 
     # verify and export from another folder, without --trust-remote-code: the run pins it

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from app.agentic_rows import CASES, WEATHER_TOOL, agentic_rows
-from app.chat_path import ChatInputs
+from app.chat_path import NORMALIZATION_VERSION, ChatInputs
 from app.contracts import SamplingParams
 from app.errors import TokenizerError, TokenmillError
 from app.fixtures import SPECIAL_TOKENS_BY_NAME
@@ -194,6 +194,7 @@ def test_later_turns_load_the_pinned_custom_code_and_refuse_a_changed_file(
         turns="all",
         trust_remote_code=True,
         tokenizer_files=pinned.tokenizer_files,
+        normalization_version=NORMALIZATION_VERSION,
     )
     assert TokenizerCache._load(run).tokenizer_hash == pinned.tokenizer_hash
     (copy / HELPER_MODULE).write_text("raise RuntimeError('must never run')\n")
