@@ -13,6 +13,7 @@ per tokenizer:
 and prints rows/s for each and the parallel/serial ratio of the slow tokenizer.
 
     python bench/agentic_enqueue.py                          # 100,000 rows each
+    python bench/agentic_enqueue.py --slow-rows 10000        # fewer for the slow pair
     python bench/agentic_enqueue.py --rows 5000 --only slow  # the slow pair only
 """
 
@@ -33,6 +34,12 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--rows", type=int, default=100_000)
     p.add_argument(
+        "--slow-rows",
+        type=int,
+        default=None,
+        help="rows for the slow pair (default --rows; the serial one takes longest)",
+    )
+    p.add_argument(
         "--only", choices=("all", "slow"), default="all", help="slow: the slow pair only"
     )
     return p.parse_args()
@@ -51,10 +58,13 @@ def main() -> None:
     print(machine_note())
     with tempfile.TemporaryDirectory(prefix="tm-agentic-") as tmp:
         work = Path(tmp)
-        rows = work / "rows.jsonl"
-        with rows.open("w", encoding="utf-8") as f:
-            for row in agentic_rows(args.rows):
-                f.write(json.dumps(row) + "\n")
+        slow_rows = args.rows if args.slow_rows is None else args.slow_rows
+        files = {}
+        for count in {args.rows, slow_rows}:
+            files[count] = work / f"rows-{count}.jsonl"
+            with files[count].open("w", encoding="utf-8") as f:
+                for row in agentic_rows(count):
+                    f.write(json.dumps(row) + "\n")
         folders = {
             "fast": (ensure_kimi_tokenizer(work), False, None),
             "custom code": (ensure_agentic_tokenizer(work), True, None),
@@ -69,7 +79,7 @@ def main() -> None:
                 folder, trust, processes = folders[mode]
                 tokenizer = load_tokenizer(folder, trust_remote_code=trust)
                 options = EnqueueOptions(
-                    rows,
+                    files[slow_rows if mode.startswith("slow") else args.rows],
                     mode.replace(" ", "-"),
                     SamplingParams(max_new_tokens=256),
                     trust_remote_code=trust,
@@ -82,7 +92,7 @@ def main() -> None:
                 print(f"{mode}: {report.inserted} rows in {wall:.1f} s", flush=True)
             db.dispose()
     print()
-    print(f"{args.rows} agentic rows per tokenizer; {default_processes()} templating processes")
+    print(f"{default_processes()} templating processes for the tokenizers that are not fast")
     print(
         table(
             ("tokenizer", "rows", "skipped", "wall s", "rows/s"),
