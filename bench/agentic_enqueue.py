@@ -10,7 +10,9 @@ per tokenizer:
   slow parallel   the same folder with pure-Python BPE, templated in one process per core
   slow serial     the same, templated in the producer's own process (template_processes=1)
 
-and prints rows/s for each and the parallel/serial ratio of the slow tokenizer.
+and prints rows/s for each and the parallel/serial ratio of the slow tokenizer. Then, with no
+file reading and no database, the slow tokenizer's templating alone (`apply_each` on the
+producer's chunks) in this process and in a warmed-up pool (`Templater`), warm-up apart.
 
     python bench/agentic_enqueue.py                          # 100,000 rows each
     python bench/agentic_enqueue.py --slow-rows 10000        # fewer for the slow pair
@@ -91,6 +93,9 @@ def main() -> None:
                 results[mode] = (wall, report.inserted, report.skipped)
                 print(f"{mode}: {report.inserted} rows in {wall:.1f} s", flush=True)
             db.dispose()
+        bare = (
+            bare_templating(folders["slow serial"][0], slow_rows) if "slow serial" in modes else ""
+        )
     print()
     print(f"{default_processes()} templating processes for the tokenizers that are not fast")
     print(
@@ -101,7 +106,42 @@ def main() -> None:
     )
     if "slow serial" in results and "slow parallel" in results:
         ratio = results["slow serial"][0] / results["slow parallel"][0]
-        print(f"slow tokenizer, parallel / serial throughput: {ratio:.2f}x")
+        print(f"slow tokenizer, enqueue, parallel / serial throughput: {ratio:.2f}x")
+        print(bare)
+
+
+def bare_templating(folder: Path, count: int) -> str:
+    """The slow tokenizer's templating alone: serial, then in a warmed-up pool."""
+    from app.agentic_rows import agentic_rows
+    from app.chat_path import ChatInputs, parse_tools
+    from app.template_pool import Templater
+    from app.tokenization import load_tokenizer
+    from workers.producer import CHUNK_LINES
+
+    batch = [
+        ChatInputs(row["messages"], parse_tools(row.get("tools")), row.get("chat_template_kwargs"))
+        for row in agentic_rows(count)
+        if "messages" in row
+    ]
+    chunks = [batch[i : i + CHUNK_LINES] for i in range(0, len(batch), CHUNK_LINES)]
+    tokenizer = load_tokenizer(folder, trust_remote_code=True)
+    start = time.perf_counter()
+    serial = [tokenizer.apply_each(chunk) for chunk in chunks]
+    serial_s = time.perf_counter() - start
+    with Templater(tokenizer) as templater:
+        start = time.perf_counter()
+        templater.warm_up()
+        warm_s = time.perf_counter() - start
+        start = time.perf_counter()
+        pooled = [f.result() for f in [templater.submit(chunk) for chunk in chunks]]
+        pool_s = time.perf_counter() - start
+    assert pooled == serial, "the pool's ids differ from serial templating"
+    return (
+        f"slow tokenizer, templating alone, {len(batch)} rows: serial {serial_s:.1f} s "
+        f"({len(batch) / serial_s:.0f} rows/s), {templater.processes} processes "
+        f"{pool_s:.1f} s ({len(batch) / pool_s:.0f} rows/s; warm-up {warm_s:.1f} s before): "
+        f"{serial_s / pool_s:.2f}x, same ids"
+    )
 
 
 if __name__ == "__main__":
