@@ -28,7 +28,9 @@ Where tokenmill differs on purpose: every other field of a turn reaches the temp
 (SGLang's request models keep only the fields they declare), and `reasoning` / `thinking` on a
 turn are aliases of `reasoning_content` (`resolve_reasoning_aliases`, applied when reading).
 Tool results are not reordered: SGLang reorders a run of tool results only when one of them
-holds media, and tokenmill rows are text only.
+holds media, and tokenmill rows are text only. Tool calls are not checked for answering tool
+turns: SGLang checks that pairing only for MiniMax-M3. Tool parameter schemas are passed as
+given: SGLang's request validation rewrites database-style types (`varchar`, `int`) first.
 
 The rules carry NORMALIZATION_VERSION; a run pins the version it was created with, and
 `check_version` refuses a run pinned to rules this tokenmill does not have.
@@ -74,6 +76,9 @@ class ChatInputs:
     messages: list[Message]
     tools: list[dict[str, Any]] | None = None
     chat_template_kwargs: Mapping[str, Any] | None = None
+    # the turns and tools are already what normalize_messages / parse_tools return (read by
+    # app.inputs, or stored by an item), so rendering does not normalize them again
+    normalized: bool = False
 
 
 # --- versions ---------------------------------------------------------------------------------
@@ -225,7 +230,7 @@ def _normalize_turn(turn: Message, content_format: ContentFormat, where: str) ->
 
 def _text_part(part: Any, where: str) -> str:
     if not isinstance(part, dict) or part.get("type") not in _TEXT_PART_TYPES:
-        kind = part.get("type") if isinstance(part, dict) else _json_type(part)
+        kind = part.get("type") if isinstance(part, dict) else json_type(part)
         raise InputError(f"{where} is a {json.dumps(kind)} part; only text parts are supported")
     text = part.get("text")
     if not isinstance(text, str):
@@ -236,7 +241,7 @@ def _text_part(part: Any, where: str) -> str:
 def _tool_call(call: Any, where: str, *, parse: bool) -> dict[str, Any]:
     """One tool call in SGLang's ToolCall shape, its arguments parsed when parse is set."""
     if not isinstance(call, dict):
-        raise InputError(f"{where} must be an object, not a JSON {_json_type(call)}")
+        raise InputError(f"{where} must be an object, not a JSON {json_type(call)}")
     function = call.get("function")
     if not isinstance(function, dict):
         raise InputError(f"{where}.function must be an object with 'name' and 'arguments'")
@@ -245,17 +250,17 @@ def _tool_call(call: Any, where: str, *, parse: bool) -> dict[str, Any]:
         raise InputError(f'{where}.type is {json.dumps(kind)}; only "function" is allowed')
     for name, value in (("id", call.get("id")), ("function.name", function.get("name"))):
         if value is not None and not isinstance(value, str):
-            raise InputError(f"{where}.{name} must be a string, not a JSON {_json_type(value)}")
+            raise InputError(f"{where}.{name} must be a string, not a JSON {json_type(value)}")
     index = call.get("index")
     if index is not None and (isinstance(index, bool) or not isinstance(index, int)):
-        raise InputError(f"{where}.index must be an integer, not a JSON {_json_type(index)}")
+        raise InputError(f"{where}.index must be an integer, not a JSON {json_type(index)}")
     arguments = function.get("arguments")
     if isinstance(arguments, str) and parse:
         arguments = parse_tool_call_arguments(arguments, f"{where}.function.arguments")
     elif arguments is not None and not isinstance(arguments, str | dict):
         raise InputError(
             f"{where}.function.arguments must be a JSON object or a string holding one, "
-            f"not a JSON {_json_type(arguments)}"
+            f"not a JSON {json_type(arguments)}"
         )
     return {
         "id": call.get("id"),
@@ -272,7 +277,7 @@ def parse_tool_call_arguments(text: str, where: str = "arguments") -> dict[str, 
     except ValueError as exc:
         raise InputError(f"{where} is not valid JSON ({exc})") from None
     if not isinstance(value, dict):
-        raise InputError(f"{where} must hold a JSON object, not a JSON {_json_type(value)}")
+        raise InputError(f"{where} must hold a JSON object, not a JSON {json_type(value)}")
     return value
 
 
@@ -312,7 +317,7 @@ def parse_tools(value: Any, where: str = "tools") -> list[dict[str, Any]] | None
     if not isinstance(value, list):
         raise InputError(
             f"'{where}' must be a list of tools (or a JSON string of one), "
-            f"not a JSON {_json_type(value)}"
+            f"not a JSON {json_type(value)}"
         )
     return normalize_tools(value, where) or None
 
@@ -324,7 +329,7 @@ def normalize_tools(tools: Iterable[Any], where: str = "tools") -> list[dict[str
 
 def _tool(tool: Any, where: str) -> dict[str, Any]:
     if not isinstance(tool, dict):
-        raise InputError(f"{where} must be an object, not a JSON {_json_type(tool)}")
+        raise InputError(f"{where} must be an object, not a JSON {json_type(tool)}")
     function = tool.get("function")
     if not isinstance(function, dict):
         raise InputError(
@@ -333,7 +338,7 @@ def _tool(tool: Any, where: str) -> dict[str, Any]:
         )
     kind = tool.get("type", "function")
     if not isinstance(kind, str):
-        raise InputError(f"{where}.type must be a string, not a JSON {_json_type(kind)}")
+        raise InputError(f"{where}.type must be a string, not a JSON {json_type(kind)}")
     defer = _optional_bool(tool.get("defer_loading"), f"{where}.defer_loading")
     return {
         "type": kind,
@@ -345,7 +350,7 @@ def _tool(tool: Any, where: str) -> dict[str, Any]:
 def _function(function: dict[str, Any], tool_defer: bool | None, where: str) -> dict[str, Any]:
     name = function.get("name")
     if not isinstance(name, str):
-        raise InputError(f"{where}.name must be a string, not a JSON {_json_type(name)}")
+        raise InputError(f"{where}.name must be a string, not a JSON {json_type(name)}")
     description = function.get("description")
     if description is not None and not isinstance(description, str):
         raise InputError(f"{where}.description must be a string or null")
@@ -370,7 +375,7 @@ def _function(function: dict[str, Any], tool_defer: bool | None, where: str) -> 
 def _optional_bool(value: Any, where: str) -> bool | None:
     if value is None or isinstance(value, bool):
         return value
-    raise InputError(f"{where} must be true, false or null, not a JSON {_json_type(value)}")
+    raise InputError(f"{where} must be true, false or null, not a JSON {json_type(value)}")
 
 
 def bare_function_tools(tools: Sequence[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
@@ -425,7 +430,8 @@ def check_reasoning_effort(value: Any, where: str = "reasoning_effort") -> str |
 _EFFORT_TIERS = ("none", "minimal", "low", "medium", "high", "xhigh", "ultra", "max")
 
 
-def _json_type(value: Any) -> str:
+def json_type(value: Any) -> str:
+    """The JSON name of a value's type, for error messages."""
     if value is None:
         return "null"
     if isinstance(value, bool):

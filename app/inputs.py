@@ -16,6 +16,7 @@ from typing import IO, Any, cast
 from app.chat_path import (
     ContentFormat,
     check_reasoning_effort,
+    json_type,
     normalize_messages,
     parse_tools,
     resolve_reasoning_aliases,
@@ -170,7 +171,7 @@ def parse_chat_template_kwargs(text: str | None) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ConfigurationError(
             f"--chat-template-kwargs must be a JSON object such as "
-            f"'{{\"thinking\": false}}', not a JSON {_json_type(value)}"
+            f"'{{\"thinking\": false}}', not a JSON {json_type(value)}"
         )
     return value
 
@@ -251,7 +252,7 @@ def _parse_line(
             ) from None
         raise InputError(f"invalid JSON: {exc}", line_no) from None
     if not isinstance(data, dict):
-        raise InputError(f"line is a JSON {_json_type(data)}, not an object", line_no)
+        raise InputError(f"line is a JSON {json_type(data)}, not an object", line_no)
     try:
         return _record(data, line_no, field, fmt)
     except _Bad as bad:
@@ -346,7 +347,7 @@ def _row_kwargs(value: Any) -> dict[str, Any] | None:
     if not isinstance(value, dict):
         raise _Bad(
             f"'chat_template_kwargs' must be a JSON object such as {{\"thinking\": false}}, "
-            f"not a JSON {_json_type(value)}"
+            f"not a JSON {json_type(value)}"
         )
     return dict(value)
 
@@ -387,7 +388,7 @@ def _explicit_key(value: Any) -> str | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, str | int):
-        raise _Bad(f"'id' must be a string or an integer, not a JSON {_json_type(value)}")
+        raise _Bad(f"'id' must be a string or an integer, not a JSON {json_type(value)}")
     key = str(value)
     if not key.strip():
         raise _Bad("'id' is empty")
@@ -400,14 +401,14 @@ def _system_field(value: Any) -> str | None:
     if value is None:
         return None
     if not isinstance(value, str):
-        raise _Bad(f"'system' must be a string, not a JSON {_json_type(value)}")
+        raise _Bad(f"'system' must be a string, not a JSON {json_type(value)}")
     # Many datasets carry "system": "" on every line: an empty one means none.
     return value if value.strip() else None
 
 
 def _input_ids(value: Any, field: str = "input_ids") -> list[int]:
     if not isinstance(value, list):
-        raise _Bad(f"'{field}' must be a list of token ids, not a JSON {_json_type(value)}")
+        raise _Bad(f"'{field}' must be a list of token ids, not a JSON {json_type(value)}")
     if not value:
         raise _Bad(f"'{field}' is empty")
     for index, token in enumerate(value):
@@ -418,7 +419,7 @@ def _input_ids(value: Any, field: str = "input_ids") -> list[int]:
 
 def _prompt_turn(value: Any, field: str = "prompt") -> Message:
     if not isinstance(value, str):
-        raise _Bad(f"'{field}' must be a string, not a JSON {_json_type(value)}")
+        raise _Bad(f"'{field}' must be a string, not a JSON {json_type(value)}")
     if not value.strip():
         raise _Bad(f"'{field}' is empty")
     return {"role": "user", "content": value}
@@ -426,7 +427,7 @@ def _prompt_turn(value: Any, field: str = "prompt") -> Message:
 
 def _turns(value: Any, field: str) -> list[Message]:
     if not isinstance(value, list):
-        raise _Bad(f"'{field}' must be a list of turns, not a JSON {_json_type(value)}")
+        raise _Bad(f"'{field}' must be a list of turns, not a JSON {json_type(value)}")
     if not value:
         raise _Bad(f"'{field}' is empty")
     items = sharegpt_tool_turns(value, field)
@@ -435,7 +436,7 @@ def _turns(value: Any, field: str) -> list[Message]:
 
 def _turn(item: Any, where: str) -> Message:
     if not isinstance(item, dict):
-        raise _Bad(f"{where} must be an object, not a JSON {_json_type(item)}")
+        raise _Bad(f"{where} must be an object, not a JSON {json_type(item)}")
     if "from" in item:
         speaker = item["from"]
         if not isinstance(speaker, str) or speaker.lower() not in SHAREGPT_ROLES:
@@ -490,14 +491,14 @@ def _content(turn: Message, where: str) -> str | list[Any] | None:
         return content
     if not isinstance(content, str):
         raise _Bad(
-            f"{where} must be a string or a list of text parts, not a JSON {_json_type(content)}"
+            f"{where} must be a string or a list of text parts, not a JSON {json_type(content)}"
         )
     return content
 
 
 def _text_part(part: Any, where: str) -> str:
     if not isinstance(part, dict) or part.get("type") not in ("text", "input_text"):
-        kind = part.get("type") if isinstance(part, dict) else _json_type(part)
+        kind = part.get("type") if isinstance(part, dict) else json_type(part)
         raise _Bad(f"{where} is a {json.dumps(kind)} part; only text parts are supported")
     text = part.get("text")
     if not isinstance(text, str):
@@ -508,7 +509,7 @@ def _text_part(part: Any, where: str) -> str:
 def _check_extra_fields(turn: Message, where: str) -> None:
     for name in ("name", "tool_call_id", "reasoning_content"):
         if turn.get(name) is not None and not isinstance(turn[name], str):
-            raise _Bad(f"{where}.{name} must be a string, not a JSON {_json_type(turn[name])}")
+            raise _Bad(f"{where}.{name} must be a string, not a JSON {json_type(turn[name])}")
     if turn.get("tool_calls") is not None and not isinstance(turn["tool_calls"], list):
         raise _Bad(f"{where}.tool_calls must be a list")
 
@@ -619,7 +620,7 @@ def _sharegpt_calls(value: Any, turn: int, where: str) -> list[dict[str, Any]]:
     for k, call in enumerate(calls):
         at = f"{where}.value[{k}]" if isinstance(parsed, list) else f"{where}.value"
         if not isinstance(call, dict):
-            raise _Bad(f'{at} must be a {{"name", "arguments"}} object, not a {_json_type(call)}')
+            raise _Bad(f'{at} must be a {{"name", "arguments"}} object, not a {json_type(call)}')
         name = call.get("name")
         if not isinstance(name, str) or not name:
             raise _Bad(f"{at} has no string 'name'")
@@ -639,19 +640,3 @@ def _sharegpt_calls(value: Any, turn: int, where: str) -> list[dict[str, Any]]:
 def _key_list(data: dict[str, Any]) -> str:
     names = [repr(name) for name in list(data)[:8]]
     return ", ".join(names) + (", ..." if len(data) > 8 else "") if names else "none"
-
-
-def _json_type(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int | float):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, list):
-        return "array"
-    if isinstance(value, dict):
-        return "object"
-    return type(value).__name__

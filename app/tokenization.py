@@ -321,6 +321,8 @@ class ChatTokenizer:
         self, inputs: ChatInputs
     ) -> tuple[list[Message], list[dict[str, Any]] | None, dict[str, Any]]:
         kwargs = _template_kwargs(inputs.chat_template_kwargs)
+        if inputs.normalized:
+            return list(inputs.messages), inputs.tools or None, kwargs
         turns = normalize_messages(inputs.messages, self._content_format)
         tools = normalize_tools(inputs.tools) if inputs.tools else None
         return turns, tools or None, kwargs

@@ -222,6 +222,7 @@ def _check_templates(
             item.messages or [],
             item.tools,
             kwargs if item.chat_template_kwargs is None else item.chat_template_kwargs,
+            normalized=True,
         )
         for item in batch
     ]

@@ -33,14 +33,21 @@ def demo_prompts_path() -> Path:
 def check_export(path: Path, tokenizer_dir: Path, prompts: Path) -> tuple[int, int]:
     """Re-derive every exported prompt from the input turns; count rows and mismatches."""
     tokenizer = load_tokenizer(tokenizer_dir)
+    from app.chat_path import merge_template_kwargs
     from app.inputs import read_prompts
 
     expected: dict[str, list[int]] = {}
-    for record in read_prompts(prompts):
+    for record in read_prompts(prompts, content_format=tokenizer.content_format):
         if isinstance(record, Exception):
             continue
         expected[record.key] = (
-            tokenizer.apply(record.messages) if record.messages else list(record.input_ids or [])
+            tokenizer.apply(
+                record.messages,
+                merge_template_kwargs({}, record.chat_template_kwargs, record.reasoning_effort),
+                record.tools,
+            )
+            if record.messages
+            else list(record.input_ids or [])
         )
     rows = bad = 0
     with path.open(encoding="utf-8") as fh:

@@ -128,7 +128,7 @@ def _submit(
 ) -> Future[list[list[int] | InputError]]:
     """Template the chat records of a chunk; pre-tokenized records keep their ids."""
     chat = [
-        ChatInputs(r.messages or [], r.tools, row_kwargs(kwargs, r) or kwargs)
+        ChatInputs(r.messages or [], r.tools, row_kwargs(kwargs, r) or kwargs, normalized=True)
         for r in records
         if r.messages is not None
     ]
