@@ -11,7 +11,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -222,6 +222,15 @@ def _learn_merges() -> list[tuple[str, str]]:
     return [(str(a), str(b)) for a, b in merges[:wanted]]
 
 
+def ordinary_token_bytes() -> list[bytes]:
+    """The bytes of each ordinary id, in id order: the 256 bytes, then one per learned merge."""
+    byte_of = {char: b for b, char in _bytes_to_unicode().items()}
+    tokens = [bytes([b]) for b in range(BYTE_TOKENS)]
+    for left, right in _learn_merges():
+        tokens.append(bytes(byte_of[c] for c in left + right))
+    return tokens
+
+
 def _tokenizer_json() -> str:
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
@@ -321,19 +330,22 @@ _STAMP = ".fixture-version"
 
 
 def ensure_kimi_tokenizer(cache_dir: Path) -> Path:
-    """The fixture tokenizer in cache_dir/kimi-k2.5-fixture, built once and rebuilt on change.
+    """The fixture tokenizer in cache_dir/kimi-k2.5-fixture, built once and rebuilt on change."""
+    return ensure_built(Path(cache_dir), FIXTURE_NAME, fixture_version(), build_kimi_tokenizer)
+
+
+def ensure_built(cache_dir: Path, name: str, version: str, build: Callable[[Path], Path]) -> Path:
+    """cache_dir/name as build writes it, rebuilt when version changes (a stamp file says).
 
     Safe when several processes race: each builds into a private folder and renames it in place.
     """
-    cache_dir = Path(cache_dir)
-    target = cache_dir / FIXTURE_NAME
-    version = fixture_version()
+    target = cache_dir / name
     if _stamp(target) == version:
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{FIXTURE_NAME}-", dir=cache_dir))
+    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=cache_dir))
     try:
-        build_kimi_tokenizer(staging)
+        build(staging)
         (staging / _STAMP).write_text(version + "\n", encoding="utf-8")
         for _ in range(3):
             try:
@@ -343,7 +355,7 @@ def ensure_kimi_tokenizer(cache_dir: Path) -> Path:
                     break
                 shutil.rmtree(target, ignore_errors=True)
                 continue
-            logger.info("built Kimi fixture tokenizer %s at %s", version, target)
+            logger.info("built fixture tokenizer %s %s at %s", name, version, target)
             break
         else:
             raise RuntimeError(f"could not put the fixture tokenizer in place at {target}")

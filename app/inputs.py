@@ -308,7 +308,7 @@ def _record(
         turns.insert(0, {"role": "system", "content": system})
     try:
         turns = normalize_messages(turns, content_format, field=field)
-        tools = parse_tools(data.get("tools"))
+        tools = parse_tools(sharegpt_tools(data.get("tools"), data[field]))
         effort = check_reasoning_effort(data.get("reasoning_effort"))
     except InputError as error:
         raise _Bad(error.reason) from None
@@ -430,7 +430,8 @@ def _turns(value: Any, field: str) -> list[Message]:
         raise _Bad(f"'{field}' must be a list of turns, not a JSON {json_type(value)}")
     if not value:
         raise _Bad(f"'{field}' is empty")
-    return [_turn(item, f"{field}[{index}]") for index, item in enumerate(value)]
+    items = sharegpt_tool_turns(value, field)
+    return [_turn(item, f"{field}[{index}]") for index, item in enumerate(items)]
 
 
 def _turn(item: Any, where: str) -> Message:
@@ -522,6 +523,118 @@ def _prompt_turns(turns: list[Message], field: str) -> list[Message]:
     if turns[-1]["role"] not in ("user", "tool"):
         raise _Bad(f"'{field}' ends with a {turns[-1]['role']} turn, not a user or tool turn")
     return turns
+
+
+# --- ShareGPT tool turns -----------------------------------------------------------------------
+
+
+SHAREGPT_CALL = "function_call"
+SHAREGPT_RESULT = "observation"
+
+
+def sharegpt_tool_call_id(turn: int, k: int) -> str:
+    """The id of the k-th call (from 0) of the `function_call` turn at index turn (from 0)."""
+    return f"call_{turn}_{k}"
+
+
+def sharegpt_tool_turns(items: list[Any], field: str) -> list[Any]:
+    """ShareGPT tool turns (LLaMA-Factory's format) as OpenAI turns; other items unchanged.
+
+    - A `{"from": "function_call", "value": ...}` turn becomes an assistant turn with no
+      content and `tool_calls`. Its value is a JSON string (or already an object) of one call
+      `{"name", "arguments"}`, or a list of them (parallel calls). `arguments` is kept as
+      given: an object, or a string (which the chat path parses like an OpenAI one).
+    - Call ids follow one rule: `call_{turn}_{k}`, turn being the index of the function_call
+      turn in the conversation (from 0) and k the index of the call in it (from 0).
+    - An `{"from": "observation", "value": ...}` turn becomes a `tool` turn answering the
+      oldest call not answered yet (its `tool_call_id`), so observations answer calls in
+      order; an observation with no call left to answer is an error naming the turn.
+    - Invalid JSON, or a call without a string `name`, is an error naming the turn (the
+      line's error).
+    """
+    if not any(
+        isinstance(item, dict) and item.get("from") in (SHAREGPT_CALL, SHAREGPT_RESULT)
+        for item in items
+    ):
+        return items
+    out: list[Any] = []
+    unanswered: list[str] = []
+    for index, item in enumerate(items):
+        where = f"{field}[{index}]"
+        speaker = item.get("from") if isinstance(item, dict) else None
+        if speaker == SHAREGPT_CALL:
+            calls = _sharegpt_calls(item.get("value"), index, where)
+            unanswered = [call["id"] for call in calls]
+            out.append({"role": "assistant", "content": None, "tool_calls": calls})
+        elif speaker == SHAREGPT_RESULT:
+            if not unanswered:
+                raise _Bad(
+                    f"{where} is an observation with no function_call before it left to answer"
+                )
+            out.append(
+                {"role": "tool", "content": item.get("value"), "tool_call_id": unanswered.pop(0)}
+            )
+        else:
+            out.append(item)
+    return out
+
+
+def sharegpt_tools(value: Any, turns: Any) -> Any:
+    """A ShareGPT row's `tools` in OpenAI's shape; any other row's unchanged.
+
+    LLaMA-Factory stores a row's tools as a JSON string of bare function objects
+    (`[{"name", "description", "parameters"}]`): for rows whose turns are ShareGPT
+    (`from`/`value`), the string is parsed and each bare function is wrapped as
+    `{"type": "function", "function": ...}`. Invalid JSON is the line's error.
+    """
+    if not (isinstance(turns, list) and any(isinstance(t, dict) and "from" in t for t in turns)):
+        return value
+    if isinstance(value, str):
+        if not value.strip():
+            return None
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise _Bad(f"'tools' is a string that is not valid JSON ({exc})") from None
+    if not isinstance(value, list):
+        return value
+    return [
+        {"type": "function", "function": tool}
+        if isinstance(tool, dict) and "function" not in tool and "name" in tool
+        else tool
+        for tool in value
+    ]
+
+
+def _sharegpt_calls(value: Any, turn: int, where: str) -> list[dict[str, Any]]:
+    parsed = value
+    if isinstance(value, str):
+        try:
+            parsed = json.loads(value)
+        except ValueError as exc:
+            raise _Bad(f"{where}.value is not valid JSON for a function call ({exc})") from None
+    calls = parsed if isinstance(parsed, list) else [parsed]
+    if not calls:
+        raise _Bad(f"{where}.value is an empty list of function calls")
+    out: list[dict[str, Any]] = []
+    for k, call in enumerate(calls):
+        at = f"{where}.value[{k}]" if isinstance(parsed, list) else f"{where}.value"
+        if not isinstance(call, dict):
+            raise _Bad(f'{at} must be a {{"name", "arguments"}} object, not a {json_type(call)}')
+        name = call.get("name")
+        if not isinstance(name, str) or not name:
+            raise _Bad(f"{at} has no string 'name'")
+        arguments = call.get("arguments", {})
+        if not isinstance(arguments, dict | str):
+            raise _Bad(f"{at}.arguments must be an object or a JSON string")
+        out.append(
+            {
+                "id": sharegpt_tool_call_id(turn, k),
+                "type": "function",
+                "function": {"name": name, "arguments": arguments},
+            }
+        )
+    return out
 
 
 def _key_list(data: dict[str, Any]) -> str:

@@ -35,6 +35,7 @@ from app.contracts import GenerateResult, SamplingParams
 from app.errors import NotFound, RunMismatch
 from app.models import Event, Item, ItemStatus, Run, Server, ToolSet
 from app.shards import ShardCache
+from app.tokenization import file_changes
 
 log = logging.getLogger(__name__)
 
@@ -75,13 +76,17 @@ class RunSpec:
     samples_per_prompt: int
     think_end_id: int | None
     eos_token_ids: list[int]
-    # `--turns all`: every assistant turn regenerated, chained (pinned); the tokenizer's own
-    # code allowed, so workers can template later turns the way enqueue did (not compared)
+    # `--turns all`: every assistant turn regenerated, chained (pinned)
     turns: str = "last"
+    # the tokenizer's own code allowed: export, verify, reports and later turns load it so too
     trust_remote_code: bool = False
     # `--render-with URL`: prompts built by that server's /v1/tokenize (pinned)
     render_with: str | None = None
     require_parity: bool = False
+    # sha256 of each tokenizer file (a later enqueue names the one that changed), and the
+    # folder's hash by the rule of runs created before the manifest, to compare those with
+    tokenizer_files: dict[str, str] | None = None
+    legacy_tokenizer_hash: str | None = None
     # the message-normalization rules the prompts are built with (app.chat_path)
     normalization_version: str = NORMALIZATION_VERSION
 
@@ -104,20 +109,19 @@ class RunInfo:
     trust_remote_code: bool = False
     render_with: str | None = None
     require_parity: bool = False
+    tokenizer_files: dict[str, str] | None = None
     # None: created before the rules were pinned (app.chat_path.check_version refuses it)
     normalization_version: str | None = None
 
 
 # The run's turn mode rides in its pinned sampling_params JSON (no column of its own), under
-# keys SamplingParams does not have; present only for `--turns all`, so older runs read "last".
+# a key SamplingParams does not have; present only for `--turns all`, so older runs read "last".
 _TURNS_KEY = "turns"
-_REMOTE_CODE_KEY = "trust_remote_code"
 
 
 def _run_info(row: Any) -> RunInfo:
     pinned = dict(row.sampling_params)
     turns = str(pinned.pop(_TURNS_KEY, "last"))
-    trust_remote_code = bool(pinned.pop(_REMOTE_CODE_KEY, False))
     return RunInfo(
         id=row.id,
         name=row.name,
@@ -132,9 +136,10 @@ def _run_info(row: Any) -> RunInfo:
         fingerprint=row.fingerprint,
         created_at=as_utc(row.created_at) or utcnow(),
         turns=turns,
-        trust_remote_code=trust_remote_code,
         render_with=row.render_with,
         require_parity=bool(row.require_parity),
+        trust_remote_code=bool(row.trust_remote_code),
+        tokenizer_files=dict(row.tokenizer_files) if row.tokenizer_files is not None else None,
         normalization_version=row.normalization_version,
     )
 
@@ -142,10 +147,19 @@ def _run_info(row: Any) -> RunInfo:
 def run_differences(existing: RunInfo, spec: RunSpec) -> list[str]:
     """Lines naming every pinned setting in which spec differs from the existing run."""
     diffs: list[str] = []
-    if existing.tokenizer_hash != spec.tokenizer_hash:
-        diffs.append(
-            f"tokenizer: {existing.tokenizer_path} (hash {existing.tokenizer_hash[:12]}) → "
-            f"{spec.tokenizer_path} (hash {spec.tokenizer_hash[:12]})"
+    if spec.tokenizer_files is None:  # a spec built by hand: the hashes alone
+        if existing.tokenizer_hash != spec.tokenizer_hash:
+            diffs.append(
+                f"tokenizer: {existing.tokenizer_path} (hash {existing.tokenizer_hash[:12]}) → "
+                f"{spec.tokenizer_path} (hash {spec.tokenizer_hash[:12]})"
+            )
+    else:
+        diffs += file_changes(
+            existing.tokenizer_hash,
+            existing.tokenizer_files,
+            spec.tokenizer_hash,
+            spec.tokenizer_files,
+            spec.legacy_tokenizer_hash or spec.tokenizer_hash,
         )
     if existing.chat_template_hash != spec.chat_template_hash:
         diffs.append(
@@ -218,6 +232,8 @@ def get_or_create_run(conn: Connection, spec: RunSpec) -> tuple[RunInfo, bool]:
             eos_token_ids=spec.eos_token_ids,
             render_with=spec.render_with,
             require_parity=spec.require_parity,
+            trust_remote_code=spec.trust_remote_code,
+            tokenizer_files=spec.tokenizer_files,
             created_at=utcnow(),
             normalization_version=spec.normalization_version,
         )
@@ -229,8 +245,6 @@ def _pinned_sampling(spec: RunSpec) -> dict[str, Any]:
     pinned = spec.sampling.to_json()
     if spec.turns != "last":
         pinned[_TURNS_KEY] = spec.turns
-        if spec.trust_remote_code:
-            pinned[_REMOTE_CODE_KEY] = True
     return pinned
 
 

@@ -14,6 +14,7 @@ from typing import Any
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     DateTime,
     Float,
     ForeignKey,
@@ -85,6 +86,10 @@ class Run(Base):
     name: Mapped[str] = mapped_column(String(200), unique=True)
     tokenizer_path: Mapped[str] = mapped_column(Text)
     tokenizer_hash: Mapped[str] = mapped_column(String(64))
+    # sha256 of each file of the tokenizer folder but weights (None: a run older than 0005b)
+    tokenizer_files: Mapped[dict[str, str] | None] = mapped_column(JSON, nullable=True)
+    # the folder's own Python code was allowed; every later load of it allows it again
+    trust_remote_code: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     chat_template_hash: Mapped[str] = mapped_column(String(64))
     chat_template_kwargs: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     sampling_params: Mapped[dict[str, Any]] = mapped_column(JSON)

@@ -69,6 +69,8 @@ def run_manifest(run: RunInfo) -> dict[str, Any]:
         "id": run.id,
         "tokenizer_path": run.tokenizer_path,
         "tokenizer_hash": run.tokenizer_hash,
+        "tokenizer_files": run.tokenizer_files,
+        "trust_remote_code": run.trust_remote_code,
         "chat_template_hash": run.chat_template_hash,
         "chat_template_kwargs": run.chat_template_kwargs,
         "normalization_version": run.normalization_version,

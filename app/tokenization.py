@@ -30,9 +30,29 @@ THINK_END = "</think>"
 # Beyond this, model_max_length is transformers' "no limit" placeholder (about 1e30).
 _SANE_MAX_LENGTH = 10**8
 
-# Files whose bytes decide the ids a tokenizer produces; tokenization_*.py is the code of
-# trust_remote_code tokenizers (Kimi's own tokenizer is one).
-_HASHED_NAMES = frozenset(
+# Every file of a tokenizer folder can decide the prompt ids (the tokenizer's own code, a
+# helper module it imports, the vocabulary, the template), so all are hashed except weights,
+# which are large and never read by a tokenizer. Hidden files and folders (a builder's stamp,
+# .git) and compiled Python are not part of the tokenizer either.
+WEIGHT_SUFFIXES = (
+    ".safetensors",
+    ".bin",
+    ".pt",
+    ".pth",
+    ".ckpt",
+    ".gguf",
+    ".h5",
+    ".msgpack",
+    ".onnx",
+    ".npz",
+    ".npy",
+    ".safetensors.index.json",
+    ".bin.index.json",
+)
+_SKIPPED_SUFFIXES = (".pyc", ".pyo")
+_SKIPPED_FOLDERS = frozenset({"__pycache__"})
+# Runs created before the per-file manifest hashed only these files (their hash is kept).
+_LEGACY_NAMES = frozenset(
     {
         "tokenizer.json",
         "tokenizer_config.json",
@@ -42,7 +62,7 @@ _HASHED_NAMES = frozenset(
         "chat_template.json",
     }
 )
-_HASHED_SUFFIXES = (".model", ".tiktoken")
+_LEGACY_SUFFIXES = (".model", ".tiktoken")
 
 # apply_chat_template arguments tokenmill sets itself; a template kwarg with one of these
 # names would change what is produced (or clash with the call), so it is refused.
@@ -83,12 +103,25 @@ def _quiet_transformers() -> None:
 
 
 def load_tokenizer(path: str | Path, *, trust_remote_code: bool = False) -> ChatTokenizer:
-    """Load a tokenizer from a local folder (never the hub) and check it has a chat template."""
+    """Load a tokenizer from a local folder (never the hub) and check it has a chat template.
+
+    The folder is resolved to an absolute path (runs store it, and later commands may run
+    from another folder). A folder whose tokenizer is its own Python code (`auto_map` in
+    tokenizer_config.json) loads only with trust_remote_code; without it the error names
+    `--trust-remote-code`.
+    """
     folder = Path(path).expanduser()
     if not folder.exists():
         raise TokenizerError(f"tokenizer path {str(folder)!r} does not exist")
     if not folder.is_dir():
         raise TokenizerError(f"tokenizer path {str(folder)!r} is not a folder")
+    folder = folder.resolve()
+    custom = custom_code_class(folder)
+    if custom is not None and not trust_remote_code:
+        raise TokenizerError(
+            f"the tokenizer in {str(folder)!r} is custom code ({custom}, from the folder's "
+            "own Python files): pass --trust-remote-code to run it, once you trust that code"
+        )
     try:
         _quiet_transformers()
         from transformers import AutoTokenizer
@@ -103,14 +136,27 @@ def load_tokenizer(path: str | Path, *, trust_remote_code: bool = False) -> Chat
             f"the tokenizer in {str(folder)!r} has no chat template "
             "(no chat_template in tokenizer_config.json and no chat_template.jinja)"
         )
-    chat = ChatTokenizer(tokenizer, folder)
+    chat = ChatTokenizer(tokenizer, folder, trust_remote_code=trust_remote_code)
     logger.info(
-        "loaded tokenizer %s (tokenizer %s, template %s)",
+        "loaded tokenizer %s (tokenizer %s, template %s, %s)",
         folder,
         chat.tokenizer_hash[:12],
         chat.chat_template_hash[:12],
+        "fast" if chat.is_fast else "slow: templated in parallel processes",
     )
     return chat
+
+
+def custom_code_class(folder: Path) -> str | None:
+    """The `auto_map` entry naming the folder's own tokenizer class, if it has one."""
+    config = _read_json(folder / "tokenizer_config.json") or {}
+    auto_map = config.get("auto_map")
+    if not isinstance(auto_map, dict):
+        return None
+    entry = auto_map.get("AutoTokenizer")
+    if isinstance(entry, list):
+        entry = next((e for e in entry if isinstance(e, str)), None)
+    return entry if isinstance(entry, str) else None
 
 
 class ChatTokenizer:
@@ -121,10 +167,13 @@ class ChatTokenizer:
     and encoded without adding special tokens.
     """
 
-    def __init__(self, tokenizer: Any, path: Path) -> None:
+    def __init__(self, tokenizer: Any, path: Path, *, trust_remote_code: bool = False) -> None:
         self._tokenizer = tokenizer
         self._path = path
-        self._tokenizer_hash = tokenizer_files_hash(path)
+        self._trust_remote_code = trust_remote_code
+        self._tokenizer_files = tokenizer_files_manifest(path)
+        self._tokenizer_hash = manifest_hash(self._tokenizer_files)
+        self._legacy_hash = legacy_tokenizer_files_hash(path)
         template = tokenizer.chat_template
         text = template if isinstance(template, str) else json.dumps(template, sort_keys=True)
         self._chat_template_hash = hashlib.sha256(text.encode("utf-8")).hexdigest()
@@ -144,9 +193,39 @@ class ChatTokenizer:
         return self._path
 
     @property
+    def trust_remote_code(self) -> bool:
+        """Whether the folder's own Python code was allowed to run when it was loaded."""
+        return self._trust_remote_code
+
+    @property
+    def is_fast(self) -> bool:
+        """A Rust ("fast") tokenizer; a slow one is templated in parallel processes."""
+        return bool(getattr(self._tokenizer, "is_fast", False))
+
+    @property
     def tokenizer_hash(self) -> str:
-        """sha256 over the names and contents of the tokenizer files in the folder."""
+        """sha256 over the names and contents of every file of the folder but weights."""
         return self._tokenizer_hash
+
+    @property
+    def tokenizer_files(self) -> dict[str, str]:
+        """sha256 of each hashed file, by its path in the folder (the run pins these)."""
+        return dict(self._tokenizer_files)
+
+    @property
+    def legacy_hash(self) -> str:
+        """The hash runs created before the per-file manifest pinned (fewer files)."""
+        return self._legacy_hash
+
+    def changes_from(self, pinned_hash: str, pinned_files: Mapping[str, str] | None) -> list[str]:
+        """Lines naming each file that differs from what a run pinned (none if it matches)."""
+        return file_changes(
+            pinned_hash,
+            pinned_files,
+            self._tokenizer_hash,
+            self._tokenizer_files,
+            self._legacy_hash,
+        )
 
     @property
     def chat_template_hash(self) -> str:
@@ -305,21 +384,94 @@ def split_reasoning(
     return reasoning, ids[end + 1 :]
 
 
-def tokenizer_files_hash(folder: Path) -> str:
-    """sha256 over (name, sha256 of content) of each tokenizer file in folder, sorted by name."""
-    digest = hashlib.sha256()
-    for file in sorted(folder.iterdir(), key=lambda p: p.name):
-        if not file.is_file() or not _is_tokenizer_file(file.name):
+def is_weight_file(name: str) -> bool:
+    return name.endswith(WEIGHT_SUFFIXES)
+
+
+def tokenizer_files_manifest(folder: Path) -> dict[str, str]:
+    """sha256 of every file of folder (subfolders included) except weights, hidden files and
+    compiled Python, by its path relative to folder with "/" separators."""
+    found: dict[str, str] = {}
+    for file in sorted(folder.rglob("*")):
+        relative = file.relative_to(folder)
+        parts = relative.parts
+        if any(p.startswith(".") or p in _SKIPPED_FOLDERS for p in parts):
             continue
-        digest.update(file.name.encode("utf-8") + b"\0")
-        digest.update(hashlib.sha256(file.read_bytes()).digest())
+        if not file.is_file() or is_weight_file(file.name) or file.name.endswith(_SKIPPED_SUFFIXES):
+            continue
+        found[relative.as_posix()] = hashlib.sha256(file.read_bytes()).hexdigest()
+    return found
+
+
+def manifest_hash(files: Mapping[str, str]) -> str:
+    """sha256 over (path, sha256 of content) of each file, sorted by path."""
+    digest = hashlib.sha256()
+    for name in sorted(files):
+        digest.update(name.encode("utf-8") + b"\0")
+        digest.update(bytes.fromhex(files[name]))
     return digest.hexdigest()
 
 
-def _is_tokenizer_file(name: str) -> bool:
-    if name in _HASHED_NAMES or name.endswith(_HASHED_SUFFIXES):
+def tokenizer_files_hash(folder: Path) -> str:
+    """The hash a run pins for the tokenizer folder: every file but weights (see above)."""
+    return manifest_hash(tokenizer_files_manifest(folder))
+
+
+def legacy_tokenizer_files_hash(folder: Path) -> str:
+    """The hash of runs created before the manifest: the named tokenizer files only."""
+    files = {
+        f.name: hashlib.sha256(f.read_bytes()).hexdigest()
+        for f in folder.iterdir()
+        if f.is_file() and _is_legacy_tokenizer_file(f.name)
+    }
+    return manifest_hash(files)
+
+
+def _is_legacy_tokenizer_file(name: str) -> bool:
+    if name in _LEGACY_NAMES or name.endswith(_LEGACY_SUFFIXES):
         return True
     return name.startswith("tokenization_") and name.endswith(".py")
+
+
+def folder_changes(
+    folder: Path, pinned_hash: str, pinned_files: Mapping[str, str] | None
+) -> list[str]:
+    """`file_changes` of a folder not loaded yet (check before its own code runs)."""
+    files = tokenizer_files_manifest(folder)
+    return file_changes(
+        pinned_hash, pinned_files, manifest_hash(files), files, legacy_tokenizer_files_hash(folder)
+    )
+
+
+def file_changes(
+    pinned_hash: str,
+    pinned_files: Mapping[str, str] | None,
+    hash_now: str,
+    files_now: Mapping[str, str],
+    legacy_hash_now: str,
+) -> list[str]:
+    """Lines naming each tokenizer file that is changed, new or removed since a run pinned it.
+
+    A run that pinned no manifest (created before it existed) is compared by its hash alone.
+    """
+    if pinned_files is None:
+        if pinned_hash in (hash_now, legacy_hash_now):
+            return []
+        return [f"tokenizer files: hash {pinned_hash[:12]} pinned, {legacy_hash_now[:12]} now"]
+    lines: list[str] = []
+    for name in sorted(set(pinned_files) | set(files_now)):
+        old, new = pinned_files.get(name), files_now.get(name)
+        if old == new:
+            continue
+        if old is None:
+            lines.append(f"tokenizer file {name!r} is new")
+        elif new is None:
+            lines.append(f"tokenizer file {name!r} was removed")
+        else:
+            lines.append(f"tokenizer file {name!r} changed (sha256 {old[:12]} → {new[:12]})")
+    if not lines and pinned_hash != hash_now:
+        lines.append(f"tokenizer files: hash {pinned_hash[:12]} pinned, {hash_now[:12]} now")
+    return lines
 
 
 def check_template_kwargs(chat_template_kwargs: Mapping[str, Any] | None) -> dict[str, Any]:

@@ -139,11 +139,11 @@ class VerifyReport:
 def tokenizer_findings(run: RunInfo, tokenizer: ChatTokenizer) -> list[str]:
     """Lines saying how the tokenizer differs from what the run pinned (none if it matches)."""
     found: list[str] = []
-    if tokenizer.tokenizer_hash != run.tokenizer_hash:
+    changes = tokenizer.changes_from(run.tokenizer_hash, run.tokenizer_files)
+    if changes:
         found.append(
-            f"the tokenizer files in {tokenizer.path} are not the ones the run pinned: hash "
-            f"{tokenizer.tokenizer_hash[:12]} now, {run.tokenizer_hash[:12]} pinned "
-            "(template mismatches below may come from this)"
+            f"the tokenizer files in {tokenizer.path} are not the ones the run pinned: "
+            f"{'; '.join(changes)} (template mismatches below may come from this)"
         )
     if tokenizer.chat_template_hash != run.chat_template_hash:
         found.append(

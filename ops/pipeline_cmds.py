@@ -17,13 +17,13 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from app import ledger, registry
-from app.errors import ConfigurationError, InputError, TokenizerError
+from app.errors import ConfigurationError, InputError, NotFound, RunMismatch, TokenizerError
 from app.export import FORMATS, ExportFormat, export_run
 from app.inputs import parse_chat_template_kwargs
-from app.ledger import RunCounts
+from app.ledger import RunCounts, RunInfo
 from app.render import render_client
 from app.settings import get_settings
-from app.tokenization import ChatTokenizer, load_tokenizer
+from app.tokenization import ChatTokenizer, folder_changes, load_tokenizer
 from ops.dashboard import watch as watch_dashboard
 from ops.options import (
     build_sampling,
@@ -49,8 +49,13 @@ def _enqueue(
     settings = get_settings()
     db = open_db(settings)
     kwargs = parse_chat_template_kwargs(opts["chat_template_kwargs"])
+    existing = _existing_run(db, run)
+    if existing is not None:
+        _check_pinned_files(existing, tokenizer_path)
+    # a run created with --trust-remote-code keeps it: a later enqueue need not repeat it
+    trusted = opts["trust_remote_code"] or (existing is not None and existing.trust_remote_code)
     try:
-        tokenizer = load_tokenizer(tokenizer_path, trust_remote_code=opts["trust_remote_code"])
+        tokenizer = load_tokenizer(tokenizer_path, trust_remote_code=trusted)
     except TokenizerError as exc:
         raise TokenizerError(f"--tokenizer: {exc}") from exc
     options = EnqueueOptions(
@@ -61,7 +66,7 @@ def _enqueue(
         chat_template_kwargs=kwargs,
         prompt_field=opts.get("prompt_field"),
         turns=opts.get("turns", "last"),
-        trust_remote_code=opts["trust_remote_code"],
+        trust_remote_code=trusted,
         render_with=_render_url(opts.get("render_with")),
         require_parity=bool(opts.get("require_parity")),
         batch_size=settings.batch_size,
@@ -140,6 +145,28 @@ def _render_url(url: str | None) -> str | None:
     if not url.startswith(("http://", "https://")):
         raise ConfigurationError(f"--render-with: {url!r} is not an http(s) URL")
     return url.rstrip("/")
+
+
+def _existing_run(db: Any, run: str) -> RunInfo | None:
+    with db.connect() as conn:
+        try:
+            return ledger.get_run(conn, run)
+        except NotFound:
+            return None
+
+
+def _check_pinned_files(run: RunInfo, tokenizer_path: str) -> None:
+    """Refuse a tokenizer folder whose files differ from the run's before any of its code runs,
+    naming each changed, new or removed file."""
+    folder = Path(tokenizer_path).expanduser()
+    if not folder.is_dir():
+        return  # load_tokenizer says what is wrong with the path
+    changes = folder_changes(folder.resolve(), run.tokenizer_hash, run.tokenizer_files)
+    if changes:
+        raise RunMismatch(
+            f"run {run.name!r} already exists with other tokenizer files; use a new --run name "
+            "or the original files. Differences: " + "; ".join(changes)
+        )
 
 
 def _unit(report: EnqueueReport) -> str:
@@ -414,11 +441,13 @@ def export_cmd(run_name: str, fmt: str, out: str, per_turn: bool, whole_conversa
             )
     elif fmt == "conversations":
         tokenizer = load_tokenizer(run.tokenizer_path, trust_remote_code=run.trust_remote_code)
-        if tokenizer.tokenizer_hash != run.tokenizer_hash:
+        changes = tokenizer.changes_from(run.tokenizer_hash, run.tokenizer_files)
+        if changes:
             console.print(
                 f"[yellow]warning:[/yellow] the tokenizer at {escape(run.tokenizer_path)} "
-                "changed since the run was created",
+                f"changed since the run was created: {escape('; '.join(changes))}",
                 markup=True,
+                soft_wrap=True,
             )
     report = export_run(
         db,

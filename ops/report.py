@@ -162,6 +162,14 @@ def warnings_for(counts: RunCounts, data: ReportData) -> list[str]:
     return found
 
 
+def _tokenizer_files(run: RunInfo) -> str:
+    if run.tokenizer_files is None:
+        return "not recorded (run older than the per-file manifest)"
+    return ", ".join(
+        f"{name} ({digest[:8]})" for name, digest in sorted(run.tokenizer_files.items())
+    )
+
+
 def _length(value: float | None, approx: bool) -> str:
     return "—" if value is None else ("≈" if approx else "") + f"{value:,.0f}"
 
@@ -208,6 +216,13 @@ def render_page(
         [
             ("created", f"{run.created_at:%Y-%m-%d %H:%M:%S} UTC"),
             ("tokenizer", f"{run.tokenizer_path} (hash {run.tokenizer_hash[:12]})"),
+            ("tokenizer files", _tokenizer_files(run)),
+            (
+                "tokenizer code",
+                "the folder's own code (--trust-remote-code, pinned)"
+                if run.trust_remote_code
+                else "transformers only",
+            ),
             ("chat template hash", run.chat_template_hash[:12]),
             ("chat template kwargs", json.dumps(run.chat_template_kwargs, sort_keys=True)),
             ("sampling", json.dumps(run.sampling.to_json(), sort_keys=True)),

@@ -43,7 +43,8 @@ out = Console(highlight=False, soft_wrap=True)
     "--trust-remote-code",
     is_flag=True,
     default=False,
-    help="Allow the tokenizer folder's own Python code (off unless asked).",
+    help="Allow the --tokenizer folder's own Python code (a run created with "
+    "--trust-remote-code allows it already).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @handle_errors
@@ -86,7 +87,9 @@ def _tokenizer(
     run: RunInfo, override: str | None, trust_remote_code: bool
 ) -> tuple[ChatTokenizer | None, str | None]:
     """The tokenizer to re-apply the template with; the run's own path not loading is a
-    finding (nothing can vouch for the prompts), a bad --tokenizer a usage error."""
+    finding (nothing can vouch for the prompts), a bad --tokenizer a usage error. The run's
+    pinned --trust-remote-code holds for both."""
+    trust_remote_code = trust_remote_code or run.trust_remote_code
     if override is not None:
         try:
             return load_tokenizer(override, trust_remote_code=trust_remote_code), None

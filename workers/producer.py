@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from app.errors import InputError
 from app.input_formats import open_table
 from app.inputs import read_prompts
 from app.render import RenderClient, RenderServerUnavailable, prompt_request
+from app.template_pool import Templater
 from app.tokenization import ChatTokenizer, check_template_kwargs
 from workers import turns
 
@@ -53,6 +55,8 @@ class EnqueueOptions:
     require_parity: bool = False
     # ids per generate message; a `--turns each` conversation's items share one message
     batch_size: int = 32
+    # processes templating a slow (pure-Python) tokenizer; None: one per core
+    template_processes: int | None = None
 
 
 @dataclass
@@ -118,31 +122,56 @@ def row_kwargs(run_kwargs: dict[str, Any], record: PromptRecord) -> dict[str, An
     return merge_template_kwargs(run_kwargs, record.chat_template_kwargs, record.reasoning_effort)
 
 
-def _tokenize(
-    tokenizer: ChatTokenizer, records: list[PromptRecord], kwargs: dict[str, Any]
-) -> list[list[int] | InputError]:
-    """Prompt ids for each record, or the error of a record that could not be templated."""
-    out: list[list[int] | InputError] = [[] for _ in records]
-    chat: list[tuple[int, PromptRecord]] = []
-    for i, r in enumerate(records):
-        if r.input_ids is not None:
-            out[i] = list(r.input_ids)
-        else:
-            chat.append((i, r))
-    batch = [
+@dataclass
+class _Chunk:
+    """One chunk of records on its way: templated (maybe in another process), then stored."""
+
+    records: list[PromptRecord]
+    plans: dict[str, list[TurnPlan]]
+    lines: int
+    ids: Future[list[list[int] | InputError]]
+    # `--turns each`: the regenerated assistant turn of each record (None in other modes)
+    turn_of: list[int] | None = None
+
+
+def _submit(
+    templater: Templater, records: list[PromptRecord], kwargs: dict[str, Any]
+) -> Future[list[list[int] | InputError]]:
+    """Template the chat records of a chunk; pre-tokenized records keep their ids."""
+    chat = [
         ChatInputs(r.messages or [], r.tools, row_kwargs(kwargs, r) or kwargs, normalized=True)
-        for _, r in chat
+        for r in records
+        if r.messages is not None
     ]
-    for (i, r), ids in zip(chat, tokenizer.apply_each(batch), strict=True):
-        out[i] = InputError(ids.reason, r.line) if isinstance(ids, InputError) else ids
+    templated = templater.submit(chat)
+    out: Future[list[list[int] | InputError]] = Future()
+
+    def merge(done: Future[list[list[int] | InputError]]) -> None:
+        try:
+            rows = iter(done.result())
+        except Exception as exc:
+            out.set_exception(exc)
+            return
+        merged: list[list[int] | InputError] = []
+        for r in records:
+            if r.input_ids is not None:
+                merged.append(list(r.input_ids))
+                continue
+            ids = next(rows)
+            if isinstance(ids, InputError):  # the line that breaks the template
+                ids = InputError(ids.reason, r.line)
+            merged.append(ids)
+        out.set_result(merged)
+
+    templated.add_done_callback(merge)
     return out
 
 
 def _render(
     client: RenderClient, records: list[PromptRecord], kwargs: dict[str, Any]
 ) -> list[list[int] | InputError]:
-    """Prompt ids from the render server for each chat record, as `_tokenize` gives them
-    locally; pre-tokenized records keep their ids. RenderServerUnavailable passes through."""
+    """Prompt ids from the render server for each chat record, as local templating gives
+    them; pre-tokenized records keep their ids. RenderServerUnavailable passes through."""
     out: list[list[int] | InputError] = [list(r.input_ids or []) for r in records]
     chat = [(i, r) for i, r in enumerate(records) if r.messages is not None]
     rendered = client.render_many(
@@ -189,6 +218,8 @@ def enqueue(
         name=options.run,
         tokenizer_path=str(tokenizer.path),
         tokenizer_hash=tokenizer.tokenizer_hash,
+        tokenizer_files=tokenizer.tokenizer_files,
+        legacy_tokenizer_hash=tokenizer.legacy_hash,
         chat_template_hash=tokenizer.chat_template_hash,
         chat_template_kwargs=options.chat_template_kwargs,
         sampling=options.sampling,
@@ -203,11 +234,6 @@ def enqueue(
     if (renderer is None) != (options.render_with is None):
         raise ValueError("a renderer is given exactly when options.render_with is set")
     kwargs = options.chat_template_kwargs
-
-    def prompt_ids(records: list[PromptRecord]) -> list[list[int] | InputError]:
-        if renderer is not None:
-            return _render(renderer, records, kwargs)
-        return _tokenize(tokenizer, records, kwargs)
 
     with db.begin() as conn:
         run, created = ledger.get_or_create_run(conn, spec)
@@ -246,8 +272,66 @@ def enqueue(
             )
         on_progress(lines)
 
+    def finish(chunk: _Chunk) -> list[ledger.NewItem]:
+        new_items: list[ledger.NewItem] = []
+        built = chunk.ids.result()
+        for position, (record, ids) in enumerate(zip(chunk.records, built, strict=True)):
+            turn = None if chunk.turn_of is None else chunk.turn_of[position]
+            where = "" if turn is None else f"turn {turn}: "
+            if isinstance(ids, InputError):
+                fail(InputError(where + ids.reason, ids.line))
+                continue
+            if not ids:
+                fail(InputError(f"{where}the prompt is empty after templating", record.line))
+                continue
+            if context is not None and len(ids) >= context:
+                fail(
+                    InputError(
+                        f"{where}prompt has {len(ids)} tokens, at or over the model's "
+                        f"context length {context}",
+                        record.line,
+                    )
+                )
+                continue
+            merged = row_kwargs(options.chat_template_kwargs, record)
+            if turn is not None:
+                new_items.extend(
+                    ledger.NewItem(
+                        record.key,
+                        k,
+                        record.line,
+                        record.messages,
+                        ids,
+                        turn,
+                        tools=record.tools,
+                        chat_template_kwargs=merged,
+                        metadata=record.metadata,
+                    )
+                    for k in range(options.samples_per_prompt)
+                )
+                continue
+            new_items.extend(
+                turns.chain_items(
+                    record, ids, options.samples_per_prompt, chunk.plans.get(record.key), merged
+                )
+            )
+        return new_items
+
     writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tm-enqueue-writer")
+    templater = Templater(tokenizer, options.template_processes)
+    # chunks templated ahead: one per templating process, plus one being stored
+    in_flight: deque[_Chunk] = deque()
     pending: Future[None] | None = None
+
+    def store_next() -> None:
+        nonlocal pending
+        chunk = in_flight.popleft()
+        new_items = finish(chunk)
+        # the database work of a chunk overlaps the templating of the next ones; one chunk
+        # stored at a time, so order is kept and memory stays bounded
+        if pending is not None:
+            pending.result()
+        pending = writer.submit(store, new_items, chunk.lines)
 
     try:
         for chunk in _chunks(itertools.chain([first], entries), CHUNK_LINES):
@@ -272,65 +356,29 @@ def enqueue(
                 fresh = turns.first_turns(fresh, plans, fail)
             elif options.turns == "each":  # every boundary now, each on its original history
                 fresh, turn_of = turns.boundary_records(fresh, fail)
-            new_items: list[ledger.NewItem] = []
-            try:
-                built = prompt_ids(fresh)
-            except RenderServerUnavailable as exc:
-                if pending is not None:
-                    pending.result()
-                    pending = None
-                raise _stopped(db, run.id, report, chunk[0].line, exc) from exc
-            for position, (record, ids) in enumerate(zip(fresh, built, strict=True)):
-                turn = None if turn_of is None else turn_of[position]
-                where = "" if turn is None else f"turn {turn}: "
-                if isinstance(ids, InputError):
-                    fail(InputError(where + ids.reason, ids.line))
-                    continue
-                if not ids:
-                    fail(InputError(f"{where}the prompt is empty after templating", record.line))
-                    continue
-                if context is not None and len(ids) >= context:
-                    fail(
-                        InputError(
-                            f"{where}prompt has {len(ids)} tokens, at or over the model's "
-                            f"context length {context}",
-                            record.line,
-                        )
-                    )
-                    continue
-                if turn is not None:
-                    new_items.extend(
-                        ledger.NewItem(
-                            record.key,
-                            k,
-                            record.line,
-                            record.messages,
-                            ids,
-                            turn,
-                            tools=record.tools,
-                            chat_template_kwargs=row_kwargs(options.chat_template_kwargs, record),
-                            metadata=record.metadata,
-                        )
-                        for k in range(options.samples_per_prompt)
-                    )
-                    continue
-                new_items.extend(
-                    turns.chain_items(
-                        record,
-                        ids,
-                        options.samples_per_prompt,
-                        plans.get(record.key),
-                        row_kwargs(options.chat_template_kwargs, record),
-                    )
-                )
-            # the database work of this chunk overlaps the templating of the next one; one chunk
-            # in flight at most, so order is kept and memory stays bounded
-            if pending is not None:
-                pending.result()
-            pending = writer.submit(store, new_items, report.lines)
+            if renderer is None:
+                ids = _submit(templater, fresh, kwargs)
+            else:
+                ids = Future()
+                try:
+                    ids.set_result(_render(renderer, fresh, kwargs))
+                except RenderServerUnavailable as exc:
+                    # what was templated before the outage is stored; nothing from this chunk on
+                    while in_flight:
+                        store_next()
+                    if pending is not None:
+                        pending.result()
+                        pending = None
+                    raise _stopped(db, run.id, report, chunk[0].line, exc) from exc
+            in_flight.append(_Chunk(fresh, plans, report.lines, ids, turn_of))
+            if len(in_flight) > templater.processes:
+                store_next()
+        while in_flight:
+            store_next()
         if pending is not None:
             pending.result()
     finally:
+        templater.close()
         writer.shutdown(wait=True)
     if publish is not None:
         _publish_pending(db, run.id, publish, published_after, report, group_size)

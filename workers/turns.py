@@ -34,7 +34,7 @@ from app.export import assistant_turn
 from app.ledger import NewItem, RunInfo, WaitingTurn
 from app.render import RenderClient, prompt_request, render_client
 from app.settings import get_settings
-from app.tokenization import ChatTokenizer, load_tokenizer, tokenizer_files_hash
+from app.tokenization import ChatTokenizer, folder_changes, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -211,10 +211,15 @@ class TokenizerCache:
         folder = Path(run.tokenizer_path)
         # hash the files before loading: the tokenizer's own code (trust_remote_code) only
         # runs if it is byte for byte what the run was enqueued with
-        if folder.is_dir() and tokenizer_files_hash(folder) != run.tokenizer_hash:
+        changes = (
+            folder_changes(folder, run.tokenizer_hash, run.tokenizer_files)
+            if folder.is_dir()
+            else []
+        )
+        if changes:
             raise TokenmillError(
                 f"the tokenizer files at {run.tokenizer_path} changed since the run was "
-                f"created (hash {run.tokenizer_hash[:12]})"
+                f"created: {'; '.join(changes)}"
             )
         tokenizer = load_tokenizer(folder, trust_remote_code=run.trust_remote_code)
         if tokenizer.chat_template_hash != run.chat_template_hash:

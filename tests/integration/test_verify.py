@@ -144,7 +144,7 @@ def test_a_changed_tokenizer_is_a_finding(
     report = verify_run(pg_engine, run, tokenizer)
     assert not report.clean
     assert len(report.findings) == 1
-    assert "not the ones the run pinned: hash" in report.findings[0]
+    assert "not the ones the run pinned: tokenizer files: hash" in report.findings[0]
     assert "ffffffffffff pinned" in report.findings[0]
 
 

@@ -24,7 +24,7 @@ from app.fixtures import (
     fixture_version,
 )
 from app.inputs import read_prompts
-from app.tokenization import ChatTokenizer, load_tokenizer, split_reasoning
+from app.tokenization import ChatTokenizer, folder_changes, load_tokenizer, split_reasoning
 
 KIMI_IDS = {
     "[BOS]": 163584,
@@ -209,9 +209,64 @@ def test_hashes_are_stable(kimi: ChatTokenizer, kimi_copy: Path) -> None:
     assert again.tokenizer_hash == kimi.tokenizer_hash
     assert len(kimi.tokenizer_hash) == 64
     assert kimi.chat_template_hash == hashlib.sha256(CHAT_TEMPLATE.encode()).hexdigest()
-    (kimi_copy / "README.md").write_text("not a tokenizer file")
-    (kimi_copy / "config.json").write_text("{}")
+    # weights, hidden files and compiled Python are not part of the tokenizer
+    (kimi_copy / "model-00001-of-00002.safetensors").write_bytes(b"weights")
+    (kimi_copy / "model.safetensors.index.json").write_text("{}")
+    (kimi_copy / "pytorch_model.bin").write_bytes(b"weights")
+    (kimi_copy / ".fixture-version").write_text("other builder\n")
+    (kimi_copy / "__pycache__").mkdir()
+    (kimi_copy / "__pycache__" / "x.cpython-311.pyc").write_bytes(b"code")
     assert load_tokenizer(kimi_copy).tokenizer_hash == kimi.tokenizer_hash
+
+
+@pytest.mark.parametrize(
+    "name", ["README.md", "config.json", "tool_declaration_ts.py", "vocab.txt", "sub/helper.py"]
+)
+def test_every_file_but_weights_is_hashed(kimi: ChatTokenizer, kimi_copy: Path, name: str) -> None:
+    target = kimi_copy / name
+    target.parent.mkdir(exist_ok=True)
+    if target.exists():
+        target.write_text(target.read_text() + " ")
+    else:
+        target.write_text("anything")
+    changed = load_tokenizer(kimi_copy)
+    assert changed.tokenizer_hash != kimi.tokenizer_hash
+    assert name in changed.tokenizer_files
+
+
+def test_changed_new_and_removed_files_are_named(kimi: ChatTokenizer, kimi_copy: Path) -> None:
+    pinned_hash, pinned = kimi.tokenizer_hash, kimi.tokenizer_files
+    assert load_tokenizer(kimi_copy).changes_from(pinned_hash, pinned) == []
+    (kimi_copy / "special_tokens_map.json").write_text("{}")
+    (kimi_copy / "helper.py").write_text("X = 1\n")
+    (kimi_copy / "generation_config.json").unlink()
+    changes = load_tokenizer(kimi_copy).changes_from(pinned_hash, pinned)
+    assert len(changes) == 3
+    assert "'generation_config.json' was removed" in changes[0]
+    assert "'helper.py' is new" in changes[1]
+    assert "'special_tokens_map.json' changed" in changes[2]
+    assert folder_changes(kimi_copy, pinned_hash, pinned) == changes
+
+
+def test_a_run_without_a_manifest_is_compared_by_its_old_hash(
+    kimi: ChatTokenizer, kimi_copy: Path
+) -> None:
+    (kimi_copy / "README.md").write_text("the old hash never covered this file")
+    again = load_tokenizer(kimi_copy)
+    assert again.changes_from(kimi.legacy_hash, None) == []
+    edit_config(kimi_copy, model_max_length=99)
+    assert (
+        "tokenizer files: hash" in load_tokenizer(kimi_copy).changes_from(kimi.legacy_hash, None)[0]
+    )
+
+
+def test_the_path_is_stored_absolute(
+    kimi_copy: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    tokenizer = load_tokenizer(Path("tok") / ".." / "tok")
+    assert tokenizer.path == kimi_copy.resolve()
+    assert tokenizer.path.is_absolute()
 
 
 def test_hashes_change_with_the_template(kimi: ChatTokenizer, kimi_copy: Path) -> None:

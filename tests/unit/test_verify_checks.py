@@ -46,6 +46,9 @@ class FakeTokenizer:
     ) -> list[list[int]]:
         return [self.apply(c, kwargs) for c in conversations]
 
+    def changes_from(self, pinned_hash: str, pinned_files: Mapping[str, str] | None) -> list[str]:
+        return [] if pinned_hash == self.tokenizer_hash else ["tokenizer files: hash differs"]
+
     def apply_each(self, batch: Sequence[ChatInputs]) -> list[list[int] | InputError]:
         out: list[list[int] | InputError] = []
         for inputs in batch:
