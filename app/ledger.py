@@ -12,7 +12,7 @@ import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from sqlalchemy import (
     JSON,
@@ -33,7 +33,9 @@ from sqlalchemy.dialects import postgresql, sqlite
 from app.contracts import GenerateResult, SamplingParams
 from app.errors import NotFound, RunMismatch
 from app.models import Event, Item, ItemStatus, Run, Server
-from app.shards import ShardCache
+
+if TYPE_CHECKING:  # pyarrow loads when items are streamed (export, verify), not with every command
+    from app.shards import ShardCache
 
 log = logging.getLogger(__name__)
 
@@ -1063,6 +1065,8 @@ def iter_items(
     storage_options, default the configured ones); one row group of a shard is held at a time.
     final_turns_only: only items no later turn follows (the last turn of each chain).
     """
+    from app.shards import ShardCache
+
     shards = ShardCache(storage_options)
     try:
         yield from _iter_items(conn, run_id, statuses, page_size, shards, final_turns_only)

@@ -7,23 +7,25 @@ the event timeline.
 from __future__ import annotations
 
 from datetime import datetime
+from typing import TYPE_CHECKING
 
 import click
-from rich.live import Live
-from rich.table import Table
 
-from app import ledger, registry
 from app.errors import ConfigurationError
-from app.settings import get_settings
-from ops.options import console, handle_errors, open_db, print_json, print_table
-from ops.restart import RestartProgress, parse_command, restart_server
-from workers.control import CeleryControl, pause_server, resume_server
+from ops.options import err_console, get_settings, handle_errors, open_db, print_json, print_table
+
+if TYPE_CHECKING:
+    from rich.table import Table
+
+    from ops.restart import RestartProgress
 
 
 def _ago(at: datetime | None) -> str:
+    from app.ledger import utcnow
+
     if at is None:
         return "—"
-    seconds = (ledger.utcnow() - at).total_seconds()
+    seconds = (utcnow() - at).total_seconds()
     return f"{seconds:.0f}s ago" if seconds < 120 else f"{seconds / 60:.0f}m ago"
 
 
@@ -35,6 +37,10 @@ def servers_group(ctx: click.Context, as_json: bool) -> None:
     """List the SGLang servers: state, pause, workers, in flight, last probe and error."""
     if ctx.invoked_subcommand is not None:
         return
+    from rich.table import Table
+
+    from app import registry
+
     db = open_db()
     with db.connect() as conn:
         rows = [(s, registry.server_load(conn, s.name)) for s in registry.list_servers(conn)]
@@ -71,16 +77,22 @@ def servers_group(ctx: click.Context, as_json: bool) -> None:
 @handle_errors
 def servers_add(name: str, url: str, restart_command: str | None) -> None:
     """Register (or update) server NAME at URL."""
+    from app import registry
+    from ops.restart import parse_command
+
     if not url.startswith(("http://", "https://")):
         raise ConfigurationError(f"URL must start with http:// or https://, got {url!r}")
     argv = parse_command(restart_command) if restart_command else None
     db = open_db()
     with db.begin() as conn:
         server = registry.upsert_server(conn, name, url.rstrip("/"), restart_command=argv)
-    console.print(f"server {server.name} at {server.url}" + (f", restart: {argv}" if argv else ""))
+    restart = f", restart: {argv}" if argv else ""
+    err_console().print(f"server {server.name} at {server.url}{restart}")
 
 
 def _targets(server: tuple[str, ...], all_servers: bool) -> list[str]:
+    from app import registry
+
     db = open_db()
     with db.connect() as conn:
         known = [s.name for s in registry.list_servers(conn)]
@@ -100,12 +112,15 @@ def _targets(server: tuple[str, ...], all_servers: bool) -> list[str]:
 @handle_errors
 def pause_cmd(server: tuple[str, ...], all_servers: bool, reason: str) -> None:
     """Stop the workers of these servers from taking work; the watchdog never lifts this."""
+    from app import registry
+    from workers.control import CeleryControl, pause_server
+
     db = open_db()
     for name in _targets(server, all_servers):
         changed = pause_server(
             db, CeleryControl(), name, by=registry.PAUSED_BY_OPERATOR, reason=reason
         )
-        console.print(f"{name}: {'paused' if changed else 'already paused'}")
+        err_console().print(f"{name}: {'paused' if changed else 'already paused'}")
 
 
 @click.command("resume")
@@ -114,10 +129,12 @@ def pause_cmd(server: tuple[str, ...], all_servers: bool, reason: str) -> None:
 @handle_errors
 def resume_cmd(server: tuple[str, ...], all_servers: bool) -> None:
     """Let the workers of these servers take work again."""
+    from workers.control import CeleryControl, resume_server
+
     db = open_db()
     for name in _targets(server, all_servers):
         changed = resume_server(db, CeleryControl(), name, by="operator", reason="operator request")
-        console.print(f"{name}: {'resumed' if changed else 'was not paused'}")
+        err_console().print(f"{name}: {'resumed' if changed else 'was not paused'}")
 
 
 @click.command("restart")
@@ -138,6 +155,12 @@ def resume_cmd(server: tuple[str, ...], all_servers: bool) -> None:
 @handle_errors
 def restart_cmd(name: str, command: str | None, timeout_s: float | None, poll_s: float) -> None:
     """Pause NAME, run its restart command, wait until ready, check the fingerprint, resume."""
+    from rich.live import Live
+    from rich.table import Table
+
+    from ops.restart import parse_command, restart_server
+    from workers.control import CeleryControl
+
     settings = get_settings()
     db = open_db(settings)
     argv = parse_command(command) if command else None
@@ -153,6 +176,7 @@ def restart_cmd(name: str, command: str | None, timeout_s: float | None, poll_s:
         )
         return table
 
+    console = err_console()
     with Live(console=console, refresh_per_second=4, transient=False) as live:
         result = restart_server(
             db,
@@ -179,6 +203,8 @@ def restart_cmd(name: str, command: str | None, timeout_s: float | None, poll_s:
 @handle_errors
 def events_cmd(run_name: str | None, server: str | None, limit: int, as_json: bool) -> None:
     """The timeline: state changes, pauses, resumes, restarts, fingerprint mismatches."""
+    from app import ledger, registry
+
     db = open_db()
     with db.connect() as conn:
         run_id = ledger.get_run(conn, run_name).id if run_name else None

@@ -7,36 +7,32 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import click
-from rich import box
-from rich.live import Live
-from rich.markup import escape
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
-from app import ledger
+from app.constants import EXPORT_FORMATS
 from app.errors import ConfigurationError, InputError, TokenizerError
-from app.export import FORMATS, ExportFormat, export_run
-from app.inputs import parse_chat_template_kwargs
-from app.ledger import RunCounts
-from app.settings import get_settings
-from app.tokenization import ChatTokenizer, load_tokenizer
-from ops.dashboard import watch as watch_dashboard
 from ops.options import (
     build_sampling,
-    console,
+    err_console,
     field_option,
+    get_settings,
     handle_errors,
     open_db,
     print_json,
     print_table,
     sampling_options,
 )
-from ops.storage_cmds import export_to_storage
-from workers.producer import EnqueueOptions, EnqueueReport, enqueue
-from workers.runner import EmbeddedRunner
+
+if TYPE_CHECKING:
+    from rich.table import Table
+
+    from app.export import ExportFormat
+    from app.ledger import RunCounts
+    from app.tokenization import ChatTokenizer
+    from workers.producer import EnqueueReport
+    from workers.runner import EmbeddedRunner
 
 MAX_ERRORS_SHOWN = 50
 
@@ -44,6 +40,14 @@ MAX_ERRORS_SHOWN = 50
 def _enqueue(
     input_path: Path, run: str, tokenizer_path: str, publish: bool, opts: dict[str, Any]
 ) -> EnqueueReport:
+    from rich.markup import escape
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from app.inputs import parse_chat_template_kwargs
+    from app.tokenization import load_tokenizer
+    from workers.producer import EnqueueOptions, enqueue
+
+    console = err_console()
     settings = get_settings()
     db = open_db(settings)
     kwargs = parse_chat_template_kwargs(opts["chat_template_kwargs"])
@@ -143,6 +147,9 @@ def enqueue_cmd(
 
 
 def _progress_table(counts: RunCounts, runner: EmbeddedRunner, started: float) -> Table:
+    from rich.markup import escape
+    from rich.table import Table
+
     elapsed = max(time.monotonic() - started, 1e-6)
     finished = counts.done + counts.failed
     rate = counts.output_tokens / elapsed
@@ -216,6 +223,13 @@ def run_cmd(
 def run_pipeline(
     input_path: Path, run_name: str, tokenizer_path: str, servers: list[str], opts: dict[str, Any]
 ) -> RunCounts:
+    from rich.live import Live
+    from rich.markup import escape
+
+    from app import ledger
+    from workers.runner import EmbeddedRunner
+
+    console = err_console()
     settings = get_settings()
     db = open_db(settings)
     _enqueue(input_path, run_name, tokenizer_path, False, opts)
@@ -252,11 +266,15 @@ def run_pipeline(
 @handle_errors
 def status_cmd(run_name: str | None, as_json: bool, watch: bool, interval_s: float) -> None:
     """Counts per run (all runs, or RUN_NAME); --watch for a live dashboard until Ctrl-C."""
+    from app import ledger
+
     db = open_db()
     if watch:
         if as_json:
             raise click.UsageError("--watch is for a terminal; use --json without it")
-        watch_dashboard(db, run_name=run_name, interval_s=interval_s, console=console)
+        from ops.dashboard import watch as watch_dashboard
+
+        watch_dashboard(db, run_name=run_name, interval_s=interval_s, console=err_console())
         return
     with db.connect() as conn:
         runs = [ledger.get_run(conn, run_name)] if run_name else ledger.list_runs(conn)
@@ -270,6 +288,10 @@ def status_cmd(run_name: str | None, as_json: bool, watch: bool, interval_s: flo
         for name, attr in STATUS_COLUMNS
         if attr != "waiting" or any(c.waiting for c in counts)
     ]
+    from rich import box
+    from rich.markup import escape
+    from rich.table import Table
+
     rows = [[str(getattr(c, attr)) for _, attr in fields] for c in counts]
     # names and numbers are never cut: each column is at least as wide as its longest value
     # (headers wrap instead), and the light box leaves room for the columns in 80
@@ -302,7 +324,7 @@ STATUS_COLUMNS = (
 @click.option(
     "--format",
     "fmt",
-    type=click.Choice((*FORMATS, "parquet")),
+    type=click.Choice((*EXPORT_FORMATS, "parquet")),
     default="specforge",
     show_default=True,
 )
@@ -328,8 +350,17 @@ STATUS_COLUMNS = (
 def export_cmd(run_name: str, fmt: str, out: str, per_turn: bool, whole_conversation: bool) -> None:
     """Write RUN_NAME's finished samples to --out: JSONL, or Parquet shards + manifest.json."""
     if fmt == "parquet":
+        from ops.storage_cmds import export_to_storage
+
         export_to_storage(run_name, out)
         return
+    from rich.markup import escape
+
+    from app import ledger
+    from app.export import export_run
+    from app.tokenization import load_tokenizer
+
+    console = err_console()
     db = open_db()
     with db.connect() as conn:
         run = ledger.get_run(conn, run_name)
@@ -352,7 +383,7 @@ def export_cmd(run_name: str, fmt: str, out: str, per_turn: bool, whole_conversa
     report = export_run(
         db,
         run,
-        cast(ExportFormat, fmt),
+        cast("ExportFormat", fmt),
         Path(out),
         tokenizer=tokenizer,
         per_turn=per_turn,

@@ -6,18 +6,18 @@ Thin: settings and the ledger in, workers.compaction / app.storage do the work, 
 from __future__ import annotations
 
 import click
-from rich.markup import escape
 
-from app import ledger
-from app.settings import get_settings
-from app.shards import StorageError
-from app.storage import export_parquet
-from ops.options import console, handle_errors, open_db, print_json
-from workers.compaction import compact_run
+from ops.options import err_console, get_settings, handle_errors, open_db, print_json
 
 
 def export_to_storage(run_name: str, out: str) -> None:
     """`tokenmill export RUN --format parquet --out URL`: shards and manifest.json under URL."""
+    from rich.markup import escape
+
+    from app import ledger
+    from app.shards import StorageError
+    from app.storage import export_parquet
+
     settings = get_settings()
     db = open_db(settings)
     with db.connect() as conn:
@@ -33,7 +33,7 @@ def export_to_storage(run_name: str, out: str) -> None:
     except OSError as exc:  # fsspec/s3fs report storage failures as OSError subclasses
         raise StorageError(f"writing the export to {out} failed: {exc}") from exc
     removed = f"; removed {len(report.removed)} old shards" if report.removed else ""
-    console.print(
+    err_console().print(
         f"wrote {report.rows} samples ({report.truncated} truncated, {report.tokens} tokens) "
         f"in {len(report.shards)} Parquet shards and manifest.json to {escape(report.url)}"
         f"{removed}"
@@ -56,6 +56,12 @@ def compact_cmd(run_name: str, force: bool, as_json: bool) -> None:
     Shards go under TOKENMILL_STORAGE_URL/runs/RUN_NAME/compacted/ (TOKENMILL_SHARD_ROWS rows
     each); export, verify and report read them transparently. Safe to interrupt and rerun.
     """
+    from rich.markup import escape
+
+    from app import ledger
+    from app.shards import StorageError
+    from workers.compaction import compact_run
+
     settings = get_settings()
     db = open_db(settings)
     with db.connect() as conn:
@@ -77,4 +83,4 @@ def compact_cmd(run_name: str, force: bool, as_json: bool) -> None:
         line += f", {len(report.orphans_removed)} unreferenced shards removed"
     if report.skipped:
         line += f" ({escape(report.skipped)})"
-    console.print(line, markup=True, soft_wrap=True)
+    err_console().print(line, markup=True, soft_wrap=True)

@@ -5,20 +5,17 @@ Exit 0 when everything matches, 1 on any mismatch or finding, 2 on usage/configu
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import click
-from rich.console import Console
-from rich.markup import escape
 
-from app import ledger
 from app.errors import TokenizerError
-from app.ledger import RunInfo
-from app.settings import get_settings
-from app.tokenization import ChatTokenizer, load_tokenizer
-from app.verify import CHECK_TITLES, VerifyReport, verify_run
-from ops.options import handle_errors, open_db, print_json
+from ops.options import get_settings, handle_errors, open_db, print_json
 
-# the summary is the command's output: stdout (errors go to stderr through handle_errors)
-out = Console(highlight=False, soft_wrap=True)
+if TYPE_CHECKING:
+    from app.ledger import RunInfo
+    from app.tokenization import ChatTokenizer
+    from app.verify import VerifyReport
 
 
 @click.command("verify")
@@ -61,6 +58,9 @@ def verify_cmd(
     stored arrays match the server's prompt_tokens / completion_tokens. Exit 0 when clean,
     1 on any mismatch, 2 on usage errors.
     """
+    from app import ledger
+    from app.verify import verify_run
+
     settings = get_settings()
     db = open_db(settings)
     with db.connect() as conn:
@@ -87,6 +87,8 @@ def _tokenizer(
 ) -> tuple[ChatTokenizer | None, str | None]:
     """The tokenizer to re-apply the template with; the run's own path not loading is a
     finding (nothing can vouch for the prompts), a bad --tokenizer a usage error."""
+    from app.tokenization import load_tokenizer
+
     if override is not None:
         try:
             return load_tokenizer(override, trust_remote_code=trust_remote_code), None
@@ -102,6 +104,13 @@ def _tokenizer(
 
 
 def _print_summary(report: VerifyReport) -> None:
+    from rich.console import Console
+    from rich.markup import escape
+
+    from app.verify import CHECK_TITLES
+
+    # the summary is the command's output: stdout (errors go to stderr through handle_errors)
+    out = Console(highlight=False, soft_wrap=True)
     out.print(f"run [bold]{escape(report.run)}[/bold]: {report.items} finished items")
     for finding in report.findings:
         out.print(f"[red]finding:[/red] {escape(finding)}", soft_wrap=True)
