@@ -30,7 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-REDIS_URL = os.environ.get("TOKENMILL_BENCH_SCALE_REDIS_URL", "redis://127.0.0.1:6379/13")
+REDIS_URL = os.environ.get("TOKENMILL_BENCH_SCALE_REDIS_URL", "redis://127.0.0.1:6379/14")
 # the product reads its settings (the broker for publishing) from the environment: set it
 # before app.celery_app is imported
 os.environ["TOKENMILL_BROKER_URL"] = REDIS_URL

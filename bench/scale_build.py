@@ -86,6 +86,16 @@ def existing(size: int) -> Ledger | None:
     return _open(size)
 
 
+def forget(size: int) -> None:
+    """Mark a kept ledger as changed (a fleet ran on it): the next --keep builds it again."""
+    admin = _admin()
+    try:
+        with admin.connect() as conn:
+            conn.execute(text(f'COMMENT ON DATABASE "{database_name(size)}" IS NULL'))
+    finally:
+        admin.dispose()
+
+
 def drop(size: int) -> None:
     admin = _admin()
     try:

@@ -80,7 +80,9 @@ def main(*, keep: bool) -> None:
     finally:
         _set_slow_log(None)
         db.dispose()
-        if not keep:
+        if keep:
+            build.forget(SIZE)  # run B moved on: not the built state any more
+        else:
             build.drop(SIZE)
     slow = _slow_statements(log_from)
     print(
