@@ -20,7 +20,6 @@ from sqlalchemy import (
     Table,
     and_,
     bindparam,
-    case,
     func,
     insert,
     or_,
@@ -30,6 +29,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import postgresql, sqlite
 
+from app import counters
 from app.contracts import GenerateResult, SamplingParams
 from app.errors import NotFound, RunMismatch
 from app.models import Event, Item, ItemStatus, Run, Server
@@ -954,37 +954,22 @@ class RunCounts:
 
 
 def run_counts(conn: Connection, run: RunInfo) -> RunCounts:
-    truncated = case((items.c.finish_reason == "length", 1), else_=0)
-    stmt = (
-        select(
-            items.c.status,
-            func.count(),
-            func.coalesce(func.sum(truncated), 0),
-            func.coalesce(func.sum(items.c.completion_tokens), 0),
-            func.coalesce(func.sum(items.c.prompt_tokens), 0),
-        )
-        .where(items.c.run_id == run.id)
-        .group_by(items.c.status)
-    )
-    by_status: dict[str, int] = {}
-    trunc = out_tokens = prompt_tokens = 0
-    for status, count, t, out, prompt in conn.execute(stmt):
-        by_status[status] = int(count)
-        trunc += int(t)
-        out_tokens += int(out)
-        prompt_tokens += int(prompt)
+    """The run's items by status and its token sums, read from the item counters (no scan)."""
+    groups = counters.counted_groups(conn, run.id)
+    statuses = counters.by_status(groups.items())
+    tallies = groups.values()
     return RunCounts(
         run=run.name,
-        total=sum(by_status.values()),
-        pending=by_status.get(ItemStatus.PENDING.value, 0),
-        queued=by_status.get(ItemStatus.QUEUED.value, 0),
-        leased=by_status.get(ItemStatus.LEASED.value, 0),
-        done=by_status.get(ItemStatus.DONE.value, 0),
-        failed=by_status.get(ItemStatus.FAILED.value, 0),
-        truncated=trunc,
-        output_tokens=out_tokens,
-        prompt_tokens=prompt_tokens,
-        waiting=by_status.get(ItemStatus.WAITING.value, 0),
+        total=sum(statuses.values()),
+        pending=statuses.get(ItemStatus.PENDING.value, 0),
+        queued=statuses.get(ItemStatus.QUEUED.value, 0),
+        leased=statuses.get(ItemStatus.LEASED.value, 0),
+        done=statuses.get(ItemStatus.DONE.value, 0),
+        failed=statuses.get(ItemStatus.FAILED.value, 0),
+        truncated=sum(t.items for k, t in groups.items() if k.finish_reason == "length"),
+        output_tokens=sum(t.completion_tokens for t in tallies),
+        prompt_tokens=sum(t.prompt_tokens for t in tallies),
+        waiting=statuses.get(ItemStatus.WAITING.value, 0),
     )
 
 

@@ -12,7 +12,7 @@ import click
 from rich.live import Live
 from rich.table import Table
 
-from app import ledger, registry
+from app import counters, ledger, registry
 from app.errors import ConfigurationError
 from app.settings import get_settings
 from ops.options import console, handle_errors, open_db, print_json, print_table
@@ -37,14 +37,15 @@ def servers_group(ctx: click.Context, as_json: bool) -> None:
         return
     db = open_db()
     with db.connect() as conn:
-        rows = [(s, registry.server_load(conn, s.name)) for s in registry.list_servers(conn)]
+        in_flight = counters.leased_by_server(conn)
+        rows = [(s, in_flight.get(s.name, 0)) for s in registry.list_servers(conn)]
     if as_json:
-        print_json([s.to_json() | {"in_flight": load.leased} for s, load in rows])
+        print_json([s.to_json() | {"in_flight": leased} for s, leased in rows])
         return
     table = Table(
         "name", "url", "state", "paused", "workers", "in flight", "last probe", "last error"
     )
-    for s, load in rows:
+    for s, leased in rows:
         paused = f"yes ({s.paused_by})" if s.paused else "no"
         table.add_row(
             s.name,
@@ -52,7 +53,7 @@ def servers_group(ctx: click.Context, as_json: bool) -> None:
             s.state,
             paused,
             str(len(s.workers)),
-            str(load.leased),
+            str(leased),
             _ago(s.last_probe_at),
             (s.last_error or "")[:60],
         )
