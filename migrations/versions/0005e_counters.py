@@ -268,6 +268,13 @@ def upgrade() -> None:
         # writers wait while the triggers are created and the counters filled, so that no
         # change falls between the backfill and the first trigger
         op.execute("LOCK TABLE items IN SHARE MODE")
+        # few rows, each updated by every change of an item: room on the page for HOT
+        # updates, and vacuumed often
+        for table in ("item_counts", "item_latency_counts"):
+            op.execute(
+                f"ALTER TABLE {table} SET (fillfactor = 50, autovacuum_vacuum_scale_factor = 0, "
+                "autovacuum_vacuum_threshold = 1000)"
+            )
         op.execute(_pg_function())
         for statement in _PG_TRIGGERS:
             op.execute(statement)

@@ -413,3 +413,32 @@ def test_repair_on_sqlite(sqlite_engine: Engine) -> None:
         assert len(counters.find_drift(conn)) == 1
     assert len(counters.check(sqlite_engine, run.id, repair_drift=True)) == 1
     assert counters.check(sqlite_engine) == []
+
+
+def test_a_batch_of_results_is_one_write_and_the_first_result_of_an_item_wins(db: Engine) -> None:
+    with db.begin() as conn:
+        run = support_runs.make_run(conn, "batch")
+        ledger.insert_items(conn, run.id, new_items(run, 3))
+        ids = ledger.pending_ids(conn, run.id)
+        ledger.claim_items(conn, ids, owner="w", server="gpu-a", lease_s=600)
+        ledger.record_outcomes(
+            conn,
+            [
+                Done(ids[0], result(5, latency_s=1.0)),
+                Done(ids[1], result(6, finish="length")),
+                Done(ids[0], result(9), server="gpu-b"),  # a late copy in the same batch
+            ],
+            owner="w",
+            lease_s=600,
+        )
+        rows = {
+            r.id: r
+            for r in conn.execute(
+                select(items.c.id, items.c.completion_tokens, items.c.server, items.c.status)
+            )
+        }
+        assert (rows[ids[0]].completion_tokens, rows[ids[0]].server) == (5, "gpu-a")
+        assert (rows[ids[1]].completion_tokens, rows[ids[1]].status) == (6, "done")
+        assert rows[ids[2]].status == "leased"
+        assert_exact(conn)
+        assert ledger.run_counts(conn, run).output_tokens == 11
