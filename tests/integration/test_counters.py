@@ -6,6 +6,7 @@ The full count (`counters.scanned_*`) reads the items themselves, never the coun
 
 from __future__ import annotations
 
+import importlib
 import json
 import threading
 import uuid
@@ -442,3 +443,8 @@ def test_a_batch_of_results_is_one_write_and_the_first_result_of_an_item_wins(db
         assert rows[ids[2]].status == "leased"
         assert_exact(conn)
         assert ledger.run_counts(conn, run).output_tokens == 11
+
+
+def test_the_triggers_bucket_latencies_by_the_bounds_the_readers_use() -> None:
+    migration = importlib.import_module("migrations.versions.0005e_counters")
+    assert migration.LATENCY_BOUNDS_S == counters.LATENCY_BUCKETS_S
