@@ -12,7 +12,7 @@ from datetime import datetime, timedelta
 
 from sqlalchemy import Connection, and_, desc, func, or_, select
 
-from app import ledger, registry
+from app import counters, ledger, registry
 from app.ledger import RunCounts, RunInfo, as_utc, events, items, utcnow
 from app.models import ItemStatus
 from app.registry import EventInfo, ServerInfo
@@ -74,13 +74,8 @@ def recent_completions(
 
 
 def inflight_by_server(conn: Connection) -> dict[str, int]:
-    """Items leased right now, per server."""
-    stmt = (
-        select(items.c.server, func.count())
-        .where(items.c.status == ItemStatus.LEASED.value, items.c.server.is_not(None))
-        .group_by(items.c.server)
-    )
-    return {str(server): int(n) for server, n in conn.execute(stmt)}
+    """Items leased right now, per server (from the item counters)."""
+    return counters.leased_by_server(conn)
 
 
 def recent_latencies(conn: Connection, server: str, *, limit: int = LATENCY_SAMPLE) -> list[float]:

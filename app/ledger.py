@@ -20,7 +20,6 @@ from sqlalchemy import (
     Table,
     and_,
     bindparam,
-    case,
     func,
     insert,
     or_,
@@ -30,9 +29,10 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import postgresql, sqlite
 
+from app import counters
 from app.contracts import GenerateResult, SamplingParams
 from app.errors import NotFound, RunMismatch
-from app.models import Event, Item, ItemStatus, Run, Server
+from app.models import Event, Item, ItemStatus, Run, Server, pack_ids
 
 if TYPE_CHECKING:  # pyarrow loads when items are streamed (export, verify), not with every command
     from app.shards import ShardCache
@@ -594,6 +594,55 @@ def _trim(text: str) -> str:
     return text if len(text) <= ERROR_MAX_CHARS else text[: ERROR_MAX_CHARS - 1] + "…"
 
 
+# Postgres: a batch of results as one UPDATE rather than one per item, so that the item
+# counters' statement-level trigger (migration 0005e) runs once per batch, not once per item.
+# The rows are locked in id order, as `_in_id_order` does; the first result of an item wins.
+_DONE_TOGETHER = text(
+    """
+UPDATE items SET
+    status = 'done', output_ids = v.output_ids, finish_reason = v.finish_reason,
+    matched_stop = v.matched, prompt_tokens = v.prompt, completion_tokens = v.completion,
+    cached_tokens = v.cached, latency_s = v.latency, server = coalesce(v.server, items.server),
+    attempts = items.attempts + v.attempts, error = NULL, lease_owner = NULL,
+    lease_expires_at = NULL, finished_at = :now
+FROM unnest(
+    CAST(:ids AS bigint[]), CAST(:outputs AS bytea[]), CAST(:reasons AS text[]),
+    CAST(:matched AS text[]), CAST(:prompt AS integer[]), CAST(:completion AS integer[]),
+    CAST(:cached AS integer[]), CAST(:latency AS double precision[]),
+    CAST(:attempts AS integer[]), CAST(:servers AS text[])
+) AS v(id, output_ids, finish_reason, matched, prompt, completion, cached, latency, attempts,
+       server)
+WHERE items.id = v.id AND items.status <> 'done' AND items.status <> 'failed'
+  AND items.id IN (
+    SELECT id FROM items WHERE id = ANY(CAST(:ids AS bigint[])) ORDER BY id FOR UPDATE
+  )
+"""
+)
+
+
+def _record_done_together(conn: Connection, rows: list[dict[str, Any]], now: datetime) -> None:
+    first: dict[int, dict[str, Any]] = {}
+    for row in rows:
+        first.setdefault(row["b_id"], row)
+    picked = list(first.values())
+    conn.execute(
+        _DONE_TOGETHER,
+        {
+            "now": now,
+            "ids": [r["b_id"] for r in picked],
+            "outputs": [pack_ids(r["b_output_ids"]) for r in picked],
+            "reasons": [r["b_finish_reason"] for r in picked],
+            "matched": [r["b_matched"] for r in picked],
+            "prompt": [r["b_prompt"] for r in picked],
+            "completion": [r["b_completion"] for r in picked],
+            "cached": [r["b_cached"] for r in picked],
+            "latency": [r["b_latency"] for r in picked],
+            "attempts": [r["b_attempts"] for r in picked],
+            "servers": [r["b_server"] for r in picked],
+        },
+    )
+
+
 def record_outcomes(
     conn: Connection, outcomes: Sequence[Outcome], *, owner: str, lease_s: float
 ) -> list[int]:
@@ -630,26 +679,27 @@ def record_outcomes(
                 finished_at=now,
             )
         )
-        conn.execute(
-            stmt,
-            [
-                {
-                    "b_id": o.item_id,
-                    "b_output_ids": o.result.output_ids,
-                    "b_finish_reason": o.result.finish_reason,
-                    "b_prompt": o.result.prompt_tokens,
-                    "b_matched": None
-                    if o.result.matched_stop is None
-                    else str(o.result.matched_stop)[:64],
-                    "b_completion": o.result.completion_tokens,
-                    "b_cached": o.result.cached_tokens,
-                    "b_latency": o.result.e2e_latency_s,
-                    "b_attempts": o.attempts_used,
-                    "b_server": o.server,
-                }
-                for o in done
-            ],
-        )
+        rows = [
+            {
+                "b_id": o.item_id,
+                "b_output_ids": o.result.output_ids,
+                "b_finish_reason": o.result.finish_reason,
+                "b_prompt": o.result.prompt_tokens,
+                "b_matched": None
+                if o.result.matched_stop is None
+                else str(o.result.matched_stop)[:64],
+                "b_completion": o.result.completion_tokens,
+                "b_cached": o.result.cached_tokens,
+                "b_latency": o.result.e2e_latency_s,
+                "b_attempts": o.attempts_used,
+                "b_server": o.server,
+            }
+            for o in done
+        ]
+        if conn.dialect.name == "postgresql" and len(rows) > 1:
+            _record_done_together(conn, rows, now)
+        else:
+            conn.execute(stmt, rows)
     if failed:
         stmt = (
             update(items)
@@ -956,37 +1006,22 @@ class RunCounts:
 
 
 def run_counts(conn: Connection, run: RunInfo) -> RunCounts:
-    truncated = case((items.c.finish_reason == "length", 1), else_=0)
-    stmt = (
-        select(
-            items.c.status,
-            func.count(),
-            func.coalesce(func.sum(truncated), 0),
-            func.coalesce(func.sum(items.c.completion_tokens), 0),
-            func.coalesce(func.sum(items.c.prompt_tokens), 0),
-        )
-        .where(items.c.run_id == run.id)
-        .group_by(items.c.status)
-    )
-    by_status: dict[str, int] = {}
-    trunc = out_tokens = prompt_tokens = 0
-    for status, count, t, out, prompt in conn.execute(stmt):
-        by_status[status] = int(count)
-        trunc += int(t)
-        out_tokens += int(out)
-        prompt_tokens += int(prompt)
+    """The run's items by status and its token sums, read from the item counters (no scan)."""
+    groups = counters.counted_groups(conn, run.id)
+    statuses = counters.by_status(groups.items())
+    tallies = groups.values()
     return RunCounts(
         run=run.name,
-        total=sum(by_status.values()),
-        pending=by_status.get(ItemStatus.PENDING.value, 0),
-        queued=by_status.get(ItemStatus.QUEUED.value, 0),
-        leased=by_status.get(ItemStatus.LEASED.value, 0),
-        done=by_status.get(ItemStatus.DONE.value, 0),
-        failed=by_status.get(ItemStatus.FAILED.value, 0),
-        truncated=trunc,
-        output_tokens=out_tokens,
-        prompt_tokens=prompt_tokens,
-        waiting=by_status.get(ItemStatus.WAITING.value, 0),
+        total=sum(statuses.values()),
+        pending=statuses.get(ItemStatus.PENDING.value, 0),
+        queued=statuses.get(ItemStatus.QUEUED.value, 0),
+        leased=statuses.get(ItemStatus.LEASED.value, 0),
+        done=statuses.get(ItemStatus.DONE.value, 0),
+        failed=statuses.get(ItemStatus.FAILED.value, 0),
+        truncated=sum(t.items for k, t in groups.items() if k.finish_reason == "length"),
+        output_tokens=sum(t.completion_tokens for t in tallies),
+        prompt_tokens=sum(t.prompt_tokens for t in tallies),
+        waiting=statuses.get(ItemStatus.WAITING.value, 0),
     )
 
 
@@ -1149,11 +1184,33 @@ def stored_items(conn: Connection, ids: Sequence[int]) -> list[StoredItem]:
     return [StoredItem(**row._mapping) for row in conn.execute(stmt)]
 
 
+_COMPACTED_TOGETHER = text(
+    """
+UPDATE items SET shard_uri = :uri, shard_row = v.shard_row, prompt_ids = :empty,
+    output_ids = :empty
+FROM unnest(CAST(:ids AS bigint[]), CAST(:rows AS integer[])) AS v(id, shard_row)
+WHERE items.id = v.id AND items.shard_uri IS NULL AND items.status = 'done'
+"""
+)
+
+
 def mark_compacted(conn: Connection, shard_uri: str, rows: Sequence[tuple[int, int]]) -> int:
     """Point items at (shard_uri, row) and empty their ledger arrays, for (item id, row) pairs;
     items already compacted are left alone. Returns how many were changed."""
     if not rows:
         return 0
+    if conn.dialect.name == "postgresql":
+        # one statement, not one per item: the counting trigger runs once (migration 0005e)
+        together = conn.execute(
+            _COMPACTED_TOGETHER,
+            {
+                "uri": shard_uri,
+                "ids": [item_id for item_id, _ in rows],
+                "rows": [row for _, row in rows],
+                "empty": pack_ids([]),
+            },
+        )
+        return int(together.rowcount)
     stmt = (
         update(items)
         .where(

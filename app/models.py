@@ -1,4 +1,4 @@
-"""The ledger's tables as typed SQLAlchemy 2.0 models: runs, items, servers, events.
+"""The ledger's tables as typed SQLAlchemy 2.0 models: runs, items, servers, events, counters.
 
 The schema is changed only by Alembic migrations; a test checks these models match them.
 """
@@ -186,3 +186,42 @@ class Event(Base):
     server: Mapped[str | None] = mapped_column(String(200), nullable=True)
     message: Mapped[str] = mapped_column(Text)
     details: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+
+
+# Item counters: kept by database triggers on `items` (migration 0005e) in the same transaction
+# as every insert, update and delete of an item, so views read them instead of counting items.
+# A row is one shard of one key: on Postgres the shard is the writing backend's pid (no two
+# concurrent transactions ever update the same row), folded into shard 0 by the reconcile
+# step; SQLite, with its single writer, uses shard 0 only. A key's value is the sum over its
+# shards. "" stands for no server / no finish reason (NULL cannot be part of the key).
+
+
+class ItemCount(Base):
+    """Items of a run by server, status and finish reason, with their token sums."""
+
+    __tablename__ = "item_counts"
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    server: Mapped[str] = mapped_column(String(200), primary_key=True)
+    status: Mapped[str] = mapped_column(String(16), primary_key=True)
+    finish_reason: Mapped[str] = mapped_column(String(16), primary_key=True)
+    shard: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    item_count: Mapped[int] = mapped_column(BigInteger)
+    prompt_tokens: Mapped[int] = mapped_column(BigInteger)
+    completion_tokens: Mapped[int] = mapped_column(BigInteger)
+    # of those items, how many carry a hedge mark (a second copy ran on another server)
+    hedged: Mapped[int] = mapped_column(BigInteger)
+
+
+class ItemLatencyCount(Base):
+    """Done items of a run by server and latency bucket (index into the fixed bounds, the
+    last one past every bound), with their latency sum: histograms without reading items."""
+
+    __tablename__ = "item_latency_counts"
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    server: Mapped[str] = mapped_column(String(200), primary_key=True)
+    bucket: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    shard: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    item_count: Mapped[int] = mapped_column(BigInteger)
+    latency_sum_s: Mapped[float] = mapped_column(Float)

@@ -39,18 +39,19 @@ def servers_group(ctx: click.Context, as_json: bool) -> None:
         return
     from rich.table import Table
 
-    from app import registry
+    from app import counters, registry
 
     db = open_db()
     with db.connect() as conn:
-        rows = [(s, registry.server_load(conn, s.name)) for s in registry.list_servers(conn)]
+        in_flight = counters.leased_by_server(conn)
+        rows = [(s, in_flight.get(s.name, 0)) for s in registry.list_servers(conn)]
     if as_json:
-        print_json([s.to_json() | {"in_flight": load.leased} for s, load in rows])
+        print_json([s.to_json() | {"in_flight": leased} for s, leased in rows])
         return
     table = Table(
         "name", "url", "state", "paused", "workers", "in flight", "last probe", "last error"
     )
-    for s, load in rows:
+    for s, leased in rows:
         paused = f"yes ({s.paused_by})" if s.paused else "no"
         table.add_row(
             s.name,
@@ -58,7 +59,7 @@ def servers_group(ctx: click.Context, as_json: bool) -> None:
             s.state,
             paused,
             str(len(s.workers)),
-            str(load.leased),
+            str(leased),
             _ago(s.last_probe_at),
             (s.last_error or "")[:60],
         )
