@@ -10,7 +10,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Connection, Engine, create_engine, event, text
 
 from app.settings import Settings, get_settings
 
@@ -25,6 +25,23 @@ def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
     cursor.execute("PRAGMA foreign_keys=ON")
     cursor.execute("PRAGMA busy_timeout=30000")
     cursor.close()
+
+
+# what a periodic query (hedge search, watchdog lookups, reconcile, compaction scans) may
+# take before Postgres cancels it: a plan gone wrong fails loudly instead of holding a timer
+PERIODIC_TIMEOUT_S = 5.0
+SCAN_TIMEOUT_S = 60.0
+
+
+def limit_periodic(conn: Connection, *, timeout_s: float = PERIODIC_TIMEOUT_S) -> None:
+    """Postgres: a statement timeout and no JIT for the rest of this transaction (a JIT
+    compile costs more than these queries take). SQLite: nothing to set."""
+    if conn.dialect.name != "postgresql":
+        return
+    conn.execute(
+        text("SELECT set_config('statement_timeout', :ms, true), set_config('jit', 'off', true)"),
+        {"ms": str(max(1, int(timeout_s * 1000)))},
+    )
 
 
 def make_engine(url: str, *, pool_size: int = 8) -> Engine:

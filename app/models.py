@@ -121,9 +121,7 @@ class Item(Base):
         _partial("ix_items_leased_started", ("started_at", "id"), "status = 'leased'"),
         _partial("ix_items_queued_at", ("queued_at", "id"), "status = 'queued'"),
         _partial("ix_items_done_finished", ("server", "finished_at"), "status = 'done'"),
-        _partial(
-            "ix_items_uncompacted", ("run_id", "id"), "status = 'done' AND shard_uri IS NULL"
-        ),
+        _partial("ix_items_uncompacted", ("run_id", "id"), "status = 'done' AND shard_uri IS NULL"),
     )
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
@@ -194,6 +192,7 @@ ItemArchive = Table(
     Base.metadata,
     *_archive_columns(),
     Index("ix_items_archive_run_status_id", "run_id", "status", "id"),
+    Index("ix_items_archive_prev_item", "prev_item_id"),
 )
 
 

@@ -99,6 +99,7 @@ def upgrade() -> None:
         ["run_id", "status", "id"],
         unique=False,
     )
+    op.create_index("ix_items_archive_prev_item", "items_archive", ["prev_item_id"], unique=False)
     if op.get_bind().dialect.name == "postgresql":
         settings = ", ".join(f"{k} = {v}" for k, v in AUTOVACUUM.items())
         op.execute(f"ALTER TABLE items SET ({settings})")
@@ -107,6 +108,7 @@ def upgrade() -> None:
 def downgrade() -> None:
     if op.get_bind().dialect.name == "postgresql":
         op.execute(f"ALTER TABLE items RESET ({', '.join(AUTOVACUUM)})")
+    op.drop_index("ix_items_archive_prev_item", table_name="items_archive")
     op.drop_index("ix_items_archive_run_status_id", table_name="items_archive")
     op.drop_table("items_archive")
     for name, _columns, _where in PARTIAL:
