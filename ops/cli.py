@@ -16,7 +16,7 @@ from ops.metrics import metrics_cmd
 from ops.options import handle_errors, log_format_option, open_db, print_json, setup_logging
 from ops.pipeline_cmds import enqueue_cmd, export_cmd, reconcile_cmd, run_cmd, status_cmd
 from ops.report import report_cmd
-from ops.storage_cmds import compact_cmd
+from ops.storage_cmds import archive_cmd, compact_cmd
 from ops.verify_cmd import verify_cmd
 
 
@@ -94,6 +94,7 @@ for command in (
     metrics_cmd,
     report_cmd,
     compact_cmd,
+    archive_cmd,
     verify_cmd,
 ):
     cli.add_command(command)
