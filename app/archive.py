@@ -97,7 +97,8 @@ def copy_items(conn: Connection, ids: Sequence[int]) -> int:
         stmt: Any = postgresql.insert(items_archive).from_select(names, source)
     else:
         stmt = sqlite.insert(items_archive).from_select(names, source)
-    return int(conn.execute(stmt.on_conflict_do_nothing(index_elements=["id"])).rowcount)
+    stmt = stmt.on_conflict_do_nothing(index_elements=["id"]).returning(items_archive.c.id)
+    return len(conn.execute(stmt).all())
 
 
 def delete_archived(conn: Connection, ids: Sequence[int]) -> int:
