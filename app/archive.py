@@ -64,7 +64,7 @@ def archive_blockers(conn: Connection, run_id: int) -> list[str]:
         items.c.status == ItemStatus.DONE.value,
         items.c.shard_uri.is_(None),
     )
-    if conn.execute(uncompacted.limit(1)).first() is not None:
+    if conn.execute(uncompacted.order_by(items.c.run_id, items.c.id).limit(1)).first():
         found.append("some done items are not compacted (run `tokenmill compact RUN --all`)")
     return found
 
@@ -83,7 +83,7 @@ def _page(conn: Connection, run_id: int, status: str, after: int) -> list[int]:
     stmt = (
         select(items.c.id)
         .where(items.c.run_id == run_id, items.c.status == status, items.c.id > after)
-        .order_by(items.c.id)
+        .order_by(items.c.run_id, items.c.status, items.c.id)
         .limit(PAGE_ITEMS)
     )
     return list(conn.execute(stmt).scalars())

@@ -14,6 +14,7 @@ from typing import Any
 from sqlalchemy import Connection, Table, and_, func, or_, select
 
 from app import ledger, registry
+from app.database import pin_index_plans
 from app.ledger import RunCounts, RunInfo, as_utc, events, items, items_archive, utcnow
 from app.models import ItemStatus
 from app.registry import EventInfo, ServerInfo
@@ -259,12 +260,13 @@ def _stat_pages(
     conn: Connection, table: Table, run_id: int, status: str, page_size: int
 ) -> Iterator[list[ItemStats]]:
     """`run_id = ? AND status = ? AND id > last ORDER BY id LIMIT n` over (run_id, status, id)."""
+    pin_index_plans(conn)
     after = 0
     while True:
         stmt = (
             select(*(table.c[name] for name in ItemStats.__dataclass_fields__))
             .where(table.c.run_id == run_id, table.c.status == status, table.c.id > after)
-            .order_by(table.c.id)
+            .order_by(table.c.run_id, table.c.status, table.c.id)
             .limit(page_size)
         )
         page = [

@@ -33,6 +33,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects import postgresql, sqlite
 
 from app.contracts import GenerateResult, SamplingParams
+from app.database import pin_index_plans
 from app.errors import NotFound, RunArchived, RunMismatch
 from app.models import Event, Item, ItemArchive, ItemStatus, Run, Server
 from app.shards import ShardCache
@@ -47,6 +48,9 @@ events = cast(Table, Event.__table__)
 items_archive = ItemArchive
 
 CLAIMABLE = (ItemStatus.PENDING.value, ItemStatus.QUEUED.value)
+# the key of ix_items_run_status_id: ordering by all of it (not just id) leaves the planner
+# no other index that delivers the order without a sort
+_RUN_STATUS_ID = (items.c.run_id, items.c.status, items.c.id)
 ERROR_MAX_CHARS = 2000
 
 
@@ -362,6 +366,7 @@ def existing_keys(conn: Connection, run_id: int, keys: Iterable[str]) -> set[str
 def pending_ids(
     conn: Connection, run_id: int, *, after_id: int = 0, limit: int = 5000
 ) -> list[int]:
+    pin_index_plans(conn)
     stmt = (
         select(items.c.id)
         .where(
@@ -369,7 +374,7 @@ def pending_ids(
             items.c.status == ItemStatus.PENDING.value,
             items.c.id > after_id,
         )
-        .order_by(items.c.id)
+        .order_by(*_RUN_STATUS_ID)
         .limit(limit)
     )
     return list(conn.execute(stmt).scalars())
@@ -487,6 +492,7 @@ def hedge_candidates(
     serve); the longest-running first."""
     if limit <= 0:
         return []
+    pin_index_plans(conn)
     # Three small steps instead of one anti-join, whose plan (a nested loop over a scan of
     # the whole table) the planner picked at the end of a run: the runs of the leased items
     # (the partial index of leases), one indexed probe per run, then the oldest leases.
@@ -516,10 +522,14 @@ def claimable_left(conn: Connection, run_id: int) -> bool:
 
 def run_has_items(conn: Connection, run_id: int, statuses: Iterable[str]) -> bool:
     """Whether the run has an item in one of these statuses: one probe of the
-    (run_id, status, id) index per status, which stops at the first row found."""
+    (run_id, status, id) index per status, which stops at the first row found. ORDER BY id
+    in the index's own order keeps it there whatever the statistics say: with stale ones
+    (everything pending after a big enqueue) a bare LIMIT 1 was planned as a scan expected
+    to stop at once, and read the whole table when the run had no such item."""
+    pin_index_plans(conn)
     for status in statuses:
         probe = select(items.c.id).where(items.c.run_id == run_id, items.c.status == status)
-        if conn.execute(probe.limit(1)).first() is not None:
+        if conn.execute(probe.order_by(*_RUN_STATUS_ID).limit(1)).first() is not None:
             return True
     return False
 
@@ -562,6 +572,7 @@ def finished_among(conn: Connection, ids: Sequence[int]) -> set[int]:
     """Which of these items are done or failed (so a copy still running is wasted)."""
     if not ids:
         return set()
+    pin_index_plans(conn)
     # by primary key only, the status tested here: no plan can prefer a status index
     final = (ItemStatus.DONE.value, ItemStatus.FAILED.value)
     stmt = select(items.c.id, items.c.status).where(items.c.id.in_(list(ids)))
@@ -775,6 +786,7 @@ def requeue_expired(
     conn: Connection, *, run_id: int | None = None, limit: int = 10000
 ) -> list[int]:
     """Items whose lease expired (their worker died) go back to queued; return their ids."""
+    pin_index_plans(conn)
     now = utcnow()
     pick = (
         select(items.c.id)
@@ -806,6 +818,7 @@ def oldest_queued(
 ) -> list[int]:
     """Ids of up to limit items queued before cutoff, the longest-queued first: an ordered
     read of the partial index of queued items, however many are queued."""
+    pin_index_plans(conn)
     stmt = (
         select(items.c.id)
         .where(items.c.status == ItemStatus.QUEUED.value, items.c.queued_at < cutoff)
@@ -1152,12 +1165,13 @@ def _keyset_pages(
     ORDER BY id LIMIT n`, one range of the (run_id, status, id) index, so a page costs the
     same at row 10M as at row 0 (an IN list of statuses would read them all and sort)."""
     columns = [table.c[c.name] for c in _STORED_COLUMNS]
+    pin_index_plans(conn)
     after = 0
     while True:
         stmt = (
             select(*columns)
             .where(table.c.run_id == run_id, table.c.status == status, table.c.id > after)
-            .order_by(table.c.id)
+            .order_by(table.c.run_id, table.c.status, table.c.id)
             .limit(page_size)
         )
         if final_turns_only:
@@ -1217,11 +1231,13 @@ def _compactable(run_id: int) -> Any:
 
 
 def count_compactable(conn: Connection, run_id: int) -> int:
+    pin_index_plans(conn)
     return int(conn.execute(select(func.count()).where(_compactable(run_id))).scalar_one())
 
 
 def compactable_ids(conn: Connection, run_id: int, *, after_id: int = 0, limit: int) -> list[int]:
     """Ids of items compaction may move, in id order."""
+    pin_index_plans(conn)
     stmt = (
         select(items.c.id)
         .where(_compactable(run_id), items.c.id > after_id)
@@ -1273,7 +1289,7 @@ def shard_referenced(conn: Connection, run_id: int, name: str, first_id: int, la
             table.c.run_id == run_id,
             table.c.shard_uri.endswith("/" + name, autoescape=True),
         )
-        if conn.execute(probe.limit(1)).first() is not None:
+        if conn.execute(probe.order_by(table.c.id).limit(1)).first() is not None:
             return True
     return False
 
@@ -1291,6 +1307,7 @@ def compacted_count(conn: Connection, run_id: int) -> int:
 
 def runs_with_compactable(conn: Connection, min_items: int) -> list[RunInfo]:
     """Runs with at least min_items done items whose arrays are still in the ledger."""
+    pin_index_plans(conn)
     stmt = (
         select(items.c.run_id)
         .where(items.c.status == ItemStatus.DONE.value, items.c.shard_uri.is_(None))

@@ -12,6 +12,7 @@ from typing import Any
 
 from sqlalchemy import Connection, func, insert, select, update
 
+from app.database import pin_index_plans
 from app.errors import NotFound
 from app.ledger import as_utc, events, items, run_has_items, runs, servers, utcnow
 from app.models import ItemStatus
@@ -223,6 +224,7 @@ def server_load(conn: Connection, name: str) -> ServerLoad:
 
     Both read only active or newest rows: the leases, and the last entry of the partial index
     of done items by (server, finished_at), whatever the planner's statistics say."""
+    pin_index_plans(conn)
     leased, oldest = conn.execute(
         select(func.count(), func.min(items.c.started_at)).where(
             items.c.server == name, items.c.status == ItemStatus.LEASED.value
