@@ -23,6 +23,7 @@ from sqlalchemy import Connection, Engine, delete, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 
 from app import ledger
+from app.database import pin_index_plans
 from app.errors import ArchiveRefused
 from app.ledger import RunInfo, items, items_archive, runs
 from app.locks import exclusive
@@ -80,10 +81,11 @@ def mark_archived(conn: Connection, run_id: int) -> None:
 def _page(conn: Connection, run_id: int, status: str, after: int) -> list[int]:
     """The next page of the run's item ids of one status: a keyset range of (run_id, status,
     id)."""
+    pin_index_plans(conn)
     stmt = (
         select(items.c.id)
-        .where(items.c.run_id == run_id, items.c.status == status, items.c.id > after)
-        .order_by(items.c.run_id, items.c.status, items.c.id)
+        .where(ledger.run_status_range(conn, items, run_id, status, after))
+        .order_by(*ledger.run_status_order(items))
         .limit(PAGE_ITEMS)
     )
     return list(conn.execute(stmt).scalars())

@@ -265,8 +265,8 @@ def _stat_pages(
     while True:
         stmt = (
             select(*(table.c[name] for name in ItemStats.__dataclass_fields__))
-            .where(table.c.run_id == run_id, table.c.status == status, table.c.id > after)
-            .order_by(table.c.run_id, table.c.status, table.c.id)
+            .where(ledger.run_status_range(conn, table, run_id, status, after))
+            .order_by(*ledger.run_status_order(table))
             .limit(page_size)
         )
         page = [

@@ -28,6 +28,7 @@ from sqlalchemy import (
     or_,
     select,
     text,
+    tuple_,
     update,
 )
 from sqlalchemy.dialects import postgresql, sqlite
@@ -48,9 +49,30 @@ events = cast(Table, Event.__table__)
 items_archive = ItemArchive
 
 CLAIMABLE = (ItemStatus.PENDING.value, ItemStatus.QUEUED.value)
-# the key of ix_items_run_status_id: ordering by all of it (not just id) leaves the planner
-# no other index that delivers the order without a sort
-_RUN_STATUS_ID = (items.c.run_id, items.c.status, items.c.id)
+
+
+def run_status_range(conn: Connection, table: Table, run_id: int, status: str, after: int) -> Any:
+    """WHERE for the items of one status of a run with ids above `after`, to be read ORDER BY
+    run_id, status, id: one range of the (run_id, status, id) index whatever the statistics.
+
+    On Postgres it is written as row comparisons, `(run_id, status, id) > (?, ?, after) AND
+    (run_id, status) <= (?, ?)`. With plain equalities the planner treats run_id and status
+    as constants, so the primary key also "delivers" the order; with stale statistics (after
+    a big enqueue every item looks pending) it then chose to walk the primary key past every
+    other row. Row comparisons leave the (run_id, status, id) index as the only way to that
+    order without a sort, and the callers price sorts out (pin_index_plans)."""
+    if conn.dialect.name != "postgresql":
+        return and_(table.c.run_id == run_id, table.c.status == status, table.c.id > after)
+    return and_(
+        tuple_(table.c.run_id, table.c.status, table.c.id) > tuple_(run_id, status, after),
+        tuple_(table.c.run_id, table.c.status) <= tuple_(run_id, status),
+    )
+
+
+def run_status_order(table: Table) -> tuple[Any, ...]:
+    return (table.c.run_id, table.c.status, table.c.id)
+
+
 ERROR_MAX_CHARS = 2000
 
 
@@ -369,12 +391,8 @@ def pending_ids(
     pin_index_plans(conn)
     stmt = (
         select(items.c.id)
-        .where(
-            items.c.run_id == run_id,
-            items.c.status == ItemStatus.PENDING.value,
-            items.c.id > after_id,
-        )
-        .order_by(*_RUN_STATUS_ID)
+        .where(run_status_range(conn, items, run_id, ItemStatus.PENDING.value, after_id))
+        .order_by(*run_status_order(items))
         .limit(limit)
     )
     return list(conn.execute(stmt).scalars())
@@ -523,13 +541,13 @@ def claimable_left(conn: Connection, run_id: int) -> bool:
 def run_has_items(conn: Connection, run_id: int, statuses: Iterable[str]) -> bool:
     """Whether the run has an item in one of these statuses: one probe of the
     (run_id, status, id) index per status, which stops at the first row found. ORDER BY id
-    in the index's own order keeps it there whatever the statistics say: with stale ones
-    (everything pending after a big enqueue) a bare LIMIT 1 was planned as a scan expected
-    to stop at once, and read the whole table when the run had no such item."""
+    as a range of the index (run_status_range) keeps it there whatever the statistics say:
+    with stale ones (everything pending after a big enqueue) a bare LIMIT 1 was planned as a
+    scan expected to stop at once, and read the whole table when the run had no such item."""
     pin_index_plans(conn)
     for status in statuses:
-        probe = select(items.c.id).where(items.c.run_id == run_id, items.c.status == status)
-        if conn.execute(probe.order_by(*_RUN_STATUS_ID).limit(1)).first() is not None:
+        probe = select(items.c.id).where(run_status_range(conn, items, run_id, status, 0))
+        if conn.execute(probe.order_by(*run_status_order(items)).limit(1)).first() is not None:
             return True
     return False
 
@@ -582,19 +600,18 @@ def finished_among(conn: Connection, ids: Sequence[int]) -> set[int]:
 def extend_leases(conn: Connection, *, owner: str, lease_s: float) -> int:
     """Heartbeat: push out the expiry of every lease this owner holds.
 
-    On Postgres the rows are locked in a `FOR UPDATE SKIP LOCKED` subquery: a row that a
+    On Postgres the rows are locked by a `FOR UPDATE SKIP LOCKED` query first: a row that a
     result write holds is being finished (or its retry extends the lease itself), and
     waiting for it while holding other rows is how a heartbeat deadlocked against its own
     worker's writer."""
     mine = and_(items.c.lease_owner == owner, items.c.status == ItemStatus.LEASED.value)
-    target: Any = mine
-    if conn.dialect.name == "postgresql":
-        locked = select(items.c.id).where(mine).order_by(items.c.id)
-        target = and_(items.c.id.in_(locked.with_for_update(skip_locked=True)), mine)
-    stmt = (
-        update(items).where(target).values(lease_expires_at=utcnow() + timedelta(seconds=lease_s))
-    )
-    return conn.execute(stmt).rowcount
+    stmt = update(items).values(lease_expires_at=utcnow() + timedelta(seconds=lease_s))
+    if conn.dialect.name != "postgresql":
+        return conn.execute(stmt.where(mine)).rowcount
+    # a CTE is locked once (as an IN subquery it was run again for every lease: O(leases²)),
+    # and its rows, locked and checked, are then found by primary key only
+    locked = select(items.c.id).where(mine).with_for_update(skip_locked=True).cte("locked")
+    return conn.execute(stmt.where(items.c.id == locked.c.id)).rowcount
 
 
 @dataclass(frozen=True)
@@ -1170,8 +1187,8 @@ def _keyset_pages(
     while True:
         stmt = (
             select(*columns)
-            .where(table.c.run_id == run_id, table.c.status == status, table.c.id > after)
-            .order_by(table.c.run_id, table.c.status, table.c.id)
+            .where(run_status_range(conn, table, run_id, status, after))
+            .order_by(*run_status_order(table))
             .limit(page_size)
         )
         if final_turns_only:

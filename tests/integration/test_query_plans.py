@@ -24,8 +24,8 @@ from tests.support import synthetic
 from tests.support.procs import wait_for
 from tests.support.runs import make_run
 
-ENDING_ITEMS = 30_000
-QUEUED_ITEMS = 20_000
+ENDING_ITEMS = 20_000
+QUEUED_ITEMS = 10_000
 
 
 @pytest.fixture(params=["stale", "fresh"])
@@ -93,6 +93,8 @@ def assert_indexed(plans: list[list[dict[str, Any]]], *expected: str, sorts: boo
             if n["Node Type"] == "Seq Scan" and n["Relation Name"] in ("items", "items_archive")
         ]
         assert scans == [], f"sequential scan in {plan}"
+        walks = [n for n in plan if n.get("Index Name") == "items_pkey" and "Index Cond" not in n]
+        assert walks == [], f"a walk of the whole primary key in {plan}"
         if not sorts:
             assert [n for n in plan if n["Node Type"] in ("Sort", "Incremental Sort")] == []
     used = indexes_used(plans)
