@@ -12,6 +12,10 @@ from app import ledger
 from tests.support.runs import make_run
 
 
+LEASED = 1000
+UNCOMPACTED = 2000
+
+
 @dataclass(frozen=True)
 class Ledger:
     ending: ledger.RunInfo  # done (mostly compacted), failed, leased: nothing left to claim
@@ -36,9 +40,11 @@ def fill(conn: Connection, *, ending_items: int, queued_items: int, stale: bool)
     first = conn.execute(
         text("SELECT min(id) FROM items WHERE run_id = :r"), {"r": ending.id}
     ).scalar_one()
+    # what is active stays the same at any size: the leases and the done items not yet
+    # compacted; the rest of the run is compacted (and 1% failed)
     n = ending_items
-    compacted, uncompacted, failed = int(n * 0.9), int(n * 0.05), int(n * 0.02)
-    leased = n - compacted - uncompacted - failed
+    leased, uncompacted, failed = LEASED, UNCOMPACTED, n // 100
+    compacted = n - leased - uncompacted - failed
     done_sql = (
         "UPDATE items SET status = 'done', server = CASE WHEN id % 2 = 0 THEN 'gpu-a' "
         "ELSE 'gpu-b' END, started_at = now() - interval '2 hours', "
