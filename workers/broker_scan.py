@@ -84,13 +84,17 @@ def broker_holds(
         for key in keys:
             if client.type(key) != b"list":
                 continue
-            length = int(client.llen(key))
-            for start in range(0, length, 1000):
+            length, start = int(client.llen(key)), 0
+            while start < length:
                 if found >= want:
                     return BrokerCheck(found, complete=True)
                 if read >= max_messages:
                     return BrokerCheck(found, complete=False)
-                chunk = client.lrange(key, -(start + 1000), -(start + 1))
+                size = min(1000, max_messages - read)
+                chunk = client.lrange(key, -(start + size), -(start + 1))
+                if not chunk:
+                    break
+                start += size
                 read += len(chunk)
                 for raw in reversed(chunk):
                     found.update(want.intersection(_ids_in_message(raw)))
