@@ -11,7 +11,6 @@ from sqlalchemy import Connection, text
 from app import ledger
 from tests.support.runs import make_run
 
-
 LEASED = 1000
 UNCOMPACTED = 2000
 
