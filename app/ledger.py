@@ -49,6 +49,7 @@ events = cast(Table, Event.__table__)
 items_archive = ItemArchive
 
 CLAIMABLE = (ItemStatus.PENDING.value, ItemStatus.QUEUED.value)
+ERROR_MAX_CHARS = 2000
 
 
 def run_status_range(conn: Connection, table: Table, run_id: int, status: str, after: int) -> Any:
@@ -71,9 +72,6 @@ def run_status_range(conn: Connection, table: Table, run_id: int, status: str, a
 
 def run_status_order(table: Table) -> tuple[Any, ...]:
     return (table.c.run_id, table.c.status, table.c.id)
-
-
-ERROR_MAX_CHARS = 2000
 
 
 def utcnow() -> datetime:
@@ -512,8 +510,8 @@ def hedge_candidates(
         return []
     pin_index_plans(conn)
     # Three small steps instead of one anti-join, whose plan (a nested loop over a scan of
-    # the whole table) the planner picked at the end of a run: the runs of the leased items
-    # (the partial index of leases), one indexed probe per run, then the oldest leases.
+    # the whole table) the planner picked at the end of a run: the runs of the live leases
+    # (read through an index of leases), one indexed probe per run, then the oldest leases.
     live = and_(
         items.c.status == ItemStatus.LEASED.value,
         items.c.lease_expires_at > utcnow(),
@@ -540,10 +538,11 @@ def claimable_left(conn: Connection, run_id: int) -> bool:
 
 def run_has_items(conn: Connection, run_id: int, statuses: Iterable[str]) -> bool:
     """Whether the run has an item in one of these statuses: one probe of the
-    (run_id, status, id) index per status, which stops at the first row found. ORDER BY id
-    as a range of the index (run_status_range) keeps it there whatever the statistics say:
-    with stale ones (everything pending after a big enqueue) a bare LIMIT 1 was planned as a
-    scan expected to stop at once, and read the whole table when the run had no such item."""
+    (run_id, status, id) index per status, which stops at the first row found. Written as a
+    range of that index in its order (run_status_range), it stays there whatever the
+    statistics say: with stale ones (everything pending after a big enqueue) a bare LIMIT 1
+    was planned as a scan expected to stop at once, and read the whole table when the run had
+    no such item."""
     pin_index_plans(conn)
     for status in statuses:
         probe = select(items.c.id).where(run_status_range(conn, items, run_id, status, 0))
