@@ -6,6 +6,8 @@ can never create a second result; the Postgres (or embedded SQLite) ledger is th
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import json
 import logging
 import zlib
@@ -20,19 +22,22 @@ from sqlalchemy import (
     Table,
     and_,
     bindparam,
+    case,
     func,
     insert,
     or_,
     select,
     text,
+    tuple_,
     update,
 )
 from sqlalchemy.dialects import postgresql, sqlite
 
 from app import counters
 from app.contracts import GenerateResult, SamplingParams
-from app.errors import NotFound, RunMismatch
-from app.models import Event, Item, ItemStatus, Run, Server, pack_ids
+from app.database import pin_index_plans
+from app.errors import NotFound, RunArchived, RunMismatch
+from app.models import Event, Item, ItemArchive, ItemStatus, Run, Server, pack_ids
 
 if TYPE_CHECKING:  # pyarrow loads when items are streamed (export, verify), not with every command
     from app.shards import ShardCache
@@ -43,9 +48,33 @@ items = cast(Table, Item.__table__)
 runs = cast(Table, Run.__table__)
 servers = cast(Table, Server.__table__)
 events = cast(Table, Event.__table__)
+# the rows of archived runs (app.archive): same columns as items
+items_archive = ItemArchive
 
 CLAIMABLE = (ItemStatus.PENDING.value, ItemStatus.QUEUED.value)
 ERROR_MAX_CHARS = 2000
+
+
+def run_status_range(conn: Connection, table: Table, run_id: int, status: str, after: int) -> Any:
+    """WHERE for the items of one status of a run with ids above `after`, to be read ORDER BY
+    run_id, status, id: one range of the (run_id, status, id) index whatever the statistics.
+
+    On Postgres it is written as row comparisons, `(run_id, status, id) > (?, ?, after) AND
+    (run_id, status) <= (?, ?)`. With plain equalities the planner treats run_id and status
+    as constants, so the primary key also "delivers" the order; with stale statistics (after
+    a big enqueue every item looks pending) it then chose to walk the primary key past every
+    other row. Row comparisons leave the (run_id, status, id) index as the only way to that
+    order without a sort, and the callers price sorts out (pin_index_plans)."""
+    if conn.dialect.name != "postgresql":
+        return and_(table.c.run_id == run_id, table.c.status == status, table.c.id > after)
+    return and_(
+        tuple_(table.c.run_id, table.c.status, table.c.id) > tuple_(run_id, status, after),
+        tuple_(table.c.run_id, table.c.status) <= tuple_(run_id, status),
+    )
+
+
+def run_status_order(table: Table) -> tuple[Any, ...]:
+    return (table.c.run_id, table.c.status, table.c.id)
 
 
 def utcnow() -> datetime:
@@ -182,6 +211,11 @@ def get_or_create_run(conn: Connection, spec: RunSpec) -> tuple[RunInfo, bool]:
     except NotFound:
         existing = None
     if existing is not None:
+        if run_archived(conn, existing.id):
+            raise RunArchived(
+                f"run {spec.name!r} is archived (its items left the ledger after it finished "
+                "and was compacted); enqueue into a new --run name"
+            )
         diffs = run_differences(existing, spec)
         if diffs:
             raise RunMismatch(
@@ -213,6 +247,12 @@ def _pinned_sampling(spec: RunSpec) -> dict[str, Any]:
         if spec.trust_remote_code:
             pinned[_REMOTE_CODE_KEY] = True
     return pinned
+
+
+def run_archived(conn: Connection, run_id: int) -> bool:
+    """Whether the run's items were moved to items_archive (app.archive)."""
+    stmt = select(runs.c.archived_at).where(runs.c.id == run_id)
+    return conn.execute(stmt).scalar() is not None
 
 
 def pin_fingerprint(conn: Connection, run_id: int, fingerprint: dict[str, Any]) -> dict[str, Any]:
@@ -349,14 +389,11 @@ def existing_keys(conn: Connection, run_id: int, keys: Iterable[str]) -> set[str
 def pending_ids(
     conn: Connection, run_id: int, *, after_id: int = 0, limit: int = 5000
 ) -> list[int]:
+    pin_index_plans(conn)
     stmt = (
         select(items.c.id)
-        .where(
-            items.c.run_id == run_id,
-            items.c.status == ItemStatus.PENDING.value,
-            items.c.id > after_id,
-        )
-        .order_by(items.c.id)
+        .where(run_status_range(conn, items, run_id, ItemStatus.PENDING.value, after_id))
+        .order_by(*run_status_order(items))
         .limit(limit)
     )
     return list(conn.execute(stmt).scalars())
@@ -474,26 +511,47 @@ def hedge_candidates(
     serve); the longest-running first."""
     if limit <= 0:
         return []
-    other = items.alias("other")
-    claimable_left = (
-        select(other.c.id)
-        .where(other.c.run_id == items.c.run_id, other.c.status.in_(CLAIMABLE))
-        .exists()
+    pin_index_plans(conn)
+    # Three small steps instead of one anti-join, whose plan (a nested loop over a scan of
+    # the whole table) the planner picked at the end of a run: the runs of the live leases
+    # (read through an index of leases), one indexed probe per run, then the oldest leases.
+    live = and_(
+        items.c.status == ItemStatus.LEASED.value,
+        items.c.lease_expires_at > utcnow(),
+        items.c.server != server,
+        items.c.hedge_owner.is_(None),
     )
+    leased_runs = conn.execute(select(items.c.run_id).where(live).distinct()).scalars()
+    ending = [r for r in leased_runs if r not in skip_runs and not claimable_left(conn, r)]
+    if not ending:
+        return []
     pick = (
         select(items.c.id, items.c.run_id)
-        .where(
-            items.c.status == ItemStatus.LEASED.value,
-            items.c.lease_expires_at > utcnow(),
-            items.c.server != server,
-            items.c.hedge_owner.is_(None),
-            ~claimable_left,
-            *([items.c.run_id.not_in(list(skip_runs))] if skip_runs else []),
-        )
+        .where(live, items.c.run_id.in_(ending))
         .order_by(items.c.started_at, items.c.id)
         .limit(limit)
     )
     return [(int(r[0]), int(r[1])) for r in conn.execute(pick)]
+
+
+def claimable_left(conn: Connection, run_id: int) -> bool:
+    """Whether the run still has items to claim (pending or queued)."""
+    return run_has_items(conn, run_id, CLAIMABLE)
+
+
+def run_has_items(conn: Connection, run_id: int, statuses: Iterable[str]) -> bool:
+    """Whether the run has an item in one of these statuses: one probe of the
+    (run_id, status, id) index per status, which stops at the first row found. Written as a
+    range of that index in its order (run_status_range), it stays there whatever the
+    statistics say: with stale ones (everything pending after a big enqueue) a bare LIMIT 1
+    was planned as a scan expected to stop at once, and read the whole table when the run had
+    no such item."""
+    pin_index_plans(conn)
+    for status in statuses:
+        probe = select(items.c.id).where(run_status_range(conn, items, run_id, status, 0))
+        if conn.execute(probe.order_by(*run_status_order(items)).limit(1)).first() is not None:
+            return True
+    return False
 
 
 def mark_hedged(conn: Connection, ids: Sequence[int], *, owner: str) -> list[ClaimedItem]:
@@ -505,7 +563,7 @@ def mark_hedged(conn: Connection, ids: Sequence[int], *, owner: str) -> list[Cla
     stmt = (
         update(items)
         .where(
-            items.c.id.in_(list(ids)),
+            items.c.id.in_(_in_id_order(conn, ids)),
             items.c.status == ItemStatus.LEASED.value,
             items.c.hedge_owner.is_(None),
         )
@@ -534,19 +592,28 @@ def finished_among(conn: Connection, ids: Sequence[int]) -> set[int]:
     """Which of these items are done or failed (so a copy still running is wasted)."""
     if not ids:
         return set()
+    pin_index_plans(conn)
+    # by primary key only, the status tested here: no plan can prefer a status index
     final = (ItemStatus.DONE.value, ItemStatus.FAILED.value)
-    stmt = select(items.c.id).where(items.c.id.in_(list(ids)), items.c.status.in_(final))
-    return set(conn.execute(stmt).scalars())
+    stmt = select(items.c.id, items.c.status).where(items.c.id.in_(list(ids)))
+    return {int(item_id) for item_id, status in conn.execute(stmt) if status in final}
 
 
 def extend_leases(conn: Connection, *, owner: str, lease_s: float) -> int:
-    """Heartbeat: push out the expiry of every lease this owner holds."""
-    stmt = (
-        update(items)
-        .where(items.c.lease_owner == owner, items.c.status == ItemStatus.LEASED.value)
-        .values(lease_expires_at=utcnow() + timedelta(seconds=lease_s))
-    )
-    return conn.execute(stmt).rowcount
+    """Heartbeat: push out the expiry of every lease this owner holds.
+
+    On Postgres the rows are locked by a `FOR UPDATE SKIP LOCKED` query first: a row that a
+    result write holds is being finished (or its retry extends the lease itself), and
+    waiting for it while holding other rows is how a heartbeat deadlocked against its own
+    worker's writer."""
+    mine = and_(items.c.lease_owner == owner, items.c.status == ItemStatus.LEASED.value)
+    stmt = update(items).values(lease_expires_at=utcnow() + timedelta(seconds=lease_s))
+    if conn.dialect.name != "postgresql":
+        return conn.execute(stmt.where(mine)).rowcount
+    # a CTE is locked once (as an IN subquery it was run again for every lease: O(leases²)),
+    # and its rows, locked and checked, are then found by primary key only
+    locked = select(items.c.id).where(mine).with_for_update(skip_locked=True).cte("locked")
+    return conn.execute(stmt.where(items.c.id == locked.c.id)).rowcount
 
 
 @dataclass(frozen=True)
@@ -651,10 +718,12 @@ def record_outcomes(
     The first result written for an item wins; a finished item is never written again.
     """
     now = utcnow()
-    done = [o for o in outcomes if isinstance(o, Done)]
-    failed = [o for o in outcomes if isinstance(o, Failed)]
-    retries = [o for o in outcomes if isinstance(o, RetryLater)]
-    released = [o for o in outcomes if isinstance(o, Released)]
+    _lock_in_id_order(conn, [o.item_id for o in outcomes])
+    by_id = sorted(outcomes, key=lambda o: o.item_id)
+    done = [o for o in by_id if isinstance(o, Done)]
+    failed = [o for o in by_id if isinstance(o, Failed)]
+    retries = [o for o in by_id if isinstance(o, RetryLater)]
+    released = [o for o in by_id if isinstance(o, Released)]
     if done:
         stmt = (
             update(items)
@@ -757,6 +826,15 @@ def record_outcomes(
     return released_ids
 
 
+def _lock_in_id_order(conn: Connection, ids: Sequence[int]) -> None:
+    """Postgres: lock these rows in id order before a write that touches them in groups, so
+    it takes its locks in the same order as claims (and never waits on a heartbeat, which
+    skips locked rows)."""
+    if ids and conn.dialect.name == "postgresql":
+        stmt = select(items.c.id).where(items.c.id.in_(sorted(set(ids)))).order_by(items.c.id)
+        conn.execute(stmt.with_for_update()).all()
+
+
 def release_owner(conn: Connection, owner: str) -> list[int]:
     """Give back every lease an owner holds (a worker shutting down); return the ids."""
     stmt = (
@@ -777,6 +855,7 @@ def requeue_expired(
     conn: Connection, *, run_id: int | None = None, limit: int = 10000
 ) -> list[int]:
     """Items whose lease expired (their worker died) go back to queued; return their ids."""
+    pin_index_plans(conn)
     now = utcnow()
     pick = (
         select(items.c.id)
@@ -803,21 +882,20 @@ def requeue_expired(
     return sorted(conn.execute(stmt).scalars())
 
 
-def queued_before(
-    conn: Connection, run_id: int, cutoff: datetime, *, after_id: int = 0, limit: int = 5000
+def oldest_queued(
+    conn: Connection, cutoff: datetime, *, limit: int, run_id: int | None = None
 ) -> list[int]:
-    """Ids of a run's items queued (published) before cutoff, in id order."""
+    """Ids of up to limit items queued before cutoff, the longest-queued first: an ordered
+    read of the partial index of queued items, however many are queued."""
+    pin_index_plans(conn)
     stmt = (
         select(items.c.id)
-        .where(
-            items.c.run_id == run_id,
-            items.c.status == ItemStatus.QUEUED.value,
-            items.c.queued_at < cutoff,
-            items.c.id > after_id,
-        )
-        .order_by(items.c.id)
+        .where(items.c.status == ItemStatus.QUEUED.value, items.c.queued_at < cutoff)
+        .order_by(items.c.queued_at, items.c.id)
         .limit(limit)
     )
+    if run_id is not None:
+        stmt = stmt.where(items.c.run_id == run_id)
     return list(conn.execute(stmt).scalars())
 
 
@@ -1007,6 +1085,8 @@ class RunCounts:
 
 def run_counts(conn: Connection, run: RunInfo) -> RunCounts:
     """The run's items by status and its token sums, read from the item counters (no scan)."""
+    if run_archived(conn, run.id):  # the archive's rows left the counters with the hot table
+        return _scanned_run_counts(conn, run)
     groups = counters.counted_groups(conn, run.id)
     statuses = counters.by_status(groups.items())
     tallies = groups.values()
@@ -1022,6 +1102,46 @@ def run_counts(conn: Connection, run: RunInfo) -> RunCounts:
         output_tokens=sum(t.completion_tokens for t in tallies),
         prompt_tokens=sum(t.prompt_tokens for t in tallies),
         waiting=statuses.get(ItemStatus.WAITING.value, 0),
+    )
+
+
+def _scanned_run_counts(conn: Connection, run: RunInfo) -> RunCounts:
+    """An archived run's items by status and token sums, counted over items and the archive."""
+    by_status: dict[str, int] = {}
+    trunc = out_tokens = prompt_tokens = 0
+    # an archived run's rows are in the archive (and in both while it is being archived)
+    for table in (items, items_archive):
+        truncated = case((table.c.finish_reason == "length", 1), else_=0)
+        stmt = (
+            select(
+                table.c.status,
+                func.count(),
+                func.coalesce(func.sum(truncated), 0),
+                func.coalesce(func.sum(table.c.completion_tokens), 0),
+                func.coalesce(func.sum(table.c.prompt_tokens), 0),
+            )
+            .where(table.c.run_id == run.id)
+            .group_by(table.c.status)
+        )
+        if table is items_archive:  # rows copied and not yet deleted are counted once
+            stmt = stmt.where(~select(items.c.id).where(items.c.id == table.c.id).exists())
+        for status, count, t, out, prompt in conn.execute(stmt):
+            by_status[status] = by_status.get(status, 0) + int(count)
+            trunc += int(t)
+            out_tokens += int(out)
+            prompt_tokens += int(prompt)
+    return RunCounts(
+        run=run.name,
+        total=sum(by_status.values()),
+        pending=by_status.get(ItemStatus.PENDING.value, 0),
+        queued=by_status.get(ItemStatus.QUEUED.value, 0),
+        leased=by_status.get(ItemStatus.LEASED.value, 0),
+        done=by_status.get(ItemStatus.DONE.value, 0),
+        failed=by_status.get(ItemStatus.FAILED.value, 0),
+        truncated=trunc,
+        output_tokens=out_tokens,
+        prompt_tokens=prompt_tokens,
+        waiting=by_status.get(ItemStatus.WAITING.value, 0),
     )
 
 
@@ -1117,24 +1237,66 @@ def _iter_items(
     shards: ShardCache,
     final_turns_only: bool = False,
 ) -> Iterator[StoredItem]:
+    streams = [
+        _keyset_pages(conn, table, run_id, status, page_size, final_turns_only)
+        for table in (items, items_archive)
+        for status in dict.fromkeys(statuses)
+    ]
+    for page in merged_pages(streams, page_size):
+        yield from _hydrated(page, shards)
+
+
+def _keyset_pages(
+    conn: Connection,
+    table: Table,
+    run_id: int,
+    status: str,
+    page_size: int,
+    final_turns_only: bool,
+) -> Iterator[list[StoredItem]]:
+    """Pages of one status of a run in one table: `run_id = ? AND status = ? AND id > last
+    ORDER BY id LIMIT n`, one range of the (run_id, status, id) index, so a page costs the
+    same at row 10M as at row 0 (an IN list of statuses would read them all and sort)."""
+    columns = [table.c[c.name] for c in _STORED_COLUMNS]
+    pin_index_plans(conn)
     after = 0
     while True:
         stmt = (
-            select(*_STORED_COLUMNS)
-            .where(items.c.run_id == run_id, items.c.status.in_(list(statuses)), items.c.id > after)
-            .order_by(items.c.id)
+            select(*columns)
+            .where(run_status_range(conn, table, run_id, status, after))
+            .order_by(*run_status_order(table))
             .limit(page_size)
         )
         if final_turns_only:
-            later = items.alias("later")
+            later = table.alias("later")
             stmt = stmt.where(
-                ~select(later.c.id).where(later.c.prev_item_id == items.c.id).exists()
+                ~select(later.c.id).where(later.c.prev_item_id == table.c.id).exists()
             )
         page = [StoredItem(**row._mapping) for row in conn.execute(stmt)]
         if not page:
             return
-        yield from _hydrated(page, shards)
+        yield page
+        if len(page) < page_size:
+            return
         after = page[-1].id
+
+
+def merged_pages(streams: Sequence[Iterator[list[Any]]], page_size: int) -> Iterator[list[Any]]:
+    """Pages of rows (anything with an `id`) from id-ordered page streams, merged in id order;
+    a row in two streams (a run being archived: copied, not yet deleted) comes once."""
+    rows = heapq.merge(*(itertools.chain.from_iterable(s) for s in streams), key=lambda r: r.id)
+    page: list[Any] = []
+    last = None
+    for row in rows:
+        if row.id == last:
+            continue
+        last = row.id
+        page.append(row)
+        if len(page) >= page_size:
+            yield page
+            page = []
+    if page:
+        yield page
 
 
 # --- compaction: token arrays of finished items moved to Parquet shards ----------------------
@@ -1162,11 +1324,13 @@ def _compactable(run_id: int) -> Any:
 
 
 def count_compactable(conn: Connection, run_id: int) -> int:
+    pin_index_plans(conn)
     return int(conn.execute(select(func.count()).where(_compactable(run_id))).scalar_one())
 
 
 def compactable_ids(conn: Connection, run_id: int, *, after_id: int = 0, limit: int) -> list[int]:
     """Ids of items compaction may move, in id order."""
+    pin_index_plans(conn)
     stmt = (
         select(items.c.id)
         .where(_compactable(run_id), items.c.id > after_id)
@@ -1229,6 +1393,22 @@ def mark_compacted(conn: Connection, shard_uri: str, rows: Sequence[tuple[int, i
     return int(result.rowcount)
 
 
+def shard_referenced(conn: Connection, run_id: int, name: str, first_id: int, last_id: int) -> bool:
+    """Whether an item of the run (in items or the archive) points at the shard `name`, which
+    holds items first_id..last_id: a primary-key range probe that stops at the first match
+    (normally first_id itself), never a scan of the run."""
+    for table in (items, items_archive):
+        probe = select(table.c.id).where(
+            table.c.id >= first_id,
+            table.c.id <= last_id,
+            table.c.run_id == run_id,
+            table.c.shard_uri.endswith("/" + name, autoescape=True),
+        )
+        if conn.execute(probe.order_by(table.c.id).limit(1)).first() is not None:
+            return True
+    return False
+
+
 def shard_uris(conn: Connection, run_id: int) -> set[str]:
     """Every shard the run's items point at."""
     stmt = select(items.c.shard_uri).where(items.c.run_id == run_id, items.c.shard_uri.is_not(None))
@@ -1242,6 +1422,7 @@ def compacted_count(conn: Connection, run_id: int) -> int:
 
 def runs_with_compactable(conn: Connection, min_items: int) -> list[RunInfo]:
     """Runs with at least min_items done items whose arrays are still in the ledger."""
+    pin_index_plans(conn)
     stmt = (
         select(items.c.run_id)
         .where(items.c.status == ItemStatus.DONE.value, items.c.shard_uri.is_(None))

@@ -14,6 +14,7 @@ from typing import Any
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Column,
     DateTime,
     Float,
     ForeignKey,
@@ -21,8 +22,10 @@ from sqlalchemy import (
     Integer,
     LargeBinary,
     String,
+    Table,
     Text,
     UniqueConstraint,
+    text,
 )
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -92,6 +95,12 @@ class Run(Base):
     eos_token_ids: Mapped[list[int]] = mapped_column(JSON, default=list)
     fingerprint: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    # set when the run's items moved to items_archive (`tokenmill archive`); no more enqueues
+    archived_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
+def _partial(name: str, columns: tuple[str, ...], where: str) -> Index:
+    return Index(name, *columns, postgresql_where=text(where), sqlite_where=text(where))
 
 
 class Item(Base):
@@ -100,11 +109,19 @@ class Item(Base):
         UniqueConstraint(
             "run_id", "item_key", "sample_index", "turn_index", name="uq_items_run_key_sample_turn"
         ),
-        Index("ix_items_run_status", "run_id", "status"),
+        # keyset pages of one status of a run (export, verify, report, reconcile) and the
+        # "anything left to claim?" probe: one range of this index, in id order, no sort
+        Index("ix_items_run_status_id", "run_id", "status", "id"),
         Index("ix_items_prev_item", "prev_item_id"),
         Index("ix_items_status_lease", "status", "lease_expires_at"),
         Index("ix_items_server_status", "server", "status"),
         Index("ix_items_server_finished", "server", "finished_at"),
+        # Partial indexes hold only what the periodic queries look at (the active part of the
+        # table), so their plans are the same whatever the planner's statistics say.
+        _partial("ix_items_leased_started", ("started_at", "id"), "status = 'leased'"),
+        _partial("ix_items_queued_at", ("queued_at", "id"), "status = 'queued'"),
+        _partial("ix_items_done_finished", ("server", "finished_at"), "status = 'done'"),
+        _partial("ix_items_uncompacted", ("run_id", "id"), "status = 'done' AND shard_uri IS NULL"),
     )
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
@@ -147,6 +164,36 @@ class Item(Base):
     # compaction: the token arrays live in row `shard_row` of the Parquet shard `shard_uri`
     shard_uri: Mapped[str | None] = mapped_column(Text, nullable=True)
     shard_row: Mapped[int | None] = mapped_column(Integer, nullable=True)
+
+
+def _archive_columns() -> list[Column[Any]]:
+    """The columns of items, for the archive: same names and types, no defaults; run_id keeps
+    its foreign key, prev_item_id points at another archived row without one."""
+    columns: list[Column[Any]] = []
+    for col in Item.__table__.columns:
+        fks = [ForeignKey("runs.id", ondelete="CASCADE")] if col.name == "run_id" else []
+        columns.append(
+            Column(
+                col.name,
+                col.type,
+                *fks,
+                primary_key=col.primary_key,
+                autoincrement=False,
+                nullable=col.nullable,
+            )
+        )
+    return columns
+
+
+# A finished, compacted run's rows, moved out of the hot table (`tokenmill archive`). Built
+# from Item's columns, so a column added to items must be added here by the same migration.
+ItemArchive = Table(
+    "items_archive",
+    Base.metadata,
+    *_archive_columns(),
+    Index("ix_items_archive_run_status_id", "run_id", "status", "id"),
+    Index("ix_items_archive_prev_item", "prev_item_id"),
+)
 
 
 class Server(Base):

@@ -24,7 +24,7 @@ from ops.options import (
 )
 from ops.pipeline_cmds import enqueue_cmd, export_cmd, reconcile_cmd, run_cmd, status_cmd
 from ops.report import report_cmd
-from ops.storage_cmds import compact_cmd
+from ops.storage_cmds import archive_cmd, compact_cmd
 from ops.verify_cmd import verify_cmd
 
 
@@ -105,6 +105,7 @@ for command in (
     metrics_cmd,
     report_cmd,
     compact_cmd,
+    archive_cmd,
     verify_cmd,
 ):
     cli.add_command(command)

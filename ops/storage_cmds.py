@@ -1,4 +1,4 @@
-"""The object-storage commands: `compact`, and the Parquet path of `export`.
+"""The object-storage commands: `compact`, `archive`, and the Parquet path of `export`.
 
 Thin: settings and the ledger in, workers.compaction / app.storage do the work, counts out.
 """
@@ -81,6 +81,50 @@ def compact_cmd(run_name: str, force: bool, as_json: bool) -> None:
     )
     if report.orphans_removed:
         line += f", {len(report.orphans_removed)} unreferenced shards removed"
+    if report.skipped:
+        line += f" ({escape(report.skipped)})"
+    err_console().print(line, markup=True, soft_wrap=True)
+
+
+@click.command("archive")
+@click.argument("run_name")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@handle_errors
+def archive_cmd(run_name: str, as_json: bool) -> None:
+    """Move finished RUN_NAME's items out of the ledger's hot table into items_archive.
+
+    Compacts what is left first (as `compact --all`); refused while the run has unfinished
+    items. Export, verify and report read an archived run as before; enqueueing into it is
+    refused. Safe to interrupt and rerun.
+    """
+    from rich.markup import escape
+
+    from app import archive, ledger
+    from app.errors import ArchiveRefused
+    from app.shards import StorageError
+    from workers.compaction import compact_run
+
+    settings = get_settings()
+    db = open_db(settings)
+    with db.connect() as conn:
+        run = ledger.get_run(conn, run_name)
+        blockers = archive.archive_blockers(conn, run.id)
+    if blockers and not any("compact" in b for b in blockers):
+        raise ArchiveRefused(f"run {run.name!r} cannot be archived: " + "; ".join(blockers))
+    try:
+        compacted = compact_run(db, settings, run, force=True)
+    except OSError as exc:
+        raise StorageError(
+            f"compaction into {settings.resolved_storage_url()} failed: {exc}"
+        ) from exc
+    report = archive.archive_run(db, settings, run)
+    if as_json:
+        print_json({**report.to_json(), "compacted": compacted.compacted})
+        return
+    line = (
+        f"run [bold]{escape(run.name)}[/bold]: {compacted.compacted} items compacted, "
+        f"{report.deleted} items moved to the archive"
+    )
     if report.skipped:
         line += f" ({escape(report.skipped)})"
     err_console().print(line, markup=True, soft_wrap=True)

@@ -17,6 +17,7 @@ from sqlalchemy import Engine
 from app import ledger, registry
 from app.constants import EVENT_FINGERPRINT_MISMATCH
 from app.contracts import ServerFingerprint
+from app.database import limit_periodic
 from app.errors import GenerationError
 from app.registry import (
     PAUSED_BY_FINGERPRINT,
@@ -104,6 +105,7 @@ def check_server(
     """Probe one server, record the verdict, and pause or resume its workers accordingly."""
     probe = prober.probe(server)
     with db.connect() as conn:
+        limit_periodic(conn)
         load = registry.server_load(conn, server.name)
     stalled = probe.ok and registry.is_stalled(load, now=ledger.utcnow(), stall_s=stall_s)
     previous = Verdict(
@@ -160,6 +162,7 @@ def _admit(db: Engine, control: WorkerControl, prober: Prober, server: ServerInf
         return
     with db.begin() as conn:
         registry.set_fingerprint(conn, server.name, fingerprint.to_json())
+        limit_periodic(conn)
         conflicts = fingerprint_conflicts(fingerprint, registry.active_run_fingerprints(conn))
     if conflicts:
         if server.paused and server.paused_by not in (PAUSED_BY_WATCHDOG, PAUSED_BY_FINGERPRINT):

@@ -9,7 +9,7 @@ on SQLite (one writer at a time) row-level triggers upsert shard 0. The migratio
 both tables from the existing items.
 
 Revision ID: 0005e
-Revises: 0004
+Revises: 0005f
 Create Date: 2026-12-01 08:30:00.000000
 """
 
@@ -21,7 +21,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision: str = "0005e"
-down_revision: str | None = "0004"
+down_revision: str | None = "0005f"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
