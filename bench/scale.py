@@ -55,7 +55,8 @@ PARTS = ("commands", "queries", "claims", "export")
 RESULTS = CACHE_DIR / "scale-results.json"
 CLAIM_BATCH = 32
 CLAIM_ROUNDS = 20
-EXPORT_PAGE_ITEMS = 100_000  # items of run A streamed by iter_items for its rate
+EXPORT_PAGE_ITEMS = 100_000
+BROKER_FILL_IDS = 200_000  # items of run A streamed by iter_items for its rate
 
 # (name, unit, target at the largest size: (limit, description) or None)
 Target = tuple[float, str] | None
@@ -131,20 +132,44 @@ def measure(built: build.Ledger, parts: list[str], repeat: int) -> dict[str, flo
 
 
 def _fill_broker(db: Engine, built: build.Ledger) -> None:
+    """Messages for run B's oldest BROKER_FILL_IDS queued ids (all of them up to 1M items):
+    what reconcile's bounded check reads first. Publishing 2M ids would take 10 minutes."""
     from workers.publish import publish_items
 
     flush_redis(REDIS_URL)
     after, started = 0, time.monotonic()
-    while True:
-        with db.connect() as conn:
-            ids = ledger.queued_before(
-                conn, built.run_b.id, ledger.utcnow(), after_id=after, limit=50_000
-            )
+    while after == 0 or after < _nth_queued(db, built, BROKER_FILL_IDS):
+        ids = _queued_ids(db, built, after, 50_000)
         if not ids:
             break
         publish_items(ids, batch_size=32, run=build.RUN_B)
         after = ids[-1]
     print(f"  broker filled in {time.monotonic() - started:.0f}s", flush=True)
+
+
+def _queued_ids(db: Engine, built: build.Ledger, after: int, limit: int) -> list[int]:
+    """Run B's queued ids above after, in id order (the bench's own pick, not a product query)."""
+    with db.connect() as conn:
+        rows = conn.execute(
+            text(
+                "SELECT id FROM items WHERE run_id = :run AND status = 'queued' AND id > :after "
+                "ORDER BY id LIMIT :n"
+            ),
+            {"run": built.run_b.id, "after": after, "n": limit},
+        )
+        return [int(i) for i in rows.scalars()]
+
+
+def _nth_queued(db: Engine, built: build.Ledger, n: int) -> int:
+    with db.connect() as conn:
+        last = conn.execute(
+            text(
+                "SELECT max(id) FROM (SELECT id FROM items WHERE run_id = :run "
+                "AND status = 'queued' ORDER BY id LIMIT :n) AS first"
+            ),
+            {"run": built.run_b.id, "n": n},
+        ).scalar()
+    return int(last or 0)
 
 
 def _restore_dead_leases(db: Engine, built: build.Ledger) -> None:
@@ -332,8 +357,7 @@ def time_claims(db: Engine, built: build.Ledger) -> dict[str, float]:
     claims, writes = [], []
     owner = "gen@scale-bench"
     for _ in range(CLAIM_ROUNDS):
-        with db.connect() as conn:
-            ids = ledger.queued_before(conn, built.run_b.id, ledger.utcnow(), limit=CLAIM_BATCH)
+        ids = _queued_ids(db, built, 0, CLAIM_BATCH)
         started = time.perf_counter()
         with db.begin() as conn:
             claimed = ledger.claim_items(conn, ids, owner=owner, server="s3", lease_s=300)
