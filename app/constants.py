@@ -5,6 +5,8 @@ Task names are explicit strings and never renamed: queued messages refer to them
 
 from __future__ import annotations
 
+from typing import Literal
+
 GENERATE_TASK = "tokenmill.generate"
 RECONCILE_TASK = "tokenmill.reconcile"
 WATCHDOG_TASK = "tokenmill.watchdog"
@@ -14,6 +16,9 @@ WORK_QUEUE = "generate"
 CONTROL_QUEUE = "tokenmill.control"
 
 REDIS_PREFIX = "tokenmill:"
+
+# the JSONL formats of `tokenmill export` (app.export), named on the command line
+EXPORT_FORMATS: tuple[Literal["specforge", "conversations"], ...] = ("specforge", "conversations")
 
 # events recorded in the ledger timeline
 EVENT_RUN_CREATED = "run_created"

@@ -9,11 +9,13 @@ import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Any
 
-from sqlalchemy import Connection, and_, desc, func, or_, select
+from sqlalchemy import Connection, Table, and_, func, or_, select
 
-from app import ledger, registry
-from app.ledger import RunCounts, RunInfo, as_utc, events, items, utcnow
+from app import counters, ledger, registry
+from app.database import pin_index_plans
+from app.ledger import RunCounts, RunInfo, as_utc, events, items, items_archive, utcnow
 from app.models import ItemStatus
 from app.registry import EventInfo, ServerInfo
 
@@ -74,13 +76,8 @@ def recent_completions(
 
 
 def inflight_by_server(conn: Connection) -> dict[str, int]:
-    """Items leased right now, per server."""
-    stmt = (
-        select(items.c.server, func.count())
-        .where(items.c.status == ItemStatus.LEASED.value, items.c.server.is_not(None))
-        .group_by(items.c.server)
-    )
-    return {str(server): int(n) for server, n in conn.execute(stmt)}
+    """Items leased right now, per server (from the item counters)."""
+    return counters.leased_by_server(conn)
 
 
 def recent_latencies(conn: Connection, server: str, *, limit: int = LATENCY_SAMPLE) -> list[float]:
@@ -244,24 +241,27 @@ def iter_item_stats(
     page_size: int = 5000,
 ) -> Iterator[ItemStats]:
     """Stream a run's item numbers in id order, a keyset page at a time (memory stays flat,
-    and unlike `ledger.iter_items` no token array is read)."""
-    cols = (
-        items.c.id,
-        items.c.status,
-        items.c.server,
-        items.c.finish_reason,
-        items.c.prompt_tokens,
-        items.c.completion_tokens,
-        items.c.latency_s,
-        items.c.started_at,
-        items.c.finished_at,
-    )
+    and unlike `ledger.iter_items` no token array is read); archived rows included."""
+    streams = [
+        _stat_pages(conn, table, run_id, status, page_size)
+        for table in (items, items_archive)
+        for status in dict.fromkeys(statuses)
+    ]
+    for page in ledger.merged_pages(streams, page_size):
+        yield from page
+
+
+def _stat_pages(
+    conn: Connection, table: Table, run_id: int, status: str, page_size: int
+) -> Iterator[list[ItemStats]]:
+    """`run_id = ? AND status = ? AND id > last ORDER BY id LIMIT n` over (run_id, status, id)."""
+    pin_index_plans(conn)
     after = 0
     while True:
         stmt = (
-            select(*cols)
-            .where(items.c.run_id == run_id, items.c.status.in_(list(statuses)), items.c.id > after)
-            .order_by(items.c.id)
+            select(*(table.c[name] for name in ItemStats.__dataclass_fields__))
+            .where(ledger.run_status_range(conn, table, run_id, status, after))
+            .order_by(*ledger.run_status_order(table))
             .limit(page_size)
         )
         page = [
@@ -280,7 +280,9 @@ def iter_item_stats(
         ]
         if not page:
             return
-        yield from page
+        yield page
+        if len(page) < page_size:
+            return
         after = page[-1].id
 
 
@@ -298,18 +300,25 @@ class ItemRanges:
 
 
 def item_ranges(conn: Connection, run_id: int) -> ItemRanges:
-    row = conn.execute(
-        select(
-            func.min(items.c.started_at),
-            func.min(items.c.finished_at),
-            func.max(items.c.finished_at),
-            func.min(items.c.latency_s),
-            func.max(items.c.latency_s),
-            func.max(items.c.prompt_tokens),
-            func.max(items.c.completion_tokens),
-        ).where(items.c.run_id == run_id, items.c.status.in_(FINISHED))
-    ).one()
-    started, first, last, lat_min, lat_max, prompt_max, completion_max = row
+    # extremes of both tables (a row in both counts the same twice): archived rows included
+    rows = [
+        conn.execute(
+            select(
+                func.min(t.c.started_at),
+                func.min(t.c.finished_at),
+                func.max(t.c.finished_at),
+                func.min(t.c.latency_s),
+                func.max(t.c.latency_s),
+                func.max(t.c.prompt_tokens),
+                func.max(t.c.completion_tokens),
+            ).where(t.c.run_id == run_id, t.c.status.in_(FINISHED))
+        ).one()
+        for t in (items, items_archive)
+    ]
+    lows = (0, 1, 3)
+    started, first, last, lat_min, lat_max, prompt_max, completion_max = (
+        _extreme([r[i] for r in rows], low=i in lows) for i in range(7)
+    )
     return ItemRanges(
         first_started_at=as_utc(started),
         first_finished_at=as_utc(first),
@@ -321,19 +330,32 @@ def item_ranges(conn: Connection, run_id: int) -> ItemRanges:
     )
 
 
+def _extreme(values: list[Any], *, low: bool) -> Any:
+    present = [v for v in values if v is not None]
+    if not present:
+        return None
+    return min(present) if low else max(present)
+
+
 def failure_reasons(
     conn: Connection, run_id: int, *, limit: int = 10, chars: int = 160
 ) -> list[tuple[str, int]]:
-    """The most common errors of a run's failed items (first `chars` characters), by count."""
-    reason = func.coalesce(func.substr(items.c.error, 1, chars), "(no error recorded)")
-    stmt = (
-        select(reason.label("reason"), func.count().label("n"))
-        .where(items.c.run_id == run_id, items.c.status == ItemStatus.FAILED.value)
-        .group_by("reason")  # by label: Postgres sees the bound substr() arguments as new
-        .order_by(desc("n"), "reason")
-        .limit(limit)
-    )
-    return [(str(r), int(n)) for r, n in conn.execute(stmt)]
+    """The most common errors of a run's failed items (first `chars` characters), by count
+    (archived rows included)."""
+    counts: dict[str, int] = {}
+    for t in (items, items_archive):
+        reason = func.coalesce(func.substr(t.c.error, 1, chars), "(no error recorded)")
+        stmt = (
+            select(reason.label("reason"), func.count().label("n"))
+            .where(t.c.run_id == run_id, t.c.status == ItemStatus.FAILED.value)
+            .group_by("reason")  # by label: Postgres sees the bound substr() arguments as new
+        )
+        if t is items_archive:  # rows copied and not yet deleted are counted once
+            stmt = stmt.where(~select(items.c.id).where(items.c.id == t.c.id).exists())
+        for r, n in conn.execute(stmt):
+            counts[str(r)] = counts.get(str(r), 0) + int(n)
+    ranked = sorted(counts.items(), key=lambda rn: (-rn[1], rn[0]))
+    return ranked[:limit]
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Connection, Engine, create_engine, event, text
 
 from app.settings import Settings, get_settings
 
@@ -25,6 +25,43 @@ def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
     cursor.execute("PRAGMA foreign_keys=ON")
     cursor.execute("PRAGMA busy_timeout=30000")
     cursor.close()
+
+
+# what a periodic query (hedge search, watchdog lookups, reconcile, compaction scans) may
+# take before Postgres cancels it: a plan gone wrong fails loudly instead of holding a timer
+PERIODIC_TIMEOUT_S = 5.0
+SCAN_TIMEOUT_S = 60.0
+
+
+def limit_periodic(conn: Connection, *, timeout_s: float = PERIODIC_TIMEOUT_S) -> None:
+    """Postgres: for the rest of this transaction, a statement timeout, no JIT (a compile
+    costs more than these queries take) and the index plans pinned (pin_index_plans).
+    SQLite: nothing to set."""
+    if conn.dialect.name != "postgresql":
+        return
+    conn.execute(
+        text(
+            "SELECT set_config('statement_timeout', :ms, true), set_config('jit', 'off', true), "
+            "set_config('enable_seqscan', 'off', true), set_config('enable_sort', 'off', true)"
+        ),
+        {"ms": str(max(1, int(timeout_s * 1000)))},
+    )
+
+
+def pin_index_plans(conn: Connection) -> None:
+    """Postgres: for the rest of this transaction, price sequential scans and sorts out of
+    the planner's choice (`enable_seqscan`/`enable_sort` off), so that a query whose ORDER
+    BY an index delivers reads that index however stale the statistics are. After a big
+    enqueue the statistics say every item is pending; a page of done items then looked as
+    cheap read through any index and sorted as through the right one, and was 70x slower."""
+    if conn.dialect.name != "postgresql":
+        return
+    conn.execute(
+        text(
+            "SELECT set_config('jit', 'off', true), set_config('enable_seqscan', 'off', true), "
+            "set_config('enable_sort', 'off', true)"
+        )
+    )
 
 
 def make_engine(url: str, *, pool_size: int = 8) -> Engine:

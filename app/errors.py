@@ -85,3 +85,11 @@ class NotFound(TokenmillError):
 
 class SchemaOutOfDate(ConfigurationError):
     """The database schema is not at the latest migration; run `tokenmill db upgrade`."""
+
+
+class RunArchived(TokenmillError):
+    """The run is archived: its items left the ledger's hot table, and it takes no new items."""
+
+
+class ArchiveRefused(TokenmillError):
+    """The run cannot be archived yet: it has unfinished or uncompacted items."""

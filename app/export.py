@@ -17,6 +17,7 @@ from typing import Any, Literal
 from sqlalchemy import Engine
 
 from app import ledger
+from app.constants import EXPORT_FORMATS
 from app.conversation import check_specforge_row, template_encoder, whole_conversation_mask
 from app.errors import ConfigurationError
 from app.ledger import RunInfo, StoredItem
@@ -25,7 +26,7 @@ from app.tokenization import ChatTokenizer, split_reasoning
 log = logging.getLogger(__name__)
 
 ExportFormat = Literal["specforge", "conversations"]
-FORMATS: tuple[ExportFormat, ...] = ("specforge", "conversations")
+FORMATS: tuple[ExportFormat, ...] = EXPORT_FORMATS
 
 
 @dataclass

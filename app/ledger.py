@@ -6,17 +6,20 @@ can never create a second result; the Postgres (or embedded SQLite) ledger is th
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import json
 import logging
 import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from sqlalchemy import (
     JSON,
     Connection,
+    Select,
     Table,
     and_,
     bindparam,
@@ -26,16 +29,21 @@ from sqlalchemy import (
     or_,
     select,
     text,
+    tuple_,
     update,
 )
 from sqlalchemy.dialects import postgresql, sqlite
 
+from app import counters
 from app.chat_path import NORMALIZATION_VERSION, tools_hash
 from app.contracts import GenerateResult, SamplingParams
-from app.errors import NotFound, RunMismatch
-from app.models import Event, Item, ItemStatus, Run, Server, ToolSet
-from app.shards import ShardCache
+from app.database import pin_index_plans
+from app.errors import NotFound, RunArchived, RunMismatch
+from app.models import Event, Item, ItemArchive, ItemStatus, Run, Server, ToolSet, pack_ids
 from app.tokenization import file_changes
+
+if TYPE_CHECKING:  # pyarrow loads when items are streamed (export, verify), not with every command
+    from app.shards import ShardCache
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +52,33 @@ runs = cast(Table, Run.__table__)
 servers = cast(Table, Server.__table__)
 events = cast(Table, Event.__table__)
 tool_sets = cast(Table, ToolSet.__table__)
+# the rows of archived runs (app.archive): same columns as items
+items_archive = ItemArchive
 
 CLAIMABLE = (ItemStatus.PENDING.value, ItemStatus.QUEUED.value)
 ERROR_MAX_CHARS = 2000
+
+
+def run_status_range(conn: Connection, table: Table, run_id: int, status: str, after: int) -> Any:
+    """WHERE for the items of one status of a run with ids above `after`, to be read ORDER BY
+    run_id, status, id: one range of the (run_id, status, id) index whatever the statistics.
+
+    On Postgres it is written as row comparisons, `(run_id, status, id) > (?, ?, after) AND
+    (run_id, status) <= (?, ?)`. With plain equalities the planner treats run_id and status
+    as constants, so the primary key also "delivers" the order; with stale statistics (after
+    a big enqueue every item looks pending) it then chose to walk the primary key past every
+    other row. Row comparisons leave the (run_id, status, id) index as the only way to that
+    order without a sort, and the callers price sorts out (pin_index_plans)."""
+    if conn.dialect.name != "postgresql":
+        return and_(table.c.run_id == run_id, table.c.status == status, table.c.id > after)
+    return and_(
+        tuple_(table.c.run_id, table.c.status, table.c.id) > tuple_(run_id, status, after),
+        tuple_(table.c.run_id, table.c.status) <= tuple_(run_id, status),
+    )
+
+
+def run_status_order(table: Table) -> tuple[Any, ...]:
+    return (table.c.run_id, table.c.status, table.c.id)
 
 
 def utcnow() -> datetime:
@@ -212,6 +244,11 @@ def get_or_create_run(conn: Connection, spec: RunSpec) -> tuple[RunInfo, bool]:
     except NotFound:
         existing = None
     if existing is not None:
+        if run_archived(conn, existing.id):
+            raise RunArchived(
+                f"run {spec.name!r} is archived (its items left the ledger after it finished "
+                "and was compacted); enqueue into a new --run name"
+            )
         diffs = run_differences(existing, spec)
         if diffs:
             raise RunMismatch(
@@ -246,6 +283,12 @@ def _pinned_sampling(spec: RunSpec) -> dict[str, Any]:
     if spec.turns != "last":
         pinned[_TURNS_KEY] = spec.turns
     return pinned
+
+
+def run_archived(conn: Connection, run_id: int) -> bool:
+    """Whether the run's items were moved to items_archive (app.archive)."""
+    stmt = select(runs.c.archived_at).where(runs.c.id == run_id)
+    return conn.execute(stmt).scalar() is not None
 
 
 def pin_fingerprint(conn: Connection, run_id: int, fingerprint: dict[str, Any]) -> dict[str, Any]:
@@ -413,14 +456,11 @@ def existing_keys(conn: Connection, run_id: int, keys: Iterable[str]) -> set[str
 def pending_ids(
     conn: Connection, run_id: int, *, after_id: int = 0, limit: int = 5000
 ) -> list[int]:
+    pin_index_plans(conn)
     stmt = (
         select(items.c.id)
-        .where(
-            items.c.run_id == run_id,
-            items.c.status == ItemStatus.PENDING.value,
-            items.c.id > after_id,
-        )
-        .order_by(items.c.id)
+        .where(run_status_range(conn, items, run_id, ItemStatus.PENDING.value, after_id))
+        .order_by(*run_status_order(items))
         .limit(limit)
     )
     return list(conn.execute(stmt).scalars())
@@ -598,26 +638,47 @@ def hedge_candidates(
     serve); the longest-running first."""
     if limit <= 0:
         return []
-    other = items.alias("other")
-    claimable_left = (
-        select(other.c.id)
-        .where(other.c.run_id == items.c.run_id, other.c.status.in_(CLAIMABLE))
-        .exists()
+    pin_index_plans(conn)
+    # Three small steps instead of one anti-join, whose plan (a nested loop over a scan of
+    # the whole table) the planner picked at the end of a run: the runs of the live leases
+    # (read through an index of leases), one indexed probe per run, then the oldest leases.
+    live = and_(
+        items.c.status == ItemStatus.LEASED.value,
+        items.c.lease_expires_at > utcnow(),
+        items.c.server != server,
+        items.c.hedge_owner.is_(None),
     )
+    leased_runs = conn.execute(select(items.c.run_id).where(live).distinct()).scalars()
+    ending = [r for r in leased_runs if r not in skip_runs and not claimable_left(conn, r)]
+    if not ending:
+        return []
     pick = (
         select(items.c.id, items.c.run_id)
-        .where(
-            items.c.status == ItemStatus.LEASED.value,
-            items.c.lease_expires_at > utcnow(),
-            items.c.server != server,
-            items.c.hedge_owner.is_(None),
-            ~claimable_left,
-            *([items.c.run_id.not_in(list(skip_runs))] if skip_runs else []),
-        )
+        .where(live, items.c.run_id.in_(ending))
         .order_by(items.c.started_at, items.c.id)
         .limit(limit)
     )
     return [(int(r[0]), int(r[1])) for r in conn.execute(pick)]
+
+
+def claimable_left(conn: Connection, run_id: int) -> bool:
+    """Whether the run still has items to claim (pending or queued)."""
+    return run_has_items(conn, run_id, CLAIMABLE)
+
+
+def run_has_items(conn: Connection, run_id: int, statuses: Iterable[str]) -> bool:
+    """Whether the run has an item in one of these statuses: one probe of the
+    (run_id, status, id) index per status, which stops at the first row found. Written as a
+    range of that index in its order (run_status_range), it stays there whatever the
+    statistics say: with stale ones (everything pending after a big enqueue) a bare LIMIT 1
+    was planned as a scan expected to stop at once, and read the whole table when the run had
+    no such item."""
+    pin_index_plans(conn)
+    for status in statuses:
+        probe = select(items.c.id).where(run_status_range(conn, items, run_id, status, 0))
+        if conn.execute(probe.order_by(*run_status_order(items)).limit(1)).first() is not None:
+            return True
+    return False
 
 
 def mark_hedged(conn: Connection, ids: Sequence[int], *, owner: str) -> list[ClaimedItem]:
@@ -629,7 +690,7 @@ def mark_hedged(conn: Connection, ids: Sequence[int], *, owner: str) -> list[Cla
     stmt = (
         update(items)
         .where(
-            items.c.id.in_(list(ids)),
+            items.c.id.in_(_in_id_order(conn, ids)),
             items.c.status == ItemStatus.LEASED.value,
             items.c.hedge_owner.is_(None),
         )
@@ -658,19 +719,28 @@ def finished_among(conn: Connection, ids: Sequence[int]) -> set[int]:
     """Which of these items are done or failed (so a copy still running is wasted)."""
     if not ids:
         return set()
+    pin_index_plans(conn)
+    # by primary key only, the status tested here: no plan can prefer a status index
     final = (ItemStatus.DONE.value, ItemStatus.FAILED.value)
-    stmt = select(items.c.id).where(items.c.id.in_(list(ids)), items.c.status.in_(final))
-    return set(conn.execute(stmt).scalars())
+    stmt = select(items.c.id, items.c.status).where(items.c.id.in_(list(ids)))
+    return {int(item_id) for item_id, status in conn.execute(stmt) if status in final}
 
 
 def extend_leases(conn: Connection, *, owner: str, lease_s: float) -> int:
-    """Heartbeat: push out the expiry of every lease this owner holds."""
-    stmt = (
-        update(items)
-        .where(items.c.lease_owner == owner, items.c.status == ItemStatus.LEASED.value)
-        .values(lease_expires_at=utcnow() + timedelta(seconds=lease_s))
-    )
-    return conn.execute(stmt).rowcount
+    """Heartbeat: push out the expiry of every lease this owner holds.
+
+    On Postgres the rows are locked by a `FOR UPDATE SKIP LOCKED` query first: a row that a
+    result write holds is being finished (or its retry extends the lease itself), and
+    waiting for it while holding other rows is how a heartbeat deadlocked against its own
+    worker's writer."""
+    mine = and_(items.c.lease_owner == owner, items.c.status == ItemStatus.LEASED.value)
+    stmt = update(items).values(lease_expires_at=utcnow() + timedelta(seconds=lease_s))
+    if conn.dialect.name != "postgresql":
+        return conn.execute(stmt.where(mine)).rowcount
+    # a CTE is locked once (as an IN subquery it was run again for every lease: O(leases²)),
+    # and its rows, locked and checked, are then found by primary key only
+    locked = select(items.c.id).where(mine).with_for_update(skip_locked=True).cte("locked")
+    return conn.execute(stmt.where(items.c.id == locked.c.id)).rowcount
 
 
 @dataclass(frozen=True)
@@ -718,6 +788,55 @@ def _trim(text: str) -> str:
     return text if len(text) <= ERROR_MAX_CHARS else text[: ERROR_MAX_CHARS - 1] + "…"
 
 
+# Postgres: a batch of results as one UPDATE rather than one per item, so that the item
+# counters' statement-level trigger (migration 0005e) runs once per batch, not once per item.
+# The rows are locked in id order, as `_in_id_order` does; the first result of an item wins.
+_DONE_TOGETHER = text(
+    """
+UPDATE items SET
+    status = 'done', output_ids = v.output_ids, finish_reason = v.finish_reason,
+    matched_stop = v.matched, prompt_tokens = v.prompt, completion_tokens = v.completion,
+    cached_tokens = v.cached, latency_s = v.latency, server = coalesce(v.server, items.server),
+    attempts = items.attempts + v.attempts, error = NULL, lease_owner = NULL,
+    lease_expires_at = NULL, finished_at = :now
+FROM unnest(
+    CAST(:ids AS bigint[]), CAST(:outputs AS bytea[]), CAST(:reasons AS text[]),
+    CAST(:matched AS text[]), CAST(:prompt AS integer[]), CAST(:completion AS integer[]),
+    CAST(:cached AS integer[]), CAST(:latency AS double precision[]),
+    CAST(:attempts AS integer[]), CAST(:servers AS text[])
+) AS v(id, output_ids, finish_reason, matched, prompt, completion, cached, latency, attempts,
+       server)
+WHERE items.id = v.id AND items.status <> 'done' AND items.status <> 'failed'
+  AND items.id IN (
+    SELECT id FROM items WHERE id = ANY(CAST(:ids AS bigint[])) ORDER BY id FOR UPDATE
+  )
+"""
+)
+
+
+def _record_done_together(conn: Connection, rows: list[dict[str, Any]], now: datetime) -> None:
+    first: dict[int, dict[str, Any]] = {}
+    for row in rows:
+        first.setdefault(row["b_id"], row)
+    picked = list(first.values())
+    conn.execute(
+        _DONE_TOGETHER,
+        {
+            "now": now,
+            "ids": [r["b_id"] for r in picked],
+            "outputs": [pack_ids(r["b_output_ids"]) for r in picked],
+            "reasons": [r["b_finish_reason"] for r in picked],
+            "matched": [r["b_matched"] for r in picked],
+            "prompt": [r["b_prompt"] for r in picked],
+            "completion": [r["b_completion"] for r in picked],
+            "cached": [r["b_cached"] for r in picked],
+            "latency": [r["b_latency"] for r in picked],
+            "attempts": [r["b_attempts"] for r in picked],
+            "servers": [r["b_server"] for r in picked],
+        },
+    )
+
+
 def record_outcomes(
     conn: Connection, outcomes: Sequence[Outcome], *, owner: str, lease_s: float
 ) -> list[int]:
@@ -726,10 +845,12 @@ def record_outcomes(
     The first result written for an item wins; a finished item is never written again.
     """
     now = utcnow()
-    done = [o for o in outcomes if isinstance(o, Done)]
-    failed = [o for o in outcomes if isinstance(o, Failed)]
-    retries = [o for o in outcomes if isinstance(o, RetryLater)]
-    released = [o for o in outcomes if isinstance(o, Released)]
+    _lock_in_id_order(conn, [o.item_id for o in outcomes])
+    by_id = sorted(outcomes, key=lambda o: o.item_id)
+    done = [o for o in by_id if isinstance(o, Done)]
+    failed = [o for o in by_id if isinstance(o, Failed)]
+    retries = [o for o in by_id if isinstance(o, RetryLater)]
+    released = [o for o in by_id if isinstance(o, Released)]
     if done:
         stmt = (
             update(items)
@@ -754,26 +875,27 @@ def record_outcomes(
                 finished_at=now,
             )
         )
-        conn.execute(
-            stmt,
-            [
-                {
-                    "b_id": o.item_id,
-                    "b_output_ids": o.result.output_ids,
-                    "b_finish_reason": o.result.finish_reason,
-                    "b_prompt": o.result.prompt_tokens,
-                    "b_matched": None
-                    if o.result.matched_stop is None
-                    else str(o.result.matched_stop)[:64],
-                    "b_completion": o.result.completion_tokens,
-                    "b_cached": o.result.cached_tokens,
-                    "b_latency": o.result.e2e_latency_s,
-                    "b_attempts": o.attempts_used,
-                    "b_server": o.server,
-                }
-                for o in done
-            ],
-        )
+        rows = [
+            {
+                "b_id": o.item_id,
+                "b_output_ids": o.result.output_ids,
+                "b_finish_reason": o.result.finish_reason,
+                "b_prompt": o.result.prompt_tokens,
+                "b_matched": None
+                if o.result.matched_stop is None
+                else str(o.result.matched_stop)[:64],
+                "b_completion": o.result.completion_tokens,
+                "b_cached": o.result.cached_tokens,
+                "b_latency": o.result.e2e_latency_s,
+                "b_attempts": o.attempts_used,
+                "b_server": o.server,
+            }
+            for o in done
+        ]
+        if conn.dialect.name == "postgresql" and len(rows) > 1:
+            _record_done_together(conn, rows, now)
+        else:
+            conn.execute(stmt, rows)
     if failed:
         stmt = (
             update(items)
@@ -831,6 +953,15 @@ def record_outcomes(
     return released_ids
 
 
+def _lock_in_id_order(conn: Connection, ids: Sequence[int]) -> None:
+    """Postgres: lock these rows in id order before a write that touches them in groups, so
+    it takes its locks in the same order as claims (and never waits on a heartbeat, which
+    skips locked rows)."""
+    if ids and conn.dialect.name == "postgresql":
+        stmt = select(items.c.id).where(items.c.id.in_(sorted(set(ids)))).order_by(items.c.id)
+        conn.execute(stmt.with_for_update()).all()
+
+
 def release_owner(conn: Connection, owner: str) -> list[int]:
     """Give back every lease an owner holds (a worker shutting down); return the ids."""
     stmt = (
@@ -851,6 +982,7 @@ def requeue_expired(
     conn: Connection, *, run_id: int | None = None, limit: int = 10000
 ) -> list[int]:
     """Items whose lease expired (their worker died) go back to queued; return their ids."""
+    pin_index_plans(conn)
     now = utcnow()
     pick = (
         select(items.c.id)
@@ -877,21 +1009,20 @@ def requeue_expired(
     return sorted(conn.execute(stmt).scalars())
 
 
-def queued_before(
-    conn: Connection, run_id: int, cutoff: datetime, *, after_id: int = 0, limit: int = 5000
+def oldest_queued(
+    conn: Connection, cutoff: datetime, *, limit: int, run_id: int | None = None
 ) -> list[int]:
-    """Ids of a run's items queued (published) before cutoff, in id order."""
+    """Ids of up to limit items queued before cutoff, the longest-queued first: an ordered
+    read of the partial index of queued items, however many are queued."""
+    pin_index_plans(conn)
     stmt = (
         select(items.c.id)
-        .where(
-            items.c.run_id == run_id,
-            items.c.status == ItemStatus.QUEUED.value,
-            items.c.queued_at < cutoff,
-            items.c.id > after_id,
-        )
-        .order_by(items.c.id)
+        .where(items.c.status == ItemStatus.QUEUED.value, items.c.queued_at < cutoff)
+        .order_by(items.c.queued_at, items.c.id)
         .limit(limit)
     )
+    if run_id is not None:
+        stmt = stmt.where(items.c.run_id == run_id)
     return list(conn.execute(stmt).scalars())
 
 
@@ -1080,25 +1211,52 @@ class RunCounts:
 
 
 def run_counts(conn: Connection, run: RunInfo) -> RunCounts:
-    truncated = case((items.c.finish_reason == "length", 1), else_=0)
-    stmt = (
-        select(
-            items.c.status,
-            func.count(),
-            func.coalesce(func.sum(truncated), 0),
-            func.coalesce(func.sum(items.c.completion_tokens), 0),
-            func.coalesce(func.sum(items.c.prompt_tokens), 0),
-        )
-        .where(items.c.run_id == run.id)
-        .group_by(items.c.status)
+    """The run's items by status and its token sums, read from the item counters (no scan)."""
+    if run_archived(conn, run.id):  # the archive's rows left the counters with the hot table
+        return _scanned_run_counts(conn, run)
+    groups = counters.counted_groups(conn, run.id)
+    statuses = counters.by_status(groups.items())
+    tallies = groups.values()
+    return RunCounts(
+        run=run.name,
+        total=sum(statuses.values()),
+        pending=statuses.get(ItemStatus.PENDING.value, 0),
+        queued=statuses.get(ItemStatus.QUEUED.value, 0),
+        leased=statuses.get(ItemStatus.LEASED.value, 0),
+        done=statuses.get(ItemStatus.DONE.value, 0),
+        failed=statuses.get(ItemStatus.FAILED.value, 0),
+        truncated=sum(t.items for k, t in groups.items() if k.finish_reason == "length"),
+        output_tokens=sum(t.completion_tokens for t in tallies),
+        prompt_tokens=sum(t.prompt_tokens for t in tallies),
+        waiting=statuses.get(ItemStatus.WAITING.value, 0),
     )
+
+
+def _scanned_run_counts(conn: Connection, run: RunInfo) -> RunCounts:
+    """An archived run's items by status and token sums, counted over items and the archive."""
     by_status: dict[str, int] = {}
     trunc = out_tokens = prompt_tokens = 0
-    for status, count, t, out, prompt in conn.execute(stmt):
-        by_status[status] = int(count)
-        trunc += int(t)
-        out_tokens += int(out)
-        prompt_tokens += int(prompt)
+    # an archived run's rows are in the archive (and in both while it is being archived)
+    for table in (items, items_archive):
+        truncated = case((table.c.finish_reason == "length", 1), else_=0)
+        stmt = (
+            select(
+                table.c.status,
+                func.count(),
+                func.coalesce(func.sum(truncated), 0),
+                func.coalesce(func.sum(table.c.completion_tokens), 0),
+                func.coalesce(func.sum(table.c.prompt_tokens), 0),
+            )
+            .where(table.c.run_id == run.id)
+            .group_by(table.c.status)
+        )
+        if table is items_archive:  # rows copied and not yet deleted are counted once
+            stmt = stmt.where(~select(items.c.id).where(items.c.id == table.c.id).exists())
+        for status, count, t, out, prompt in conn.execute(stmt):
+            by_status[status] = by_status.get(status, 0) + int(count)
+            trunc += int(t)
+            out_tokens += int(out)
+            prompt_tokens += int(prompt)
     return RunCounts(
         run=run.name,
         total=sum(by_status.values()),
@@ -1145,32 +1303,38 @@ class StoredItem:
     metadata: dict[str, Any] | None = None
 
 
-_STORED_COLUMNS = (
-    items.c.id,
-    items.c.item_key,
-    items.c.sample_index,
-    items.c.status,
-    items.c.messages,
-    items.c.prompt_ids,
-    items.c.output_ids,
-    items.c.finish_reason,
-    items.c.completion_tokens,
-    items.c.attempts,
-    items.c.server,
-    items.c.error,
-    items.c.latency_s,
-    items.c.prompt_tokens,
-    items.c.matched_stop,
-    items.c.turn_index,
-    items.c.cached_tokens,
-    items.c.shard_uri,
-    items.c.shard_row,
-    tool_sets.c.tools.label("tools"),
-    items.c.chat_template_kwargs,
-    items.c.row_metadata.label("metadata"),
+# StoredItem's fields that are columns of items (and of items_archive) under their own names
+_STORED_FIELDS = (
+    "id",
+    "item_key",
+    "sample_index",
+    "status",
+    "messages",
+    "prompt_ids",
+    "output_ids",
+    "finish_reason",
+    "completion_tokens",
+    "attempts",
+    "server",
+    "error",
+    "latency_s",
+    "prompt_tokens",
+    "matched_stop",
+    "turn_index",
+    "cached_tokens",
+    "shard_uri",
+    "shard_row",
+    "chat_template_kwargs",
 )
-# items with their tools list
-_STORED_FROM = items.outerjoin(tool_sets, tool_sets.c.id == items.c.tool_set_id)
+
+
+def _stored_select(table: Table) -> Select[Any]:
+    """StoredItems of items or items_archive, with their tools list."""
+    return select(
+        *(table.c[name] for name in _STORED_FIELDS),
+        tool_sets.c.tools.label("tools"),
+        table.c.row_metadata.label("metadata"),
+    ).select_from(table.outerjoin(tool_sets, tool_sets.c.id == table.c.tool_set_id))
 
 
 def _hydrated(page: list[StoredItem], shards: ShardCache) -> list[StoredItem]:
@@ -1199,6 +1363,8 @@ def iter_items(
     storage_options, default the configured ones); one row group of a shard is held at a time.
     final_turns_only: only items no later turn follows (the last turn of each chain).
     """
+    from app.shards import ShardCache
+
     shards = ShardCache(storage_options)
     try:
         yield from _iter_items(conn, run_id, statuses, page_size, shards, final_turns_only)
@@ -1214,24 +1380,46 @@ def _iter_items(
     shards: ShardCache,
     final_turns_only: bool = False,
 ) -> Iterator[StoredItem]:
+    streams = [
+        _keyset_pages(conn, table, run_id, status, page_size, final_turns_only)
+        for table in (items, items_archive)
+        for status in dict.fromkeys(statuses)
+    ]
+    for page in merged_pages(streams, page_size):
+        yield from _hydrated(page, shards)
+
+
+def _keyset_pages(
+    conn: Connection,
+    table: Table,
+    run_id: int,
+    status: str,
+    page_size: int,
+    final_turns_only: bool,
+) -> Iterator[list[StoredItem]]:
+    """Pages of one status of a run in one table: `run_id = ? AND status = ? AND id > last
+    ORDER BY id LIMIT n`, one range of the (run_id, status, id) index, so a page costs the
+    same at row 10M as at row 0 (an IN list of statuses would read them all and sort)."""
+    pin_index_plans(conn)
     after = 0
     while True:
         stmt = (
-            select(*_STORED_COLUMNS)
-            .select_from(_STORED_FROM)
-            .where(items.c.run_id == run_id, items.c.status.in_(list(statuses)), items.c.id > after)
-            .order_by(items.c.id)
+            _stored_select(table)
+            .where(run_status_range(conn, table, run_id, status, after))
+            .order_by(*run_status_order(table))
             .limit(page_size)
         )
         if final_turns_only:
-            later = items.alias("later")
+            later = table.alias("later")
             stmt = stmt.where(
-                ~select(later.c.id).where(later.c.prev_item_id == items.c.id).exists()
+                ~select(later.c.id).where(later.c.prev_item_id == table.c.id).exists()
             )
         page = [StoredItem(**row._mapping) for row in conn.execute(stmt)]
         if not page:
             return
-        yield from _hydrated(page, shards)
+        yield page
+        if len(page) < page_size:
+            return
         after = page[-1].id
 
 
@@ -1254,11 +1442,31 @@ def stored_prompts(
     conn: Connection, ids: Sequence[int], storage_options: dict[str, Any] | None = None
 ) -> list[StoredItem]:
     """These items with their real prompt ids (read back from shards once compacted)."""
+    from app.shards import ShardCache
+
     shards = ShardCache(storage_options)
     try:
         return _hydrated(stored_items(conn, ids), shards)
     finally:
         shards.close()
+
+
+def merged_pages(streams: Sequence[Iterator[list[Any]]], page_size: int) -> Iterator[list[Any]]:
+    """Pages of rows (anything with an `id`) from id-ordered page streams, merged in id order;
+    a row in two streams (a run being archived: copied, not yet deleted) comes once."""
+    rows = heapq.merge(*(itertools.chain.from_iterable(s) for s in streams), key=lambda r: r.id)
+    page: list[Any] = []
+    last = None
+    for row in rows:
+        if row.id == last:
+            continue
+        last = row.id
+        page.append(row)
+        if len(page) >= page_size:
+            yield page
+            page = []
+    if page:
+        yield page
 
 
 # --- compaction: token arrays of finished items moved to Parquet shards ----------------------
@@ -1286,11 +1494,13 @@ def _compactable(run_id: int) -> Any:
 
 
 def count_compactable(conn: Connection, run_id: int) -> int:
+    pin_index_plans(conn)
     return int(conn.execute(select(func.count()).where(_compactable(run_id))).scalar_one())
 
 
 def compactable_ids(conn: Connection, run_id: int, *, after_id: int = 0, limit: int) -> list[int]:
     """Ids of items compaction may move, in id order."""
+    pin_index_plans(conn)
     stmt = (
         select(items.c.id)
         .where(_compactable(run_id), items.c.id > after_id)
@@ -1304,13 +1514,18 @@ def stored_items(conn: Connection, ids: Sequence[int]) -> list[StoredItem]:
     """These items as stored in the ledger (not hydrated), in id order."""
     if not ids:
         return []
-    stmt = (
-        select(*_STORED_COLUMNS)
-        .select_from(_STORED_FROM)
-        .where(items.c.id.in_(list(ids)))
-        .order_by(items.c.id)
-    )
+    stmt = _stored_select(items).where(items.c.id.in_(list(ids))).order_by(items.c.id)
     return [StoredItem(**row._mapping) for row in conn.execute(stmt)]
+
+
+_COMPACTED_TOGETHER = text(
+    """
+UPDATE items SET shard_uri = :uri, shard_row = v.shard_row, prompt_ids = :empty,
+    output_ids = :empty
+FROM unnest(CAST(:ids AS bigint[]), CAST(:rows AS integer[])) AS v(id, shard_row)
+WHERE items.id = v.id AND items.shard_uri IS NULL AND items.status = 'done'
+"""
+)
 
 
 def mark_compacted(conn: Connection, shard_uri: str, rows: Sequence[tuple[int, int]]) -> int:
@@ -1318,6 +1533,18 @@ def mark_compacted(conn: Connection, shard_uri: str, rows: Sequence[tuple[int, i
     items already compacted are left alone. Returns how many were changed."""
     if not rows:
         return 0
+    if conn.dialect.name == "postgresql":
+        # one statement, not one per item: the counting trigger runs once (migration 0005e)
+        together = conn.execute(
+            _COMPACTED_TOGETHER,
+            {
+                "uri": shard_uri,
+                "ids": [item_id for item_id, _ in rows],
+                "rows": [row for _, row in rows],
+                "empty": pack_ids([]),
+            },
+        )
+        return int(together.rowcount)
     stmt = (
         update(items)
         .where(
@@ -1336,6 +1563,22 @@ def mark_compacted(conn: Connection, shard_uri: str, rows: Sequence[tuple[int, i
     return int(result.rowcount)
 
 
+def shard_referenced(conn: Connection, run_id: int, name: str, first_id: int, last_id: int) -> bool:
+    """Whether an item of the run (in items or the archive) points at the shard `name`, which
+    holds items first_id..last_id: a primary-key range probe that stops at the first match
+    (normally first_id itself), never a scan of the run."""
+    for table in (items, items_archive):
+        probe = select(table.c.id).where(
+            table.c.id >= first_id,
+            table.c.id <= last_id,
+            table.c.run_id == run_id,
+            table.c.shard_uri.endswith("/" + name, autoescape=True),
+        )
+        if conn.execute(probe.order_by(table.c.id).limit(1)).first() is not None:
+            return True
+    return False
+
+
 def shard_uris(conn: Connection, run_id: int) -> set[str]:
     """Every shard the run's items point at."""
     stmt = select(items.c.shard_uri).where(items.c.run_id == run_id, items.c.shard_uri.is_not(None))
@@ -1349,6 +1592,7 @@ def compacted_count(conn: Connection, run_id: int) -> int:
 
 def runs_with_compactable(conn: Connection, min_items: int) -> list[RunInfo]:
     """Runs with at least min_items done items whose arrays are still in the ledger."""
+    pin_index_plans(conn)
     stmt = (
         select(items.c.run_id)
         .where(items.c.status == ItemStatus.DONE.value, items.c.shard_uri.is_(None))

@@ -6,31 +6,15 @@ is asked and however many worker processes write results.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
 from dataclasses import dataclass
 
-from sqlalchemy import Connection, Engine, case, func, select
+from sqlalchemy import Connection, Engine, select
 
-from app.ledger import items, runs
-from app.models import ItemStatus
+from app import counters
+from app.counters import LATENCY_BUCKETS_S as LATENCY_BUCKETS_S
+from app.ledger import runs
 from app.registry import ServerInfo, list_servers
-
-# Generation latencies of reasoning models span seconds to an hour: buckets to match.
-LATENCY_BUCKETS_S: tuple[float, ...] = (
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    30.0,
-    60.0,
-    120.0,
-    300.0,
-    600.0,
-    1200.0,
-    1800.0,
-    3600.0,
-)
 
 
 @dataclass(frozen=True)
@@ -73,62 +57,44 @@ def run_names(conn: Connection) -> list[str]:
 
 
 def item_groups(conn: Connection) -> list[ItemGroup]:
-    """Item counts and completion tokens by run, server, status and finish reason."""
-    stmt = (
-        select(
-            runs.c.name,
-            items.c.server,
-            items.c.status,
-            items.c.finish_reason,
-            func.count(),
-            func.coalesce(func.sum(items.c.completion_tokens), 0),
-            func.count(items.c.hedge_owner),
-        )
-        .select_from(items.join(runs, items.c.run_id == runs.c.id))
-        .group_by(runs.c.name, items.c.server, items.c.status, items.c.finish_reason)
-    )
+    """Item counts and completion tokens by run, server, status and finish reason (from the
+    item counters: O(runs × servers × statuses), however many items there are)."""
+    names = dict(conn.execute(select(runs.c.id, runs.c.name)).tuples().all())
     return [
         ItemGroup(
-            run=run,
-            server=server,
-            status=status,
-            finish_reason=finish_reason,
-            items=int(count),
-            completion_tokens=int(tokens),
-            hedged=int(hedged),
+            run=names[key.run_id],
+            server=key.server,
+            status=key.status,
+            finish_reason=key.finish_reason,
+            items=tally.items,
+            completion_tokens=tally.completion_tokens,
+            hedged=tally.hedged,
         )
-        for run, server, status, finish_reason, count, tokens, hedged in conn.execute(stmt)
+        for key, tally in counters.counted_groups(conn).items()
+        if key.run_id in names
     ]
 
 
-def latency_histograms(
-    conn: Connection, buckets_s: Sequence[float] = LATENCY_BUCKETS_S
-) -> list[LatencyHistogram]:
-    """Per server, a histogram of the recorded latency of items that finished with a result."""
-    bounds = tuple(sorted(float(b) for b in buckets_s))
-    below = [
-        func.coalesce(func.sum(case((items.c.latency_s <= bound, 1), else_=0)), 0)
-        for bound in bounds
-    ]
-    stmt = (
-        select(
-            items.c.server,
-            func.count(items.c.latency_s),
-            func.coalesce(func.sum(items.c.latency_s), 0.0),
-            *below,
-        )
-        .where(items.c.status == ItemStatus.DONE.value, items.c.latency_s.is_not(None))
-        .group_by(items.c.server)
-    )
+def latency_histograms(conn: Connection) -> list[LatencyHistogram]:
+    """Per server, a histogram of the recorded latency of items that finished with a result,
+    over LATENCY_BUCKETS_S (read from the latency counters)."""
+    bounds = LATENCY_BUCKETS_S
+    per_server: dict[str | None, list[int]] = {}
+    sums: dict[str | None, float] = {}
+    for key, tally in counters.counted_latencies(conn).items():
+        # one slot per bucket, the last one past every bound
+        slots = per_server.setdefault(key.server, [0] * (len(bounds) + 1))
+        slots[key.bucket] += tally.items
+        sums[key.server] = sums.get(key.server, 0.0) + tally.sum_s
     return [
         LatencyHistogram(
-            server=row[0],
+            server=server,
             buckets_s=bounds,
-            cumulative=tuple(int(n) for n in row[3:]),
-            count=int(row[1]),
-            sum_s=float(row[2]),
+            cumulative=tuple(itertools.accumulate(slots[: len(bounds)])),
+            count=sum(slots),
+            sum_s=sums[server],
         )
-        for row in conn.execute(stmt)
+        for server, slots in per_server.items()
     ]
 
 

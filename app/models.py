@@ -1,4 +1,4 @@
-"""The ledger's tables as typed SQLAlchemy 2.0 models: runs, items, servers, events.
+"""The ledger's tables as typed SQLAlchemy 2.0 models: runs, items, servers, events, counters.
 
 The schema is changed only by Alembic migrations; a test checks these models match them.
 """
@@ -15,6 +15,7 @@ from sqlalchemy import (
     JSON,
     BigInteger,
     Boolean,
+    Column,
     DateTime,
     Float,
     ForeignKey,
@@ -22,9 +23,11 @@ from sqlalchemy import (
     Integer,
     LargeBinary,
     String,
+    Table,
     Text,
     UniqueConstraint,
     false,
+    text,
 )
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -119,6 +122,13 @@ class ToolSet(Base):
     tools_hash: Mapped[str] = mapped_column(String(64))
     tools: Mapped[list[dict[str, Any]]] = mapped_column(JSON)
 
+    # set when the run's items moved to items_archive (`tokenmill archive`); no more enqueues
+    archived_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
+def _partial(name: str, columns: tuple[str, ...], where: str) -> Index:
+    return Index(name, *columns, postgresql_where=text(where), sqlite_where=text(where))
+
 
 class Item(Base):
     __tablename__ = "items"
@@ -126,11 +136,19 @@ class Item(Base):
         UniqueConstraint(
             "run_id", "item_key", "sample_index", "turn_index", name="uq_items_run_key_sample_turn"
         ),
-        Index("ix_items_run_status", "run_id", "status"),
+        # keyset pages of one status of a run (export, verify, report, reconcile) and the
+        # "anything left to claim?" probe: one range of this index, in id order, no sort
+        Index("ix_items_run_status_id", "run_id", "status", "id"),
         Index("ix_items_prev_item", "prev_item_id"),
         Index("ix_items_status_lease", "status", "lease_expires_at"),
         Index("ix_items_server_status", "server", "status"),
         Index("ix_items_server_finished", "server", "finished_at"),
+        # Partial indexes hold only what the periodic queries look at (the active part of the
+        # table), so their plans are the same whatever the planner's statistics say.
+        _partial("ix_items_leased_started", ("started_at", "id"), "status = 'leased'"),
+        _partial("ix_items_queued_at", ("queued_at", "id"), "status = 'queued'"),
+        _partial("ix_items_done_finished", ("server", "finished_at"), "status = 'done'"),
+        _partial("ix_items_uncompacted", ("run_id", "id"), "status = 'done' AND shard_uri IS NULL"),
     )
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
@@ -185,6 +203,36 @@ class Item(Base):
     shard_row: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
 
+def _archive_columns() -> list[Column[Any]]:
+    """The columns of items, for the archive: same names and types, no defaults; run_id keeps
+    its foreign key, prev_item_id points at another archived row without one."""
+    columns: list[Column[Any]] = []
+    for col in Item.__table__.columns:
+        fks = [ForeignKey("runs.id", ondelete="CASCADE")] if col.name == "run_id" else []
+        columns.append(
+            Column(
+                col.name,
+                col.type,
+                *fks,
+                primary_key=col.primary_key,
+                autoincrement=False,
+                nullable=col.nullable,
+            )
+        )
+    return columns
+
+
+# A finished, compacted run's rows, moved out of the hot table (`tokenmill archive`). Built
+# from Item's columns, so a column added to items must be added here by the same migration.
+ItemArchive = Table(
+    "items_archive",
+    Base.metadata,
+    *_archive_columns(),
+    Index("ix_items_archive_run_status_id", "run_id", "status", "id"),
+    Index("ix_items_archive_prev_item", "prev_item_id"),
+)
+
+
 class Server(Base):
     __tablename__ = "servers"
 
@@ -224,3 +272,42 @@ class Event(Base):
     server: Mapped[str | None] = mapped_column(String(200), nullable=True)
     message: Mapped[str] = mapped_column(Text)
     details: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+
+
+# Item counters: kept by database triggers on `items` (migration 0005e) in the same transaction
+# as every insert, update and delete of an item, so views read them instead of counting items.
+# A row is one shard of one key: on Postgres the shard is the writing backend's pid (no two
+# concurrent transactions ever update the same row), folded into shard 0 by the reconcile
+# step; SQLite, with its single writer, uses shard 0 only. A key's value is the sum over its
+# shards. "" stands for no server / no finish reason (NULL cannot be part of the key).
+
+
+class ItemCount(Base):
+    """Items of a run by server, status and finish reason, with their token sums."""
+
+    __tablename__ = "item_counts"
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    server: Mapped[str] = mapped_column(String(200), primary_key=True)
+    status: Mapped[str] = mapped_column(String(16), primary_key=True)
+    finish_reason: Mapped[str] = mapped_column(String(16), primary_key=True)
+    shard: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    item_count: Mapped[int] = mapped_column(BigInteger)
+    prompt_tokens: Mapped[int] = mapped_column(BigInteger)
+    completion_tokens: Mapped[int] = mapped_column(BigInteger)
+    # of those items, how many carry a hedge mark (a second copy ran on another server)
+    hedged: Mapped[int] = mapped_column(BigInteger)
+
+
+class ItemLatencyCount(Base):
+    """Done items of a run by server and latency bucket (index into the fixed bounds, the
+    last one past every bound), with their latency sum: histograms without reading items."""
+
+    __tablename__ = "item_latency_counts"
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    server: Mapped[str] = mapped_column(String(200), primary_key=True)
+    bucket: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    shard: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    item_count: Mapped[int] = mapped_column(BigInteger)
+    latency_sum_s: Mapped[float] = mapped_column(Float)

@@ -10,11 +10,12 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Connection, and_, func, insert, select, update
+from sqlalchemy import Connection, func, insert, select, update
 
 from app.constants import EVENT_ENQUEUE_STOPPED, EVENT_ENQUEUED
+from app.database import pin_index_plans
 from app.errors import NotFound
-from app.ledger import as_utc, events, items, runs, servers, utcnow
+from app.ledger import as_utc, events, items, run_has_items, runs, servers, utcnow
 from app.models import ItemStatus
 
 MAX_WORKERS_LISTED = 32
@@ -287,16 +288,25 @@ class ServerLoad:
 
 
 def server_load(conn: Connection, name: str) -> ServerLoad:
-    """Items leased to a server now, the oldest of those leases, and its latest completion."""
+    """Items leased to a server now, the oldest of those leases, and its latest completion.
+
+    Both read only active or newest rows: the leases, and the last entry of the partial index
+    of done items by (server, finished_at), whatever the planner's statistics say."""
+    pin_index_plans(conn)
     leased, oldest = conn.execute(
         select(func.count(), func.min(items.c.started_at)).where(
             items.c.server == name, items.c.status == ItemStatus.LEASED.value
         )
     ).one()
     last = conn.execute(
-        select(func.max(items.c.finished_at)).where(
-            items.c.server == name, items.c.status == ItemStatus.DONE.value
+        select(items.c.finished_at)
+        .where(
+            items.c.server == name,
+            items.c.status == ItemStatus.DONE.value,
+            items.c.finished_at.is_not(None),
         )
+        .order_by(items.c.finished_at.desc())
+        .limit(1)
     ).scalar()
     return ServerLoad(int(leased), as_utc(oldest), as_utc(last))
 
@@ -312,21 +322,18 @@ def is_stalled(load: ServerLoad, *, now: datetime, stall_s: float) -> bool:
 
 
 def active_run_fingerprints(conn: Connection) -> list[tuple[int, str, dict[str, Any]]]:
-    """(run id, run name, pinned fingerprint) of runs that still have unfinished items."""
-    unfinished = (
-        select(items.c.run_id)
-        .where(
-            items.c.run_id == runs.c.id,
-            items.c.status.in_(
-                [ItemStatus.PENDING.value, ItemStatus.QUEUED.value, ItemStatus.LEASED.value]
-            ),
-        )
-        .exists()
-    )
+    """(run id, run name, pinned fingerprint) of runs that still have unfinished items: an
+    indexed probe per run and status (never a semi-join the planner could turn into a scan);
+    archived runs are finished."""
+    unfinished = (ItemStatus.PENDING.value, ItemStatus.QUEUED.value, ItemStatus.LEASED.value)
     stmt = select(runs.c.id, runs.c.name, runs.c.fingerprint).where(
-        and_(runs.c.fingerprint.is_not(None), unfinished)
+        runs.c.fingerprint.is_not(None), runs.c.archived_at.is_(None)
     )
-    return [(r.id, r.name, dict(r.fingerprint)) for r in conn.execute(stmt)]
+    return [
+        (r.id, r.name, dict(r.fingerprint))
+        for r in conn.execute(stmt).all()
+        if run_has_items(conn, r.id, unfinished)
+    ]
 
 
 # --- events -----------------------------------------------------------------------------

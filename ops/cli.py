@@ -1,23 +1,31 @@
 """The `tokenmill` command line: one group, commands registered from their modules.
 
 Global options set logging; every setting is also a `TOKENMILL_*` environment variable.
+Start-up stays short: the command modules import only click at load time, and each command
+imports the libraries it needs (SQLAlchemy, rich, pyarrow, alembic, httpx...) when it runs.
 """
 
 from __future__ import annotations
 
 import click
 
-from app.settings import get_settings, redact_options, redact_url
 from ops.demo import demo_cmd
 from ops.emulator_cmd import emulator
 from ops.fleet_cmds import events_cmd, pause_cmd, restart_cmd, resume_cmd, servers_group
 from ops.flower_cmd import flower_cmd
-from ops.metrics import metrics_cmd
-from ops.options import handle_errors, log_format_option, open_db, print_json, setup_logging
+from ops.metrics_cmd import metrics_cmd
+from ops.options import (
+    get_settings,
+    handle_errors,
+    log_format_option,
+    open_db,
+    print_json,
+    setup_logging,
+)
 from ops.parity_cmd import parity_cmd
 from ops.pipeline_cmds import enqueue_cmd, export_cmd, reconcile_cmd, run_cmd, status_cmd
 from ops.report import report_cmd
-from ops.storage_cmds import compact_cmd
+from ops.storage_cmds import archive_cmd, compact_cmd
 from ops.verify_cmd import verify_cmd
 
 
@@ -46,6 +54,7 @@ def db_upgrade() -> None:
     """Apply every migration to the configured database (TOKENMILL_DATABASE_URL)."""
     from app.database import get_engine
     from app.migrate import current_revision, upgrade
+    from app.settings import redact_url
 
     settings = get_settings()
     engine = get_engine(settings)
@@ -68,6 +77,8 @@ def db_current() -> None:
 @handle_errors
 def config_cmd() -> None:
     """Show the effective configuration (passwords redacted)."""
+    from app.settings import redact_options, redact_url
+
     s = get_settings()
     data = s.model_dump(mode="json")
     data["database_url"] = redact_url(s.resolved_database_url())
@@ -95,6 +106,7 @@ for command in (
     metrics_cmd,
     report_cmd,
     compact_cmd,
+    archive_cmd,
     verify_cmd,
     parity_cmd,
 ):

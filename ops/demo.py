@@ -13,17 +13,7 @@ from typing import Any
 
 import click
 
-from app import ledger
-from app.database import get_engine
-from app.export import export_run
-from app.fixtures import ensure_kimi_tokenizer
-from app.migrate import ensure_schema
-from app.settings import Settings, get_settings
-from app.tokenization import load_tokenizer
-from ops.emulator_proc import start_emulator
-from ops.options import build_sampling, console, handle_errors
-from workers.producer import EnqueueOptions, enqueue
-from workers.runner import EmbeddedRunner
+from ops.options import build_sampling, err_console, get_settings, handle_errors
 
 
 def demo_prompts_path() -> Path:
@@ -32,9 +22,11 @@ def demo_prompts_path() -> Path:
 
 def check_export(path: Path, tokenizer_dir: Path, prompts: Path) -> tuple[int, int]:
     """Re-derive every exported prompt from the input turns; count rows and mismatches."""
-    tokenizer = load_tokenizer(tokenizer_dir)
     from app.chat_path import merge_template_kwargs
     from app.inputs import read_prompts
+    from app.tokenization import load_tokenizer
+
+    tokenizer = load_tokenizer(tokenizer_dir)
 
     expected: dict[str, list[int]] = {}
     for record in read_prompts(prompts, content_format=tokenizer.content_format):
@@ -69,6 +61,18 @@ def check_export(path: Path, tokenizer_dir: Path, prompts: Path) -> tuple[int, i
 @handle_errors
 def demo_cmd(samples_per_prompt: int, max_new_tokens: int) -> None:
     """Run the whole pipeline locally: fixture tokenizer, emulator, run, export, verify."""
+    from app import ledger
+    from app.database import get_engine
+    from app.export import export_run
+    from app.fixtures import ensure_kimi_tokenizer
+    from app.migrate import ensure_schema
+    from app.settings import Settings
+    from app.tokenization import load_tokenizer
+    from ops.emulator_proc import start_emulator
+    from workers.producer import EnqueueOptions, enqueue
+    from workers.runner import EmbeddedRunner
+
+    console = err_console()
     base = get_settings()
     settings = Settings(
         data_dir=base.data_dir / "demo",

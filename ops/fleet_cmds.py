@@ -7,23 +7,26 @@ the event timeline.
 from __future__ import annotations
 
 from datetime import datetime
+from typing import TYPE_CHECKING
 
 import click
-from rich.live import Live
-from rich.table import Table
 
-from app import ledger, registry
 from app.errors import ConfigurationError
-from app.settings import get_settings
-from ops.options import console, handle_errors, open_db, print_json, print_table
-from ops.restart import RestartProgress, parse_command, restart_server
-from workers.control import CeleryControl, pause_server, resume_server
+from ops.options import err_console, get_settings, handle_errors, open_db, print_json, print_table
+
+if TYPE_CHECKING:
+    from rich.table import Table
+
+    from app import registry
+    from ops.restart import RestartProgress
 
 
 def _ago(at: datetime | None) -> str:
+    from app.ledger import utcnow
+
     if at is None:
         return "—"
-    seconds = (ledger.utcnow() - at).total_seconds()
+    seconds = (utcnow() - at).total_seconds()
     return f"{seconds:.0f}s ago" if seconds < 120 else f"{seconds / 60:.0f}m ago"
 
 
@@ -35,11 +38,16 @@ def servers_group(ctx: click.Context, as_json: bool) -> None:
     """List the SGLang servers: state, pause, workers, in flight, last probe and error."""
     if ctx.invoked_subcommand is not None:
         return
+    from rich.table import Table
+
+    from app import counters, registry
+
     db = open_db()
     with db.connect() as conn:
-        rows = [(s, registry.server_load(conn, s.name)) for s in registry.list_servers(conn)]
+        in_flight = counters.leased_by_server(conn)
+        rows = [(s, in_flight.get(s.name, 0)) for s in registry.list_servers(conn)]
     if as_json:
-        print_json([s.to_json() | {"in_flight": load.leased} for s, load in rows])
+        print_json([s.to_json() | {"in_flight": leased} for s, leased in rows])
         return
     table = Table(
         "name",
@@ -52,7 +60,7 @@ def servers_group(ctx: click.Context, as_json: bool) -> None:
         "rendering",
         "last error",
     )
-    for s, load in rows:
+    for s, leased in rows:
         paused = f"yes ({s.paused_by})" if s.paused else "no"
         table.add_row(
             s.name,
@@ -60,7 +68,7 @@ def servers_group(ctx: click.Context, as_json: bool) -> None:
             s.state,
             paused,
             str(len(s.workers)),
-            str(load.leased),
+            str(leased),
             _ago(s.last_probe_at),
             _rendering(s),
             (s.last_error or "")[:60],
@@ -93,16 +101,22 @@ def _rendering(server: registry.ServerInfo) -> str:
 @handle_errors
 def servers_add(name: str, url: str, restart_command: str | None) -> None:
     """Register (or update) server NAME at URL."""
+    from app import registry
+    from ops.restart import parse_command
+
     if not url.startswith(("http://", "https://")):
         raise ConfigurationError(f"URL must start with http:// or https://, got {url!r}")
     argv = parse_command(restart_command) if restart_command else None
     db = open_db()
     with db.begin() as conn:
         server = registry.upsert_server(conn, name, url.rstrip("/"), restart_command=argv)
-    console.print(f"server {server.name} at {server.url}" + (f", restart: {argv}" if argv else ""))
+    restart = f", restart: {argv}" if argv else ""
+    err_console().print(f"server {server.name} at {server.url}{restart}")
 
 
 def _targets(server: tuple[str, ...], all_servers: bool) -> list[str]:
+    from app import registry
+
     db = open_db()
     with db.connect() as conn:
         known = [s.name for s in registry.list_servers(conn)]
@@ -122,12 +136,15 @@ def _targets(server: tuple[str, ...], all_servers: bool) -> list[str]:
 @handle_errors
 def pause_cmd(server: tuple[str, ...], all_servers: bool, reason: str) -> None:
     """Stop the workers of these servers from taking work; the watchdog never lifts this."""
+    from app import registry
+    from workers.control import CeleryControl, pause_server
+
     db = open_db()
     for name in _targets(server, all_servers):
         changed = pause_server(
             db, CeleryControl(), name, by=registry.PAUSED_BY_OPERATOR, reason=reason
         )
-        console.print(f"{name}: {'paused' if changed else 'already paused'}")
+        err_console().print(f"{name}: {'paused' if changed else 'already paused'}")
 
 
 @click.command("resume")
@@ -136,10 +153,12 @@ def pause_cmd(server: tuple[str, ...], all_servers: bool, reason: str) -> None:
 @handle_errors
 def resume_cmd(server: tuple[str, ...], all_servers: bool) -> None:
     """Let the workers of these servers take work again."""
+    from workers.control import CeleryControl, resume_server
+
     db = open_db()
     for name in _targets(server, all_servers):
         changed = resume_server(db, CeleryControl(), name, by="operator", reason="operator request")
-        console.print(f"{name}: {'resumed' if changed else 'was not paused'}")
+        err_console().print(f"{name}: {'resumed' if changed else 'was not paused'}")
 
 
 @click.command("restart")
@@ -160,6 +179,12 @@ def resume_cmd(server: tuple[str, ...], all_servers: bool) -> None:
 @handle_errors
 def restart_cmd(name: str, command: str | None, timeout_s: float | None, poll_s: float) -> None:
     """Pause NAME, run its restart command, wait until ready, check the fingerprint, resume."""
+    from rich.live import Live
+    from rich.table import Table
+
+    from ops.restart import parse_command, restart_server
+    from workers.control import CeleryControl
+
     settings = get_settings()
     db = open_db(settings)
     argv = parse_command(command) if command else None
@@ -175,6 +200,7 @@ def restart_cmd(name: str, command: str | None, timeout_s: float | None, poll_s:
         )
         return table
 
+    console = err_console()
     with Live(console=console, refresh_per_second=4, transient=False) as live:
         result = restart_server(
             db,
@@ -201,6 +227,8 @@ def restart_cmd(name: str, command: str | None, timeout_s: float | None, poll_s:
 @handle_errors
 def events_cmd(run_name: str | None, server: str | None, limit: int, as_json: bool) -> None:
     """The timeline: state changes, pauses, resumes, restarts, fingerprint mismatches."""
+    from app import ledger, registry
+
     db = open_db()
     with db.connect() as conn:
         run_id = ledger.get_run(conn, run_name).id if run_name else None

@@ -9,14 +9,16 @@ import importlib.util
 import os
 import sys
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import click
-from rich.markup import escape
 
 from app.errors import ConfigurationError
 from app.network import is_loopback
-from app.settings import Settings, get_settings
-from ops.options import console, handle_errors
+from ops.options import err_console, get_settings, handle_errors
+
+if TYPE_CHECKING:
+    from app.settings import Settings
 
 
 @dataclass(frozen=True)
@@ -88,7 +90,11 @@ def flower_cmd(host: str | None, port: int | None) -> None:
         if launch.user
         else "no authentication (loopback only; Flower's HTTP API stays disabled)"
     )
-    console.print(f"Flower on http://{escape(shown)}:{port}/, {escape(access)}", soft_wrap=True)
+    from rich.markup import escape
+
+    err_console().print(
+        f"Flower on http://{escape(shown)}:{port}/, {escape(access)}", soft_wrap=True
+    )
     sys.stderr.flush()
     for name, value in launch.env.items():
         os.putenv(name, value)  # for the exec'd process; nothing here reads it

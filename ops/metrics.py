@@ -20,7 +20,6 @@ from typing import Any, cast
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 from wsgiref.types import StartResponse, WSGIApplication, WSGIEnvironment
 
-import click
 from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.metrics_core import (
     CounterMetricFamily,
@@ -41,8 +40,7 @@ from app.metrics_queries import (
 )
 from app.models import ItemStatus
 from app.network import is_loopback
-from app.settings import Settings, get_settings
-from ops.options import console, handle_errors, open_db
+from app.settings import Settings
 from workers.broker_scan import PRIORITY_SEP
 from workers.health import Health
 
@@ -411,46 +409,6 @@ def make_metrics_server(
     return MetricsServer(host, port, app)
 
 
-@click.command("metrics")
-@click.option(
-    "--host",
-    default=None,
-    help="Address to listen on (TOKENMILL_METRICS_HOST, default 127.0.0.1). Beyond loopback, "
-    "TOKENMILL_METRICS_USER and TOKENMILL_METRICS_PASSWORD are required.",
-)
-@click.option(
-    "--port",
-    type=click.IntRange(0, 65535),
-    default=None,
-    help="Port to listen on (TOKENMILL_METRICS_PORT, default 9464).",
-)
-@handle_errors
-def metrics_cmd(host: str | None, port: int | None) -> None:
-    """Serve Prometheus metrics of the whole fleet, computed from the ledger and broker."""
-    settings = get_settings()
-    host = settings.metrics_host if host is None else host
-    port = settings.metrics_port if port is None else port
-    credentials = credentials_from(settings)
-    check_exposure(host, credentials)  # refuse before touching the database
-    broker_url = settings.resolved_broker_url()
-    server = make_metrics_server(
-        engine=open_db(settings),
-        broker_url=broker_url,
-        host=host,
-        port=port,
-        credentials=credentials,
-        cache_s=settings.metrics_cache_s,
-    )
-    auth = "basic auth" if credentials else "no auth"
-    console.print(f"serving metrics on {server.url} ({auth}); Ctrl-C stops")
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.server_close()
-
-
 __all__ = [
     "Credentials",
     "LedgerCollector",
@@ -459,5 +417,4 @@ __all__ = [
     "credentials_from",
     "ledger_families",
     "make_metrics_server",
-    "metrics_cmd",
 ]

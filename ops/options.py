@@ -9,36 +9,57 @@ import functools
 import json
 import logging
 import sys
+import warnings
 from collections.abc import Callable
-from typing import Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 from urllib.parse import unquote, urlsplit
 
 import click
-from kombu.exceptions import OperationalError as BrokerError
-from pydantic import ValidationError
-from rich.console import Console
-from rich.markup import escape
-from rich.table import Table
-from sqlalchemy import Engine, make_url
-from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
-from app.contracts import SamplingParams
-from app.database import get_engine
 from app.errors import ConfigurationError, TokenmillError
-from app.logs import JsonFormatter
-from app.migrate import ensure_schema
-from app.settings import Settings, get_settings, redact_url
+
+# Start-up: every command module imports this one, so it imports only click and app.errors
+# when loaded; rich, SQLAlchemy, pydantic, kombu and alembic load when a command uses them.
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.table import Table
+    from sqlalchemy import Engine
+
+    from app.contracts import SamplingParams
+    from app.settings import Settings
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-# messages and progress go to stderr; a command's own output (tables, JSON) to stdout
-console = Console(stderr=True, highlight=False)
-out = Console(highlight=False)
+
+@functools.cache
+def err_console() -> Console:
+    """Where messages and progress go: stderr (a command's own output goes to stdout)."""
+    from rich.console import Console
+
+    return Console(stderr=True, highlight=False)
+
+
+@functools.cache
+def out_console() -> Console:
+    """A command's own output (tables, summaries): stdout."""
+    from rich.console import Console
+
+    return Console(highlight=False)
+
+
+def get_settings() -> Settings:
+    """The process's settings (app.settings, imported on first use)."""
+    from app import settings
+
+    return settings.get_settings()
 
 
 def print_table(table: Table) -> None:
     """A table on stdout, whole: rich drops columns that do not fit the terminal, so a table
     whose columns' minimum widths add up to more is printed wider instead."""
+    from rich.console import Console
+
+    out = out_console()
     needed = sum((column.min_width or 0) + 2 for column in table.columns)
     if needed <= out.width:
         out.print(table)
@@ -57,17 +78,60 @@ log_format_option = click.option(
 )
 
 
+TEXT_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
 def setup_logging(level: str, log_format: str | None = None) -> None:
     """Log to stderr at level, as text or JSON lines (None: TOKENMILL_LOG_FORMAT)."""
     handler = logging.StreamHandler(sys.stderr)
-    if (log_format or _configured_log_format()).lower() == "json":
-        handler.setFormatter(JsonFormatter())
+    if log_format is None:
+        # decided at the first record or warning: reading the settings loads pydantic, which
+        # `--help` and commands that never log need not pay for
+        handler.setFormatter(_ConfiguredFormatter())
+        _capture_warnings_if_json()
+    elif log_format.lower() == "json":
+        handler.setFormatter(_formatter("json"))
         logging.captureWarnings(True)  # a bare warning line would break a JSON-lines reader
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handler.setFormatter(_formatter("text"))
     logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), handlers=[handler])
     for noisy in ("httpx", "httpcore", "alembic.runtime.migration"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def _formatter(log_format: str) -> logging.Formatter:
+    if log_format.lower() == "json":
+        from app.logs import JsonFormatter
+
+        return JsonFormatter()
+    return logging.Formatter(TEXT_LOG_FORMAT)
+
+
+class _ConfiguredFormatter(logging.Formatter):
+    """Text or JSON lines as TOKENMILL_LOG_FORMAT says, chosen at the first record."""
+
+    def __init__(self) -> None:
+        super().__init__(TEXT_LOG_FORMAT)
+        self._chosen: logging.Formatter | None = None
+
+    def format(self, record: logging.LogRecord) -> str:
+        if self._chosen is None:
+            self._chosen = _formatter(_configured_log_format())
+        return self._chosen.format(record)
+
+
+def _capture_warnings_if_json() -> None:
+    """At the first warning, route warnings into logging if the configured format is JSON
+    (a bare warning line would break a JSON-lines reader), else show them as Python does."""
+    original = warnings.showwarning
+
+    def show_first(*args: Any, **kwargs: Any) -> None:
+        warnings.showwarning = original
+        if _configured_log_format().lower() == "json":
+            logging.captureWarnings(True)  # replaces warnings.showwarning with logging's
+        warnings.showwarning(*args, **kwargs)
+
+    warnings.showwarning = show_first
 
 
 def _configured_log_format() -> str:
@@ -79,6 +143,9 @@ def _configured_log_format() -> str:
 
 def open_db(settings: Settings | None = None) -> Engine:
     """The ledger engine; the embedded SQLite ledger is created/upgraded on first use."""
+    from app.database import get_engine
+    from app.migrate import ensure_schema
+
     settings = settings or get_settings()
     try:
         engine = get_engine(settings)
@@ -96,26 +163,49 @@ def handle_errors(func: F) -> F:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return func(*args, **kwargs)
-        except TokenmillError as exc:
-            _fail(_scrub(str(exc)))
-        except SQLAlchemyError as exc:
-            # A DBAPIError's own text appends SQL and parameters: keep the driver's message.
-            cause = exc.orig if isinstance(exc, DBAPIError) and exc.orig is not None else exc
-            _fail(f"the database {_redacted_url('database')} failed: {_first_line(cause)}")
-        except BrokerError as exc:
-            _fail(f"the broker {_redacted_url('broker')} failed: {_first_line(exc)}")
-        except ValidationError as exc:
-            problems = "; ".join(
-                f"TOKENMILL_{'_'.join(map(str, error['loc'])).upper()}: {_scrub(error['msg'])}"
-                for error in exc.errors()
-            )
-            _fail(f"invalid configuration: {problems}")
+        except Exception as exc:
+            message = _error_line(exc)
+            if message is None:
+                raise
+            _fail(message)
 
     return wrapper  # type: ignore[return-value]
 
 
+def _error_line(exc: Exception) -> str | None:
+    """The one line handle_errors prints for exc, None for an error it lets through. A library
+    that is not loaded cannot have raised: only loaded ones are asked (importing them here
+    would put their start-up cost on every command)."""
+    if isinstance(exc, TokenmillError):
+        return _scrub(str(exc))
+    if "sqlalchemy" in sys.modules:
+        from sqlalchemy.exc import DBAPIError, SQLAlchemyError
+
+        if isinstance(exc, SQLAlchemyError):
+            # A DBAPIError's own text appends SQL and parameters: keep the driver's message.
+            cause = exc.orig if isinstance(exc, DBAPIError) and exc.orig is not None else exc
+            return f"the database {_redacted_url('database')} failed: {_first_line(cause)}"
+    if "kombu" in sys.modules:
+        from kombu.exceptions import OperationalError as BrokerError
+
+        if isinstance(exc, BrokerError):
+            return f"the broker {_redacted_url('broker')} failed: {_first_line(exc)}"
+    if "pydantic" in sys.modules:
+        from pydantic import ValidationError
+
+        if isinstance(exc, ValidationError):
+            problems = "; ".join(
+                f"TOKENMILL_{'_'.join(map(str, error['loc'])).upper()}: {_scrub(error['msg'])}"
+                for error in exc.errors()
+            )
+            return f"invalid configuration: {problems}"
+    return None
+
+
 def _fail(message: str) -> NoReturn:
-    console.print(f"[red]error:[/red] {escape(message)}", markup=True, soft_wrap=True)
+    from rich.markup import escape
+
+    err_console().print(f"[red]error:[/red] {escape(message)}", markup=True, soft_wrap=True)
     raise SystemExit(2)
 
 
@@ -134,7 +224,12 @@ def _redacted_url(which: str) -> str:
     url = _configured_urls().get(which)
     if not url:
         return "(not configured)"
+    from app.settings import redact_url
+
     if which == "database":
+        from sqlalchemy import make_url
+        from sqlalchemy.exc import SQLAlchemyError
+
         try:
             make_url(url)
         except (ValueError, SQLAlchemyError):
@@ -244,6 +339,8 @@ def render_options(func: F) -> F:
 
 
 def build_sampling(kwargs: dict[str, Any]) -> SamplingParams:
+    from app.contracts import SamplingParams
+
     try:
         return SamplingParams(
             max_new_tokens=kwargs["max_new_tokens"],

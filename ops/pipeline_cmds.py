@@ -7,28 +7,17 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import click
-from rich import box
-from rich.live import Live
-from rich.markup import escape
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
-from app import ledger, registry
+from app.constants import EXPORT_FORMATS
 from app.errors import ConfigurationError, InputError, NotFound, RunMismatch, TokenizerError
-from app.export import FORMATS, ExportFormat, export_run
-from app.inputs import parse_chat_template_kwargs
-from app.ledger import RunCounts, RunInfo
-from app.render import render_client
-from app.settings import get_settings
-from app.tokenization import ChatTokenizer, folder_changes, load_tokenizer
-from ops.dashboard import watch as watch_dashboard
 from ops.options import (
     build_sampling,
-    console,
+    err_console,
     field_option,
+    get_settings,
     handle_errors,
     open_db,
     print_json,
@@ -36,9 +25,16 @@ from ops.options import (
     render_options,
     sampling_options,
 )
-from ops.storage_cmds import export_to_storage
-from workers.producer import EnqueueOptions, EnqueueReport, enqueue
-from workers.runner import EmbeddedRunner
+
+if TYPE_CHECKING:
+    from rich.table import Table
+
+    from app import registry
+    from app.export import ExportFormat
+    from app.ledger import RunCounts, RunInfo
+    from app.tokenization import ChatTokenizer
+    from workers.producer import EnqueueReport
+    from workers.runner import EmbeddedRunner
 
 MAX_ERRORS_SHOWN = 50
 
@@ -46,6 +42,15 @@ MAX_ERRORS_SHOWN = 50
 def _enqueue(
     input_path: Path, run: str, tokenizer_path: str, publish: bool, opts: dict[str, Any]
 ) -> EnqueueReport:
+    from rich.markup import escape
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from app.inputs import parse_chat_template_kwargs
+    from app.render import render_client
+    from app.tokenization import load_tokenizer
+    from workers.producer import EnqueueOptions, enqueue
+
+    console = err_console()
     settings = get_settings()
     db = open_db(settings)
     kwargs = parse_chat_template_kwargs(opts["chat_template_kwargs"])
@@ -148,6 +153,8 @@ def _render_url(url: str | None) -> str | None:
 
 
 def _existing_run(db: Any, run: str) -> RunInfo | None:
+    from app import ledger
+
     with db.connect() as conn:
         try:
             return ledger.get_run(conn, run)
@@ -158,6 +165,8 @@ def _existing_run(db: Any, run: str) -> RunInfo | None:
 def _check_pinned_files(run: RunInfo, tokenizer_path: str) -> None:
     """Refuse a tokenizer folder whose files differ from the run's before any of its code runs,
     naming each changed, new or removed file."""
+    from app.tokenization import folder_changes
+
     folder = Path(tokenizer_path).expanduser()
     if not folder.is_dir():
         return  # load_tokenizer says what is wrong with the path
@@ -202,6 +211,9 @@ def enqueue_cmd(
 
 
 def _progress_table(counts: RunCounts, runner: EmbeddedRunner, started: float) -> Table:
+    from rich.markup import escape
+    from rich.table import Table
+
     elapsed = max(time.monotonic() - started, 1e-6)
     finished = counts.done + counts.failed
     rate = counts.output_tokens / elapsed
@@ -278,6 +290,13 @@ def run_cmd(
 def run_pipeline(
     input_path: Path, run_name: str, tokenizer_path: str, servers: list[str], opts: dict[str, Any]
 ) -> RunCounts:
+    from rich.live import Live
+    from rich.markup import escape
+
+    from app import ledger
+    from workers.runner import EmbeddedRunner
+
+    console = err_console()
     settings = get_settings()
     db = open_db(settings)
     _enqueue(input_path, run_name, tokenizer_path, False, opts)
@@ -314,11 +333,15 @@ def run_pipeline(
 @handle_errors
 def status_cmd(run_name: str | None, as_json: bool, watch: bool, interval_s: float) -> None:
     """Counts per run (all runs, or RUN_NAME); --watch for a live dashboard until Ctrl-C."""
+    from app import ledger, registry
+
     db = open_db()
     if watch:
         if as_json:
             raise click.UsageError("--watch is for a terminal; use --json without it")
-        watch_dashboard(db, run_name=run_name, interval_s=interval_s, console=console)
+        from ops.dashboard import watch as watch_dashboard
+
+        watch_dashboard(db, run_name=run_name, interval_s=interval_s, console=err_console())
         return
     with db.connect() as conn:
         runs = [ledger.get_run(conn, run_name)] if run_name else ledger.list_runs(conn)
@@ -343,6 +366,10 @@ def status_cmd(run_name: str | None, as_json: bool, watch: bool, interval_s: flo
         for name, attr in STATUS_COLUMNS
         if attr != "waiting" or any(c.waiting for c in counts)
     ]
+    from rich import box
+    from rich.markup import escape
+    from rich.table import Table
+
     rows = [[str(getattr(c, attr)) for _, attr in fields] for c in counts]
     # names and numbers are never cut: each column is at least as wide as its longest value
     # (headers wrap instead), and the light box leaves room for the columns in 80
@@ -355,6 +382,7 @@ def status_cmd(run_name: str | None, as_json: bool, watch: bool, interval_s: flo
     for c, row in zip(counts, rows, strict=True):
         table.add_row(escape(c.run), *row)
     print_table(table)
+    console = err_console()
     for c in counts:
         if c.run in stopped_names:
             console.print(
@@ -400,7 +428,7 @@ STATUS_COLUMNS = (
 @click.option(
     "--format",
     "fmt",
-    type=click.Choice((*FORMATS, "parquet")),
+    type=click.Choice((*EXPORT_FORMATS, "parquet")),
     default="specforge",
     show_default=True,
 )
@@ -426,8 +454,17 @@ STATUS_COLUMNS = (
 def export_cmd(run_name: str, fmt: str, out: str, per_turn: bool, whole_conversation: bool) -> None:
     """Write RUN_NAME's finished samples to --out: JSONL, or Parquet shards + manifest.json."""
     if fmt == "parquet":
+        from ops.storage_cmds import export_to_storage
+
         export_to_storage(run_name, out)
         return
+    from rich.markup import escape
+
+    from app import ledger
+    from app.export import export_run
+    from app.tokenization import load_tokenizer
+
+    console = err_console()
     db = open_db()
     with db.connect() as conn:
         run = ledger.get_run(conn, run_name)
@@ -452,7 +489,7 @@ def export_cmd(run_name: str, fmt: str, out: str, per_turn: bool, whole_conversa
     report = export_run(
         db,
         run,
-        cast(ExportFormat, fmt),
+        cast("ExportFormat", fmt),
         Path(out),
         tokenizer=tokenizer,
         per_turn=per_turn,

@@ -10,17 +10,17 @@ from dataclasses import dataclass
 from datetime import datetime
 from html import escape
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
-from sqlalchemy import Engine
 
-from app import ledger
-from app.dashboard_queries import failure_reasons, item_ranges, iter_item_stats, server_events
-from app.ledger import RunCounts, RunInfo
-from ops.options import console, handle_errors, open_db
-from ops.report_stats import PausePeriod, ReportData, accumulate, pause_periods
-from workers.control import EVENT_PAUSED, EVENT_RESUMED
+from ops.options import err_console, handle_errors, open_db
+
+if TYPE_CHECKING:
+    from sqlalchemy import Engine
+
+    from app.ledger import RunCounts, RunInfo
+    from ops.report_stats import PausePeriod, ReportData
 
 TRUNCATION_WARN = 0.05
 FAILURE_WARN = 0.01
@@ -82,7 +82,11 @@ class ReportResult:
 
 def build_report(db: Engine, run_name: str, out_dir: Path) -> ReportResult:
     """Stream the run's finished items once, draw the figures, write out_dir/index.html."""
+    from app import ledger
+    from app.dashboard_queries import failure_reasons, item_ranges, iter_item_stats, server_events
     from ops import report_plots  # matplotlib loads only when a report is made
+    from ops.report_stats import accumulate, pause_periods
+    from workers.control import EVENT_PAUSED, EVENT_RESUMED
 
     with db.connect() as conn:
         run = ledger.get_run(conn, run_name)
@@ -297,7 +301,7 @@ def render_page(
 def report_cmd(run_name: str, out_dir: Path) -> None:
     """Write an HTML report of RUN_NAME (lengths, finish reasons, throughput, latency) to --out."""
     result = build_report(open_db(), run_name, out_dir)
-    console.print(
+    err_console().print(
         f"wrote {result.index} ({len(result.images)} plots, {result.items:,} finished items)",
         highlight=False,
         markup=False,

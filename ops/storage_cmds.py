@@ -1,4 +1,4 @@
-"""The object-storage commands: `compact`, and the Parquet path of `export`.
+"""The object-storage commands: `compact`, `archive`, and the Parquet path of `export`.
 
 Thin: settings and the ledger in, workers.compaction / app.storage do the work, counts out.
 """
@@ -6,18 +6,18 @@ Thin: settings and the ledger in, workers.compaction / app.storage do the work, 
 from __future__ import annotations
 
 import click
-from rich.markup import escape
 
-from app import ledger
-from app.settings import get_settings
-from app.shards import StorageError
-from app.storage import export_parquet
-from ops.options import console, handle_errors, open_db, print_json
-from workers.compaction import compact_run
+from ops.options import err_console, get_settings, handle_errors, open_db, print_json
 
 
 def export_to_storage(run_name: str, out: str) -> None:
     """`tokenmill export RUN --format parquet --out URL`: shards and manifest.json under URL."""
+    from rich.markup import escape
+
+    from app import ledger
+    from app.shards import StorageError
+    from app.storage import export_parquet
+
     settings = get_settings()
     db = open_db(settings)
     with db.connect() as conn:
@@ -33,7 +33,7 @@ def export_to_storage(run_name: str, out: str) -> None:
     except OSError as exc:  # fsspec/s3fs report storage failures as OSError subclasses
         raise StorageError(f"writing the export to {out} failed: {exc}") from exc
     removed = f"; removed {len(report.removed)} old shards" if report.removed else ""
-    console.print(
+    err_console().print(
         f"wrote {report.rows} samples ({report.truncated} truncated, {report.tokens} tokens) "
         f"in {len(report.shards)} Parquet shards and manifest.json to {escape(report.url)}"
         f"{removed}"
@@ -56,6 +56,12 @@ def compact_cmd(run_name: str, force: bool, as_json: bool) -> None:
     Shards go under TOKENMILL_STORAGE_URL/runs/RUN_NAME/compacted/ (TOKENMILL_SHARD_ROWS rows
     each); export, verify and report read them transparently. Safe to interrupt and rerun.
     """
+    from rich.markup import escape
+
+    from app import ledger
+    from app.shards import StorageError
+    from workers.compaction import compact_run
+
     settings = get_settings()
     db = open_db(settings)
     with db.connect() as conn:
@@ -77,4 +83,48 @@ def compact_cmd(run_name: str, force: bool, as_json: bool) -> None:
         line += f", {len(report.orphans_removed)} unreferenced shards removed"
     if report.skipped:
         line += f" ({escape(report.skipped)})"
-    console.print(line, markup=True, soft_wrap=True)
+    err_console().print(line, markup=True, soft_wrap=True)
+
+
+@click.command("archive")
+@click.argument("run_name")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@handle_errors
+def archive_cmd(run_name: str, as_json: bool) -> None:
+    """Move finished RUN_NAME's items out of the ledger's hot table into items_archive.
+
+    Compacts what is left first (as `compact --all`); refused while the run has unfinished
+    items. Export, verify and report read an archived run as before; enqueueing into it is
+    refused. Safe to interrupt and rerun.
+    """
+    from rich.markup import escape
+
+    from app import archive, ledger
+    from app.errors import ArchiveRefused
+    from app.shards import StorageError
+    from workers.compaction import compact_run
+
+    settings = get_settings()
+    db = open_db(settings)
+    with db.connect() as conn:
+        run = ledger.get_run(conn, run_name)
+        blockers = archive.archive_blockers(conn, run.id)
+    if blockers and not any("compact" in b for b in blockers):
+        raise ArchiveRefused(f"run {run.name!r} cannot be archived: " + "; ".join(blockers))
+    try:
+        compacted = compact_run(db, settings, run, force=True)
+    except OSError as exc:
+        raise StorageError(
+            f"compaction into {settings.resolved_storage_url()} failed: {exc}"
+        ) from exc
+    report = archive.archive_run(db, settings, run)
+    if as_json:
+        print_json({**report.to_json(), "compacted": compacted.compacted})
+        return
+    line = (
+        f"run [bold]{escape(run.name)}[/bold]: {compacted.compacted} items compacted, "
+        f"{report.deleted} items moved to the archive"
+    )
+    if report.skipped:
+        line += f" ({escape(report.skipped)})"
+    err_console().print(line, markup=True, soft_wrap=True)

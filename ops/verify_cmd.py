@@ -5,24 +5,21 @@ Exit 0 when everything matches, 1 on any mismatch or finding, 2 on usage/configu
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import click
-from rich.console import Console
-from rich.markup import escape
 
-from app import ledger
 from app.errors import TokenizerError
-from app.ledger import RunInfo
-from app.settings import get_settings
-from app.tokenization import ChatTokenizer, load_tokenizer
-from app.verify import CHECK_TITLES, VerifyReport, verify_run
-from ops.options import handle_errors, open_db, print_json
+from ops.options import get_settings, handle_errors, open_db, print_json
 
-# the summary is the command's output: stdout (errors go to stderr through handle_errors)
-out = Console(highlight=False, soft_wrap=True)
+if TYPE_CHECKING:
+    from app.ledger import RunInfo
+    from app.tokenization import ChatTokenizer
+    from app.verify import VerifyReport
 
 
 @click.command("verify")
-@click.argument("run_name")
+@click.argument("run_name", required=False)
 @click.option(
     "--export",
     "export_url",
@@ -46,13 +43,28 @@ out = Console(highlight=False, soft_wrap=True)
     help="Allow the --tokenizer folder's own Python code (a run created with "
     "--trust-remote-code allows it already).",
 )
+@click.option(
+    "--counts",
+    is_flag=True,
+    default=False,
+    help="Instead, check the item counters (what status, servers and /metrics show) against "
+    "a full count of the items of RUN_NAME, or of every run.",
+)
+@click.option(
+    "--repair",
+    is_flag=True,
+    default=False,
+    help="With --counts: replace counters that drifted by the full count (writers wait).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @handle_errors
 def verify_cmd(
-    run_name: str,
+    run_name: str | None,
     export_url: str | None,
     tokenizer_path: str | None,
     trust_remote_code: bool,
+    counts: bool,
+    repair: bool,
     as_json: bool,
 ) -> None:
     """Check RUN_NAME's finished items against what the run pinned.
@@ -61,7 +73,20 @@ def verify_cmd(
     outputs end with a stop/EOS id; truncated ones have exactly max_new_tokens ids; the
     stored arrays match the server's prompt_tokens / completion_tokens. Exit 0 when clean,
     1 on any mismatch, 2 on usage errors.
+
+    With --counts: the item counters equal a full count (exit 0), or they drifted (exit 1;
+    exit 0 once --repair has replaced them).
     """
+    if repair and not counts:
+        raise click.UsageError("--repair goes with --counts")
+    if counts:
+        _verify_counts(run_name, repair=repair, as_json=as_json)
+        return
+    if run_name is None:
+        raise click.UsageError("missing argument RUN_NAME")
+    from app import ledger
+    from app.verify import verify_run
+
     settings = get_settings()
     db = open_db(settings)
     with db.connect() as conn:
@@ -83,12 +108,49 @@ def verify_cmd(
     raise SystemExit(0 if report.clean else 1)
 
 
+def _verify_counts(run_name: str | None, *, repair: bool, as_json: bool) -> None:
+    from rich.console import Console
+    from rich.markup import escape
+
+    from app import counters, ledger
+
+    out = Console(highlight=False, soft_wrap=True)
+    db = open_db()
+    with db.connect() as conn:
+        run_id = ledger.get_run(conn, run_name).id if run_name is not None else None
+    drift = counters.check(db, run_id, repair_drift=repair)
+    scope = f"run {run_name}" if run_name is not None else "every run"
+    if as_json:
+        print_json(
+            {
+                "scope": scope,
+                "drift": [d.describe() for d in drift],
+                "repaired": bool(drift) and repair,
+            }
+        )
+    else:
+        for d in drift:
+            out.print(f"[red]drift:[/red] {escape(d.describe())}", soft_wrap=True)
+        if not drift:
+            out.print(f"item counters of {escape(scope)}: [green]equal to a full count[/green]")
+        elif repair:
+            out.print(f"item counters of {escape(scope)}: replaced by a full count")
+        else:
+            out.print(
+                f"item counters of {escape(scope)}: [red]{len(drift)} keys drifted[/red]; "
+                "`tokenmill verify --counts --repair` replaces them by a full count"
+            )
+    raise SystemExit(1 if drift and not repair else 0)
+
+
 def _tokenizer(
     run: RunInfo, override: str | None, trust_remote_code: bool
 ) -> tuple[ChatTokenizer | None, str | None]:
     """The tokenizer to re-apply the template with; the run's own path not loading is a
     finding (nothing can vouch for the prompts), a bad --tokenizer a usage error. The run's
     pinned --trust-remote-code holds for both."""
+    from app.tokenization import load_tokenizer
+
     trust_remote_code = trust_remote_code or run.trust_remote_code
     if override is not None:
         try:
@@ -105,6 +167,13 @@ def _tokenizer(
 
 
 def _print_summary(report: VerifyReport) -> None:
+    from rich.console import Console
+    from rich.markup import escape
+
+    from app.verify import CHECK_TITLES
+
+    # the summary is the command's output: stdout (errors go to stderr through handle_errors)
+    out = Console(highlight=False, soft_wrap=True)
     out.print(f"run [bold]{escape(report.run)}[/bold]: {report.items} finished items")
     for finding in report.findings:
         out.print(f"[red]finding:[/red] {escape(finding)}", soft_wrap=True)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import base64
 import json
 import logging
+from collections.abc import Collection
+from dataclasses import dataclass
 from typing import Any, cast
 
 from app.constants import GENERATE_TASK, WORK_QUEUE
@@ -35,6 +37,70 @@ def _ids_in_message(raw: bytes | str) -> list[int]:
     except (ValueError, KeyError, IndexError, TypeError) as exc:
         log.debug("unreadable broker message skipped (%s)", exc)
         return []
+
+
+@dataclass(frozen=True)
+class BrokerCheck:
+    """Which of the ids asked about a generate message carries, and whether every queued
+    message was read (only then is an id not found known to be missing)."""
+
+    found: set[int]
+    complete: bool
+
+
+def broker_holds(
+    broker_url: str,
+    wanted: Collection[int],
+    *,
+    unacked_grace_s: float,
+    max_messages: int,
+) -> BrokerCheck | None:
+    """Look for these ids in the broker, or None if it cannot tell.
+
+    Bounded: queued messages are read from the end workers consume from (Redis lists are
+    pushed on the left and popped on the right), so the longest-queued items are met first;
+    the read stops once every id is found or after max_messages messages (then `complete`
+    is False). Unacknowledged messages count while younger than unacked_grace_s, as in
+    broker_item_ids. Memory holds the wanted ids only, never every id in the broker.
+    """
+    if not broker_url.startswith(("redis://", "rediss://")):
+        return None
+    import redis
+
+    want = set(wanted)
+    found: set[int] = set()
+    client = redis.Redis.from_url(broker_url, socket_timeout=30, socket_connect_timeout=5)
+    try:
+        now_s = float(client.time()[0])
+        recent = cast(
+            list[bytes], client.zrangebyscore(UNACKED_INDEX_KEY, now_s - unacked_grace_s, "+inf")
+        )
+        for start in range(0, len(recent), 500):
+            for entry in client.hmget(UNACKED_KEY, recent[start : start + 500]):
+                if entry is not None:
+                    found.update(want.intersection(_ids_in_message(entry)))
+        read = 0
+        keys = [WORK_QUEUE.encode(), *client.scan_iter(match=f"{WORK_QUEUE}{PRIORITY_SEP}*")]
+        for key in keys:
+            if client.type(key) != b"list":
+                continue
+            length, start = int(client.llen(key)), 0
+            while start < length:
+                if found >= want:
+                    return BrokerCheck(found, complete=True)
+                if read >= max_messages:
+                    return BrokerCheck(found, complete=False)
+                size = min(1000, max_messages - read)
+                chunk = client.lrange(key, -(start + size), -(start + 1))
+                if not chunk:
+                    break
+                start += size
+                read += len(chunk)
+                for raw in reversed(chunk):
+                    found.update(want.intersection(_ids_in_message(raw)))
+        return BrokerCheck(found, complete=True)
+    finally:
+        client.close()
 
 
 def broker_item_ids(broker_url: str, *, unacked_grace_s: float | None = None) -> set[int] | None:

@@ -25,6 +25,7 @@ from typing import Any
 from sqlalchemy import Engine
 
 from app import ledger
+from app.database import SCAN_TIMEOUT_S, limit_periodic
 from app.ledger import RunInfo
 from app.locks import exclusive
 from app.settings import Settings
@@ -34,7 +35,6 @@ from app.shards import (
     list_names,
     open_location,
     remove_objects,
-    split_uri,
 )
 from app.storage import shard_row
 
@@ -46,6 +46,8 @@ SHARD_SUFFIX = ".parquet"
 COMPACT_LOCK_TTL_S = 3600.0
 COMPACT_BUDGET_S = 2700.0
 READ_PAGE_ITEMS = 1000
+# a compaction that moved at least this many items is followed by ANALYZE items
+ANALYZE_AFTER_ITEMS = 50_000
 
 
 @dataclass
@@ -106,8 +108,15 @@ def _compact_locked(
     shard_rows: int,
 ) -> None:
     loc = compaction_location(settings, run.name)
+    with db.connect() as conn:
+        archived = ledger.run_archived(conn, run.id)
+    if archived:
+        # its shards are referenced from the archive, and it has nothing left to compact
+        report.skipped = "the run is archived"
+        return
     report.orphans_removed = remove_orphans(db, run, loc)
     with db.connect() as conn:
+        limit_periodic(conn, timeout_s=SCAN_TIMEOUT_S)
         report.compactable = ledger.count_compactable(conn, run.id)
     if report.compactable == 0:
         report.skipped = "nothing to compact"
@@ -125,12 +134,16 @@ def _compact_locked(
             report.skipped = "time budget used up; the rest is compacted next time"
             break
         with db.connect() as conn:
+            limit_periodic(conn, timeout_s=SCAN_TIMEOUT_S)
             ids = ledger.compactable_ids(conn, run.id, after_id=after, limit=shard_rows)
         if not ids:
             break
         report.compacted += compact_ids(db, loc, ids)
         report.shards.append(shard_name(ids[0], ids[-1]))
         after = ids[-1]
+    if report.compacted >= ANALYZE_AFTER_ITEMS:
+        with db.begin() as conn:  # emptied arrays and moved rows: the planner should know
+            ledger.refresh_statistics(conn)
     log.info(
         "compacted %d items of run %s into %d shards under %s",
         report.compacted,
@@ -143,6 +156,15 @@ def _compact_locked(
 def _pages(ids: list[int], size: int) -> Iterator[list[int]]:
     for start in range(0, len(ids), size):
         yield ids[start : start + size]
+
+
+def shard_ids(name: str) -> tuple[int, int] | None:
+    """The (first, last) item ids of a shard named by shard_name(); None for another name."""
+    core = name[len(SHARD_PREFIX) : -len(SHARD_SUFFIX)]
+    first, _, last = core.partition("-")
+    if not (name.startswith(SHARD_PREFIX) and first.isdigit() and last.isdigit()):
+        return None
+    return int(first), int(last)
 
 
 def compact_ids(db: Engine, loc: Location, ids: list[int]) -> int:
@@ -165,14 +187,20 @@ def compact_ids(db: Engine, loc: Location, ids: list[int]) -> int:
 
 def remove_orphans(db: Engine, run: RunInfo, loc: Location) -> list[str]:
     """Delete shards of the folder no item points at (a compaction that died before its ledger
-    update) and temporary files of killed writers; call only while holding the run's lock."""
-    with db.connect() as conn:
-        referenced = ledger.shard_uris(conn, run.id)
-    # by name, not full URL: a storage URL spelled differently must never make live shards
-    # look unreferenced
-    referenced_names = {split_uri(uri)[1] for uri in referenced}
+    update) and temporary files of killed writers; call only while holding the run's lock.
+
+    Each shard is looked up by the id range its name carries (a probe that stops at its
+    first item), so the check costs O(shards), not a read of every compacted item; by name,
+    not full URL: a storage URL spelled differently must never make live shards look
+    unreferenced."""
     names = list_names(loc, prefix=SHARD_PREFIX, suffix=SHARD_SUFFIX)
-    orphans = [n for n in names if n not in referenced_names]
+    orphans = []
+    with db.connect() as conn:
+        limit_periodic(conn, timeout_s=SCAN_TIMEOUT_S)
+        for name in names:
+            ids = shard_ids(name)
+            if ids is not None and not ledger.shard_referenced(conn, run.id, name, *ids):
+                orphans.append(name)
     if loc.local:
         orphans += list_names(loc, prefix=f".{SHARD_PREFIX}", suffix=".tmp")
     if orphans:
@@ -185,5 +213,6 @@ def compact_due(db: Engine, settings: Settings) -> list[CompactionReport]:
     """The periodic task's body: compact every run with at least compact_min_items finished
     items still in the ledger."""
     with db.connect() as conn:
+        limit_periodic(conn, timeout_s=SCAN_TIMEOUT_S)
         due = ledger.runs_with_compactable(conn, settings.compact_min_items)
     return [compact_run(db, settings, run) for run in due]

@@ -14,13 +14,20 @@ from typing import Any
 
 from sqlalchemy import Engine
 
-from app import ledger
+from app import counters, ledger
 from app.constants import EVENT_RECONCILED
+from app.database import SCAN_TIMEOUT_S, limit_periodic
 from app.settings import Settings
 from workers import turns
-from workers.broker_scan import broker_item_ids
+from workers.broker_scan import broker_holds
 
 log = logging.getLogger(__name__)
+
+# per pass: how many long-queued items are looked for in the broker, in how many messages
+CHECK_ITEMS = 10_000
+BROKER_MESSAGES = 20_000
+# a pass that re-queued at least this many items is followed by ANALYZE items
+ANALYZE_AFTER_ITEMS = 50_000
 
 
 @dataclass
@@ -56,8 +63,10 @@ def reconcile(
     publish: Callable[[list[int], float], None],
 ) -> ReconcileReport:
     report = ReconcileReport()
+    fold_counters(db)
     with db.begin() as conn:
         run_id = ledger.get_run(conn, run).id if run else None
+        limit_periodic(conn, timeout_s=SCAN_TIMEOUT_S)
         expired = ledger.requeue_expired(conn, run_id=run_id)
         publish(expired, 0.0)
     report.expired = len(expired)
@@ -72,6 +81,7 @@ def reconcile(
         after = 0
         while True:
             with db.connect() as conn:
+                limit_periodic(conn, timeout_s=SCAN_TIMEOUT_S)
                 ids = ledger.pending_ids(conn, info.id, after_id=after)
             if not ids:
                 break
@@ -80,7 +90,10 @@ def reconcile(
                 ledger.mark_queued(conn, ids)
             report.unpublished += len(ids)
             after = ids[-1]
-    report.lost = _requeue_lost(db, settings, run_infos, publish, report)
+    report.lost = _requeue_lost(db, settings, run_id, publish, report)
+    if report.requeued >= ANALYZE_AFTER_ITEMS:
+        with db.begin() as conn:
+            ledger.refresh_statistics(conn)
     if report.requeued:
         log.info(
             "reconcile re-queued %d expired, %d unpublished and %d lost items",
@@ -101,34 +114,50 @@ def reconcile(
     return report
 
 
+def fold_counters(db: Engine) -> None:
+    """Sum the item counters' per-writer shards, so views keep reading a few rows per key."""
+    with db.begin() as conn:
+        if not counters.fold_shards(conn):
+            log.debug("item counters: another fold is running")
+
+
 def _requeue_lost(
     db: Engine,
     settings: Settings,
-    run_infos: list[ledger.RunInfo],
+    run_id: int | None,
     publish: Callable[[list[int], float], None],
     report: ReconcileReport,
 ) -> int:
-    """Items queued in the ledger for a while that no broker message carries any more."""
-    held = broker_item_ids(
-        settings.resolved_broker_url(), unacked_grace_s=settings.reconcile_grace_s
+    """Items queued in the ledger for a while that no broker message carries any more.
+
+    Bounded per pass, whatever the size of the queue: the CHECK_ITEMS longest-queued items
+    are looked for in at most BROKER_MESSAGES messages, read from the end workers consume
+    from. An item is judged lost only when the whole queue was read (a long queue is judged
+    once it drains that far); re-sent items go to the back of the order (queued_at = now),
+    so the next pass checks the next ones."""
+    cutoff = ledger.utcnow() - timedelta(seconds=settings.reconcile_grace_s)
+    with db.connect() as conn:
+        limit_periodic(conn, timeout_s=SCAN_TIMEOUT_S)
+        candidates = ledger.oldest_queued(conn, cutoff, limit=CHECK_ITEMS, run_id=run_id)
+    check = broker_holds(
+        settings.resolved_broker_url(),
+        candidates,
+        unacked_grace_s=settings.reconcile_grace_s,
+        max_messages=BROKER_MESSAGES,
     )
-    if held is None:
+    if check is None:
         return 0
     report.broker_checked = True
-    cutoff = ledger.utcnow() - timedelta(seconds=settings.reconcile_grace_s)
-    lost_total = 0
-    for info in run_infos:
-        after = 0
-        while True:
-            with db.connect() as conn:
-                page = ledger.queued_before(conn, info.id, cutoff, after_id=after)
-            if not page:
-                break
-            lost = [i for i in page if i not in held]
-            if lost:
-                with db.begin() as conn:
-                    ledger.touch_queued(conn, lost)
-                publish(lost, 0.0)
-                lost_total += len(lost)
-            after = page[-1]
-    return lost_total
+    if not check.complete:
+        log.info(
+            "reconcile: the broker holds more than %d messages; lost items are looked for "
+            "once it drains",
+            BROKER_MESSAGES,
+        )
+        return 0
+    lost = [i for i in candidates if i not in check.found]
+    if lost:
+        with db.begin() as conn:
+            ledger.touch_queued(conn, lost)
+        publish(lost, 0.0)
+    return len(lost)

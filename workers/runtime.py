@@ -20,6 +20,7 @@ from sqlalchemy import Engine
 from app import ledger, registry
 from app.constants import EVENT_FINGERPRINT_MISMATCH, EVENT_FINGERPRINT_PINNED
 from app.contracts import SamplingParams, ServerFingerprint
+from app.database import limit_periodic
 from app.errors import GenerationError
 from app.settings import Settings
 from app.sglang import SGLangClient
@@ -126,6 +127,7 @@ class WorkerRuntime:
             refused = [run_id for run_id, ok in self._run_ok.items() if not ok]
             refused += [run_id for run_id, info in self._runs.items() if info.turns == "each"]
         with self.db.connect() as conn:
+            limit_periodic(conn)
             candidates = ledger.hedge_candidates(
                 conn, server=self.server_name, limit=limit, skip_runs=refused
             )

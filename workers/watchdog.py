@@ -17,6 +17,7 @@ from sqlalchemy import Engine
 from app import ledger, registry
 from app.constants import EVENT_FINGERPRINT_MISMATCH
 from app.contracts import ServerFingerprint
+from app.database import limit_periodic
 from app.errors import GenerationError
 from app.registry import (
     PAUSED_BY_FINGERPRINT,
@@ -110,6 +111,7 @@ def check_server(
     first time it is seen for that run (and again whenever it is admitted back)."""
     probe = prober.probe(server)
     with db.connect() as conn:
+        limit_periodic(conn)
         load = registry.server_load(conn, server.name)
     stalled = probe.ok and registry.is_stalled(load, now=ledger.utcnow(), stall_s=stall_s)
     previous = Verdict(
@@ -190,6 +192,7 @@ def _admit(
         return
     with db.begin() as conn:
         registry.set_fingerprint(conn, server.name, fingerprint.to_json())
+        limit_periodic(conn)
         conflicts = fingerprint_conflicts(fingerprint, registry.active_run_fingerprints(conn))
     if conflicts:
         if server.paused and server.paused_by not in _GUARDED:

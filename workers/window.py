@@ -3,7 +3,8 @@
 Claimed items wait in a small backlog; each of N slot threads (one single-connection client
 each) takes the next item the moment its previous request finishes, so there are no batch
 barriers and heavy-tailed output lengths never idle the server. Outcomes go to one writer
-thread that commits them in small groups; a heartbeat keeps this worker's leases alive.
+thread that commits them in small groups; a heartbeat thread with its own connection keeps
+this worker's leases alive.
 
 Hedging (the end of a run): when slots are free and the run has nothing left to claim, the
 timer asks for items still running on other servers and sends a second copy of each to this
@@ -14,6 +15,7 @@ finished, and hedges give their slots back at once when real work arrives.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 import logging
@@ -27,11 +29,12 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from sqlalchemy import Engine
+from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import InterfaceError, OperationalError
 
 from app import ledger
 from app.contracts import GenerateResult, SamplingParams
+from app.database import limit_periodic
 from app.errors import GenerationError, PermanentError, RetryableError, ServerUnavailable
 from app.ledger import ClaimedItem, Done, Failed, Outcome, Released, RetryLater
 from app.sglang import ProbeResult
@@ -193,6 +196,7 @@ class InflightWindow:
             self._spawn(self._slot_loop, f"tm-slot-{name}-{i}")
         self._spawn(self._writer_loop, f"tm-writer-{name}")
         self._spawn(self._timer_loop, f"tm-timer-{name}")
+        self._spawn(self._heartbeat_loop, f"tm-heartbeat-{name}")
         if self.config.hedge_interval_s > 0:
             self._spawn(self._abort_loop, f"tm-abort-{name}")
         log.info(
@@ -714,6 +718,7 @@ class InflightWindow:
             ]
         if jobs:
             with self._db.connect() as conn:
+                limit_periodic(conn)
                 final = ledger.finished_among(conn, [j.item.id for j in jobs])
             with self._cond:
                 for job in jobs:
@@ -790,10 +795,34 @@ class InflightWindow:
             if error:
                 self.stats.last_error = error[:300]
 
-    # --- timer: delayed retries and lease heartbeats -------------------------------------
+    # --- heartbeat: lease renewals on their own thread and connection ---------------------
+
+    def _heartbeat_loop(self) -> None:
+        """Renew this worker's leases every heartbeat_s. Nothing else runs on this thread or
+        its connection (kept open between beats), so no slow query, pool wait or hung abort
+        can make a beat late; a failed beat drops the connection and tries again next beat."""
+        conn: Connection | None = None
+        try:
+            while not self._stopping.wait(self.config.heartbeat_s):
+                try:
+                    if conn is None:
+                        conn = self._db.connect()
+                    with conn.begin():
+                        limit_periodic(conn, timeout_s=max(1.0, self.config.heartbeat_s))
+                        ledger.extend_leases(conn, owner=self.owner, lease_s=self.config.lease_s)
+                except Exception as exc:
+                    log.warning("lease heartbeat failed (%s); retrying next beat", exc)
+                    if conn is not None:
+                        with contextlib.suppress(Exception):
+                            conn.close()
+                    conn = None
+        finally:
+            if conn is not None:
+                conn.close()
+
+    # --- timer: delayed retries and the hedge round ----------------------------------------
 
     def _timer_loop(self) -> None:
-        next_beat = self._clock() + self.config.heartbeat_s
         next_hedge = self._clock()
         while not self._stopping.is_set():
             now = self._clock()
@@ -811,13 +840,6 @@ class InflightWindow:
                     self._hedge_round()
                 except Exception as exc:
                     log.warning("hedge round failed (%s); trying again", exc)
-            if now >= next_beat:
-                next_beat = now + self.config.heartbeat_s
-                try:
-                    with self._db.begin() as conn:
-                        ledger.extend_leases(conn, owner=self.owner, lease_s=self.config.lease_s)
-                except Exception as exc:
-                    log.warning("lease heartbeat failed (%s); retrying next beat", exc)
             self._stopping.wait(0.05)
         # shutting down: delayed retries are given back, not sent
         with self._cond:

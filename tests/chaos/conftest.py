@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import Engine, text
 
-from app import ledger, registry
+from app import counters, ledger, registry
 from app.emulator.config import EmulatorConfig
 from app.emulator.model import generate_output
 from tests.support.emulator import free_port
@@ -360,8 +360,11 @@ class Deployment:
                     text("SELECT count(*) FROM items WHERE run_id = :r"), {"r": run.id}
                 ).scalar_one()
             )
+            # what status and /metrics showed through the scenario: equal to a full count
+            drift = [d.describe() for d in counters.find_drift(conn)]
         keys = {(s.item_key, s.sample_index) for s in stored}
         assert rows == self.items, f"{rows} ledger rows for {self.items} items"
+        assert drift == [], f"item counters drifted: {drift}"
         assert len(keys) == len(stored), "duplicate results"
         assert len(stored) == self.items, f"lost: {self.items - len(stored)} items unfinished"
         for s in stored:

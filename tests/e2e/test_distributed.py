@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import Engine
 
-from app import ledger
+from app import counters, ledger
 from app.emulator.config import EmulatorConfig
 from app.emulator.model import generate_output
 from app.tokenization import load_tokenizer
@@ -117,6 +117,8 @@ def test_two_workers_two_servers_exact_and_exactly_once(
     finally:
         stop(workers)
     assert counts.done == EXPECTED and counts.failed == 0
+    with pg_engine.connect() as conn:  # what status read: the counters equal a full count
+        assert counters.find_drift(conn) == []
 
     tokenizer = load_tokenizer(kimi_tokenizer_dir)
     with pg_engine.connect() as conn:

@@ -34,7 +34,7 @@ from ops.metrics import (
 from tests.support.emulator import free_port
 from tests.support.procs import ROOT, clean_env
 
-COMMAND = "from ops.metrics import metrics_cmd; metrics_cmd()"  # until the CLI registers it
+COMMAND = "from ops.metrics_cmd import metrics_cmd; metrics_cmd()"
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 

@@ -17,7 +17,7 @@ from app.constants import GENERATE_TASK, WORK_QUEUE
 from app.contracts import SamplingParams
 from app.ledger import items
 from app.settings import Settings
-from workers.broker_scan import broker_item_ids
+from workers.broker_scan import broker_holds, broker_item_ids
 from workers.publish import chunks
 from workers.reconcile import reconcile
 
@@ -83,3 +83,55 @@ def test_reconcile_brings_back_lost_expired_and_unpublished(
     sent.clear()
     second = reconcile(pg_engine, settings, run="r", publish=publish)
     assert second.requeued == 0 and sent == []
+
+
+def test_the_broker_check_is_bounded_and_reads_from_the_consuming_end(
+    redis_url: str, tmp_path: Path
+) -> None:
+    settings = Settings(data_dir=tmp_path, broker_url=redis_url)
+    publish, _ = publisher(settings)
+    publish(list(range(1, 401)), 0)  # 100 messages of 4 ids, 1..4 first (consumed first)
+    url = settings.resolved_broker_url()
+    whole = broker_holds(url, [2, 399, 5000], unacked_grace_s=30, max_messages=10_000)
+    assert whole is not None and whole.complete and whole.found == {2, 399}
+    # the oldest ids are found in the first messages read, and the read stops there
+    first = broker_holds(url, [1, 2, 4], unacked_grace_s=30, max_messages=1)
+    assert first is not None and first.complete and first.found == {1, 2, 4}
+    # an id in no message is judged missing only after the whole queue was read
+    capped = broker_holds(url, [1, 5000], unacked_grace_s=30, max_messages=1)
+    assert capped is not None and not capped.complete and capped.found == {1}
+    assert broker_holds("memory://", [1], unacked_grace_s=30, max_messages=10) is None
+
+
+def test_reconcile_waits_for_a_long_queue_before_calling_items_lost(
+    pg_url: str, pg_engine: Engine, redis_url: str, tmp_path: Path, monkeypatch: object
+) -> None:
+    import workers.reconcile as reconcile_module
+
+    settings = Settings(
+        data_dir=tmp_path, database_url=pg_url, broker_url=redis_url, reconcile_grace_s=30
+    )
+    publish, sent = publisher(settings)
+    spec = ledger.RunSpec("long", "/t", "a" * 64, "b" * 64, {}, SamplingParams(), 1, None, [2])
+    with pg_engine.begin() as conn:
+        run, _ = ledger.get_or_create_run(conn, spec)
+        ledger.insert_items(
+            conn, run.id, [ledger.NewItem(f"k{i}", 0, i, None, [1, i]) for i in range(40)]
+        )
+        ids = ledger.pending_ids(conn, run.id)
+        ledger.mark_queued(conn, ids)
+        conn.execute(
+            update(items)
+            .where(items.c.id.in_(ids))
+            .values(queued_at=ledger.utcnow() - timedelta(seconds=60))
+        )
+    publish(ids[20:], 0)  # the first 20 were lost; 5 messages carry the other 20
+    sent.clear()
+    setattr(reconcile_module, "BROKER_MESSAGES", 2)  # noqa: B010 - restored below
+    try:
+        assert reconcile(pg_engine, settings, run="long", publish=publish).lost == 0
+        assert sent == []
+    finally:
+        setattr(reconcile_module, "BROKER_MESSAGES", 20_000)  # noqa: B010
+    assert reconcile(pg_engine, settings, run="long", publish=publish).lost == 20
+    assert sorted(sent) == ids[:20]

@@ -1,0 +1,509 @@
+"""Scale: what every operator command, periodic query and claim/write costs on ledgers of
+10K to 10M items (issue 14), with the product's own functions, and the ratios between sizes.
+
+    python bench/scale.py [--sizes 10000,100000,1000000,10000000] [--keep]
+                          [--parts commands,queries,claims,export] [--repeat 5] [--slowlog]
+
+Ledgers are built by bench/scale_build.py (one database `tokenmill_scale_<size>` per size;
+--keep reuses one built at the current schema revision and keeps it afterwards). Commands are
+timed as `python -m ops ...` subprocesses, start-up included (wall, median of --repeat, and
+CPU); periodic queries and claim/write call app.ledger, app.registry, app.metrics_queries,
+ops.metrics, workers.reconcile in this process, each in its own pooled connection as the
+workers do. --slowlog (bench/scale_slowlog.py) checks Postgres' slow-statement log instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+REDIS_URL = os.environ.get("TOKENMILL_BENCH_SCALE_REDIS_URL", "redis://127.0.0.1:6379/14")
+# the product reads its settings (the broker for publishing) from the environment: set it
+# before app.celery_app is imported
+os.environ["TOKENMILL_BROKER_URL"] = REDIS_URL
+
+import scale_build as build  # noqa: E402
+from common import (  # noqa: E402
+    CACHE_DIR,
+    ROOT,
+    engine_for,
+    fixture_tokenizer_dir,
+    flush_redis,
+    machine_note,
+    table,
+)
+from sqlalchemy import Engine, text  # noqa: E402
+
+from app import ledger, registry  # noqa: E402
+from app.contracts import GenerateResult  # noqa: E402
+from app.settings import Settings  # noqa: E402
+
+PARTS = ("commands", "queries", "claims", "export")
+RESULTS = CACHE_DIR / "scale-results.json"
+CLAIM_BATCH = 32
+CLAIM_ROUNDS = 20
+EXPORT_PAGE_ITEMS = 100_000
+BROKER_FILL_IDS = 200_000  # items of run A streamed by iter_items for its rate
+
+# a figure's target at the largest size: (limit, description), limit 0 meaning "the same as
+# at the smallest size"
+Target = tuple[float, str] | None
+
+
+def target(name: str) -> Target:
+    """Issue 14's target for a figure of the table, by its name."""
+    if name.startswith("tokenmill --help, s wall"):
+        return (0.3, "< 0.3 s")
+    if name.startswith("tokenmill ") and name.endswith(", s wall"):
+        return (1.0, "< 1.0 s")
+    if name.startswith("metrics: /metrics"):
+        return (300.0, "< 300 ms")
+    if name.startswith(("claim of", "result write of")) or name.endswith("items/s"):
+        return (0.0, "same as the smallest")
+    if name.endswith(", ms") and not name.startswith("events"):
+        return (50.0, "< 50 ms")
+    return None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="10000,100000,1000000,10000000")
+    parser.add_argument("--keep", action="store_true", help="reuse and keep built ledgers")
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"some of {','.join(PARTS)}")
+    parser.add_argument("--repeat", type=int, default=5, help="timings per figure (median)")
+    parser.add_argument("--slowlog", action="store_true", help="run the slow-statement check")
+    parser.add_argument(
+        "--table", action="store_true", help=f"only print the table of the figures in {RESULTS}"
+    )
+    args = parser.parse_args()
+    if args.table:
+        saved = json.loads(RESULTS.read_text())
+        print(report({int(size): figures for size, figures in saved.items()}))
+        return
+    sizes = [int(s) for s in args.sizes.split(",")]
+    parts = [p for p in args.parts.split(",") if p]
+    if args.slowlog:
+        import scale_slowlog
+
+        scale_slowlog.main(keep=args.keep)
+        return
+    print(f"scale: {machine_note()}", flush=True)
+    tokenizer = _tokenizer_identity()
+    results: dict[int, dict[str, float]] = {}
+    for size in sizes:
+        built = build.existing(size) if args.keep else None
+        if built is None:
+            print(f"building {size:,} items", flush=True)
+            built = build.build(size, *tokenizer)
+        try:
+            results[size] = measure(built, parts, args.repeat)
+        finally:
+            if not args.keep:
+                build.drop(size)
+        _save(size, results[size])
+    print()
+    print(report(results))
+
+
+def _tokenizer_identity() -> tuple[str, str, str]:
+    from app.tokenization import load_tokenizer
+
+    path = fixture_tokenizer_dir()
+    tok = load_tokenizer(path)
+    return str(path), tok.tokenizer_hash, tok.chat_template_hash
+
+
+def measure(built: build.Ledger, parts: list[str], repeat: int) -> dict[str, float]:
+    db = engine_for(built.url, pool_size=4)
+    settings = Settings(database_url=built.url, broker_url=REDIS_URL)
+    out: dict[str, float] = {}
+    try:
+        with db.connect() as conn:
+            out["items table + indexes, bytes/item"] = (
+                conn.execute(text("SELECT pg_total_relation_size('items')")).scalar_one()
+                / built.size
+            )
+        _fill_broker(db, built)
+        if "commands" in parts:
+            out |= time_commands(db, built, repeat)
+        if "queries" in parts:
+            out |= time_queries(db, built, settings, repeat)
+        if "claims" in parts:
+            out |= time_claims(db, built)
+        if "export" in parts:
+            out |= time_export(db, built, repeat)
+    finally:
+        db.dispose()
+    return out
+
+
+# --- the broker: every queued item of run B is in a message, as after a real enqueue ---------
+
+
+def _fill_broker(db: Engine, built: build.Ledger) -> None:
+    """Messages for run B's oldest BROKER_FILL_IDS queued ids (all of them up to 1M items):
+    what reconcile's bounded check reads first. Publishing 2M ids would take 10 minutes."""
+    from workers.publish import publish_items
+
+    flush_redis(REDIS_URL)
+    after, started = 0, time.monotonic()
+    while after == 0 or after < _nth_queued(db, built, BROKER_FILL_IDS):
+        ids = _queued_ids(db, built, after, 50_000)
+        if not ids:
+            break
+        publish_items(ids, batch_size=32, run=build.RUN_B)
+        after = ids[-1]
+    print(f"  broker filled in {time.monotonic() - started:.0f}s", flush=True)
+
+
+def _queued_ids(db: Engine, built: build.Ledger, after: int, limit: int) -> list[int]:
+    """Run B's queued ids above after, in id order (the bench's own pick, not a product query)."""
+    with db.connect() as conn:
+        rows = conn.execute(
+            text(
+                "SELECT id FROM items WHERE run_id = :run AND status = 'queued' AND id > :after "
+                "ORDER BY id LIMIT :n"
+            ),
+            {"run": built.run_b.id, "after": after, "n": limit},
+        )
+        return [int(i) for i in rows.scalars()]
+
+
+def _nth_queued(db: Engine, built: build.Ledger, n: int) -> int:
+    with db.connect() as conn:
+        last = conn.execute(
+            text(
+                "SELECT max(id) FROM (SELECT id FROM items WHERE run_id = :run "
+                "AND status = 'queued' ORDER BY id LIMIT :n) AS first"
+            ),
+            {"run": built.run_b.id, "n": n},
+        ).scalar()
+    return int(last or 0)
+
+
+def _restore_dead_leases(db: Engine, built: build.Ledger) -> None:
+    """Put the dead worker's leases back (expired an hour ago) after a reconcile re-queued
+    them, through the product's claim (a negative lease is one that has already expired)."""
+    with db.begin() as conn:
+        ids = list(
+            conn.execute(
+                text("SELECT id FROM items WHERE run_id = :run ORDER BY id DESC LIMIT :n"),
+                {"run": built.run_a.id, "n": build.DEAD_LEASES},
+            ).scalars()
+        )
+        ledger.claim_items(conn, ids, owner=build.DEAD_WORKER, server="s2", lease_s=-3600)
+
+
+# --- operator commands: subprocess wall time, start-up included ------------------------------
+
+
+def _command_env(built: build.Ledger, data_dir: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENMILL_")}
+    env["PYTHONPATH"] = str(ROOT)
+    env["TOKENMILL_DATABASE_URL"] = built.url
+    env["TOKENMILL_BROKER_URL"] = REDIS_URL
+    env["TOKENMILL_DATA_DIR"] = str(data_dir)
+    env["TOKENMILL_STORAGE_URL"] = str(data_dir / "storage")
+    return env
+
+
+def _run(argv: list[str], env: dict[str, str]) -> tuple[float, float]:
+    """Wall and CPU seconds of `python -m ops ARGV` (exit 0 or 1: verify's findings)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    started = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-m", "ops", *argv], env=env, cwd=ROOT, capture_output=True, text=True
+    )
+    wall = time.perf_counter() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if done.returncode not in (0, 1):
+        raise RuntimeError(f"tokenmill {' '.join(argv)} failed:\n{done.stderr[-2000:]}")
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    return wall, cpu
+
+
+COMMANDS: tuple[tuple[str, list[str]], ...] = (
+    ("tokenmill --help", ["--help"]),
+    ("tokenmill status", ["status"]),
+    ("tokenmill status --json", ["status", "--json"]),
+    ("tokenmill servers", ["servers"]),
+    ("tokenmill events", ["events"]),
+    ("tokenmill reconcile", ["reconcile"]),
+)
+
+
+def time_commands(db: Engine, built: build.Ledger, repeat: int) -> dict[str, float]:
+    out: dict[str, float] = {}
+    with tempfile.TemporaryDirectory(prefix="tokenmill-scale-") as tmp:
+        env = _command_env(built, Path(tmp))
+        for name, argv in COMMANDS:
+            walls, cpus = [], []
+            for _ in range(repeat):
+                wall, cpu = _run(argv, env)
+                walls.append(wall)
+                cpus.append(cpu)
+                if argv[0] == "reconcile":
+                    _restore_dead_leases(db, built)
+            out[f"{name}, s wall"] = statistics.median(walls)
+            out[f"{name}, s cpu"] = statistics.median(cpus)
+            print(f"  {name}: {statistics.median(walls):.3f} s", flush=True)
+    return out
+
+
+# --- periodic queries, in process ---------------------------------------------------------
+
+
+def _timed(fn: Callable[[], Any], repeat: int, *, after: Callable[[], Any] | None = None) -> float:
+    """Median seconds of fn over repeat calls after a warm-up; `after` (untimed) runs after
+    every call, e.g. to put back what fn changed."""
+    samples = []
+    for i in range(repeat + 1):
+        started = time.perf_counter()
+        fn()
+        if i:  # the first call pays the pool's connect and the statement cache
+            samples.append(time.perf_counter() - started)
+        if after is not None:
+            after()
+    return statistics.median(samples)
+
+
+def _read(db: Engine, fn: Callable[[Any], Any]) -> Callable[[], Any]:
+    def call() -> Any:
+        with db.connect() as conn:
+            return fn(conn)
+
+    return call
+
+
+def _write(db: Engine, fn: Callable[[Any], Any]) -> Callable[[], Any]:
+    def call() -> Any:
+        with db.begin() as conn:
+            return fn(conn)
+
+    return call
+
+
+def time_queries(
+    db: Engine, built: build.Ledger, settings: Settings, repeat: int
+) -> dict[str, float]:
+    from app.dashboard_queries import gather_dashboard
+    from app.metrics_queries import read_snapshot
+    from workers.publish import publish_items
+    from workers.reconcile import reconcile
+
+    with db.connect() as conn:
+        in_flight = list(
+            conn.execute(
+                text("SELECT id FROM items WHERE lease_owner = :owner ORDER BY id LIMIT 64"),
+                {"owner": build.LIVE_WORKERS[0]},
+            ).scalars()
+        )
+    run_a = built.run_a
+
+    def reconcile_pass() -> None:
+        def publish(ids: list[int], wait_s: float) -> None:
+            if ids:
+                publish_items(ids, batch_size=settings.batch_size, countdown_s=wait_s)
+
+        reconcile(db, settings, run=None, publish=publish)
+
+    def status_all(conn: Any) -> Any:
+        return [ledger.run_counts(conn, r) for r in ledger.list_runs(conn)]
+
+    queries: dict[str, Callable[[], Any]] = {
+        "hedge search (end of run A, B queued)": _read(
+            db, lambda c: ledger.hedge_candidates(c, server="s3", limit=32)
+        ),
+        "finished_among(64 in flight)": _read(db, lambda c: ledger.finished_among(c, in_flight)),
+        "heartbeat: extend_leases(128)": _write(
+            db,
+            lambda c: ledger.extend_leases(c, owner=build.LIVE_WORKERS[0], lease_s=300),
+        ),
+        "watchdog: server_load(s1)": _read(db, lambda c: registry.server_load(c, "s1")),
+        "watchdog: active_run_fingerprints": _read(db, registry.active_run_fingerprints),
+        "counts: run_counts(run A)": _read(db, lambda c: ledger.run_counts(c, run_a)),
+        "counts: every run (status)": _read(db, status_all),
+        "dashboard tick (status --watch)": _read(db, gather_dashboard),
+        "metrics: read_snapshot": lambda: read_snapshot(db),
+        "compaction scan: runs_with_compactable": _read(
+            db, lambda c: ledger.runs_with_compactable(c, settings.compact_min_items)
+        ),
+        "compaction scan: count_compactable(A)": _read(
+            db, lambda c: ledger.count_compactable(c, run_a.id)
+        ),
+        "events: list_events(200)": _read(db, lambda c: registry.list_events(c, limit=200)),
+        "reconcile pass": reconcile_pass,
+    }
+    out: dict[str, float] = {}
+    for name, fn in queries.items():
+        key = f"{name}, ms"
+        after = (lambda: _restore_dead_leases(db, built)) if fn is reconcile_pass else None
+        out[key] = 1000 * _timed(fn, repeat, after=after)
+        print(f"  {name}: {out[key]:.1f} ms", flush=True)
+    out["metrics: /metrics scrape over HTTP, ms"] = 1000 * _time_scrape(db, repeat)
+    return out
+
+
+def _time_scrape(db: Engine, repeat: int) -> float:
+    from ops.metrics import make_metrics_server
+
+    server = make_metrics_server(
+        engine=db, broker_url=REDIS_URL, host="127.0.0.1", port=0, credentials=None, cache_s=0
+    )
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        return _timed(lambda: urllib.request.urlopen(server.url, timeout=600).read(), repeat)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+# --- claim and write ------------------------------------------------------------------------
+
+
+def time_claims(db: Engine, built: build.Ledger) -> dict[str, float]:
+    """CLAIM_ROUNDS batches of 32 queued items of run B: claim, then write their results."""
+    claims, writes = [], []
+    owner = "gen@scale-bench"
+    for _ in range(CLAIM_ROUNDS):
+        ids = _queued_ids(db, built, 0, CLAIM_BATCH)
+        started = time.perf_counter()
+        with db.begin() as conn:
+            claimed = ledger.claim_items(conn, ids, owner=owner, server="s3", lease_s=300)
+        claims.append(time.perf_counter() - started)
+        outcomes: list[ledger.Outcome] = [
+            ledger.Done(item.id, _result(item.id)) for item in claimed
+        ]
+        started = time.perf_counter()
+        with db.begin() as conn:
+            ledger.record_outcomes(conn, outcomes, owner=owner, lease_s=300)
+        writes.append(time.perf_counter() - started)
+    out = {
+        f"claim of {CLAIM_BATCH} ids, ms": 1000 * statistics.median(claims),
+        f"result write of {CLAIM_BATCH}, ms": 1000 * statistics.median(writes),
+    }
+    print(f"  claims: {out}", flush=True)
+    return out
+
+
+def _result(item_id: int) -> GenerateResult:
+    return GenerateResult(
+        rid=f"scale-{item_id}",
+        output_ids=[7] * 11 + [build.EOS_ID],
+        finish_reason="stop",
+        matched_stop=build.EOS_ID,
+        prompt_tokens=8,
+        completion_tokens=12,
+        cached_tokens=0,
+        e2e_latency_s=3.2,
+    )
+
+
+# --- export and verify: items per second ----------------------------------------------------
+
+
+def time_export(db: Engine, built: build.Ledger, repeat: int) -> dict[str, float]:
+    out: dict[str, float] = {}
+    rows = build.EXPORT_ITEMS * 998 // 1000  # run C's done items
+    with tempfile.TemporaryDirectory(prefix="tokenmill-scale-") as tmp:
+        env = _command_env(built, Path(tmp))
+        commands = {
+            "export (specforge, run C), items/s": [
+                "export",
+                build.RUN_C,
+                "--out",
+                f"{tmp}/c.jsonl",
+            ],
+            "verify (run C), items/s": ["verify", build.RUN_C],
+            "report (run C), items/s": ["report", build.RUN_C, "--out", f"{tmp}/report"],
+        }
+        for name, argv in commands.items():
+            wall = statistics.median(_run(argv, env)[0] for _ in range(max(1, repeat // 2)))
+            out[name] = rows / wall
+            print(f"  {name}: {out[name]:,.0f}", flush=True)
+    streamed = 0
+    started = time.perf_counter()
+    with db.connect() as conn:
+        for _ in ledger.iter_items(conn, built.run_a.id):
+            streamed += 1
+            if streamed >= EXPORT_PAGE_ITEMS:
+                break
+    key = "iter_items(run A), first 100K, items/s"
+    out[key] = streamed / (time.perf_counter() - started)
+    print(f"  {key}: {out[key]:,.0f}", flush=True)
+    return out
+
+
+# --- the table -------------------------------------------------------------------------------
+
+
+def _save(size: int, figures: dict[str, float]) -> None:
+    saved = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    saved.setdefault(str(size), {}).update(figures)
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(saved, indent=1))
+
+
+def _label(size: int) -> str:
+    return f"{size // 1_000_000}M" if size >= 1_000_000 else f"{size // 1000}K"
+
+
+def report(results: dict[int, dict[str, float]]) -> str:
+    sizes = sorted(results)
+    names = list(dict.fromkeys(k for s in sizes for k in results[s]))
+    headers = ["figure", *(_label(s) for s in sizes)]
+    headers += [f"{_label(b)}/{_label(a)}" for a, b in itertools.pairwise(sizes)]
+    headers += [f"target at {_label(sizes[-1])}", "met"]
+    rows = []
+    for name in names:
+        values = [results[s].get(name) for s in sizes]
+        ratios = [
+            f"{b / a:.2f}" if a and b is not None else "—" for a, b in itertools.pairwise(values)
+        ]
+        goal = target(name)
+        verdict = _verdict(goal, values, name_is_rate=name.endswith("items/s"))
+        rows.append(
+            [
+                name,
+                *(v if v is not None else "—" for v in values),
+                *ratios,
+                goal[1] if goal else "",
+                verdict,
+            ]
+        )
+    return table(headers, rows)
+
+
+def _verdict(goal: Target, values: list[float | None], *, name_is_rate: bool) -> str:
+    if goal is None or values[-1] is None:
+        return ""
+    limit, _ = goal
+    last = values[-1]
+    if limit > 0:
+        return "yes" if last < limit else "NO"
+    first = values[0]
+    if first is None or len(values) < 2:
+        return ""
+    # "the same": not worse than 1.5 times the smallest ledger's figure (the machine is noisy;
+    # a better figure at a larger size is noise, not a cost of the size)
+    if name_is_rate:
+        return "yes" if last >= first / 1.5 else "NO"
+    return "yes" if last <= first * 1.5 else "NO"
+
+
+if __name__ == "__main__":
+    main()

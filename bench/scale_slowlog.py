@@ -1,0 +1,195 @@
+"""`python bench/scale.py --slowlog`: on the 1M-item ledger, Postgres logs every statement of
+500 ms or more while the fleet runs; the product must log none (issue 14's last target).
+
+The ledger is bench/scale_build.py's: run A at its end (live leases on two servers, a dead
+worker's expired leases), run B queued behind it, every id in a broker message. For
+SLOWLOG_SECONDS a real `celery -A app worker` bound to an emulator works run B (steady state)
+and hedges run A's stragglers, `celery -A app beat` sends the watchdog, reconcile and
+compaction, and an operator polls `tokenmill status`, `servers`, `events` and `/metrics`.
+The database gets `log_min_duration_statement = 500` (ALTER DATABASE, reset at the end);
+the lines its sessions add to the server log are the result.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import scale_build as build
+from common import (
+    PG_ADMIN_URL,
+    ROOT,
+    emulator,
+    engine_for,
+    fixture_tokenizer_dir,
+    service_env,
+    start_worker,
+    stop_process,
+)
+from sqlalchemy import create_engine, text
+
+from app import ledger, registry
+from app.settings import Settings, normalize_database_url
+
+SIZE = 1_000_000
+SLOWLOG_SECONDS = 240
+SLOW_MS = 500
+SERVER_LOG = Path("/var/log/postgresql/postgresql-15-main.log")
+OPERATOR_POLL_S = 5.0
+DURATION = re.compile(r"duration: ([0-9.]+) ms\s+(?:statement|execute [^:]*): (.*)")
+
+
+def main(*, keep: bool) -> None:
+    from scale import REDIS_URL, _fill_broker
+
+    from app.tokenization import load_tokenizer
+
+    built = build.existing(SIZE) if keep else None
+    if built is None:
+        tokenizer = load_tokenizer(fixture_tokenizer_dir())
+        built = build.build(
+            SIZE,
+            str(fixture_tokenizer_dir()),
+            tokenizer.tokenizer_hash,
+            tokenizer.chat_template_hash,
+        )
+    db = engine_for(built.url)
+    log_from = SERVER_LOG.stat().st_size
+    _set_slow_log(SLOW_MS)
+    processed = 0  # items of run B finished while the fleet ran
+    try:
+        _fill_broker(db, built)
+        with db.connect() as conn:
+            before = ledger.run_counts(conn, built.run_b)
+        emu_args = ["--step-ms", "5", "--median-tokens", "16", "--sigma", "0.5"]
+        with emulator([*emu_args, "--max-running", "64", "--log-level", "warning"]) as emu:
+            _serve_runs_with(db, emu.url)
+            with tempfile.TemporaryDirectory(prefix="tokenmill-slowlog-") as tmp:
+                _run_fleet(built, emu.url, Path(tmp), REDIS_URL, db)
+        with db.connect() as conn:
+            after = ledger.run_counts(conn, built.run_b)
+        processed = after.done + after.failed - before.done - before.failed
+    finally:
+        _set_slow_log(None)
+        db.dispose()
+        if keep:
+            build.forget(SIZE)  # run B moved on: not the built state any more
+        else:
+            build.drop(SIZE)
+    slow = _slow_statements(log_from)
+    print(
+        f"slow-statement log at {SLOW_MS} ms, {SLOWLOG_SECONDS} s of a worker, beat and an "
+        f"operator on {SIZE:,} items ({processed:,} items of run B finished meanwhile): "
+        f"{len(slow)} statements logged"
+    )
+    for ms, statement in sorted(slow, reverse=True)[:20]:
+        print(f"  {ms:9.1f} ms  {statement[:300]}")
+
+
+def _set_slow_log(ms: int | None) -> None:
+    admin = create_engine(normalize_database_url(PG_ADMIN_URL), isolation_level="AUTOCOMMIT")
+    name = build.database_name(SIZE)
+    setting = f"SET log_min_duration_statement = {ms}" if ms is not None else "RESET ALL"
+    try:
+        with admin.connect() as conn:
+            conn.execute(text(f'ALTER DATABASE "{name}" {setting}'))
+    finally:
+        admin.dispose()
+
+
+def _serve_runs_with(db: Any, url: str) -> None:
+    """Point the idle server s3 at the emulator and pin the emulator's fingerprint on the
+    runs (the built ledger pins a synthetic one), so the worker takes their items."""
+    from workers.runtime import client_for
+
+    client = client_for(url, Settings())
+    try:
+        fingerprint = client.fingerprint().to_json()
+    finally:
+        client.close()
+    with db.begin() as conn:
+        registry.upsert_server(conn, "s3", url)
+        conn.execute(
+            text("UPDATE runs SET fingerprint = CAST(:fp AS json)"),
+            {"fp": json.dumps(fingerprint)},
+        )
+
+
+def _run_fleet(built: build.Ledger, emu_url: str, tmp: Path, redis_url: str, db: Any) -> None:
+    env = service_env(
+        built.url,
+        redis_url,
+        tmp,
+        TOKENMILL_SGLANG_URL=emu_url,
+        TOKENMILL_SERVER_NAME="s3",
+        TOKENMILL_RECONCILE_INTERVAL_S="30",
+        TOKENMILL_STORAGE_URL=str(tmp / "storage"),
+    )
+    env["PYTHONPATH"] = str(ROOT)
+    worker = start_worker(env, "slowlog", tmp / "worker.log")
+    beat = subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "app", "beat", "--schedule", str(tmp / "beat")],
+        env=env,
+        cwd=ROOT,
+        stdout=(tmp / "beat.log").open("wb"),
+        stderr=subprocess.STDOUT,
+    )
+    stop = threading.Event()
+    scraper = threading.Thread(target=_scrape_metrics, args=(db, redis_url, stop), daemon=True)
+    scraper.start()
+    try:
+        deadline = time.monotonic() + SLOWLOG_SECONDS
+        while time.monotonic() < deadline:
+            for argv in (["status"], ["servers"], ["events"]):
+                subprocess.run(
+                    [sys.executable, "-m", "ops", *argv],
+                    env=env,
+                    cwd=ROOT,
+                    capture_output=True,
+                    timeout=120,
+                )
+            time.sleep(OPERATOR_POLL_S)
+    finally:
+        stop.set()
+        stop_process(beat)
+        stop_process(worker)
+        scraper.join(timeout=120)
+
+
+def _scrape_metrics(db: Any, redis_url: str, stop: threading.Event) -> None:
+    from ops.metrics import make_metrics_server
+
+    server = make_metrics_server(
+        engine=db, broker_url=redis_url, host="127.0.0.1", port=0, credentials=None, cache_s=0
+    )
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        while not stop.wait(OPERATOR_POLL_S):
+            urllib.request.urlopen(server.url, timeout=300).read()
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _slow_statements(offset: int) -> list[tuple[float, str]]:
+    """(ms, statement) of every duration line the scale database's sessions logged."""
+    name = build.database_name(SIZE)
+    found: list[tuple[float, str]] = []
+    with SERVER_LOG.open(encoding="utf-8", errors="replace") as fh:
+        fh.seek(offset)
+        for line in fh:
+            if f"@{name} " not in line:
+                continue
+            match = DURATION.search(line)
+            if match:
+                found.append((float(match.group(1)), match.group(2).strip()))
+    return found

@@ -1,0 +1,227 @@
+"""Postgres query plans of the hot and periodic paths, and the heartbeat/writer interleaving.
+
+Each ledger function runs against a synthetic ledger (the end of one run while another is
+still queued), its statements are captured as sent, and their EXPLAIN must read items
+through the expected index: never a sequential scan, and keyset pages never sort. The
+statistics are left as they were after the enqueue (everything pending) or refreshed: the
+plans must be the same either way.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+from sqlalchemy import Connection, Engine, event, select, text
+
+from app import archive, ledger, registry
+from app.dashboard_queries import iter_item_stats
+from app.ledger import items
+from tests.support import synthetic
+from tests.support.procs import wait_for
+from tests.support.runs import make_run
+
+ENDING_ITEMS = 20_000
+QUEUED_ITEMS = 10_000
+
+
+@pytest.fixture(params=["stale", "fresh"])
+def filled(request: pytest.FixtureRequest, pg_engine: Engine) -> Iterator[synthetic.Ledger]:
+    """The synthetic ledger, committed, with autovacuum off so the stale statistics stay."""
+    with pg_engine.begin() as conn:
+        conn.execute(text("ALTER TABLE items SET (autovacuum_enabled = off)"))
+    try:
+        with pg_engine.begin() as conn:
+            filled = synthetic.fill(
+                conn,
+                ending_items=ENDING_ITEMS,
+                queued_items=QUEUED_ITEMS,
+                stale=request.param == "stale",
+            )
+        yield filled
+    finally:
+        with pg_engine.begin() as conn:
+            conn.execute(text("ALTER TABLE items RESET (autovacuum_enabled)"))
+
+
+@contextmanager
+def captured(conn: Connection) -> Iterator[list[tuple[str, Any]]]:
+    seen: list[tuple[str, Any]] = []
+
+    def hook(*args: Any) -> None:
+        _conn, _cursor, statement, parameters, _context, executemany = args
+        if not executemany and "set_config" not in statement:
+            seen.append((statement, parameters))
+
+    event.listen(conn, "before_cursor_execute", hook)
+    try:
+        yield seen
+    finally:
+        event.remove(conn, "before_cursor_execute", hook)
+
+
+def nodes(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    yield plan
+    for child in plan.get("Plans", []):
+        yield from nodes(child)
+
+
+def plans_of(conn: Connection, call: Callable[[Connection], object]) -> list[list[dict[str, Any]]]:
+    """The plan nodes of every statement call sends on conn."""
+    with captured(conn) as seen:
+        call(conn)
+    assert seen, "the call sent no statement"
+    out = []
+    for statement, parameters in seen:
+        explained = conn.exec_driver_sql("EXPLAIN (FORMAT JSON) " + statement, parameters)
+        out.append(list(nodes(explained.scalar_one()[0]["Plan"])))
+    return out
+
+
+def indexes_used(plans: list[list[dict[str, Any]]]) -> set[str]:
+    return {n["Index Name"] for plan in plans for n in plan if "Index Name" in n}
+
+
+def assert_indexed(plans: list[list[dict[str, Any]]], *expected: str, sorts: bool = True) -> None:
+    for plan in plans:
+        scans = [
+            n
+            for n in plan
+            if n["Node Type"] == "Seq Scan" and n["Relation Name"] in ("items", "items_archive")
+        ]
+        assert scans == [], f"sequential scan in {plan}"
+        walks = [n for n in plan if n.get("Index Name") == "items_pkey" and "Index Cond" not in n]
+        assert walks == [], f"a walk of the whole primary key in {plan}"
+        if not sorts:
+            assert [n for n in plan if n["Node Type"] in ("Sort", "Incremental Sort")] == []
+    used = indexes_used(plans)
+    assert set(expected) <= used, f"expected {expected}, used {used}"
+
+
+def test_hedge_search_reads_leases_and_probes_runs(pg_engine: Engine, filled: Any) -> None:
+    with pg_engine.connect() as conn:
+        found = ledger.hedge_candidates(conn, server="gpu-c", limit=8)
+        assert len(found) == 8 and {run for _, run in found} == {filled.ending.id}
+        plans = plans_of(conn, lambda c: ledger.hedge_candidates(c, server="gpu-c", limit=8))
+        assert_indexed(plans, "ix_items_run_status_id")
+        assert indexes_used(plans) & {"ix_items_leased_started", "ix_items_status_lease"}
+        assert ledger.claimable_left(conn, filled.queued.id)
+        assert not ledger.claimable_left(conn, filled.ending.id)
+
+
+def test_worker_and_watchdog_lookups(pg_engine: Engine, filled: Any) -> None:
+    with pg_engine.connect() as conn:
+        some = list(conn.execute(select(items.c.id).limit(50).order_by(items.c.id)).scalars())
+        assert_indexed(plans_of(conn, lambda c: ledger.finished_among(c, some)), "items_pkey")
+        load = registry.server_load(conn, "gpu-a")
+        assert load.leased == filled.leased // 2 and load.last_finished_at is not None
+        watchdog = plans_of(conn, lambda c: registry.server_load(c, "gpu-a"))
+        assert_indexed(watchdog)
+        assert indexes_used(watchdog) & {"ix_items_done_finished", "ix_items_server_finished"}
+        assert_indexed(
+            plans_of(conn, lambda c: ledger.extend_leases(c, owner="worker-a", lease_s=60)),
+        )
+        assert_indexed(plans_of(conn, registry.active_run_fingerprints))
+        assert_indexed(plans_of(conn, lambda c: ledger.requeue_expired(c)), "ix_items_status_lease")
+
+
+def test_keyset_pages_read_one_index_range_in_order(pg_engine: Engine, filled: Any) -> None:
+    run = filled.ending.id
+    with pg_engine.connect() as conn:
+
+        def stats(c: Connection) -> None:
+            pages = iter_item_stats(c, run, page_size=1000)
+            for _ in range(3000):  # well into the run
+                next(pages)
+
+        assert_indexed(plans_of(conn, stats), "ix_items_run_status_id", sorts=False)
+        failed = plans_of(
+            conn, lambda c: list(ledger.iter_items(c, run, statuses=("failed",), page_size=100))
+        )
+        assert_indexed(failed, "ix_items_run_status_id", sorts=False)
+        assert_indexed(
+            plans_of(conn, lambda c: ledger.pending_ids(c, filled.queued.id)),
+            "ix_items_run_status_id",
+            sorts=False,
+        )
+
+
+def test_compaction_and_reconcile_scans(pg_engine: Engine, filled: Any) -> None:
+    run = filled.ending.id
+    with pg_engine.connect() as conn:
+        assert ledger.count_compactable(conn, run) == synthetic.UNCOMPACTED
+        for call in (
+            lambda c: ledger.count_compactable(c, run),
+            lambda c: ledger.compactable_ids(c, run, after_id=0, limit=100),
+            lambda c: ledger.runs_with_compactable(c, 10),
+        ):
+            assert_indexed(plans_of(conn, call), "ix_items_uncompacted")
+        cutoff = ledger.utcnow()
+        oldest = ledger.oldest_queued(conn, cutoff, limit=100)
+        assert len(oldest) == 100
+        assert_indexed(
+            plans_of(conn, lambda c: ledger.oldest_queued(c, cutoff, limit=100)),
+            "ix_items_queued_at",
+            sorts=False,
+        )
+        assert_indexed(plans_of(conn, lambda c: archive.archive_blockers(c, run)))
+
+
+def test_a_heartbeat_skips_rows_a_result_write_holds(pg_engine: Engine) -> None:
+    """The interleaving that deadlocked: the writer holds B and goes on to A while the
+    heartbeat renews the owner's leases. The heartbeat must neither wait for B (it skips
+    it) nor keep the writer from finishing once it commits."""
+    with pg_engine.begin() as conn:
+        run = make_run(conn, "beat")
+        new = [ledger.NewItem(f"k{i}", 0, i, None, [1, 2, 3]) for i in range(2)]
+        ledger.insert_items(conn, run.id, new)
+        a, b = ledger.pending_ids(conn, run.id)
+        ledger.claim_items(conn, [a, b], owner="w", server="s", lease_s=60)
+    result = ledger.GenerateResult("r", [5, 6], "stop", 6, 3, 2, 0, 0.1)
+    writer = pg_engine.connect()
+    heartbeat = pg_engine.connect()
+    errors: list[BaseException] = []
+    try:
+        writer.begin()
+        ledger.record_outcomes(writer, [ledger.Done(b, result)], owner="w", lease_s=60)
+        writer_pid = writer.exec_driver_sql("SELECT pg_backend_pid()").scalar_one()
+        heartbeat.begin()
+        # the old heartbeat waited here for B while holding A; fail instead of hanging
+        heartbeat.exec_driver_sql("SET LOCAL lock_timeout = '20s'")
+        assert ledger.extend_leases(heartbeat, owner="w", lease_s=60) == 1
+
+        def write_a() -> None:
+            try:
+                ledger.record_outcomes(writer, [ledger.Done(a, result)], owner="w", lease_s=60)
+                writer.commit()
+            except BaseException as exc:
+                errors.append(exc)
+
+        thread = threading.Thread(target=write_a)
+        thread.start()
+        with pg_engine.connect() as watch:
+            wait_for(
+                "the writer to wait for the heartbeat's lock on A",
+                lambda: (
+                    watch.execute(
+                        text("SELECT count(*) FROM pg_locks WHERE pid = :p AND NOT granted"),
+                        {"p": writer_pid},
+                    ).scalar_one()
+                    > 0
+                ),
+                timeout_s=30,
+            )
+        heartbeat.commit()
+        thread.join(timeout=60)
+        assert not thread.is_alive() and errors == []
+    finally:
+        writer.close()
+        heartbeat.close()
+    with pg_engine.connect() as conn:
+        statuses = conn.execute(
+            select(items.c.status).where(items.c.id.in_([a, b])).order_by(items.c.id)
+        ).scalars()
+        assert list(statuses) == ["done", "done"]
