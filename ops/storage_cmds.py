@@ -17,7 +17,7 @@ from workers.compaction import compact_run
 
 
 def export_to_storage(run_name: str, out: str) -> None:
-    """`tokenmill export RUN --format parquet --out URL`: shards and manifest.json under URL."""
+    """`tokenmill export RUN --format parquet --out URL`: shards and .manifest.json under URL."""
     settings = get_settings()
     db = open_db(settings)
     with db.connect() as conn:
@@ -35,7 +35,7 @@ def export_to_storage(run_name: str, out: str) -> None:
     removed = f"; removed {len(report.removed)} old shards" if report.removed else ""
     console.print(
         f"wrote {report.rows} samples ({report.truncated} truncated, {report.tokens} tokens) "
-        f"in {len(report.shards)} Parquet shards and manifest.json to {escape(report.url)}"
+        f"in {len(report.shards)} Parquet shards and .manifest.json to {escape(report.url)}"
         f"{removed}"
     )
 
