@@ -28,6 +28,7 @@ from app.errors import ConfigurationError, TokenmillError
 from app.logs import JsonFormatter
 from app.migrate import ensure_schema
 from app.settings import Settings, get_settings, redact_url
+from app.tokenization import quiet_transformers
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -68,6 +69,7 @@ def setup_logging(level: str, log_format: str | None = None) -> None:
     logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), handlers=[handler])
     for noisy in ("httpx", "httpcore", "alembic.runtime.migration"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    quiet_transformers()
 
 
 def _configured_log_format() -> str:
