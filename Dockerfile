@@ -21,7 +21,7 @@ COPY app /tmp/tokenmill/app
 COPY workers /tmp/tokenmill/workers
 COPY ops /tmp/tokenmill/ops
 COPY migrations /tmp/tokenmill/migrations
-RUN pip install "/tmp/tokenmill[ops]" \
+RUN pip install /tmp/tokenmill \
     && rm -rf /tmp/tokenmill
 
 WORKDIR /srv

@@ -3,17 +3,18 @@ PYTHON ?= python3
 
 .PHONY: install lint typecheck unit test demo
 
+# installs the project with its dev extra unless everything it asks for is already there
 install:
-	$(PYTHON) -m pip install -e '.[dev,ops]'
+	@$(PYTHON) .ci/dev_installed.py || $(PYTHON) -m pip install -e '.[dev]'
 
-lint:
+lint: install
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m ruff format --check .
 
-typecheck:
+typecheck: install
 	$(PYTHON) -m mypy
 
-unit:
+unit: install
 	$(PYTHON) -m pytest tests/unit -q
 
 test: lint typecheck

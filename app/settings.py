@@ -115,6 +115,13 @@ class Settings(BaseSettings):
     metrics_password: SecretStr | None = None
     metrics_cache_s: float = Field(default=2.0, ge=0)
 
+    @field_validator("data_dir")
+    @classmethod
+    def _absolute_dir(cls, value: Path) -> Path:
+        # a relative TOKENMILL_DATA_DIR names a folder of the current one, also where it becomes
+        # a file:// URL (storage) or is handed to another process
+        return value.expanduser().absolute()
+
     @field_validator("sglang_url")
     @classmethod
     def _strip_slash(cls, value: str) -> str:
@@ -136,7 +143,8 @@ class Settings(BaseSettings):
         return f"sqlite:///{self.data_dir / 'ledger.sqlite3'}"
 
     def resolved_broker_url(self) -> str:
-        return self.broker_url or "filesystem://"
+        # the folder broker has no host; naming one keeps kombu from warning that it chose one
+        return self.broker_url or "filesystem://localhost/"
 
     def broker_folder(self) -> Path:
         return self.data_dir / "broker"

@@ -1,4 +1,4 @@
-"""Parquet exports of a run in object storage: shards streamed from the ledger, manifest.json,
+"""Parquet exports of a run in object storage: shards streamed from the ledger, .manifest.json,
 and check_export, which compares an export with the ledger row by row.
 
 The shard format, filesystems and atomic writes live in app.shards; this module adds the run.
@@ -38,7 +38,11 @@ from app.shards import (
 
 log = logging.getLogger(__name__)
 
-MANIFEST_NAME = "manifest.json"
+# A dot name, as Hadoop's hidden files: pyarrow, Spark, DuckDB globs and `datasets` (which skips
+# only dot names, not `_`) all read the folder as its shards alone.
+MANIFEST_NAME = ".manifest.json"
+# what exports were named before; still read
+OLD_MANIFEST_NAMES = ("manifest.json",)
 MANIFEST_FORMAT = "tokenmill.parquet/1"
 SHARD_PREFIX = "part-"
 SHARD_SUFFIX = ".parquet"
@@ -119,13 +123,14 @@ def export_parquet(
     storage_options: dict[str, Any] | None = None,
     shard_rows: int = 50_000,
 ) -> ParquetExport:
-    """Write every done sample of run as Parquet shards and a manifest.json under url.
+    """Write every done sample of run as Parquet shards and a .manifest.json under url.
 
     Shards appear only complete (app.shards writes them under a temporary name) and are named
     `part-NNNNN-<export id>.parquet`, new names every export: shards of an earlier export at
-    the same url stay untouched until the new manifest.json has replaced the old one, so a
-    crash at any point leaves the previous export whole and no manifest listing a partial or
-    foreign shard. After the manifest, shards it does not list are removed.
+    the same url stay untouched until the new manifest has replaced the old one, so a crash at
+    any point leaves the previous export whole and no manifest listing a partial or foreign
+    shard. After the manifest, shards it does not list are removed, and so is a manifest of an
+    older export under its old name (it would keep readers of the folder from opening it).
     """
     if shard_rows < 1:
         raise ValueError("shard_rows must be at least 1")
@@ -178,7 +183,7 @@ def export_parquet(
     stale = [
         n for n in list_names(loc, prefix=SHARD_PREFIX, suffix=SHARD_SUFFIX) if n not in listed
     ]
-    remove_objects(loc, stale)
+    remove_objects(loc, [*stale, *OLD_MANIFEST_NAMES])
     report.removed = stale
     log.info(
         "exported %d rows of run %s to %s in %d shards (%d old shards removed)",
@@ -192,19 +197,27 @@ def export_parquet(
 
 
 def read_manifest(url: str, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The manifest.json of the export at url (NotFound if there is none)."""
+    """The manifest of the export at url (NotFound if there is none)."""
     loc = open_location(url, storage_options)
     return _read_manifest(loc)
 
 
 def _read_manifest(loc: Location) -> dict[str, Any]:
-    raw = read_object(loc, MANIFEST_NAME)
+    """The manifest under its name, or under the name older exports gave it."""
+    for name in (MANIFEST_NAME, *OLD_MANIFEST_NAMES):
+        try:
+            raw = read_object(loc, name)
+        except NotFound:
+            continue
+        break
+    else:
+        raise NotFound(f"{loc.uri(MANIFEST_NAME)} does not exist")
     try:
         manifest = json.loads(raw)
     except ValueError as exc:
-        raise StorageError(f"{loc.uri(MANIFEST_NAME)} is not JSON: {exc}") from exc
+        raise StorageError(f"{loc.uri(name)} is not JSON: {exc}") from exc
     if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
-        raise StorageError(f"{loc.uri(MANIFEST_NAME)} is not a {MANIFEST_FORMAT} manifest")
+        raise StorageError(f"{loc.uri(name)} is not a {MANIFEST_FORMAT} manifest")
     return manifest
 
 

@@ -96,7 +96,10 @@ class _NoTorchAdvice(logging.Filter):
         return "PyTorch was not found" not in record.getMessage()
 
 
-def _quiet_transformers() -> None:
+def quiet_transformers() -> None:
+    """Drop transformers' no-PyTorch advice, which it logs once, when `transformers` is first
+    imported. Called at process start (CLI, workers) as well as before loading a tokenizer, so
+    it holds whichever import comes first; every other transformers record passes."""
     logger = logging.getLogger("transformers")
     if not any(isinstance(f, _NoTorchAdvice) for f in logger.filters):
         logger.addFilter(_NoTorchAdvice())
@@ -123,7 +126,7 @@ def load_tokenizer(path: str | Path, *, trust_remote_code: bool = False) -> Chat
             "own Python files): pass --trust-remote-code to run it, once you trust that code"
         )
     try:
-        _quiet_transformers()
+        quiet_transformers()
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(

@@ -6,14 +6,18 @@ Builds the Kimi-shaped fixture tokenizer, starts an emulator, runs, exports and 
 from __future__ import annotations
 
 import json
+import shlex
 import time
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from ops.options import build_sampling, err_console, get_settings, handle_errors
+
+if TYPE_CHECKING:
+    from app.settings import Settings
 
 
 def demo_prompts_path() -> Path:
@@ -55,6 +59,50 @@ def check_export(path: Path, tokenizer_dir: Path, prompts: Path) -> tuple[int, i
     return rows, bad
 
 
+def shown(path: Path) -> str:
+    """The path as a newcomer would type it: relative when it is under the current folder."""
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def demo_settings(base: Settings) -> tuple[Settings, dict[str, str]]:
+    """Where the demo keeps its run, and the variables commands need to find it there.
+
+    With no database configured the run goes to the default embedded ledger, where `status`,
+    `report`, `verify` and `export` look anyway. A configured database may be shared, so it
+    gets no demo run: the demo keeps a SQLite ledger of its own and its commands name it.
+    """
+    from app.settings import Settings
+
+    overrides: dict[str, Any] = {"inflight": 32, "broker_url": None, "storage_url": None}
+    if base.database_url is None:
+        return Settings(data_dir=base.data_dir, database_url=None, **overrides), {}
+    own = Settings(data_dir=base.data_dir / "demo", database_url=None, **overrides)
+    ledger_path = own.data_dir / "ledger.sqlite3"
+    return own, {"TOKENMILL_DATABASE_URL": f"sqlite:///{shown(ledger_path)}"}
+
+
+def inspect_commands(run_name: str, env: dict[str, str], out_dir: Path) -> list[str]:
+    """The shell lines that look at a finished demo run: status, report, verify, export."""
+    prefix = [f"{name}={shlex.quote(value)}" for name, value in env.items()]
+    commands = [
+        ["status", run_name],
+        ["report", run_name, "--out", shown(out_dir / f"{run_name}.report")],
+        ["verify", run_name],
+        [
+            "export",
+            run_name,
+            "--format",
+            "parquet",
+            "--out",
+            shown(out_dir / f"{run_name}.parquet"),
+        ],
+    ]
+    return [" ".join([*prefix, shlex.join(["tokenmill", *args])]) for args in commands]
+
+
 @click.command("demo")
 @click.option("--samples-per-prompt", type=click.IntRange(1, 8), default=2, show_default=True)
 @click.option("--max-new-tokens", type=int, default=1024, show_default=True)
@@ -66,7 +114,6 @@ def demo_cmd(samples_per_prompt: int, max_new_tokens: int) -> None:
     from app.export import export_run
     from app.fixtures import ensure_kimi_tokenizer
     from app.migrate import ensure_schema
-    from app.settings import Settings
     from app.tokenization import load_tokenizer
     from ops.emulator_proc import start_emulator
     from workers.producer import EnqueueOptions, enqueue
@@ -74,17 +121,12 @@ def demo_cmd(samples_per_prompt: int, max_new_tokens: int) -> None:
 
     console = err_console()
     base = get_settings()
-    settings = Settings(
-        data_dir=base.data_dir / "demo",
-        inflight=32,
-        database_url=None,
-        broker_url=None,
-        storage_url=None,
-    )
+    settings, env = demo_settings(base)
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     db = get_engine(settings)
     ensure_schema(db, auto_upgrade=True)
-    console.print(f"demo data in {settings.data_dir} (SQLite ledger, no services)")
+    ledger_path = settings.data_dir / "ledger.sqlite3"
+    console.print(f"demo ledger: {shown(ledger_path)} (SQLite, no services)")
     tokenizer_dir = ensure_kimi_tokenizer(base.data_dir / "tokenizers")
     tokenizer = load_tokenizer(tokenizer_dir)
     prompts = demo_prompts_path()
@@ -139,7 +181,7 @@ def demo_cmd(samples_per_prompt: int, max_new_tokens: int) -> None:
         )
     finally:
         emulator.stop()
-    out_dir = settings.data_dir / "exports"
+    out_dir = base.data_dir / "demo" / "exports"
     specforge = export_run(db, run, "specforge", out_dir / f"{run_name}.specforge.jsonl")
     convs = export_run(
         db, run, "conversations", out_dir / f"{run_name}.conversations.jsonl", tokenizer=tokenizer
@@ -150,3 +192,6 @@ def demo_cmd(samples_per_prompt: int, max_new_tokens: int) -> None:
     click.echo(f"conversations: {convs.path} ({convs.rows} rows)")
     if bad or counts.failed:
         raise SystemExit(1)
+    click.echo("look at the run (from this folder):")
+    for line in inspect_commands(run_name, env, out_dir):
+        click.echo(f"  {line}")

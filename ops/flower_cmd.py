@@ -80,7 +80,9 @@ def flower_cmd(host: str | None, port: int | None) -> None:
     from TOKENMILL_FLOWER_USER / TOKENMILL_FLOWER_PASSWORD."""
     settings = get_settings()
     if importlib.util.find_spec("flower") is None:
-        raise ConfigurationError("Flower is not installed: pip install 'tokenmill[ops]'")
+        raise ConfigurationError(
+            "Flower is not installed (tokenmill depends on it): pip install 'flower>=2.0'"
+        )
     host = settings.flower_host if host is None else host
     port = port or settings.flower_port
     launch = flower_launch(settings, host, port)

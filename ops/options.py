@@ -97,6 +97,9 @@ def setup_logging(level: str, log_format: str | None = None) -> None:
     logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), handlers=[handler])
     for noisy in ("httpx", "httpcore", "alembic.runtime.migration"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    from app.tokenization import quiet_transformers  # transformers itself loads lazily
+
+    quiet_transformers()
 
 
 def _formatter(log_format: str) -> logging.Formatter:

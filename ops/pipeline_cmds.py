@@ -436,7 +436,7 @@ STATUS_COLUMNS = (
     "--out",
     required=True,
     help="A JSONL file; for parquet a folder URL (local path, file://, s3://...), where the "
-    "shards and manifest.json go (options from TOKENMILL_STORAGE_OPTIONS).",
+    "shards and .manifest.json go (options from TOKENMILL_STORAGE_OPTIONS).",
 )
 @click.option(
     "--per-turn",
@@ -452,7 +452,7 @@ STATUS_COLUMNS = (
 )
 @handle_errors
 def export_cmd(run_name: str, fmt: str, out: str, per_turn: bool, whole_conversation: bool) -> None:
-    """Write RUN_NAME's finished samples to --out: JSONL, or Parquet shards + manifest.json."""
+    """Write RUN_NAME's finished samples to --out: JSONL, or Parquet shards + .manifest.json."""
     if fmt == "parquet":
         from ops.storage_cmds import export_to_storage
 

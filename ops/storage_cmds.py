@@ -11,7 +11,7 @@ from ops.options import err_console, get_settings, handle_errors, open_db, print
 
 
 def export_to_storage(run_name: str, out: str) -> None:
-    """`tokenmill export RUN --format parquet --out URL`: shards and manifest.json under URL."""
+    """`tokenmill export RUN --format parquet --out URL`: shards and .manifest.json under URL."""
     from rich.markup import escape
 
     from app import ledger
@@ -35,7 +35,7 @@ def export_to_storage(run_name: str, out: str) -> None:
     removed = f"; removed {len(report.removed)} old shards" if report.removed else ""
     err_console().print(
         f"wrote {report.rows} samples ({report.truncated} truncated, {report.tokens} tokens) "
-        f"in {len(report.shards)} Parquet shards and manifest.json to {escape(report.url)}"
+        f"in {len(report.shards)} Parquet shards and .manifest.json to {escape(report.url)}"
         f"{removed}"
     )
 

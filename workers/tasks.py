@@ -32,6 +32,7 @@ from app.database import get_engine
 from app.locks import exclusive
 from app.logs import JsonFormatter, use_json
 from app.settings import get_settings
+from app.tokenization import quiet_transformers
 from workers import reconcile as reconcile_logic
 from workers.compaction import compact_due
 from workers.control import CeleryControl
@@ -76,6 +77,7 @@ def _quiet_http_logs(**_: Any) -> None:
     # one line per request at INFO would drown the state changes the log is for
     for name in ("httpx", "httpcore"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    quiet_transformers()
 
 
 _EARLY_WARNINGS = "tokenmill-early-warnings"

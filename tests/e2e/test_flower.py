@@ -1,5 +1,6 @@
-"""Flower for real: `tokenmill flower` (basic auth from settings) and a JSON-logging
-`celery -A app worker` on a private Redis; its HTTP API shows readable tasks and the worker."""
+"""Flower for real: `tokenmill flower` as a newcomer starts it (no settings, straight after
+`pip install -e .`), and with basic auth beside a JSON-logging `celery -A app worker` on a
+private Redis, where its HTTP API shows readable tasks and the worker."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from sqlalchemy import Engine
 
 from app import ledger
 from ops.emulator_proc import EmulatorProcess, start_emulator
-from tests.support.procs import ROOT, service_env, stop, tokenmill
+from tests.support.procs import ROOT, clean_env, service_env, stop, tokenmill
 
 pytestmark = pytest.mark.e2e
 
@@ -56,6 +57,27 @@ def emulator() -> Iterator[EmulatorProcess]:
     emu = start_emulator(["--step-ms", "1", "--median-tokens", "20"])
     yield emu
     emu.stop()
+
+
+def test_tokenmill_flower_starts_on_embedded_defaults(tmp_path: Path) -> None:
+    port = free_port()
+    err = tmp_path / "flower.stderr"
+    flower = subprocess.Popen(
+        [sys.executable, "-m", "ops", "flower", "--port", str(port)],
+        env=clean_env(tmp_path / "data"),
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=err.open("wb"),
+    )
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10.0) as http:
+            wait_for("Flower", lambda: http.get("/healthcheck").text == "OK", 60)
+            assert http.get("/").status_code == 200
+    finally:
+        stop([flower])
+    log = err.read_text()
+    assert f"Flower on http://127.0.0.1:{port}/" in log
+    assert "No hostname was supplied" not in log
 
 
 def test_flower_shows_readable_tasks_and_the_worker_logs_json(

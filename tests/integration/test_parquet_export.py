@@ -1,6 +1,6 @@
-"""Parquet export on real Postgres to a local folder: shards and manifest read back, loaded by
-`datasets`, checked against the ledger, replaced whole by a re-export, and never half-listed
-when the writer dies mid-shard."""
+"""Parquet export on real Postgres to a local folder: shards and manifest read back, the folder
+opened as is by pyarrow, DuckDB and `datasets`, checked against the ledger, replaced whole by a
+re-export, never half-listed when the writer dies mid-shard, and older exports still read."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from tests.support.procs import clean_env, tokenmill
 
 
 def shard_paths(folder: Path) -> list[Path]:
-    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest = json.loads((folder / ".manifest.json").read_text())
     return [folder / s["path"] for s in manifest["shards"]]
 
 
@@ -39,7 +39,7 @@ def test_export_round_trip(pg_engine: Engine, tmp_path: Path) -> None:
     assert (counts["rows"], counts["failed"], counts["unfinished"]) == (60, 1, 1)
     assert counts["truncated"] == report.truncated > 0
     assert sorted(p.name for p in out.iterdir()) == sorted(
-        ["manifest.json", *(s.path for s in report.shards)]
+        [".manifest.json", *(s.path for s in report.shards)]
     )
 
     table = pa.concat_tables([pq.read_table(p) for p in shard_paths(out)])
@@ -63,21 +63,47 @@ def test_export_round_trip(pg_engine: Engine, tmp_path: Path) -> None:
     assert (check.rows, check.shards, check.problems) == (60, 3, [])
 
 
-def test_datasets_loads_the_export(pg_engine: Engine, tmp_path: Path) -> None:
+def test_readers_open_the_export_folder_as_is(pg_engine: Engine, tmp_path: Path) -> None:
     import datasets
+    import duckdb
+    import pyarrow.dataset as ds
 
     run = make_done_run(pg_engine, "hf", 20)
     out = tmp_path / "export"
     export_parquet(pg_engine, run, out.as_uri(), shard_rows=15)
-    files = [str(p) for p in shard_paths(out)]
-    loaded = datasets.load_dataset(
-        "parquet", data_files=files, split="train", cache_dir=str(tmp_path / "hf")
-    )
-    assert loaded.num_rows == 40
     with pg_engine.connect() as conn:
         stored = list(ledger.iter_items(conn, run.id))
-    assert loaded["output_ids"] == [i.output_ids for i in stored]
-    assert loaded["prompt_ids"] == [i.prompt_ids for i in stored]
+    by_item = {i.id: i for i in stored}
+
+    table = ds.dataset(out).to_table()
+    assert sorted(table.column("item_id").to_pylist()) == sorted(by_item)
+
+    query = f"SELECT item_id, output_ids FROM read_parquet('{out}/*.parquet') ORDER BY item_id"
+    rows = duckdb.sql(query).fetchall()
+    assert rows == [(i, by_item[i].output_ids) for i in sorted(by_item)]
+
+    loaded = datasets.load_dataset(
+        "parquet", data_dir=str(out), split="train", cache_dir=str(tmp_path / "hf")
+    )
+    assert loaded.num_rows == 40
+    assert {r["item_id"]: r["prompt_ids"] for r in loaded} == {
+        i: by_item[i].prompt_ids for i in by_item
+    }
+
+
+def test_an_older_export_still_reads(pg_engine: Engine, tmp_path: Path) -> None:
+    run = make_done_run(pg_engine, "old", 6)
+    out = tmp_path / "export"
+    export_parquet(pg_engine, run, str(out), shard_rows=5)
+    (out / ".manifest.json").rename(out / "manifest.json")  # the name exports had before
+    assert read_manifest(str(out))["run"]["name"] == "old"
+    with pg_engine.connect() as conn:
+        assert check_export(conn, run.id, str(out)).problems == []
+    # a new export into that folder leaves only what readers of the folder can open
+    report = export_parquet(pg_engine, run, str(out), shard_rows=5)
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        [".manifest.json", *(s.path for s in report.shards)]
+    )
 
 
 def test_check_export_reports_tampering(pg_engine: Engine, tmp_path: Path) -> None:
@@ -100,9 +126,9 @@ def test_check_export_reports_tampering(pg_engine: Engine, tmp_path: Path) -> No
     assert f"shard {report.shards[1].path}: sha256" in text
     assert f"shard {report.shards[2].path}: missing" in text
     assert "rows were not compared" in text
-    (out / "manifest.json").unlink()
+    (out / ".manifest.json").unlink()
     with pg_engine.connect() as conn:
-        assert "manifest.json does not exist" in check_export(conn, run.id, str(out)).problems[0]
+        assert ".manifest.json does not exist" in check_export(conn, run.id, str(out)).problems[0]
 
 
 def test_row_differences_are_named(pg_engine: Engine, tmp_path: Path) -> None:
@@ -146,26 +172,26 @@ def test_a_crash_mid_shard_keeps_the_previous_export(
     monkeypatch.setattr(storage, "shard_row", dying_after(40))
     with pytest.raises(OSError, match="disk gone"):
         export_parquet(pg_engine, run, str(out), shard_rows=25)
-    assert not (out / "manifest.json").exists()
+    assert not (out / ".manifest.json").exists()
     assert [p.name for p in out.iterdir() if p.name.startswith(".")] == []
 
     monkeypatch.undo()
     first = export_parquet(pg_engine, run, str(out), shard_rows=25)
     assert first.removed  # the crashed export's complete first shard, never listed
-    before = (out / "manifest.json").read_bytes()
+    before = (out / ".manifest.json").read_bytes()
 
     # a re-export dies mid-shard: the old manifest and every shard it lists are untouched
     monkeypatch.setattr(storage, "shard_row", dying_after(len(done) - 5))
     with pytest.raises(OSError):
         export_parquet(pg_engine, run, str(out), shard_rows=25)
-    assert (out / "manifest.json").read_bytes() == before
+    assert (out / ".manifest.json").read_bytes() == before
     with pg_engine.connect() as conn:
         assert check_export(conn, run.id, str(out)).problems == []
 
     # the next export replaces the old one and removes its shards
     monkeypatch.undo()
     second = export_parquet(pg_engine, run, str(out), shard_rows=100)
-    assert sorted(p.name for p in out.iterdir()) == ["manifest.json", second.shards[0].path]
+    assert sorted(p.name for p in out.iterdir()) == [".manifest.json", second.shards[0].path]
     with pg_engine.connect() as conn:
         assert check_export(conn, run.id, str(out)).problems == []
 
@@ -177,6 +203,6 @@ def test_export_command_writes_parquet(pg_engine: Engine, pg_url: str, tmp_path:
     done = tokenmill(["export", "cli", "--format", "parquet", "--out", str(out)], env)
     assert done.returncode == 0, done.stderr
     assert "wrote 12 samples" in done.stderr and "3 Parquet shards" in done.stderr
-    assert json.loads((out / "manifest.json").read_text())["counts"]["rows"] == 12
+    assert json.loads((out / ".manifest.json").read_text())["counts"]["rows"] == 12
     missing = tokenmill(["export", "nope", "--format", "parquet", "--out", str(out)], env)
     assert missing.returncode == 2 and "no run named 'nope'" in missing.stderr

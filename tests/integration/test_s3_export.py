@@ -60,7 +60,7 @@ def test_export_to_s3_round_trip_and_corruption(
 
     fs = s3fs.S3FileSystem(**s3_options)
     names = sorted(p.rsplit("/", 1)[1] for p in fs.ls(f"{BUCKET}/exports/s3"))
-    assert names == sorted(["manifest.json", *(s.path for s in report.shards)])
+    assert names == sorted([".manifest.json", *(s.path for s in report.shards)])
     manifest = read_manifest(url, s3_options)
     assert [s["rows"] for s in manifest["shards"]] == [12, 12, 6]
     with fs.open(f"{BUCKET}/exports/s3/{report.shards[0].path}", "rb") as fh:
@@ -80,7 +80,7 @@ def test_export_to_s3_round_trip_and_corruption(
         problems = check_export(conn, run.id, url, s3_options).problems
     assert any(f"shard {report.shards[1].path}: sha256" in p for p in problems)
     # the manifest itself replaced by garbage
-    fs.pipe_file(f"{BUCKET}/exports/s3/manifest.json", b"{not json")
+    fs.pipe_file(f"{BUCKET}/exports/s3/.manifest.json", b"{not json")
     with pg_engine.connect() as conn:
         assert "is not JSON" in check_export(conn, run.id, url, s3_options).problems[0]
 

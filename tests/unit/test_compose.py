@@ -468,7 +468,7 @@ def test_celery_commands_are_real_commands_and_options(service: str, args: list[
 
 
 def check_flower_options(service: str, tornado_args: list[str]) -> None:
-    pytest.importorskip("flower", reason="Flower is the `ops` extra: pip install -e '.[ops]'")
+    pytest.importorskip("flower", reason="Flower comes with tokenmill: pip install -e .")
     import flower.options  # noqa: F401  (defines Flower's tornado options)
     from tornado.options import options
 
@@ -628,7 +628,7 @@ def test_dockerfile_builds_the_project_for_a_non_root_user() -> None:
     steps = dockerfile_instructions()
     assert steps[0] == ("FROM", "python:3.11-slim")
     runs = " ".join(rest for keyword, rest in steps if keyword == "RUN")
-    assert re.search(r"pip install \S*\[ops\]", runs), "install the project with the ops extra"
+    assert re.search(r"pip install \S*/tmp/tokenmill\b", runs), "install the project"
     users = [rest for keyword, rest in steps if keyword == "USER"]
     assert users and users[-1].split(":")[0] not in {"root", "0"}, "run as a non-root user"
     workdirs = [rest for keyword, rest in steps if keyword == "WORKDIR"]
@@ -669,6 +669,6 @@ def test_dockerignore_keeps_state_and_caches_out() -> None:
         assert is_dockerignored(path, patterns), f"{path} would be sent to the build"
 
 
-def test_flower_is_the_ops_extra() -> None:
-    extras = tomllib.loads(PYPROJECT.read_text())["project"]["optional-dependencies"]
-    assert any(req.replace(" ", "").startswith("flower>=2") for req in extras["ops"])
+def test_flower_is_a_core_dependency() -> None:
+    project = tomllib.loads(PYPROJECT.read_text())["project"]
+    assert any(req.replace(" ", "").startswith("flower>=2") for req in project["dependencies"])
