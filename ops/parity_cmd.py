@@ -5,19 +5,18 @@ Exit 0 when every checked prompt is equal, 1 when any differs, 2 on usage/config
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import click
-from rich.console import Console
-from rich.markup import escape
 
-from app import ledger, registry
 from app.errors import ConfigurationError
-from app.render import render_client
-from app.settings import get_settings
-from ops.options import handle_errors, open_db, print_json
-from workers.parity import Mismatch, ParityReport, check_run
+from ops.options import get_settings, handle_errors, open_db, print_json
 
-# the report is the command's output: stdout (errors go to stderr through handle_errors)
-out = Console(highlight=False, soft_wrap=True)
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from workers.parity import Mismatch, ParityReport
+
 # the server's outage is waited out this long before the command gives up (exit 2)
 PARITY_WAIT_S = 30.0
 MISMATCHES_SHOWN = 20
@@ -48,6 +47,10 @@ def parity_cmd(run_name: str, server: str, sample: int | None, seed: int, as_jso
     the run's template kwargs, as a chat completion would render it. Run it before a long run
     to see that the server builds the prompts tokenmill built.
     """
+    from app import ledger, registry
+    from app.render import render_client
+    from workers.parity import check_run
+
     settings = get_settings()
     db = open_db(settings)
     with db.connect() as conn:
@@ -67,7 +70,17 @@ def parity_cmd(run_name: str, server: str, sample: int | None, seed: int, as_jso
     raise SystemExit(0 if not report.mismatches else 1)
 
 
+def _out() -> Console:
+    """The report is the command's output: stdout (errors go to stderr via handle_errors)."""
+    from rich.console import Console
+
+    return Console(highlight=False, soft_wrap=True)
+
+
 def _print(report: ParityReport) -> None:
+    from rich.markup import escape
+
+    out = _out()
     out.print(
         f"run {escape(report.run)} on {escape(report.server)}: {report.checked} checked, "
         f"{report.equal} equal, {report.mismatched} mismatched"
@@ -79,6 +92,9 @@ def _print(report: ParityReport) -> None:
 
 
 def _print_mismatch(m: Mismatch) -> None:
+    from rich.markup import escape
+
+    out = _out()
     where = f"item {m.item_id} (key {m.item_key!r}, sample {m.sample_index}, turn {m.turn_index})"
     if m.position is None:
         out.print(f"\n{escape(where)}: the server refused it: {escape(m.error or '')}")
