@@ -109,6 +109,9 @@ class Run(Base):
     # null for runs created before they were pinned
     normalization_version: Mapped[str | None] = mapped_column(String(40), nullable=True)
 
+    # set when the run's items moved to items_archive (`tokenmill archive`); no more enqueues
+    archived_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
 
 class ToolSet(Base):
     """One distinct tools list of a run, stored once and referenced by its items."""
@@ -121,9 +124,6 @@ class ToolSet(Base):
     # sha256 of the tools' JSON in their own key order (the order the template renders)
     tools_hash: Mapped[str] = mapped_column(String(64))
     tools: Mapped[list[dict[str, Any]]] = mapped_column(JSON)
-
-    # set when the run's items moved to items_archive (`tokenmill archive`); no more enqueues
-    archived_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
 
 
 def _partial(name: str, columns: tuple[str, ...], where: str) -> Index:
