@@ -305,7 +305,7 @@ def test_the_migration_backfills_existing_items(
         if backend == "sqlite"
         else request.getfixturevalue("fresh_pg")
     )
-    upgrade(engine, "0004")
+    upgrade(engine, "0005f")  # the revision before the counters
     with engine.begin() as conn:
         run = support_runs.make_run(conn, "old")
         for i, status in enumerate(["pending", "queued", "leased", "done", "done", "failed"]):
@@ -327,7 +327,7 @@ def test_the_migration_backfills_existing_items(
     config = alembic_config(engine.url.render_as_string(hide_password=False))
     with engine.begin() as conn:
         config.attributes["connection"] = conn
-        command.downgrade(config, "0004")
+        command.downgrade(config, "0005f")
     with engine.begin() as conn:
         support_runs.add_item(conn, run.id, "after", status="pending")
     engine.dispose()
