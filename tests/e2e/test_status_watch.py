@@ -59,7 +59,7 @@ def seeded(tmp_path: Path) -> tuple[Engine, dict[str, str]]:
     return engine, clean_env(tmp_path / "data", TOKENMILL_DATABASE_URL=url)
 
 
-def test_json_stays_as_it_was_and_refuses_watch(tmp_path: Path) -> None:
+def test_json_keeps_its_keys_and_refuses_watch(tmp_path: Path) -> None:
     engine, env = seeded(tmp_path)
     engine.dispose()
     counts = json.loads(tokenmill(["status", "r2", "--json"], env).stdout)
@@ -75,6 +75,8 @@ def test_json_stays_as_it_was_and_refuses_watch(tmp_path: Path) -> None:
         "truncated": 0,
         "output_tokens": 50,
         "prompt_tokens": 10,
+        "rendering_differs": [],
+        "enqueue_stopped": False,
     }
     both = tokenmill(["status", "--watch", "--json"], env)
     assert both.returncode == 2 and "use --json without it" in both.stderr
