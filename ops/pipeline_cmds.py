@@ -162,15 +162,22 @@ def _existing_run(db: Any, run: str) -> RunInfo | None:
             return None
 
 
+def pinned_folder_changes(run: RunInfo, tokenizer_path: str | None = None) -> list[str]:
+    """How the tokenizer folder (the run's own unless given) differs from the files the run
+    pinned, read before any of its code runs; nothing for a path that is not a folder
+    (load_tokenizer says what is wrong with it)."""
+    from app.tokenization import folder_changes
+
+    folder = Path(tokenizer_path or run.tokenizer_path).expanduser()
+    if not folder.is_dir():
+        return []
+    return folder_changes(folder.resolve(), run.tokenizer_hash, run.tokenizer_files)
+
+
 def _check_pinned_files(run: RunInfo, tokenizer_path: str) -> None:
     """Refuse a tokenizer folder whose files differ from the run's before any of its code runs,
     naming each changed, new or removed file."""
-    from app.tokenization import folder_changes
-
-    folder = Path(tokenizer_path).expanduser()
-    if not folder.is_dir():
-        return  # load_tokenizer says what is wrong with the path
-    changes = folder_changes(folder.resolve(), run.tokenizer_hash, run.tokenizer_files)
+    changes = pinned_folder_changes(run, tokenizer_path)
     if changes:
         raise RunMismatch(
             f"run {run.name!r} already exists with other tokenizer files; use a new --run name "
@@ -469,16 +476,21 @@ def export_cmd(run_name: str, fmt: str, out: str, per_turn: bool, whole_conversa
     with db.connect() as conn:
         run = ledger.get_run(conn, run_name)
     tokenizer: ChatTokenizer | None = None
-    if whole_conversation:  # the loss mask spans come from the run's own template
+    if whole_conversation or fmt == "conversations":
+        # the run's pinned --trust-remote-code covers the code it was made with, not changed code
+        changes = pinned_folder_changes(run)
+        if changes and run.trust_remote_code:
+            raise RunMismatch(
+                f"the tokenizer files at {run.tokenizer_path} changed since run {run.name} "
+                f"pinned them, so their code is not run: {'; '.join(changes)}"
+            )
         tokenizer = load_tokenizer(run.tokenizer_path, trust_remote_code=run.trust_remote_code)
-        if tokenizer.chat_template_hash != run.chat_template_hash:
+        if whole_conversation and tokenizer.chat_template_hash != run.chat_template_hash:
+            # the loss mask spans come from the run's own template
             raise ConfigurationError(
                 f"the chat template at {run.tokenizer_path} differs from the one run "
                 f"{run.name} pinned; --whole-conversation needs the run's own template"
             )
-    elif fmt == "conversations":
-        tokenizer = load_tokenizer(run.tokenizer_path, trust_remote_code=run.trust_remote_code)
-        changes = tokenizer.changes_from(run.tokenizer_hash, run.tokenizer_files)
         if changes:
             console.print(
                 f"[yellow]warning:[/yellow] the tokenizer at {escape(run.tokenizer_path)} "

@@ -150,13 +150,24 @@ def _tokenizer(
     finding (nothing can vouch for the prompts), a bad --tokenizer a usage error. The run's
     pinned --trust-remote-code holds for both."""
     from app.tokenization import load_tokenizer
+    from ops.pipeline_cmds import pinned_folder_changes
 
+    explicit = trust_remote_code
     trust_remote_code = trust_remote_code or run.trust_remote_code
     if override is not None:
         try:
             return load_tokenizer(override, trust_remote_code=trust_remote_code), None
         except TokenizerError as exc:
             raise TokenizerError(f"--tokenizer: {exc}") from exc
+    # the run's pin trusts the code the run was made with, not whatever the folder holds now:
+    # changed files are a finding and are not loaded (an explicit --trust-remote-code loads them)
+    changes = pinned_folder_changes(run) if not explicit else []
+    if changes and run.trust_remote_code:
+        return None, (
+            f"the tokenizer files at {run.tokenizer_path} changed since the run pinned them, so "
+            f"their code was not run and the chat template was not checked: {'; '.join(changes)}"
+            "; pass --trust-remote-code to check with them anyway, or --tokenizer DIR"
+        )
     try:
         return load_tokenizer(run.tokenizer_path, trust_remote_code=trust_remote_code), None
     except TokenizerError as exc:

@@ -102,10 +102,25 @@ def test_a_custom_code_run_is_pinned(
     )
     assert refused.returncode == 2, refused.stdout + refused.stderr
     assert HELPER_MODULE in refused.stderr
-    # and verify now reports the changed file
+    # verify reports the changed file, and neither verify nor the export runs its code
+    marker = tmp_path / "helper-ran"
+    helper.write_text(
+        helper.read_text() + f"\nimport pathlib\npathlib.Path({str(marker)!r}).write_text('ran')\n"
+    )
     dirty = tokenmill(["verify", "agentic"], env, cwd=elsewhere)
     assert dirty.returncode == 1
     assert f"tokenizer file '{HELPER_MODULE}' changed" in dirty.stdout
+    assert "their code was not run" in dirty.stdout
+    refused_export = tokenmill(
+        ["export", "agentic", "--format", "conversations", "--out", str(out)], env, cwd=elsewhere
+    )
+    assert refused_export.returncode == 2, refused_export.stdout + refused_export.stderr
+    assert HELPER_MODULE in refused_export.stderr
+    assert not marker.exists()
+    # an explicit --trust-remote-code checks with the changed files anyway
+    forced = tokenmill(["verify", "agentic", "--trust-remote-code"], env, cwd=elsewhere)
+    assert forced.returncode == 1
+    assert marker.read_text() == "ran"
 
 
 def test_custom_code_without_the_flag_names_it(
