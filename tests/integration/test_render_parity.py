@@ -21,9 +21,15 @@ from app import ledger, registry
 from app.constants import EVENT_ENQUEUE_STOPPED, EVENT_PARITY
 from app.contracts import SamplingParams
 from app.emulator.config import EmulatorConfig
-from app.errors import RunMismatch
+from app.errors import RetryableError, RunMismatch
 from app.ledger import items
-from app.render import RenderClient, RenderPolicy, RenderServerUnavailable, prompt_request
+from app.render import (
+    RenderClient,
+    RenderPolicy,
+    RenderRequest,
+    RenderServerUnavailable,
+    prompt_request,
+)
 from app.settings import Settings, get_settings
 from app.tokenization import ChatTokenizer, load_tokenizer
 from ops.cli import cli
@@ -141,6 +147,43 @@ def _restart_on(port: int, tokenizer_dir: Path) -> EmulatorProcess:
     return process
 
 
+class KillingClient(RenderClient):
+    """A render client that SIGKILLs its server once `after` prompts were rendered (then runs
+    `then`), and counts the renders the outage refused: the outage falls mid-enqueue, on the
+    render side, whatever the producer's pipelining."""
+
+    def __init__(
+        self, server: EmulatorProcess, *, after: int, wait_s: float, then: Any = None
+    ) -> None:
+        super().__init__(
+            server.base_url,
+            window=8,
+            connect_timeout_s=2,
+            timeout_s=30,
+            policy=RenderPolicy(wait_s=wait_s, backoff_s=0.1, backoff_max_s=0.5),
+        )
+        self.server, self.after, self.then = server, after, then
+        self.rendered = self.refused = 0
+        self._count_lock = threading.Lock()
+
+    def render(self, request: RenderRequest) -> list[int]:
+        try:
+            ids = super().render(request)
+        except RetryableError:
+            with self._count_lock:
+                self.refused += 1
+            raise
+        with self._count_lock:
+            self.rendered += 1
+            kill = self.rendered == self.after
+        if kill:
+            self.server.popen.kill()
+            self.server.popen.wait()
+            if self.then is not None:
+                threading.Thread(target=self.then, daemon=True).start()
+        return ids
+
+
 def test_an_outage_longer_than_the_wait_stops_and_a_rerun_completes(
     db: Engine, tmp_path: Path, kimi_tokenizer_dir: Path, tokenizer: ChatTokenizer
 ) -> None:
@@ -150,27 +193,17 @@ def test_an_outage_longer_than_the_wait_stops_and_a_rerun_completes(
     server = _restart_on(port, kimi_tokenizer_dir)
     url = server.base_url
     try:
-        killed = threading.Event()
-
-        def kill_after_first_chunk(_: int) -> None:
-            if not killed.is_set():
-                killed.set()
-                server.popen.kill()
-                server.popen.wait()
-
-        with client(url, wait_s=1.0) as renderer, pytest.raises(RenderServerUnavailable) as err:
+        # the server dies in the second chunk: the first is stored whole, nothing after it
+        after = producer.CHUNK_LINES + 100
+        renderer = KillingClient(server, after=after, wait_s=1.0)
+        with renderer, pytest.raises(RenderServerUnavailable) as err:
             producer.enqueue(
-                db,
-                tokenizer,
-                options(path, "outage", url),
-                publish=None,
-                renderer=renderer,
-                on_progress=kill_after_first_chunk,
+                db, tokenizer, options(path, "outage", url), publish=None, renderer=renderer
             )
+        assert renderer.refused > 0
         assert "Run the same enqueue again" in str(err.value)
-        # whole chunks rendered before the outage are stored (templating runs a chunk ahead)
         stored, _ = _count(db, "outage")
-        assert stored % producer.CHUNK_LINES == 0 and producer.CHUNK_LINES <= stored < lines
+        assert stored == producer.CHUNK_LINES
         assert f"{stored} items were stored; nothing from line {stored + 1} on" in str(err.value)
         assert _count(db, "outage") == (stored, stored)
         with db.connect() as conn:
@@ -180,9 +213,9 @@ def test_an_outage_longer_than_the_wait_stops_and_a_rerun_completes(
         assert EVENT_ENQUEUE_STOPPED in kinds
 
         server = _restart_on(port, kimi_tokenizer_dir)
-        with client(url) as renderer:
+        with client(url) as again:
             report = producer.enqueue(
-                db, tokenizer, options(path, "outage", url), publish=None, renderer=renderer
+                db, tokenizer, options(path, "outage", url), publish=None, renderer=again
             )
             assert report.already_present == stored
             assert report.inserted == lines - stored
@@ -190,47 +223,51 @@ def test_an_outage_longer_than_the_wait_stops_and_a_rerun_completes(
             with db.connect() as conn:
                 run = ledger.get_run(conn, "outage")
                 assert registry.stopped_enqueues(conn, [run.id]) == set()
-            parity = check_run(db, run, renderer, server=url)
+            parity = check_run(db, run, again, server=url)
         assert (parity.checked, parity.equal) == (lines, lines)
     finally:
         server.stop()
 
 
-def test_an_outage_shorter_than_the_wait_is_waited_out(
+def test_an_agentic_enqueue_waits_out_an_outage_and_loses_and_duplicates_nothing(
     db: Engine, tmp_path: Path, kimi_tokenizer_dir: Path, tokenizer: ChatTokenizer
 ) -> None:
-    lines = producer.CHUNK_LINES + 100
-    path = write_rows(tmp_path / "rows.jsonl", chat_rows(lines))
+    """`--turns each` on the agentic corpus: the server is killed mid-enqueue and comes back
+    a second later; the enqueue waits, then stores every boundary once, as the server renders
+    it."""
+    rows = 400  # three boundaries each: the outage falls in the second chunk's prompts
+    path = write_rows(tmp_path / "rows.jsonl", agentic_rows(rows))
     port = free_port()
     servers = [_restart_on(port, kimi_tokenizer_dir)]
     url = servers[0].base_url
+
+    def restart_later() -> None:
+        time.sleep(1.0)  # the enqueue meets a refused connection meanwhile
+        servers.append(_restart_on(port, kimi_tokenizer_dir))
+
     try:
-
-        def restart_later() -> None:
-            time.sleep(1.0)  # the enqueue meets a refused connection meanwhile
-            servers.append(_restart_on(port, kimi_tokenizer_dir))
-
-        def kill_after_first_chunk(_: int) -> None:
-            if len(servers) == 1 and servers[0].popen.poll() is None:
-                servers[0].popen.kill()
-                servers[0].popen.wait()
-                threading.Thread(target=restart_later, daemon=True).start()
-
-        with client(url, wait_s=120.0) as renderer:
+        renderer = KillingClient(servers[0], after=700, wait_s=120.0, then=restart_later)
+        with renderer:
             report = producer.enqueue(
                 db,
                 tokenizer,
-                options(path, "blip", url),
+                options(path, "blip", url, turns="each"),
                 publish=None,
                 renderer=renderer,
-                on_progress=kill_after_first_chunk,
             )
-            assert report.inserted == lines
-            assert _count(db, "blip") == (lines, lines)
+            assert renderer.refused > 0 and len(servers) == 2  # it did wait
+            assert report.inserted == 3 * rows
             with db.connect() as conn:
                 run = ledger.get_run(conn, "blip")
+                keys = conn.execute(
+                    select(items.c.item_key, items.c.turn_index).where(items.c.run_id == run.id)
+                ).all()
+            assert len(keys) == len(set(keys)) == 3 * rows
+            assert {turn for _, turn in keys} == {0, 1, 2}
+            with db.connect() as conn:
+                assert registry.stopped_enqueues(conn, [run.id]) == set()
             parity = check_run(db, run, renderer, server=url)
-        assert (parity.checked, parity.equal) == (lines, lines)
+        assert (parity.checked, parity.equal) == (3 * rows, 3 * rows)
     finally:
         for server in servers:
             server.stop()
