@@ -60,17 +60,26 @@ def test_run_renders_every_turn_on_the_server(
 def test_run_renders_every_agentic_boundary_on_the_server(
     tmp_path: Path, kimi_tokenizer_dir: Path, same: EmulatorProcess
 ) -> None:
+    """`--turns each` on the agentic corpus, rendered by a server whose template differs from
+    the local one (thinking off): every boundary is that server's rendering."""
+    folder = thinking_off_by_default(kimi_tokenizer_dir, tmp_path / "off")
     env = clean_env(tmp_path / "data")
     rows = write_rows(tmp_path / "rows.jsonl", agentic_rows(40))
-    args = ["run", str(rows), "--run", "agents", "--tokenizer", str(kimi_tokenizer_dir)]
-    args += ["--server", same.base_url, "--render-with", same.base_url, "--turns", "each"]
-    run = tokenmill([*args, "--max-new-tokens", "24", "--json"], env)
-    assert run.returncode == 0, run.stderr
-    counts = json.loads(run.stdout)
-    assert counts["done"] == counts["total"] == 120
-    parity = tokenmill(["parity", "agents", "--server", same.base_url, "--json"], env)
-    assert parity.returncode == 0, parity.stderr
-    assert json.loads(parity.stdout)["equal"] == 120
+    with running_emulator(EmulatorConfig(port=0, tokenizer=str(folder), **FAST)) as off:
+        args = ["run", str(rows), "--run", "agents", "--tokenizer", str(kimi_tokenizer_dir)]
+        args += ["--server", same.base_url, "--render-with", off.base_url, "--turns", "each"]
+        run = tokenmill([*args, "--max-new-tokens", "24", "--json"], env)
+        assert run.returncode == 0, run.stderr
+        counts = json.loads(run.stdout)
+        assert counts["done"] == counts["total"] == 120
+        parity = tokenmill(["parity", "agents", "--server", off.base_url, "--json"], env)
+        assert parity.returncode == 0, parity.stderr
+        assert json.loads(parity.stdout)["equal"] == 120
+    # the local template differs wherever a row does not turn thinking off itself
+    local = tokenmill(["parity", "agents", "--server", same.base_url, "--json"], env)
+    assert local.returncode == 1
+    thinking_off = [i for i in range(40) if i % 5 == 2]
+    assert json.loads(local.stdout)["mismatched"] == 120 - 3 * len(thinking_off)
 
 
 def test_require_parity_refuses_a_server_that_renders_differently(

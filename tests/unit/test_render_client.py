@@ -86,6 +86,33 @@ def test_render_many_keeps_order_and_returns_refusals_per_prompt() -> None:
             assert ids == list(range(len(text)))
 
 
+class Slow(Script):
+    """A Script whose answers take a while, recording how many requests were in flight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_flight = self.peak = 0
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        with self.lock:
+            self.in_flight += 1
+            self.peak = max(self.peak, self.in_flight)
+        try:
+            threading.Event().wait(0.02)
+            return super().__call__(request)
+        finally:
+            with self.lock:
+                self.in_flight -= 1
+
+
+def test_render_many_keeps_the_window_full_and_never_past_it() -> None:
+    script = Slow()
+    requests = [prompt_request([{"role": "user", "content": "x" * i}], {}) for i in range(40)]
+    with make(script) as client:
+        assert client.render_many(requests) == [list(range(i)) for i in range(40)]
+    assert script.peak == client.window == 4
+
+
 def test_an_outage_shorter_than_the_wait_is_waited_out() -> None:
     script = Script(down=7)
     with make(script) as client:
