@@ -10,7 +10,7 @@ from typing import Any
 from celery import Celery
 from kombu import Queue  # type: ignore[attr-defined]
 
-from app.constants import (
+from app.core.constants import (
     COMPACT_TASK,
     CONTROL_QUEUE,
     GENERATE_TASK,
@@ -18,7 +18,7 @@ from app.constants import (
     WATCHDOG_TASK,
     WORK_QUEUE,
 )
-from app.settings import Settings, get_settings
+from app.core.settings import Settings, get_settings
 
 
 def celery_config(settings: Settings) -> dict[str, Any]:

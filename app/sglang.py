@@ -1,7 +1,7 @@
 """The HTTP client of one SGLang server: native `POST /generate` with pre-tokenized input_ids.
 
 Owns the request bodies, response parsing and the one mapping of HTTP/transport failures to
-`app.errors` (`map_http_error`); everything the server says is checked before it is trusted.
+`app.core.errors` (`map_http_error`); everything the server says is checked before it is trusted.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from typing import Any, Final
 
 import httpx
 
-from app.contracts import GenerateResult, ServerFingerprint
-from app.errors import GenerationError, PermanentError, RetryableError, ServerUnavailable
+from app.core.contracts import GenerateResult, ServerFingerprint
+from app.core.errors import GenerationError, PermanentError, RetryableError, ServerUnavailable
 
 logger = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
 """Enqueue of agentic rows (tools, tool calls, reasoning, ShareGPT tool turns) into Postgres.
 
-Writes N rows of `app.agentic_rows` (every case of issue 12, cycled) to JSONL, then enqueues
-them with `workers.producer.enqueue(..., publish=None)` into a fresh Postgres database, once
-per tokenizer:
+Writes N rows of `app.fixtures.agentic_rows` (every case of issue 12, cycled) to JSONL, then
+enqueues them with `workers.producer.enqueue(..., publish=None)` into a fresh Postgres database,
+once per tokenizer:
 
   fast            the Kimi-K2.5-shaped fixture (a Rust "fast" tokenizer, templated inline)
   custom code     the custom-code fixture: tiktoken behind a PreTrainedTokenizer, its helper
@@ -49,12 +49,12 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    from app.agentic_rows import agentic_rows
-    from app.contracts import SamplingParams
-    from app.fixtures import ensure_kimi_tokenizer
-    from app.fixtures_agentic import ensure_agentic_tokenizer
-    from app.template_pool import default_processes
-    from app.tokenization import load_tokenizer
+    from app.core.contracts import SamplingParams
+    from app.fixtures.agentic_rows import agentic_rows
+    from app.fixtures.kimi import ensure_kimi_tokenizer
+    from app.fixtures.kimi_custom import ensure_agentic_tokenizer
+    from app.prompts.template_pool import default_processes
+    from app.prompts.tokenization import load_tokenizer
     from workers.producer import EnqueueOptions, enqueue
 
     print(machine_note())
@@ -112,10 +112,10 @@ def main() -> None:
 
 def bare_templating(folder: Path, count: int) -> str:
     """The slow tokenizer's templating alone: serial, then in a warmed-up pool."""
-    from app.agentic_rows import agentic_rows
-    from app.chat_path import ChatInputs, parse_tools
-    from app.template_pool import Templater
-    from app.tokenization import load_tokenizer
+    from app.fixtures.agentic_rows import agentic_rows
+    from app.prompts.chat_path import ChatInputs, parse_tools
+    from app.prompts.template_pool import Templater
+    from app.prompts.tokenization import load_tokenizer
     from workers.producer import CHUNK_LINES
 
     batch = [

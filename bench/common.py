@@ -45,9 +45,9 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 def bench_database() -> Iterator[str]:
     """A fresh Postgres database `tokenmill_bench_<random>` at the latest migration; dropped
     afterwards. Yields its plain postgresql:// URL (what TOKENMILL_DATABASE_URL takes)."""
-    from app.database import make_engine
-    from app.migrate import upgrade
-    from app.settings import normalize_database_url
+    from app.core.settings import normalize_database_url
+    from app.ledger.database import make_engine
+    from app.ledger.migrate import upgrade
 
     name = f"tokenmill_bench_{uuid.uuid4().hex[:10]}"
     admin = create_engine(normalize_database_url(PG_ADMIN_URL), isolation_level="AUTOCOMMIT")
@@ -66,8 +66,8 @@ def bench_database() -> Iterator[str]:
 
 
 def engine_for(url: str, pool_size: int = 4) -> Engine:
-    from app.database import make_engine
-    from app.settings import normalize_database_url
+    from app.core.settings import normalize_database_url
+    from app.ledger.database import make_engine
 
     return make_engine(normalize_database_url(url), pool_size=pool_size)
 
@@ -235,7 +235,7 @@ class StatsSampler:
 
 def fixture_tokenizer_dir() -> Path:
     """The bundled Kimi-K2.5-shaped fixture tokenizer (built once into a temp cache)."""
-    from app.fixtures import ensure_kimi_tokenizer
+    from app.fixtures.kimi import ensure_kimi_tokenizer
 
     return ensure_kimi_tokenizer(CACHE_DIR / "tokenizers")
 

@@ -17,8 +17,8 @@ from common import bench_database, engine_for, machine_note
 from sqlalchemy import Engine, text
 
 from app import ledger
-from app.contracts import GenerateResult, SamplingParams
-from app.settings import Settings
+from app.core.contracts import GenerateResult, SamplingParams
+from app.core.settings import Settings
 from workers.compaction import compact_run
 
 VOCAB = 160_000

@@ -21,9 +21,10 @@ from typing import Any
 from common import bench_database, engine_for, machine_note, table
 from sqlalchemy import Connection, Engine, text
 
-from app import counters, ledger
-from app.contracts import GenerateResult, SamplingParams
-from app.metrics_queries import read_snapshot
+from app import ledger
+from app.core.contracts import GenerateResult, SamplingParams
+from app.ledger import counters
+from app.ledger.metrics_queries import read_snapshot
 
 SERVERS = ("gpu-a", "gpu-b", "gpu-c")
 

@@ -158,7 +158,7 @@ def instrument() -> dict[str, float]:
 
 
 def run_enqueue(db: Any, tokenizer: Any, path: Path, run: str) -> Any:
-    from app.contracts import SamplingParams
+    from app.core.contracts import SamplingParams
     from workers.producer import EnqueueOptions, enqueue
 
     options = EnqueueOptions(input_path=path, run=run, sampling=SamplingParams(seed=1))
@@ -168,7 +168,7 @@ def run_enqueue(db: Any, tokenizer: Any, path: Path, run: str) -> Any:
 def main() -> None:
     args = parse_args()
     print(f"enqueue benchmark — {machine_note()}")
-    from app.tokenization import load_tokenizer
+    from app.prompts.tokenization import load_tokenizer
 
     tokenizer = load_tokenizer(fixture_tokenizer_dir())
     with tempfile.TemporaryDirectory(prefix="tm-bench-enq-") as tmp, bench_database() as pg_url:

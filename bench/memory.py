@@ -149,7 +149,7 @@ def done_count(db: Any, run_id: int) -> int:
 def build_id_run(db: Any, run: str, items: int, tokens: int, seed: int) -> int:
     """A run of `items` pre-tokenized prompts inserted straight into the ledger; its id."""
     from app import ledger
-    from app.contracts import SamplingParams
+    from app.core.contracts import SamplingParams
 
     rng = random.Random(seed)
     spec = ledger.RunSpec(
@@ -303,8 +303,8 @@ def build_done_run(db: Any, run: str, items: int, tokens: int, seed: int) -> Non
     from sqlalchemy import text
 
     from app import ledger
-    from app.contracts import SamplingParams
-    from app.tokenization import load_tokenizer
+    from app.core.contracts import SamplingParams
+    from app.prompts.tokenization import load_tokenizer
 
     tok = load_tokenizer(fixture_tokenizer_dir())
     spec = ledger.RunSpec(
@@ -336,13 +336,14 @@ def build_done_run(db: Any, run: str, items: int, tokens: int, seed: int) -> Non
 
 
 def export_formats() -> list[str]:
-    """The JSONL formats, and parquet when this build has the Parquet export (app/storage.py)."""
+    """The JSONL formats, and parquet when this build has the Parquet export
+    (app/outputs/storage.py)."""
     import importlib.util
 
-    from app.export import FORMATS
+    from app.outputs.export import FORMATS
 
     formats: list[str] = list(FORMATS)
-    if "parquet" not in formats and importlib.util.find_spec("app.storage") is not None:
+    if "parquet" not in formats and importlib.util.find_spec("app.outputs.storage") is not None:
         formats.append("parquet")  # --out is a folder of shards and a manifest
     return formats
 

@@ -147,7 +147,7 @@ def enqueue_run(
     args: argparse.Namespace, db: Any, tokenizer: Any, prompts: Path, run: str
 ) -> float:
     """Producer path with publish=None (ledger rows only); seconds taken."""
-    from app.contracts import SamplingParams
+    from app.core.contracts import SamplingParams
     from workers.producer import EnqueueOptions, enqueue
 
     options = EnqueueOptions(
@@ -315,7 +315,7 @@ def main() -> None:
         data_dir = Path(tmp)
         # this process publishes: its settings must name the benchmark's Redis and Postgres
         os.environ.update(service_env(pg_url, REDIS_URL, data_dir))
-        from app.tokenization import load_tokenizer
+        from app.prompts.tokenization import load_tokenizer
 
         flush_redis()
         try:

@@ -47,8 +47,8 @@ def parse_args() -> argparse.Namespace:
 
 
 def enqueue_run(db: Any, tokenizer: Any, path: Path, run: str, url: str | None, window: int) -> Any:
-    from app.contracts import SamplingParams
-    from app.render import RenderClient, RenderPolicy
+    from app.core.contracts import SamplingParams
+    from app.prompts.render import RenderClient, RenderPolicy
     from workers.producer import EnqueueOptions, enqueue
 
     options = EnqueueOptions(
@@ -75,8 +75,8 @@ def main() -> None:
     args = parse_args()
     print(f"render-with enqueue benchmark — {machine_note()}")
     from app import ledger
-    from app.render import RenderClient, RenderPolicy
-    from app.tokenization import load_tokenizer
+    from app.prompts.render import RenderClient, RenderPolicy
+    from app.prompts.tokenization import load_tokenizer
     from workers.parity import check_run
 
     folder = fixture_tokenizer_dir()

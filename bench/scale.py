@@ -7,9 +7,10 @@
 Ledgers are built by bench/scale_build.py (one database `tokenmill_scale_<size>` per size;
 --keep reuses one built at the current schema revision and keeps it afterwards). Commands are
 timed as `python -m ops ...` subprocesses, start-up included (wall, median of --repeat, and
-CPU); periodic queries and claim/write call app.ledger, app.registry, app.metrics_queries,
-ops.metrics, workers.reconcile in this process, each in its own pooled connection as the
-workers do. --slowlog (bench/scale_slowlog.py) checks Postgres' slow-statement log instead.
+CPU); periodic queries and claim/write call app.ledger, app.ledger.registry,
+app.ledger.metrics_queries, ops.metrics, workers.reconcile in this process, each in its own
+pooled connection as the workers do. --slowlog (bench/scale_slowlog.py) checks Postgres'
+slow-statement log instead.
 """
 
 from __future__ import annotations
@@ -47,9 +48,10 @@ from common import (  # noqa: E402
 )
 from sqlalchemy import Engine, text  # noqa: E402
 
-from app import ledger, registry  # noqa: E402
-from app.contracts import GenerateResult  # noqa: E402
-from app.settings import Settings  # noqa: E402
+from app import ledger  # noqa: E402
+from app.core.contracts import GenerateResult  # noqa: E402
+from app.core.settings import Settings  # noqa: E402
+from app.ledger import registry  # noqa: E402
 
 PARTS = ("commands", "queries", "claims", "export")
 RESULTS = CACHE_DIR / "scale-results.json"
@@ -119,7 +121,7 @@ def main() -> None:
 
 
 def _tokenizer_identity() -> tuple[str, str, str]:
-    from app.tokenization import load_tokenizer
+    from app.prompts.tokenization import load_tokenizer
 
     path = fixture_tokenizer_dir()
     tok = load_tokenizer(path)
@@ -299,8 +301,8 @@ def _write(db: Engine, fn: Callable[[Any], Any]) -> Callable[[], Any]:
 def time_queries(
     db: Engine, built: build.Ledger, settings: Settings, repeat: int
 ) -> dict[str, float]:
-    from app.dashboard_queries import gather_dashboard
-    from app.metrics_queries import read_snapshot
+    from app.ledger.dashboard_queries import gather_dashboard
+    from app.ledger.metrics_queries import read_snapshot
     from workers.publish import publish_items
     from workers.reconcile import reconcile
 

@@ -21,11 +21,11 @@ from datetime import datetime
 from common import PG_ADMIN_URL, engine_for
 from sqlalchemy import Connection, Engine, create_engine, text
 
-from app import ledger, registry
-from app.contracts import SamplingParams
-from app.ledger import RunInfo, RunSpec
-from app.migrate import declared_head, upgrade
-from app.settings import normalize_database_url
+from app import ledger
+from app.core.contracts import SamplingParams
+from app.core.settings import normalize_database_url
+from app.ledger import RunInfo, RunSpec, registry
+from app.ledger.migrate import declared_head, upgrade
 
 RUN_A, RUN_B, RUN_C = "scale-a", "scale-b", "scale-c"
 EXPORT_ITEMS = 10_000
@@ -223,7 +223,7 @@ def _drop_constraints_and_indexes(conn: Connection) -> list[str]:
 
 
 # Row g (1-based within its run) of each run, as SQL over generate_series(:lo, :hi) AS g.
-# Arrays are packed little-endian int32 ids, as app.models.TokenArray stores them.
+# Arrays are packed little-endian int32 ids, as app.core.models.TokenArray stores them.
 _PROMPT = "decode(repeat('2a000000', 8), 'hex')"
 _STOP_OUTPUT = (
     "decode(repeat('07000000', (7 + g % 8)::int) || 'c27e0200', 'hex')"  # ends with EOS_ID 163586

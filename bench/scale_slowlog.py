@@ -36,8 +36,9 @@ from common import (
 )
 from sqlalchemy import create_engine, text
 
-from app import ledger, registry
-from app.settings import Settings, normalize_database_url
+from app import ledger
+from app.core.settings import Settings, normalize_database_url
+from app.ledger import registry
 
 SIZE = 1_000_000
 SLOWLOG_SECONDS = 240
@@ -50,7 +51,7 @@ DURATION = re.compile(r"duration: ([0-9.]+) ms\s+(?:statement|execute [^:]*): (.
 def main(*, keep: bool) -> None:
     from scale import REDIS_URL, _fill_broker
 
-    from app.tokenization import load_tokenizer
+    from app.prompts.tokenization import load_tokenizer
 
     built = build.existing(SIZE) if keep else None
     if built is None:

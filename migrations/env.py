@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from alembic import context
 
-from app.database import make_engine
-from app.models import Base
-from app.settings import get_settings
+from app.core.models import Base
+from app.core.settings import get_settings
+from app.ledger.database import make_engine
 
 config = context.config
 target_metadata = Base.metadata

@@ -52,9 +52,9 @@ def db_group() -> None:
 @handle_errors
 def db_upgrade() -> None:
     """Apply every migration to the configured database (TOKENMILL_DATABASE_URL)."""
-    from app.database import get_engine
-    from app.migrate import current_revision, upgrade
-    from app.settings import redact_url
+    from app.core.settings import redact_url
+    from app.ledger.database import get_engine
+    from app.ledger.migrate import current_revision, upgrade
 
     settings = get_settings()
     engine = get_engine(settings)
@@ -66,8 +66,8 @@ def db_upgrade() -> None:
 @handle_errors
 def db_current() -> None:
     """Show the schema revision of the configured database."""
-    from app.database import get_engine
-    from app.migrate import current_revision, head_revision
+    from app.ledger.database import get_engine
+    from app.ledger.migrate import current_revision, head_revision
 
     engine = get_engine()
     click.echo(f"current {current_revision(engine)} (latest {head_revision()})")
@@ -77,7 +77,7 @@ def db_current() -> None:
 @handle_errors
 def config_cmd() -> None:
     """Show the effective configuration (passwords redacted)."""
-    from app.settings import redact_options, redact_url
+    from app.core.settings import redact_options, redact_url
 
     s = get_settings()
     data = s.model_dump(mode="json")

@@ -20,7 +20,7 @@ from rich.text import Text
 from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
-from app.dashboard_queries import Dashboard, RunProgress, ServerRow, gather_dashboard
+from app.ledger.dashboard_queries import Dashboard, RunProgress, ServerRow, gather_dashboard
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ import click
 from ops.options import build_sampling, err_console, get_settings, handle_errors
 
 if TYPE_CHECKING:
-    from app.settings import Settings
+    from app.core.settings import Settings
 
 
 def demo_prompts_path() -> Path:
@@ -26,9 +26,9 @@ def demo_prompts_path() -> Path:
 
 def check_export(path: Path, tokenizer_dir: Path, prompts: Path) -> tuple[int, int]:
     """Re-derive every exported prompt from the input turns; count rows and mismatches."""
-    from app.chat_path import merge_template_kwargs
-    from app.inputs import read_prompts
-    from app.tokenization import load_tokenizer
+    from app.prompts.chat_path import merge_template_kwargs
+    from app.prompts.inputs import read_prompts
+    from app.prompts.tokenization import load_tokenizer
 
     tokenizer = load_tokenizer(tokenizer_dir)
 
@@ -74,7 +74,7 @@ def demo_settings(base: Settings) -> tuple[Settings, dict[str, str]]:
     `report`, `verify` and `export` look anyway. A configured database may be shared, so it
     gets no demo run: the demo keeps a SQLite ledger of its own and its commands name it.
     """
-    from app.settings import Settings
+    from app.core.settings import Settings
 
     overrides: dict[str, Any] = {"inflight": 32, "broker_url": None, "storage_url": None}
     if base.database_url is None:
@@ -110,11 +110,11 @@ def inspect_commands(run_name: str, env: dict[str, str], out_dir: Path) -> list[
 def demo_cmd(samples_per_prompt: int, max_new_tokens: int) -> None:
     """Run the whole pipeline locally: fixture tokenizer, emulator, run, export, verify."""
     from app import ledger
-    from app.database import get_engine
-    from app.export import export_run
-    from app.fixtures import ensure_kimi_tokenizer
-    from app.migrate import ensure_schema
-    from app.tokenization import load_tokenizer
+    from app.fixtures.kimi import ensure_kimi_tokenizer
+    from app.ledger.database import get_engine
+    from app.ledger.migrate import ensure_schema
+    from app.outputs.export import export_run
+    from app.prompts.tokenization import load_tokenizer
     from ops.emulator_proc import start_emulator
     from workers.producer import EnqueueOptions, enqueue
     from workers.runner import EmbeddedRunner

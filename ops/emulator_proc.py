@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from app.errors import TokenmillError
+from app.core.errors import TokenmillError
 
 LISTENING = re.compile(r"listening on (http://\S+)")
 

@@ -11,13 +11,13 @@ from typing import TYPE_CHECKING
 
 import click
 
-from app.errors import ConfigurationError
+from app.core.errors import ConfigurationError
 from ops.options import err_console, get_settings, handle_errors, open_db, print_json, print_table
 
 if TYPE_CHECKING:
     from rich.table import Table
 
-    from app import registry
+    from app.ledger import registry
     from ops.restart import RestartProgress
 
 
@@ -40,7 +40,7 @@ def servers_group(ctx: click.Context, as_json: bool) -> None:
         return
     from rich.table import Table
 
-    from app import counters, registry
+    from app.ledger import counters, registry
 
     db = open_db()
     with db.connect() as conn:
@@ -101,7 +101,7 @@ def _rendering(server: registry.ServerInfo) -> str:
 @handle_errors
 def servers_add(name: str, url: str, restart_command: str | None) -> None:
     """Register (or update) server NAME at URL."""
-    from app import registry
+    from app.ledger import registry
     from ops.restart import parse_command
 
     if not url.startswith(("http://", "https://")):
@@ -115,7 +115,7 @@ def servers_add(name: str, url: str, restart_command: str | None) -> None:
 
 
 def _targets(server: tuple[str, ...], all_servers: bool) -> list[str]:
-    from app import registry
+    from app.ledger import registry
 
     db = open_db()
     with db.connect() as conn:
@@ -136,7 +136,7 @@ def _targets(server: tuple[str, ...], all_servers: bool) -> list[str]:
 @handle_errors
 def pause_cmd(server: tuple[str, ...], all_servers: bool, reason: str) -> None:
     """Stop the workers of these servers from taking work; the watchdog never lifts this."""
-    from app import registry
+    from app.ledger import registry
     from workers.control import CeleryControl, pause_server
 
     db = open_db()
@@ -227,7 +227,8 @@ def restart_cmd(name: str, command: str | None, timeout_s: float | None, poll_s:
 @handle_errors
 def events_cmd(run_name: str | None, server: str | None, limit: int, as_json: bool) -> None:
     """The timeline: state changes, pauses, resumes, restarts, fingerprint mismatches."""
-    from app import ledger, registry
+    from app import ledger
+    from app.ledger import registry
 
     db = open_db()
     with db.connect() as conn:

@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING
 
 import click
 
-from app.errors import ConfigurationError
-from app.network import is_loopback
+from app.core.errors import ConfigurationError
+from app.core.network import is_loopback
 from ops.options import err_console, get_settings, handle_errors
 
 if TYPE_CHECKING:
-    from app.settings import Settings
+    from app.core.settings import Settings
 
 
 @dataclass(frozen=True)

@@ -30,17 +30,17 @@ from prometheus_client.metrics_core import (
 from prometheus_client.registry import Collector
 from sqlalchemy import Engine
 
-from app.constants import WORK_QUEUE
-from app.errors import ConfigurationError
-from app.metrics_queries import (
+from app.core.constants import WORK_QUEUE
+from app.core.errors import ConfigurationError
+from app.core.models import ItemStatus
+from app.core.network import is_loopback
+from app.core.settings import Settings
+from app.ledger.metrics_queries import (
     LATENCY_BUCKETS_S,
     LatencyHistogram,
     LedgerSnapshot,
     read_snapshot,
 )
-from app.models import ItemStatus
-from app.network import is_loopback
-from app.settings import Settings
 from workers.broker_scan import PRIORITY_SEP
 from workers.health import Health
 

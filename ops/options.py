@@ -16,17 +16,17 @@ from urllib.parse import unquote, urlsplit
 
 import click
 
-from app.errors import ConfigurationError, TokenmillError
+from app.core.errors import ConfigurationError, TokenmillError
 
-# Start-up: every command module imports this one, so it imports only click and app.errors
+# Start-up: every command module imports this one, so it imports only click and app.core.errors
 # when loaded; rich, SQLAlchemy, pydantic, kombu and alembic load when a command uses them.
 if TYPE_CHECKING:
     from rich.console import Console
     from rich.table import Table
     from sqlalchemy import Engine
 
-    from app.contracts import SamplingParams
-    from app.settings import Settings
+    from app.core.contracts import SamplingParams
+    from app.core.settings import Settings
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -48,8 +48,8 @@ def out_console() -> Console:
 
 
 def get_settings() -> Settings:
-    """The process's settings (app.settings, imported on first use)."""
-    from app import settings
+    """The process's settings (app.core.settings, imported on first use)."""
+    from app.core import settings
 
     return settings.get_settings()
 
@@ -97,14 +97,14 @@ def setup_logging(level: str, log_format: str | None = None) -> None:
     logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), handlers=[handler])
     for noisy in ("httpx", "httpcore", "alembic.runtime.migration"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    from app.tokenization import quiet_transformers  # transformers itself loads lazily
+    from app.prompts.tokenization import quiet_transformers  # transformers itself loads lazily
 
     quiet_transformers()
 
 
 def _formatter(log_format: str) -> logging.Formatter:
     if log_format.lower() == "json":
-        from app.logs import JsonFormatter
+        from app.core.logs import JsonFormatter
 
         return JsonFormatter()
     return logging.Formatter(TEXT_LOG_FORMAT)
@@ -146,8 +146,8 @@ def _configured_log_format() -> str:
 
 def open_db(settings: Settings | None = None) -> Engine:
     """The ledger engine; the embedded SQLite ledger is created/upgraded on first use."""
-    from app.database import get_engine
-    from app.migrate import ensure_schema
+    from app.ledger.database import get_engine
+    from app.ledger.migrate import ensure_schema
 
     settings = settings or get_settings()
     try:
@@ -227,7 +227,7 @@ def _redacted_url(which: str) -> str:
     url = _configured_urls().get(which)
     if not url:
         return "(not configured)"
-    from app.settings import redact_url
+    from app.core.settings import redact_url
 
     if which == "database":
         from sqlalchemy import make_url
@@ -342,7 +342,7 @@ def render_options(func: F) -> F:
 
 
 def build_sampling(kwargs: dict[str, Any]) -> SamplingParams:
-    from app.contracts import SamplingParams
+    from app.core.contracts import SamplingParams
 
     try:
         return SamplingParams(

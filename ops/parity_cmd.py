@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from app.errors import ConfigurationError
+from app.core.errors import ConfigurationError
 from ops.options import get_settings, handle_errors, open_db, print_json
 
 if TYPE_CHECKING:
@@ -47,8 +47,9 @@ def parity_cmd(run_name: str, server: str, sample: int | None, seed: int, as_jso
     the run's template kwargs, as a chat completion would render it. Run it before a long run
     to see that the server builds the prompts tokenmill built.
     """
-    from app import ledger, registry
-    from app.render import render_client
+    from app import ledger
+    from app.ledger import registry
+    from app.prompts.render import render_client
     from workers.parity import check_run
 
     settings = get_settings()

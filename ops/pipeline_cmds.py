@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any, cast
 
 import click
 
-from app.constants import EXPORT_FORMATS
-from app.errors import ConfigurationError, InputError, NotFound, RunMismatch, TokenizerError
+from app.core.constants import EXPORT_FORMATS
+from app.core.errors import ConfigurationError, InputError, NotFound, RunMismatch, TokenizerError
 from ops.options import (
     build_sampling,
     err_console,
@@ -29,10 +29,9 @@ from ops.options import (
 if TYPE_CHECKING:
     from rich.table import Table
 
-    from app import registry
-    from app.export import ExportFormat
-    from app.ledger import RunCounts, RunInfo
-    from app.tokenization import ChatTokenizer
+    from app.ledger import RunCounts, RunInfo, registry
+    from app.outputs.export import ExportFormat
+    from app.prompts.tokenization import ChatTokenizer
     from workers.producer import EnqueueReport
     from workers.runner import EmbeddedRunner
 
@@ -45,9 +44,9 @@ def _enqueue(
     from rich.markup import escape
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from app.inputs import parse_chat_template_kwargs
-    from app.render import render_client
-    from app.tokenization import load_tokenizer
+    from app.prompts.inputs import parse_chat_template_kwargs
+    from app.prompts.render import render_client
+    from app.prompts.tokenization import load_tokenizer
     from workers.producer import EnqueueOptions, enqueue
 
     console = err_console()
@@ -166,7 +165,7 @@ def pinned_folder_changes(run: RunInfo, tokenizer_path: str | None = None) -> li
     """How the tokenizer folder (the run's own unless given) differs from the files the run
     pinned, read before any of its code runs; nothing for a path that is not a folder
     (load_tokenizer says what is wrong with it)."""
-    from app.tokenization import folder_changes
+    from app.prompts.tokenization import folder_changes
 
     folder = Path(tokenizer_path or run.tokenizer_path).expanduser()
     if not folder.is_dir():
@@ -340,7 +339,8 @@ def run_pipeline(
 @handle_errors
 def status_cmd(run_name: str | None, as_json: bool, watch: bool, interval_s: float) -> None:
     """Counts per run (all runs, or RUN_NAME); --watch for a live dashboard until Ctrl-C."""
-    from app import ledger, registry
+    from app import ledger
+    from app.ledger import registry
 
     db = open_db()
     if watch:
@@ -468,8 +468,8 @@ def export_cmd(run_name: str, fmt: str, out: str, per_turn: bool, whole_conversa
     from rich.markup import escape
 
     from app import ledger
-    from app.export import export_run
-    from app.tokenization import load_tokenizer
+    from app.outputs.export import export_run
+    from app.prompts.tokenization import load_tokenizer
 
     console = err_console()
     db = open_db()

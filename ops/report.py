@@ -83,7 +83,12 @@ class ReportResult:
 def build_report(db: Engine, run_name: str, out_dir: Path) -> ReportResult:
     """Stream the run's finished items once, draw the figures, write out_dir/index.html."""
     from app import ledger
-    from app.dashboard_queries import failure_reasons, item_ranges, iter_item_stats, server_events
+    from app.ledger.dashboard_queries import (
+        failure_reasons,
+        item_ranges,
+        iter_item_stats,
+        server_events,
+    )
     from ops import report_plots  # matplotlib loads only when a report is made
     from ops.report_stats import accumulate, pause_periods
     from workers.control import EVENT_PAUSED, EVENT_RESUMED

@@ -13,8 +13,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from app.dashboard_queries import ItemRanges, ItemStats, ServerEvent, percentile
-from app.models import ItemStatus
+from app.core.models import ItemStatus
+from app.ledger.dashboard_queries import ItemRanges, ItemStats, ServerEvent, percentile
 
 SCATTER_POINTS = 20_000
 LENGTH_BINS = 60

@@ -17,10 +17,11 @@ from urllib.parse import urlsplit
 
 from sqlalchemy import Engine
 
-from app import ledger, registry
-from app.errors import ConfigurationError, GenerationError
-from app.registry import PAUSED_BY_RESTART, ServerInfo
-from app.settings import Settings
+from app import ledger
+from app.core.errors import ConfigurationError, GenerationError
+from app.core.settings import Settings
+from app.ledger import registry
+from app.ledger.registry import PAUSED_BY_RESTART, ServerInfo
 from workers.control import WorkerControl, pause_server, resume_server
 from workers.watchdog import HttpProber, Prober, fingerprint_conflicts
 

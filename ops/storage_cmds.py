@@ -1,6 +1,6 @@
 """The object-storage commands: `compact`, `archive`, and the Parquet path of `export`.
 
-Thin: settings and the ledger in, workers.compaction / app.storage do the work, counts out.
+Thin: settings and the ledger in, workers.compaction / app.outputs.storage do the work, counts out.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ def export_to_storage(run_name: str, out: str) -> None:
     from rich.markup import escape
 
     from app import ledger
-    from app.shards import StorageError
-    from app.storage import export_parquet
+    from app.outputs.shards import StorageError
+    from app.outputs.storage import export_parquet
 
     settings = get_settings()
     db = open_db(settings)
@@ -59,7 +59,7 @@ def compact_cmd(run_name: str, force: bool, as_json: bool) -> None:
     from rich.markup import escape
 
     from app import ledger
-    from app.shards import StorageError
+    from app.outputs.shards import StorageError
     from workers.compaction import compact_run
 
     settings = get_settings()
@@ -99,9 +99,10 @@ def archive_cmd(run_name: str, as_json: bool) -> None:
     """
     from rich.markup import escape
 
-    from app import archive, ledger
-    from app.errors import ArchiveRefused
-    from app.shards import StorageError
+    from app import ledger
+    from app.core.errors import ArchiveRefused
+    from app.ledger import archive
+    from app.outputs.shards import StorageError
     from workers.compaction import compact_run
 
     settings = get_settings()

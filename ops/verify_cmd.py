@@ -9,13 +9,13 @@ from typing import TYPE_CHECKING
 
 import click
 
-from app.errors import TokenizerError
+from app.core.errors import TokenizerError
 from ops.options import get_settings, handle_errors, open_db, print_json
 
 if TYPE_CHECKING:
     from app.ledger import RunInfo
-    from app.tokenization import ChatTokenizer
-    from app.verify import VerifyReport
+    from app.outputs.verify import VerifyReport
+    from app.prompts.tokenization import ChatTokenizer
 
 
 @click.command("verify")
@@ -85,7 +85,7 @@ def verify_cmd(
     if run_name is None:
         raise click.UsageError("missing argument RUN_NAME")
     from app import ledger
-    from app.verify import verify_run
+    from app.outputs.verify import verify_run
 
     settings = get_settings()
     db = open_db(settings)
@@ -112,7 +112,8 @@ def _verify_counts(run_name: str | None, *, repair: bool, as_json: bool) -> None
     from rich.console import Console
     from rich.markup import escape
 
-    from app import counters, ledger
+    from app import ledger
+    from app.ledger import counters
 
     out = Console(highlight=False, soft_wrap=True)
     db = open_db()
@@ -149,7 +150,7 @@ def _tokenizer(
     """The tokenizer to re-apply the template with; the run's own path not loading is a
     finding (nothing can vouch for the prompts), a bad --tokenizer a usage error. The run's
     pinned --trust-remote-code holds for both."""
-    from app.tokenization import load_tokenizer
+    from app.prompts.tokenization import load_tokenizer
     from ops.pipeline_cmds import pinned_folder_changes
 
     explicit = trust_remote_code
@@ -181,7 +182,7 @@ def _print_summary(report: VerifyReport) -> None:
     from rich.console import Console
     from rich.markup import escape
 
-    from app.verify import CHECK_TITLES
+    from app.outputs.verify import CHECK_TITLES
 
     # the summary is the command's output: stdout (errors go to stderr through handle_errors)
     out = Console(highlight=False, soft_wrap=True)

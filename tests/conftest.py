@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from sqlalchemy import Engine, create_engine, text
 
-from app.database import make_engine
-from app.migrate import upgrade
+from app.ledger.database import make_engine
+from app.ledger.migrate import upgrade
 
 PG_ADMIN_URL = os.environ.get(
     "TOKENMILL_TEST_PG_ADMIN_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
@@ -70,7 +70,7 @@ def db(request: pytest.FixtureRequest) -> Engine:
 
 @pytest.fixture(scope="session")
 def kimi_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from app.fixtures import ensure_kimi_tokenizer
+    from app.fixtures.kimi import ensure_kimi_tokenizer
 
     return ensure_kimi_tokenizer(tmp_path_factory.mktemp("tokenizers"))
 

@@ -13,7 +13,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, cast
 
-from app.constants import GENERATE_TASK, WORK_QUEUE
+from app.core.constants import GENERATE_TASK, WORK_QUEUE
 
 log = logging.getLogger(__name__)
 

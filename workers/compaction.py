@@ -3,14 +3,14 @@ shards under `<storage_url>/runs/<run name>/compacted/`, leaving a (shard, row) 
 
 Order and crash safety. For each batch of at most `shard_rows` compactable items (done, arrays
 still in the ledger, no unfinished later turn reading them), in id order:
-1. the shard `items-<first id>-<last id>.parquet` is written atomically (app.shards);
+1. the shard `items-<first id>-<last id>.parquet` is written atomically (app.outputs.shards);
 2. one transaction points the items at it and empties their arrays, only where
    `shard_uri IS NULL`.
 A crash before 2 leaves the items untouched and a shard nobody points at. The next compaction
 first lists the folder and deletes every `items-*.parquet` that no item of the run points at
 (and temporary files a killed writer left), then compacts again: the same ids give the same key,
 so the shard is simply rewritten. Every compaction of a run holds the lock `compact-<run id>`
-(Redis or a file, app.locks), so the cleanup never deletes a shard that another compaction has
+(Redis or a file, app.core.locks), so the cleanup never deletes a shard that another compaction has
 written and not yet recorded; a compaction stops starting shards well before the lock expires.
 """
 
@@ -25,18 +25,18 @@ from typing import Any
 from sqlalchemy import Engine
 
 from app import ledger
-from app.database import SCAN_TIMEOUT_S, limit_periodic
+from app.core.locks import exclusive
+from app.core.settings import Settings
 from app.ledger import RunInfo
-from app.locks import exclusive
-from app.settings import Settings
-from app.shards import (
+from app.ledger.database import SCAN_TIMEOUT_S, limit_periodic
+from app.outputs.shards import (
     Location,
     ShardWriter,
     list_names,
     open_location,
     remove_objects,
 )
-from app.storage import shard_row
+from app.outputs.storage import shard_row
 
 log = logging.getLogger(__name__)
 

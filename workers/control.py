@@ -11,8 +11,9 @@ from typing import Protocol
 
 from sqlalchemy import Engine
 
-from app import ledger, registry
-from app.constants import WORK_QUEUE
+from app import ledger
+from app.core.constants import WORK_QUEUE
+from app.ledger import registry
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ import logging
 import threading
 from collections.abc import Callable
 
-from app.registry import PAUSED_BY_WATCHDOG
+from app.ledger.registry import PAUSED_BY_WATCHDOG
 from workers.control import WorkerControl
 from workers.runtime import WorkerRuntime
 

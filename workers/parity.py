@@ -13,12 +13,12 @@ from typing import Any
 
 from sqlalchemy import Engine
 
-from app import ledger, registry
-from app.constants import EVENT_PARITY
-from app.errors import GenerationError, PermanentError
-from app.ledger import RunInfo, StoredItem
-from app.render import RenderClient, RenderRequest, prompt_request, render_client
-from app.settings import Settings
+from app import ledger
+from app.core.constants import EVENT_PARITY
+from app.core.errors import GenerationError, PermanentError
+from app.core.settings import Settings
+from app.ledger import RunInfo, StoredItem, registry
+from app.prompts.render import RenderClient, RenderRequest, prompt_request, render_client
 
 log = logging.getLogger(__name__)
 

@@ -18,16 +18,16 @@ from typing import Any
 from sqlalchemy import Engine
 
 from app import ledger
-from app.chat_path import ChatInputs, check_version, merge_template_kwargs
-from app.constants import EVENT_ENQUEUE_STOPPED, EVENT_ENQUEUED, EVENT_RUN_CREATED
-from app.contracts import PromptRecord, SamplingParams
-from app.conversation import TurnPlan
-from app.errors import InputError
-from app.input_formats import open_table
-from app.inputs import read_prompts
-from app.render import RenderClient, RenderServerUnavailable, prompt_request
-from app.template_pool import Templater
-from app.tokenization import ChatTokenizer, check_template_kwargs
+from app.core.constants import EVENT_ENQUEUE_STOPPED, EVENT_ENQUEUED, EVENT_RUN_CREATED
+from app.core.contracts import PromptRecord, SamplingParams
+from app.core.errors import InputError
+from app.prompts.chat_path import ChatInputs, check_version, merge_template_kwargs
+from app.prompts.conversation import TurnPlan
+from app.prompts.input_formats import open_table
+from app.prompts.inputs import read_prompts
+from app.prompts.render import RenderClient, RenderServerUnavailable, prompt_request
+from app.prompts.template_pool import Templater
+from app.prompts.tokenization import ChatTokenizer, check_template_kwargs
 from workers import turns
 
 log = logging.getLogger(__name__)

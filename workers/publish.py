@@ -9,7 +9,7 @@ import logging
 from collections.abc import Sequence
 
 from app.celery_app import celery_app
-from app.constants import GENERATE_TASK, WORK_QUEUE
+from app.core.constants import GENERATE_TASK, WORK_QUEUE
 
 log = logging.getLogger(__name__)
 

@@ -14,10 +14,11 @@ from typing import Any
 
 from sqlalchemy import Engine
 
-from app import counters, ledger
-from app.constants import EVENT_RECONCILED
-from app.database import SCAN_TIMEOUT_S, limit_periodic
-from app.settings import Settings
+from app import ledger
+from app.core.constants import EVENT_RECONCILED
+from app.core.settings import Settings
+from app.ledger import counters
+from app.ledger.database import SCAN_TIMEOUT_S, limit_periodic
 from workers import turns
 from workers.broker_scan import broker_holds
 

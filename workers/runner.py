@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from sqlalchemy import Engine
 
 from app import ledger
-from app.errors import ConfigurationError
+from app.core.errors import ConfigurationError
+from app.core.settings import Settings
 from app.ledger import RunCounts, RunInfo
-from app.settings import Settings
 from workers import turns
 from workers.parity import preflight
 from workers.runtime import WorkerRuntime

@@ -17,12 +17,13 @@ from urllib.parse import urlsplit
 
 from sqlalchemy import Engine
 
-from app import ledger, registry
-from app.constants import EVENT_FINGERPRINT_MISMATCH, EVENT_FINGERPRINT_PINNED
-from app.contracts import SamplingParams, ServerFingerprint
-from app.database import limit_periodic
-from app.errors import GenerationError
-from app.settings import Settings
+from app import ledger
+from app.core.constants import EVENT_FINGERPRINT_MISMATCH, EVENT_FINGERPRINT_PINNED
+from app.core.contracts import SamplingParams, ServerFingerprint
+from app.core.errors import GenerationError
+from app.core.settings import Settings
+from app.ledger import registry
+from app.ledger.database import limit_periodic
 from app.sglang import SGLangClient
 from workers.turns import TurnAdvancer
 from workers.window import InflightWindow, WindowConfig

@@ -1,6 +1,6 @@
 """Celery tasks, thin shells: decode ids, call the pipeline, report counts.
 
-Task names are fixed strings (app.constants); queued messages refer to them. The watchdog and
+Task names are fixed strings (app.core.constants); queued messages refer to them. The watchdog and
 reconcile run on the control queue, which is never paused.
 """
 
@@ -21,18 +21,18 @@ from celery.signals import (
 )
 
 from app.celery_app import celery_app
-from app.constants import (
+from app.core.constants import (
     COMPACT_TASK,
     GENERATE_TASK,
     RECONCILE_TASK,
     WATCHDOG_TASK,
     WORK_QUEUE,
 )
-from app.database import get_engine
-from app.locks import exclusive
-from app.logs import JsonFormatter, use_json
-from app.settings import get_settings
-from app.tokenization import quiet_transformers
+from app.core.locks import exclusive
+from app.core.logs import JsonFormatter, use_json
+from app.core.settings import get_settings
+from app.ledger.database import get_engine
+from app.prompts.tokenization import quiet_transformers
 from workers import reconcile as reconcile_logic
 from workers.compaction import compact_due
 from workers.control import CeleryControl

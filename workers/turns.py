@@ -19,22 +19,22 @@ from typing import Any
 from sqlalchemy import Connection, Engine
 
 from app import ledger
-from app.chat_path import check_version, normalize_messages
-from app.constants import EVENT_TURNS_BLOCKED
-from app.contracts import PromptRecord
-from app.conversation import (
+from app.core.constants import EVENT_TURNS_BLOCKED
+from app.core.contracts import PromptRecord
+from app.core.errors import GenerationError, InputError, PermanentError, TokenmillError
+from app.core.settings import get_settings
+from app.ledger import NewItem, RunInfo, WaitingTurn
+from app.outputs.export import assistant_turn
+from app.prompts.chat_path import check_version, normalize_messages
+from app.prompts.conversation import (
     TurnPlan,
     next_history,
     split_boundaries,
     split_turns,
     tool_turn_position,
 )
-from app.errors import GenerationError, InputError, PermanentError, TokenmillError
-from app.export import assistant_turn
-from app.ledger import NewItem, RunInfo, WaitingTurn
-from app.render import RenderClient, prompt_request, render_client
-from app.settings import get_settings
-from app.tokenization import ChatTokenizer, folder_changes, load_tokenizer
+from app.prompts.render import RenderClient, prompt_request, render_client
+from app.prompts.tokenization import ChatTokenizer, folder_changes, load_tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -14,18 +14,19 @@ from typing import Protocol
 
 from sqlalchemy import Engine
 
-from app import ledger, registry
-from app.constants import EVENT_FINGERPRINT_MISMATCH
-from app.contracts import ServerFingerprint
-from app.database import limit_periodic
-from app.errors import GenerationError
-from app.registry import (
+from app import ledger
+from app.core.constants import EVENT_FINGERPRINT_MISMATCH
+from app.core.contracts import ServerFingerprint
+from app.core.errors import GenerationError
+from app.core.settings import Settings
+from app.ledger import registry
+from app.ledger.database import limit_periodic
+from app.ledger.registry import (
     PAUSED_BY_FINGERPRINT,
     PAUSED_BY_PARITY,
     PAUSED_BY_WATCHDOG,
     ServerInfo,
 )
-from app.settings import Settings
 from app.sglang import SGLangClient
 from workers.control import WorkerControl, pause_server, resume_server
 from workers.health import Health, Thresholds, Verdict, step

@@ -33,10 +33,10 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import InterfaceError, OperationalError
 
 from app import ledger
-from app.contracts import GenerateResult, SamplingParams
-from app.database import limit_periodic
-from app.errors import GenerationError, PermanentError, RetryableError, ServerUnavailable
+from app.core.contracts import GenerateResult, SamplingParams
+from app.core.errors import GenerationError, PermanentError, RetryableError, ServerUnavailable
 from app.ledger import ClaimedItem, Done, Failed, Outcome, Released, RetryLater
+from app.ledger.database import limit_periodic
 from app.sglang import ProbeResult
 from workers.groups import Conversations
 

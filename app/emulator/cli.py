@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 
 import click
 
+from app.core.network import is_loopback
 from app.emulator.config import (
     DEFAULT_MODEL_PATH,
     DEFAULT_SGLANG_VERSION,
@@ -19,7 +20,6 @@ from app.emulator.config import (
     KIMI_THINK_END_ID,
     EmulatorConfig,
 )
-from app.network import is_loopback
 
 ENV_PREFIX = "TOKENMILL_EMULATOR_"
 NONE_WORDS = ("", "none", "null")

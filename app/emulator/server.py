@@ -19,6 +19,7 @@ from typing import Any
 
 from aiohttp import web
 
+from app.core.errors import TokenizerError
 from app.emulator.config import EmulatorConfig
 from app.emulator.info import model_info, models_list, server_info, stats_json
 from app.emulator.model import generate_output
@@ -35,8 +36,7 @@ from app.emulator.protocol import (
 from app.emulator.scheduler import Counters, Job, Scheduler, new_job
 from app.emulator.schema import SchemaViolation
 from app.emulator.tokenize import TokenizeAnswer, answer_raw
-from app.errors import TokenizerError
-from app.tokenization import ChatTokenizer, load_tokenizer
+from app.prompts.tokenization import ChatTokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

@@ -16,7 +16,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from app.chat_path import (
+from app.core.errors import ConfigurationError, InputError
+from app.prompts.chat_path import (
     ChatInputs,
     bare_function_tools,
     final_assistant_as_user,
@@ -24,8 +25,7 @@ from app.chat_path import (
     normalize_messages,
     normalize_tools,
 )
-from app.errors import ConfigurationError, InputError
-from app.tokenization import ChatTokenizer
+from app.prompts.tokenization import ChatTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -214,7 +214,7 @@ def render_chat_ids(
     add_special_tokens: bool,
     continue_final_message: bool = False,
 ) -> list[int]:
-    """tokenmill's reproduction of the chat path (app.chat_path) on the validated request.
+    """tokenmill's reproduction of the chat path (app.prompts.chat_path) on the validated request.
 
     add_generation_prompt None is a chat completion's rendering (`ChatTokenizer.apply_each`):
     a final assistant turn with string content is sent as a user turn, or with

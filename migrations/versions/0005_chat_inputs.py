@@ -1,7 +1,7 @@
 """Chat inputs: the normalization version a run pins, and what else built each prompt.
 
 A run records the message-normalization rules its prompts are built with
-(`app.chat_path.NORMALIZATION_VERSION`; null for older runs). An item keeps its row's tools
+(`app.prompts.chat_path.NORMALIZATION_VERSION`; null for older runs). An item keeps its row's tools
 (a run's distinct tools lists live once in tool_sets), its template kwargs merged over the
 run's (null: the run's own), and the row's other fields as metadata, exported with it.
 

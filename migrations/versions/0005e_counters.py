@@ -27,7 +27,7 @@ depends_on: str | Sequence[str] | None = None
 
 BigId = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
 
-# the latency histogram's fixed upper bounds, in seconds (app.counters.LATENCY_BUCKETS_S); a
+# the latency histogram's fixed upper bounds, in seconds (app.ledger.counters.LATENCY_BUCKETS_S); a
 # done item's bucket is the index of the first bound its latency does not exceed, or
 # len(bounds) past the last one. Changing them takes a migration that recreates the triggers.
 LATENCY_BOUNDS_S = (

@@ -24,9 +24,10 @@ from pathlib import Path
 import pytest
 from sqlalchemy import Engine, text
 
-from app import counters, ledger, registry
+from app import ledger
 from app.emulator.config import EmulatorConfig
 from app.emulator.model import generate_output
+from app.ledger import counters, registry
 from tests.support.emulator import free_port
 from tests.support.procs import ROOT, service_env, start_celery, start_worker, tokenmill, wait_for
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import create_engine, text
 
-from app.database import make_engine
+from app.ledger.database import make_engine
 from tests.chaos.conftest import FAST_SETTINGS, Deployment, RedisServer, free_port, wait_for
 from tests.support.procs import service_env, tokenmill
 

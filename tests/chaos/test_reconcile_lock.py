@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from app.constants import REDIS_PREFIX
+from app.core.constants import REDIS_PREFIX
 from tests.chaos.conftest import Deployment, RedisServer
 
 pytestmark = pytest.mark.chaos

@@ -16,10 +16,10 @@ import pytest
 from celery import Celery
 from sqlalchemy import Engine, select
 
-from app import ledger, registry
+from app import ledger
 from app.emulator.config import EmulatorConfig
 from app.emulator.model import generate_output
-from app.ledger import items
+from app.ledger import items, registry
 from ops.emulator_proc import start_emulator
 from tests.support.emulator import free_port
 from tests.support.procs import service_env, start_celery, start_worker, stop, tokenmill, wait_for

@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 from sqlalchemy import Engine
 
-from app import counters, ledger
+from app import ledger
 from app.emulator.config import EmulatorConfig
 from app.emulator.model import generate_output
-from app.tokenization import load_tokenizer
+from app.ledger import counters
+from app.prompts.tokenization import load_tokenizer
 from ops.emulator_proc import EmulatorProcess, start_emulator
 from tests.support.procs import ROOT, service_env, start_worker, stop, tokenmill
 

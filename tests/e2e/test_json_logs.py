@@ -29,11 +29,11 @@ def test_status_logs_json_lines_only(
     assert lines, "the embedded ledger's first use logs its upgrade at INFO"
     entries = [json.loads(line) for line in lines]
     assert all({"ts", "level", "logger", "message"} <= e.keys() for e in entries)
-    assert any(e["logger"] == "app.migrate" and e["level"] == "INFO" for e in entries)
+    assert any(e["logger"] == "app.ledger.migrate" and e["level"] == "INFO" for e in entries)
     assert json.loads(result.stdout) == []  # a fresh ledger: no runs
 
 
 def test_text_is_the_default(tmp_path: Path) -> None:
     result = tokenmill(["--log-level", "INFO", "status"], clean_env(tmp_path / "data"))
     assert result.returncode == 0, result.stderr
-    assert " INFO app.migrate: " in result.stderr
+    assert " INFO app.ledger.migrate: " in result.stderr

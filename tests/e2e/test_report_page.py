@@ -15,8 +15,8 @@ import pytest
 from matplotlib.image import imread
 
 from app import ledger
-from app.database import make_engine
-from app.migrate import upgrade
+from app.ledger.database import make_engine
+from app.ledger.migrate import upgrade
 from tests.support.procs import ROOT, clean_env
 from tests.support.runs import seed_report_run
 

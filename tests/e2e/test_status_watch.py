@@ -16,8 +16,8 @@ import pytest
 from sqlalchemy import Engine, update
 
 from app import ledger
-from app.database import make_engine
-from app.migrate import upgrade
+from app.ledger.database import make_engine
+from app.ledger.migrate import upgrade
 from tests.support.procs import ROOT, clean_env, tokenmill
 from tests.support.runs import seed_fleet
 

@@ -11,14 +11,14 @@ import pyarrow.parquet as pq
 import pytest
 from sqlalchemy import Engine, func, select
 
-from app import archive, ledger
-from app.dashboard_queries import failure_reasons, item_ranges, iter_item_stats
-from app.errors import ArchiveRefused, RunArchived
-from app.export import export_run
-from app.ledger import items, items_archive
-from app.settings import Settings
-from app.storage import export_parquet
-from app.verify import verify_run
+from app import ledger
+from app.core.errors import ArchiveRefused, RunArchived
+from app.core.settings import Settings
+from app.ledger import archive, items, items_archive
+from app.ledger.dashboard_queries import failure_reasons, item_ranges, iter_item_stats
+from app.outputs.export import export_run
+from app.outputs.storage import export_parquet
+from app.outputs.verify import verify_run
 from ops.report import build_report
 from tests.support.done_runs import make_done_run, spec
 from tests.support.procs import clean_env, tokenmill

@@ -24,7 +24,7 @@ import pytest
 from sqlalchemy import Engine, func, select
 
 from app import ledger
-from app.inputs import DEFAULT_MAX_LINE_BYTES
+from app.prompts.inputs import DEFAULT_MAX_LINE_BYTES
 from tests.support.procs import clean_env, service_env, tokenmill
 
 SAMPLES = 2

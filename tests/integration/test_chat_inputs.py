@@ -13,14 +13,14 @@ import pytest
 from sqlalchemy import Engine, func, select, update
 
 from app import ledger
-from app.chat_path import NORMALIZATION_VERSION
-from app.contracts import GenerateResult, SamplingParams
-from app.errors import ConfigurationError
-from app.export import export_run
+from app.core.contracts import GenerateResult, SamplingParams
+from app.core.errors import ConfigurationError
 from app.ledger import items, runs, tool_sets
-from app.storage import export_parquet
-from app.tokenization import ChatTokenizer, load_tokenizer
-from app.verify import CHECK_TEMPLATE, verify_run
+from app.outputs.export import export_run
+from app.outputs.storage import export_parquet
+from app.outputs.verify import CHECK_TEMPLATE, verify_run
+from app.prompts.chat_path import NORMALIZATION_VERSION
+from app.prompts.tokenization import ChatTokenizer, load_tokenizer
 from tests.support import sglang_chat_path as sglang
 from tests.support.chat_templates import AGENT_TEMPLATE, tokenizer_with_template
 from workers.producer import EnqueueOptions, enqueue

@@ -11,11 +11,11 @@ import pytest
 from sqlalchemy import Engine, func, insert, select, update
 
 from app import ledger
-from app.export import export_run
+from app.core.locks import exclusive
+from app.core.settings import Settings
 from app.ledger import items
-from app.locks import exclusive
-from app.settings import Settings
-from app.storage import check_export, export_parquet
+from app.outputs.export import export_run
+from app.outputs.storage import check_export, export_parquet
 from tests.support.done_runs import make_done_run
 from tests.support.procs import clean_env, tokenmill
 from workers.compaction import compact_due, compact_run, compaction_location

@@ -12,8 +12,8 @@ from typing import Any
 import httpx
 import pytest
 
-from app.contracts import SamplingParams
-from app.errors import GenerationError, PermanentError, RetryableError, ServerUnavailable
+from app.core.contracts import SamplingParams
+from app.core.errors import GenerationError, PermanentError, RetryableError, ServerUnavailable
 from app.sglang import SGLangClient, server_message
 from tests.support.sglang_contract import load_contract
 

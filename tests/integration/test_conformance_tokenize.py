@@ -25,8 +25,8 @@ import pytest
 from pydantic import ValidationError
 
 from app.emulator.config import EmulatorConfig
-from app.render import prompt_request
-from app.tokenization import ChatTokenizer, load_tokenizer
+from app.prompts.render import prompt_request
+from app.prompts.tokenization import ChatTokenizer, load_tokenizer
 from tests.support.emulator import REPO_ROOT, EmulatorProcess, running_emulator
 from tests.support.sglang_contract import load_protocol
 

@@ -19,14 +19,14 @@ from alembic import command
 from click.testing import CliRunner
 from sqlalchemy import Connection, Engine, create_engine, delete, func, select, text, update
 
-from app import counters, ledger
-from app.contracts import GenerateResult
-from app.counters import GroupKey, LatencyKey, Tally
-from app.database import make_engine
-from app.ledger import Done, Failed, Released, RetryLater, items, runs
-from app.metrics_queries import latency_histograms
-from app.migrate import alembic_config, upgrade
-from app.settings import get_settings
+from app import ledger
+from app.core.contracts import GenerateResult
+from app.core.settings import get_settings
+from app.ledger import Done, Failed, Released, RetryLater, counters, items, runs
+from app.ledger.counters import GroupKey, LatencyKey, Tally
+from app.ledger.database import make_engine
+from app.ledger.metrics_queries import latency_histograms
+from app.ledger.migrate import alembic_config, upgrade
 from ops.cli import cli
 from tests.conftest import PG_ADMIN_URL
 from tests.support import runs as support_runs

@@ -12,11 +12,11 @@ import pytest
 from sqlalchemy import Engine
 
 from app import ledger
-from app.agentic_rows import agentic_rows
-from app.contracts import GenerateResult, SamplingParams
-from app.errors import RunMismatch
-from app.fixtures_agentic import HELPER_MODULE, ensure_agentic_tokenizer
-from app.tokenization import load_tokenizer
+from app.core.contracts import GenerateResult, SamplingParams
+from app.core.errors import RunMismatch
+from app.fixtures.agentic_rows import agentic_rows
+from app.fixtures.kimi_custom import HELPER_MODULE, ensure_agentic_tokenizer
+from app.prompts.tokenization import load_tokenizer
 from tests.support.procs import clean_env, tokenmill
 from workers.producer import EnqueueOptions, enqueue
 

@@ -9,8 +9,8 @@ import pytest
 from rich.console import Console
 from sqlalchemy import Engine
 
-from app import dashboard_queries as dq
-from app.errors import NotFound
+from app.core.errors import NotFound
+from app.ledger import dashboard_queries as dq
 from ops.dashboard import duration, render_dashboard, watch
 from tests.support.runs import seed_fleet
 

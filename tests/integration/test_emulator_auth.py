@@ -10,9 +10,9 @@ import sys
 import httpx
 import pytest
 
+from app.core.errors import ServerUnavailable
+from app.core.settings import Settings
 from app.emulator.config import EmulatorConfig
-from app.errors import ServerUnavailable
-from app.settings import Settings
 from tests.support.emulator import running_emulator
 from workers.runtime import client_for
 
@@ -65,7 +65,7 @@ def test_the_emulator_refuses_to_listen_beyond_loopback_without_a_key(host: str)
 
 
 def test_the_watchdog_reports_a_refused_key_as_down_not_healthy() -> None:
-    from app.registry import ServerInfo
+    from app.ledger.registry import ServerInfo
     from workers.watchdog import HttpProber
 
     with running_emulator(EmulatorConfig(api_key=KEY, step_ms=0)) as emu:

@@ -13,9 +13,9 @@ import pytest
 from sqlalchemy import Engine
 
 from app import ledger
-from app.contracts import SamplingParams
-from app.errors import InputError
-from app.tokenization import ChatTokenizer, load_tokenizer
+from app.core.contracts import SamplingParams
+from app.core.errors import InputError
+from app.prompts.tokenization import ChatTokenizer, load_tokenizer
 from workers.producer import EnqueueOptions, enqueue
 
 ROWS: list[dict[str, Any]] = [

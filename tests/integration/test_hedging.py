@@ -16,12 +16,12 @@ import httpx
 from sqlalchemy import Connection, Engine, select, update
 
 from app import ledger
-from app.constants import EVENT_FINGERPRINT_MISMATCH
-from app.contracts import GenerateResult, SamplingParams
+from app.core.constants import EVENT_FINGERPRINT_MISMATCH
+from app.core.contracts import GenerateResult, SamplingParams
+from app.core.settings import Settings
 from app.emulator.config import KIMI_IM_END_ID, EmulatorConfig
 from app.emulator.model import generate_output
 from app.ledger import Done, Failed, Released, events, items
-from app.settings import Settings
 from tests.support import runs as support_runs
 from tests.support.emulator import EmulatorProcess, running_emulator
 from tests.support.procs import wait_for

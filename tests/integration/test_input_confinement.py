@@ -19,9 +19,9 @@ import pytest
 from sqlalchemy import Engine
 
 from app import ledger
-from app.contracts import SamplingParams
-from app.errors import ConfigurationError
-from app.tokenization import load_tokenizer
+from app.core.contracts import SamplingParams
+from app.core.errors import ConfigurationError
+from app.prompts.tokenization import load_tokenizer
 from workers.producer import EnqueueOptions, enqueue
 
 _opened: list[str] | None = None
@@ -141,8 +141,8 @@ def test_a_datasets_folder_cannot_name_files_outside_itself(
 ) -> None:
     import datasets
 
-    from app.errors import InputError
-    from app.inputs import read_prompts
+    from app.core.errors import InputError
+    from app.prompts.inputs import read_prompts
 
     folder = tmp_path / "ds"
     datasets.Dataset.from_list([{"id": "a", "prompt": "hi"}]).save_to_disk(str(folder))

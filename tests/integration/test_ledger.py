@@ -9,8 +9,8 @@ import pytest
 from sqlalchemy import Engine, update
 
 from app import ledger
-from app.contracts import GenerateResult, SamplingParams
-from app.errors import NotFound, RunMismatch
+from app.core.contracts import GenerateResult, SamplingParams
+from app.core.errors import NotFound, RunMismatch
 from app.ledger import Done, Failed, Released, RetryLater, items
 
 

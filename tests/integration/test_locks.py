@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from app.locks import exclusive
-from app.settings import Settings
+from app.core.locks import exclusive
+from app.core.settings import Settings
 
 
 @pytest.mark.parametrize("broker", ["redis", "filesystem"])

@@ -18,12 +18,12 @@ from celery import Celery
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import Engine
 
-from app import ledger, registry
-from app.constants import GENERATE_TASK, WORK_QUEUE
-from app.contracts import GenerateResult, SamplingParams
-from app.errors import ConfigurationError
-from app.ledger import Done, Failed
-from app.settings import Settings
+from app import ledger
+from app.core.constants import GENERATE_TASK, WORK_QUEUE
+from app.core.contracts import GenerateResult, SamplingParams
+from app.core.errors import ConfigurationError
+from app.core.settings import Settings
+from app.ledger import Done, Failed, registry
 from ops.metrics import (
     Credentials,
     LedgerCollector,
@@ -384,8 +384,8 @@ def test_a_broker_outage_is_reported_and_the_ledger_figures_remain(fleet: Engine
 WORKER = """
 import json, sys, time
 from app import ledger
-from app.contracts import GenerateResult
-from app.database import make_engine
+from app.core.contracts import GenerateResult
+from app.ledger.database import make_engine
 
 url, server = sys.argv[1:]
 owner = "worker-" + server

@@ -7,7 +7,7 @@ from alembic import command
 from sqlalchemy import Engine, text
 
 from app import ledger
-from app.migrate import alembic_config, upgrade
+from app.ledger.migrate import alembic_config, upgrade
 
 
 def _insert_run(engine: Engine, name: str, sampling: str) -> None:

@@ -8,9 +8,15 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import Engine, inspect
 
-from app.errors import SchemaOutOfDate
-from app.migrate import alembic_config, check_current, current_revision, head_revision, upgrade
-from app.models import Base
+from app.core.errors import SchemaOutOfDate
+from app.core.models import Base
+from app.ledger.migrate import (
+    alembic_config,
+    check_current,
+    current_revision,
+    head_revision,
+    upgrade,
+)
 
 
 def test_models_match_migrations(db: Engine) -> None:
@@ -34,7 +40,7 @@ def test_downgrade_to_nothing_and_back(sqlite_engine: Engine) -> None:
 
 
 def test_an_unmigrated_database_is_refused(tmp_path: object) -> None:
-    from app.database import make_engine
+    from app.ledger.database import make_engine
 
     engine = make_engine(f"sqlite:///{tmp_path}/empty.sqlite3")
     with pytest.raises(SchemaOutOfDate, match="tokenmill db upgrade"):

@@ -12,8 +12,9 @@ import pyarrow.parquet as pq
 import pytest
 from sqlalchemy import Engine
 
-from app import ledger, storage
-from app.storage import check_export, export_parquet, read_manifest
+from app import ledger
+from app.outputs import storage
+from app.outputs.storage import check_export, export_parquet, read_manifest
 from tests.support.done_runs import make_done_run
 from tests.support.procs import clean_env, tokenmill
 

@@ -10,9 +10,9 @@ import pytest
 from sqlalchemy import Engine
 
 from app import ledger
-from app.contracts import SamplingParams
-from app.errors import RunMismatch
-from app.tokenization import ChatTokenizer, load_tokenizer
+from app.core.contracts import SamplingParams
+from app.core.errors import RunMismatch
+from app.prompts.tokenization import ChatTokenizer, load_tokenizer
 from workers.producer import EnqueueOptions, enqueue
 
 

@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 from sqlalchemy import Connection, Engine, event, select, text
 
-from app import archive, ledger, registry
-from app.dashboard_queries import iter_item_stats
-from app.ledger import items
+from app import ledger
+from app.ledger import archive, items, registry
+from app.ledger.dashboard_queries import iter_item_stats
 from tests.support import synthetic
 from tests.support.procs import wait_for
 from tests.support.runs import make_run

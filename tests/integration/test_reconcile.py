@@ -13,10 +13,10 @@ from sqlalchemy import Engine, update
 
 from app import ledger
 from app.celery_app import celery_config
-from app.constants import GENERATE_TASK, WORK_QUEUE
-from app.contracts import SamplingParams
+from app.core.constants import GENERATE_TASK, WORK_QUEUE
+from app.core.contracts import SamplingParams
+from app.core.settings import Settings
 from app.ledger import items
-from app.settings import Settings
 from workers.broker_scan import broker_holds, broker_item_ids
 from workers.publish import chunks
 from workers.reconcile import reconcile

@@ -17,21 +17,21 @@ import pytest
 from click.testing import CliRunner
 from sqlalchemy import Engine, func, select
 
-from app import ledger, registry
-from app.constants import EVENT_ENQUEUE_STOPPED, EVENT_PARITY
-from app.contracts import SamplingParams
+from app import ledger
+from app.core.constants import EVENT_ENQUEUE_STOPPED, EVENT_PARITY
+from app.core.contracts import SamplingParams
+from app.core.errors import RetryableError, RunMismatch
+from app.core.settings import Settings, get_settings
 from app.emulator.config import EmulatorConfig
-from app.errors import RetryableError, RunMismatch
-from app.ledger import items
-from app.render import (
+from app.ledger import items, registry
+from app.prompts.render import (
     RenderClient,
     RenderPolicy,
     RenderRequest,
     RenderServerUnavailable,
     prompt_request,
 )
-from app.settings import Settings, get_settings
-from app.tokenization import ChatTokenizer, load_tokenizer
+from app.prompts.tokenization import ChatTokenizer, load_tokenizer
 from ops.cli import cli
 from tests.support.emulator import EmulatorProcess, free_port, running_emulator, start_emulator
 from tests.support.procs import clean_env, tokenmill

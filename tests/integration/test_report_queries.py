@@ -8,8 +8,8 @@ from pathlib import Path
 
 from sqlalchemy import Engine
 
-from app import dashboard_queries as dq
 from app import ledger
+from app.ledger import dashboard_queries as dq
 from ops.report import build_report
 from tests.support.runs import add_event, add_item, make_run, seed_report_run
 

@@ -11,10 +11,10 @@ from pathlib import Path
 
 from sqlalchemy import Engine
 
-from app import registry
-from app.contracts import ServerFingerprint
-from app.registry import ServerInfo
-from app.settings import Settings
+from app.core.contracts import ServerFingerprint
+from app.core.settings import Settings
+from app.ledger import registry
+from app.ledger.registry import ServerInfo
 from ops.restart import parse_command, restart_server
 from workers.watchdog import Probe
 

@@ -12,8 +12,8 @@ import pytest
 from sqlalchemy import Engine
 
 from app import ledger
-from app.settings import Settings
-from app.storage import check_export, export_parquet, read_manifest
+from app.core.settings import Settings
+from app.outputs.storage import check_export, export_parquet, read_manifest
 from tests.support.done_runs import make_done_run
 from workers.compaction import compact_run
 

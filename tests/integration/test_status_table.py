@@ -8,9 +8,9 @@ from pathlib import Path
 
 from sqlalchemy import update
 
-from app.database import make_engine
 from app.ledger import items
-from app.migrate import upgrade
+from app.ledger.database import make_engine
+from app.ledger.migrate import upgrade
 from tests.support.procs import clean_env, tokenmill
 from tests.support.runs import add_item, make_run
 

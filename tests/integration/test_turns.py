@@ -12,12 +12,12 @@ import pytest
 from sqlalchemy import Engine, select
 
 from app import ledger
-from app.contracts import GenerateResult, SamplingParams
-from app.conversation import WholeConversationError
-from app.errors import RunMismatch
-from app.export import export_run
+from app.core.contracts import GenerateResult, SamplingParams
+from app.core.errors import RunMismatch
 from app.ledger import Done, Failed, items
-from app.tokenization import ChatTokenizer, load_tokenizer
+from app.outputs.export import export_run
+from app.prompts.conversation import WholeConversationError
+from app.prompts.tokenization import ChatTokenizer, load_tokenizer
 from workers import turns
 from workers.producer import EnqueueOptions, EnqueueReport, enqueue
 

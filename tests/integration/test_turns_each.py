@@ -12,12 +12,12 @@ import pytest
 from sqlalchemy import Engine
 
 from app import ledger
-from app.chat_path import normalize_messages, normalize_tools
-from app.contracts import GenerateResult, SamplingParams
-from app.errors import ConfigurationError
-from app.export import export_run
+from app.core.contracts import GenerateResult, SamplingParams
+from app.core.errors import ConfigurationError
 from app.ledger import Done
-from app.tokenization import ChatTokenizer, load_tokenizer
+from app.outputs.export import export_run
+from app.prompts.chat_path import normalize_messages, normalize_tools
+from app.prompts.tokenization import ChatTokenizer, load_tokenizer
 from workers.producer import EnqueueOptions, EnqueueReport, enqueue
 
 CALL: dict[str, Any] = {

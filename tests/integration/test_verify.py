@@ -11,11 +11,10 @@ from click.testing import CliRunner
 from sqlalchemy import Engine, update
 
 from app import ledger
-from app.contracts import GenerateResult, SamplingParams
+from app.core.contracts import GenerateResult, SamplingParams
+from app.core.settings import get_settings
 from app.ledger import items
-from app.settings import get_settings
-from app.tokenization import ChatTokenizer, load_tokenizer
-from app.verify import (
+from app.outputs.verify import (
     CHECK_COMPLETION,
     CHECK_LENGTH,
     CHECK_PROMPT,
@@ -23,6 +22,7 @@ from app.verify import (
     CHECK_TEMPLATE,
     verify_run,
 )
+from app.prompts.tokenization import ChatTokenizer, load_tokenizer
 from ops.cli import cli
 from tests.support.procs import clean_env, tokenmill
 from workers.producer import EnqueueOptions, enqueue
@@ -182,7 +182,7 @@ def test_cli_exit_codes(
 def test_export_is_checked_against_the_ledger(
     pg_engine: Engine, tokenizer: ChatTokenizer, tmp_path: Path
 ) -> None:
-    from app.storage import export_parquet
+    from app.outputs.storage import export_parquet
 
     run = build_run(pg_engine, tokenizer, tmp_path, "v4")
     out = tmp_path / "export"

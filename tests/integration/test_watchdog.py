@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from sqlalchemy import Engine, update
 
-from app import ledger, registry
-from app.contracts import SamplingParams, ServerFingerprint
-from app.ledger import items
-from app.settings import Settings
+from app import ledger
+from app.core.contracts import SamplingParams, ServerFingerprint
+from app.core.settings import Settings
+from app.ledger import items, registry
 from workers.control import pause_server
 from workers.watchdog import Probe, run_watchdog
 

@@ -8,7 +8,7 @@ import random
 from sqlalchemy import Engine, update
 
 from app import ledger
-from app.contracts import GenerateResult, SamplingParams
+from app.core.contracts import GenerateResult, SamplingParams
 
 EOS = 163586
 

@@ -9,9 +9,9 @@ from typing import Any
 
 from sqlalchemy import Connection, insert, update
 
-from app import ledger, registry
-from app.contracts import SamplingParams
-from app.ledger import events, items
+from app import ledger
+from app.core.contracts import SamplingParams
+from app.ledger import events, items, registry
 
 
 def make_run(conn: Connection, name: str, *, max_new_tokens: int = 512) -> ledger.RunInfo:

@@ -6,7 +6,7 @@ import pytest
 from sqlalchemy import Engine
 
 from app import ledger
-from app.contracts import SamplingParams
+from app.core.contracts import SamplingParams
 
 
 @pytest.fixture

@@ -100,7 +100,7 @@ def test_only_settings_reads_the_environment() -> None:
     readers = [
         name
         for name, path in modules().items()
-        if name != "app.settings"
+        if name != "app.core.settings"
         and ("os.environ" in path.read_text() or "os.getenv" in path.read_text())
     ]
     assert readers == []

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from app.conversation import split_boundaries, tool_turn_position
-from app.errors import InputError
+from app.core.errors import InputError
+from app.prompts.conversation import split_boundaries, tool_turn_position
 
 SYSTEM = {"role": "system", "content": "You are terse."}
 USER1 = {"role": "user", "content": "What is the weather in Paris?"}

@@ -1,4 +1,4 @@
-"""Every rule of app.chat_path against SGLang 0.5.23's own functions from its wheel (content
+"""Every rule of app.prompts.chat_path against SGLang 0.5.23's own functions from its wheel (content
 format detection, content processing, tool-call arguments, tool results), and the rules read
 from its request models (tool and tool-call shapes, template kwargs) against hand examples."""
 
@@ -10,7 +10,9 @@ from typing import Any
 
 import pytest
 
-from app.chat_path import (
+from app.core.errors import ConfigurationError, InputError
+from app.fixtures.kimi import CHAT_TEMPLATE
+from app.prompts.chat_path import (
     NORMALIZATION_VERSION,
     bare_function_tools,
     check_reasoning_effort,
@@ -23,8 +25,6 @@ from app.chat_path import (
     resolve_reasoning_aliases,
     tools_hash,
 )
-from app.errors import ConfigurationError, InputError
-from app.fixtures import CHAT_TEMPLATE
 from tests.support import sglang_chat_path as sglang
 
 # --- content format -------------------------------------------------------------------------

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from app.chat_path import ChatInputs, parse_tools
-from app.errors import InputError, TokenizerError
-from app.tokenization import ChatTokenizer, load_tokenizer
+from app.core.errors import InputError, TokenizerError
+from app.prompts.chat_path import ChatInputs, parse_tools
+from app.prompts.tokenization import ChatTokenizer, load_tokenizer
 from tests.support import sglang_chat_path as sglang
 from tests.support.chat_templates import (
     AGENT_TEMPLATE,

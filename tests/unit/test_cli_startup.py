@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from app.migrate import declared_head, head_revision
+from app.ledger.migrate import declared_head, head_revision
 
 ROOT = Path(__file__).resolve().parents[2]
 # what start-up must not load: each costs tens to hundreds of milliseconds

@@ -335,8 +335,8 @@ def test_project_services_run_one_image_built_from_the_dockerfile() -> None:
 
 
 def test_project_services_share_the_tokenmill_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from app.core.settings import Settings
     from app.emulator.cli import emulator as emulator_command
-    from app.settings import Settings
 
     shared = {str(k): str(v) for k, v in compose()[SHARED_ENV_ANCHOR].items()}
     assert {"TOKENMILL_DATABASE_URL", "TOKENMILL_BROKER_URL", "TOKENMILL_STORAGE_URL"} <= set(
@@ -619,7 +619,7 @@ def test_dockerignore_matcher() -> None:
     assert is_dockerignored(".git/HEAD", patterns)
     assert is_dockerignored("tokenmill.egg-info", patterns)
     assert not is_dockerignored("app/tests.py", patterns)
-    assert not is_dockerignored("app/settings.py", patterns)
+    assert not is_dockerignored("app/core/settings.py", patterns)
     assert not is_dockerignored(".github/x", patterns)
     assert not is_dockerignored("tests/x", [*patterns, "!tests"])
 

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from app.contracts import Message
-from app.conversation import (
+from app.core.contracts import Message
+from app.core.errors import InputError
+from app.prompts.conversation import (
     SpecForgeRowError,
     WholeConversationError,
     check_specforge_row,
@@ -18,8 +19,7 @@ from app.conversation import (
     template_encoder,
     whole_conversation_mask,
 )
-from app.errors import InputError
-from app.tokenization import load_tokenizer
+from app.prompts.tokenization import load_tokenizer
 
 SYS: Message = {"role": "system", "content": "Be brief."}
 U1: Message = {"role": "user", "content": "one"}

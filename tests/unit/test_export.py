@@ -11,10 +11,10 @@ import pytest
 from sqlalchemy import Engine
 
 from app import ledger
-from app.contracts import GenerateResult, SamplingParams
-from app.export import assistant_turn, export_run, specforge_row
+from app.core.contracts import GenerateResult, SamplingParams
 from app.ledger import RunInfo, StoredItem
-from app.tokenization import ChatTokenizer, load_tokenizer
+from app.outputs.export import assistant_turn, export_run, specforge_row
+from app.prompts.tokenization import ChatTokenizer, load_tokenizer
 
 THINK, END_THINK, IM_END = 163606, 163607, 163586
 

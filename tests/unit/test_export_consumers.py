@@ -11,10 +11,10 @@ import pytest
 from sqlalchemy import Engine
 
 from app import ledger
-from app.contracts import GenerateResult, SamplingParams
-from app.export import export_run
-from app.specforge_checks import file_problems, row_problems
-from app.tokenization import load_tokenizer
+from app.core.contracts import GenerateResult, SamplingParams
+from app.outputs.export import export_run
+from app.outputs.specforge_checks import file_problems, row_problems
+from app.prompts.tokenization import load_tokenizer
 from workers.producer import EnqueueOptions, enqueue
 
 PROMPTS = [

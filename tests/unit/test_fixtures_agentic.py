@@ -11,20 +11,20 @@ from pathlib import Path
 
 import pytest
 
-from app.agentic_rows import CASES, WEATHER_TOOL, agentic_rows
-from app.chat_path import NORMALIZATION_VERSION, ChatInputs
-from app.contracts import SamplingParams
-from app.errors import TokenizerError, TokenmillError
-from app.fixtures import SPECIAL_TOKENS_BY_NAME
-from app.fixtures_agentic import (
+from app.core.contracts import SamplingParams
+from app.core.errors import TokenizerError, TokenmillError
+from app.fixtures.agentic_rows import CASES, WEATHER_TOOL, agentic_rows
+from app.fixtures.kimi import SPECIAL_TOKENS_BY_NAME
+from app.fixtures.kimi_custom import (
     HELPER_MODULE,
     TOKENIZER_MODULE,
     chat_template,
     ensure_agentic_tokenizer,
 )
 from app.ledger import RunInfo
-from app.template_pool import Templater
-from app.tokenization import ChatTokenizer, load_tokenizer
+from app.prompts.chat_path import NORMALIZATION_VERSION, ChatInputs
+from app.prompts.template_pool import Templater
+from app.prompts.tokenization import ChatTokenizer, load_tokenizer
 from workers.turns import TokenizerCache
 
 THINK, IM_END = SPECIAL_TOKENS_BY_NAME["<think>"], SPECIAL_TOKENS_BY_NAME["<|im_end|>"]

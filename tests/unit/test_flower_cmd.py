@@ -9,8 +9,8 @@ import sys
 import pytest
 from click.testing import CliRunner
 
-from app.errors import ConfigurationError
-from app.settings import SecretStr, Settings
+from app.core.errors import ConfigurationError
+from app.core.settings import SecretStr, Settings
 from ops import flower_cmd as module
 from ops.flower_cmd import flower_cmd, flower_launch
 from workers.publish import describe

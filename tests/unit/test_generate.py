@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from sqlalchemy import Engine
 
 from app import ledger
-from app.contracts import SamplingParams
+from app.core.contracts import SamplingParams
 from workers.generate import handle_message
 from workers.window import InflightWindow, WindowConfig
 

@@ -11,10 +11,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from app.contracts import PromptRecord
-from app.errors import InputError
-from app.input_formats import BATCH_ROWS, open_table
-from app.inputs import read_prompts
+from app.core.contracts import PromptRecord
+from app.core.errors import InputError
+from app.prompts.input_formats import BATCH_ROWS, open_table
+from app.prompts.inputs import read_prompts
 
 ROWS: list[dict[str, Any]] = [
     {"id": "a", "messages": [{"role": "user", "content": "Hello"}]},

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from app.contracts import PromptRecord, stable_hash
-from app.errors import ConfigurationError, InputError
-from app.inputs import (
+from app.core.contracts import PromptRecord, stable_hash
+from app.core.errors import ConfigurationError, InputError
+from app.prompts.inputs import (
     CONTENT_KEY_CHARS,
     content_key,
     parse_chat_template_kwargs,

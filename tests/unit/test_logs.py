@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from app.logs import JsonFormatter, use_json
-from app.settings import Settings
+from app.core.logs import JsonFormatter, use_json
+from app.core.settings import Settings
 
 
 def record(message: str, *args: object, **extra: object) -> logging.LogRecord:

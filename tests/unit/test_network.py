@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.network import is_loopback
+from app.core.network import is_loopback
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from kombu import Connection
 
-from app.settings import Settings
+from app.core.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 NO_TORCH = "PyTorch was not found"
@@ -39,7 +39,7 @@ def test_transformers_imported_first_elsewhere_stays_quiet() -> None:
 
 
 def test_the_filter_drops_only_the_no_torch_advice() -> None:
-    from app.tokenization import _NoTorchAdvice
+    from app.prompts.tokenization import _NoTorchAdvice
 
     keep = _NoTorchAdvice()
 

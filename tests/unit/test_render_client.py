@@ -10,8 +10,8 @@ from typing import Any
 import httpx
 import pytest
 
-from app.errors import PermanentError, RetryableError
-from app.render import (
+from app.core.errors import PermanentError, RetryableError
+from app.prompts.render import (
     RenderClient,
     RenderPolicy,
     RenderServerUnavailable,

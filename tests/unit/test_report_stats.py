@@ -8,7 +8,7 @@ from itertools import pairwise
 
 import pytest
 
-from app.dashboard_queries import ItemRanges, ItemStats, ServerEvent
+from app.ledger.dashboard_queries import ItemRanges, ItemStats, ServerEvent
 from ops.report import warnings_for
 from ops.report_stats import (
     Histogram,

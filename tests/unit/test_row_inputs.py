@@ -11,9 +11,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from app.contracts import PromptRecord
-from app.errors import InputError
-from app.inputs import read_prompts
+from app.core.contracts import PromptRecord
+from app.core.errors import InputError
+from app.prompts.inputs import read_prompts
 
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 TOOL_DUMPED = {

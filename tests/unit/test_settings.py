@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from app.settings import Settings
+from app.core.settings import Settings
 
 
 def test_a_relative_data_dir_is_made_absolute(

@@ -16,8 +16,8 @@ from typing import Any
 import httpx
 import pytest
 
-from app.contracts import SamplingParams
-from app.errors import GenerationError, PermanentError, RetryableError, ServerUnavailable
+from app.core.contracts import SamplingParams
+from app.core.errors import GenerationError, PermanentError, RetryableError, ServerUnavailable
 from app.sglang import (
     ERROR_MESSAGE_MAX_CHARS,
     ProbeResult,

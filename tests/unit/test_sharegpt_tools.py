@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from app.contracts import PromptRecord
-from app.errors import InputError
-from app.inputs import read_prompts, sharegpt_tool_call_id
+from app.core.contracts import PromptRecord
+from app.core.errors import InputError
+from app.prompts.inputs import read_prompts, sharegpt_tool_call_id
 
 
 def read(tmp_path: Path, *rows: dict[str, Any]) -> list[PromptRecord | InputError]:

@@ -9,9 +9,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from app.errors import NotFound
-from app.settings import redact_options
-from app.shards import (
+from app.core.errors import NotFound
+from app.core.settings import redact_options
+from app.outputs.shards import (
     SHARD_SCHEMA,
     ShardCache,
     ShardRow,

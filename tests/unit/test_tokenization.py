@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from app.errors import InputError, TokenizerError
-from app.fixtures import (
+from app.core.errors import InputError, TokenizerError
+from app.fixtures.kimi import (
     CHAT_TEMPLATE,
     FIXTURE_NAME,
     ORDINARY_VOCAB_SIZE,
@@ -23,8 +23,8 @@ from app.fixtures import (
     ensure_kimi_tokenizer,
     fixture_version,
 )
-from app.inputs import read_prompts
-from app.tokenization import ChatTokenizer, folder_changes, load_tokenizer, split_reasoning
+from app.prompts.inputs import read_prompts
+from app.prompts.tokenization import ChatTokenizer, folder_changes, load_tokenizer, split_reasoning
 
 KIMI_IDS = {
     "[BOS]": 163584,
@@ -167,7 +167,7 @@ def test_decode_round_trip(kimi: ChatTokenizer) -> None:
 def test_fixture_build_is_deterministic_and_small(tmp_path: Path) -> None:
     first = build_kimi_tokenizer(tmp_path / "a")
     script = (
-        "import sys; from pathlib import Path; from app.fixtures import build_kimi_tokenizer; "
+        "import sys; from pathlib import Path; from app.fixtures.kimi import build_kimi_tokenizer; "
         "build_kimi_tokenizer(Path(sys.argv[1]))"
     )
     subprocess.run([sys.executable, "-c", script, str(tmp_path / "b")], check=True)
@@ -363,7 +363,8 @@ def test_eos_ids_include_generation_config(kimi_copy: Path) -> None:
 
 
 def test_import_is_cheap() -> None:
-    code = "import sys, app.tokenization, app.inputs, app.fixtures; print(sorted(m for m in "
+    code = "import sys, app.prompts.tokenization, app.prompts.inputs, app.fixtures.kimi; "
+    code += "print(sorted(m for m in "
     code += "('transformers', 'tokenizers', 'jinja2') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -10,18 +10,18 @@ from typing import Any, cast
 from sqlalchemy import Engine, insert
 
 from app import ledger
-from app.chat_path import ChatInputs
-from app.contracts import Message
-from app.errors import InputError
+from app.core.contracts import Message
+from app.core.errors import InputError
 from app.ledger import items
-from app.tokenization import ChatTokenizer
-from app.verify import (
+from app.outputs.verify import (
     CHECK_STOP,
     CHECK_TEMPLATE,
     EXAMPLES_PER_CHECK,
     tokenizer_findings,
     verify_run,
 )
+from app.prompts.chat_path import ChatInputs
+from app.prompts.tokenization import ChatTokenizer
 from tests.support.runs import make_run
 
 EOS = 163586

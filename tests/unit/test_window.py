@@ -11,8 +11,8 @@ import pytest
 from sqlalchemy import Engine
 
 from app import ledger
-from app.contracts import GenerateResult, SamplingParams
-from app.errors import PermanentError, RetryableError, ServerUnavailable
+from app.core.contracts import GenerateResult, SamplingParams
+from app.core.errors import PermanentError, RetryableError, ServerUnavailable
 from app.sglang import ProbeResult
 from workers.window import InflightWindow, WindowConfig
 

@@ -12,7 +12,7 @@ import pytest
 from sqlalchemy import Engine
 
 from app import ledger
-from app.contracts import GenerateResult, SamplingParams
+from app.core.contracts import GenerateResult, SamplingParams
 from app.sglang import ProbeResult
 from workers.groups import Conversations
 from workers.window import InflightWindow, WindowConfig

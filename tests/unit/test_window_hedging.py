@@ -14,8 +14,8 @@ import pytest
 from sqlalchemy import Engine, select
 
 from app import ledger
-from app.contracts import GenerateResult, SamplingParams
-from app.errors import RetryableError
+from app.core.contracts import GenerateResult, SamplingParams
+from app.core.errors import RetryableError
 from app.sglang import ProbeResult
 from workers.window import InflightWindow, WindowConfig
 

@@ -12,9 +12,9 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 
-from app.chat_path import ChatInputs
-from app.errors import InputError
-from app.tokenization import ChatTokenizer, load_tokenizer
+from app.core.errors import InputError
+from app.prompts.chat_path import ChatInputs
+from app.prompts.tokenization import ChatTokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
 

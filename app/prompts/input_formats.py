@@ -1,6 +1,7 @@
 """Table inputs: Parquet files (or folders of them) and `datasets` save_to_disk folders.
 
-Streams them record batch by record batch as numbered plain rows; `app.inputs` builds records.
+Streams them record batch by record batch as numbered plain rows; `app.prompts.inputs` builds
+records.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from app.errors import InputError
+from app.core.errors import InputError
 
 logger = logging.getLogger(__name__)
 

@@ -13,11 +13,21 @@ from typing import Any
 
 from sqlalchemy import Connection, Table, and_, func, or_, select
 
-from app import counters, ledger, registry
-from app.database import pin_index_plans
-from app.ledger import RunCounts, RunInfo, as_utc, events, items, items_archive, utcnow
-from app.models import ItemStatus
-from app.registry import EventInfo, ServerInfo
+from app import ledger
+from app.core.models import ItemStatus
+from app.ledger import (
+    RunCounts,
+    RunInfo,
+    as_utc,
+    counters,
+    events,
+    items,
+    items_archive,
+    registry,
+    utcnow,
+)
+from app.ledger.database import pin_index_plans
+from app.ledger.registry import EventInfo, ServerInfo
 
 RATE_WINDOW_S = 60.0
 LATENCY_SAMPLE = 200  # the latest completions per server behind p50/p95

@@ -17,9 +17,9 @@ from typing import Any
 
 import httpx
 
-from app.contracts import Message
-from app.errors import GenerationError, PermanentError, RetryableError, ServerUnavailable
-from app.settings import Settings
+from app.core.contracts import Message
+from app.core.errors import GenerationError, PermanentError, RetryableError, ServerUnavailable
+from app.core.settings import Settings
 from app.sglang import KEEPALIVE_EXPIRY_S, map_http_error, shared_ssl_context
 
 logger = logging.getLogger(__name__)

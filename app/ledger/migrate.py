@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from sqlalchemy import Engine, text
 from sqlalchemy.exc import SQLAlchemyError
 
-from app.errors import SchemaOutOfDate
+from app.core.errors import SchemaOutOfDate
 
 # alembic loads only to upgrade, or when the quick schema check below cannot decide: every
 # CLI command checks the schema, and importing alembic costs a fifth of a second.

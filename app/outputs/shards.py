@@ -1,7 +1,7 @@
 """Parquet shards in object storage: fsspec filesystems from a URL, atomic object writes, the
 shard schema, streaming shard writers and readers, and hydrating compacted token arrays.
 
-Knows nothing of the ledger (app.ledger reads compacted rows through it; app.storage builds
+Knows nothing of the ledger (app.ledger reads compacted rows through it; app.outputs.storage builds
 exports on top of it).
 """
 
@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
-from app.errors import ConfigurationError, NotFound, TokenmillError
+from app.core.errors import ConfigurationError, NotFound, TokenmillError
 
 log = logging.getLogger(__name__)
 
@@ -343,7 +343,7 @@ class ShardCache:
 
     def _resolved_options(self) -> dict[str, Any]:
         if self._options is None:
-            from app.settings import get_settings
+            from app.core.settings import get_settings
 
             self._options = dict(get_settings().storage_options)
         return self._options

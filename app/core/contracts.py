@@ -95,7 +95,7 @@ class PromptRecord:
     # over the run's when the prompt is rendered; None when the row has none
     chat_template_kwargs: dict[str, Any] | None = None
     # the row's `reasoning_effort` (a template input as SGLang treats a request's; see
-    # app.chat_path.merge_template_kwargs)
+    # app.prompts.chat_path.merge_template_kwargs)
     reasoning_effort: str | float | None = None
     # the row's other top-level fields (source, category, ...): not template inputs, kept
     # and exported with each sample; None when the row has none

@@ -10,9 +10,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from app.contracts import Message
-from app.errors import InputError, TokenmillError
-from app.tokenization import ChatTokenizer
+from app.core.contracts import Message
+from app.core.errors import InputError, TokenmillError
+from app.prompts.tokenization import ChatTokenizer
 
 TurnsMode = Literal["last", "all", "each"]
 TURNS_MODES: tuple[TurnsMode, ...] = ("last", "all", "each")

@@ -12,11 +12,11 @@ from typing import Any
 
 from sqlalchemy import Connection, func, insert, select, update
 
-from app.constants import EVENT_ENQUEUE_STOPPED, EVENT_ENQUEUED
-from app.database import pin_index_plans
-from app.errors import NotFound
+from app.core.constants import EVENT_ENQUEUE_STOPPED, EVENT_ENQUEUED
+from app.core.errors import NotFound
+from app.core.models import ItemStatus
 from app.ledger import as_utc, events, items, run_has_items, runs, servers, utcnow
-from app.models import ItemStatus
+from app.ledger.database import pin_index_plans
 
 MAX_WORKERS_LISTED = 32
 

@@ -1,7 +1,8 @@
 """Parquet exports of a run in object storage: shards streamed from the ledger, .manifest.json,
 and check_export, which compares an export with the ledger row by row.
 
-The shard format, filesystems and atomic writes live in app.shards; this module adds the run.
+The shard format, filesystems and atomic writes live in app.outputs.shards; this module adds
+the run.
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine
 
-from app import counters, ledger, registry
-from app.errors import NotFound
-from app.ledger import RunInfo, StoredItem
-from app.models import ItemStatus
-from app.shards import (
+from app import ledger
+from app.core.errors import NotFound
+from app.core.models import ItemStatus
+from app.ledger import RunInfo, StoredItem, counters, registry
+from app.outputs.shards import (
     Location,
     ShardInfo,
     ShardRow,
@@ -125,8 +126,8 @@ def export_parquet(
 ) -> ParquetExport:
     """Write every done sample of run as Parquet shards and a .manifest.json under url.
 
-    Shards appear only complete (app.shards writes them under a temporary name) and are named
-    `part-NNNNN-<export id>.parquet`, new names every export: shards of an earlier export at
+    Shards appear only complete (app.outputs.shards writes them under a temporary name) and are
+    named `part-NNNNN-<export id>.parquet`, new names every export: shards of an earlier export at
     the same url stay untouched until the new manifest has replaced the old one, so a crash at
     any point leaves the previous export whole and no manifest listing a partial or foreign
     shard. After the manifest, shards it does not list are removed, and so is a manifest of an

@@ -11,10 +11,9 @@ from dataclasses import dataclass
 
 from sqlalchemy import Connection, Engine, select
 
-from app import counters
-from app.counters import LATENCY_BUCKETS_S as LATENCY_BUCKETS_S
-from app.ledger import runs
-from app.registry import ServerInfo, list_servers
+from app.ledger import counters, runs
+from app.ledger.counters import LATENCY_BUCKETS_S as LATENCY_BUCKETS_S
+from app.ledger.registry import ServerInfo, list_servers
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any, cast
 
-from app.chat_path import (
+from app.core.contracts import Message, PromptRecord, stable_hash
+from app.core.errors import ConfigurationError, InputError
+from app.prompts.chat_path import (
     ContentFormat,
     check_reasoning_effort,
     json_type,
@@ -21,9 +23,7 @@ from app.chat_path import (
     parse_tools,
     resolve_reasoning_aliases,
 )
-from app.contracts import Message, PromptRecord, stable_hash
-from app.errors import ConfigurationError, InputError
-from app.input_formats import TableInput, iter_rows, open_table, prompt_columns
+from app.prompts.input_formats import TableInput, iter_rows, open_table, prompt_columns
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ def read_prompts(
     content_format: ContentFormat = "string",
 ) -> Iterator[PromptRecord | InputError]:
     """Yield a PromptRecord or an InputError for every non-blank line of a JSONL file, or for
-    every row of a Parquet / datasets input (see `app.input_formats`; errors say "row N").
+    every row of a Parquet / datasets input (see `app.prompts.input_formats`; errors say "row N").
 
     Lines are read one at a time in binary (a `.gz` file is decompressed on the fly) and
     numbered from 1; a bad line yields its InputError and reading goes on. A line may hold:
@@ -86,7 +86,7 @@ def read_prompts(
     `tools=`; `chat_template_kwargs` (an object) and `reasoning_effort` are the row's template
     kwargs, merged over the run's. Every other top-level field is kept as row metadata.
 
-    The turns are normalized as SGLang's chat path does (`app.chat_path`, for the template's
+    The turns are normalized as SGLang's chat path does (`app.prompts.chat_path`, for the template's
     `content_format`): tool-call arguments given as JSON strings parsed (invalid JSON is the
     line's error), content parts joined with a space for "string" templates and kept as a
     list for "openai" ones, null content "" and null fields dropped. Trailing assistant turns

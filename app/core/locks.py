@@ -15,8 +15,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
-from app.constants import REDIS_PREFIX
-from app.settings import Settings
+from app.core.constants import REDIS_PREFIX
+from app.core.settings import Settings
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from typing import Any, cast
 
 from sqlalchemy import Connection, Engine, Table, case, delete, func, insert, select, text
 
-from app.models import Item, ItemCount, ItemLatencyCount, ItemStatus
+from app.core.models import Item, ItemCount, ItemLatencyCount, ItemStatus
 
 log = logging.getLogger(__name__)
 

@@ -45,8 +45,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from app.contracts import Message
-from app.errors import ConfigurationError, InputError
+from app.core.contracts import Message
+from app.core.errors import ConfigurationError, InputError
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ class ChatInputs:
     tools: list[dict[str, Any]] | None = None
     chat_template_kwargs: Mapping[str, Any] | None = None
     # the turns and tools are already what normalize_messages / parse_tools return (read by
-    # app.inputs, or stored by an item), so rendering does not normalize them again
+    # app.prompts.inputs, or stored by an item), so rendering does not normalize them again
     normalized: bool = False
 
 

@@ -23,12 +23,12 @@ from sqlalchemy import Connection, Engine, delete, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 
 from app import ledger
-from app.database import pin_index_plans
-from app.errors import ArchiveRefused
+from app.core.errors import ArchiveRefused
+from app.core.locks import exclusive
+from app.core.models import UNFINISHED, ItemStatus
+from app.core.settings import Settings
 from app.ledger import RunInfo, items, items_archive, runs
-from app.locks import exclusive
-from app.models import UNFINISHED, ItemStatus
-from app.settings import Settings
+from app.ledger.database import pin_index_plans
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ CONTROL_QUEUE = "tokenmill.control"
 
 REDIS_PREFIX = "tokenmill:"
 
-# the JSONL formats of `tokenmill export` (app.export), named on the command line
+# the JSONL formats of `tokenmill export` (app.outputs.export), named on the command line
 EXPORT_FORMATS: tuple[Literal["specforge", "conversations"], ...] = ("specforge", "conversations")
 
 # events recorded in the ledger timeline

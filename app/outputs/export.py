@@ -17,11 +17,11 @@ from typing import Any, Literal
 from sqlalchemy import Engine
 
 from app import ledger
-from app.constants import EXPORT_FORMATS
-from app.conversation import check_specforge_row, template_encoder, whole_conversation_mask
-from app.errors import ConfigurationError
+from app.core.constants import EXPORT_FORMATS
+from app.core.errors import ConfigurationError
 from app.ledger import RunInfo, StoredItem
-from app.tokenization import ChatTokenizer, split_reasoning
+from app.prompts.conversation import check_specforge_row, template_encoder, whole_conversation_mask
+from app.prompts.tokenization import ChatTokenizer, split_reasoning
 
 log = logging.getLogger(__name__)
 

@@ -15,11 +15,11 @@ from typing import Any
 from sqlalchemy import Engine
 
 from app import ledger
-from app.chat_path import ChatInputs, check_version
-from app.errors import ConfigurationError
+from app.core.errors import ConfigurationError
 from app.ledger import RunInfo, StoredItem
-from app.storage import check_export
-from app.tokenization import ChatTokenizer
+from app.outputs.storage import check_export
+from app.prompts.chat_path import ChatInputs, check_version
+from app.prompts.tokenization import ChatTokenizer
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from app.chat_path import (
+from app.core.contracts import Message
+from app.core.errors import InputError, TokenizerError
+from app.prompts.chat_path import (
     ChatInputs,
     ContentFormat,
     bare_function_tools,
@@ -20,8 +22,6 @@ from app.chat_path import (
     normalize_messages,
     normalize_tools,
 )
-from app.contracts import Message
-from app.errors import InputError, TokenizerError
 
 logger = logging.getLogger(__name__)
 
@@ -166,8 +166,8 @@ class ChatTokenizer:
     """A Hugging Face tokenizer with its chat template, as the producer and exporter use it.
 
     `apply` gives the prompt ids SGLang's chat path makes: the turns normalized as
-    `app.chat_path` does, rendered to text with the tools and kwargs and the generation prompt,
-    and encoded without adding special tokens.
+    `app.prompts.chat_path` does, rendered to text with the tools and kwargs and the generation
+    prompt, and encoded without adding special tokens.
     """
 
     def __init__(self, tokenizer: Any, path: Path, *, trust_remote_code: bool = False) -> None:
@@ -266,7 +266,8 @@ class ChatTokenizer:
         tools: Sequence[dict[str, Any]] | None = None,
     ) -> str:
         """The prompt text SGLang's chat path makes of these turns, tools and template kwargs,
-        generation prompt included (the turns and tools are normalized first: `app.chat_path`).
+        generation prompt included (the turns and tools are normalized first:
+        `app.prompts.chat_path`).
         """
         inputs = ChatInputs(list(messages), list(tools) if tools else None, chat_template_kwargs)
         return self._render(*self._prepared(inputs))

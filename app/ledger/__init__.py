@@ -34,16 +34,16 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import postgresql, sqlite
 
-from app import counters
-from app.chat_path import NORMALIZATION_VERSION, tools_hash
-from app.contracts import GenerateResult, SamplingParams
-from app.database import pin_index_plans
-from app.errors import NotFound, RunArchived, RunMismatch
-from app.models import Event, Item, ItemArchive, ItemStatus, Run, Server, ToolSet, pack_ids
-from app.tokenization import file_changes
+from app.core.contracts import GenerateResult, SamplingParams
+from app.core.errors import NotFound, RunArchived, RunMismatch
+from app.core.models import Event, Item, ItemArchive, ItemStatus, Run, Server, ToolSet, pack_ids
+from app.ledger import counters
+from app.ledger.database import pin_index_plans
+from app.prompts.chat_path import NORMALIZATION_VERSION, tools_hash
+from app.prompts.tokenization import file_changes
 
 if TYPE_CHECKING:  # pyarrow loads when items are streamed (export, verify), not with every command
-    from app.shards import ShardCache
+    from app.outputs.shards import ShardCache
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ runs = cast(Table, Run.__table__)
 servers = cast(Table, Server.__table__)
 events = cast(Table, Event.__table__)
 tool_sets = cast(Table, ToolSet.__table__)
-# the rows of archived runs (app.archive): same columns as items
+# the rows of archived runs (app.ledger.archive): same columns as items
 items_archive = ItemArchive
 
 CLAIMABLE = (ItemStatus.PENDING.value, ItemStatus.QUEUED.value)
@@ -119,7 +119,7 @@ class RunSpec:
     # folder's hash by the rule of runs created before the manifest, to compare those with
     tokenizer_files: dict[str, str] | None = None
     legacy_tokenizer_hash: str | None = None
-    # the message-normalization rules the prompts are built with (app.chat_path)
+    # the message-normalization rules the prompts are built with (app.prompts.chat_path)
     normalization_version: str = NORMALIZATION_VERSION
 
 
@@ -142,7 +142,7 @@ class RunInfo:
     render_with: str | None = None
     require_parity: bool = False
     tokenizer_files: dict[str, str] | None = None
-    # None: created before the rules were pinned (app.chat_path.check_version refuses it)
+    # None: created before the rules were pinned (app.prompts.chat_path.check_version refuses it)
     normalization_version: str | None = None
 
 
@@ -286,7 +286,7 @@ def _pinned_sampling(spec: RunSpec) -> dict[str, Any]:
 
 
 def run_archived(conn: Connection, run_id: int) -> bool:
-    """Whether the run's items were moved to items_archive (app.archive)."""
+    """Whether the run's items were moved to items_archive (app.ledger.archive)."""
     stmt = select(runs.c.archived_at).where(runs.c.id == run_id)
     return conn.execute(stmt).scalar() is not None
 
@@ -1363,7 +1363,7 @@ def iter_items(
     storage_options, default the configured ones); one row group of a shard is held at a time.
     final_turns_only: only items no later turn follows (the last turn of each chain).
     """
-    from app.shards import ShardCache
+    from app.outputs.shards import ShardCache
 
     shards = ShardCache(storage_options)
     try:
@@ -1442,7 +1442,7 @@ def stored_prompts(
     conn: Connection, ids: Sequence[int], storage_options: dict[str, Any] | None = None
 ) -> list[StoredItem]:
     """These items with their real prompt ids (read back from shards once compacted)."""
-    from app.shards import ShardCache
+    from app.outputs.shards import ShardCache
 
     shards = ShardCache(storage_options)
     try:

@@ -12,7 +12,7 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine, create_engine, event, text
 
-from app.settings import Settings, get_settings
+from app.core.settings import Settings, get_settings
 
 _lock = threading.Lock()
 _engines: dict[tuple[int, str], Engine] = {}

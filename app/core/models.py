@@ -105,7 +105,7 @@ class Run(Base):
     # `--require-parity`: a server whose rendering differs from the stored prompts is paused
     require_parity: Mapped[bool] = mapped_column(default=False, server_default=false())
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
-    # the message-normalization rules the run's prompts are built with (app.chat_path);
+    # the message-normalization rules the run's prompts are built with (app.prompts.chat_path);
     # null for runs created before they were pinned
     normalization_version: Mapped[str | None] = mapped_column(String(40), nullable=True)
 
