@@ -1,0 +1,249 @@
+"""Claims and leases: items leased to one worker (by id, or straight from the ledger), the
+candidates and marks for a hedged second copy, and the heartbeat that extends a worker's leases."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import Connection, and_, func, or_, select, update
+
+from app.core.models import ItemStatus
+from app.ledger.common import _in_id_order, items, run_status_order, run_status_range, utcnow
+from app.ledger.database import pin_index_plans
+
+CLAIMABLE = (ItemStatus.PENDING.value, ItemStatus.QUEUED.value)
+
+
+@dataclass(frozen=True)
+class ClaimedItem:
+    """An item leased to one worker: everything needed to send it, nothing more."""
+
+    id: int
+    run_id: int
+    sample_index: int
+    prompt_ids: list[int]
+    attempts: int
+    item_key: str = ""
+    turn_index: int = 0
+
+
+_CLAIM_COLUMNS = (
+    items.c.id,
+    items.c.run_id,
+    items.c.sample_index,
+    items.c.prompt_ids,
+    items.c.attempts,
+    items.c.item_key,
+    items.c.turn_index,
+)
+
+
+def _claimable(now: datetime) -> Any:
+    return or_(
+        items.c.status.in_(CLAIMABLE),
+        and_(items.c.status == ItemStatus.LEASED.value, items.c.lease_expires_at < now),
+    )
+
+
+def claim_items(
+    conn: Connection, ids: Sequence[int], *, owner: str, server: str, lease_s: float
+) -> list[ClaimedItem]:
+    """Lease the given items to owner if nobody holds them; already-leased or finished items
+    are skipped, so a redelivered message claims nothing."""
+    if not ids:
+        return []
+    now = utcnow()
+    stmt = (
+        update(items)
+        .where(items.c.id.in_(_in_id_order(conn, ids)), _claimable(now))
+        .values(
+            status=ItemStatus.LEASED.value,
+            lease_owner=owner,
+            lease_expires_at=now + timedelta(seconds=lease_s),
+            server=server,
+            started_at=now,
+            hedge_owner=None,
+        )
+        .returning(*_CLAIM_COLUMNS)
+    )
+    claimed = [ClaimedItem(**row._mapping) for row in conn.execute(stmt)]
+    claimed.sort(key=lambda c: c.id)
+    return claimed
+
+
+def claim_next(
+    conn: Connection,
+    *,
+    owner: str,
+    server: str,
+    lease_s: float,
+    limit: int,
+    run_id: int | None = None,
+) -> list[ClaimedItem]:
+    """Lease up to limit claimable items straight from the ledger (the embedded runner's feed)."""
+    if limit <= 0:
+        return []
+    now = utcnow()
+    pick = select(items.c.id).where(_claimable(now)).order_by(items.c.id).limit(limit)
+    if run_id is not None:
+        pick = pick.where(items.c.run_id == run_id)
+    if conn.dialect.name == "postgresql":
+        pick = pick.with_for_update(skip_locked=True)
+    ids = list(conn.execute(pick).scalars())
+    return claim_items(conn, ids, owner=owner, server=server, lease_s=lease_s)
+
+
+def item_keys(conn: Connection, ids: Sequence[int]) -> dict[int, tuple[int, str]]:
+    """id → (run id, item key) of these items (what a message's ids group by)."""
+    if not ids:
+        return {}
+    stmt = select(items.c.id, items.c.run_id, items.c.item_key).where(items.c.id.in_(list(ids)))
+    return {int(r[0]): (int(r[1]), str(r[2])) for r in conn.execute(stmt)}
+
+
+def claim_next_groups(
+    conn: Connection,
+    *,
+    owner: str,
+    server: str,
+    lease_s: float,
+    limit: int,
+    run_id: int,
+) -> list[ClaimedItem]:
+    """Lease the claimable items of up to limit keys of a run, every claimable item of a key
+    together (a `--turns each` conversation runs on one server); keys in id order."""
+    if limit <= 0:
+        return []
+    now = utcnow()
+    first = (
+        select(items.c.item_key, func.min(items.c.id).label("first_id"))
+        .where(_claimable(now), items.c.run_id == run_id)
+        .group_by(items.c.item_key)
+        .order_by("first_id")
+        .limit(limit)
+    )
+    keys = [str(r[0]) for r in conn.execute(first)]
+    if not keys:
+        return []
+    pick = select(items.c.id).where(
+        items.c.run_id == run_id, items.c.item_key.in_(keys), _claimable(now)
+    )
+    ids = list(conn.execute(pick).scalars())
+    return claim_items(conn, ids, owner=owner, server=server, lease_s=lease_s)
+
+
+def hedge_candidates(
+    conn: Connection, *, server: str, limit: int, skip_runs: Sequence[int] = ()
+) -> list[tuple[int, int]]:
+    """(item id, run id) of up to `limit` items worth a second copy on `server` ("hedging"):
+    leased to another server, not hedged yet, in runs with nothing left to claim (the end of
+    a run, when `server` would otherwise idle) and not in skip_runs (runs `server` may not
+    serve); the longest-running first."""
+    if limit <= 0:
+        return []
+    pin_index_plans(conn)
+    # Three small steps instead of one anti-join, whose plan (a nested loop over a scan of
+    # the whole table) the planner picked at the end of a run: the runs of the live leases
+    # (read through an index of leases), one indexed probe per run, then the oldest leases.
+    live = and_(
+        items.c.status == ItemStatus.LEASED.value,
+        items.c.lease_expires_at > utcnow(),
+        items.c.server != server,
+        items.c.hedge_owner.is_(None),
+    )
+    leased_runs = conn.execute(select(items.c.run_id).where(live).distinct()).scalars()
+    ending = [r for r in leased_runs if r not in skip_runs and not claimable_left(conn, r)]
+    if not ending:
+        return []
+    pick = (
+        select(items.c.id, items.c.run_id)
+        .where(live, items.c.run_id.in_(ending))
+        .order_by(items.c.started_at, items.c.id)
+        .limit(limit)
+    )
+    return [(int(r[0]), int(r[1])) for r in conn.execute(pick)]
+
+
+def claimable_left(conn: Connection, run_id: int) -> bool:
+    """Whether the run still has items to claim (pending or queued)."""
+    return run_has_items(conn, run_id, CLAIMABLE)
+
+
+def run_has_items(conn: Connection, run_id: int, statuses: Iterable[str]) -> bool:
+    """Whether the run has an item in one of these statuses: one probe of the
+    (run_id, status, id) index per status, which stops at the first row found. Written as a
+    range of that index in its order (run_status_range), it stays there whatever the
+    statistics say: with stale ones (everything pending after a big enqueue) a bare LIMIT 1
+    was planned as a scan expected to stop at once, and read the whole table when the run had
+    no such item."""
+    pin_index_plans(conn)
+    for status in statuses:
+        probe = select(items.c.id).where(run_status_range(conn, items, run_id, status, 0))
+        if conn.execute(probe.order_by(*run_status_order(items)).limit(1)).first() is not None:
+            return True
+    return False
+
+
+def mark_hedged(conn: Connection, ids: Sequence[int], *, owner: str) -> list[ClaimedItem]:
+    """Mark items as hedged by owner and return what a copy needs; the lease stays with its
+    holder and the first result written wins. Conditional, so of two hedgers racing for an
+    item one gets it; an item finished or released meanwhile is skipped."""
+    if not ids:
+        return []
+    stmt = (
+        update(items)
+        .where(
+            items.c.id.in_(_in_id_order(conn, ids)),
+            items.c.status == ItemStatus.LEASED.value,
+            items.c.hedge_owner.is_(None),
+        )
+        .values(hedge_owner=owner)
+        .returning(*_CLAIM_COLUMNS)
+    )
+    order = {item_id: i for i, item_id in enumerate(ids)}
+    hedged = [ClaimedItem(**row._mapping) for row in conn.execute(stmt)]
+    hedged.sort(key=lambda c: order[c.id])
+    return hedged
+
+
+def unmark_hedged(conn: Connection, ids: Sequence[int], *, owner: str) -> int:
+    """Take back owner's hedge marks (copies that were never sent), so others may hedge."""
+    if not ids:
+        return 0
+    stmt = (
+        update(items)
+        .where(items.c.id.in_(list(ids)), items.c.hedge_owner == owner)
+        .values(hedge_owner=None)
+    )
+    return conn.execute(stmt).rowcount
+
+
+def finished_among(conn: Connection, ids: Sequence[int]) -> set[int]:
+    """Which of these items are done or failed (so a copy still running is wasted)."""
+    if not ids:
+        return set()
+    pin_index_plans(conn)
+    # by primary key only, the status tested here: no plan can prefer a status index
+    final = (ItemStatus.DONE.value, ItemStatus.FAILED.value)
+    stmt = select(items.c.id, items.c.status).where(items.c.id.in_(list(ids)))
+    return {int(item_id) for item_id, status in conn.execute(stmt) if status in final}
+
+
+def extend_leases(conn: Connection, *, owner: str, lease_s: float) -> int:
+    """Heartbeat: push out the expiry of every lease this owner holds.
+
+    On Postgres the rows are locked by a `FOR UPDATE SKIP LOCKED` query first: a row that a
+    result write holds is being finished (or its retry extends the lease itself), and
+    waiting for it while holding other rows is how a heartbeat deadlocked against its own
+    worker's writer."""
+    mine = and_(items.c.lease_owner == owner, items.c.status == ItemStatus.LEASED.value)
+    stmt = update(items).values(lease_expires_at=utcnow() + timedelta(seconds=lease_s))
+    if conn.dialect.name != "postgresql":
+        return conn.execute(stmt.where(mine)).rowcount
+    # a CTE is locked once (as an IN subquery it was run again for every lease: O(leases²)),
+    # and its rows, locked and checked, are then found by primary key only
+    locked = select(items.c.id).where(mine).with_for_update(skip_locked=True).cte("locked")
+    return conn.execute(stmt.where(items.c.id == locked.c.id)).rowcount

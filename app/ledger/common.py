@@ -1,0 +1,75 @@
+"""The ledger's tables and the helpers every group of its queries shares: UTC time, the
+(run_id, status, id) index range, and row locks taken in id order so that writers never deadlock."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from typing import Any, cast
+
+from sqlalchemy import Connection, Table, and_, select, tuple_
+
+from app.core.models import Event, Item, ItemArchive, Run, Server, ToolSet
+
+items = cast(Table, Item.__table__)
+runs = cast(Table, Run.__table__)
+servers = cast(Table, Server.__table__)
+events = cast(Table, Event.__table__)
+tool_sets = cast(Table, ToolSet.__table__)
+# the rows of archived runs (app.ledger.archive): same columns as items
+items_archive = ItemArchive
+
+
+def run_status_range(conn: Connection, table: Table, run_id: int, status: str, after: int) -> Any:
+    """WHERE for the items of one status of a run with ids above `after`, to be read ORDER BY
+    run_id, status, id: one range of the (run_id, status, id) index whatever the statistics.
+
+    On Postgres it is written as row comparisons, `(run_id, status, id) > (?, ?, after) AND
+    (run_id, status) <= (?, ?)`. With plain equalities the planner treats run_id and status
+    as constants, so the primary key also "delivers" the order; with stale statistics (after
+    a big enqueue every item looks pending) it then chose to walk the primary key past every
+    other row. Row comparisons leave the (run_id, status, id) index as the only way to that
+    order without a sort, and the callers price sorts out (pin_index_plans)."""
+    if conn.dialect.name != "postgresql":
+        return and_(table.c.run_id == run_id, table.c.status == status, table.c.id > after)
+    return and_(
+        tuple_(table.c.run_id, table.c.status, table.c.id) > tuple_(run_id, status, after),
+        tuple_(table.c.run_id, table.c.status) <= tuple_(run_id, status),
+    )
+
+
+def run_status_order(table: Table) -> tuple[Any, ...]:
+    return (table.c.run_id, table.c.status, table.c.id)
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def as_utc(value: datetime | None) -> datetime | None:
+    """SQLite hands back naive datetimes; everything tokenmill stores is UTC."""
+    if value is None or value.tzinfo is not None:
+        return value
+    return value.replace(tzinfo=UTC)
+
+
+def _in_id_order(conn: Connection, ids: Sequence[int]) -> Any:
+    """What an UPDATE of these ids matches, so that Postgres locks the rows in id order (a
+    `SELECT … ORDER BY id FOR UPDATE` subquery). Two UPDATEs of overlapping id sets (a
+    producer marking ids queued while a worker claims them) otherwise lock rows in scan
+    order, which stops being id order once rows have been updated: a deadlock, and one of the
+    two fails (measured: a worker lost a message that way in bench/balance.py)."""
+    if conn.dialect.name != "postgresql":
+        return list(ids)
+    return (
+        select(items.c.id).where(items.c.id.in_(list(ids))).order_by(items.c.id).with_for_update()
+    )
+
+
+def _lock_in_id_order(conn: Connection, ids: Sequence[int]) -> None:
+    """Postgres: lock these rows in id order before a write that touches them in groups, so
+    it takes its locks in the same order as claims (and never waits on a heartbeat, which
+    skips locked rows)."""
+    if ids and conn.dialect.name == "postgresql":
+        stmt = select(items.c.id).where(items.c.id.in_(sorted(set(ids)))).order_by(items.c.id)
+        conn.execute(stmt.with_for_update()).all()

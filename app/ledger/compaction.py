@@ -1,0 +1,137 @@
+"""Compaction's queries: the done items whose token arrays may move to Parquet shards, marking
+them moved, and which shards the ledger still points at."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from sqlalchemy import Connection, and_, bindparam, func, select, text, update
+
+from app.core.models import ItemStatus, pack_ids
+from app.ledger.common import items, items_archive
+from app.ledger.database import pin_index_plans
+from app.ledger.run_queries import RunInfo, get_run_by_id
+
+
+def _compactable(run_id: int) -> Any:
+    """Done items of the run whose arrays are still in the ledger and that no unfinished later
+    turn still reads (a multi-turn chain builds the next prompt from the previous turn)."""
+    later = items.alias("later")
+    depended_on = (
+        select(later.c.id)
+        .where(
+            later.c.prev_item_id == items.c.id,
+            later.c.status != ItemStatus.DONE.value,
+            later.c.status != ItemStatus.FAILED.value,
+        )
+        .exists()
+    )
+    return and_(
+        items.c.run_id == run_id,
+        items.c.status == ItemStatus.DONE.value,
+        items.c.shard_uri.is_(None),
+        ~depended_on,
+    )
+
+
+def count_compactable(conn: Connection, run_id: int) -> int:
+    pin_index_plans(conn)
+    return int(conn.execute(select(func.count()).where(_compactable(run_id))).scalar_one())
+
+
+def compactable_ids(conn: Connection, run_id: int, *, after_id: int = 0, limit: int) -> list[int]:
+    """Ids of items compaction may move, in id order."""
+    pin_index_plans(conn)
+    stmt = (
+        select(items.c.id)
+        .where(_compactable(run_id), items.c.id > after_id)
+        .order_by(items.c.id)
+        .limit(limit)
+    )
+    return list(conn.execute(stmt).scalars())
+
+
+_COMPACTED_TOGETHER = text(
+    """
+UPDATE items SET shard_uri = :uri, shard_row = v.shard_row, prompt_ids = :empty,
+    output_ids = :empty
+FROM unnest(CAST(:ids AS bigint[]), CAST(:rows AS integer[])) AS v(id, shard_row)
+WHERE items.id = v.id AND items.shard_uri IS NULL AND items.status = 'done'
+"""
+)
+
+
+def mark_compacted(conn: Connection, shard_uri: str, rows: Sequence[tuple[int, int]]) -> int:
+    """Point items at (shard_uri, row) and empty their ledger arrays, for (item id, row) pairs;
+    items already compacted are left alone. Returns how many were changed."""
+    if not rows:
+        return 0
+    if conn.dialect.name == "postgresql":
+        # one statement, not one per item: the counting trigger runs once (migration 0005e)
+        together = conn.execute(
+            _COMPACTED_TOGETHER,
+            {
+                "uri": shard_uri,
+                "ids": [item_id for item_id, _ in rows],
+                "rows": [row for _, row in rows],
+                "empty": pack_ids([]),
+            },
+        )
+        return int(together.rowcount)
+    stmt = (
+        update(items)
+        .where(
+            items.c.id == bindparam("b_id"),
+            items.c.shard_uri.is_(None),
+            items.c.status == ItemStatus.DONE.value,
+        )
+        .values(
+            shard_uri=shard_uri,
+            shard_row=bindparam("b_row"),
+            prompt_ids=[],
+            output_ids=[],
+        )
+    )
+    result = conn.execute(stmt, [{"b_id": item_id, "b_row": row} for item_id, row in rows])
+    return int(result.rowcount)
+
+
+def shard_referenced(conn: Connection, run_id: int, name: str, first_id: int, last_id: int) -> bool:
+    """Whether an item of the run (in items or the archive) points at the shard `name`, which
+    holds items first_id..last_id: a primary-key range probe that stops at the first match
+    (normally first_id itself), never a scan of the run."""
+    for table in (items, items_archive):
+        probe = select(table.c.id).where(
+            table.c.id >= first_id,
+            table.c.id <= last_id,
+            table.c.run_id == run_id,
+            table.c.shard_uri.endswith("/" + name, autoescape=True),
+        )
+        if conn.execute(probe.order_by(table.c.id).limit(1)).first() is not None:
+            return True
+    return False
+
+
+def shard_uris(conn: Connection, run_id: int) -> set[str]:
+    """Every shard the run's items point at."""
+    stmt = select(items.c.shard_uri).where(items.c.run_id == run_id, items.c.shard_uri.is_not(None))
+    return {str(u) for u in conn.execute(stmt.distinct()).scalars()}
+
+
+def compacted_count(conn: Connection, run_id: int) -> int:
+    stmt = select(func.count()).where(items.c.run_id == run_id, items.c.shard_uri.is_not(None))
+    return int(conn.execute(stmt).scalar_one())
+
+
+def runs_with_compactable(conn: Connection, min_items: int) -> list[RunInfo]:
+    """Runs with at least min_items done items whose arrays are still in the ledger."""
+    pin_index_plans(conn)
+    stmt = (
+        select(items.c.run_id)
+        .where(items.c.status == ItemStatus.DONE.value, items.c.shard_uri.is_(None))
+        .group_by(items.c.run_id)
+        .having(func.count() >= min_items)
+        .order_by(items.c.run_id)
+    )
+    return [get_run_by_id(conn, int(run_id)) for run_id in conn.execute(stmt).scalars()]

@@ -1,0 +1,275 @@
+"""Outcomes of claimed items (Done, Failed, RetryLater, Released), written idempotently by
+record_outcomes, and leases given back: by a worker shutting down, or because they expired."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import Connection, and_, bindparam, func, select, text, update
+
+from app.core.contracts import GenerateResult
+from app.core.models import ItemStatus, pack_ids
+from app.ledger.common import _lock_in_id_order, items, utcnow
+from app.ledger.database import pin_index_plans
+
+ERROR_MAX_CHARS = 2000
+
+
+@dataclass(frozen=True)
+class Done:
+    item_id: int
+    result: GenerateResult
+    attempts_used: int = 1
+    # the server that produced the result, when it is not the one that claimed the item (a
+    # hedge); None keeps the claimer's
+    server: str | None = None
+
+
+@dataclass(frozen=True)
+class Failed:
+    item_id: int
+    error: str
+    attempts_used: int = 1
+
+
+@dataclass(frozen=True)
+class RetryLater:
+    """A retryable failure: the attempt counts, the lease stays with the worker."""
+
+    item_id: int
+    error: str
+
+
+@dataclass(frozen=True)
+class Released:
+    """Give the item back untouched (server down, paused, shutting down): no attempt spent."""
+
+    item_id: int
+    reason: str
+
+
+Outcome = Done | Failed | RetryLater | Released
+
+
+def _not_final() -> Any:
+    # plain comparisons: an IN list cannot be used inside an executemany
+    return and_(items.c.status != ItemStatus.DONE.value, items.c.status != ItemStatus.FAILED.value)
+
+
+def _trim(text: str) -> str:
+    return text if len(text) <= ERROR_MAX_CHARS else text[: ERROR_MAX_CHARS - 1] + "…"
+
+
+# Postgres: a batch of results as one UPDATE rather than one per item, so that the item
+# counters' statement-level trigger (migration 0005e) runs once per batch, not once per item.
+# The rows are locked in id order, as `_in_id_order` does; the first result of an item wins.
+_DONE_TOGETHER = text(
+    """
+UPDATE items SET
+    status = 'done', output_ids = v.output_ids, finish_reason = v.finish_reason,
+    matched_stop = v.matched, prompt_tokens = v.prompt, completion_tokens = v.completion,
+    cached_tokens = v.cached, latency_s = v.latency, server = coalesce(v.server, items.server),
+    attempts = items.attempts + v.attempts, error = NULL, lease_owner = NULL,
+    lease_expires_at = NULL, finished_at = :now
+FROM unnest(
+    CAST(:ids AS bigint[]), CAST(:outputs AS bytea[]), CAST(:reasons AS text[]),
+    CAST(:matched AS text[]), CAST(:prompt AS integer[]), CAST(:completion AS integer[]),
+    CAST(:cached AS integer[]), CAST(:latency AS double precision[]),
+    CAST(:attempts AS integer[]), CAST(:servers AS text[])
+) AS v(id, output_ids, finish_reason, matched, prompt, completion, cached, latency, attempts,
+       server)
+WHERE items.id = v.id AND items.status <> 'done' AND items.status <> 'failed'
+  AND items.id IN (
+    SELECT id FROM items WHERE id = ANY(CAST(:ids AS bigint[])) ORDER BY id FOR UPDATE
+  )
+"""
+)
+
+
+def _record_done_together(conn: Connection, rows: list[dict[str, Any]], now: datetime) -> None:
+    first: dict[int, dict[str, Any]] = {}
+    for row in rows:
+        first.setdefault(row["b_id"], row)
+    picked = list(first.values())
+    conn.execute(
+        _DONE_TOGETHER,
+        {
+            "now": now,
+            "ids": [r["b_id"] for r in picked],
+            "outputs": [pack_ids(r["b_output_ids"]) for r in picked],
+            "reasons": [r["b_finish_reason"] for r in picked],
+            "matched": [r["b_matched"] for r in picked],
+            "prompt": [r["b_prompt"] for r in picked],
+            "completion": [r["b_completion"] for r in picked],
+            "cached": [r["b_cached"] for r in picked],
+            "latency": [r["b_latency"] for r in picked],
+            "attempts": [r["b_attempts"] for r in picked],
+            "servers": [r["b_server"] for r in picked],
+        },
+    )
+
+
+def record_outcomes(
+    conn: Connection, outcomes: Sequence[Outcome], *, owner: str, lease_s: float
+) -> list[int]:
+    """Write outcomes idempotently in one transaction; return the ids released to the queue.
+
+    The first result written for an item wins; a finished item is never written again.
+    """
+    now = utcnow()
+    _lock_in_id_order(conn, [o.item_id for o in outcomes])
+    by_id = sorted(outcomes, key=lambda o: o.item_id)
+    done = [o for o in by_id if isinstance(o, Done)]
+    failed = [o for o in by_id if isinstance(o, Failed)]
+    retries = [o for o in by_id if isinstance(o, RetryLater)]
+    released = [o for o in by_id if isinstance(o, Released)]
+    if done:
+        stmt = (
+            update(items)
+            .where(items.c.id == bindparam("b_id"), _not_final())
+            .values(
+                status=ItemStatus.DONE.value,
+                output_ids=bindparam("b_output_ids"),
+                finish_reason=bindparam("b_finish_reason"),
+                matched_stop=bindparam("b_matched"),
+                # the server's count, which `tokenmill verify` checks against prompt_ids
+                prompt_tokens=bindparam("b_prompt"),
+                completion_tokens=bindparam("b_completion"),
+                cached_tokens=bindparam("b_cached"),
+                latency_s=bindparam("b_latency"),
+                server=func.coalesce(
+                    bindparam("b_server", type_=items.c.server.type), items.c.server
+                ),
+                attempts=items.c.attempts + bindparam("b_attempts"),
+                error=None,
+                lease_owner=None,
+                lease_expires_at=None,
+                finished_at=now,
+            )
+        )
+        rows = [
+            {
+                "b_id": o.item_id,
+                "b_output_ids": o.result.output_ids,
+                "b_finish_reason": o.result.finish_reason,
+                "b_prompt": o.result.prompt_tokens,
+                "b_matched": None
+                if o.result.matched_stop is None
+                else str(o.result.matched_stop)[:64],
+                "b_completion": o.result.completion_tokens,
+                "b_cached": o.result.cached_tokens,
+                "b_latency": o.result.e2e_latency_s,
+                "b_attempts": o.attempts_used,
+                "b_server": o.server,
+            }
+            for o in done
+        ]
+        if conn.dialect.name == "postgresql" and len(rows) > 1:
+            _record_done_together(conn, rows, now)
+        else:
+            conn.execute(stmt, rows)
+    if failed:
+        stmt = (
+            update(items)
+            .where(items.c.id == bindparam("b_id"), _not_final())
+            .values(
+                status=ItemStatus.FAILED.value,
+                error=bindparam("b_error"),
+                attempts=items.c.attempts + bindparam("b_attempts"),
+                lease_owner=None,
+                lease_expires_at=None,
+                finished_at=now,
+            )
+        )
+        conn.execute(
+            stmt,
+            [
+                {"b_id": o.item_id, "b_error": _trim(o.error), "b_attempts": o.attempts_used}
+                for o in failed
+            ],
+        )
+    if retries:
+        stmt = (
+            update(items)
+            .where(
+                items.c.id == bindparam("b_id"),
+                items.c.status == ItemStatus.LEASED.value,
+                items.c.lease_owner == owner,
+            )
+            .values(
+                error=bindparam("b_error"),
+                attempts=items.c.attempts + 1,
+                lease_expires_at=now + timedelta(seconds=lease_s),
+            )
+        )
+        conn.execute(stmt, [{"b_id": o.item_id, "b_error": _trim(o.error)} for o in retries])
+    released_ids: list[int] = []
+    if released:
+        ids = [o.item_id for o in released]
+        stmt = (
+            update(items)
+            .where(
+                items.c.id.in_(ids),
+                items.c.status == ItemStatus.LEASED.value,
+                items.c.lease_owner == owner,
+            )
+            .values(
+                status=ItemStatus.QUEUED.value,
+                lease_owner=None,
+                lease_expires_at=None,
+                queued_at=now,
+            )
+            .returning(items.c.id)
+        )
+        released_ids = sorted(conn.execute(stmt).scalars())
+    return released_ids
+
+
+def release_owner(conn: Connection, owner: str) -> list[int]:
+    """Give back every lease an owner holds (a worker shutting down); return the ids."""
+    stmt = (
+        update(items)
+        .where(items.c.lease_owner == owner, items.c.status == ItemStatus.LEASED.value)
+        .values(
+            status=ItemStatus.QUEUED.value,
+            lease_owner=None,
+            lease_expires_at=None,
+            queued_at=utcnow(),
+        )
+        .returning(items.c.id)
+    )
+    return sorted(conn.execute(stmt).scalars())
+
+
+def requeue_expired(
+    conn: Connection, *, run_id: int | None = None, limit: int = 10000
+) -> list[int]:
+    """Items whose lease expired (their worker died) go back to queued; return their ids."""
+    pin_index_plans(conn)
+    now = utcnow()
+    pick = (
+        select(items.c.id)
+        .where(items.c.status == ItemStatus.LEASED.value, items.c.lease_expires_at < now)
+        .limit(limit)
+    )
+    if run_id is not None:
+        pick = pick.where(items.c.run_id == run_id)
+    ids = list(conn.execute(pick).scalars())
+    if not ids:
+        return []
+    stmt = (
+        update(items)
+        .where(
+            items.c.id.in_(ids),
+            items.c.status == ItemStatus.LEASED.value,
+            items.c.lease_expires_at < now,
+        )
+        .values(
+            status=ItemStatus.QUEUED.value, lease_owner=None, lease_expires_at=None, queued_at=now
+        )
+        .returning(items.c.id)
+    )
+    return sorted(conn.execute(stmt).scalars())

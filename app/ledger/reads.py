@@ -1,0 +1,323 @@
+"""Reading results: a run's counts (RunCounts) and its items as stored (StoredItem), streamed
+in id order by keyset pages over items and the archive, compacted arrays read back from shards."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import Connection, Select, Table, case, func, select
+
+import app.ledger.counters as counters
+from app.core.models import ItemStatus
+from app.ledger.common import items, items_archive, run_status_order, run_status_range, tool_sets
+from app.ledger.database import pin_index_plans
+from app.ledger.run_queries import RunInfo, run_archived
+
+if TYPE_CHECKING:  # pyarrow loads when items are streamed (export, verify), not with every command
+    from app.outputs.shards import ShardCache
+
+
+@dataclass(frozen=True)
+class RunCounts:
+    run: str
+    total: int
+    pending: int
+    queued: int
+    leased: int
+    done: int
+    failed: int
+    truncated: int
+    output_tokens: int
+    prompt_tokens: int
+    # later turns of `--turns all` chains whose previous turn is not done yet
+    waiting: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.pending == 0 and self.queued == 0 and self.leased == 0 and self.waiting == 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "run": self.run,
+            "total": self.total,
+            "waiting": self.waiting,
+            "pending": self.pending,
+            "queued": self.queued,
+            "leased": self.leased,
+            "done": self.done,
+            "failed": self.failed,
+            "truncated": self.truncated,
+            "output_tokens": self.output_tokens,
+            "prompt_tokens": self.prompt_tokens,
+        }
+
+
+def run_counts(conn: Connection, run: RunInfo) -> RunCounts:
+    """The run's items by status and its token sums, read from the item counters (no scan)."""
+    if run_archived(conn, run.id):  # the archive's rows left the counters with the hot table
+        return _scanned_run_counts(conn, run)
+    groups = counters.counted_groups(conn, run.id)
+    statuses = counters.by_status(groups.items())
+    tallies = groups.values()
+    return RunCounts(
+        run=run.name,
+        total=sum(statuses.values()),
+        pending=statuses.get(ItemStatus.PENDING.value, 0),
+        queued=statuses.get(ItemStatus.QUEUED.value, 0),
+        leased=statuses.get(ItemStatus.LEASED.value, 0),
+        done=statuses.get(ItemStatus.DONE.value, 0),
+        failed=statuses.get(ItemStatus.FAILED.value, 0),
+        truncated=sum(t.items for k, t in groups.items() if k.finish_reason == "length"),
+        output_tokens=sum(t.completion_tokens for t in tallies),
+        prompt_tokens=sum(t.prompt_tokens for t in tallies),
+        waiting=statuses.get(ItemStatus.WAITING.value, 0),
+    )
+
+
+def _scanned_run_counts(conn: Connection, run: RunInfo) -> RunCounts:
+    """An archived run's items by status and token sums, counted over items and the archive."""
+    by_status: dict[str, int] = {}
+    trunc = out_tokens = prompt_tokens = 0
+    # an archived run's rows are in the archive (and in both while it is being archived)
+    for table in (items, items_archive):
+        truncated = case((table.c.finish_reason == "length", 1), else_=0)
+        stmt = (
+            select(
+                table.c.status,
+                func.count(),
+                func.coalesce(func.sum(truncated), 0),
+                func.coalesce(func.sum(table.c.completion_tokens), 0),
+                func.coalesce(func.sum(table.c.prompt_tokens), 0),
+            )
+            .where(table.c.run_id == run.id)
+            .group_by(table.c.status)
+        )
+        if table is items_archive:  # rows copied and not yet deleted are counted once
+            stmt = stmt.where(~select(items.c.id).where(items.c.id == table.c.id).exists())
+        for status, count, t, out, prompt in conn.execute(stmt):
+            by_status[status] = by_status.get(status, 0) + int(count)
+            trunc += int(t)
+            out_tokens += int(out)
+            prompt_tokens += int(prompt)
+    return RunCounts(
+        run=run.name,
+        total=sum(by_status.values()),
+        pending=by_status.get(ItemStatus.PENDING.value, 0),
+        queued=by_status.get(ItemStatus.QUEUED.value, 0),
+        leased=by_status.get(ItemStatus.LEASED.value, 0),
+        done=by_status.get(ItemStatus.DONE.value, 0),
+        failed=by_status.get(ItemStatus.FAILED.value, 0),
+        truncated=trunc,
+        output_tokens=out_tokens,
+        prompt_tokens=prompt_tokens,
+        waiting=by_status.get(ItemStatus.WAITING.value, 0),
+    )
+
+
+@dataclass(frozen=True)
+class StoredItem:
+    id: int
+    item_key: str
+    sample_index: int
+    status: str
+    messages: list[dict[str, Any]] | None
+    prompt_ids: list[int]
+    output_ids: list[int] | None
+    finish_reason: str | None
+    completion_tokens: int | None
+    attempts: int
+    server: str | None
+    error: str | None
+    latency_s: float | None
+    # the server's reported prompt count once done (len(prompt_ids) before), the stop it
+    # matched (an id, a stop string or a JSON list, as text) and the conversation turn
+    prompt_tokens: int | None = None
+    matched_stop: str | None = None
+    turn_index: int = 0
+    cached_tokens: int | None = None
+    # compacted: the token arrays above were read from row shard_row of this Parquet shard
+    shard_uri: str | None = None
+    shard_row: int | None = None
+    # what else built the prompt: the row's tools and its merged kwargs (None: the run's)
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    # the row's fields that are not template inputs, exported with each sample
+    metadata: dict[str, Any] | None = None
+
+
+# StoredItem's fields that are columns of items (and of items_archive) under their own names
+_STORED_FIELDS = (
+    "id",
+    "item_key",
+    "sample_index",
+    "status",
+    "messages",
+    "prompt_ids",
+    "output_ids",
+    "finish_reason",
+    "completion_tokens",
+    "attempts",
+    "server",
+    "error",
+    "latency_s",
+    "prompt_tokens",
+    "matched_stop",
+    "turn_index",
+    "cached_tokens",
+    "shard_uri",
+    "shard_row",
+    "chat_template_kwargs",
+)
+
+
+def _stored_select(table: Table) -> Select[Any]:
+    """StoredItems of items or items_archive, with their tools list."""
+    return select(
+        *(table.c[name] for name in _STORED_FIELDS),
+        tool_sets.c.tools.label("tools"),
+        table.c.row_metadata.label("metadata"),
+    ).select_from(table.outerjoin(tool_sets, tool_sets.c.id == table.c.tool_set_id))
+
+
+def _hydrated(page: list[StoredItem], shards: ShardCache) -> list[StoredItem]:
+    """The page with the token arrays of compacted items read back from their shards."""
+    out = []
+    for item in page:
+        if item.shard_uri is not None and item.shard_row is not None:
+            prompt_ids, output_ids = shards.arrays(item.shard_uri, item.shard_row, item.id)
+            item = replace(item, prompt_ids=prompt_ids, output_ids=output_ids)
+        out.append(item)
+    return out
+
+
+def iter_items(
+    conn: Connection,
+    run_id: int,
+    *,
+    statuses: Sequence[str] = (ItemStatus.DONE.value,),
+    page_size: int = 1000,
+    storage_options: dict[str, Any] | None = None,
+    final_turns_only: bool = False,
+) -> Iterator[StoredItem]:
+    """Stream a run's items in id order, a page at a time (memory stays flat).
+
+    Compacted items come with their real token arrays, read from their shards (with
+    storage_options, default the configured ones); one row group of a shard is held at a time.
+    final_turns_only: only items no later turn follows (the last turn of each chain).
+    """
+    from app.outputs.shards import ShardCache
+
+    shards = ShardCache(storage_options)
+    try:
+        yield from _iter_items(conn, run_id, statuses, page_size, shards, final_turns_only)
+    finally:
+        shards.close()
+
+
+def _iter_items(
+    conn: Connection,
+    run_id: int,
+    statuses: Sequence[str],
+    page_size: int,
+    shards: ShardCache,
+    final_turns_only: bool = False,
+) -> Iterator[StoredItem]:
+    streams = [
+        _keyset_pages(conn, table, run_id, status, page_size, final_turns_only)
+        for table in (items, items_archive)
+        for status in dict.fromkeys(statuses)
+    ]
+    for page in merged_pages(streams, page_size):
+        yield from _hydrated(page, shards)
+
+
+def _keyset_pages(
+    conn: Connection,
+    table: Table,
+    run_id: int,
+    status: str,
+    page_size: int,
+    final_turns_only: bool,
+) -> Iterator[list[StoredItem]]:
+    """Pages of one status of a run in one table: `run_id = ? AND status = ? AND id > last
+    ORDER BY id LIMIT n`, one range of the (run_id, status, id) index, so a page costs the
+    same at row 10M as at row 0 (an IN list of statuses would read them all and sort)."""
+    pin_index_plans(conn)
+    after = 0
+    while True:
+        stmt = (
+            _stored_select(table)
+            .where(run_status_range(conn, table, run_id, status, after))
+            .order_by(*run_status_order(table))
+            .limit(page_size)
+        )
+        if final_turns_only:
+            later = table.alias("later")
+            stmt = stmt.where(
+                ~select(later.c.id).where(later.c.prev_item_id == table.c.id).exists()
+            )
+        page = [StoredItem(**row._mapping) for row in conn.execute(stmt)]
+        if not page:
+            return
+        yield page
+        if len(page) < page_size:
+            return
+        after = page[-1].id
+
+
+def prompt_item_ids(conn: Connection, run_id: int) -> list[int]:
+    """Ids of the run's items whose prompt was rendered from messages (every turn that has
+    its prompt; not pre-tokenized items, not later turns still waiting), in id order."""
+    stmt = (
+        select(items.c.id)
+        .where(
+            items.c.run_id == run_id,
+            items.c.messages.is_not(None),
+            items.c.status != ItemStatus.WAITING.value,
+        )
+        .order_by(items.c.id)
+    )
+    return [int(i) for i in conn.execute(stmt).scalars()]
+
+
+def stored_prompts(
+    conn: Connection, ids: Sequence[int], storage_options: dict[str, Any] | None = None
+) -> list[StoredItem]:
+    """These items with their real prompt ids (read back from shards once compacted)."""
+    from app.outputs.shards import ShardCache
+
+    shards = ShardCache(storage_options)
+    try:
+        return _hydrated(stored_items(conn, ids), shards)
+    finally:
+        shards.close()
+
+
+def merged_pages(streams: Sequence[Iterator[list[Any]]], page_size: int) -> Iterator[list[Any]]:
+    """Pages of rows (anything with an `id`) from id-ordered page streams, merged in id order;
+    a row in two streams (a run being archived: copied, not yet deleted) comes once."""
+    rows = heapq.merge(*(itertools.chain.from_iterable(s) for s in streams), key=lambda r: r.id)
+    page: list[Any] = []
+    last = None
+    for row in rows:
+        if row.id == last:
+            continue
+        last = row.id
+        page.append(row)
+        if len(page) >= page_size:
+            yield page
+            page = []
+    if page:
+        yield page
+
+
+def stored_items(conn: Connection, ids: Sequence[int]) -> list[StoredItem]:
+    """These items as stored in the ledger (not hydrated), in id order."""
+    if not ids:
+        return []
+    stmt = _stored_select(items).where(items.c.id.in_(list(ids))).order_by(items.c.id)
+    return [StoredItem(**row._mapping) for row in conn.execute(stmt)]

@@ -1,0 +1,223 @@
+"""Runs: what a run pins when it is created (RunSpec), how it reads back (RunInfo), the check
+that a later enqueue pins the same settings, its server fingerprint and whether it is archived."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import Connection, insert, select, update
+
+from app.core.contracts import SamplingParams
+from app.core.errors import NotFound, RunArchived, RunMismatch
+from app.ledger.common import as_utc, runs, utcnow
+from app.prompts.chat_path import NORMALIZATION_VERSION
+from app.prompts.tokenization import file_changes
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What a run pins when it is created; a later enqueue must match it."""
+
+    name: str
+    tokenizer_path: str
+    tokenizer_hash: str
+    chat_template_hash: str
+    chat_template_kwargs: dict[str, Any]
+    sampling: SamplingParams
+    samples_per_prompt: int
+    think_end_id: int | None
+    eos_token_ids: list[int]
+    # `--turns all`: every assistant turn regenerated, chained (pinned)
+    turns: str = "last"
+    # the tokenizer's own code allowed: export, verify, reports and later turns load it so too
+    trust_remote_code: bool = False
+    # `--render-with URL`: prompts built by that server's /v1/tokenize (pinned)
+    render_with: str | None = None
+    require_parity: bool = False
+    # sha256 of each tokenizer file (a later enqueue names the one that changed), and the
+    # folder's hash by the rule of runs created before the manifest, to compare those with
+    tokenizer_files: dict[str, str] | None = None
+    legacy_tokenizer_hash: str | None = None
+    # the message-normalization rules the prompts are built with (app.prompts.chat_path)
+    normalization_version: str = NORMALIZATION_VERSION
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    id: int
+    name: str
+    tokenizer_path: str
+    tokenizer_hash: str
+    chat_template_hash: str
+    chat_template_kwargs: dict[str, Any]
+    sampling: SamplingParams
+    samples_per_prompt: int
+    think_end_id: int | None
+    eos_token_ids: list[int]
+    fingerprint: dict[str, Any] | None
+    created_at: datetime
+    turns: str = "last"
+    trust_remote_code: bool = False
+    render_with: str | None = None
+    require_parity: bool = False
+    tokenizer_files: dict[str, str] | None = None
+    # None: created before the rules were pinned (app.prompts.chat_path.check_version refuses it)
+    normalization_version: str | None = None
+
+
+# The run's turn mode rides in its pinned sampling_params JSON (no column of its own), under
+# a key SamplingParams does not have; present only for `--turns all`, so older runs read "last".
+_TURNS_KEY = "turns"
+
+
+def _run_info(row: Any) -> RunInfo:
+    pinned = dict(row.sampling_params)
+    turns = str(pinned.pop(_TURNS_KEY, "last"))
+    return RunInfo(
+        id=row.id,
+        name=row.name,
+        tokenizer_path=row.tokenizer_path,
+        tokenizer_hash=row.tokenizer_hash,
+        chat_template_hash=row.chat_template_hash,
+        chat_template_kwargs=row.chat_template_kwargs or {},
+        sampling=SamplingParams.from_json(pinned),
+        samples_per_prompt=row.samples_per_prompt,
+        think_end_id=row.think_end_id,
+        eos_token_ids=list(row.eos_token_ids or []),
+        fingerprint=row.fingerprint,
+        created_at=as_utc(row.created_at) or utcnow(),
+        turns=turns,
+        render_with=row.render_with,
+        require_parity=bool(row.require_parity),
+        trust_remote_code=bool(row.trust_remote_code),
+        tokenizer_files=dict(row.tokenizer_files) if row.tokenizer_files is not None else None,
+        normalization_version=row.normalization_version,
+    )
+
+
+def run_differences(existing: RunInfo, spec: RunSpec) -> list[str]:
+    """Lines naming every pinned setting in which spec differs from the existing run."""
+    diffs: list[str] = []
+    if spec.tokenizer_files is None:  # a spec built by hand: the hashes alone
+        if existing.tokenizer_hash != spec.tokenizer_hash:
+            diffs.append(
+                f"tokenizer: {existing.tokenizer_path} (hash {existing.tokenizer_hash[:12]}) → "
+                f"{spec.tokenizer_path} (hash {spec.tokenizer_hash[:12]})"
+            )
+    else:
+        diffs += file_changes(
+            existing.tokenizer_hash,
+            existing.tokenizer_files,
+            spec.tokenizer_hash,
+            spec.tokenizer_files,
+            spec.legacy_tokenizer_hash or spec.tokenizer_hash,
+        )
+    if existing.chat_template_hash != spec.chat_template_hash:
+        diffs.append(
+            f"chat template hash: {existing.chat_template_hash[:12]} → "
+            f"{spec.chat_template_hash[:12]}"
+        )
+    if existing.chat_template_kwargs != spec.chat_template_kwargs:
+        diffs.append(
+            f"chat template kwargs: {existing.chat_template_kwargs} → {spec.chat_template_kwargs}"
+        )
+    old, new = existing.sampling.to_json(), spec.sampling.to_json()
+    for key in sorted(set(old) | set(new)):
+        if old.get(key) != new.get(key):
+            diffs.append(f"{key}: {old.get(key)} → {new.get(key)}")
+    if existing.samples_per_prompt != spec.samples_per_prompt:
+        diffs.append(
+            f"samples per prompt: {existing.samples_per_prompt} → {spec.samples_per_prompt}"
+        )
+    if existing.turns != spec.turns:
+        diffs.append(f"turns: {existing.turns} → {spec.turns}")
+    if existing.render_with != spec.render_with:
+        diffs.append(f"render with: {existing.render_with} → {spec.render_with}")
+    if existing.require_parity != spec.require_parity:
+        diffs.append(f"require parity: {existing.require_parity} → {spec.require_parity}")
+    return diffs
+
+
+def get_run(conn: Connection, name: str) -> RunInfo:
+    row = conn.execute(select(runs).where(runs.c.name == name)).first()
+    if row is None:
+        raise NotFound(f"no run named {name!r}")
+    return _run_info(row)
+
+
+def get_run_by_id(conn: Connection, run_id: int) -> RunInfo:
+    row = conn.execute(select(runs).where(runs.c.id == run_id)).first()
+    if row is None:
+        raise NotFound(f"no run with id {run_id}")
+    return _run_info(row)
+
+
+def list_runs(conn: Connection) -> list[RunInfo]:
+    return [_run_info(r) for r in conn.execute(select(runs).order_by(runs.c.id))]
+
+
+def get_or_create_run(conn: Connection, spec: RunSpec) -> tuple[RunInfo, bool]:
+    """The run named spec.name, created if new; RunMismatch if it pins other settings."""
+    try:
+        existing = get_run(conn, spec.name)
+    except NotFound:
+        existing = None
+    if existing is not None:
+        if run_archived(conn, existing.id):
+            raise RunArchived(
+                f"run {spec.name!r} is archived (its items left the ledger after it finished "
+                "and was compacted); enqueue into a new --run name"
+            )
+        diffs = run_differences(existing, spec)
+        if diffs:
+            raise RunMismatch(
+                f"run {spec.name!r} already exists with other settings; "
+                "use a new --run name or the original settings. Differences: " + "; ".join(diffs)
+            )
+        return existing, False
+    conn.execute(
+        insert(runs).values(
+            name=spec.name,
+            tokenizer_path=spec.tokenizer_path,
+            tokenizer_hash=spec.tokenizer_hash,
+            chat_template_hash=spec.chat_template_hash,
+            chat_template_kwargs=spec.chat_template_kwargs,
+            sampling_params=_pinned_sampling(spec),
+            samples_per_prompt=spec.samples_per_prompt,
+            think_end_id=spec.think_end_id,
+            eos_token_ids=spec.eos_token_ids,
+            render_with=spec.render_with,
+            require_parity=spec.require_parity,
+            trust_remote_code=spec.trust_remote_code,
+            tokenizer_files=spec.tokenizer_files,
+            created_at=utcnow(),
+            normalization_version=spec.normalization_version,
+        )
+    )
+    return get_run(conn, spec.name), True
+
+
+def _pinned_sampling(spec: RunSpec) -> dict[str, Any]:
+    pinned = spec.sampling.to_json()
+    if spec.turns != "last":
+        pinned[_TURNS_KEY] = spec.turns
+    return pinned
+
+
+def run_archived(conn: Connection, run_id: int) -> bool:
+    """Whether the run's items were moved to items_archive (app.ledger.archive)."""
+    stmt = select(runs.c.archived_at).where(runs.c.id == run_id)
+    return conn.execute(stmt).scalar() is not None
+
+
+def pin_fingerprint(conn: Connection, run_id: int, fingerprint: dict[str, Any]) -> dict[str, Any]:
+    """Record the server fingerprint the first time a run sees one; return the pinned one."""
+    conn.execute(
+        update(runs)
+        .where(runs.c.id == run_id, runs.c.fingerprint.is_(None))
+        .values(fingerprint=fingerprint)
+    )
+    pinned = conn.execute(select(runs.c.fingerprint).where(runs.c.id == run_id)).scalar_one()
+    return dict(pinned or {})

@@ -1,0 +1,149 @@
+"""Multi-turn chains (`--turns all`): each later turn linked to the one before it, moved from
+waiting to pending once that one finishes, or failed with the rest of its chain."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import Connection, select, update
+
+from app.core.models import ItemStatus
+from app.ledger.common import items, utcnow
+from app.ledger.outcomes import _trim
+from app.ledger.reads import StoredItem, stored_items
+
+
+def link_turns(conn: Connection, run_id: int, keys: Sequence[str]) -> int:
+    """Point every later turn of these keys at the item of the turn before it (same key and
+    sample); idempotent, only unlinked items are touched."""
+    if not keys:
+        return 0
+    prev = items.alias("prev")
+    prev_id = (
+        select(prev.c.id)
+        .where(
+            prev.c.run_id == items.c.run_id,
+            prev.c.item_key == items.c.item_key,
+            prev.c.sample_index == items.c.sample_index,
+            prev.c.turn_index == items.c.turn_index - 1,
+        )
+        .scalar_subquery()
+    )
+    stmt = (
+        update(items)
+        .where(
+            items.c.run_id == run_id,
+            items.c.item_key.in_(list(keys)),
+            items.c.turn_index > 0,
+            items.c.prev_item_id.is_(None),
+        )
+        .values(prev_item_id=prev_id)
+    )
+    return conn.execute(stmt).rowcount
+
+
+@dataclass(frozen=True)
+class WaitingTurn:
+    """A waiting turn whose previous turn has finished (done or failed): ready to advance.
+
+    context holds the original user/tool turns that lead to this turn's answer."""
+
+    id: int
+    run_id: int
+    item_key: str
+    sample_index: int
+    turn_index: int
+    context: list[dict[str, Any]]
+    prev: StoredItem
+
+
+def ready_turns(
+    conn: Connection,
+    *,
+    prev_ids: Sequence[int] | None = None,
+    run_id: int | None = None,
+    after_id: int = 0,
+    limit: int = 500,
+) -> list[WaitingTurn]:
+    """Waiting items whose previous turn is done or failed: the successors of prev_ids (the
+    worker's just-committed results), or of a whole run or every run (the catch-up)."""
+    if prev_ids is not None and not prev_ids:
+        return []
+    prev = items.alias("prev")
+    stmt = (
+        select(
+            items.c.id,
+            items.c.run_id,
+            items.c.item_key,
+            items.c.sample_index,
+            items.c.turn_index,
+            items.c.messages,
+            items.c.prev_item_id,
+        )
+        .join(prev, prev.c.id == items.c.prev_item_id)
+        .where(
+            items.c.status == ItemStatus.WAITING.value,
+            prev.c.status.in_([ItemStatus.DONE.value, ItemStatus.FAILED.value]),
+            items.c.id > after_id,
+        )
+        .order_by(items.c.id)
+        .limit(limit)
+    )
+    if prev_ids is not None:
+        stmt = stmt.where(items.c.prev_item_id.in_(list(prev_ids)))
+    if run_id is not None:
+        stmt = stmt.where(items.c.run_id == run_id)
+    rows = list(conn.execute(stmt))
+    # a later turn is only ever waiting on an uncompacted item (compaction skips those), so
+    # the previous turn's arrays are in the ledger
+    previous = {s.id: s for s in stored_items(conn, [r.prev_item_id for r in rows])}
+    return [
+        WaitingTurn(
+            id=r.id,
+            run_id=r.run_id,
+            item_key=r.item_key,
+            sample_index=r.sample_index,
+            turn_index=r.turn_index,
+            context=list(r.messages or []),
+            prev=previous[r.prev_item_id],
+        )
+        for r in rows
+    ]
+
+
+def start_turn(
+    conn: Connection, item_id: int, messages: list[dict[str, Any]], prompt_ids: list[int]
+) -> bool:
+    """waiting → pending with the prompt built from the regenerated history; False if another
+    advancer got there first (the update is conditional on the item still waiting)."""
+    stmt = (
+        update(items)
+        .where(items.c.id == item_id, items.c.status == ItemStatus.WAITING.value)
+        .values(
+            status=ItemStatus.PENDING.value,
+            messages=messages,
+            prompt_ids=prompt_ids,
+            prompt_tokens=len(prompt_ids),
+        )
+    )
+    return conn.execute(stmt).rowcount == 1
+
+
+def fail_waiting_chain(
+    conn: Connection, run_id: int, item_key: str, sample_index: int, from_turn: int, reason: str
+) -> int:
+    """Fail every still-waiting turn from from_turn on of one chain (no attempt spent)."""
+    stmt = (
+        update(items)
+        .where(
+            items.c.run_id == run_id,
+            items.c.item_key == item_key,
+            items.c.sample_index == sample_index,
+            items.c.turn_index >= from_turn,
+            items.c.status == ItemStatus.WAITING.value,
+        )
+        .values(status=ItemStatus.FAILED.value, error=_trim(reason), finished_at=utcnow())
+    )
+    return conn.execute(stmt).rowcount
