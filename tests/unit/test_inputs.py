@@ -12,12 +12,8 @@ import pytest
 
 from app.core.contracts import PromptRecord, stable_hash
 from app.core.errors import ConfigurationError, InputError
-from app.prompts.inputs import (
-    CONTENT_KEY_CHARS,
-    content_key,
-    parse_chat_template_kwargs,
-    read_prompts,
-)
+from app.prompts.input_records import CONTENT_KEY_CHARS, content_key
+from app.prompts.inputs import parse_chat_template_kwargs, read_prompts
 
 U = {"role": "user", "content": "What is 2 + 2?"}
 A = {"role": "assistant", "content": "4"}

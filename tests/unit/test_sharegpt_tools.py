@@ -11,7 +11,8 @@ import pytest
 
 from app.core.contracts import PromptRecord
 from app.core.errors import InputError
-from app.prompts.inputs import read_prompts, sharegpt_tool_call_id
+from app.prompts.input_turns import sharegpt_tool_call_id
+from app.prompts.inputs import read_prompts
 
 
 def read(tmp_path: Path, *rows: dict[str, Any]) -> list[PromptRecord | InputError]:

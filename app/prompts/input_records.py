@@ -1,0 +1,200 @@
+"""One prompt object (a JSONL line or a table row) as a PromptRecord: its prompt field, item key,
+system turn, tools, template kwargs and the metadata kept beside them."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from app.core.contracts import Message, PromptRecord, stable_hash
+from app.core.errors import InputError
+from app.prompts.chat_path import (
+    ContentFormat,
+    check_reasoning_effort,
+    json_type,
+    normalize_messages,
+    parse_tools,
+)
+from app.prompts.input_turns import BadRow, parse_turns, prompt_turns, sharegpt_tools
+
+# The ledger's item_key column holds 200 characters.
+MAX_KEY_CHARS = 200
+# Keys derived from content: 20 hex chars (80 bits) keep collisions out of reach.
+CONTENT_KEY_CHARS = 20
+
+# Checked in this order; the first one present is used (the others are kept as metadata).
+PROMPT_FIELDS = ("messages", "conversations", "prompt", "input_ids")
+# Top-level fields that are template inputs or the item key, besides the prompt field; every
+# other top-level field is row metadata, exported with each sample.
+INPUT_FIELDS = ("id", "system", "tools", "chat_template_kwargs", "reasoning_effort")
+
+
+def build_record(
+    data: dict[str, Any],
+    line_no: int,
+    named: str | None = None,
+    content_format: ContentFormat = "string",
+) -> tuple[PromptRecord, bool]:
+    if named is not None:
+        if data.get(named) is None:
+            raise BadRow(f"no value in the --field {named!r} (keys: {_key_list(data)})")
+        field, kind = named, _kind_of(data[named])
+    else:
+        found = next((name for name in PROMPT_FIELDS if data.get(name) is not None), None)
+        if found is None:
+            raise BadRow(
+                "no prompt field: expected one of 'messages', 'conversations', 'prompt' or "
+                f"'input_ids' (keys: {_key_list(data)})"
+            )
+        field = kind = found
+    key = _explicit_key(data.get("id"))
+    system = _system_field(data.get("system"))
+    used = [field] + [name for name in INPUT_FIELDS if data.get(name) is not None]
+    metadata = _metadata(data, used)
+    if kind == "input_ids":
+        for name in ("system", "tools", "chat_template_kwargs", "reasoning_effort"):
+            if data.get(name) is not None:
+                raise BadRow(f"'{name}' cannot be combined with pre-tokenized '{field}'")
+        ids = _input_ids(data[field], field)
+        record = PromptRecord(
+            line_no,
+            key or content_key("input_ids", ids),
+            input_ids=ids,
+            metadata=metadata,
+            prompt_fields=tuple(used),
+        )
+        return record, key is not None
+    turns = (
+        [_prompt_turn(data[field], field)] if kind == "prompt" else parse_turns(data[field], field)
+    )
+    if system is not None:
+        if any(turn["role"] == "system" for turn in turns):
+            raise BadRow(f"both a 'system' field and a system turn in '{field}'")
+        turns.insert(0, {"role": "system", "content": system})
+    try:
+        turns = normalize_messages(turns, content_format, field=field)
+        tools = parse_tools(sharegpt_tools(data.get("tools"), data[field]))
+        effort = check_reasoning_effort(data.get("reasoning_effort"))
+    except InputError as error:
+        raise BadRow(error.reason) from None
+    row_kwargs = _row_kwargs(data.get("chat_template_kwargs"))
+    messages = prompt_turns(list(turns), field)
+    record = PromptRecord(
+        line_no,
+        key or content_key("messages", _key_content(messages, tools, row_kwargs, effort)),
+        messages=messages,
+        conversation=turns if len(turns) > len(messages) else None,
+        tools=tools,
+        chat_template_kwargs=row_kwargs,
+        reasoning_effort=effort,
+        metadata=metadata,
+        prompt_fields=tuple(used),
+    )
+    return record, key is not None
+
+
+def _key_content(
+    messages: list[Message],
+    tools: list[dict[str, Any]] | None,
+    kwargs: dict[str, Any] | None,
+    effort: str | float | None,
+) -> Any:
+    """What a content key hashes: the turns, and the row's tools and kwargs when it has any
+    (so rows without them keep the keys they always had)."""
+    if tools is None and kwargs is None and effort is None:
+        return messages
+    return {"messages": messages, "tools": tools, "kwargs": kwargs, "effort": effort}
+
+
+def _row_kwargs(value: Any) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise BadRow(
+            f"'chat_template_kwargs' must be a JSON object such as {{\"thinking\": false}}, "
+            f"not a JSON {json_type(value)}"
+        )
+    return dict(value)
+
+
+def _metadata(data: dict[str, Any], used: list[str]) -> dict[str, Any] | None:
+    """The row's fields that are neither its prompt nor a template input, as JSON values."""
+    kept = {name: _jsonable(value) for name, value in data.items() if name not in used}
+    # a null input field (say "tools": null) is no input and no metadata
+    unused = (*INPUT_FIELDS, *PROMPT_FIELDS)
+    kept = {name: value for name, value in kept.items() if value is not None or name not in unused}
+    return kept or None
+
+
+def _jsonable(value: Any) -> Any:
+    """A value as JSON can hold it (Parquet columns may hold dates, bytes, decimals)."""
+    if value is None or isinstance(value, str | bool | int | float):
+        return value
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, bytes):
+        return value.hex()
+    isoformat = getattr(value, "isoformat", None)
+    return isoformat() if callable(isoformat) else str(value)
+
+
+def _kind_of(value: Any) -> str:
+    """What a --field value holds: a prompt string, token ids, or turns."""
+    if isinstance(value, str):
+        return "prompt"
+    if isinstance(value, list) and value and all(isinstance(v, int) for v in value):
+        return "input_ids"
+    return "messages"
+
+
+def _explicit_key(value: Any) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, str | int):
+        raise BadRow(f"'id' must be a string or an integer, not a JSON {json_type(value)}")
+    key = str(value)
+    if not key.strip():
+        raise BadRow("'id' is empty")
+    if len(key) > MAX_KEY_CHARS:
+        raise BadRow(f"'id' is longer than {MAX_KEY_CHARS} characters")
+    return key
+
+
+def _system_field(value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise BadRow(f"'system' must be a string, not a JSON {json_type(value)}")
+    # Many datasets carry "system": "" on every line: an empty one means none.
+    return value if value.strip() else None
+
+
+def _input_ids(value: Any, field: str = "input_ids") -> list[int]:
+    if not isinstance(value, list):
+        raise BadRow(f"'{field}' must be a list of token ids, not a JSON {json_type(value)}")
+    if not value:
+        raise BadRow(f"'{field}' is empty")
+    for index, token in enumerate(value):
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise BadRow(f"'{field}'[{index}] is {json.dumps(token)}, not a non-negative integer")
+    return list(value)
+
+
+def _prompt_turn(value: Any, field: str = "prompt") -> Message:
+    if not isinstance(value, str):
+        raise BadRow(f"'{field}' must be a string, not a JSON {json_type(value)}")
+    if not value.strip():
+        raise BadRow(f"'{field}' is empty")
+    return {"role": "user", "content": value}
+
+
+def _key_list(data: dict[str, Any]) -> str:
+    names = [repr(name) for name in list(data)[:8]]
+    return ", ".join(names) + (", ..." if len(data) > 8 else "") if names else "none"
+
+
+def content_key(kind: str, value: Any) -> str:
+    """The item key of a line without an id: a short hash of its turns or ids."""
+    return stable_hash({kind: value})[:CONTENT_KEY_CHARS]

@@ -1,0 +1,245 @@
+"""The turns of a prompt object as checked Messages: OpenAI `role`/`content` turns, ShareGPT
+`from`/`value` turns, and ShareGPT's tool-call and observation turns in OpenAI's shape."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from app.core.contracts import Message
+from app.core.errors import InputError
+from app.prompts.chat_path import json_type, resolve_reasoning_aliases
+
+ROLES = frozenset({"system", "user", "assistant", "tool"})
+# ShareGPT "from" values and the roles they mean.
+SHAREGPT_ROLES: dict[str, str] = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "assistant": "assistant",
+    "model": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "system": "system",
+    "tool": "tool",
+    "function": "tool",
+    "observation": "tool",
+}
+
+
+# Defined here, the lowest of the input modules, so that turns, records and lines raise one kind.
+class BadRow(Exception):
+    """A reason a line cannot be used (turned into an InputError with its line number)."""
+
+
+def parse_turns(value: Any, field: str) -> list[Message]:
+    if not isinstance(value, list):
+        raise BadRow(f"'{field}' must be a list of turns, not a JSON {json_type(value)}")
+    if not value:
+        raise BadRow(f"'{field}' is empty")
+    items = sharegpt_tool_turns(value, field)
+    return [_turn(item, f"{field}[{index}]") for index, item in enumerate(items)]
+
+
+def _turn(item: Any, where: str) -> Message:
+    if not isinstance(item, dict):
+        raise BadRow(f"{where} must be an object, not a JSON {json_type(item)}")
+    if "from" in item:
+        speaker = item["from"]
+        if not isinstance(speaker, str) or speaker.lower() not in SHAREGPT_ROLES:
+            known = ", ".join(sorted(SHAREGPT_ROLES))
+            raise BadRow(f"{where} has unknown 'from' {json.dumps(speaker)} (known: {known})")
+        if "value" not in item:
+            raise BadRow(f"{where} has no 'value'")
+        turn: Message = {"role": SHAREGPT_ROLES[speaker.lower()], "content": item["value"]}
+        turn.update((k, v) for k, v in item.items() if k not in ("from", "value", "role"))
+        content_field = "value"
+    else:
+        if "role" not in item:
+            raise BadRow(f"{where} has no 'role' (or ShareGPT 'from')")
+        role = item["role"]
+        if not isinstance(role, str) or role not in ROLES:
+            raise BadRow(
+                f"{where} has unknown role {json.dumps(role)} "
+                "(allowed: system, user, assistant, tool)"
+            )
+        if "content" not in item:
+            raise BadRow(f"{where} has no 'content'")
+        turn = dict(item)
+        content_field = "content"
+    try:
+        turn = resolve_reasoning_aliases(turn, where)
+    except InputError as error:
+        raise BadRow(error.reason) from None
+    turn["content"] = _content(turn, f"{where}.{content_field}")
+    if turn["role"] == "user" and not _text_of(turn["content"]).strip():
+        raise BadRow(f"{where}.{content_field} is empty (a user turn needs content)")
+    _check_extra_fields(turn, where)
+    return turn
+
+
+def _text_of(content: str | list[Any] | None) -> str:
+    if isinstance(content, list):
+        return "".join(str(part.get("text") or "") for part in content if isinstance(part, dict))
+    return content or ""
+
+
+def _content(turn: Message, where: str) -> str | list[Any] | None:
+    """The content as given (a string, a list of text parts, or null where allowed)."""
+    content = turn["content"]
+    if content is None:
+        # OpenAI style: an assistant turn that only calls tools has no content.
+        if turn["role"] == "assistant" and turn.get("tool_calls"):
+            return None
+        raise BadRow(f"{where} is null")
+    if isinstance(content, list):
+        for i, part in enumerate(content):
+            _text_part(part, f"{where}[{i}]")
+        return content
+    if not isinstance(content, str):
+        raise BadRow(
+            f"{where} must be a string or a list of text parts, not a JSON {json_type(content)}"
+        )
+    return content
+
+
+def _text_part(part: Any, where: str) -> str:
+    if not isinstance(part, dict) or part.get("type") not in ("text", "input_text"):
+        kind = part.get("type") if isinstance(part, dict) else json_type(part)
+        raise BadRow(f"{where} is a {json.dumps(kind)} part; only text parts are supported")
+    text = part.get("text")
+    if not isinstance(text, str):
+        raise BadRow(f"{where} has no string 'text'")
+    return text
+
+
+def _check_extra_fields(turn: Message, where: str) -> None:
+    for name in ("name", "tool_call_id", "reasoning_content"):
+        if turn.get(name) is not None and not isinstance(turn[name], str):
+            raise BadRow(f"{where}.{name} must be a string, not a JSON {json_type(turn[name])}")
+    if turn.get("tool_calls") is not None and not isinstance(turn["tool_calls"], list):
+        raise BadRow(f"{where}.tool_calls must be a list")
+
+
+def prompt_turns(turns: list[Message], field: str) -> list[Message]:
+    """Cut the turns after the last user (or tool) turn."""
+    while turns and turns[-1]["role"] == "assistant":
+        turns.pop()
+    if not any(turn["role"] == "user" for turn in turns):
+        raise BadRow(f"'{field}' has no user turn")
+    if turns[-1]["role"] not in ("user", "tool"):
+        raise BadRow(f"'{field}' ends with a {turns[-1]['role']} turn, not a user or tool turn")
+    return turns
+
+
+# --- ShareGPT tool turns -----------------------------------------------------------------------
+
+
+SHAREGPT_CALL = "function_call"
+SHAREGPT_RESULT = "observation"
+
+
+def sharegpt_tool_call_id(turn: int, k: int) -> str:
+    """The id of the k-th call (from 0) of the `function_call` turn at index turn (from 0)."""
+    return f"call_{turn}_{k}"
+
+
+def sharegpt_tool_turns(items: list[Any], field: str) -> list[Any]:
+    """ShareGPT tool turns (LLaMA-Factory's format) as OpenAI turns; other items unchanged.
+
+    - A `{"from": "function_call", "value": ...}` turn becomes an assistant turn with no
+      content and `tool_calls`. Its value is a JSON string (or already an object) of one call
+      `{"name", "arguments"}`, or a list of them (parallel calls). `arguments` is kept as
+      given: an object, or a string (which the chat path parses like an OpenAI one).
+    - Call ids follow one rule: `call_{turn}_{k}`, turn being the index of the function_call
+      turn in the conversation (from 0) and k the index of the call in it (from 0).
+    - An `{"from": "observation", "value": ...}` turn becomes a `tool` turn answering the
+      oldest call not answered yet (its `tool_call_id`), so observations answer calls in
+      order; an observation with no call left to answer is an error naming the turn.
+    - Invalid JSON, or a call without a string `name`, is an error naming the turn (the
+      line's error).
+    """
+    if not any(
+        isinstance(item, dict) and item.get("from") in (SHAREGPT_CALL, SHAREGPT_RESULT)
+        for item in items
+    ):
+        return items
+    out: list[Any] = []
+    unanswered: list[str] = []
+    for index, item in enumerate(items):
+        where = f"{field}[{index}]"
+        speaker = item.get("from") if isinstance(item, dict) else None
+        if speaker == SHAREGPT_CALL:
+            calls = _sharegpt_calls(item.get("value"), index, where)
+            unanswered = [call["id"] for call in calls]
+            out.append({"role": "assistant", "content": None, "tool_calls": calls})
+        elif speaker == SHAREGPT_RESULT:
+            if not unanswered:
+                raise BadRow(
+                    f"{where} is an observation with no function_call before it left to answer"
+                )
+            out.append(
+                {"role": "tool", "content": item.get("value"), "tool_call_id": unanswered.pop(0)}
+            )
+        else:
+            out.append(item)
+    return out
+
+
+def sharegpt_tools(value: Any, turns: Any) -> Any:
+    """A ShareGPT row's `tools` in OpenAI's shape; any other row's unchanged.
+
+    LLaMA-Factory stores a row's tools as a JSON string of bare function objects
+    (`[{"name", "description", "parameters"}]`): for rows whose turns are ShareGPT
+    (`from`/`value`), the string is parsed and each bare function is wrapped as
+    `{"type": "function", "function": ...}`. Invalid JSON is the line's error.
+    """
+    if not (isinstance(turns, list) and any(isinstance(t, dict) and "from" in t for t in turns)):
+        return value
+    if isinstance(value, str):
+        if not value.strip():
+            return None
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise BadRow(f"'tools' is a string that is not valid JSON ({exc})") from None
+    if not isinstance(value, list):
+        return value
+    return [
+        {"type": "function", "function": tool}
+        if isinstance(tool, dict) and "function" not in tool and "name" in tool
+        else tool
+        for tool in value
+    ]
+
+
+def _sharegpt_calls(value: Any, turn: int, where: str) -> list[dict[str, Any]]:
+    parsed = value
+    if isinstance(value, str):
+        try:
+            parsed = json.loads(value)
+        except ValueError as exc:
+            raise BadRow(f"{where}.value is not valid JSON for a function call ({exc})") from None
+    calls = parsed if isinstance(parsed, list) else [parsed]
+    if not calls:
+        raise BadRow(f"{where}.value is an empty list of function calls")
+    out: list[dict[str, Any]] = []
+    for k, call in enumerate(calls):
+        at = f"{where}.value[{k}]" if isinstance(parsed, list) else f"{where}.value"
+        if not isinstance(call, dict):
+            raise BadRow(f'{at} must be a {{"name", "arguments"}} object, not a {json_type(call)}')
+        name = call.get("name")
+        if not isinstance(name, str) or not name:
+            raise BadRow(f"{at} has no string 'name'")
+        arguments = call.get("arguments", {})
+        if not isinstance(arguments, dict | str):
+            raise BadRow(f"{at}.arguments must be an object or a JSON string")
+        out.append(
+            {
+                "id": sharegpt_tool_call_id(turn, k),
+                "type": "function",
+                "function": {"name": name, "arguments": arguments},
+            }
+        )
+    return out
