@@ -165,7 +165,7 @@ def pinned_folder_changes(run: RunInfo, tokenizer_path: str | None = None) -> li
     """How the tokenizer folder (the run's own unless given) differs from the files the run
     pinned, read before any of its code runs; nothing for a path that is not a folder
     (load_tokenizer says what is wrong with it)."""
-    from app.prompts.tokenization import folder_changes
+    from app.prompts.tokenizer_files import folder_changes
 
     folder = Path(tokenizer_path or run.tokenizer_path).expanduser()
     if not folder.is_dir():

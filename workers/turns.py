@@ -34,7 +34,8 @@ from app.prompts.conversation import (
     tool_turn_position,
 )
 from app.prompts.render import RenderClient, prompt_request, render_client
-from app.prompts.tokenization import ChatTokenizer, folder_changes, load_tokenizer
+from app.prompts.tokenization import ChatTokenizer, load_tokenizer
+from app.prompts.tokenizer_files import folder_changes
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,8 @@
-"""Client-side chat templating: local tokenizer loading, prompt ids, hashes, reasoning split.
+"""Client-side chat templating: local tokenizer loading, prompt ids, reasoning split.
 
-transformers is imported lazily inside functions, so importing this module is cheap.
+The folder's hashes are `app.prompts.tokenizer_files`; what its config files say is
+`app.prompts.tokenizer_config`. transformers is imported lazily inside functions, so importing
+this module is cheap.
 """
 
 from __future__ import annotations
@@ -22,47 +24,26 @@ from app.prompts.chat_path import (
     normalize_messages,
     normalize_tools,
 )
+from app.prompts.tokenizer_config import (
+    context_length_of,
+    custom_code_class,
+    default_template,
+    eos_token_ids_of,
+    single_token_id,
+)
+
+# file_changes is re-exported: the ledger compares a run's pinned files through this module
+from app.prompts.tokenizer_files import file_changes as file_changes
+from app.prompts.tokenizer_files import (
+    legacy_tokenizer_files_hash,
+    manifest_hash,
+    tokenizer_files_manifest,
+)
 
 logger = logging.getLogger(__name__)
 
 THINK_START = "<think>"
 THINK_END = "</think>"
-# Beyond this, model_max_length is transformers' "no limit" placeholder (about 1e30).
-_SANE_MAX_LENGTH = 10**8
-
-# Every file of a tokenizer folder can decide the prompt ids (the tokenizer's own code, a
-# helper module it imports, the vocabulary, the template), so all are hashed except weights,
-# which are large and never read by a tokenizer. Hidden files and folders (a builder's stamp,
-# .git) and compiled Python are not part of the tokenizer either.
-WEIGHT_SUFFIXES = (
-    ".safetensors",
-    ".bin",
-    ".pt",
-    ".pth",
-    ".ckpt",
-    ".gguf",
-    ".h5",
-    ".msgpack",
-    ".onnx",
-    ".npz",
-    ".npy",
-    ".safetensors.index.json",
-    ".bin.index.json",
-)
-_SKIPPED_SUFFIXES = (".pyc", ".pyo")
-_SKIPPED_FOLDERS = frozenset({"__pycache__"})
-# Runs created before the per-file manifest hashed only these files (their hash is kept).
-_LEGACY_NAMES = frozenset(
-    {
-        "tokenizer.json",
-        "tokenizer_config.json",
-        "special_tokens_map.json",
-        "added_tokens.json",
-        "chat_template.jinja",
-        "chat_template.json",
-    }
-)
-_LEGACY_SUFFIXES = (".model", ".tiktoken")
 
 # apply_chat_template arguments tokenmill sets itself; a template kwarg with one of these
 # names would change what is produced (or clash with the call), so it is refused.
@@ -150,18 +131,6 @@ def load_tokenizer(path: str | Path, *, trust_remote_code: bool = False) -> Chat
     return chat
 
 
-def custom_code_class(folder: Path) -> str | None:
-    """The `auto_map` entry naming the folder's own tokenizer class, if it has one."""
-    config = _read_json(folder / "tokenizer_config.json") or {}
-    auto_map = config.get("auto_map")
-    if not isinstance(auto_map, dict):
-        return None
-    entry = auto_map.get("AutoTokenizer")
-    if isinstance(entry, list):
-        entry = next((e for e in entry if isinstance(e, str)), None)
-    return entry if isinstance(entry, str) else None
-
-
 class ChatTokenizer:
     """A Hugging Face tokenizer with its chat template, as the producer and exporter use it.
 
@@ -180,11 +149,11 @@ class ChatTokenizer:
         template = tokenizer.chat_template
         text = template if isinstance(template, str) else json.dumps(template, sort_keys=True)
         self._chat_template_hash = hashlib.sha256(text.encode("utf-8")).hexdigest()
-        self._think_start_id = _single_token_id(tokenizer, THINK_START)
-        self._think_end_id = _single_token_id(tokenizer, THINK_END)
-        self._eos_token_ids = _eos_token_ids(tokenizer, path)
-        self._context_length = _context_length(tokenizer, path)
-        self._content_format = detect_content_format(_default_template(template))
+        self._think_start_id = single_token_id(tokenizer, THINK_START)
+        self._think_end_id = single_token_id(tokenizer, THINK_END)
+        self._eos_token_ids = eos_token_ids_of(tokenizer, path)
+        self._context_length = context_length_of(tokenizer, path)
+        self._content_format = detect_content_format(default_template(template))
 
     @property
     def hf_tokenizer(self) -> Any:
@@ -388,96 +357,6 @@ def split_reasoning(
     return reasoning, ids[end + 1 :]
 
 
-def is_weight_file(name: str) -> bool:
-    return name.endswith(WEIGHT_SUFFIXES)
-
-
-def tokenizer_files_manifest(folder: Path) -> dict[str, str]:
-    """sha256 of every file of folder (subfolders included) except weights, hidden files and
-    compiled Python, by its path relative to folder with "/" separators."""
-    found: dict[str, str] = {}
-    for file in sorted(folder.rglob("*")):
-        relative = file.relative_to(folder)
-        parts = relative.parts
-        if any(p.startswith(".") or p in _SKIPPED_FOLDERS for p in parts):
-            continue
-        if not file.is_file() or is_weight_file(file.name) or file.name.endswith(_SKIPPED_SUFFIXES):
-            continue
-        found[relative.as_posix()] = hashlib.sha256(file.read_bytes()).hexdigest()
-    return found
-
-
-def manifest_hash(files: Mapping[str, str]) -> str:
-    """sha256 over (path, sha256 of content) of each file, sorted by path."""
-    digest = hashlib.sha256()
-    for name in sorted(files):
-        digest.update(name.encode("utf-8") + b"\0")
-        digest.update(bytes.fromhex(files[name]))
-    return digest.hexdigest()
-
-
-def tokenizer_files_hash(folder: Path) -> str:
-    """The hash a run pins for the tokenizer folder: every file but weights (see above)."""
-    return manifest_hash(tokenizer_files_manifest(folder))
-
-
-def legacy_tokenizer_files_hash(folder: Path) -> str:
-    """The hash of runs created before the manifest: the named tokenizer files only."""
-    files = {
-        f.name: hashlib.sha256(f.read_bytes()).hexdigest()
-        for f in folder.iterdir()
-        if f.is_file() and _is_legacy_tokenizer_file(f.name)
-    }
-    return manifest_hash(files)
-
-
-def _is_legacy_tokenizer_file(name: str) -> bool:
-    if name in _LEGACY_NAMES or name.endswith(_LEGACY_SUFFIXES):
-        return True
-    return name.startswith("tokenization_") and name.endswith(".py")
-
-
-def folder_changes(
-    folder: Path, pinned_hash: str, pinned_files: Mapping[str, str] | None
-) -> list[str]:
-    """`file_changes` of a folder not loaded yet (check before its own code runs)."""
-    files = tokenizer_files_manifest(folder)
-    return file_changes(
-        pinned_hash, pinned_files, manifest_hash(files), files, legacy_tokenizer_files_hash(folder)
-    )
-
-
-def file_changes(
-    pinned_hash: str,
-    pinned_files: Mapping[str, str] | None,
-    hash_now: str,
-    files_now: Mapping[str, str],
-    legacy_hash_now: str,
-) -> list[str]:
-    """Lines naming each tokenizer file that is changed, new or removed since a run pinned it.
-
-    A run that pinned no manifest (created before it existed) is compared by its hash alone.
-    """
-    if pinned_files is None:
-        if pinned_hash in (hash_now, legacy_hash_now):
-            return []
-        return [f"tokenizer files: hash {pinned_hash[:12]} pinned, {legacy_hash_now[:12]} now"]
-    lines: list[str] = []
-    for name in sorted(set(pinned_files) | set(files_now)):
-        old, new = pinned_files.get(name), files_now.get(name)
-        if old == new:
-            continue
-        if old is None:
-            lines.append(f"tokenizer file {name!r} is new")
-        elif new is None:
-            lines.append(f"tokenizer file {name!r} was removed")
-        else:
-            lines.append(f"tokenizer file {name!r} changed (sha256 {old[:12]} → {new[:12]})")
-    if not lines and pinned_hash != hash_now:
-        lines.append(f"tokenizer files: hash {pinned_hash[:12]} pinned, {hash_now[:12]} now")
-    return lines
-
-
 def check_template_kwargs(chat_template_kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
     """The kwargs as a dict; TokenizerError for a non-object or a name tokenmill sets itself."""
     return _template_kwargs(chat_template_kwargs)
@@ -500,64 +379,3 @@ def _template_kwargs(chat_template_kwargs: Mapping[str, Any] | None) -> dict[str
                 f"chat template kwarg {key!r} is not allowed: tokenmill sets it itself"
             )
     return kwargs
-
-
-def _default_template(template: Any) -> str | None:
-    """The template text SGLang reads for the content format: the "default" one of several."""
-    if isinstance(template, str):
-        return template
-    if isinstance(template, dict):
-        chosen = template.get("default")
-        return chosen if isinstance(chosen, str) else None
-    if isinstance(template, list):  # [{"name", "template"}, ...] as tokenizer_config holds it
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        chosen = named.get("default")
-        return chosen if isinstance(chosen, str) else None
-    return None
-
-
-def _single_token_id(tokenizer: Any, text: str) -> int | None:
-    added = tokenizer.get_added_vocab()
-    token_id = added.get(text)
-    if token_id is None:
-        return None
-    # An added token is matched before the model splits text, so it stays one id in context.
-    if tokenizer.encode(text, add_special_tokens=False) != [token_id]:
-        return None
-    return int(token_id)
-
-
-def _read_json(file: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
-def _eos_token_ids(tokenizer: Any, folder: Path) -> list[int]:
-    found: list[int] = []
-    if isinstance(tokenizer.eos_token_id, int):
-        found.append(tokenizer.eos_token_id)
-    generation = _read_json(folder / "generation_config.json") or {}
-    extra = generation.get("eos_token_id")
-    for value in extra if isinstance(extra, list) else [extra]:
-        if isinstance(value, int) and not isinstance(value, bool) and value not in found:
-            found.append(value)
-    return found
-
-
-def _context_length(tokenizer: Any, folder: Path) -> int | None:
-    config = _read_json(folder / "config.json") or {}
-    # Multimodal models (Kimi-K2.5 among them) keep the language model's limits in text_config.
-    for section in (config, config.get("text_config"), config.get("language_config")):
-        if not isinstance(section, dict):
-            continue
-        for key in ("max_position_embeddings", "max_seq_len", "seq_length"):
-            value = section.get(key)
-            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                return value
-    limit = getattr(tokenizer, "model_max_length", None)
-    if isinstance(limit, int) and 0 < limit < _SANE_MAX_LENGTH:
-        return limit
-    return None

@@ -24,7 +24,8 @@ from app.fixtures.kimi import (
     fixture_version,
 )
 from app.prompts.inputs import read_prompts
-from app.prompts.tokenization import ChatTokenizer, folder_changes, load_tokenizer, split_reasoning
+from app.prompts.tokenization import ChatTokenizer, load_tokenizer, split_reasoning
+from app.prompts.tokenizer_files import folder_changes
 
 KIMI_IDS = {
     "[BOS]": 163584,
