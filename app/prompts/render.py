@@ -20,7 +20,8 @@ import httpx
 from app.core.contracts import Message
 from app.core.errors import GenerationError, PermanentError, RetryableError, ServerUnavailable
 from app.core.settings import Settings
-from app.sglang import KEEPALIVE_EXPIRY_S, map_http_error, shared_ssl_context
+from app.sglang.client import KEEPALIVE_EXPIRY_S, shared_ssl_context
+from app.sglang.errors import map_http_error
 
 logger = logging.getLogger(__name__)
 

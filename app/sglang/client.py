@@ -1,14 +1,10 @@
-"""The HTTP client of one SGLang server: native `POST /generate` with pre-tokenized input_ids.
-
-Owns the request bodies, response parsing and the one mapping of HTTP/transport failures to
-`app.core.errors` (`map_http_error`); everything the server says is checked before it is trusted.
-"""
+"""SGLangClient, over one httpx client: the request bodies of /generate and /abort_request, health
+probes, /model_info and /server_info, the fingerprint a run pins, and one shared TLS context."""
 
 from __future__ import annotations
 
 import json
 import logging
-import re
 import ssl
 import threading
 import time
@@ -20,36 +16,15 @@ from typing import Any, Final
 import httpx
 
 from app.core.contracts import GenerateResult, ServerFingerprint
-from app.core.errors import GenerationError, PermanentError, RetryableError, ServerUnavailable
+from app.core.errors import GenerationError, PermanentError, RetryableError
+from app.sglang.errors import map_http_error, server_message
+from app.sglang.responses import parse_generate_response
 
 logger = logging.getLogger(__name__)
-
-__all__ = [
-    "ERROR_MESSAGE_MAX_CHARS",
-    "ProbeResult",
-    "SGLangClient",
-    "map_abort",
-    "map_http_error",
-    "parse_generate_response",
-    "server_message",
-]
-
-# Error text kept from a server body: enough for the ledger's last_error, never a page.
-ERROR_MESSAGE_MAX_CHARS: Final = 500
 
 # Below uvicorn's default keep-alive (5 s), so the client drops an idle connection before the
 # server closes it under a request (that race surfaces as a RemoteProtocolError).
 KEEPALIVE_EXPIRY_S: Final = 4.0
-
-# A 503 whose message says this is a server that is up but full: back off and retry.
-_QUEUE_FULL = re.compile(r"queue is full|queue full|too many requests|overload", re.IGNORECASE)
-# Without a status (a plain abort), these words mean the server is going away or not up yet.
-_GOING_AWAY = re.compile(
-    r"shut ?down|shutting down|loading|not ready|starting up|draining|unavailable", re.IGNORECASE
-)
-# Eight or more comma-separated integers: a token array echoed into an error, never logged.
-_INT_RUN = re.compile(r"-?\d+(?:\s*,\s*-?\d+){7,}")
-_SPACES = re.compile(r"\s+")
 
 # Server args recorded beside the fingerprint (not compared): the flags that change outputs.
 _SERVER_ARGS_KEPT: Final = (
@@ -87,235 +62,6 @@ class ProbeResult:
     status_code: int | None
     latency_s: float
     error: str | None = None
-
-
-# --- the one place where failures are classified ---------------------------------------
-
-
-def server_message(body: bytes | str | None) -> str:
-    """The server's error text from any body SGLang sends, trimmed and without token arrays.
-
-    Understands `{"error": "<text>"}`, `{"error": {"message": ...}}`, `{"message": ...}`,
-    FastAPI's `{"detail": ...}` and plain text.
-    """
-    if body is None:
-        return ""
-    text = body.decode("utf-8", "replace") if isinstance(body, bytes) else body
-    text = text.strip()
-    if text[:1] in ("{", "["):
-        try:
-            data = json.loads(text)
-        except ValueError:
-            pass
-        else:
-            text = _message_from_json(data) or text
-    return _trim(text)
-
-
-def _message_from_json(data: Any) -> str | None:
-    if not isinstance(data, dict):
-        return None
-    error = data.get("error")
-    if isinstance(error, str):
-        return error
-    if isinstance(error, dict) and isinstance(error.get("message"), str):
-        return str(error["message"])
-    for key in ("message", "detail"):
-        if isinstance(data.get(key), str):
-            return str(data[key])
-    return None
-
-
-def _trim(text: str) -> str:
-    text = _INT_RUN.sub(lambda m: f"<{m.group(0).count(',') + 1} ints>", text)
-    text = _SPACES.sub(" ", text).strip()
-    if len(text) > ERROR_MESSAGE_MAX_CHARS:
-        text = text[: ERROR_MESSAGE_MAX_CHARS - 1] + "…"
-    return text
-
-
-def map_http_error(
-    status_code: int | None, body: bytes | str | None, exc: Exception | None = None
-) -> GenerationError:
-    """Decide what a failed exchange with the server means; every case is decided here.
-
-    With `exc` (an httpx exception, no response):
-      ConnectError, ConnectTimeout -> ServerUnavailable (refused or unreachable: down/loading);
-      ReadTimeout, WriteTimeout, PoolTimeout, RemoteProtocolError, ReadError, WriteError and
-      any other httpx or unexpected exception -> RetryableError.
-    With a status:
-      400 and other 4xx -> PermanentError with the server's message, except 408, 429 ->
-      RetryableError, and 401, 403 -> ServerUnavailable (a wrong or missing API key is the
-      deployment's fault, not the item's: the server's items wait instead of failing);
-      503 -> ServerUnavailable (loading, shutting down, empty body), except a
-      "request queue is full" message -> RetryableError: the server is up but full, so the
-      item backs off instead of pausing the whole server; other 5xx -> RetryableError;
-      any other status (1xx-3xx where a 200 was expected) -> RetryableError.
-    Without either (a plain abort): RetryableError, or ServerUnavailable when the message
-    says the server is shutting down or loading.
-    """
-    if exc is not None:
-        return _map_exception(exc)
-    message = server_message(body)
-    where = "no status" if status_code is None else f"HTTP {status_code}"
-    text = f"{where}: {message}" if message else where
-    if status_code is None:
-        if _GOING_AWAY.search(message):
-            return ServerUnavailable(text)
-        return RetryableError(text)
-    if status_code == 503:
-        if _QUEUE_FULL.search(message):
-            return RetryableError(text, status_code=status_code)
-        return ServerUnavailable(text, status_code=status_code)
-    if status_code in (408, 429):
-        return RetryableError(text, status_code=status_code)
-    if status_code in (401, 403):
-        return ServerUnavailable(
-            f"{text} (the server wants an API key: check TOKENMILL_SGLANG_API_KEY)",
-            status_code=status_code,
-        )
-    if 400 <= status_code < 500:
-        return PermanentError(text, status_code=status_code)
-    if status_code >= 500:
-        return RetryableError(text, status_code=status_code)
-    return RetryableError(f"unexpected {text}", status_code=status_code)
-
-
-def _map_exception(exc: Exception) -> GenerationError:
-    name = type(exc).__name__
-    detail = _trim(str(exc))
-    text = f"{name}: {detail}" if detail else name
-    if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
-        return ServerUnavailable(f"cannot connect: {text}")
-    if isinstance(exc, httpx.TimeoutException):
-        return RetryableError(f"timed out: {text}")
-    if isinstance(exc, httpx.RemoteProtocolError | httpx.ReadError | httpx.WriteError):
-        return RetryableError(f"connection lost: {text}")
-    return RetryableError(text)
-
-
-def map_abort(finish_reason: Mapping[str, Any]) -> GenerationError:
-    """The error for an HTTP 200 whose `finish_reason.type` is `abort`: never a success.
-
-    The abort's own `status_code` (SGLang sets 400/500/503 on scheduler aborts) is classified
-    like an HTTP status by `map_http_error`; a plain abort (no status, e.g. `/abort_request`)
-    is RetryableError unless its message says the server is shutting down or loading.
-    """
-    status = finish_reason.get("status_code")
-    raw_message = finish_reason.get("message")
-    message = raw_message if isinstance(raw_message, str) else ""
-    body = f"request aborted: {message}" if message else "request aborted"
-    status_code = status if isinstance(status, int) and status >= 400 else None
-    return map_http_error(status_code, body)
-
-
-# --- response parsing --------------------------------------------------------------------
-
-
-def _malformed(why: str) -> RetryableError:
-    return RetryableError(f"malformed /generate response: {why}", status_code=200)
-
-
-def _is_int_list(value: Any) -> bool:
-    # set(map(type, ...)) runs in C: ~20 ns an id, so checking 8K ids costs ~0.15 ms; bool is
-    # its own type, so true/false never pass as ids.
-    return type(value) is list and set(map(type, value)) <= {int}
-
-
-def _int_list(value: Any, name: str) -> list[int]:
-    if not _is_int_list(value):
-        raise _malformed(f"{name} is not a list of ints")
-    ids: list[int] = value
-    return ids
-
-
-def _int_field(meta: Mapping[str, Any], key: str, default: int) -> int:
-    value = meta.get(key)
-    if value is None:
-        return default
-    if type(value) is not int or value < 0:
-        raise _malformed(f"meta_info.{key} is not a count")
-    return value
-
-
-def _matched(value: Any) -> int | str | None:
-    # SGLang reports the matched stop as a token id, a stop string, or a list of token ids
-    # (a multi-token stop); one id is kept as an int, a longer list as its JSON text.
-    if value is None or isinstance(value, str) or type(value) is int:
-        return value
-    if _is_int_list(value):
-        return value[0] if len(value) == 1 else json.dumps(value)
-    raise _malformed("finish_reason.matched has an unknown shape")
-
-
-def parse_generate_response(
-    content: bytes,
-    rid: str,
-    *,
-    prompt_tokens_sent: int,
-    elapsed_s: float,
-) -> GenerateResult:
-    """Decode and check the body of an HTTP 200 from `POST /generate` (non-streaming).
-
-    Raises the error of `map_abort` for an aborted request and RetryableError for a body that
-    is not a complete single response for `rid` (bad JSON, wrong shapes, another rid).
-    `elapsed_s` stands in for the server's `e2e_latency` when the server does not send one.
-    """
-    try:
-        data = json.loads(content)
-    except ValueError as exc:
-        raise _malformed(f"not JSON ({_trim(content[:200].decode('utf-8', 'replace'))})") from exc
-    if not isinstance(data, dict):
-        raise _malformed(f"expected an object, got {type(data).__name__}")
-    meta = data.get("meta_info")
-    if not isinstance(meta, dict):
-        raise _malformed("no meta_info object")
-    echoed_rid = meta.get("id")
-    if echoed_rid is not None and echoed_rid != rid:
-        raise _malformed(f"meta_info.id {str(echoed_rid)[:80]!r} is not the rid sent {rid!r}")
-    finish = meta.get("finish_reason")
-    if not isinstance(finish, dict):
-        raise _malformed("no meta_info.finish_reason object")
-    finish_type = finish.get("type")
-    if finish_type == "abort":
-        raise map_abort(finish)
-    if finish_type not in ("stop", "length"):
-        raise _malformed(f"unknown finish_reason.type {str(finish_type)[:40]!r}")
-
-    output_ids = _int_list(data.get("output_ids"), "output_ids")
-    echoed_prompt = data.get("prompt_token_ids")
-    prompt_token_ids = (
-        None if echoed_prompt is None else _int_list(echoed_prompt, "prompt_token_ids")
-    )
-    completion_tokens = _int_field(meta, "completion_tokens", len(output_ids))
-    if completion_tokens != len(output_ids):
-        # output_ids is what gets stored; the count is only reported, so say it and go on.
-        logger.warning(
-            "rid %s: completion_tokens %d but %d output_ids",
-            rid,
-            completion_tokens,
-            len(output_ids),
-        )
-    e2e_latency = meta.get("e2e_latency")
-    weight_version = meta.get("weight_version")
-    text = data.get("text")
-    return GenerateResult(
-        rid=rid,
-        output_ids=output_ids,
-        finish_reason="stop" if finish_type == "stop" else "length",
-        matched_stop=_matched(finish.get("matched")) if finish_type == "stop" else None,
-        prompt_tokens=_int_field(meta, "prompt_tokens", prompt_tokens_sent),
-        completion_tokens=completion_tokens,
-        cached_tokens=_int_field(meta, "cached_tokens", 0),
-        e2e_latency_s=(
-            float(e2e_latency)
-            if isinstance(e2e_latency, int | float) and not isinstance(e2e_latency, bool)
-            else elapsed_s
-        ),
-        weight_version=weight_version if isinstance(weight_version, str) else None,
-        prompt_token_ids=prompt_token_ids,
-        text=text if isinstance(text, str) else "",
-    )
 
 
 # --- the client --------------------------------------------------------------------------
