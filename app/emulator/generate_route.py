@@ -1,0 +1,251 @@
+"""The emulator's `/generate` (a mixin of EmulatorServer): parsing, injected faults, queue
+limits, whole answers and SSE streams; and the phases and JSON replies every route shares."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import json
+import logging
+import random
+import time
+from typing import Any
+
+from aiohttp import web
+
+from app.emulator.config import EmulatorConfig
+from app.emulator.model import generate_output
+from app.emulator.protocol import (
+    QUEUE_FULL,
+    GenerateCall,
+    InvalidRequest,
+    dumps,
+    error_object,
+    generate_response,
+    parse_generate,
+    waiting_abort_response,
+)
+from app.emulator.scheduler import Counters, Job, Scheduler, new_job
+from app.emulator.schema import SchemaViolation
+
+logger = logging.getLogger(__name__)
+
+
+class Phase(enum.Enum):
+    LOADING = "loading"
+    READY = "ready"
+    DRAINING = "draining"
+
+
+def json_reply(value: Any, status: int = 200) -> web.Response:
+    return web.Response(body=dumps(value), status=status, content_type="application/json")
+
+
+def empty_reply(status: int) -> web.Response:
+    return web.Response(status=status)
+
+
+class GenerateRoute:
+    """SGLang's `/generate` route, on the state EmulatorServer sets up (declared here for it)."""
+
+    cfg: EmulatorConfig
+    counters: Counters
+    scheduler: Scheduler
+    phase: Phase
+    _faults: random.Random
+    _resumed: asyncio.Event
+    _inflight: int
+
+    # here because /generate is where a hung scheduler shows first; the server's routes use it too
+    @property
+    def hung(self) -> bool:
+        return self.scheduler.hung
+
+    # --- /generate ----------------------------------------------------------------------
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        arrival_s = time.perf_counter()
+        if self.phase is not Phase.READY:
+            return empty_reply(503)
+        self._inflight += 1
+        try:
+            return await self._generate(request, arrival_s)
+        finally:
+            self._inflight -= 1
+
+    async def _generate(self, request: web.Request, arrival_s: float) -> web.StreamResponse:
+        try:
+            call = parse_generate(json.loads(await request.read()), self.cfg)
+        except SchemaViolation as exc:
+            self.counters.rejected_invalid += 1
+            return json_reply({"error": str(exc)}, 400)
+        except InvalidRequest as exc:
+            self.counters.rejected_invalid += 1
+            return json_reply({"error": {"message": str(exc)}}, 400)
+        except ValueError as exc:  # not JSON at all
+            self.counters.rejected_invalid += 1
+            body = error_object(f"JSON decode error: {exc}", 400) | {"type": "Bad Request"}
+            return json_reply(body, 400)
+
+        fault = self._draw_fault()
+        if fault == "error":
+            self.counters.injected_errors += 1
+            logger.debug("fault injected: 500 for %s", call.items[0].rid)
+            return web.Response(status=500, text="Internal Server Error")
+        if fault == "drop":
+            self.counters.injected_drops += 1
+            logger.debug("fault injected: connection dropped for %s", call.items[0].rid)
+            if request.transport is not None:
+                request.transport.close()
+            raise asyncio.CancelledError
+
+        await self._resumed.wait()
+        if self.phase is not Phase.READY:
+            return empty_reply(503)
+        if self.hung:
+            await asyncio.get_running_loop().create_future()  # never answers
+        if self.cfg.immediate:
+            return self._answer_now(call, arrival_s)
+        jobs = [new_job(item, self.cfg, arrival_s) for item in call.items]
+        max_queued = self.cfg.max_queued
+        if max_queued is not None and self.scheduler.waiting + len(jobs) > max_queued:
+            self.counters.rejected_queue_full += 1
+            return await self._queue_full(request, call, jobs)
+        if call.stream:
+            return await self._stream(request, call, jobs)
+        self.scheduler.submit(jobs)
+        try:
+            await asyncio.gather(*(job.done for job in jobs))
+        except asyncio.CancelledError:
+            self._abort_unfinished(jobs)  # the client went away, as SGLang does
+            raise
+        answers = [self._final(job) for job in jobs]
+        return json_reply(answers[0] if call.is_single else answers)
+
+    def _draw_fault(self) -> str | None:
+        if not (self.cfg.error_rate or self.cfg.drop_rate):
+            return None
+        draw = self._faults.random()
+        if draw < self.cfg.error_rate:
+            return "error"
+        if draw < self.cfg.error_rate + self.cfg.drop_rate:
+            return "drop"
+        return None
+
+    def _answer_now(self, call: GenerateCall, arrival_s: float) -> web.Response:
+        """step_ms 0: the whole output at once, without the scheduler (overhead benchmarks)."""
+        answers = []
+        cache = self.scheduler.cache
+        for item in call.items:
+            output_ids, finish = generate_output(
+                item.input_ids, item.sampling, self.cfg, sample_index=item.sample_index
+            )
+            cached = cache.match(item.input_ids)
+            cache.insert(item.input_ids)
+            self.counters.requests += 1
+            self.counters.completed += 1
+            self.counters.generated_tokens += len(output_ids)
+            self.counters.cached_tokens += cached
+            latency_s = time.perf_counter() - arrival_s
+            answers.append(
+                generate_response(
+                    item,
+                    output_ids,
+                    finish,
+                    self.cfg,
+                    cached_tokens=cached,
+                    e2e_latency_s=latency_s,
+                )
+            )
+        if call.stream:
+            return self._stream_now(call, answers)
+        return json_reply(answers[0] if call.is_single else answers)
+
+    def _stream_now(self, call: GenerateCall, answers: list[dict[str, Any]]) -> web.Response:
+        chunks = []
+        for index, answer in enumerate(answers):
+            if not call.is_single:
+                answer["index"] = index
+            chunks.append(b"data: " + dumps(answer) + b"\n\n")
+        chunks.append(b"data: [DONE]\n\n")
+        return web.Response(body=b"".join(chunks), content_type="text/event-stream")
+
+    def _final(self, job: Job) -> dict[str, Any]:
+        if not job.started:  # aborted while it waited
+            return waiting_abort_response(job.item, self.cfg, job.e2e_latency_s)
+        return generate_response(
+            job.item,
+            job.output_ids,
+            job.finish_reason,
+            self.cfg,
+            cached_tokens=job.cached_tokens,
+            e2e_latency_s=job.e2e_latency_s,
+        )
+
+    def _abort_unfinished(self, jobs: list[Job]) -> None:
+        for job in jobs:
+            if not job.finished:
+                self.scheduler.abort(job.item.rid)
+
+    async def _queue_full(
+        self, request: web.Request, call: GenerateCall, jobs: list[Job]
+    ) -> web.StreamResponse:
+        if not call.stream:
+            return json_reply(error_object(QUEUE_FULL, 503), 503)
+        # a stream has already "started": SGLang sends the abort as an event inside a 200
+        finish = {"type": "abort", "status_code": 503, "message": QUEUE_FULL}
+        response = await self._open_stream(request)
+        for index, job in enumerate(jobs):
+            event = waiting_abort_response(job.item, self.cfg, job.e2e_latency_s, finish)
+            if not call.is_single:
+                event["index"] = index
+            await response.write(b"data: " + dumps(event) + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    async def _open_stream(self, request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await response.prepare(request)
+        return response
+
+    async def _stream(
+        self, request: web.Request, call: GenerateCall, jobs: list[Job]
+    ) -> web.StreamResponse:
+        """SSE events with cumulative output_ids, one per step per request, then [DONE]."""
+        response = await self._open_stream(request)
+        watcher = asyncio.Event()
+        for job in jobs:
+            job.watcher = watcher
+        self.scheduler.submit(jobs)
+        sent = [0] * len(jobs)
+        pending = list(range(len(jobs)))
+        try:
+            while pending:
+                await watcher.wait()
+                watcher.clear()
+                for index in tuple(pending):
+                    job = jobs[index]
+                    if job.finished:
+                        event = self._final(job)
+                        pending.remove(index)
+                    elif job.produced > sent[index]:
+                        event = generate_response(
+                            job.item,
+                            job.output_ids,
+                            None,
+                            self.cfg,
+                            cached_tokens=job.cached_tokens,
+                        )
+                    else:
+                        continue
+                    sent[index] = job.produced
+                    if not call.is_single:
+                        event["index"] = index
+                    await response.write(b"data: " + dumps(event) + b"\n\n")
+            await response.write(b"data: [DONE]\n\n")
+        except (asyncio.CancelledError, ConnectionResetError):
+            self._abort_unfinished(jobs)
+            raise
+        return response
