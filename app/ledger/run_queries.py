@@ -13,7 +13,7 @@ from app.core.contracts import SamplingParams
 from app.core.errors import NotFound, RunArchived, RunMismatch
 from app.ledger.common import as_utc, runs, utcnow
 from app.prompts.chat_path import NORMALIZATION_VERSION
-from app.prompts.tokenization import file_changes
+from app.prompts.tokenizer_files import file_changes
 
 
 @dataclass(frozen=True)

@@ -31,10 +31,8 @@ from app.prompts.tokenizer_config import (
     eos_token_ids_of,
     single_token_id,
 )
-
-# file_changes is re-exported: the ledger compares a run's pinned files through this module
-from app.prompts.tokenizer_files import file_changes as file_changes
 from app.prompts.tokenizer_files import (
+    file_changes,
     legacy_tokenizer_files_hash,
     manifest_hash,
     tokenizer_files_manifest,
