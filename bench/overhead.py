@@ -64,7 +64,7 @@ FOCUS = (
     "SGLangClient.generate",
     "SGLangClient._send",
     "parse_generate_response",
-    "InflightWindow._writer_loop",
+    "ResultWriter.loop",
     "record_outcomes",
     "InflightWindow._timer_loop",
     "handle_message",
