@@ -23,8 +23,9 @@ from ops.options import (
     setup_logging,
 )
 from ops.parity_cmd import parity_cmd
-from ops.pipeline_cmds import enqueue_cmd, export_cmd, reconcile_cmd, run_cmd, status_cmd
+from ops.pipeline_cmds import enqueue_cmd, export_cmd, reconcile_cmd, run_cmd
 from ops.report import report_cmd
+from ops.status_cmd import status_cmd
 from ops.storage_cmds import archive_cmd, compact_cmd
 from ops.verify_cmd import verify_cmd
 
