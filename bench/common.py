@@ -1,5 +1,6 @@
 """Shared helpers of the benchmarks: a private Postgres database, Redis db 12, emulators,
-`celery -A app worker` processes, synthetic prompts, bare /generate clients and CPU meters.
+`celery -A app worker` processes, synthetic prompts and the ledger; CPU meters and profiles are
+in meters.py, bare /generate clients in bare_client.py.
 
 Every benchmark is run as `python bench/NAME.py` from the repository root; this module is
 imported as `common` (the script's folder is first on sys.path).
@@ -9,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import itertools
 import json
 import os
 import random
@@ -21,7 +21,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -383,187 +383,6 @@ def run_span(db: Engine, run_name: str) -> tuple[datetime, datetime]:
     return first, last
 
 
-# --- CPU meters --------------------------------------------------------------------------
-
-
-def proc_cpu_s(pid: int) -> float:
-    """user + system CPU seconds of a process (all its threads); 0 if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
-
-
-def postgres_backend_pids(db: Engine) -> list[int]:
-    """Backends connected to this engine's database (other databases are not counted)."""
-    with db.connect() as conn:
-        rows = conn.execute(
-            text("SELECT pid FROM pg_stat_activity WHERE datname = current_database()")
-        ).all()
-    return [int(r[0]) for r in rows]
-
-
-@dataclass
-class CpuMeter:
-    """CPU seconds used between start() and stop() by named processes, Postgres backends of
-    one database (sampled through the run so short-lived ones count too) and Redis."""
-
-    pids: dict[str, int]
-    db: Engine | None = None
-    redis_url: str | None = None
-    _start: dict[str, float] = field(default_factory=dict)
-    _pg: dict[int, tuple[float, float]] = field(default_factory=dict)
-    _stop_sampling: threading.Event = field(default_factory=threading.Event)
-    _sampler: threading.Thread | None = None
-    result: dict[str, float] = field(default_factory=dict)
-
-    def _sample_pg(self, *, baseline: bool = False) -> None:
-        """Backends seen at start count from their CPU then; later ones from zero (they
-        were born during the run)."""
-        assert self.db is not None
-        for pid in postgres_backend_pids(self.db):
-            cpu = proc_cpu_s(pid)
-            first = self._pg.get(pid, (cpu if baseline else 0.0, cpu))[0]
-            self._pg[pid] = (first, cpu)
-
-    def start(self) -> CpuMeter:
-        self._start = {name: proc_cpu_s(pid) for name, pid in self.pids.items()}
-        self._start["bench"] = time.process_time()
-        if self.redis_url:
-            self._start["redis"] = redis_cpu_s(self.redis_url)
-        if self.db is not None:
-            self._sample_pg(baseline=True)
-
-            def loop() -> None:
-                while not self._stop_sampling.wait(1.0):
-                    with contextlib.suppress(Exception):
-                        self._sample_pg()
-
-            self._sampler = threading.Thread(target=loop, daemon=True)
-            self._sampler.start()
-        return self
-
-    def stop(self) -> dict[str, float]:
-        self.result = {name: proc_cpu_s(pid) - self._start[name] for name, pid in self.pids.items()}
-        self.result["bench"] = time.process_time() - self._start["bench"]
-        if self.redis_url:
-            self.result["redis"] = redis_cpu_s(self.redis_url) - self._start["redis"]
-        if self.db is not None:
-            self._stop_sampling.set()
-            if self._sampler is not None:
-                self._sampler.join()
-            with contextlib.suppress(Exception):
-                self._sample_pg()
-            self.result["postgres"] = sum(last - first for first, last in self._pg.values())
-        return self.result
-
-
-# --- bare /generate clients --------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Request:
-    input_ids: list[int]
-    sampling: dict[str, Any]
-    rid: str
-
-
-@dataclass
-class ClientRun:
-    """What a bare client run saw: per-request send and completion times, tokens."""
-
-    sent: list[float]
-    done: list[float]
-    tokens: list[int]
-    errors: list[str]
-    wall_s: float
-
-    @property
-    def span_s(self) -> float:
-        """First request sent to last answer received."""
-        return max(self.done) - min(self.sent)
-
-    @property
-    def generated(self) -> int:
-        return sum(self.tokens)
-
-
-def bare_client_run(
-    url: str, requests: Sequence[Request], *, window: int, barrier: bool = False
-) -> ClientRun:
-    """Send every request to url from `window` threads, each with its own single-connection
-    httpx client. barrier=False keeps exactly `window` requests in flight (a thread takes
-    the next request the moment its answer arrives); barrier=True sends `window` requests,
-    waits for all of them, then sends the next `window` ("batch and wait")."""
-    n = len(requests)
-    sent = [0.0] * n
-    done = [0.0] * n
-    tokens = [0] * n
-    errors: list[str] = []
-    counter = itertools.count()
-    rounds = (n + window - 1) // window
-    gate = threading.Barrier(window) if barrier else None
-    ready = threading.Barrier(window + 1)
-
-    def send(client: httpx.Client, i: int) -> None:
-        req = requests[i]
-        body = json.dumps(
-            {
-                "input_ids": req.input_ids,
-                "sampling_params": req.sampling,
-                "rid": req.rid,
-                "stream": False,
-            },
-            separators=(",", ":"),
-        ).encode()
-        sent[i] = time.time()
-        response = client.post(
-            "/generate", content=body, headers={"content-type": "application/json"}
-        )
-        done[i] = time.time()
-        if response.status_code != 200:
-            errors.append(f"{response.status_code}: {response.text[:200]}")
-            return
-        tokens[i] = int(json.loads(response.content)["meta_info"]["completion_tokens"])
-
-    def work(slot: int) -> None:
-        client = httpx.Client(
-            base_url=url,
-            timeout=httpx.Timeout(3600.0, connect=10.0),
-            limits=httpx.Limits(max_connections=1, max_keepalive_connections=1),
-            trust_env=False,
-        )
-        try:
-            ready.wait()
-            if gate is None:
-                while (i := next(counter)) < n:
-                    send(client, i)
-            else:
-                for r in range(rounds):
-                    i = r * window + slot
-                    if i < n:
-                        send(client, i)
-                    gate.wait()
-        except Exception as exc:
-            errors.append(repr(exc))
-            if gate is not None:
-                gate.abort()
-        finally:
-            client.close()
-
-    threads = [threading.Thread(target=work, args=(s,), daemon=True) for s in range(window)]
-    for t in threads:
-        t.start()
-    ready.wait()
-    wall0 = time.perf_counter()
-    for t in threads:
-        t.join()
-    wall_s = time.perf_counter() - wall0
-    return ClientRun(sent, done, tokens, errors, wall_s)
-
-
 # --- output ------------------------------------------------------------------------------
 
 
@@ -599,71 +418,6 @@ def machine_note() -> str:
         f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at start, "
         f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}"
     )
-
-
-# --- profiling with py-spy ---------------------------------------------------------------
-
-
-def start_profile(pid: int, out: Path, *, duration_s: int, gil: bool = False) -> Any:
-    """`py-spy record` of pid into out (collapsed stacks, idle threads left out) in the
-    background; gil=True samples only the thread holding the GIL. None if py-spy is absent."""
-    import shutil
-
-    exe = shutil.which("py-spy")
-    if exe is None:
-        print("py-spy is not installed (pip install py-spy); no profile")
-        return None
-    cmd = [exe, "record", "--pid", str(pid), "--duration", str(duration_s), "--rate", "200"]
-    cmd += ["--format", "raw", "--output", str(out), "--nonblocking"]
-    if gil:
-        cmd.append("--gil")
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-
-def _frame_name(frame: str) -> str:
-    """`func (path/to/file.py:12)` → `func (file.py)`."""
-    name, _, where = frame.partition(" (")
-    path = where.rstrip(")").rsplit(":", 1)[0]
-    return f"{name} ({Path(path).name})" if path else name
-
-
-def profile_summary(raw: Path, top: int = 25, focus: Sequence[str] = ()) -> str:
-    """Top functions by self and by inclusive samples from py-spy's collapsed stacks; with
-    `focus`, first the inclusive share of the functions whose names contain those."""
-    from collections import Counter
-
-    self_c: Counter[str] = Counter()
-    incl: Counter[str] = Counter()
-    total = 0
-    if not raw.exists():
-        return f"(no profile at {raw})"
-    for line in raw.read_text(errors="replace").splitlines():
-        stack, _, count = line.rpartition(" ")
-        if not stack or not count.isdigit():
-            continue
-        n = int(count)
-        frames = [_frame_name(f) for f in stack.split(";")[1:]]  # [0] is the thread
-        if not frames:
-            continue
-        total += n
-        self_c[frames[-1]] += n
-        for f in set(frames):
-            incl[f] += n
-    if not total:
-        return "(empty profile)"
-    lines = [f"{total} samples"]
-    if focus:
-        lines.append("  incl%   focus")
-        for prefix in focus:
-            n = max((c for name, c in incl.items() if prefix in name), default=0)
-            lines.append(f"  {100 * n / total:5.1f}   {prefix}")
-    lines.append("  self%   function")
-    for name, n in self_c.most_common(top):
-        lines.append(f"  {100 * n / total:5.1f}   {name}")
-    lines.append("  incl%   function")
-    for name, n in incl.most_common(top + 15):
-        lines.append(f"  {100 * n / total:5.1f}   {name}")
-    return "\n".join(lines)
 
 
 def enqueue_cli(args: argparse.Namespace, env: dict[str, str], prompts: Path, run: str) -> None:

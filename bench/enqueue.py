@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Any
 
 from common import (
-    CpuMeter,
     bench_database,
     engine_for,
     fixture_tokenizer_dir,
@@ -39,6 +38,7 @@ from common import (
     table,
     write_chat_prompts,
 )
+from meters import CpuMeter
 
 
 def parse_args() -> argparse.Namespace:

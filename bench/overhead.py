@@ -32,11 +32,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bare_client import Request, bare_client_run
 from common import (
     REDIS_URL,
-    CpuMeter,
-    Request,
-    bare_client_run,
     bench_database,
     emulator,
     emulator_stats,
@@ -44,17 +42,16 @@ from common import (
     fixture_tokenizer_dir,
     flush_redis,
     machine_note,
-    profile_summary,
     run_items,
     run_span,
     service_env,
-    start_profile,
     start_worker,
     stop_process,
     table,
     wait_first_claim,
     wait_run_finished,
 )
+from meters import CpuMeter, profile_summary, start_profile
 from sqlalchemy import text
 
 DEFAULT_CONFIGS = "64:8,64:32,16:32"

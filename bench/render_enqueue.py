@@ -31,10 +31,10 @@ from common import (
     engine_for,
     fixture_tokenizer_dir,
     machine_note,
-    proc_cpu_s,
     table,
     write_chat_prompts,
 )
+from meters import proc_cpu_s
 
 
 def parse_args() -> argparse.Namespace:

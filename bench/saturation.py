@@ -30,12 +30,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bare_client import Request, bare_client_run
 from common import (
     REDIS_URL,
-    CpuMeter,
-    Request,
     StatsSampler,
-    bare_client_run,
     bench_database,
     emulator,
     emulator_stats,
@@ -44,11 +42,9 @@ from common import (
     fixture_tokenizer_dir,
     flush_redis,
     machine_note,
-    profile_summary,
     run_items,
     run_span,
     service_env,
-    start_profile,
     start_worker,
     stop_process,
     table,
@@ -56,6 +52,7 @@ from common import (
     wait_run_finished,
     write_chat_prompts,
 )
+from meters import CpuMeter, profile_summary, start_profile
 
 RUN = "saturation"
 MODES = ("tokenmill", "batch", "ideal", "tokenmill-shared-ssl")
