@@ -16,7 +16,6 @@ slow-statement log instead.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import resource
@@ -38,14 +37,13 @@ os.environ["TOKENMILL_BROKER_URL"] = REDIS_URL
 
 import scale_build as build  # noqa: E402
 from common import (  # noqa: E402
-    CACHE_DIR,
     ROOT,
     engine_for,
     fixture_tokenizer_dir,
     flush_redis,
     machine_note,
-    table,
 )
+from scale_table import RESULTS, report, save  # noqa: E402
 from sqlalchemy import Engine, text  # noqa: E402
 
 from app import ledger  # noqa: E402
@@ -54,30 +52,10 @@ from app.core.settings import Settings  # noqa: E402
 from app.ledger import registry  # noqa: E402
 
 PARTS = ("commands", "queries", "claims", "export")
-RESULTS = CACHE_DIR / "scale-results.json"
 CLAIM_BATCH = 32
 CLAIM_ROUNDS = 20
 EXPORT_PAGE_ITEMS = 100_000
-BROKER_FILL_IDS = 200_000  # items of run A streamed by iter_items for its rate
-
-# a figure's target at the largest size: (limit, description), limit 0 meaning "the same as
-# at the smallest size"
-Target = tuple[float, str] | None
-
-
-def target(name: str) -> Target:
-    """Issue 14's target for a figure of the table, by its name."""
-    if name.startswith("tokenmill --help, s wall"):
-        return (0.3, "< 0.3 s")
-    if name.startswith("tokenmill ") and name.endswith(", s wall"):
-        return (1.0, "< 1.0 s")
-    if name.startswith("metrics: /metrics"):
-        return (300.0, "< 300 ms")
-    if name.startswith(("claim of", "result write of")) or name.endswith("items/s"):
-        return (0.0, "same as the smallest")
-    if name.endswith(", ms") and not name.startswith("events"):
-        return (50.0, "< 50 ms")
-    return None
+BROKER_FILL_IDS = 200_000  # run B's first ids, in broker messages as after an enqueue
 
 
 def main() -> None:
@@ -115,7 +93,7 @@ def main() -> None:
         finally:
             if not args.keep:
                 build.drop(size)
-        _save(size, results[size])
+        save(size, results[size])
     print()
     print(report(results))
 
@@ -448,63 +426,6 @@ def time_export(db: Engine, built: build.Ledger, repeat: int) -> dict[str, float
     out[key] = streamed / (time.perf_counter() - started)
     print(f"  {key}: {out[key]:,.0f}", flush=True)
     return out
-
-
-# --- the table -------------------------------------------------------------------------------
-
-
-def _save(size: int, figures: dict[str, float]) -> None:
-    saved = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
-    saved.setdefault(str(size), {}).update(figures)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(saved, indent=1))
-
-
-def _label(size: int) -> str:
-    return f"{size // 1_000_000}M" if size >= 1_000_000 else f"{size // 1000}K"
-
-
-def report(results: dict[int, dict[str, float]]) -> str:
-    sizes = sorted(results)
-    names = list(dict.fromkeys(k for s in sizes for k in results[s]))
-    headers = ["figure", *(_label(s) for s in sizes)]
-    headers += [f"{_label(b)}/{_label(a)}" for a, b in itertools.pairwise(sizes)]
-    headers += [f"target at {_label(sizes[-1])}", "met"]
-    rows = []
-    for name in names:
-        values = [results[s].get(name) for s in sizes]
-        ratios = [
-            f"{b / a:.2f}" if a and b is not None else "—" for a, b in itertools.pairwise(values)
-        ]
-        goal = target(name)
-        verdict = _verdict(goal, values, name_is_rate=name.endswith("items/s"))
-        rows.append(
-            [
-                name,
-                *(v if v is not None else "—" for v in values),
-                *ratios,
-                goal[1] if goal else "",
-                verdict,
-            ]
-        )
-    return table(headers, rows)
-
-
-def _verdict(goal: Target, values: list[float | None], *, name_is_rate: bool) -> str:
-    if goal is None or values[-1] is None:
-        return ""
-    limit, _ = goal
-    last = values[-1]
-    if limit > 0:
-        return "yes" if last < limit else "NO"
-    first = values[0]
-    if first is None or len(values) < 2:
-        return ""
-    # "the same": not worse than 1.5 times the smallest ledger's figure (the machine is noisy;
-    # a better figure at a larger size is noise, not a cost of the size)
-    if name_is_rate:
-        return "yes" if last >= first / 1.5 else "NO"
-    return "yes" if last <= first * 1.5 else "NO"
 
 
 if __name__ == "__main__":
