@@ -140,6 +140,10 @@ def run_job(w: WindowHost, client: GenerateClient, job: Job) -> None:
         )
         w._settle(Released(item.id, f"internal error: {exc!r}"), job)
     else:
+        with w._cond:
+            # answered: no longer out, so a hedge round never aborts it or counts it cancelled
+            # because its own result, written meanwhile, shows it finished
+            w._sending.pop(item.id, None)
         if result is None:
             log.info(
                 "run %d item %d: the copy on %s was aborted, another server finished it",
