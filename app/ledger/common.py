@@ -24,17 +24,21 @@ def run_status_range(conn: Connection, table: Table, run_id: int, status: str, a
     """WHERE for the items of one status of a run with ids above `after`, to be read ORDER BY
     run_id, status, id: one range of the (run_id, status, id) index whatever the statistics.
 
-    On Postgres it is written as row comparisons, `(run_id, status, id) > (?, ?, after) AND
-    (run_id, status) <= (?, ?)`. With plain equalities the planner treats run_id and status
-    as constants, so the primary key also "delivers" the order; with stale statistics (after
-    a big enqueue every item looks pending) it then chose to walk the primary key past every
-    other row. Row comparisons leave the (run_id, status, id) index as the only way to that
-    order without a sort, and the callers price sorts out (pin_index_plans)."""
+    On Postgres it is written `run_id = ? AND (status, id) > (?, after) AND status <= ?`.
+    With plain equalities on both columns the planner treats run_id and status as constants,
+    so the primary key also "delivers" the order; with stale statistics (after a big enqueue
+    every item looks pending) it then walked the primary key past every other row. With
+    status bounded by a row comparison the order left is (status, id), which only this index
+    gives, and both bounds are index keys: the scan starts at (run, status, after) and stops
+    at the end of that status. A bound written as a row comparison over run_id too,
+    `(run_id, status) <= (?, ?)`, does not stop a Postgres 15 btree scan: it read every later
+    index entry of the run (60 ms over 900K entries against 0.05 ms)."""
     if conn.dialect.name != "postgresql":
         return and_(table.c.run_id == run_id, table.c.status == status, table.c.id > after)
     return and_(
-        tuple_(table.c.run_id, table.c.status, table.c.id) > tuple_(run_id, status, after),
-        tuple_(table.c.run_id, table.c.status) <= tuple_(run_id, status),
+        table.c.run_id == run_id,
+        tuple_(table.c.status, table.c.id) > tuple_(status, after),
+        table.c.status <= status,
     )
 
 
