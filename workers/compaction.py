@@ -53,7 +53,7 @@ ANALYZE_AFTER_ITEMS = 50_000
 @dataclass
 class CompactionReport:
     run: str
-    compactable: int = 0
+    compactable: int = 0  # counted up to compact_min_items unless --all
     compacted: int = 0
     shards: list[str] = field(default_factory=list)
     orphans_removed: list[str] = field(default_factory=list)
@@ -117,7 +117,9 @@ def _compact_locked(
     report.orphans_removed = remove_orphans(db, run, loc)
     with db.connect() as conn:
         limit_periodic(conn, timeout_s=SCAN_TIMEOUT_S)
-        report.compactable = ledger.count_compactable(conn, run.id)
+        # without --all, only "are there compact_min_items?" matters: counted up to that many
+        at_most = None if force else settings.compact_min_items
+        report.compactable = ledger.count_compactable(conn, run.id, at_most=at_most)
     if report.compactable == 0:
         report.skipped = "nothing to compact"
         return

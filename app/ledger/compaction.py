@@ -9,7 +9,7 @@ from typing import Any
 from sqlalchemy import Connection, and_, bindparam, func, select, text, update
 
 from app.core.models import ItemStatus, pack_ids
-from app.ledger.common import items, items_archive
+from app.ledger.common import items, items_archive, runs
 from app.ledger.database import pin_index_plans
 from app.ledger.run_queries import RunInfo, get_run_by_id
 
@@ -35,9 +35,16 @@ def _compactable(run_id: int) -> Any:
     )
 
 
-def count_compactable(conn: Connection, run_id: int) -> int:
+def count_compactable(conn: Connection, run_id: int, *, at_most: int | None = None) -> int:
+    """How many of the run's items compaction may move, counted up to at_most: a periodic
+    check that only asks "are there enough?" reads at most that many index entries
+    (ix_items_uncompacted) instead of every finished row of a large run."""
     pin_index_plans(conn)
-    return int(conn.execute(select(func.count()).where(_compactable(run_id))).scalar_one())
+    found = select(items.c.id).where(_compactable(run_id))
+    if at_most is not None:
+        found = found.limit(at_most)
+    counted = select(func.count()).select_from(found.subquery())
+    return int(conn.execute(counted).scalar_one())
 
 
 def compactable_ids(conn: Connection, run_id: int, *, after_id: int = 0, limit: int) -> list[int]:
@@ -125,13 +132,22 @@ def compacted_count(conn: Connection, run_id: int) -> int:
 
 
 def runs_with_compactable(conn: Connection, min_items: int) -> list[RunInfo]:
-    """Runs with at least min_items done items whose arrays are still in the ledger."""
+    """Runs with at least min_items done items whose arrays are still in the ledger: per run,
+    a probe of at most min_items entries of ix_items_uncompacted (O(runs x min_items), never
+    a count of every finished row)."""
     pin_index_plans(conn)
-    stmt = (
-        select(items.c.run_id)
-        .where(items.c.status == ItemStatus.DONE.value, items.c.shard_uri.is_(None))
-        .group_by(items.c.run_id)
-        .having(func.count() >= min_items)
-        .order_by(items.c.run_id)
-    )
-    return [get_run_by_id(conn, int(run_id)) for run_id in conn.execute(stmt).scalars()]
+    due = []
+    for run_id in conn.execute(select(runs.c.id).order_by(runs.c.id)).scalars():
+        uncompacted = (
+            select(items.c.id)
+            .where(
+                items.c.run_id == run_id,
+                items.c.status == ItemStatus.DONE.value,
+                items.c.shard_uri.is_(None),
+            )
+            .limit(min_items)
+        )
+        counted = select(func.count()).select_from(uncompacted.subquery())
+        if int(conn.execute(counted).scalar_one()) >= min_items:
+            due.append(get_run_by_id(conn, int(run_id)))
+    return due
