@@ -111,6 +111,9 @@ class Run(Base):
 
     # set when the run's items moved to items_archive (`tokenmill archive`); no more enqueues
     archived_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    # the archived run's counts and token sums, taken once its rows left the hot table (the
+    # item counters follow the rows of items); null while the archive is not complete
+    archived_counts: Mapped[dict[str, int] | None] = mapped_column(JSON, nullable=True)
 
 
 class ToolSet(Base):

@@ -135,6 +135,9 @@ def archive_run(db: Engine, settings: Settings, run: RunInfo) -> ArchiveReport:
                     report.deleted += delete_archived(conn, ids)
                 after = ids[-1]
         with db.begin() as conn:
+            # counted once, now that every row is in the archive: status reads these from now on
+            kept = ledger.scanned_run_counts(conn, run).tallies()
+            conn.execute(update(runs).where(runs.c.id == run.id).values(archived_counts=kept))
             ledger.refresh_statistics(conn)
             ledger.record_event(
                 conn,

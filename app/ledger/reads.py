@@ -13,9 +13,16 @@ from sqlalchemy import Connection, Select, Table, case, func, select
 
 import app.ledger.counters as counters
 from app.core.models import ItemStatus
-from app.ledger.common import items, items_archive, run_status_order, run_status_range, tool_sets
+from app.ledger.common import (
+    items,
+    items_archive,
+    run_status_order,
+    run_status_range,
+    runs,
+    tool_sets,
+)
 from app.ledger.database import pin_index_plans
-from app.ledger.run_queries import RunInfo, run_archived
+from app.ledger.run_queries import RunInfo
 
 if TYPE_CHECKING:  # pyarrow loads when items are streamed (export, verify), not with every command
     from app.outputs.shards import ShardCache
@@ -40,6 +47,10 @@ class RunCounts:
     def finished(self) -> bool:
         return self.pending == 0 and self.queued == 0 and self.leased == 0 and self.waiting == 0
 
+    def tallies(self) -> dict[str, int]:
+        """Every count but the run's name (what an archived run keeps)."""
+        return {k: v for k, v in self.to_json().items() if k != "run"}
+
     def to_json(self) -> dict[str, Any]:
         return {
             "run": self.run,
@@ -57,9 +68,15 @@ class RunCounts:
 
 
 def run_counts(conn: Connection, run: RunInfo) -> RunCounts:
-    """The run's items by status and its token sums, read from the item counters (no scan)."""
-    if run_archived(conn, run.id):  # the archive's rows left the counters with the hot table
-        return _scanned_run_counts(conn, run)
+    """The run's items by status and its token sums, read from the item counters (no scan);
+    an archived run's from the counts its archive kept (counted while it is archived)."""
+    archived_at, kept = conn.execute(
+        select(runs.c.archived_at, runs.c.archived_counts).where(runs.c.id == run.id)
+    ).one()
+    if archived_at is not None:  # the archive's rows left the counters with the hot table
+        if kept is not None:
+            return RunCounts(run=run.name, **kept)
+        return scanned_run_counts(conn, run)
     groups = counters.counted_groups(conn, run.id)
     statuses = counters.by_status(groups.items())
     tallies = groups.values()
@@ -78,7 +95,7 @@ def run_counts(conn: Connection, run: RunInfo) -> RunCounts:
     )
 
 
-def _scanned_run_counts(conn: Connection, run: RunInfo) -> RunCounts:
+def scanned_run_counts(conn: Connection, run: RunInfo) -> RunCounts:
     """An archived run's items by status and token sums, counted over items and the archive."""
     by_status: dict[str, int] = {}
     trunc = out_tokens = prompt_tokens = 0

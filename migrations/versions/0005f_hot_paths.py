@@ -5,7 +5,8 @@ hold only the active rows the periodic queries look at (leased, queued, done and
 compacted, and the latest completion of each server), so their plans do not depend on the
 planner's statistics. On Postgres, items is vacuumed and analyzed after a small share of it
 changed. A finished, compacted run's rows can be moved to items_archive (same columns), and
-runs.archived_at marks such a run.
+runs.archived_at marks such a run, and runs.archived_counts keeps its counts (the item counters
+follow the rows of items).
 
 Revision ID: 0005f
 Revises: 0004
@@ -47,6 +48,7 @@ AUTOVACUUM = {
 def upgrade() -> None:
     with op.batch_alter_table("runs", schema=None) as batch_op:
         batch_op.add_column(sa.Column("archived_at", sa.DateTime(timezone=True), nullable=True))
+        batch_op.add_column(sa.Column("archived_counts", sa.JSON(), nullable=True))
     with op.batch_alter_table("items", schema=None) as batch_op:
         batch_op.drop_index("ix_items_run_status")
         batch_op.create_index("ix_items_run_status_id", ["run_id", "status", "id"], unique=False)
@@ -120,4 +122,5 @@ def downgrade() -> None:
         batch_op.drop_index("ix_items_run_status_id")
         batch_op.create_index("ix_items_run_status", ["run_id", "status"], unique=False)
     with op.batch_alter_table("runs", schema=None) as batch_op:
+        batch_op.drop_column("archived_counts")
         batch_op.drop_column("archived_at")

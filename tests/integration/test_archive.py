@@ -14,7 +14,7 @@ from sqlalchemy import Engine, func, select
 from app import ledger
 from app.core.errors import ArchiveRefused, RunArchived
 from app.core.settings import Settings
-from app.ledger import archive, items, items_archive
+from app.ledger import archive, items, items_archive, runs
 from app.ledger.dashboard_queries import failure_reasons, item_ranges, iter_item_stats
 from app.outputs.export import export_run
 from app.outputs.storage import export_parquet
@@ -126,6 +126,10 @@ def test_archive_round_trip(db: Engine, tmp_path: Path) -> None:
     assert (report.copied, report.deleted) == (26, 26)
     assert rows_in(db, run) == (0, 26)
     assert rows_in(db, other) == (8, 0)
+    # the counts were kept when the rows left (status reads them, never counting the archive)
+    with db.connect() as conn:
+        kept = conn.execute(select(runs.c.archived_counts).where(runs.c.id == run.id)).scalar_one()
+    assert kept == {k: v for k, v in before["counts"].items() if k != "run"}
     assert everything(db, run, tmp_path / "after") == before
 
     # archiving again changes nothing; compaction leaves the archived run (and its shards) be
