@@ -3,15 +3,23 @@ candidates and marks for a hedged second copy, and the heartbeat that extends a 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import itertools
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Connection, and_, func, or_, select, update
+from sqlalchemy import Connection, and_, or_, select, update
 
 from app.core.models import ItemStatus
-from app.ledger.common import _in_id_order, items, run_status_order, run_status_range, utcnow
+from app.ledger.common import (
+    _in_id_order,
+    items,
+    run_status_order,
+    run_status_range,
+    runs,
+    utcnow,
+)
 from app.ledger.database import pin_index_plans
 
 CLAIMABLE = (ItemStatus.PENDING.value, ItemStatus.QUEUED.value)
@@ -74,6 +82,35 @@ def claim_items(
     return claimed
 
 
+def _claimable_rows(
+    conn: Connection, run_id: int, limit: int, now: datetime, *columns: Any
+) -> Iterator[Any]:
+    """Rows (of these columns) of the run's claimable items: pending, then queued (each one
+    range of the (run_id, status, id) index, in id order), then expired leases (a range of
+    (status, lease_expires_at)), at most limit of each. A claim reads what it takes, never
+    the done rows before it. Rows another claim holds are skipped (Postgres)."""
+    ranges = [
+        select(*columns)
+        .where(run_status_range(conn, items, run_id, status, 0))
+        .order_by(*run_status_order(items))
+        for status in CLAIMABLE
+    ]
+    ranges.append(
+        select(*columns)
+        .where(
+            items.c.status == ItemStatus.LEASED.value,
+            items.c.lease_expires_at < now,
+            items.c.run_id == run_id,
+        )
+        .order_by(items.c.status, items.c.lease_expires_at)
+    )
+    pin_index_plans(conn)
+    for pick in ranges:
+        if conn.dialect.name == "postgresql":
+            pick = pick.with_for_update(skip_locked=True)
+        yield from conn.execute(pick.limit(limit)).all()
+
+
 def claim_next(
     conn: Connection,
     *,
@@ -83,16 +120,17 @@ def claim_next(
     limit: int,
     run_id: int | None = None,
 ) -> list[ClaimedItem]:
-    """Lease up to limit claimable items straight from the ledger (the embedded runner's feed)."""
+    """Lease up to limit claimable items of the run (of every run, oldest run first, without
+    one) straight from the ledger (the embedded runner's feed)."""
     if limit <= 0:
         return []
     now = utcnow()
-    pick = select(items.c.id).where(_claimable(now)).order_by(items.c.id).limit(limit)
-    if run_id is not None:
-        pick = pick.where(items.c.run_id == run_id)
-    if conn.dialect.name == "postgresql":
-        pick = pick.with_for_update(skip_locked=True)
-    ids = list(conn.execute(pick).scalars())
+    everyone = select(runs.c.id).order_by(runs.c.id)
+    run_ids = [run_id] if run_id is not None else list(conn.execute(everyone).scalars())
+    found = itertools.chain.from_iterable(
+        _claimable_rows(conn, r, limit, now, items.c.id) for r in run_ids
+    )
+    ids = [row.id for row in itertools.islice(found, limit)]
     return claim_items(conn, ids, owner=owner, server=server, lease_s=lease_s)
 
 
@@ -114,22 +152,22 @@ def claim_next_groups(
     run_id: int,
 ) -> list[ClaimedItem]:
     """Lease the claimable items of up to limit keys of a run, every claimable item of a key
-    together (a `--turns each` conversation runs on one server); keys in id order."""
+    together (a `--turns each` conversation runs on one server); keys in the order their
+    first claimable item comes. The keys are read from the claimable ids in index order until
+    limit of them are found (a conversation's items are consecutive), never by grouping
+    every claimable row of the run."""
     if limit <= 0:
         return []
     now = utcnow()
-    first = (
-        select(items.c.item_key, func.min(items.c.id).label("first_id"))
-        .where(_claimable(now), items.c.run_id == run_id)
-        .group_by(items.c.item_key)
-        .order_by("first_id")
-        .limit(limit)
-    )
-    keys = [str(r[0]) for r in conn.execute(first)]
+    keys: dict[str, None] = {}  # in the order their first claimable item comes
+    for row in _claimable_rows(conn, run_id, 16 * limit, now, items.c.id, items.c.item_key):
+        keys.setdefault(row.item_key)
+        if len(keys) >= limit:
+            break
     if not keys:
         return []
     pick = select(items.c.id).where(
-        items.c.run_id == run_id, items.c.item_key.in_(keys), _claimable(now)
+        items.c.run_id == run_id, items.c.item_key.in_(list(keys)), _claimable(now)
     )
     ids = list(conn.execute(pick).scalars())
     return claim_items(conn, ids, owner=owner, server=server, lease_s=lease_s)

@@ -149,6 +149,22 @@ def test_keyset_pages_read_one_index_range_in_order(pg_engine: Engine, filled: A
         )
 
 
+def test_the_embedded_runners_claims_read_what_they_take(pg_engine: Engine, filled: Any) -> None:
+    """The ending run's rows are mostly done: a claim reads the (run_id, status, id) ranges
+    of its claimable statuses, never the primary key past the done rows."""
+    run = filled.ending.id
+    for claim in (ledger.claim_next, ledger.claim_next_groups):
+        with pg_engine.connect() as conn:
+            plans = plans_of(
+                conn,
+                lambda c, claim=claim: claim(
+                    c, owner="runner", server="gpu-a", lease_s=60, limit=32, run_id=run
+                ),
+            )
+            conn.rollback()
+        assert_indexed(plans, "ix_items_run_status_id", sorts=False)
+
+
 def test_compaction_and_reconcile_scans(pg_engine: Engine, filled: Any) -> None:
     run = filled.ending.id
     with pg_engine.connect() as conn:
