@@ -213,7 +213,10 @@ def watch(
     """
 
     def gather() -> Dashboard:
+        from app.ledger.database import limit_periodic
+
         with db.connect() as conn:
+            limit_periodic(conn)  # every tick: a statement timeout, no JIT, index plans
             return gather_dashboard(conn, run_name=run_name)
 
     current = gather()

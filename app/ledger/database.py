@@ -42,7 +42,8 @@ def limit_periodic(conn: Connection, *, timeout_s: float = PERIODIC_TIMEOUT_S) -
     conn.execute(
         text(
             "SELECT set_config('statement_timeout', :ms, true), set_config('jit', 'off', true), "
-            "set_config('enable_seqscan', 'off', true), set_config('enable_sort', 'off', true)"
+            "set_config('enable_seqscan', 'off', true), set_config('enable_sort', 'off', true), "
+            "set_config('enable_incremental_sort', 'off', true)"
         ),
         {"ms": str(max(1, int(timeout_s * 1000)))},
     )

@@ -13,6 +13,7 @@ from sqlalchemy import Connection, Engine, select
 
 from app.ledger import counters, runs
 from app.ledger.counters import LATENCY_BUCKETS_S as LATENCY_BUCKETS_S
+from app.ledger.database import limit_periodic
 from app.ledger.registry import ServerInfo, list_servers
 
 
@@ -105,6 +106,7 @@ def read_snapshot(engine: Engine) -> LedgerSnapshot:
                 isolation_level="REPEATABLE READ", postgresql_readonly=True
             )
         with conn.begin():
+            limit_periodic(conn)  # every scrape: a statement timeout, no JIT, index plans
             return LedgerSnapshot(
                 run_names=run_names(conn),
                 groups=item_groups(conn),
