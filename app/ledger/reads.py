@@ -288,17 +288,17 @@ def _keyset_pages(
 
 def prompt_item_ids(conn: Connection, run_id: int) -> list[int]:
     """Ids of the run's items whose prompt was rendered from messages (every turn that has
-    its prompt; not pre-tokenized items, not later turns still waiting), in id order."""
-    stmt = (
-        select(items.c.id)
-        .where(
-            items.c.run_id == run_id,
-            items.c.messages.is_not(None),
-            items.c.status != ItemStatus.WAITING.value,
+    its prompt; not pre-tokenized items, not later turns still waiting), in id order, from
+    the hot table and the archive (a row in both while it is being archived comes once)."""
+    found: set[int] = set()
+    for table in (items, items_archive):
+        stmt = select(table.c.id).where(
+            table.c.run_id == run_id,
+            table.c.messages.is_not(None),
+            table.c.status != ItemStatus.WAITING.value,
         )
-        .order_by(items.c.id)
-    )
-    return [int(i) for i in conn.execute(stmt).scalars()]
+        found.update(int(i) for i in conn.execute(stmt).scalars())
+    return sorted(found)
 
 
 def stored_prompts(
@@ -333,8 +333,12 @@ def merged_pages(streams: Sequence[Iterator[list[Any]]], page_size: int) -> Iter
 
 
 def stored_items(conn: Connection, ids: Sequence[int]) -> list[StoredItem]:
-    """These items as stored in the ledger (not hydrated), in id order."""
+    """These items as stored in the ledger (not hydrated), in id order, from the hot table
+    and the archive (a row in both while it is being archived comes once)."""
     if not ids:
         return []
-    stmt = _stored_select(items).where(items.c.id.in_(list(ids))).order_by(items.c.id)
-    return [StoredItem(**row._mapping) for row in conn.execute(stmt)]
+    found: dict[int, StoredItem] = {}
+    for table in (items_archive, items):  # the hot row wins: the archive copies it
+        stmt = _stored_select(table).where(table.c.id.in_(list(ids)))
+        found.update((row.id, StoredItem(**row._mapping)) for row in conn.execute(stmt))
+    return [found[i] for i in sorted(found)]

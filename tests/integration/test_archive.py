@@ -87,7 +87,11 @@ def everything(db: Engine, run: ledger.RunInfo, out: Path) -> dict[str, object]:
         stats = list(iter_item_stats(conn, run.id))
         ranges = item_ranges(conn, run.id)
         reasons = failure_reasons(conn, run.id)
+        # what `tokenmill parity` re-renders
+        prompts = ledger.stored_prompts(conn, ledger.prompt_item_ids(conn, run.id))
+    assert prompts, "the run has rendered prompts to check"
     return {
+        "prompts": [(i.id, i.prompt_ids, i.messages) for i in prompts],
         "specforge": jsonl.read_bytes(),
         "parquet": [pq.read_table(out / "pq" / s.path).to_pylist() for s in parquet.shards],
         "verify": verified,
