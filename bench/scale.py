@@ -54,7 +54,6 @@ from app.ledger import registry  # noqa: E402
 PARTS = ("commands", "queries", "claims", "export")
 CLAIM_BATCH = 32
 CLAIM_ROUNDS = 20
-EXPORT_PAGE_ITEMS = 100_000
 BROKER_FILL_IDS = 200_000  # run B's first ids, in broker messages as after an enqueue
 
 
@@ -307,6 +306,11 @@ def time_queries(
         "hedge search (end of run A, B queued)": _read(
             db, lambda c: ledger.hedge_candidates(c, server="s3", limit=32)
         ),
+        # the hedge search's probe of a run that still has work (run B: all queued), as a
+        # second worker's leases on run B make it ask
+        "hedge search: claimable_left(run B)": _read(
+            db, lambda c: ledger.claimable_left(c, built.run_b.id)
+        ),
         "finished_among(64 in flight)": _read(db, lambda c: ledger.finished_among(c, in_flight)),
         "heartbeat: extend_leases(128)": _write(
             db,
@@ -321,8 +325,10 @@ def time_queries(
         "compaction scan: runs_with_compactable": _read(
             db, lambda c: ledger.runs_with_compactable(c, settings.compact_min_items)
         ),
-        "compaction scan: count_compactable(A)": _read(
-            db, lambda c: ledger.count_compactable(c, run_a.id)
+        # as the periodic compaction asks it: "are there compact_min_items?"
+        "compaction scan: count_compactable(A, up to compact_min_items)": _read(
+            db,
+            lambda c: ledger.count_compactable(c, run_a.id, at_most=settings.compact_min_items),
         ),
         "events: list_events(200)": _read(db, lambda c: registry.list_events(c, limit=200)),
         "reconcile pass": reconcile_pass,
@@ -415,16 +421,32 @@ def time_export(db: Engine, built: build.Ledger, repeat: int) -> dict[str, float
             wall = statistics.median(_run(argv, env)[0] for _ in range(max(1, repeat // 2)))
             out[name] = rows / wall
             print(f"  {name}: {out[name]:,.0f}", flush=True)
+    out.update(_stream_run_a(db, built))
+    return out
+
+
+def _stream_run_a(db: Engine, built: build.Ledger) -> dict[str, float]:
+    """iter_items (the read path of export, verify and report) over the whole of run A: the
+    rate of its first and its last tenth, and of all of it (a page at row 8M costs what a
+    page at row 0 does)."""
+    with db.connect() as conn:
+        total = ledger.run_counts(conn, built.run_a).done
+    tenth = max(1, total // 10)
+    marks: list[float] = [time.perf_counter()]
     streamed = 0
-    started = time.perf_counter()
     with db.connect() as conn:
         for _ in ledger.iter_items(conn, built.run_a.id):
             streamed += 1
-            if streamed >= EXPORT_PAGE_ITEMS:
-                break
-    key = "iter_items(run A), first 100K, items/s"
-    out[key] = streamed / (time.perf_counter() - started)
-    print(f"  {key}: {out[key]:,.0f}", flush=True)
+            if streamed % tenth == 0:
+                marks.append(time.perf_counter())
+    marks.append(time.perf_counter())
+    out = {
+        "iter_items(run A), first tenth, items/s": tenth / (marks[1] - marks[0]),
+        "iter_items(run A), last tenth, items/s": tenth / (marks[10] - marks[9]),
+        "iter_items(run A), whole run, items/s": streamed / (marks[-1] - marks[0]),
+    }
+    for key, value in out.items():
+        print(f"  {key}: {value:,.0f}", flush=True)
     return out
 
 

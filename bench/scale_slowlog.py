@@ -3,9 +3,12 @@
 
 The ledger is bench/scale_build.py's: run A at its end (live leases on two servers, a dead
 worker's expired leases), run B queued behind it, every id in a broker message. For
-SLOWLOG_SECONDS a real `celery -A app worker` bound to an emulator works run B (steady state)
-and hedges run A's stragglers, `celery -A app beat` sends the watchdog, reconcile and
-compaction, and an operator polls `tokenmill status`, `servers`, `events` and `/metrics`.
+SLOWLOG_SECONDS two real `celery -A app worker`s, each bound to an emulator of its own (servers
+s3 and s4), work run B (steady state: each one's hedge search meets the other's leases on run
+B) and hedge run A's stragglers; `celery -A app beat` sends the watchdog, reconcile (every 30
+s) and compaction (every 60 s, which moves run A's finished arrays to shards); the dead
+worker's leases are put back every 30 s, so every reconcile pass finds some; and an operator
+polls `tokenmill status`, `servers`, `events` and `/metrics`.
 The database gets `log_min_duration_statement = 500` (ALTER DATABASE, reset at the end);
 the lines its sessions add to the server log are the result.
 """
@@ -45,6 +48,7 @@ SLOWLOG_SECONDS = 240
 SLOW_MS = 500
 SERVER_LOG = Path("/var/log/postgresql/postgresql-15-main.log")
 OPERATOR_POLL_S = 5.0
+DEAD_LEASES_EVERY_S = 30.0
 DURATION = re.compile(r"duration: ([0-9.]+) ms\s+(?:statement|execute [^:]*): (.*)")
 
 
@@ -71,10 +75,12 @@ def main(*, keep: bool) -> None:
         with db.connect() as conn:
             before = ledger.run_counts(conn, built.run_b)
         emu_args = ["--step-ms", "5", "--median-tokens", "16", "--sigma", "0.5"]
-        with emulator([*emu_args, "--max-running", "64", "--log-level", "warning"]) as emu:
-            _serve_runs_with(db, emu.url)
+        emu_args += ["--max-running", "64", "--log-level", "warning"]
+        with emulator(emu_args) as first, emulator(emu_args) as second:
+            servers = {"s3": first.url, "s4": second.url}
+            _serve_runs_with(db, servers)
             with tempfile.TemporaryDirectory(prefix="tokenmill-slowlog-") as tmp:
-                _run_fleet(built, emu.url, Path(tmp), REDIS_URL, db)
+                _run_fleet(built, servers, Path(tmp), REDIS_URL, db)
         with db.connect() as conn:
             after = ledger.run_counts(conn, built.run_b)
         processed = after.done + after.failed - before.done - before.failed
@@ -87,7 +93,7 @@ def main(*, keep: bool) -> None:
             build.drop(SIZE)
     slow = _slow_statements(log_from)
     print(
-        f"slow-statement log at {SLOW_MS} ms, {SLOWLOG_SECONDS} s of a worker, beat and an "
+        f"slow-statement log at {SLOW_MS} ms, {SLOWLOG_SECONDS} s of two workers, beat and an "
         f"operator on {SIZE:,} items ({processed:,} items of run B finished meanwhile): "
         f"{len(slow)} statements logged"
     )
@@ -106,36 +112,45 @@ def _set_slow_log(ms: int | None) -> None:
         admin.dispose()
 
 
-def _serve_runs_with(db: Any, url: str) -> None:
-    """Point the idle server s3 at the emulator and pin the emulator's fingerprint on the
-    runs (the built ledger pins a synthetic one), so the worker takes their items."""
+def _serve_runs_with(db: Any, servers: dict[str, str]) -> None:
+    """Point servers s3 and s4 at the emulators and pin the emulators' fingerprint on the
+    runs (the built ledger pins a synthetic one), so the workers take their items."""
     from workers.runtime import client_for
 
-    client = client_for(url, Settings())
+    client = client_for(next(iter(servers.values())), Settings())
     try:
         fingerprint = client.fingerprint().to_json()
     finally:
         client.close()
     with db.begin() as conn:
-        registry.upsert_server(conn, "s3", url)
+        for name, url in servers.items():
+            registry.upsert_server(conn, name, url)
         conn.execute(
             text("UPDATE runs SET fingerprint = CAST(:fp AS json)"),
             {"fp": json.dumps(fingerprint)},
         )
 
 
-def _run_fleet(built: build.Ledger, emu_url: str, tmp: Path, redis_url: str, db: Any) -> None:
+def _run_fleet(
+    built: build.Ledger, servers: dict[str, str], tmp: Path, redis_url: str, db: Any
+) -> None:
     env = service_env(
         built.url,
         redis_url,
         tmp,
-        TOKENMILL_SGLANG_URL=emu_url,
-        TOKENMILL_SERVER_NAME="s3",
         TOKENMILL_RECONCILE_INTERVAL_S="30",
+        TOKENMILL_COMPACT_INTERVAL_S="60",
         TOKENMILL_STORAGE_URL=str(tmp / "storage"),
     )
     env["PYTHONPATH"] = str(ROOT)
-    worker = start_worker(env, "slowlog", tmp / "worker.log")
+    workers = [
+        start_worker(
+            env | {"TOKENMILL_SGLANG_URL": url, "TOKENMILL_SERVER_NAME": name},
+            f"slowlog-{name}",
+            tmp / f"worker-{name}.log",
+        )
+        for name, url in servers.items()
+    ]
     beat = subprocess.Popen(
         [sys.executable, "-m", "celery", "-A", "app", "beat", "--schedule", str(tmp / "beat")],
         env=env,
@@ -147,7 +162,9 @@ def _run_fleet(built: build.Ledger, emu_url: str, tmp: Path, redis_url: str, db:
     scraper = threading.Thread(target=_scrape_metrics, args=(db, redis_url, stop), daemon=True)
     scraper.start()
     try:
-        deadline = time.monotonic() + SLOWLOG_SECONDS
+        started = time.monotonic()
+        deadline = started + SLOWLOG_SECONDS
+        restored_at = started
         while time.monotonic() < deadline:
             for argv in (["status"], ["servers"], ["events"]):
                 subprocess.run(
@@ -157,12 +174,32 @@ def _run_fleet(built: build.Ledger, emu_url: str, tmp: Path, redis_url: str, db:
                     capture_output=True,
                     timeout=120,
                 )
+            if time.monotonic() - restored_at >= DEAD_LEASES_EVERY_S:
+                _lease_to_the_dead_worker(db, built)
+                restored_at = time.monotonic()
             time.sleep(OPERATOR_POLL_S)
     finally:
         stop.set()
         stop_process(beat)
-        stop_process(worker)
+        for worker in workers:
+            stop_process(worker)
         scraper.join(timeout=120)
+
+
+def _lease_to_the_dead_worker(db: Any, built: build.Ledger) -> None:
+    """The dead worker holds DEAD_LEASES of run B's queued items again, leases expired an hour
+    ago (through the product's claim): the next reconcile pass puts them back."""
+    with db.begin() as conn:
+        ids = list(
+            conn.execute(
+                text(
+                    "SELECT id FROM items WHERE run_id = :run AND status = 'queued' "
+                    "ORDER BY id DESC LIMIT :n"
+                ),
+                {"run": built.run_b.id, "n": build.DEAD_LEASES},
+            ).scalars()
+        )
+        ledger.claim_items(conn, ids, owner=build.DEAD_WORKER, server="s2", lease_s=-3600)
 
 
 def _scrape_metrics(db: Any, redis_url: str, stop: threading.Event) -> None:
