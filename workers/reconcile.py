@@ -19,7 +19,6 @@ from app.core.constants import EVENT_RECONCILED
 from app.core.settings import Settings
 from app.ledger import counters
 from app.ledger.database import SCAN_TIMEOUT_S, limit_periodic
-from workers import turns
 from workers.broker_scan import broker_holds
 
 log = logging.getLogger(__name__)
@@ -76,6 +75,11 @@ def reconcile(
         run_infos = [ledger.get_run(conn, r) for r in runs] if runs else ledger.list_runs(conn)
     for info in run_infos:
         if info.turns == "all":  # started turns are pending: the loop below publishes them
+            # imported here: it brings the templating and the render client, which a
+            # reconcile of runs without later turns never needs (tokenmill reconcile starts
+            # faster)
+            from workers import turns
+
             advanced = turns.advance(db, turns.shared_cache(), run_id=info.id)
             report.turns_started += len(advanced.started)
             report.turns_failed += advanced.failed
