@@ -20,6 +20,8 @@ log = logging.getLogger(__name__)
 PRIORITY_SEP = "\x06\x16"
 UNACKED_KEY = "unacked"
 UNACKED_INDEX_KEY = "unacked_index"  # delivery tag -> time of delivery
+# ids a message carries at TOKENMILL_BATCH_SIZE's default: only sizes the first chunk read
+_IDS_PER_MESSAGE = 32
 
 
 def _ids_in_message(raw: bytes | str) -> list[int]:
@@ -85,19 +87,25 @@ def broker_holds(
             if client.type(key) != b"list":
                 continue
             length, start = int(client.llen(key)), 0
+            # chunks grow from what the wanted ids fill (they are the longest-queued, met
+            # first) to 1,000, and decoding stops at the message that holds the last of them
+            step = max(16, min(1000, 2 * len(want) // max(1, _IDS_PER_MESSAGE)))
             while start < length:
                 if found >= want:
                     return BrokerCheck(found, complete=True)
                 if read >= max_messages:
                     return BrokerCheck(found, complete=False)
-                size = min(1000, max_messages - read)
+                size = min(step, max_messages - read)
+                step = min(1000, 2 * step)
                 chunk = client.lrange(key, -(start + size), -(start + 1))
                 if not chunk:
                     break
                 start += size
-                read += len(chunk)
                 for raw in reversed(chunk):
+                    read += 1
                     found.update(want.intersection(_ids_in_message(raw)))
+                    if found >= want:
+                        return BrokerCheck(found, complete=True)
         return BrokerCheck(found, complete=True)
     finally:
         client.close()
