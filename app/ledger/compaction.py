@@ -137,7 +137,7 @@ def runs_with_compactable(conn: Connection, min_items: int) -> list[RunInfo]:
     a count of every finished row)."""
     pin_index_plans(conn)
     due = []
-    for run_id in conn.execute(select(runs.c.id).order_by(runs.c.id)).scalars():
+    for run_id in conn.execute(select(runs.c.id).order_by(runs.c.id)).scalars().all():
         uncompacted = (
             select(items.c.id)
             .where(
