@@ -326,9 +326,9 @@ def time_queries(
             db, lambda c: ledger.runs_with_compactable(c, settings.compact_min_items)
         ),
         # as the periodic compaction asks it: "are there compact_min_items?"
-        "compaction scan: count_compactable(A, up to compact_min_items)": _read(
+        "compaction scan: count_uncompacted(A, up to compact_min_items)": _read(
             db,
-            lambda c: ledger.count_compactable(c, run_a.id, at_most=settings.compact_min_items),
+            lambda c: ledger.count_uncompacted(c, run_a.id, at_most=settings.compact_min_items),
         ),
         "events: list_events(200)": _read(db, lambda c: registry.list_events(c, limit=200)),
         "reconcile pass": reconcile_pass,

@@ -118,8 +118,11 @@ def _compact_locked(
     with db.connect() as conn:
         limit_periodic(conn, timeout_s=SCAN_TIMEOUT_S)
         # without --all, only "are there compact_min_items?" matters: counted up to that many
-        at_most = None if force else settings.compact_min_items
-        report.compactable = ledger.count_compactable(conn, run.id, at_most=at_most)
+        report.compactable = (
+            ledger.count_compactable(conn, run.id)
+            if force
+            else ledger.count_uncompacted(conn, run.id, at_most=settings.compact_min_items)
+        )
     if report.compactable == 0:
         report.skipped = "nothing to compact"
         return

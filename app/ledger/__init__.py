@@ -53,6 +53,7 @@ from app.ledger.common import utcnow as utcnow
 from app.ledger.compaction import compactable_ids as compactable_ids
 from app.ledger.compaction import compacted_count as compacted_count
 from app.ledger.compaction import count_compactable as count_compactable
+from app.ledger.compaction import count_uncompacted as count_uncompacted
 from app.ledger.compaction import mark_compacted as mark_compacted
 from app.ledger.compaction import runs_with_compactable as runs_with_compactable
 from app.ledger.compaction import shard_referenced as shard_referenced

@@ -35,16 +35,29 @@ def _compactable(run_id: int) -> Any:
     )
 
 
-def count_compactable(conn: Connection, run_id: int, *, at_most: int | None = None) -> int:
-    """How many of the run's items compaction may move, counted up to at_most: a periodic
-    check that only asks "are there enough?" reads at most that many index entries
-    (ix_items_uncompacted) instead of every finished row of a large run."""
+def count_compactable(conn: Connection, run_id: int) -> int:
+    """How many of the run's items compaction may move (an exact count: `compact --all`)."""
     pin_index_plans(conn)
-    found = select(items.c.id).where(_compactable(run_id))
-    if at_most is not None:
-        found = found.limit(at_most)
-    counted = select(func.count()).select_from(found.subquery())
-    return int(conn.execute(counted).scalar_one())
+    return int(conn.execute(select(func.count()).where(_compactable(run_id))).scalar_one())
+
+
+def count_uncompacted(conn: Connection, run_id: int, *, at_most: int) -> int:
+    """The run's finished items whose arrays are still in the ledger, counted up to at_most:
+    one range of ix_items_uncompacted, index entries only, so the periodic "are there
+    enough?" costs the same at 10M items as at 10K. (Compaction itself still leaves out the
+    items a waiting later turn reads.)"""
+    pin_index_plans(conn)
+    found = (
+        select(items.c.id)
+        .where(
+            items.c.run_id == run_id,
+            items.c.status == ItemStatus.DONE.value,
+            items.c.shard_uri.is_(None),
+        )
+        .order_by(items.c.run_id, items.c.id)
+        .limit(at_most)
+    )
+    return int(conn.execute(select(func.count()).select_from(found.subquery())).scalar_one())
 
 
 def compactable_ids(conn: Connection, run_id: int, *, after_id: int = 0, limit: int) -> list[int]:
@@ -132,22 +145,12 @@ def compacted_count(conn: Connection, run_id: int) -> int:
 
 
 def runs_with_compactable(conn: Connection, min_items: int) -> list[RunInfo]:
-    """Runs with at least min_items done items whose arrays are still in the ledger: per run,
-    a probe of at most min_items entries of ix_items_uncompacted (O(runs x min_items), never
-    a count of every finished row)."""
-    pin_index_plans(conn)
-    due = []
-    for run_id in conn.execute(select(runs.c.id).order_by(runs.c.id)).scalars().all():
-        uncompacted = (
-            select(items.c.id)
-            .where(
-                items.c.run_id == run_id,
-                items.c.status == ItemStatus.DONE.value,
-                items.c.shard_uri.is_(None),
-            )
-            .limit(min_items)
-        )
-        counted = select(func.count()).select_from(uncompacted.subquery())
-        if int(conn.execute(counted).scalar_one()) >= min_items:
-            due.append(get_run_by_id(conn, int(run_id)))
-    return due
+    """Runs with at least min_items finished items whose arrays are still in the ledger: per
+    run, count_uncompacted up to min_items (O(runs x min_items), never a count of every
+    finished row)."""
+    run_ids = conn.execute(select(runs.c.id).order_by(runs.c.id)).scalars().all()
+    return [
+        get_run_by_id(conn, int(run_id))
+        for run_id in run_ids
+        if count_uncompacted(conn, int(run_id), at_most=min_items) >= min_items
+    ]

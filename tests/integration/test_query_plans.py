@@ -169,8 +169,11 @@ def test_compaction_and_reconcile_scans(pg_engine: Engine, filled: Any) -> None:
     run = filled.ending.id
     with pg_engine.connect() as conn:
         assert ledger.count_compactable(conn, run) == synthetic.UNCOMPACTED
+        assert ledger.count_uncompacted(conn, run, at_most=10) == 10
+        assert ledger.count_uncompacted(conn, run, at_most=10**6) == synthetic.UNCOMPACTED
         for call in (
             lambda c: ledger.count_compactable(c, run),
+            lambda c: ledger.count_uncompacted(c, run, at_most=10),
             lambda c: ledger.compactable_ids(c, run, after_id=0, limit=100),
             lambda c: ledger.runs_with_compactable(c, 10),
         ):
