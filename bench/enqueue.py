@@ -4,7 +4,7 @@ Writes N synthetic chat prompts (a system turn sometimes, one to three user turn
 hundred tokens each) to JSONL, then in the same run:
 
   enqueue  `workers.producer.enqueue(..., publish=None)`: read the JSONL, apply the chat
-           template with the bundled Kimi-K2.5-shaped fixture tokenizer (apply_batch per
+           template with the bundled Kimi-K2.5-shaped fixture tokenizer (apply_each per
            chunk), insert the ledger rows into a fresh Postgres database;
   bare     `ChatTokenizer.apply_batch` over the same conversations in the producer's chunk
            size, no file reading and no database: the floor set by the tokenizer itself.
@@ -136,7 +136,7 @@ def instrument() -> dict[str, float]:
 
         setattr(owner, name, timed)
 
-    wrap(producer, "_tokenize", "chat template + tokenize (_tokenize → apply_batch)")
+    wrap(producer, "_submit", "chat template + tokenize (_submit → apply_each)")
     wrap(ledger, "insert_items", "insert_items (COPY + INSERT … SELECT, no commit)")
     wrap(ledger, "existing_keys", "existing_keys (SELECT per chunk)")
     read = producer.read_prompts
