@@ -221,7 +221,15 @@ COMMANDS: tuple[tuple[str, list[str]], ...] = (
     ("tokenmill servers", ["servers"]),
     ("tokenmill events", ["events"]),
     ("tokenmill reconcile", ["reconcile"]),
+    ("tokenmill pause", ["pause", "--server", "s1"]),
+    ("tokenmill resume", ["resume", "--server", "s1"]),
 )
+# a state-changing command finds, every run, the state it changes (set up and put back
+# untimed): a pause finds the server working, a resume finds it paused
+PAUSE_S1 = ["pause", "--server", "s1"]
+RESUME_S1 = ["resume", "--server", "s1"]
+SETUP = {"resume": PAUSE_S1}
+TEARDOWN = {"pause": RESUME_S1}
 
 
 def time_commands(db: Engine, built: build.Ledger, repeat: int) -> dict[str, float]:
@@ -231,11 +239,15 @@ def time_commands(db: Engine, built: build.Ledger, repeat: int) -> dict[str, flo
         for name, argv in COMMANDS:
             walls, cpus = [], []
             for _ in range(repeat):
+                if argv[0] in SETUP:
+                    _run(SETUP[argv[0]], env)
                 wall, cpu = _run(argv, env)
                 walls.append(wall)
                 cpus.append(cpu)
                 if argv[0] == "reconcile":
                     _restore_dead_leases(db, built)
+                if argv[0] in TEARDOWN:
+                    _run(TEARDOWN[argv[0]], env)
             out[f"{name}, s wall"] = statistics.median(walls)
             out[f"{name}, s cpu"] = statistics.median(cpus)
             print(f"  {name}: {statistics.median(walls):.3f} s", flush=True)
