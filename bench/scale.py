@@ -65,6 +65,9 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5, help="timings per figure (median)")
     parser.add_argument("--slowlog", action="store_true", help="run the slow-statement check")
     parser.add_argument(
+        "--slowlog-workers", type=int, default=2, help="workers (each with its own emulator)"
+    )
+    parser.add_argument(
         "--table", action="store_true", help=f"only print the table of the figures in {RESULTS}"
     )
     args = parser.parse_args()
@@ -77,7 +80,7 @@ def main() -> None:
     if args.slowlog:
         import scale_slowlog
 
-        scale_slowlog.main(keep=args.keep)
+        scale_slowlog.main(keep=args.keep, workers=args.slowlog_workers)
         return
     print(f"scale: {machine_note()}", flush=True)
     tokenizer = _tokenizer_identity()

@@ -3,18 +3,20 @@
 
 The ledger is bench/scale_build.py's: run A at its end (live leases on two servers, a dead
 worker's expired leases), run B queued behind it, every id in a broker message. For
-SLOWLOG_SECONDS two real `celery -A app worker`s, each bound to an emulator of its own (servers
-s3 and s4), work run B (steady state: each one's hedge search meets the other's leases on run
-B) and hedge run A's stragglers; `celery -A app beat` sends the watchdog, reconcile (every 30
-s) and compaction (every 60 s, which moves run A's finished arrays to shards); the dead
-worker's leases are put back every 30 s, so every reconcile pass finds some; and an operator
-polls `tokenmill status`, `servers`, `events` and `/metrics`.
+SLOWLOG_SECONDS real `celery -A app worker`s (two by default, `--slowlog-workers N`), each
+bound to an emulator of its own (servers s3, s4, ...), work run B (steady state: with two,
+each one's hedge search meets the other's leases on run B) and hedge run A's stragglers;
+`celery -A app beat` sends the watchdog, reconcile (every 30 s) and compaction (every 60 s,
+which moves run A's finished arrays to shards); the dead worker's leases are put back every
+30 s, so every reconcile pass finds some; and an operator polls `tokenmill status`,
+`servers`, `events` and `/metrics`.
 The database gets `log_min_duration_statement = 500` (ALTER DATABASE, reset at the end);
 the lines its sessions add to the server log are the result.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import subprocess
@@ -52,7 +54,7 @@ DEAD_LEASES_EVERY_S = 30.0
 DURATION = re.compile(r"duration: ([0-9.]+) ms\s+(?:statement|execute [^:]*): (.*)")
 
 
-def main(*, keep: bool) -> None:
+def main(*, keep: bool, workers: int = 2) -> None:
     from scale import REDIS_URL, _fill_broker
 
     from app.prompts.tokenization import load_tokenizer
@@ -76,8 +78,9 @@ def main(*, keep: bool) -> None:
             before = ledger.run_counts(conn, built.run_b)
         emu_args = ["--step-ms", "5", "--median-tokens", "16", "--sigma", "0.5"]
         emu_args += ["--max-running", "64", "--log-level", "warning"]
-        with emulator(emu_args) as first, emulator(emu_args) as second:
-            servers = {"s3": first.url, "s4": second.url}
+        with contextlib.ExitStack() as stack:
+            emulators = [stack.enter_context(emulator(emu_args)) for _ in range(workers)]
+            servers = {f"s{3 + i}": emu.url for i, emu in enumerate(emulators)}
             _serve_runs_with(db, servers)
             with tempfile.TemporaryDirectory(prefix="tokenmill-slowlog-") as tmp:
                 _run_fleet(built, servers, Path(tmp), REDIS_URL, db)
@@ -93,8 +96,8 @@ def main(*, keep: bool) -> None:
             build.drop(SIZE)
     slow = _slow_statements(log_from)
     print(
-        f"slow-statement log at {SLOW_MS} ms, {SLOWLOG_SECONDS} s of two workers, beat and an "
-        f"operator on {SIZE:,} items ({processed:,} items of run B finished meanwhile): "
+        f"slow-statement log at {SLOW_MS} ms, {SLOWLOG_SECONDS} s of {workers} workers, beat and "
+        f"an operator on {SIZE:,} items ({processed:,} items of run B finished meanwhile): "
         f"{len(slow)} statements logged"
     )
     for ms, statement in sorted(slow, reverse=True)[:20]:
