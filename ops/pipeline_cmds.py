@@ -162,14 +162,11 @@ def _existing_run(db: Any, run: str) -> RunInfo | None:
 
 def pinned_folder_changes(run: RunInfo, tokenizer_path: str | None = None) -> list[str]:
     """How the tokenizer folder (the run's own unless given) differs from the files the run
-    pinned, read before any of its code runs; nothing for a path that is not a folder
-    (load_tokenizer says what is wrong with it)."""
+    pinned, read before any of its code runs."""
     from app.prompts.tokenizer_files import folder_changes
 
-    folder = Path(tokenizer_path or run.tokenizer_path).expanduser()
-    if not folder.is_dir():
-        return []
-    return folder_changes(folder.resolve(), run.tokenizer_hash, run.tokenizer_files)
+    folder = Path(tokenizer_path or run.tokenizer_path)
+    return folder_changes(folder, run.tokenizer_hash, run.tokenizer_files)
 
 
 def _check_pinned_files(run: RunInfo, tokenizer_path: str) -> None:

@@ -212,11 +212,7 @@ class TokenizerCache:
         folder = Path(run.tokenizer_path)
         # hash the files before loading: the tokenizer's own code (trust_remote_code) only
         # runs if it is byte for byte what the run was enqueued with
-        changes = (
-            folder_changes(folder, run.tokenizer_hash, run.tokenizer_files)
-            if folder.is_dir()
-            else []
-        )
+        changes = folder_changes(folder, run.tokenizer_hash, run.tokenizer_files)
         if changes:
             raise TokenmillError(
                 f"the tokenizer files at {run.tokenizer_path} changed since the run was "

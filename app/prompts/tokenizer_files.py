@@ -94,7 +94,11 @@ def _is_legacy_tokenizer_file(name: str) -> bool:
 def folder_changes(
     folder: Path, pinned_hash: str, pinned_files: Mapping[str, str] | None
 ) -> list[str]:
-    """`file_changes` of a folder not loaded yet (check before its own code runs)."""
+    """`file_changes` of a folder not loaded yet (check before its own code runs); none for
+    a path that is not a folder (loading it says what is wrong with it)."""
+    folder = folder.expanduser()
+    if not folder.is_dir():
+        return []
     files = tokenizer_files_manifest(folder)
     return file_changes(
         pinned_hash, pinned_files, manifest_hash(files), files, legacy_tokenizer_files_hash(folder)
