@@ -47,6 +47,31 @@ class RunCounts:
     def finished(self) -> bool:
         return self.pending == 0 and self.queued == 0 and self.leased == 0 and self.waiting == 0
 
+    @classmethod
+    def of(
+        cls,
+        run: str,
+        statuses: dict[str, int],
+        *,
+        truncated: int,
+        output_tokens: int,
+        prompt_tokens: int,
+    ) -> RunCounts:
+        """The counts of a run from its items per status and its sums."""
+        return cls(
+            run=run,
+            total=sum(statuses.values()),
+            pending=statuses.get(ItemStatus.PENDING.value, 0),
+            queued=statuses.get(ItemStatus.QUEUED.value, 0),
+            leased=statuses.get(ItemStatus.LEASED.value, 0),
+            done=statuses.get(ItemStatus.DONE.value, 0),
+            failed=statuses.get(ItemStatus.FAILED.value, 0),
+            truncated=truncated,
+            output_tokens=output_tokens,
+            prompt_tokens=prompt_tokens,
+            waiting=statuses.get(ItemStatus.WAITING.value, 0),
+        )
+
     def tallies(self) -> dict[str, int]:
         """Every count but the run's name (what an archived run keeps)."""
         return {k: v for k, v in self.to_json().items() if k != "run"}
@@ -80,18 +105,12 @@ def run_counts(conn: Connection, run: RunInfo) -> RunCounts:
     groups = counters.counted_groups(conn, run.id)
     statuses = counters.by_status(groups.items())
     tallies = groups.values()
-    return RunCounts(
-        run=run.name,
-        total=sum(statuses.values()),
-        pending=statuses.get(ItemStatus.PENDING.value, 0),
-        queued=statuses.get(ItemStatus.QUEUED.value, 0),
-        leased=statuses.get(ItemStatus.LEASED.value, 0),
-        done=statuses.get(ItemStatus.DONE.value, 0),
-        failed=statuses.get(ItemStatus.FAILED.value, 0),
+    return RunCounts.of(
+        run.name,
+        statuses,
         truncated=sum(t.items for k, t in groups.items() if k.finish_reason == "length"),
         output_tokens=sum(t.completion_tokens for t in tallies),
         prompt_tokens=sum(t.prompt_tokens for t in tallies),
-        waiting=statuses.get(ItemStatus.WAITING.value, 0),
     )
 
 
@@ -120,18 +139,8 @@ def scanned_run_counts(conn: Connection, run: RunInfo) -> RunCounts:
             trunc += int(t)
             out_tokens += int(out)
             prompt_tokens += int(prompt)
-    return RunCounts(
-        run=run.name,
-        total=sum(by_status.values()),
-        pending=by_status.get(ItemStatus.PENDING.value, 0),
-        queued=by_status.get(ItemStatus.QUEUED.value, 0),
-        leased=by_status.get(ItemStatus.LEASED.value, 0),
-        done=by_status.get(ItemStatus.DONE.value, 0),
-        failed=by_status.get(ItemStatus.FAILED.value, 0),
-        truncated=trunc,
-        output_tokens=out_tokens,
-        prompt_tokens=prompt_tokens,
-        waiting=by_status.get(ItemStatus.WAITING.value, 0),
+    return RunCounts.of(
+        run.name, by_status, truncated=trunc, output_tokens=out_tokens, prompt_tokens=prompt_tokens
     )
 
 
