@@ -1,8 +1,8 @@
 """Enqueue of agentic rows (tools, tool calls, reasoning, ShareGPT tool turns) into Postgres.
 
 Writes N rows of `app.fixtures.agentic_rows` (every case of issue 12, cycled) to JSONL, then
-enqueues them with `workers.producer.enqueue(..., publish=None)` into a fresh Postgres database,
-once per tokenizer:
+enqueues them with `workers.intake.producer.enqueue(..., publish=None)` into a fresh Postgres
+database, once per tokenizer:
 
   fast            the Kimi-K2.5-shaped fixture (a Rust "fast" tokenizer, templated inline)
   custom code     the custom-code fixture: tiktoken behind a PreTrainedTokenizer, its helper
@@ -55,7 +55,7 @@ def main() -> None:
     from app.fixtures.kimi_custom import ensure_agentic_tokenizer
     from app.prompts.template_pool import default_processes
     from app.prompts.tokenization import load_tokenizer
-    from workers.producer import EnqueueOptions, enqueue
+    from workers.intake.producer import EnqueueOptions, enqueue
 
     print(machine_note())
     with tempfile.TemporaryDirectory(prefix="tm-agentic-") as tmp:
@@ -116,7 +116,7 @@ def bare_templating(folder: Path, count: int) -> str:
     from app.prompts.chat_path import ChatInputs, parse_tools
     from app.prompts.template_pool import Templater
     from app.prompts.tokenization import load_tokenizer
-    from workers.producer import CHUNK_LINES
+    from workers.intake.producer import CHUNK_LINES
 
     batch = [
         ChatInputs(row["messages"], parse_tools(row.get("tools")), row.get("chat_template_kwargs"))

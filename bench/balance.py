@@ -67,7 +67,7 @@ import celery.signals
 
 def _claim_then_wait(rt, item_ids, *, requeue):
     from app import ledger
-    from workers.generate import _release
+    from workers.engine.generate import _release
     ids = [int(i) for i in item_ids]
     with rt.db.begin() as conn:
         claimed = ledger.claim_items(

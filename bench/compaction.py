@@ -19,7 +19,7 @@ from sqlalchemy import Engine, text
 from app import ledger
 from app.core.contracts import GenerateResult, SamplingParams
 from app.core.settings import Settings
-from workers.compaction import compact_run
+from workers.control.compaction import compact_run
 
 VOCAB = 160_000
 

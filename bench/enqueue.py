@@ -3,7 +3,7 @@
 Writes N synthetic chat prompts (a system turn sometimes, one to three user turns, a few
 hundred tokens each) to JSONL, then in the same run:
 
-  enqueue  `workers.producer.enqueue(..., publish=None)`: read the JSONL, apply the chat
+  enqueue  `workers.intake.producer.enqueue(..., publish=None)`: read the JSONL, apply the chat
            template with the bundled Kimi-K2.5-shaped fixture tokenizer (apply_each per
            chunk), insert the ledger rows into a fresh Postgres database;
   bare     `ChatTokenizer.apply_batch` over the same conversations in the producer's chunk
@@ -81,7 +81,7 @@ def conversations(path: Path, start: int, stop: int, size: int) -> Iterator[list
 
 def bare_tokenize(tokenizer: Any, path: Path, start: int, stop: int) -> tuple[float, float, int]:
     """(wall s, CPU s, tokens) of apply_batch alone over prompts [start, stop)."""
-    from workers.producer import CHUNK_LINES
+    from workers.intake.producer import CHUNK_LINES
 
     wall = cpu = 0.0
     tokens = 0
@@ -99,7 +99,7 @@ def analyze_as_it_grows(db: Any) -> None:
     existing_keys lookup of chunks 2, 8, 32 and 128."""
     from sqlalchemy import text
 
-    import workers.producer as producer
+    import workers.intake.producer as producer
 
     ledger_mod = producer.ledger
     lookup = ledger_mod.existing_keys
@@ -121,8 +121,8 @@ WRITER_STEPS = ("insert_items",)  # the step of the writer thread
 
 def instrument() -> dict[str, float]:
     """Wall time the producer spends in each step, accumulated by wrapping (in this process
-    only) the functions `workers.producer.enqueue` calls; cheap enough to leave on."""
-    import workers.producer as producer
+    only) the functions `workers.intake.producer.enqueue` calls; cheap enough to leave on."""
+    import workers.intake.producer as producer
     from app import ledger
 
     spent: dict[str, float] = defaultdict(float)
@@ -162,7 +162,7 @@ def instrument() -> dict[str, float]:
 
 def run_enqueue(db: Any, tokenizer: Any, path: Path, run: str) -> Any:
     from app.core.contracts import SamplingParams
-    from workers.producer import EnqueueOptions, enqueue
+    from workers.intake.producer import EnqueueOptions, enqueue
 
     options = EnqueueOptions(input_path=path, run=run, sampling=SamplingParams(seed=1))
     return enqueue(db, tokenizer, options, publish=None)

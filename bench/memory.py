@@ -193,7 +193,7 @@ def insert_random_items(
 
 def publish_all(db: Any, run_id: int, batch: int) -> None:
     from app import ledger
-    from workers.publish import publish_items
+    from workers.intake.publish import publish_items
 
     after = 0
     while True:

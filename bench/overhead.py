@@ -7,7 +7,7 @@ answered as soon as it is parsed), in the same run:
              own single-connection httpx client): the most this machine can push through
              the emulator;
   tokenmill  per TOKENMILL_INFLIGHT:TOKENMILL_BATCH_SIZE config, a fresh run of the same
-             prompt ids and sampling enqueued with `workers.producer.enqueue` and published
+             prompt ids and sampling enqueued with `workers.intake.producer.enqueue` and published
              to Redis, then ONE `celery -A app worker` (claim in Postgres, request, durable
              group-commit write) until the ledger says the run is finished.
 
@@ -145,7 +145,7 @@ def enqueue_run(
 ) -> float:
     """Producer path with publish=None (ledger rows only); seconds taken."""
     from app.core.contracts import SamplingParams
-    from workers.producer import EnqueueOptions, enqueue
+    from workers.intake.producer import EnqueueOptions, enqueue
 
     options = EnqueueOptions(
         input_path=prompts,
@@ -163,7 +163,7 @@ def publish_run(db: Any, run: str, batch: int) -> float:
     """Publish the run's pending ids in messages of `batch` ids and mark them queued, as the
     producer does; only now, so no other config's worker can take them."""
     from app import ledger
-    from workers.publish import publish_items
+    from workers.intake.publish import publish_items
 
     t0 = time.perf_counter()
     with db.connect() as conn:

@@ -6,7 +6,7 @@ serving the same fixture tokenizer folder (`--tokenizer DIR`), then enqueues the
 separate runs, alternating so that load that comes and goes on this shared machine lands on
 every side:
 
-  local        `workers.producer.enqueue` with the local chat template (the default path);
+  local        `workers.intake.producer.enqueue` with the local chat template (the default path);
   render-wN    the same with `--render-with` the emulator, N /v1/tokenize requests in flight;
   parity       `tokenmill parity` on the render run: every stored prompt re-rendered by the
                emulator and compared (the rate of a full parity check).
@@ -49,7 +49,7 @@ def parse_args() -> argparse.Namespace:
 def enqueue_run(db: Any, tokenizer: Any, path: Path, run: str, url: str | None, window: int) -> Any:
     from app.core.contracts import SamplingParams
     from app.prompts.render import RenderClient, RenderPolicy
-    from workers.producer import EnqueueOptions, enqueue
+    from workers.intake.producer import EnqueueOptions, enqueue
 
     options = EnqueueOptions(
         input_path=path, run=run, sampling=SamplingParams(seed=1), render_with=url
@@ -77,7 +77,7 @@ def main() -> None:
     from app import ledger
     from app.prompts.render import RenderClient, RenderPolicy
     from app.prompts.tokenization import load_tokenizer
-    from workers.parity import check_run
+    from workers.control.parity import check_run
 
     folder = fixture_tokenizer_dir()
     tokenizer = load_tokenizer(folder)

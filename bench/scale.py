@@ -8,7 +8,7 @@ Ledgers are built by bench/scale_build.py (one database `tokenmill_scale_<size>`
 --keep reuses one built at the current schema revision and keeps it afterwards). Commands are
 timed as `python -m ops ...` subprocesses, start-up included (wall, median of --repeat, and
 CPU); periodic queries and claim/write call app.ledger, app.ledger.registry,
-app.ledger.metrics_queries, ops.metrics, workers.reconcile in this process, each in its own
+app.ledger.metrics_queries, ops.metrics, workers.control.reconcile in this process, each in its own
 pooled connection as the workers do. --slowlog (bench/scale_slowlog.py) checks Postgres'
 slow-statement log instead.
 """
@@ -138,7 +138,7 @@ def measure(built: build.Ledger, parts: list[str], repeat: int) -> dict[str, flo
 def _fill_broker(db: Engine, built: build.Ledger) -> None:
     """Messages for run B's oldest BROKER_FILL_IDS queued ids (all of them up to 1M items):
     what reconcile's bounded check reads first. Publishing 2M ids would take 10 minutes."""
-    from workers.publish import publish_items
+    from workers.intake.publish import publish_items
 
     flush_redis(REDIS_URL)
     after, started = 0, time.monotonic()
@@ -295,8 +295,8 @@ def time_queries(
 ) -> dict[str, float]:
     from app.ledger.dashboard_queries import gather_dashboard
     from app.ledger.metrics_queries import read_snapshot
-    from workers.publish import publish_items
-    from workers.reconcile import reconcile
+    from workers.control.reconcile import reconcile
+    from workers.intake.publish import publish_items
 
     with db.connect() as conn:
         in_flight = list(

@@ -116,8 +116,8 @@ def demo_cmd(samples_per_prompt: int, max_new_tokens: int) -> None:
     from app.outputs.export import export_run
     from app.prompts.tokenization import load_tokenizer
     from ops.emulator_proc import start_emulator
-    from workers.producer import EnqueueOptions, enqueue
-    from workers.runner import EmbeddedRunner
+    from workers.engine.runner import EmbeddedRunner
+    from workers.intake.producer import EnqueueOptions, enqueue
 
     console = err_console()
     base = get_settings()

@@ -137,7 +137,7 @@ def _targets(server: tuple[str, ...], all_servers: bool) -> list[str]:
 def pause_cmd(server: tuple[str, ...], all_servers: bool, reason: str) -> None:
     """Stop the workers of these servers from taking work; the watchdog never lifts this."""
     from app.ledger import registry
-    from workers.control import CeleryControl, pause_server
+    from workers.control.pausing import CeleryControl, pause_server
 
     db = open_db()
     for name in _targets(server, all_servers):
@@ -153,7 +153,7 @@ def pause_cmd(server: tuple[str, ...], all_servers: bool, reason: str) -> None:
 @handle_errors
 def resume_cmd(server: tuple[str, ...], all_servers: bool) -> None:
     """Let the workers of these servers take work again."""
-    from workers.control import CeleryControl, resume_server
+    from workers.control.pausing import CeleryControl, resume_server
 
     db = open_db()
     for name in _targets(server, all_servers):
@@ -183,7 +183,7 @@ def restart_cmd(name: str, command: str | None, timeout_s: float | None, poll_s:
     from rich.table import Table
 
     from ops.restart import parse_command, restart_server
-    from workers.control import CeleryControl
+    from workers.control.pausing import CeleryControl
 
     settings = get_settings()
     db = open_db(settings)

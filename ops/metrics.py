@@ -41,8 +41,8 @@ from app.ledger.metrics_queries import (
     LedgerSnapshot,
     read_snapshot,
 )
-from workers.broker_scan import PRIORITY_SEP
-from workers.health import Health
+from workers.control.broker_scan import PRIORITY_SEP
+from workers.control.health import Health
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from ops.options import get_settings, handle_errors, open_db, print_json
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from workers.parity import Mismatch, ParityReport
+    from workers.control.parity import Mismatch, ParityReport
 
 # the server's outage is waited out this long before the command gives up (exit 2)
 PARITY_WAIT_S = 30.0
@@ -50,7 +50,7 @@ def parity_cmd(run_name: str, server: str, sample: int | None, seed: int, as_jso
     from app import ledger
     from app.ledger import registry
     from app.prompts.render import render_client
-    from workers.parity import check_run
+    from workers.control.parity import check_run
 
     settings = get_settings()
     db = open_db(settings)

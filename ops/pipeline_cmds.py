@@ -31,8 +31,8 @@ if TYPE_CHECKING:
     from app.ledger import RunCounts, RunInfo
     from app.outputs.export import ExportFormat
     from app.prompts.tokenization import ChatTokenizer
-    from workers.producer import EnqueueReport
-    from workers.runner import EmbeddedRunner
+    from workers.engine.runner import EmbeddedRunner
+    from workers.intake.producer import EnqueueReport
 
 MAX_ERRORS_SHOWN = 50
 
@@ -46,7 +46,7 @@ def _enqueue(
     from app.prompts.inputs import parse_chat_template_kwargs
     from app.prompts.render import render_client
     from app.prompts.tokenization import load_tokenizer
-    from workers.producer import EnqueueOptions, enqueue
+    from workers.intake.producer import EnqueueOptions, enqueue
 
     console = err_console()
     settings = get_settings()
@@ -76,7 +76,7 @@ def _enqueue(
     )
     publisher = None
     if publish:
-        from workers.publish import publish_items
+        from workers.intake.publish import publish_items
 
         # `--turns each`: the producer hands over one message's ids at a time (a conversation's
         # items stay in one message, even past batch_size)
@@ -296,7 +296,7 @@ def run_pipeline(
     from rich.markup import escape
 
     from app import ledger
-    from workers.runner import EmbeddedRunner
+    from workers.engine.runner import EmbeddedRunner
 
     console = err_console()
     settings = get_settings()
@@ -409,8 +409,8 @@ def export_cmd(run_name: str, fmt: str, out: str, per_turn: bool, whole_conversa
 @handle_errors
 def reconcile_cmd(run_name: str | None) -> None:
     """Re-queue items whose lease expired or that were never published."""
-    from workers.publish import publish_items
-    from workers.reconcile import reconcile
+    from workers.control.reconcile import reconcile
+    from workers.intake.publish import publish_items
 
     settings = get_settings()
     db = open_db(settings)

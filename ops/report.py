@@ -91,7 +91,7 @@ def build_report(db: Engine, run_name: str, out_dir: Path) -> ReportResult:
     )
     from ops import report_plots  # matplotlib loads only when a report is made
     from ops.report_stats import accumulate, pause_periods
-    from workers.control import EVENT_PAUSED, EVENT_RESUMED
+    from workers.control.pausing import EVENT_PAUSED, EVENT_RESUMED
 
     with db.connect() as conn:
         run = ledger.get_run(conn, run_name)

@@ -22,8 +22,8 @@ from app.core.errors import ConfigurationError, GenerationError
 from app.core.settings import Settings
 from app.ledger import registry
 from app.ledger.registry import PAUSED_BY_RESTART, ServerInfo
-from workers.control import WorkerControl, pause_server, resume_server
-from workers.watchdog import HttpProber, Prober, fingerprint_conflicts
+from workers.control.pausing import WorkerControl, pause_server, resume_server
+from workers.control.watchdog import HttpProber, Prober, fingerprint_conflicts
 
 PLACEHOLDERS = frozenset({"name", "url", "host", "port"})
 EVENT_RESTART = "restart"

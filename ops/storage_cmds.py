@@ -1,6 +1,7 @@
 """The object-storage commands: `compact`, `archive`, and the Parquet path of `export`.
 
-Thin: settings and the ledger in, workers.compaction / app.outputs.storage do the work, counts out.
+Thin: settings and the ledger in, workers.control.compaction / app.outputs.storage do the work,
+counts out.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def compact_cmd(run_name: str, force: bool, as_json: bool) -> None:
 
     from app import ledger
     from app.outputs.shards import StorageError
-    from workers.compaction import compact_run
+    from workers.control.compaction import compact_run
 
     settings = get_settings()
     db = open_db(settings)
@@ -103,7 +104,7 @@ def archive_cmd(run_name: str, as_json: bool) -> None:
     from app.core.errors import ArchiveRefused
     from app.ledger import archive
     from app.outputs.shards import StorageError
-    from workers.compaction import compact_run
+    from workers.control.compaction import compact_run
 
     settings = get_settings()
     db = open_db(settings)

@@ -33,15 +33,15 @@ from app.core.logs import JsonFormatter, use_json
 from app.core.settings import get_settings
 from app.ledger.database import get_engine
 from app.prompts.tokenization import quiet_transformers
-from workers import reconcile as reconcile_logic
-from workers.compaction import compact_due
-from workers.control import CeleryControl
-from workers.enforcer import PauseEnforcer
-from workers.generate import handle_message
-from workers.parity import ParityGate
-from workers.publish import publish_items
-from workers.runtime import WorkerRuntime
-from workers.watchdog import run_watchdog
+from workers.control import reconcile as reconcile_logic
+from workers.control.compaction import compact_due
+from workers.control.parity import ParityGate
+from workers.control.pausing import CeleryControl
+from workers.control.watchdog import run_watchdog
+from workers.engine.enforcer import PauseEnforcer
+from workers.engine.generate import handle_message
+from workers.engine.runtime import WorkerRuntime
+from workers.intake.publish import publish_items
 
 log = logging.getLogger(__name__)
 

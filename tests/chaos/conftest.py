@@ -298,7 +298,7 @@ class Deployment:
 
     def describe(self) -> str:
         """Ledger counts and what the broker holds, for a failure message."""
-        from workers.broker_scan import broker_item_ids
+        from workers.control.broker_scan import broker_item_ids
 
         c = self.counts()
         try:

@@ -105,7 +105,8 @@ def test_two_workers_two_servers_exact_and_exactly_once(
             [
                 sys.executable,
                 "-c",
-                "from workers.publish import publish_items; publish_items([1, 2, 3], batch_size=3)",
+                "from workers.intake.publish import publish_items; "
+                "publish_items([1, 2, 3], batch_size=3)",
             ],
             env=base,
             cwd=ROOT,

@@ -22,7 +22,7 @@ from app.outputs.verify import verify_run
 from ops.report import build_report
 from tests.support.done_runs import make_done_run, spec
 from tests.support.procs import clean_env, tokenmill
-from workers.compaction import compact_ids, compact_run, compaction_location
+from workers.control.compaction import compact_ids, compact_run, compaction_location
 
 FINAL = ("done", "failed")
 

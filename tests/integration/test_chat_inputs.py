@@ -23,7 +23,7 @@ from app.prompts.chat_path import NORMALIZATION_VERSION
 from app.prompts.tokenization import ChatTokenizer, load_tokenizer
 from tests.support import sglang_chat_path as sglang
 from tests.support.chat_templates import AGENT_TEMPLATE, tokenizer_with_template
-from workers.producer import EnqueueOptions, enqueue
+from workers.intake.producer import EnqueueOptions, enqueue
 
 WEATHER = {
     "type": "function",

@@ -19,7 +19,7 @@ from app.outputs.export import export_run
 from app.outputs.storage import check_export, export_parquet
 from tests.support.done_runs import make_done_run
 from tests.support.procs import clean_env, tokenmill
-from workers.compaction import compact_due, compact_run, compaction_location
+from workers.control.compaction import compact_due, compact_run, compaction_location
 
 
 def settings_for(tmp_path: Path, **extra: object) -> Settings:

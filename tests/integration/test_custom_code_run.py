@@ -18,7 +18,7 @@ from app.fixtures.agentic_rows import agentic_rows
 from app.fixtures.kimi_custom import HELPER_MODULE, ensure_agentic_tokenizer
 from app.prompts.tokenization import load_tokenizer
 from tests.support.procs import clean_env, tokenmill
-from workers.producer import EnqueueOptions, enqueue
+from workers.intake.producer import EnqueueOptions, enqueue
 
 ROWS = 40
 

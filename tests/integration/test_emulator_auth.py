@@ -14,7 +14,7 @@ from app.core.errors import ServerUnavailable
 from app.core.settings import Settings
 from app.emulator.config import EmulatorConfig
 from tests.support.emulator import running_emulator
-from workers.runtime import client_for
+from workers.engine.runtime import client_for
 
 KEY = "k3y-for-tests"
 SAMPLING = {"max_new_tokens": 8, "temperature": 0.0}
@@ -66,7 +66,7 @@ def test_the_emulator_refuses_to_listen_beyond_loopback_without_a_key(host: str)
 
 def test_the_watchdog_reports_a_refused_key_as_down_not_healthy() -> None:
     from app.ledger.registry import ServerInfo
-    from workers.watchdog import HttpProber
+    from workers.control.watchdog import HttpProber
 
     with running_emulator(EmulatorConfig(api_key=KEY, step_ms=0)) as emu:
         server = ServerInfo(

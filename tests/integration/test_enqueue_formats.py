@@ -16,7 +16,7 @@ from app import ledger
 from app.core.contracts import SamplingParams
 from app.core.errors import InputError
 from app.prompts.tokenization import ChatTokenizer, load_tokenizer
-from workers.producer import EnqueueOptions, enqueue
+from workers.intake.producer import EnqueueOptions, enqueue
 
 ROWS: list[dict[str, Any]] = [
     {"id": "a", "messages": [{"role": "user", "content": "Hello there"}]},

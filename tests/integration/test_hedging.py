@@ -25,8 +25,8 @@ from app.ledger import Done, Failed, Released, events, items
 from tests.support import runs as support_runs
 from tests.support.emulator import EmulatorProcess, running_emulator
 from tests.support.procs import wait_for
-from workers.generate import handle_message
-from workers.runtime import WorkerRuntime
+from workers.engine.generate import handle_message
+from workers.engine.runtime import WorkerRuntime
 
 EOS = KIMI_IM_END_ID
 SAMPLING = SamplingParams(max_new_tokens=64, seed=1)

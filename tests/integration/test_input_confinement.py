@@ -22,7 +22,7 @@ from app import ledger
 from app.core.contracts import SamplingParams
 from app.core.errors import ConfigurationError
 from app.prompts.tokenization import load_tokenizer
-from workers.producer import EnqueueOptions, enqueue
+from workers.intake.producer import EnqueueOptions, enqueue
 
 _opened: list[str] | None = None
 

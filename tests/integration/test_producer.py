@@ -13,7 +13,7 @@ from app import ledger
 from app.core.contracts import SamplingParams
 from app.core.errors import RunMismatch
 from app.prompts.tokenization import ChatTokenizer, load_tokenizer
-from workers.producer import EnqueueOptions, enqueue
+from workers.intake.producer import EnqueueOptions, enqueue
 
 
 @pytest.fixture(scope="module")

@@ -17,9 +17,9 @@ from app.core.constants import GENERATE_TASK, WORK_QUEUE
 from app.core.contracts import SamplingParams
 from app.core.settings import Settings
 from app.ledger import items
-from workers.broker_scan import broker_holds, broker_item_ids
-from workers.publish import chunks
-from workers.reconcile import reconcile
+from workers.control.broker_scan import broker_holds, broker_item_ids
+from workers.control.reconcile import reconcile
+from workers.intake.publish import chunks
 
 
 def publisher(settings: Settings) -> tuple[Callable[[list[int], float], None], list[int]]:
@@ -106,7 +106,7 @@ def test_the_broker_check_is_bounded_and_reads_from_the_consuming_end(
 def test_reconcile_waits_for_a_long_queue_before_calling_items_lost(
     pg_url: str, pg_engine: Engine, redis_url: str, tmp_path: Path, monkeypatch: object
 ) -> None:
-    import workers.reconcile as reconcile_module
+    import workers.control.reconcile as reconcile_module
 
     settings = Settings(
         data_dir=tmp_path, database_url=pg_url, broker_url=redis_url, reconcile_grace_s=30

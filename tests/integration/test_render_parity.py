@@ -37,9 +37,9 @@ from tests.support.emulator import EmulatorProcess, free_port, running_emulator,
 from tests.support.procs import clean_env, tokenmill
 from tests.support.rows import agentic_rows, chat_rows, write_rows
 from tests.support.templates import thinking_off_by_default
-from workers import producer
-from workers.parity import ParityGate, check_run
-from workers.watchdog import run_watchdog
+from workers.control.parity import ParityGate, check_run
+from workers.control.watchdog import run_watchdog
+from workers.intake import producer
 
 FAST: dict[str, Any] = {"median_tokens": 8.0, "token_min": 300, "token_max": 400, "step_ms": 1.0}
 

@@ -16,7 +16,7 @@ from app.core.settings import Settings
 from app.ledger import registry
 from app.ledger.registry import ServerInfo
 from ops.restart import parse_command, restart_server
-from workers.watchdog import Probe
+from workers.control.watchdog import Probe
 
 NAME = "gpu-$(touch pwned-by-name)"
 HOSTILE = ["$(touch {pwned})", "; touch {pwned}", "`touch {pwned}`", "a b | touch {pwned}", "*"]

@@ -15,7 +15,7 @@ from app import ledger
 from app.core.settings import Settings
 from app.outputs.storage import check_export, export_parquet, read_manifest
 from tests.support.done_runs import make_done_run
-from workers.compaction import compact_run
+from workers.control.compaction import compact_run
 
 BUCKET = "tokenmill-test"
 

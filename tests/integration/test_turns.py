@@ -18,8 +18,8 @@ from app.ledger import Done, Failed, items
 from app.outputs.export import export_run
 from app.prompts.conversation import WholeConversationError
 from app.prompts.tokenization import ChatTokenizer, load_tokenizer
-from workers import turns
-from workers.producer import EnqueueOptions, EnqueueReport, enqueue
+from workers.intake import turns
+from workers.intake.producer import EnqueueOptions, EnqueueReport, enqueue
 
 CONV3 = [
     {"role": "system", "content": "Be brief."},

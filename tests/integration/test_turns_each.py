@@ -18,7 +18,7 @@ from app.ledger import Done
 from app.outputs.export import export_run
 from app.prompts.chat_path import normalize_messages, normalize_tools
 from app.prompts.tokenization import ChatTokenizer, load_tokenizer
-from workers.producer import EnqueueOptions, EnqueueReport, enqueue
+from workers.intake.producer import EnqueueOptions, EnqueueReport, enqueue
 
 CALL: dict[str, Any] = {
     "role": "assistant",

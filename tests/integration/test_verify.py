@@ -25,7 +25,7 @@ from app.outputs.verify import (
 from app.prompts.tokenization import ChatTokenizer, load_tokenizer
 from ops.cli import cli
 from tests.support.procs import clean_env, tokenmill
-from workers.producer import EnqueueOptions, enqueue
+from workers.intake.producer import EnqueueOptions, enqueue
 
 MAX_NEW = 6
 LINES = [

@@ -14,8 +14,8 @@ from app import ledger
 from app.core.contracts import SamplingParams, ServerFingerprint
 from app.core.settings import Settings
 from app.ledger import items, registry
-from workers.control import pause_server
-from workers.watchdog import Probe, run_watchdog
+from workers.control.pausing import pause_server
+from workers.control.watchdog import Probe, run_watchdog
 
 PINNED = ServerFingerprint("moonshotai/Kimi-K2.5", "default", None, "0.5.23")
 

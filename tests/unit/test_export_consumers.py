@@ -15,7 +15,7 @@ from app.core.contracts import GenerateResult, SamplingParams
 from app.outputs.export import export_run
 from app.outputs.specforge_checks import file_problems, row_problems
 from app.prompts.tokenization import load_tokenizer
-from workers.producer import EnqueueOptions, enqueue
+from workers.intake.producer import EnqueueOptions, enqueue
 
 PROMPTS = [
     {"id": "a", "messages": [{"role": "user", "content": "Hello there"}]},

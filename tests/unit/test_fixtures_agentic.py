@@ -25,7 +25,7 @@ from app.ledger import RunInfo
 from app.prompts.chat_path import NORMALIZATION_VERSION, ChatInputs
 from app.prompts.template_pool import Templater
 from app.prompts.tokenization import ChatTokenizer, load_tokenizer
-from workers.turns import TokenizerCache
+from workers.intake.turns import TokenizerCache
 
 THINK, IM_END = SPECIAL_TOKENS_BY_NAME["<think>"], SPECIAL_TOKENS_BY_NAME["<|im_end|>"]
 CALL = {"role": "assistant", "content": None}

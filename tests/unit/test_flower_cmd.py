@@ -13,7 +13,7 @@ from app.core.errors import ConfigurationError
 from app.core.settings import SecretStr, Settings
 from ops import flower_cmd as module
 from ops.flower_cmd import flower_cmd, flower_launch
-from workers.publish import describe
+from workers.intake.publish import describe
 
 
 def test_without_password_loopback_only() -> None:

@@ -9,8 +9,8 @@ from sqlalchemy import Engine
 
 from app import ledger
 from app.core.contracts import SamplingParams
-from workers.generate import handle_message
-from workers.window import InflightWindow, WindowConfig
+from workers.engine.generate import handle_message
+from workers.engine.window import InflightWindow, WindowConfig
 
 
 @dataclass

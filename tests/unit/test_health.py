@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from workers.health import Health, Thresholds, Verdict, step
+from workers.control.health import Health, Thresholds, Verdict, step
 
 T = Thresholds(failures_to_down=3, successes_to_up=2)
 

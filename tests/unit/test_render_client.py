@@ -18,7 +18,7 @@ from app.prompts.render import (
     parse_tokenize_response,
     prompt_request,
 )
-from workers.parity import Mismatch, ParityReport, first_difference, sample_ids
+from workers.control.parity import Mismatch, ParityReport, first_difference, sample_ids
 
 
 class Script:

@@ -14,7 +14,7 @@ from app import ledger
 from app.core.contracts import GenerateResult, SamplingParams
 from app.core.errors import PermanentError, RetryableError, ServerUnavailable
 from app.sglang import ProbeResult
-from workers.window import InflightWindow, WindowConfig
+from workers.engine.window import InflightWindow, WindowConfig
 
 Behaviour = Callable[[list[int], int], float | Exception]
 

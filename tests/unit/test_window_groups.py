@@ -14,8 +14,8 @@ from sqlalchemy import Engine
 from app import ledger
 from app.core.contracts import GenerateResult, SamplingParams
 from app.sglang import ProbeResult
-from workers.groups import Conversations
-from workers.window import InflightWindow, WindowConfig
+from workers.engine.groups import Conversations
+from workers.engine.window import InflightWindow, WindowConfig
 
 
 class RecordingClient:

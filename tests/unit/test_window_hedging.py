@@ -17,7 +17,7 @@ from app import ledger
 from app.core.contracts import GenerateResult, SamplingParams
 from app.core.errors import RetryableError
 from app.sglang import ProbeResult
-from workers.window import InflightWindow, WindowConfig
+from workers.engine.window import InflightWindow, WindowConfig
 
 BLOCK = -1.0  # the script's answer for "run until aborted"
 

@@ -12,7 +12,7 @@ from app import ledger
 from app.core.errors import ServerUnavailable
 from app.ledger import ClaimedItem, Done
 from app.ledger.database import limit_periodic
-from workers.window_types import GenerateClient, Job, WindowHost
+from workers.engine.window_types import GenerateClient, Job, WindowHost
 
 log = logging.getLogger(__name__)
 

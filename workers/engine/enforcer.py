@@ -12,8 +12,8 @@ import threading
 from collections.abc import Callable
 
 from app.ledger.registry import PAUSED_BY_WATCHDOG
-from workers.control import WorkerControl
-from workers.runtime import WorkerRuntime
+from workers.control.pausing import WorkerControl
+from workers.engine.runtime import WorkerRuntime
 
 log = logging.getLogger(__name__)
 

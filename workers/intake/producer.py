@@ -28,7 +28,7 @@ from app.prompts.inputs import read_prompts
 from app.prompts.render import RenderClient, RenderServerUnavailable, prompt_request
 from app.prompts.template_pool import Templater
 from app.prompts.tokenization import ChatTokenizer, check_template_kwargs
-from workers import turns
+from workers.intake import turns
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class EnqueueOptions:
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     # the field (column) holding the prompt, instead of the JSONL field names
     prompt_field: str | None = None
-    # "all": one item per assistant turn, chained (workers/turns.py); "each": one independent
+    # "all": one item per assistant turn, chained (workers/intake/turns.py); "each": one independent
     # item per assistant turn on the original history (boundary samples); pinned by the run
     turns: str = "last"
     trust_remote_code: bool = False

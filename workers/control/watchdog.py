@@ -28,10 +28,10 @@ from app.ledger.registry import (
     ServerInfo,
 )
 from app.sglang import SGLangClient
-from workers.control import WorkerControl, pause_server, resume_server
-from workers.health import Health, Thresholds, Verdict, step
-from workers.parity import ParityGate
-from workers.runtime import client_for
+from workers.control.health import Health, Thresholds, Verdict, step
+from workers.control.parity import ParityGate
+from workers.control.pausing import WorkerControl, pause_server, resume_server
+from workers.engine.runtime import client_for
 
 log = logging.getLogger(__name__)
 

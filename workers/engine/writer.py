@@ -13,7 +13,7 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 
 from app import ledger
 from app.ledger import Outcome
-from workers.window_types import WindowConfig
+from workers.engine.window_types import WindowConfig
 
 log = logging.getLogger(__name__)
 

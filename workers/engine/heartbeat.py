@@ -11,7 +11,7 @@ from sqlalchemy import Connection, Engine
 
 from app import ledger
 from app.ledger.database import limit_periodic
-from workers.window_types import WindowConfig
+from workers.engine.window_types import WindowConfig
 
 log = logging.getLogger(__name__)
 

@@ -1,12 +1,12 @@
 """The in-flight window: keeps a constant number of requests in flight to one SGLang server.
 
 Claimed items wait in a small backlog; each of N slot threads (one single-connection client
-each) takes the next item the moment its previous request finishes (workers/slots.py), so
-there are no batch barriers and heavy-tailed output lengths never idle the server. Outcomes go
-to one writer thread that commits them in small groups (workers/writer.py); a heartbeat thread
-with its own connection keeps this worker's leases alive (workers/heartbeat.py).
+each) takes the next item the moment its previous request finishes (slots.py beside this
+module), so there are no batch barriers and heavy-tailed output lengths never idle the server.
+Outcomes go to one writer thread that commits them in small groups (writer.py); a heartbeat
+thread with its own connection keeps this worker's leases alive (heartbeat.py).
 
-Hedging (the end of a run, workers/hedging.py): when slots are free and the run has nothing
+Hedging (the end of a run, hedging.py): when slots are free and the run has nothing
 left to claim, the timer asks for items still running on other servers and sends a second copy
 of each to this server. The first result written wins (the ledger never writes a finished item
 again); the copy that lost is aborted on its server (`/abort_request`) once the ledger shows
@@ -30,16 +30,16 @@ from sqlalchemy import Engine
 from app import ledger
 from app.core.contracts import GenerateResult, SamplingParams
 from app.ledger import ClaimedItem, Done, Failed, Outcome, Released
-from workers.groups import Conversations
-from workers.heartbeat import renew_leases
-from workers.hedging import Hedges
-from workers.slots import run_job
-from workers.window_types import Delayed, GenerateClient, Job
+from workers.engine.groups import Conversations
+from workers.engine.heartbeat import renew_leases
+from workers.engine.hedging import Hedges
+from workers.engine.slots import run_job
+from workers.engine.window_types import Delayed, GenerateClient, Job
 
 # the window's own records, named here too: callers build and read a window with them
-from workers.window_types import WindowConfig as WindowConfig
-from workers.window_types import WindowStats as WindowStats
-from workers.writer import ResultWriter
+from workers.engine.window_types import WindowConfig as WindowConfig
+from workers.engine.window_types import WindowStats as WindowStats
+from workers.engine.writer import ResultWriter
 
 log = logging.getLogger(__name__)
 

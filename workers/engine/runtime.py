@@ -25,8 +25,8 @@ from app.core.settings import Settings
 from app.ledger import registry
 from app.ledger.database import limit_periodic
 from app.sglang import SGLangClient
-from workers.turns import TurnAdvancer
-from workers.window import InflightWindow, WindowConfig
+from workers.engine.window import InflightWindow, WindowConfig
+from workers.intake.turns import TurnAdvancer
 
 log = logging.getLogger(__name__)
 

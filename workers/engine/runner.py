@@ -19,9 +19,9 @@ from app import ledger
 from app.core.errors import ConfigurationError
 from app.core.settings import Settings
 from app.ledger import RunCounts, RunInfo
-from workers import turns
-from workers.parity import preflight
-from workers.runtime import WorkerRuntime
+from workers.control.parity import preflight
+from workers.engine.runtime import WorkerRuntime
+from workers.intake import turns
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 from app import ledger
 from app.ledger import Released
-from workers.runtime import WorkerRuntime
+from workers.engine.runtime import WorkerRuntime
 
 log = logging.getLogger(__name__)
 

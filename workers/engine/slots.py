@@ -10,7 +10,7 @@ import uuid
 from app.core.contracts import GenerateResult
 from app.core.errors import GenerationError, PermanentError, RetryableError, ServerUnavailable
 from app.ledger import Done, Failed, Released, RetryLater
-from workers.window_types import Delayed, GenerateClient, Job, WindowHost
+from workers.engine.window_types import Delayed, GenerateClient, Job, WindowHost
 
 log = logging.getLogger(__name__)
 

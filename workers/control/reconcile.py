@@ -19,7 +19,7 @@ from app.core.constants import EVENT_RECONCILED
 from app.core.settings import Settings
 from app.ledger import counters
 from app.ledger.database import SCAN_TIMEOUT_S, limit_periodic
-from workers.broker_scan import broker_holds
+from workers.control.broker_scan import broker_holds
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ def reconcile(
             # imported here: it brings the templating and the render client, which a
             # reconcile of runs without later turns never needs (tokenmill reconcile starts
             # faster)
-            from workers import turns
+            from workers.intake import turns
 
             advanced = turns.advance(db, turns.shared_cache(), run_id=info.id)
             report.turns_started += len(advanced.started)

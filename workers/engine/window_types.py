@@ -15,7 +15,7 @@ from sqlalchemy import Engine
 from app.core.contracts import GenerateResult, SamplingParams
 from app.ledger import ClaimedItem, Outcome
 from app.sglang import ProbeResult
-from workers.groups import Conversations
+from workers.engine.groups import Conversations
 
 
 class GenerateClient(Protocol):

@@ -1,0 +1,2 @@
+"""The generate engine beside one GPU: the claim logic behind the Celery task, the worker's runtime,
+and the in-flight window with its parts (slots, writer, heartbeat, hedging, conversation groups)."""
