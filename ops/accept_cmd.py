@@ -62,15 +62,6 @@ def is_greedy(run: RunInfo) -> bool:
     return run.sampling.temperature < 1e-6 or run.sampling.top_k == 1
 
 
-def _ci(value: float, bounds: tuple[float, float], digits: int = 3, sign: str = "") -> str:
-    return f"{value:{sign}.{digits}f} [{bounds[0]:.{digits}f}, {bounds[1]:.{digits}f}]"
-
-
-def _histogram_text(counts: Sequence[int]) -> str:
-    total = sum(counts) or 1
-    return " ".join(f"{i}:{100 * n / total:.0f}%" for i, n in enumerate(counts))
-
-
 def _table(title: str, header: Sequence[str], rows: Sequence[Sequence[str]]) -> Any:
     """A table whose columns are as wide as their widest cell (print_table keeps them whole)."""
     from rich.table import Table
@@ -85,28 +76,9 @@ def _table(title: str, header: Sequence[str], rows: Sequence[Sequence[str]]) -> 
 
 
 def _stats_table(title: str, groups: Sequence[GroupStats]) -> Any:
-    header = (
-        "group",
-        "requests",
-        "tokens",
-        "accept length [95% CI]",
-        "mean per request [95% CI]",
-        "accept rate [95% CI]",
-        "accepted drafts per step",
-    )
-    rows = [
-        (
-            g.value,
-            str(g.requests),
-            str(g.tokens),
-            _ci(g.accept_length, g.accept_length_ci),
-            _ci(g.mean_accept_length, g.mean_accept_length_ci),
-            _ci(g.accept_rate, g.accept_rate_ci),
-            _histogram_text(g.histogram),
-        )
-        for g in groups
-    ]
-    return _table(title, header, rows)
+    from ops.acceptance import STATS_HEADER, stats_cells
+
+    return _table(title, STATS_HEADER, [stats_cells(g) for g in groups])
 
 
 def print_accept(report: AcceptReport) -> None:
@@ -128,21 +100,9 @@ def print_accept(report: AcceptReport) -> None:
 
 
 def _paired_table(title: str, groups: Sequence[PairedGroup]) -> Any:
-    header = ("group", "pairs", "A", "B", "B - A [95% CI]", "mean B - A [95% CI]", "verdict")
-    verdicts = {"better": "B better", "worse": "B worse"}
-    rows = [
-        (
-            g.value,
-            str(g.pairs),
-            f"{g.accept_length_a:.3f}",
-            f"{g.accept_length_b:.3f}",
-            _ci(g.difference, g.difference_ci, sign="+"),
-            _ci(g.mean_difference, g.mean_difference_ci, sign="+"),
-            verdicts.get(g.verdict, g.verdict),
-        )
-        for g in groups
-    ]
-    return _table(title, header, rows)
+    from ops.accept_pairs import PAIRED_HEADER, paired_cells
+
+    return _table(title, PAIRED_HEADER, [paired_cells(g) for g in groups])
 
 
 def print_paired(report: PairedReport) -> None:

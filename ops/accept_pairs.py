@@ -20,6 +20,7 @@ from ops.acceptance import (
     bootstrap,
     grouped,
     interval,
+    with_interval,
 )
 
 # keys of differing outputs listed in the report
@@ -78,6 +79,23 @@ class PairedGroup:
             "accept_rate_difference_ci": list(self.accept_rate_difference_ci),
             "verdict": self.verdict,
         }
+
+
+PAIRED_HEADER = ("group", "pairs", "A", "B", "B - A [95% CI]", "mean B - A [95% CI]", "verdict")
+VERDICT_TEXT = {"better": "B better", "worse": "B worse"}
+
+
+def paired_cells(g: PairedGroup) -> tuple[str, ...]:
+    """A group's row of PAIRED_HEADER (the terminal table and the comparison page share it)."""
+    return (
+        "overall" if g.field == "overall" else f"{g.field}={g.value}",
+        f"{g.pairs:,}",
+        f"{g.accept_length_a:.3f}",
+        f"{g.accept_length_b:.3f}",
+        with_interval(g.difference, g.difference_ci, "+"),
+        with_interval(g.mean_difference, g.mean_difference_ci, "+"),
+        VERDICT_TEXT.get(g.verdict, g.verdict),
+    )
 
 
 def paired_group(

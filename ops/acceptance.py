@@ -146,6 +146,40 @@ class GroupStats:
         }
 
 
+STATS_HEADER = (
+    "group",
+    "requests",
+    "tokens",
+    "accept length [95% CI]",
+    "mean per request [95% CI]",
+    "accept rate [95% CI]",
+    "accepted drafts per step",
+)
+
+
+def with_interval(value: float, bounds: tuple[float, float], sign: str = "") -> str:
+    """`2.654 [2.571, 2.740]`: an estimate and its interval, as the tables print them."""
+    return f"{value:{sign}.3f} [{bounds[0]:.3f}, {bounds[1]:.3f}]"
+
+
+def histogram_text(counts: Sequence[int]) -> str:
+    total = sum(counts) or 1
+    return " ".join(f"{i}:{100 * n / total:.0f}%" for i, n in enumerate(counts))
+
+
+def stats_cells(g: GroupStats) -> tuple[str, ...]:
+    """A group's row of STATS_HEADER (the terminal table and the report page share it)."""
+    return (
+        "overall" if g.field == "overall" else f"{g.field}={g.value}",
+        f"{g.requests:,}",
+        f"{g.tokens:,}",
+        with_interval(g.accept_length, g.accept_length_ci),
+        with_interval(g.mean_accept_length, g.mean_accept_length_ci),
+        with_interval(g.accept_rate, g.accept_rate_ci),
+        histogram_text(g.histogram),
+    )
+
+
 def _columns(rows: Sequence[AcceptRow]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     tokens = np.array([r.completion_tokens for r in rows], dtype=np.float64)
     steps = np.array([r.verify_ct for r in rows], dtype=np.float64)
