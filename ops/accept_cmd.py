@@ -64,9 +64,17 @@ def is_greedy(run: RunInfo) -> bool:
 
 def _table(title: str, header: Sequence[str], rows: Sequence[Sequence[str]]) -> Any:
     """A table whose columns are as wide as their widest cell (print_table keeps them whole)."""
+    from rich import box
     from rich.table import Table
 
-    table = Table(title=title, title_justify="left")
+    # the light box of `tokenmill status`: no column separators, so print_table's width holds
+    table = Table(
+        title=title,
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+        collapse_padding=True,
+    )
     for index, name in enumerate(header):
         width = max(len(name), *(len(row[index]) for row in rows))
         table.add_column(name, justify="left" if index == 0 else "right", min_width=width)
@@ -157,7 +165,8 @@ def print_paired(report: PairedReport) -> None:
     "fields",
     multiple=True,
     metavar="FIELD",
-    help="Group by this row field (repeatable): category, source, any metadata field, 'turn', "
+    help="Group by this row field (repeatable): category, source, any metadata field (a.b "
+    "reads field b inside object field a), 'turn', "
     "'output_length'. Default: category and source when present, turn for --turns each "
     "runs, output_length.",
 )

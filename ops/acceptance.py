@@ -70,12 +70,15 @@ def _bucket_order(label: str) -> int:
 
 
 def field_value(row: AcceptRow, name: str) -> str:
-    """The group a row falls in for a field: a metadata field, its turn, or its length bucket."""
+    """The group a row falls in for a field: a metadata field (a dotted name reads inside an
+    object field), its turn, or its length bucket."""
     if name == TURN_FIELD:
         return str(row.turn)
     if name == LENGTH_FIELD:
         return length_bucket(row.completion_tokens)
-    value = row.metadata.get(name)
+    value: Any = row.metadata
+    for part in name.split("."):  # `metadata.category`: a field inside an object field
+        value = value.get(part) if isinstance(value, dict) else None
     if value is None:
         return MISSING
     return value if isinstance(value, str) else str(value)

@@ -108,3 +108,9 @@ def test_differing_greedy_outputs_are_a_red_flag() -> None:
     assert greedy.overall is not None and greedy.overall.verdict == "unclear"
     sampled = paired_report(Side("A", None, a), Side("B", None, b), [], greedy=False)
     assert not sampled.outputs.red_flag and sampled.outputs.differing == 2
+
+
+def test_dotted_fields_read_inside_objects() -> None:
+    nested = [replace(r, metadata={"metadata": dict(r.metadata)}) for r in ROWS]
+    report = accept_report("r", None, nested, ["metadata.category"], resamples=200)
+    assert [g.value for g in report.by["metadata.category"]] == ["chat", "code"]
