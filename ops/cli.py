@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import click
 
+from ops.accept_cmd import accept_cmd
 from ops.demo import demo_cmd
 from ops.emulator_cmd import emulator
 from ops.fleet_cmds import events_cmd, pause_cmd, restart_cmd, resume_cmd, servers_group
@@ -110,6 +111,7 @@ for command in (
     archive_cmd,
     verify_cmd,
     parity_cmd,
+    accept_cmd,
 ):
     cli.add_command(command)
 

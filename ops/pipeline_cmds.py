@@ -348,9 +348,46 @@ def run_pipeline(
     help="A --turns all run: one row per conversation whose every turn is done; specforge "
     "masks every regenerated assistant turn (the conversations default).",
 )
+@click.option(
+    "--split",
+    "split_text",
+    default=None,
+    metavar="eval=FRACTION",
+    help="Hold out this share of row keys (every sample and turn of a row on one side) in "
+    "OUT's .eval twin (r1.jsonl -> r1.eval.jsonl); OUT.manifest.json records the split.",
+)
+@click.option(
+    "--seed",
+    "split_seed",
+    type=int,
+    default=0,
+    show_default=True,
+    help="Seed of --split: the same seed gives the same split.",
+)
+@click.option(
+    "--exclude",
+    "exclude_file",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="A JSONL or Parquet file of prompts (an eval set): training rows whose prompt, "
+    "rendered with the run's pinned template, is one of them are dropped and counted.",
+)
 @handle_errors
-def export_cmd(run_name: str, fmt: str, out: str, per_turn: bool, whole_conversation: bool) -> None:
+def export_cmd(
+    run_name: str,
+    fmt: str,
+    out: str,
+    per_turn: bool,
+    whole_conversation: bool,
+    split_text: str | None,
+    split_seed: int,
+    exclude_file: Path | None,
+) -> None:
     """Write RUN_NAME's finished samples to --out: JSONL, or Parquet shards + .manifest.json."""
+    if fmt == "parquet" and (split_text or exclude_file):
+        raise ConfigurationError(
+            "--split and --exclude apply to the specforge and conversations exports"
+        )
     if fmt == "parquet":
         from ops.storage_cmds import export_to_storage
 
@@ -367,7 +404,7 @@ def export_cmd(run_name: str, fmt: str, out: str, per_turn: bool, whole_conversa
     with db.connect() as conn:
         run = ledger.get_run(conn, run_name)
     tokenizer: ChatTokenizer | None = None
-    if whole_conversation or fmt == "conversations":
+    if whole_conversation or fmt == "conversations" or exclude_file:
         # the run's pinned --trust-remote-code covers the code it was made with, not changed code
         changes = pinned_folder_changes(run)
         if changes and run.trust_remote_code:
@@ -389,6 +426,17 @@ def export_cmd(run_name: str, fmt: str, out: str, per_turn: bool, whole_conversa
                 markup=True,
                 soft_wrap=True,
             )
+    selection = None
+    if split_text or exclude_file:
+        from app.outputs.split import Selection, load_exclusion, parse_split
+
+        selection = Selection(
+            eval_fraction=parse_split(split_text) if split_text else None,
+            seed=split_seed,
+            exclusion=(
+                load_exclusion(exclude_file, run, tokenizer) if exclude_file and tokenizer else None
+            ),
+        )
     report = export_run(
         db,
         run,
@@ -397,11 +445,15 @@ def export_cmd(run_name: str, fmt: str, out: str, per_turn: bool, whole_conversa
         tokenizer=tokenizer,
         per_turn=per_turn,
         whole_conversation=whole_conversation,
+        selection=selection,
     )
     console.print(
         f"wrote {report.rows} samples ({report.truncated} truncated, "
         f"{report.tokens} tokens) to {escape(str(report.path))}"
     )
+    if selection is not None:
+        for line in selection.summary(Path(out)):
+            console.print(escape(line))
 
 
 @click.command("reconcile")

@@ -90,6 +90,7 @@ def build_report(db: Engine, run_name: str, out_dir: Path) -> ReportResult:
         server_events,
     )
     from ops import report_plots  # matplotlib loads only when a report is made
+    from ops.report_accept import acceptance_report_for, acceptance_section, draw_acceptance
     from ops.report_stats import accumulate, pause_periods
     from workers.control.pausing import EVENT_PAUSED, EVENT_RESUMED
 
@@ -123,8 +124,15 @@ def build_report(db: Engine, run_name: str, out_dir: Path) -> ReportResult:
         report_plots.latency(data, colors, out_dir / FIGURES[3][0]),
         report_plots.prompt_vs_output(data, out_dir / FIGURES[4][0]),
     ]
+    accept = acceptance_report_for(db, run)
+    extra = ""
+    if accept is not None and accept.overall is not None:
+        images += draw_acceptance(accept, out_dir)
+        extra = acceptance_section(accept)
     index = out_dir / "index.html"
-    page = render_page(run, counts, data, failures, pauses, generated_at=ledger.utcnow())
+    page = render_page(
+        run, counts, data, failures, pauses, generated_at=ledger.utcnow(), extra_sections=extra
+    )
     tmp = index.with_suffix(".html.tmp")
     tmp.write_text(page, encoding="utf-8")
     tmp.replace(index)
@@ -191,7 +199,10 @@ def render_page(
     pauses: list[PausePeriod],
     *,
     generated_at: datetime,
+    extra_sections: str = "",
 ) -> str:
+    """The run's page; extra_sections (HTML, e.g. the speculative-decoding section) go after
+    the figures."""
     flags = warnings_for(counts, data)
     verdict = (
         "".join(f'<p class="warn">{escape(w)}</p>' for w in flags)
@@ -286,7 +297,7 @@ def render_page(
         f"<h1>Run {escape(run.name)}</h1>"
         f"<p>Report generated {generated_at:%Y-%m-%d %H:%M:%S} UTC by "
         "<code>tokenmill report</code>.</p>"
-        f"{verdict}<h2>Summary</h2>{summary}{figures}"
+        f"{verdict}<h2>Summary</h2>{summary}{figures}{extra_sections}"
         f"<h2>Servers</h2>{servers}<h2>Pauses</h2>{pause_table}"
         f"<h2>Failure reasons</h2>{failure_table}<h2>Run settings</h2>{config}"
         "</body></html>\n"
@@ -302,9 +313,24 @@ def render_page(
     required=True,
     help="Folder for index.html and its PNG plots (created if missing).",
 )
+@click.option(
+    "--compare",
+    "run_b",
+    default=None,
+    metavar="RUN_B",
+    help="Instead: the page comparing two drafts (RUN_NAME = A, RUN_B = B) pair by pair, as "
+    "`tokenmill accept RUN_NAME RUN_B` does.",
+)
 @handle_errors
-def report_cmd(run_name: str, out_dir: Path) -> None:
-    """Write an HTML report of RUN_NAME (lengths, finish reasons, throughput, latency) to --out."""
+def report_cmd(run_name: str, out_dir: Path, run_b: str | None) -> None:
+    """Write an HTML report of RUN_NAME (lengths, finish reasons, throughput, latency, and the
+    draft's acceptance when the servers speculated) to --out."""
+    if run_b is not None:
+        from ops.report_accept import build_compare_report
+
+        index = build_compare_report(open_db(), run_name, run_b, out_dir, STYLE)
+        err_console().print(f"wrote {index}", highlight=False, markup=False, soft_wrap=True)
+        return
     result = build_report(open_db(), run_name, out_dir)
     err_console().print(
         f"wrote {result.index} ({len(result.images)} plots, {result.items:,} finished items)",

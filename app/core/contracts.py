@@ -109,6 +109,19 @@ class PromptRecord:
 
 
 @dataclass(frozen=True)
+class SpecStats:
+    """A finished request's speculative-decoding counters, as SGLang's meta_info reports them
+    (`spec_verify_ct` verify steps, accepted and proposed drafts, the per-step histogram)."""
+
+    verify_ct: int
+    num_correct_drafts: int
+    num_proposed_drafts: int
+    accept_length: float
+    accept_rate: float
+    histogram: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
 class GenerateResult:
     """What the server returned for one successful request (finish reason stop or length)."""
 
@@ -123,6 +136,8 @@ class GenerateResult:
     weight_version: str | None = None
     prompt_token_ids: list[int] | None = None
     text: str = ""
+    # speculative decoding's counters (None: the server does not speculate, or no verify step)
+    spec: SpecStats | None = None
 
     @property
     def truncated(self) -> bool:
@@ -138,19 +153,29 @@ class ServerFingerprint:
     reasoning_parser: str | None = None
     version: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    # the speculative-decoding settings from /server_info (algorithm, draft model path, draft
+    # tokens, steps, top-k); None when the server does not speculate
+    speculative: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        data: dict[str, Any] = {
             "model_path": self.model_path,
             "weight_version": self.weight_version,
             "reasoning_parser": self.reasoning_parser,
             "version": self.version,
         }
+        # only when set: a run pinned by a server that does not speculate keeps its old form
+        if self.speculative is not None:
+            data["speculative"] = self.speculative
+        return data
 
     def differences(self, other: ServerFingerprint) -> list[str]:
         """Human lines like "reasoning_parser: None → kimi_k2" for every field that differs."""
         mine, theirs = self.to_json(), other.to_json()
-        return [f"{k}: {mine[k]} → {theirs[k]}" for k in mine if mine[k] != theirs[k]]
+        keys = [*mine, *(k for k in theirs if k not in mine)]
+        return [
+            f"{k}: {mine.get(k)} → {theirs.get(k)}" for k in keys if mine.get(k) != theirs.get(k)
+        ]
 
 
 def stable_hash(value: Any) -> str:

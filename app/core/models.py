@@ -314,3 +314,23 @@ class ItemLatencyCount(Base):
     shard: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
     item_count: Mapped[int] = mapped_column(BigInteger)
     latency_sum_s: Mapped[float] = mapped_column(Float)
+
+
+class ItemSpecStats(Base):
+    """A done item's speculative-decoding counters, as its server reported them in meta_info.
+
+    Keyed by the item id without a foreign key to items, so the row stays when its item moves
+    to items_archive; it goes with its run."""
+
+    __tablename__ = "item_spec_stats"
+    __table_args__ = (Index("ix_item_spec_stats_run", "run_id", "item_id"),)
+
+    item_id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=False)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    verify_ct: Mapped[int] = mapped_column(Integer)
+    num_correct_drafts: Mapped[int] = mapped_column(Integer)
+    num_proposed_drafts: Mapped[int] = mapped_column(Integer)
+    accept_length: Mapped[float] = mapped_column(Float)
+    accept_rate: Mapped[float] = mapped_column(Float)
+    # index: drafts accepted in one verify step; value: steps
+    histogram: Mapped[list[int]] = mapped_column(JSON)

@@ -208,6 +208,51 @@ def _option(flag: str, *names: str, **kwargs: Any) -> Callable[[F], F]:
 )
 @_option("--fault-seed", type=int, default=0, help="Seed of the error/drop draws.")
 @_option(
+    "--speculative-algorithm",
+    default=None,
+    callback=_text_or_none,
+    metavar="EAGLE|EAGLE3|NEXTN|none",
+    help="Speculative decoding as SGLang's flag: finished answers carry meta_info spec_* stats.",
+)
+@_option(
+    "--speculative-draft-model-path",
+    default=None,
+    callback=_text_or_none,
+    help="The draft: its path changes how often drafts are accepted, per kind of prompt.",
+)
+@_option(
+    "--speculative-num-steps",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Draft depth; without it SGLang chooses steps, topk and draft tokens (3, 1, 4).",
+)
+@_option(
+    "--speculative-eagle-topk",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Draft branching (needs --speculative-num-steps).",
+)
+@_option(
+    "--speculative-num-draft-tokens",
+    type=click.IntRange(min=2),
+    default=None,
+    help="Tokens verified per step (needs --speculative-num-steps; num_steps + 1 with topk 1).",
+)
+@_option(
+    "--spec-accept",
+    type=click.FloatRange(0, 1, max_open=True),
+    default=0.7,
+    help="The draft's base chance of accepting each draft token; prompts with more repeated "
+    "tokens accept more, and the draft path moves it per kind of prompt.",
+)
+@_option(
+    "--request-log",
+    default=None,
+    callback=_text_or_none,
+    metavar="FILE|none",
+    help="Append one JSON line per finished request (rid, counts, the acceptance it drew).",
+)
+@_option(
     "--log-level",
     type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
     default="INFO",

@@ -9,6 +9,8 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from app.emulator.speculative import SpecSettings, resolve_settings
+
 KIMI_IM_END_ID = 163586
 KIMI_THINK_END_ID = 163607
 
@@ -68,6 +70,17 @@ class EmulatorConfig:
     max_queued: int | None = None
     fault_seed: int = 0
 
+    # speculative decoding (see app.emulator.speculative): SGLang's --speculative-* flags and
+    # the draft's base acceptance; off without an algorithm
+    speculative_algorithm: str | None = None
+    speculative_draft_model_path: str | None = None
+    speculative_num_steps: int | None = None
+    speculative_eagle_topk: int | None = None
+    speculative_num_draft_tokens: int | None = None
+    spec_accept: float = 0.7
+    # a JSONL file with one line per finished request (None: no log)
+    request_log: str | None = None
+
     def __post_init__(self) -> None:
         problems = list(self._problems())
         if problems:
@@ -97,6 +110,10 @@ class EmulatorConfig:
             (self.max_queued is None or self.max_queued >= 0, "max_queued must be >= 0"),
         ]
         problems = [message for ok, message in checks if not ok]
+        try:
+            _ = self.speculative
+        except ValueError as exc:
+            problems.append(str(exc))
         specials = {self.eos_id, self.think_end_id}
         if any(s is not None and self.token_min <= s < self.token_max for s in specials):
             problems.append("eos_id and think_end_id must lie outside [token_min, token_max)")
@@ -127,6 +144,18 @@ class EmulatorConfig:
         return self.prefix_cache_tokens
 
     @property
+    def speculative(self) -> SpecSettings | None:
+        """The resolved speculative settings (SGLang's rules), None when speculation is off."""
+        return resolve_settings(
+            self.speculative_algorithm,
+            self.speculative_draft_model_path,
+            self.speculative_num_steps,
+            self.speculative_eagle_topk,
+            self.speculative_num_draft_tokens,
+            self.spec_accept,
+        )
+
+    @property
     def served_model_name(self) -> str:
         return self.model_path
 
@@ -154,7 +183,15 @@ class EmulatorConfig:
             "dp_size": 1,
             "watchdog_timeout": 300,
             "enable_metrics": False,
+            "speculative_algorithm": None,
+            "speculative_draft_model_path": None,
+            "speculative_num_steps": None,
+            "speculative_eagle_topk": None,
+            "speculative_num_draft_tokens": None,
         }
+        spec = self.speculative
+        if spec is not None:
+            args.update(spec.server_args())
         return args
 
     def to_json(self) -> dict[str, Any]:

@@ -14,11 +14,12 @@ from typing import Any
 from aiohttp import web
 
 from app.emulator.config import EmulatorConfig
-from app.emulator.model import generate_output
+from app.emulator.model import generate_output, generation_seed
 from app.emulator.protocol import (
     QUEUE_FULL,
     GenerateCall,
     InvalidRequest,
+    ItemRequest,
     dumps,
     error_object,
     generate_response,
@@ -27,6 +28,7 @@ from app.emulator.protocol import (
 )
 from app.emulator.scheduler import Counters, Job, Scheduler, new_job
 from app.emulator.schema import SchemaViolation
+from app.emulator.speculative import RequestLog, draw_steps, expected_step_tokens, meta_fields
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +57,7 @@ class GenerateRoute:
     _faults: random.Random
     _resumed: asyncio.Event
     _inflight: int
+    request_log: RequestLog
 
     # here because /generate is where a hung scheduler shows first; the server's routes use it too
     @property
@@ -155,6 +158,7 @@ class GenerateRoute:
                     self.cfg,
                     cached_tokens=cached,
                     e2e_latency_s=latency_s,
+                    spec_meta=self._finished(item, output_ids, finish),
                 )
             )
         if call.stream:
@@ -180,7 +184,36 @@ class GenerateRoute:
             self.cfg,
             cached_tokens=job.cached_tokens,
             e2e_latency_s=job.e2e_latency_s,
+            spec_meta=self._finished(job.item, job.output_ids, job.finish_reason),
         )
+
+    def _finished(
+        self, item: ItemRequest, output_ids: list[int], finish: dict[str, Any] | None
+    ) -> dict[str, Any]:
+        """A finished request's speculative fields (none when speculation is off or it was
+        aborted), and its line in the request log."""
+        spec = self.cfg.speculative
+        if finish is None or finish.get("type") == "abort":
+            return {}
+        fields: dict[str, Any] = {}
+        record: dict[str, Any] = {
+            "rid": item.rid,
+            "prompt_tokens": len(item.input_ids),
+            "completion_tokens": len(output_ids),
+            "finish_reason": finish.get("type"),
+        }
+        if spec is not None:
+            seed = generation_seed(item.input_ids, item.sampling, item.sample_index)
+            draw = draw_steps(item.input_ids, len(output_ids), spec, seed=seed)
+            fields = meta_fields(draw, len(output_ids), spec)
+            record |= {
+                "draft_model_path": spec.draft_model_path,
+                "accept_probability": draw.probability,
+                "expected_step_tokens": expected_step_tokens(draw.probability, spec.num_steps),
+                **fields,
+            }
+        self.request_log.write(record)
+        return fields
 
     def _abort_unfinished(self, jobs: list[Job]) -> None:
         for job in jobs:

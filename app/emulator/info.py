@@ -40,6 +40,10 @@ def launch_command(cfg: EmulatorConfig, port: int | None) -> str:
         parts += ["--reasoning-parser", cfg.reasoning_parser]
     if cfg.max_queued is not None:
         parts += ["--max-queued-requests", str(cfg.max_queued)]
+    spec = cfg.speculative
+    if spec is not None:
+        for key, value in spec.server_args().items():
+            parts += ["--" + key.replace("_", "-"), str(value)]
     return shlex.join(parts)
 
 

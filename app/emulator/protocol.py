@@ -261,8 +261,10 @@ def generate_response(
     *,
     cached_tokens: int = 0,
     e2e_latency_s: float | None = None,
+    spec_meta: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """One /generate answer (or a stream event while finish_reason is None), as SGLang shapes it."""
+    """One /generate answer (or a stream event while finish_reason is None), as SGLang shapes it;
+    spec_meta: the finished request's speculative-decoding fields."""
     reasoning = reasoning_token_count(output_ids, cfg) if item.require_reasoning else 0
     meta: dict[str, Any] = {
         "id": item.rid,
@@ -274,6 +276,8 @@ def generate_response(
         "completion_tokens": len(output_ids),
         "cached_tokens": cached_tokens,
     }
+    if spec_meta:
+        meta.update(spec_meta)
     if e2e_latency_s is not None:
         meta["e2e_latency"] = e2e_latency_s
         meta["response_sent_to_client_ts"] = time.time()

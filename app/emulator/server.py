@@ -25,6 +25,7 @@ from app.emulator.generate_route import GenerateRoute, Phase, empty_reply, json_
 from app.emulator.info import model_info, models_list, server_info, stats_json
 from app.emulator.protocol import error_object
 from app.emulator.scheduler import Counters, Scheduler
+from app.emulator.speculative import RequestLog
 from app.emulator.tokenize import TokenizeAnswer, answer_raw
 from app.prompts.tokenization import ChatTokenizer, load_tokenizer
 
@@ -61,6 +62,7 @@ class EmulatorServer(GenerateRoute):
         self._runner: web.AppRunner | None = None
         self._lifecycle: asyncio.Task[None] | None = None
         self.tokenizer: ChatTokenizer | None = None
+        self.request_log = RequestLog(cfg.request_log)
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -177,6 +179,7 @@ class EmulatorServer(GenerateRoute):
             await self._runner.cleanup()
             self._runner = None
         await self.scheduler.stop()
+        self.request_log.close()
 
     async def __aenter__(self) -> EmulatorServer:
         await self.start()

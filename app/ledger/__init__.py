@@ -13,6 +13,7 @@ Its queries live in submodules by what they serve:
 - `reads`: RunCounts, StoredItem, iter_items and its keyset pages, stored prompts
 - `compaction`: token arrays of done items moved to Parquet shards
 - `event_log`: record_event
+- `spec_stats`: done items' speculative-decoding counters, written with their results
 
 This module re-exports them all, and callers use them as `ledger.X` (or `from app.ledger
 import X`); calling through the attribute is also what lets a test patch `ledger.X` for them.
@@ -95,6 +96,8 @@ from app.ledger.run_queries import list_runs as list_runs
 from app.ledger.run_queries import pin_fingerprint as pin_fingerprint
 from app.ledger.run_queries import run_archived as run_archived
 from app.ledger.run_queries import run_differences as run_differences
+from app.ledger.spec_stats import run_has_spec_stats as run_has_spec_stats
+from app.ledger.spec_stats import run_spec_stats as run_spec_stats
 from app.ledger.turns import WaitingTurn as WaitingTurn
 from app.ledger.turns import fail_waiting_chain as fail_waiting_chain
 from app.ledger.turns import link_turns as link_turns

@@ -14,6 +14,7 @@ from app.core.contracts import GenerateResult
 from app.core.models import ItemStatus, pack_ids
 from app.ledger.common import _lock_in_id_order, items, utcnow
 from app.ledger.database import pin_index_plans
+from app.ledger.spec_stats import record_spec_stats
 
 ERROR_MAX_CHARS = 2000
 
@@ -171,6 +172,7 @@ def record_outcomes(
             _record_done_together(conn, rows, now)
         else:
             conn.execute(stmt, rows)
+        record_spec_stats(conn, [(o.item_id, o.result.spec) for o in done if o.result.spec], now)
     if failed:
         stmt = (
             update(items)

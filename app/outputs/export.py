@@ -20,6 +20,7 @@ from app import ledger
 from app.core.constants import EXPORT_FORMATS
 from app.core.errors import ConfigurationError
 from app.ledger import RunInfo, StoredItem
+from app.outputs.split import Selection, eval_path, manifest_path
 from app.prompts.conversation import check_specforge_row, template_encoder, whole_conversation_mask
 from app.prompts.tokenization import ChatTokenizer, split_reasoning
 
@@ -27,6 +28,7 @@ log = logging.getLogger(__name__)
 
 ExportFormat = Literal["specforge", "conversations"]
 FORMATS: tuple[ExportFormat, ...] = EXPORT_FORMATS
+JSONL_MANIFEST_FORMAT = "tokenmill-jsonl-export/1"
 
 
 @dataclass
@@ -36,6 +38,8 @@ class ExportReport:
     rows: int = 0
     truncated: int = 0
     tokens: int = 0
+    # a split or filtered export: where its rows went (the counts above are the training side's)
+    selection: Selection | None = None
 
 
 def specforge_row(item: StoredItem) -> dict[str, Any]:
@@ -165,6 +169,29 @@ def iter_rows(
                 yield item, row
 
 
+class _JsonlFile:
+    """A JSONL file written under a temporary name, renamed when complete."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        fd, self.tmp_name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+        self.fh = os.fdopen(fd, "w", encoding="utf-8")
+
+    def write(self, row: dict[str, Any]) -> None:
+        self.fh.write(json.dumps(row, ensure_ascii=False, separators=(",", ":")))
+        self.fh.write("\n")
+
+    def commit(self) -> None:
+        self.fh.flush()
+        os.fsync(self.fh.fileno())
+        self.fh.close()
+        os.replace(self.tmp_name, self.out)
+
+    def abort(self) -> None:
+        self.fh.close()
+        Path(self.tmp_name).unlink(missing_ok=True)
+
+
 def export_run(
     db: Engine,
     run: RunInfo,
@@ -174,11 +201,13 @@ def export_run(
     tokenizer: ChatTokenizer | None = None,
     per_turn: bool = False,
     whole_conversation: bool = False,
+    selection: Selection | None = None,
 ) -> ExportReport:
     """Write every done sample of run to out (atomically: a temp file renamed when complete).
 
     A `--turns all` run: one row per turn (per_turn), or per chain whose every turn is done
-    (whole_conversation; the default of the conversations format)."""
+    (whole_conversation; the default of the conversations format). With a selection, eval rows
+    go to `eval_path(out)`, excluded rows nowhere, and `manifest_path(out)` records the split."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
     whole = whole_conversations(run, fmt, per_turn=per_turn, whole=whole_conversation)
@@ -187,20 +216,47 @@ def export_run(
     out = out.expanduser()
     out.parent.mkdir(parents=True, exist_ok=True)
     report = ExportReport(path=out, format=fmt)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+    if selection is not None and selection.exclusion is not None:
+        with db.connect() as conn:
+            selection.find_excluded(ledger.iter_items(conn, run.id))
+    files = {"train": _JsonlFile(out)}
+    if selection is not None and selection.eval_fraction is not None:
+        files["eval"] = _JsonlFile(eval_path(out))
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            for item, row in iter_rows(db, run, fmt, tokenizer, whole=whole):
-                fh.write(json.dumps(row, ensure_ascii=False, separators=(",", ":")))
-                fh.write("\n")
+        for item, row in iter_rows(db, run, fmt, tokenizer, whole=whole):
+            side = "train" if selection is None else selection.side(item)
+            if side not in files:
+                continue
+            files[side].write(row)
+            if side == "train":
                 report.rows += 1
                 report.truncated += item.finish_reason == "length"
                 report.tokens += len(item.prompt_ids) + len(item.output_ids or [])
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp_name, out)
+        for file in files.values():
+            file.commit()
     except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
+        for file in files.values():
+            file.abort()
         raise
+    if selection is not None:
+        report.selection = selection
+        _write_manifest(run, fmt, files, selection)
     log.info("exported %d %s rows of run %s to %s", report.rows, fmt, run.name, out)
     return report
+
+
+def _write_manifest(
+    run: RunInfo, fmt: str, files: dict[str, _JsonlFile], selection: Selection
+) -> None:
+    manifest = {
+        "format": JSONL_MANIFEST_FORMAT,
+        "run": run.name,
+        "export_format": fmt,
+        "files": {side: file.out.name for side, file in files.items()},
+        **selection.to_json(),
+        "created_at": ledger.utcnow().isoformat(),
+    }
+    target = manifest_path(files["train"].out)
+    tmp = target.with_name(f".{target.name}.tmp")
+    tmp.write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
+    os.replace(tmp, target)

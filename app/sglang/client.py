@@ -293,6 +293,7 @@ class SGLangClient:
             reasoning_parser=_opt_str(model.get("reasoning_parser")),
             version=_opt_str(server.get("version")),
             extra=extra,
+            speculative=speculative_settings(server),
         )
 
     def log_version(self) -> str | None:
@@ -331,6 +332,21 @@ class SGLangClient:
             return self._client.request(method, url, timeout=timeout, **kwargs)
         except httpx.HTTPError as exc:
             raise map_http_error(None, None, exc) from exc
+
+
+def speculative_settings(server_info: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The speculative-decoding settings a run pins, from `/server_info`'s server args; None
+    when the server does not speculate (no `speculative_algorithm`)."""
+    algorithm = server_info.get("speculative_algorithm")
+    if not algorithm:
+        return None
+    return {
+        "algorithm": str(algorithm),
+        "draft_model_path": _opt_str(server_info.get("speculative_draft_model_path")),
+        "num_draft_tokens": server_info.get("speculative_num_draft_tokens"),
+        "num_steps": server_info.get("speculative_num_steps"),
+        "eagle_topk": server_info.get("speculative_eagle_topk"),
+    }
 
 
 def _opt_str(value: Any) -> str | None:

@@ -8,7 +8,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from app.core.contracts import GenerateResult
+from app.core.contracts import GenerateResult, SpecStats
 from app.core.errors import RetryableError
 from app.sglang.errors import map_abort, trim_message
 
@@ -120,4 +120,34 @@ def parse_generate_response(
         weight_version=weight_version if isinstance(weight_version, str) else None,
         prompt_token_ids=prompt_token_ids,
         text=text if isinstance(text, str) else "",
+        spec=_spec_stats(meta),
+    )
+
+
+def _number(meta: Mapping[str, Any], key: str) -> float:
+    value = meta.get(key)
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise _malformed(f"meta_info.{key} is not a number")
+    if not 0 <= value < float("inf"):
+        raise _malformed(f"meta_info.{key} is not a non-negative number")
+    return float(value)
+
+
+def _spec_stats(meta: Mapping[str, Any]) -> SpecStats | None:
+    """The speculative-decoding fields SGLang adds to a finished request that had a verify
+    step (`TokenizerManager._calculate_spec_decoding_metrics`); None when there are none."""
+    if meta.get("spec_verify_ct") is None:
+        return None
+    histogram = meta.get("spec_correct_drafts_histogram")
+    if histogram is None:
+        histogram = []
+    if not _is_int_list(histogram) or any(n < 0 for n in histogram):
+        raise _malformed("meta_info.spec_correct_drafts_histogram is not a list of counts")
+    return SpecStats(
+        verify_ct=_int_field(meta, "spec_verify_ct", 0),
+        num_correct_drafts=_int_field(meta, "spec_num_correct_drafts", 0),
+        num_proposed_drafts=_int_field(meta, "spec_num_proposed_drafts", 0),
+        accept_length=_number(meta, "spec_accept_length"),
+        accept_rate=_number(meta, "spec_accept_rate"),
+        histogram=tuple(histogram),
     )

@@ -3,11 +3,7 @@ headless Chromium renders index.html with every image loaded (and takes a screen
 
 from __future__ import annotations
 
-import json
 import re
-import shutil
-import subprocess
-import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -17,10 +13,10 @@ from matplotlib.image import imread
 from app import ledger
 from app.ledger.database import make_engine
 from app.ledger.migrate import upgrade
-from tests.support.procs import ROOT, clean_env
+from tests.support.chromium import CHROMIUM, chromium, loaded_images
+from tests.support.procs import report_command
 from tests.support.runs import seed_report_run
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 IMAGES = (
     "output_lengths.png",
     "finish_reasons.png",
@@ -28,18 +24,6 @@ IMAGES = (
     "latency.png",
     "prompt_vs_output.png",
 )
-# appended to a copy of the page: records, once everything loaded, whether each image decoded
-IMAGE_CHECK = """<script>
-window.addEventListener("load", () => {
-  const found = Array.from(document.images).map((img) => ({
-    src: img.getAttribute("src"), loaded: img.complete && img.naturalWidth > 0,
-    width: img.naturalWidth }));
-  const out = document.createElement("pre");
-  out.id = "image-check";
-  out.textContent = JSON.stringify(found);
-  document.body.appendChild(out);
-});
-</script>"""
 
 pytestmark = [
     pytest.mark.e2e,
@@ -47,29 +31,6 @@ pytestmark = [
         CHROMIUM is None, reason="Chromium is not installed (apt-get install -y chromium)"
     ),
 ]
-
-
-def chromium(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    assert CHROMIUM is not None
-    return subprocess.run(
-        [
-            CHROMIUM,
-            "--headless",
-            "--no-sandbox",
-            "--disable-gpu",
-            "--disable-quic",
-            "--no-first-run",
-            "--disable-background-networking",
-            "--disable-component-update",
-            "--disable-sync",
-            "--hide-scrollbars",
-            f"--user-data-dir={tmp_path / 'chromium-profile'}",
-            *args,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=90,
-    )
 
 
 @pytest.fixture(scope="module")
@@ -84,21 +45,7 @@ def report_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         seed_report_run(conn, ledger.utcnow() - timedelta(hours=2))
     engine.dispose()
     out = tmp / "report"
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "from ops.report import report_cmd; report_cmd()",
-            "rep",
-            "--out",
-            str(out),
-        ],
-        env=clean_env(tmp / "data", TOKENMILL_DATABASE_URL=url),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = report_command(url, tmp, "rep", "--out", str(out))
     assert done.returncode == 0, done.stderr
     assert "index.html (5 plots, 600 finished items)" in done.stderr
     return out
@@ -107,16 +54,9 @@ def report_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_every_image_loads_in_chromium(report_dir: Path, tmp_path: Path) -> None:
     page = (report_dir / "index.html").read_text()
     assert [re.findall(r'<img src="([^"]+)"', page)] == [list(IMAGES)]
-    check = report_dir / "image-check.html"  # beside index.html: same relative image paths
-    check.write_text(page.replace("</body>", IMAGE_CHECK + "</body>"))
-    result = chromium(tmp_path, "--virtual-time-budget=10000", "--dump-dom", check.as_uri())
-    check.unlink()
-    found = re.search(r'<pre id="image-check">(.*?)</pre>', result.stdout, re.S)
-    assert found, result.stderr[-2000:]
-    images = json.loads(found.group(1).replace("&quot;", '"'))
+    images, dom = loaded_images(report_dir / "index.html", tmp_path)
     assert [i["src"] for i in images] == list(IMAGES)
     assert all(i["loaded"] and i["width"] == 1000 for i in images), images
-    dom = result.stdout
     assert "Run rep" in dom
     assert "5.7% of samples were truncated at max_new_tokens = 2,048" in dom
     assert "HTTP 400: the prompt is longer than the context length" in dom

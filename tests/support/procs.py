@@ -87,3 +87,15 @@ def wait_for(
     while not check():
         assert time.monotonic() < deadline, f"timed out waiting for: {what} {explain()}"
         time.sleep(0.25)
+
+
+def report_command(url: str, tmp: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """The `report` click command in a real process, on the ledger at url."""
+    return subprocess.run(
+        [sys.executable, "-c", "from ops.report import report_cmd; report_cmd()", *args],
+        env=clean_env(tmp / "data", TOKENMILL_DATABASE_URL=url),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
