@@ -33,6 +33,7 @@ from app.core.constants import (
 from app.core.locks import exclusive
 from app.core.logs import JsonFormatter, use_json
 from app.core.settings import Settings, get_settings
+from app.ledger import registry
 from app.ledger.database import get_engine
 from app.prompts.tokenization import quiet_transformers
 from workers.control import reconcile as reconcile_logic
@@ -164,11 +165,14 @@ def _on_worker_ready(sender: Any = None, **_: Any) -> None:
         )
         _enforcer.check()  # a worker started during a pause never consumes
         _enforcer.start()
+    with rt.db.connect() as conn:
+        registered = registry.get_server(conn, rt.server_name).url
     log.info(
-        "worker %s serves %s (%s), %d in flight",
+        "worker %s serves %s (%s%s), %d in flight",
         hostname,
         rt.server_name,
         rt.server_url,
+        "" if registered == rt.server_url else f"; registered at {registered}",
         rt.window.config.inflight,
     )
 

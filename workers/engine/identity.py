@@ -185,15 +185,6 @@ def claim(
     check_names(identity, server, alive)
     url = server.url if server else fleet_url(identity, one_machine=one_machine(settings))
     with db.begin() as conn:
-        claimed = registry.claim_server(
+        return registry.claim_server(
             conn, identity.server_name, url=url, worker_url=identity.local_url, node=identity.node
         )
-    if claimed.url != identity.local_url:
-        log.info(
-            "server %s is registered at %s; worker %s sends to %s",
-            claimed.name,
-            claimed.url,
-            identity.worker_name,
-            identity.local_url,
-        )
-    return claimed
