@@ -45,9 +45,8 @@ class Command:
     @property
     def long_running(self) -> bool:
         words = self.argv[:4]
-        return (words[:1] == ["celery"] and ("worker" in words or "beat" in words)) or words[
-            :2
-        ] == ["tokenmill", "flower"]
+        celery = words[:1] == ["celery"] and ("worker" in words or "beat" in words)
+        return celery or words[:2] == ["tokenmill", "flower"]
 
 
 def free_port() -> int:
