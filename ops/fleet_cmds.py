@@ -35,7 +35,8 @@ def _ago(at: datetime | None) -> str:
 @click.pass_context
 @handle_errors
 def servers_group(ctx: click.Context, as_json: bool) -> None:
-    """List the SGLang servers: state, pause, workers, in flight, last probe and error."""
+    """List the SGLang servers: URL (and the workers' own URL when it differs), state, pause,
+    workers, in flight, last probe and error."""
     if ctx.invoked_subcommand is not None:
         return
     from rich.table import Table
@@ -64,7 +65,7 @@ def servers_group(ctx: click.Context, as_json: bool) -> None:
         paused = f"yes ({s.paused_by})" if s.paused else "no"
         table.add_row(
             s.name,
-            s.url,
+            _urls(s),
             s.state,
             paused,
             str(len(s.workers)),
@@ -74,6 +75,14 @@ def servers_group(ctx: click.Context, as_json: bool) -> None:
             (s.last_error or "")[:60],
         )
     print_table(table)
+
+
+def _urls(server: registry.ServerInfo) -> str:
+    """The registered URL (the control plane's), and below it the URL its workers send to when
+    that differs (a loopback URL on the GPU node)."""
+    if server.worker_url and server.worker_url != server.url:
+        return f"{server.url}\nworker: {server.worker_url}"
+    return server.url
 
 
 def _rendering(server: registry.ServerInfo) -> str:

@@ -12,6 +12,7 @@ import threading
 from functools import partial
 from typing import Any
 
+from celery.app import trace
 from celery.signals import (
     after_setup_logger,
     after_setup_task_logger,
@@ -19,6 +20,7 @@ from celery.signals import (
     worker_ready,
     worker_shutdown,
 )
+from celery.utils.nodenames import default_nodename
 
 from app.celery_app import celery_app
 from app.core.constants import (
@@ -30,7 +32,8 @@ from app.core.constants import (
 )
 from app.core.locks import exclusive
 from app.core.logs import JsonFormatter, use_json
-from app.core.settings import get_settings
+from app.core.settings import Settings, get_settings
+from app.ledger import registry
 from app.ledger.database import get_engine
 from app.prompts.tokenization import quiet_transformers
 from workers.control import reconcile as reconcile_logic
@@ -40,6 +43,7 @@ from workers.control.pausing import CeleryControl
 from workers.control.watchdog import run_watchdog
 from workers.engine.enforcer import PauseEnforcer
 from workers.engine.generate import handle_message
+from workers.engine.identity import PING_TIMEOUT_S, IdentityRefused, WorkerIdentity, claim
 from workers.engine.runtime import WorkerRuntime
 from workers.intake.publish import publish_items
 
@@ -47,6 +51,7 @@ log = logging.getLogger(__name__)
 
 _runtime: WorkerRuntime | None = None
 _enforcer: PauseEnforcer | None = None
+_identity: WorkerIdentity | None = None
 _runtime_lock = threading.Lock()
 
 
@@ -65,11 +70,43 @@ def runtime() -> WorkerRuntime:
                 settings,
                 db=get_engine(settings),
                 server_url=settings.sglang_url,
-                server_name=settings.server_name,
+                server_name=identity(settings).server_name,
                 on_released=requeue,
             )
             _runtime.start()
         return _runtime
+
+
+def identity(settings: Settings) -> WorkerIdentity:
+    """This worker's names: those checked at start, else the rule's (a worker started without
+    the `celery worker` command, e.g. celery.contrib.testing, sends no celeryd_init)."""
+    return _identity or WorkerIdentity.of(settings)
+
+
+def _alive_workers(names: list[str]) -> set[str]:
+    replies = celery_app.control.ping(destination=names, timeout=PING_TIMEOUT_S, limit=len(names))
+    return {name for reply in replies for name in reply}
+
+
+@celeryd_init.connect
+def _claim_identity(sender: str | None = None, instance: Any = None, **_: Any) -> None:
+    """Name this worker by the rule unless `-n` named it, and refuse it (exit 2, one line)
+    when its names clash with running workers or its server has no URL the fleet reaches."""
+    global _identity
+    settings = get_settings()
+    given = None if sender in (None, default_nodename(None)) else sender
+    mine = WorkerIdentity.of(settings, given)
+    if instance is not None and given is None:
+        instance.hostname = mine.worker_name
+        trace.setup_worker_optimizations(instance.app, mine.worker_name)  # tasks' hostname
+    try:
+        claim(settings, get_engine(settings), mine, _alive_workers)
+    except IdentityRefused as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        raise SystemExit(2) from None
+    except Exception as exc:  # the ledger is down: registered at worker_ready instead
+        log.warning("could not register server %s at start (%s)", mine.server_name, exc)
+    _identity = mine
 
 
 @after_setup_logger.connect
@@ -121,18 +158,21 @@ def _on_worker_ready(sender: Any = None, **_: Any) -> None:
     global _enforcer
     rt = runtime()
     hostname = getattr(sender, "hostname", None)
-    rt.register(hostname)
+    rt.register(hostname, node=identity(rt.settings).node)
     if hostname:
         _enforcer = PauseEnforcer(
             rt, hostname, CeleryControl(), rt.settings.pause_check_s, partial(_consumes, sender)
         )
         _enforcer.check()  # a worker started during a pause never consumes
         _enforcer.start()
+    with rt.db.connect() as conn:
+        registered = registry.get_server(conn, rt.server_name).url
     log.info(
-        "worker %s serves %s (%s), %d in flight",
+        "worker %s serves %s (%s%s), %d in flight",
         hostname,
         rt.server_name,
         rt.server_url,
+        "" if registered == rt.server_url else f"; registered at {registered}",
         rt.window.config.inflight,
     )
 

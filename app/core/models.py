@@ -241,7 +241,12 @@ class Server(Base):
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
     name: Mapped[str] = mapped_column(String(200), unique=True)
+    # the control plane's URL of the server (the watchdog, restart and parity use it); its
+    # workers never change it, they record the URL they send to as worker_url
     url: Mapped[str] = mapped_column(Text)
+    worker_url: Mapped[str | None] = mapped_column(Text, nullable=True)
+    # the GPU node whose workers serve it (TOKENMILL_NODE_NAME of its last worker)
+    node: Mapped[str | None] = mapped_column(String(200), nullable=True)
     state: Mapped[str] = mapped_column(String(16), default="unknown")
     state_since: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     paused: Mapped[bool] = mapped_column(default=False)

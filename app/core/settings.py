@@ -6,6 +6,7 @@ Every value has an embedded default so one machine with no services runs the who
 from __future__ import annotations
 
 import functools
+import socket
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit, urlunsplit
@@ -37,9 +38,12 @@ class Settings(BaseSettings):
     compact_interval_s: float = Field(default=600.0, gt=0)
     compact_min_items: int = Field(default=10_000, ge=1)
 
-    # the server a worker process serves
+    # the server a worker process serves; unset, its name is host:port of sglang_url, a loopback
+    # host standing for node_name (workers/engine/identity.py has the rule)
     sglang_url: str = "http://127.0.0.1:30000"
     server_name: str | None = None
+    # the GPU node a worker runs on (its server's node): unset, this machine's host name
+    node_name: str | None = None
     # the servers' --api-key (one for the fleet), sent as `Authorization: Bearer ...`
     sglang_api_key: SecretStr | None = None
 
@@ -141,6 +145,9 @@ class Settings(BaseSettings):
         if self.database_url:
             return normalize_database_url(self.database_url)
         return f"sqlite:///{self.data_dir / 'ledger.sqlite3'}"
+
+    def resolved_node_name(self) -> str:
+        return self.node_name or socket.gethostname()
 
     def resolved_broker_url(self) -> str:
         # the folder broker has no host; naming one keeps kombu from warning that it chose one

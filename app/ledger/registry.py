@@ -49,6 +49,9 @@ class ServerInfo:
     workers: list[str]
     # the last parity check per run name (see `record_parity`)
     parity: dict[str, Any] | None = None
+    # the URL its workers send to (often loopback), and the node they run on
+    worker_url: str | None = None
+    node: str | None = None
 
     def differing_runs(self) -> list[str]:
         """Runs whose stored prompts this server renders differently (last check)."""
@@ -58,6 +61,8 @@ class ServerInfo:
         return {
             "name": self.name,
             "url": self.url,
+            "worker_url": self.worker_url,
+            "node": self.node,
             "state": self.state,
             "state_since": self.state_since.isoformat() if self.state_since else None,
             "paused": self.paused,
@@ -95,15 +100,22 @@ def _server(row: Any) -> ServerInfo:
         restart_command=row.restart_command,
         workers=list(row.workers or []),
         parity=row.parity,
+        worker_url=row.worker_url,
+        node=row.node,
     )
 
 
-def get_server(conn: Connection, name: str) -> ServerInfo:
+def find_server(conn: Connection, name: str) -> ServerInfo | None:
     row = conn.execute(select(servers).where(servers.c.name == name)).first()
-    if row is None:
+    return None if row is None else _server(row)
+
+
+def get_server(conn: Connection, name: str) -> ServerInfo:
+    server = find_server(conn, name)
+    if server is None:
         known = ", ".join(s.name for s in list_servers(conn)) or "none registered"
         raise NotFound(f"no server named {name!r} (known: {known})")
-    return _server(row)
+    return server
 
 
 def list_servers(conn: Connection) -> list[ServerInfo]:
@@ -118,33 +130,58 @@ def pause_flag(conn: Connection, name: str) -> tuple[bool, str | None]:
     return (False, None) if row is None else (bool(row.paused), row.paused_by)
 
 
+def _insert_server(conn: Connection, name: str, url: str, **values: Any) -> None:
+    now = utcnow()
+    conn.execute(
+        insert(servers).values(
+            name=name,
+            url=url,
+            state="unknown",
+            state_since=now,
+            paused=False,
+            consecutive_failures=0,
+            consecutive_successes=0,
+            workers=[],
+            created_at=now,
+            updated_at=now,
+            **values,
+        )
+    )
+
+
 def upsert_server(
     conn: Connection, name: str, url: str, *, restart_command: list[str] | None = None
 ) -> ServerInfo:
-    """Register a server by name, or update its URL (and restart command when given)."""
+    """Register a server by name, or update its URL (and restart command when given): the
+    operator's view of where the control plane reaches it."""
     now = utcnow()
     exists = conn.execute(select(servers.c.id).where(servers.c.name == name)).first()
     if exists is None:
-        conn.execute(
-            insert(servers).values(
-                name=name,
-                url=url,
-                state="unknown",
-                state_since=now,
-                paused=False,
-                consecutive_failures=0,
-                consecutive_successes=0,
-                restart_command=restart_command,
-                workers=[],
-                created_at=now,
-                updated_at=now,
-            )
-        )
+        _insert_server(conn, name, url, restart_command=restart_command)
     else:
         values: dict[str, Any] = {"url": url, "updated_at": now}
         if restart_command is not None:
             values["restart_command"] = restart_command
         conn.execute(update(servers).where(servers.c.name == name).values(**values))
+    return get_server(conn, name)
+
+
+def claim_server(
+    conn: Connection, name: str, *, url: str, worker_url: str, node: str | None
+) -> ServerInfo:
+    """A worker's registration of the server it serves: url is registered only when the server
+    is new, a registered one keeps its URL; worker_url (what the worker sends to) and the node
+    are recorded beside it. A server taken over by another node forgets the old node's workers."""
+    before = find_server(conn, name)
+    if before is None:
+        _insert_server(conn, name, url, worker_url=worker_url, node=node)
+        return get_server(conn, name)
+    values: dict[str, Any] = {"worker_url": worker_url, "updated_at": utcnow()}
+    if node is not None:
+        values["node"] = node
+        if before.node is not None and before.node != node:
+            values["workers"] = []
+    conn.execute(update(servers).where(servers.c.name == name).values(**values))
     return get_server(conn, name)
 
 

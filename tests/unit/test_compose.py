@@ -523,7 +523,9 @@ def test_project_healthchecks_run_real_commands(service: str, args: list[str]) -
         destination = option_value(args, "--destination")
         own = argv(svc)
         node = option_value(own, "--hostname") if "--hostname" in own else None
-        expected = {"worker": "celery@%h", "beat": "celerybeat@%h"}[own[3]]
+        # a worker's default name is <server>@<node> (workers/engine/identity.py)
+        server = svc.get("environment", {}).get("TOKENMILL_SERVER_NAME")
+        expected = {"worker": f"{server}@%h", "beat": "celerybeat@%h"}[own[3]]
         assert destination == (node or expected).replace("%h", "$HOSTNAME")
         ctx.close()
     else:

@@ -13,7 +13,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Hashable
-from urllib.parse import urlsplit
 
 from sqlalchemy import Engine
 
@@ -25,16 +24,11 @@ from app.core.settings import Settings
 from app.ledger import registry
 from app.ledger.database import limit_periodic
 from app.sglang import SGLangClient
+from workers.engine.identity import server_name_for
 from workers.engine.window import InflightWindow, WindowConfig
 from workers.intake.turns import TurnAdvancer
 
 log = logging.getLogger(__name__)
-
-
-def server_name_for(url: str) -> str:
-    """A readable default name for a server: host:port of its URL."""
-    parts = urlsplit(url)
-    return parts.netloc or url
 
 
 def client_for(url: str, settings: Settings) -> SGLangClient:
@@ -192,10 +186,14 @@ class WorkerRuntime:
         self._pause_cache = (now, paused, by)
         return paused, by
 
-    def register(self, worker: str | None) -> None:
-        """Record this server (and the worker serving it) in the ledger's registry."""
+    def register(self, worker: str | None, *, node: str | None = None) -> None:
+        """Record the worker serving this server in the ledger's registry, and the server with
+        this worker's URL if it is new (a registered server keeps its URL: the control
+        plane's; workers/engine/identity.py registers one the fleet reaches at start)."""
         with self.db.begin() as conn:
-            registry.upsert_server(conn, self.server_name, self.server_url)
+            registry.claim_server(
+                conn, self.server_name, url=self.server_url, worker_url=self.server_url, node=node
+            )
             if worker:
                 registry.add_worker(conn, self.server_name, worker)
 

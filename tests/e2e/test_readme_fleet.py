@@ -1,0 +1,195 @@
+"""The fleet exactly as the READMEs start it: README's "Distributed" and "Riding through server
+restarts", and ops/README's "Start a fleet", run as printed on two emulated GPU nodes.
+
+Two servers, one worker each, beat and Flower; a `tokenmill restart` of one server never pauses
+the other's worker (its in-flight count stays up); Flower lists both workers; every item is
+done exactly once with the emulator's exact output. A README edit that breaks a command fails
+here.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy import Engine
+
+from app import ledger
+from app.emulator.config import EmulatorConfig
+from app.emulator.model import generate_output
+from app.ledger import counters, registry
+from tests.support.procs import ROOT, wait_for
+from tests.support.readme_fleet import (
+    Command,
+    Fleet,
+    commands,
+    flower_workers,
+    free_port,
+    in_flight_samples,
+    section_blocks,
+)
+
+pytestmark = pytest.mark.e2e
+
+NODES = ("gpu-a", "gpu-b")
+PROMPTS = 1200
+# slow enough that a restart (~25 s here) falls well inside the run: ~6 s per request, 64 at a
+# time per server, ~10 items/s each
+EMULATOR = EmulatorConfig(max_running=64, step_ms=40, median_tokens=160, sigma=0.25)
+FLAGS = [
+    *("--max-running", "64", "--step-ms", "40", "--median-tokens", "160", "--sigma", "0.25"),
+    *("--startup-delay-s", "1", "--loading-s", "2"),  # port closed, then 503, as SGLang loads
+]
+FLOWER_PASSWORD = "SECRET"  # as printed
+
+
+def section(path: Path, heading: str | None) -> list[Command]:
+    return [c for block in section_blocks(path.read_text(), heading) for c in commands(block)]
+
+
+@pytest.fixture
+def fleet(
+    tmp_path: Path, pg_url: str, pg_engine: Engine, redis_url: str, kimi_tokenizer_dir: Path
+) -> Iterator[Fleet]:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(
+        "".join(
+            json.dumps({"id": f"q{i}", "prompt": f"Question {i}: name a prime above {i}."}) + "\n"
+            for i in range(PROMPTS)
+        )
+    )
+    fleet = Fleet(
+        root=tmp_path,
+        db=pg_engine,
+        nodes={node: free_port() for node in NODES},
+        # the README's URLs with this test's hosts, ports and database
+        database_url="postgresql://" + pg_url.split("://", 1)[1],
+        broker_url=redis_url,
+        paths={"prompts.jsonl": str(prompts), "/models/Kimi-K2.5": str(kimi_tokenizer_dir)},
+        emulator_flags=FLAGS,
+        flower_port=free_port(),
+    )
+    fleet.start_servers()
+    try:
+        yield fleet
+    finally:
+        fleet.stop_all()
+        print(fleet.log_tail())
+
+
+def test_readme_distributed_and_restarts_as_printed(fleet: Fleet, pg_engine: Engine) -> None:
+    distributed = section(ROOT / "README.md", "Distributed")
+    riding = section(ROOT / "README.md", "Riding through server restarts")
+    assert [c.argv[:4] for c in distributed].count(["celery", "-A", "app", "beat"]) == 1
+    servers = {node: f"{node}:{port}" for node, port in fleet.nodes.items()}  # the naming rule
+    for command in distributed:
+        fleet.run(command)
+    restart = next(c for c in riding if c.argv[:2] == ["tokenmill", "restart"])
+    target = fleet.substitute(restart.argv[2], None)
+    (other,) = set(servers.values()) - {target}
+    assert target == servers["gpu-a"]
+    wait_for("both servers with work in flight", lambda: serving(pg_engine, servers), 120)
+    for command in riding:
+        if command is restart:
+            with in_flight_samples(pg_engine, other) as samples:
+                (done,) = fleet.run(command)
+            assert "resumed" in done.stderr, done.stderr
+        else:
+            fleet.run(command)
+    workers = flower_workers(fleet.flower_port, FLOWER_PASSWORD)
+    check_fleet(fleet, pg_engine, servers, restarted=target, other=other, samples=samples)
+    assert {f"{s}@{node}" for node, s in servers.items()} <= set(workers), workers
+
+    with pg_engine.connect() as conn:
+        registered = {s.name: s for s in registry.list_servers(conn)}
+    # the worker registered its own loopback URL (a fleet on one machine); `servers add` then
+    # set the control plane's, and the worker's stays beside it
+    port_a, port_b = fleet.nodes["gpu-a"], fleet.nodes["gpu-b"]
+    assert registered[target].url == f"http://127.0.0.1:{port_a}"
+    assert registered[target].worker_url == f"http://localhost:{port_a}"
+    assert registered[other].url == registered[other].worker_url == f"http://localhost:{port_b}"
+    assert {s.node for s in registered.values()} == set(NODES)
+
+
+def test_ops_readme_start_a_fleet_keeps_the_registered_urls(
+    fleet: Fleet, pg_engine: Engine
+) -> None:
+    runbook = ROOT / "ops" / "README.md"
+    start = [*section(runbook, None), *section(runbook, "Start a fleet")]
+    restart = section(runbook, "Restart a server")[0]
+    flower = next(c for c in section(runbook, "Watch a run") if c.argv[1:2] == ["flower"])
+    assert restart.argv == ["tokenmill", "restart", "gpu-a"]
+    servers = {node: node for node in NODES}  # TOKENMILL_SERVER_NAME=<node> as printed
+    outputs = [fleet.run(command) for command in start]
+    fleet.run(flower)
+    # the registry keeps the URLs `servers add` gave; each worker's own is recorded beside it
+    listing = outputs[-1][0].stdout
+    with pg_engine.connect() as conn:
+        for node, port in fleet.nodes.items():
+            server = registry.get_server(conn, node)
+            assert server.url == f"http://127.0.0.1:{port}", server
+            assert server.worker_url == f"http://localhost:{port}", server
+            assert server.node == node and server.workers == [f"{node}@{node}"], server
+            assert f"worker: http://localhost:{port}" in listing, listing
+    wait_for("both servers with work in flight", lambda: serving(pg_engine, servers), 120)
+    with in_flight_samples(pg_engine, "gpu-b") as samples:
+        (done,) = fleet.run(restart)
+    assert "resumed" in done.stderr, done.stderr
+    workers = flower_workers(fleet.flower_port, FLOWER_PASSWORD)
+    check_fleet(fleet, pg_engine, servers, restarted="gpu-a", other="gpu-b", samples=samples)
+    assert {"gpu-a@gpu-a", "gpu-b@gpu-b"} <= set(workers), workers
+    with pg_engine.connect() as conn:
+        assert registry.get_server(conn, "gpu-a").url == f"http://127.0.0.1:{fleet.nodes['gpu-a']}"
+
+
+def serving(db: Engine, servers: dict[str, str]) -> bool:
+    """Every server has a worker and items in flight."""
+    with db.connect() as conn:
+        leased = counters.leased_by_server(conn)
+        listed = {s.name: s.workers for s in registry.list_servers(conn)}
+    return all(listed.get(s) and leased.get(s, 0) > 0 for s in servers.values())
+
+
+def check_fleet(
+    fleet: Fleet,
+    db: Engine,
+    servers: dict[str, str],
+    *,
+    restarted: str,
+    other: str,
+    samples: list[int],
+) -> None:
+    """The restart left the other server serving throughout; the run finishes with every item
+    done once, exactly as the emulator generates it, on both servers."""
+    print(f"in flight on {other} during the restart of {restarted}: {samples}")
+    assert len(samples) >= 5 and min(samples) > 0, samples
+    with db.connect() as conn:
+        events = registry.list_events(conn, limit=10_000)
+    assert any(e.kind == "restart" and e.server == restarted for e in events)
+    assert any(e.kind == "paused" and e.server == restarted for e in events)
+    assert not [e for e in events if e.server == other and e.kind == "paused"], events
+    other_node = next(node for node, s in servers.items() if s == other)
+    for key, log in fleet.logs.items():
+        if key.startswith(f"{other_node}:"):
+            assert "stops consuming" not in log.read_text(), key
+
+    def finished() -> bool:
+        with db.connect() as conn:
+            counts = ledger.run_counts(conn, ledger.get_run(conn, "r1"))
+        return bool(counts.total and counts.finished)
+
+    wait_for("run r1 to finish", finished, 600, fleet.log_tail)
+    with db.connect() as conn:
+        run = ledger.get_run(conn, "r1")
+        counts = ledger.run_counts(conn, run)
+        stored = list(ledger.iter_items(conn, run.id))
+    assert counts.done == len(stored) == PROMPTS and counts.failed == 0
+    assert len({(s.item_key, s.sample_index) for s in stored}) == PROMPTS
+    assert {s.server for s in stored} == set(servers.values())
+    for s in stored:
+        expected, finish = generate_output(
+            s.prompt_ids, run.sampling.for_sample(s.sample_index), EMULATOR
+        )
+        assert (s.output_ids, s.finish_reason) == (expected, finish["type"]), s.item_key
