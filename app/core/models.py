@@ -167,7 +167,11 @@ class Item(Base):
         nullable=True,
     )
     line_no: Mapped[int | None] = mapped_column(Integer, nullable=True)
-    messages: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON, nullable=True)
+    # SQL NULL for a pre-tokenized item (not JSON null), so that `messages IS NOT NULL` finds
+    # the items rendered from messages (the parity sample reads them through the indexes)
+    messages: Mapped[list[dict[str, Any]] | None] = mapped_column(
+        JSON(none_as_null=True), nullable=True
+    )
     # what else built the prompt: the row's tools (a run's distinct tools lists are stored
     # once) and its template kwargs merged over the run's (null: the run's own)
     tool_set_id: Mapped[int | None] = mapped_column(

@@ -83,6 +83,7 @@ from app.ledger.reads import iter_items as iter_items
 from app.ledger.reads import merged_pages as merged_pages
 from app.ledger.reads import prompt_item_ids as prompt_item_ids
 from app.ledger.reads import run_counts as run_counts
+from app.ledger.reads import sample_prompt_item_ids as sample_prompt_item_ids
 from app.ledger.reads import scanned_run_counts as scanned_run_counts
 from app.ledger.reads import stored_items as stored_items
 from app.ledger.reads import stored_prompts as stored_prompts
