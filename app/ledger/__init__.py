@@ -12,7 +12,7 @@ Its queries live in submodules by what they serve:
 - `turns`: multi-turn chains (`--turns all`) linked, advanced and failed
 - `reads`: RunCounts, StoredItem, iter_items and its keyset pages, stored prompts
 - `compaction`: token arrays of done items moved to Parquet shards
-- `event_log`: record_event
+- `event_log`: record_event, has_event
 
 This module re-exports them all, and callers use them as `ledger.X` (or `from app.ledger
 import X`); calling through the attribute is also what lets a test patch `ledger.X` for them.
@@ -58,6 +58,7 @@ from app.ledger.compaction import mark_compacted as mark_compacted
 from app.ledger.compaction import runs_with_compactable as runs_with_compactable
 from app.ledger.compaction import shard_referenced as shard_referenced
 from app.ledger.compaction import shard_uris as shard_uris
+from app.ledger.event_log import has_event as has_event
 from app.ledger.event_log import record_event as record_event
 from app.ledger.outcomes import ERROR_MAX_CHARS as ERROR_MAX_CHARS
 from app.ledger.outcomes import Done as Done
