@@ -36,7 +36,8 @@ from ops.verify_cmd import verify_cmd
     envvar="TOKENMILL_LOG_LEVEL",
     default="WARNING",
     show_default=True,
-    help="Logging level (env TOKENMILL_LOG_LEVEL).",
+    show_envvar=True,
+    help="Logging level.",
 )
 @log_format_option
 def cli(log_level: str, log_format: str | None) -> None:

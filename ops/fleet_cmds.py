@@ -12,7 +12,15 @@ from typing import TYPE_CHECKING
 import click
 
 from app.core.errors import ConfigurationError
-from ops.options import err_console, get_settings, handle_errors, open_db, print_json, print_table
+from ops.options import (
+    err_console,
+    get_settings,
+    handle_errors,
+    open_db,
+    print_json,
+    print_table,
+    setting_option,
+)
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -132,7 +140,12 @@ def _targets(server: tuple[str, ...], all_servers: bool) -> list[str]:
 @click.command("pause")
 @click.option("--server", multiple=True, help="Server name (repeatable).")
 @click.option("--all", "all_servers", is_flag=True, help="Every registered server.")
-@click.option("--reason", default="operator request", show_default=True)
+@click.option(
+    "--reason",
+    default="operator request",
+    show_default=True,
+    help="Why, for the timeline (`tokenmill events`).",
+)
 @handle_errors
 def pause_cmd(server: tuple[str, ...], all_servers: bool, reason: str) -> None:
     """Stop the workers of these servers from taking work; the watchdog never lifts this."""
@@ -169,13 +182,21 @@ def resume_cmd(server: tuple[str, ...], all_servers: bool) -> None:
     default=None,
     help="Restart command for this time (else the server's registered one).",
 )
-@click.option(
+@setting_option(
     "--timeout-s",
     type=float,
     default=None,
-    help="Give up waiting for readiness after this long (TOKENMILL_RESTART_TIMEOUT_S).",
+    setting="TOKENMILL_RESTART_TIMEOUT_S",
+    shown_default="1800",
+    help="Give up waiting for readiness after this many seconds (the server stays paused).",
 )
-@click.option("--poll-s", type=float, default=2.0, show_default=True)
+@click.option(
+    "--poll-s",
+    type=float,
+    default=2.0,
+    show_default=True,
+    help="Seconds between readiness probes while waiting.",
+)
 @handle_errors
 def restart_cmd(name: str, command: str | None, timeout_s: float | None, poll_s: float) -> None:
     """Pause NAME, run its restart command, wait until ready, check the fingerprint, resume."""
@@ -222,8 +243,8 @@ def restart_cmd(name: str, command: str | None, timeout_s: float | None, poll_s:
 @click.command("events")
 @click.option("--run", "run_name", default=None, help="Only this run (and fleet-wide events).")
 @click.option("--server", default=None, help="Only this server.")
-@click.option("--limit", type=int, default=200, show_default=True)
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--limit", type=int, default=200, show_default=True, help="The latest this many.")
+@click.option("--json", "as_json", is_flag=True, help="A JSON list of event objects.")
 @handle_errors
 def events_cmd(run_name: str | None, server: str | None, limit: int, as_json: bool) -> None:
     """The timeline: state changes, pauses, resumes, restarts, fingerprint mismatches."""

@@ -1,6 +1,7 @@
 """Shared CLI plumbing: sampling options, settings and database opening, error reporting.
 
-Every option that has a setting names its `TOKENMILL_*` environment variable in --help.
+Every option that has a setting names its `TOKENMILL_*` environment variable and default in
+--help as click names an option's own: `[env var: TOKENMILL_X; default: V]` (setting_option).
 """
 
 from __future__ import annotations
@@ -67,14 +68,42 @@ def print_table(table: Table) -> None:
         Console(highlight=False, width=needed, force_terminal=out.is_terminal).print(table)
 
 
+class SettingOption(click.Option):
+    """An option whose default is a setting: --help shows its variable and default the way
+    click shows an option's own (`[env var: TOKENMILL_X; default: V]`), while the value stays
+    None unless given, so the command reads the setting (app.core.settings is the only reader
+    of the environment). `shown_default` is the setting's default as printed (a unit test
+    compares it with the field's), so --help needs no settings loaded."""
+
+    def __init__(self, *args: Any, setting: str, shown_default: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.setting = setting
+        self.shown_default = shown_default
+
+    def get_help_extra(self, ctx: click.Context) -> Any:
+        extra = dict(super().get_help_extra(ctx))
+        return {"envvars": (self.setting,), "default": self.shown_default} | extra
+
+
+def setting_option(
+    *decls: str, setting: str, shown_default: str, **kwargs: Any
+) -> Callable[[F], F]:
+    """click.option for an option that overrides the setting `setting` (see SettingOption)."""
+    decorator: Callable[[F], F] = click.option(
+        *decls, cls=SettingOption, setting=setting, shown_default=shown_default, **kwargs
+    )
+    return decorator
+
+
 LOG_FORMATS = ("text", "json")
 
-log_format_option = click.option(
+log_format_option = setting_option(
     "--log-format",
     type=click.Choice(LOG_FORMATS, case_sensitive=False),
     default=None,
-    help="text, or json (one JSON object per line, for log shippers); "
-    "env TOKENMILL_LOG_FORMAT, default text.",
+    setting="TOKENMILL_LOG_FORMAT",
+    shown_default="text",
+    help="text, or json (one JSON object per line, for log shippers).",
 )
 
 
@@ -276,10 +305,20 @@ def sampling_options(func: F) -> F:
             show_default=True,
             help="Generation budget per sample; sent explicitly.",
         ),
-        click.option("--temperature", type=float, default=1.0, show_default=True),
-        click.option("--top-p", type=float, default=1.0, show_default=True),
+        click.option(
+            "--temperature", type=float, default=1.0, show_default=True, help="Softmax temperature."
+        ),
+        click.option(
+            "--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling mass."
+        ),
         click.option("--top-k", type=int, default=-1, show_default=True, help="-1 disables top-k."),
-        click.option("--min-p", type=float, default=0.0, show_default=True),
+        click.option(
+            "--min-p",
+            type=float,
+            default=0.0,
+            show_default=True,
+            help="Smallest probability, relative to the likeliest token's.",
+        ),
         click.option(
             "--seed",
             type=int,
@@ -287,7 +326,11 @@ def sampling_options(func: F) -> F:
             help="Sample k of a prompt uses seed + k (reproducible, distinct samples).",
         ),
         click.option(
-            "--samples-per-prompt", type=click.IntRange(1, 1000), default=1, show_default=True
+            "--samples-per-prompt",
+            type=click.IntRange(1, 1000),
+            default=1,
+            show_default=True,
+            help="Samples generated for each prompt (sample k uses seed + k).",
         ),
         click.option(
             "--chat-template-kwargs",
@@ -366,6 +409,7 @@ field_option = click.option(
     "prompt_field",
     default=None,
     metavar="NAME",
+    show_default="the first of messages, conversations, prompt, input_ids",
     help="The field (Parquet/datasets column) holding the prompt: turns, a prompt string or "
-    "token ids. Default: the first of messages, conversations, prompt, input_ids.",
+    "token ids.",
 )
