@@ -18,9 +18,9 @@ from ops.options import (
     handle_errors,
     open_db,
     print_json,
-    print_table,
     setting_option,
 )
+from ops.text_table import Column, left_out_note, render
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -43,11 +43,13 @@ def _ago(at: datetime | None) -> str:
 @click.pass_context
 @handle_errors
 def servers_group(ctx: click.Context, as_json: bool) -> None:
-    """List the SGLang servers: state, pause, workers, in flight, last probe and error."""
+    """List the SGLang servers: state, pause, workers, in flight, last probe and error.
+
+    Names and URLs are never cut: in a narrow terminal the columns last probe, workers, in
+    flight, rendering, last error and paused are left out, in that order (--json has all).
+    """
     if ctx.invoked_subcommand is not None:
         return
-    from rich.table import Table
-
     from app.ledger import counters, registry
 
     db = open_db()
@@ -57,31 +59,49 @@ def servers_group(ctx: click.Context, as_json: bool) -> None:
     if as_json:
         print_json([s.to_json() | {"in_flight": leased} for s, leased in rows])
         return
-    table = Table(
-        "name",
-        "url",
-        "state",
-        "paused",
-        "workers",
-        "in flight",
-        "last probe",
-        "rendering",
-        "last error",
-    )
-    for s, leased in rows:
-        paused = f"yes ({s.paused_by})" if s.paused else "no"
-        table.add_row(
+    cells = [
+        [
             s.name,
             s.url,
             s.state,
-            paused,
+            f"yes ({s.paused_by})" if s.paused else "no",
             str(len(s.workers)),
             str(leased),
             _ago(s.last_probe_at),
             _rendering(s),
-            (s.last_error or "")[:60],
-        )
-    print_table(table)
+            current_error(s),
+        ]
+        for s, leased in rows
+    ]
+    lines, dropped = render(SERVER_COLUMNS, cells)
+    click.echo("\n".join(lines))
+    note = left_out_note(dropped)
+    if note:
+        click.echo(note, err=True)
+
+
+# Names and URLs are never cut. A table wider than the terminal folds the rendering and the
+# last error, then leaves out last probe, workers, in flight, rendering, last error and
+# paused, in that order; name, url and state always stay.
+SERVER_COLUMNS = (
+    Column("name"),
+    Column("url"),
+    Column("state"),
+    Column("paused", drop=6),
+    Column("workers", right=True, drop=2),
+    Column("in flight", right=True, drop=3),
+    Column("last probe", drop=1),
+    Column("rendering", drop=4, wrap=12),
+    Column("last error", drop=5, wrap=16),
+)
+
+
+def current_error(server: registry.ServerInfo) -> str:
+    """The server's last error while it is current (its last probe failed); a healthy
+    server's old "Connection refused" is history, in `tokenmill events`."""
+    if server.last_probe_ok is not False or not server.last_error:
+        return ""
+    return server.last_error.splitlines()[0]
 
 
 def _rendering(server: registry.ServerInfo) -> str:
@@ -258,6 +278,18 @@ def events_cmd(run_name: str | None, server: str | None, limit: int, as_json: bo
     if as_json:
         print_json([e.to_json() for e in rows])
         return
-    for e in rows:
-        where = " ".join(x for x in (e.server, e.run) if x)
-        click.echo(f"{e.at:%Y-%m-%d %H:%M:%S}  {e.kind:<20} {where:<20} {e.message}")
+    cells = [
+        [
+            f"{e.at:%Y-%m-%d %H:%M:%S}",
+            e.kind,
+            " ".join(x for x in (e.server, e.run) if x),
+            e.message,
+        ]
+        for e in rows
+    ]
+    # the message folds; the time, kind, server and run are never cut, and none is left out
+    lines, _ = render(EVENT_COLUMNS, cells)
+    click.echo("\n".join(lines))
+
+
+EVENT_COLUMNS = (Column("at (UTC)"), Column("kind"), Column("where"), Column("message", wrap=24))

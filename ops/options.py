@@ -23,7 +23,6 @@ from app.core.errors import ConfigurationError, TokenmillError
 # when loaded; rich, SQLAlchemy, pydantic, kombu and alembic load when a command uses them.
 if TYPE_CHECKING:
     from rich.console import Console
-    from rich.table import Table
     from sqlalchemy import Engine
 
     from app.core.contracts import SamplingParams
@@ -34,18 +33,19 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 @functools.cache
 def err_console() -> Console:
-    """Where messages and progress go: stderr (a command's own output goes to stdout)."""
+    """Where messages and progress go: stderr (a command's own output goes to stdout). Lines
+    are never broken by rich (soft wrap): a printed path or command stays whole to copy."""
     from rich.console import Console
 
-    return Console(stderr=True, highlight=False)
+    return Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 @functools.cache
 def out_console() -> Console:
-    """A command's own output (tables, summaries): stdout."""
+    """A command's own output (summaries): stdout, lines never broken by rich (soft wrap)."""
     from rich.console import Console
 
-    return Console(highlight=False)
+    return Console(highlight=False, soft_wrap=True)
 
 
 def get_settings() -> Settings:
@@ -53,19 +53,6 @@ def get_settings() -> Settings:
     from app.core import settings
 
     return settings.get_settings()
-
-
-def print_table(table: Table) -> None:
-    """A table on stdout, whole: rich drops columns that do not fit the terminal, so a table
-    whose columns' minimum widths add up to more is printed wider instead."""
-    from rich.console import Console
-
-    out = out_console()
-    needed = sum((column.min_width or 0) + 2 for column in table.columns)
-    if needed <= out.width:
-        out.print(table)
-    else:  # Console.print never renders wider than the console it is called on
-        Console(highlight=False, width=needed, force_terminal=out.is_terminal).print(table)
 
 
 class SettingOption(click.Option):
@@ -126,7 +113,7 @@ def setup_logging(level: str, log_format: str | None = None) -> None:
     logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), handlers=[handler])
     for noisy in ("httpx", "httpcore", "alembic.runtime.migration"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    from app.prompts.tokenization import quiet_transformers  # transformers itself loads lazily
+    from app.core.logs import quiet_transformers  # transformers itself loads lazily
 
     quiet_transformers()
 
