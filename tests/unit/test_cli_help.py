@@ -25,7 +25,10 @@ PROSE = {
 def commands(command: click.Command, path: str) -> Iterator[tuple[str, click.Command]]:
     yield path, command
     if isinstance(command, click.Group):
-        for name, sub in sorted(command.commands.items()):
+        ctx = click.Context(command, info_name=command.name)
+        for name in command.list_commands(ctx):  # the lazy group loads each as it is asked
+            sub = command.get_command(ctx, name)
+            assert sub is not None, name
             yield from commands(sub, f"{path} {name}")
 
 
