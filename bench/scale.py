@@ -1,8 +1,8 @@
 """Scale: what every operator command, periodic query and claim/write costs on ledgers of
 10K to 10M items (issue 14), with the product's own functions, and the ratios between sizes.
 
-    python bench/scale.py [--sizes 10000,100000,1000000,10000000] [--keep]
-                          [--parts commands,queries,claims,export] [--repeat 5] [--slowlog]
+    python bench/scale.py [--sizes 10000,100000,1000000,10000000] [--keep] [--repeat 5]
+                          [--parts commands,queries,claims,export,preflight] [--slowlog]
 
 Ledgers are built by bench/scale_build.py (one database `tokenmill_scale_<size>` per size;
 --keep reuses one built at the current schema revision and keeps it afterwards). Commands are
@@ -51,7 +51,7 @@ from app.core.contracts import GenerateResult  # noqa: E402
 from app.core.settings import Settings  # noqa: E402
 from app.ledger import registry  # noqa: E402
 
-PARTS = ("commands", "queries", "claims", "export")
+PARTS = ("commands", "queries", "claims", "export", "preflight")
 CLAIM_BATCH = 32
 CLAIM_ROUNDS = 20
 BROKER_FILL_IDS = 200_000  # run B's first ids, in broker messages as after an enqueue
@@ -127,6 +127,8 @@ def measure(built: build.Ledger, parts: list[str], repeat: int) -> dict[str, flo
             out |= time_claims(db, built)
         if "export" in parts:
             out |= time_export(db, built, repeat)
+        if "preflight" in parts:
+            out |= time_preflight(db, built, repeat)
     finally:
         db.dispose()
     return out
@@ -371,6 +373,34 @@ def _time_scrape(db: Engine, repeat: int) -> float:
     finally:
         server.shutdown()
         server.server_close()
+
+
+# --- the parity preflight's read of the prompts to check ----------------------------------
+
+
+def time_preflight(db: Engine, built: build.Ledger, repeat: int) -> dict[str, float]:
+    """The preflight's sample (TOKENMILL_PARITY_SAMPLE ids) of run A (rendered from messages)
+    and run B (pre-tokenized), beside all of run A's (`tokenmill parity` without --sample)."""
+    sample = Settings().parity_sample
+    calls: dict[str, Callable[[], Any]] = {
+        f"parity preflight: sample_prompt_item_ids(run A, {sample})": _read(
+            db, lambda c: ledger.sample_prompt_item_ids(c, built.run_a.id, sample, seed=0)
+        ),
+        f"parity preflight: sample_prompt_item_ids(run B, pre-tokenized, {sample})": _read(
+            db, lambda c: ledger.sample_prompt_item_ids(c, built.run_b.id, sample, seed=0)
+        ),
+        "parity, every prompt id: prompt_item_ids(run A)": _read(
+            db, lambda c: ledger.prompt_item_ids(c, built.run_a.id)
+        ),
+    }
+    found = len(calls[next(iter(calls))]())
+    print(f"  the preflight's sample of run A: {found} of {sample} ids", flush=True)
+    out: dict[str, float] = {}
+    for name, fn in calls.items():
+        key = f"{name}, ms"
+        out[key] = 1000 * _timed(fn, repeat)
+        print(f"  {name}: {out[key]:.2f} ms", flush=True)
+    return out
 
 
 # --- claim and write ------------------------------------------------------------------------

@@ -2,9 +2,11 @@
 migration, filled with synthetic items by a server-side bulk insert (no tokenizer).
 
 The mix is the end of a run with another queued behind it (issue 14's worst case):
-- run `scale-a` (80% of the items): done (3% truncated), 0.2% failed, 256 leased to two live
-  workers, 64 leased to a dead worker whose leases expired an hour ago;
-- run `scale-b` (20%): queued for 30 minutes behind it, every id in a broker message;
+- run `scale-a` (80% of the items, each rendered from one user turn): done (3% truncated),
+  0.2% failed, 256 leased to two live workers, 64 leased to a dead worker whose leases
+  expired an hour ago;
+- run `scale-b` (20%, pre-tokenized): queued for 30 minutes behind it, every id in a broker
+  message;
 - run `scale-c`: 10,000 done items, the last ids of the table (the export and verify subject).
 Runs, servers, fingerprints and events are written with the product's own functions; the
 items are written in bulk with the items table's indexes and constraints dropped and then
@@ -145,7 +147,8 @@ def build(size: int, tokenizer_dir: str, tokenizer_hash: str, template_hash: str
         a_items = round(size * 0.8)
         with db.begin() as conn:
             constraints = _drop_constraints_and_indexes(conn)
-        _insert_items(db, runs[0].id, a_items, _finishing_row(a_items, leases=True), now)
+        a_row = _finishing_row(a_items, leases=True)
+        _insert_items(db, runs[0].id, a_items, a_row, now, messages=_MESSAGES)
         _insert_items(db, runs[1].id, size - a_items, _QUEUED_ROW, now)
         _insert_items(db, runs[2].id, EXPORT_ITEMS, _finishing_row(EXPORT_ITEMS, leases=False), now)
         print(f"  {size:,}: rows inserted after {time.monotonic() - started:.0f}s", flush=True)
@@ -281,18 +284,25 @@ _QUEUED_ROW = """
 """
 
 
-def _insert_items(db: Engine, run_id: int, count: int, row_sql: str, now: datetime) -> None:
+# run A's prompts were rendered from one user turn (what the parity preflight samples); runs B
+# and C are pre-tokenized (no messages)
+_MESSAGES = """CAST('[{"role": "user", "content": "prompt ' || g || '"}]' AS json)"""
+
+
+def _insert_items(
+    db: Engine, run_id: int, count: int, row_sql: str, now: datetime, *, messages: str = "NULL"
+) -> None:
     """count items of run_id, in chunks (one transaction each), ids in g order."""
     for lo in range(1, count + 1, CHUNK_ROWS):
         hi = min(lo + CHUNK_ROWS - 1, count)
         stmt = f"""
-            INSERT INTO items (run_id, item_key, sample_index, turn_index, line_no, prompt_ids,
-                prompt_tokens, status, attempts, lease_owner, lease_expires_at, server, error,
-                output_ids, finish_reason, matched_stop, completion_tokens, cached_tokens,
+            INSERT INTO items (run_id, item_key, sample_index, turn_index, line_no, messages,
+                prompt_ids, prompt_tokens, status, attempts, lease_owner, lease_expires_at, server,
+                error, output_ids, finish_reason, matched_stop, completion_tokens, cached_tokens,
                 latency_s, queued_at, started_at, finished_at, created_at)
-            SELECT :run_id, 'p' || ((g - 1) / 4), (g - 1) % 4, 0, (g - 1) / 4 + 1, {_PROMPT},
-                8, s.status, s.attempts, s.lease_owner, s.lease_expires_at, s.server, s.error,
-                s.output_ids, s.finish_reason, s.matched_stop, s.completion_tokens,
+            SELECT :run_id, 'p' || ((g - 1) / 4), (g - 1) % 4, 0, (g - 1) / 4 + 1, {messages},
+                {_PROMPT}, 8, s.status, s.attempts, s.lease_owner, s.lease_expires_at, s.server,
+                s.error, s.output_ids, s.finish_reason, s.matched_stop, s.completion_tokens,
                 s.cached_tokens, s.latency_s, s.queued_at, s.started_at, s.finished_at,
                 :now - interval '11 hours'
             FROM generate_series(CAST(:lo AS bigint), CAST(:hi AS bigint)) AS g,

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from alembic import context
 
-from app.core.models import Base
+from app.core.models import metadata
 from app.core.settings import get_settings
 from app.ledger.database import make_engine
 
 config = context.config
-target_metadata = Base.metadata
+target_metadata = metadata
 
 
 def run_migrations() -> None:

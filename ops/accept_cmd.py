@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from ops.options import handle_errors, open_db, print_json, print_table
+from ops.options import handle_errors, open_db, print_json
 
 if TYPE_CHECKING:
     from sqlalchemy import Engine
@@ -62,31 +62,20 @@ def is_greedy(run: RunInfo) -> bool:
     return run.sampling.temperature < 1e-6 or run.sampling.top_k == 1
 
 
-def _table(title: str, header: Sequence[str], rows: Sequence[Sequence[str]]) -> Any:
-    """A table whose columns are as wide as their widest cell (print_table keeps them whole)."""
-    from rich import box
-    from rich.table import Table
+def print_table(title: str, header: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
+    """A titled table whose values are never cut (ops.text_table): the first column left, the
+    figures right."""
+    from ops.text_table import Column, render
 
-    # the light box of `tokenmill status`: no column separators, so print_table's width holds
-    table = Table(
-        title=title,
-        title_justify="left",
-        box=box.SIMPLE_HEAD,
-        pad_edge=False,
-        collapse_padding=True,
-    )
-    for index, name in enumerate(header):
-        width = max(len(name), *(len(row[index]) for row in rows))
-        table.add_column(name, justify="left" if index == 0 else "right", min_width=width)
-    for row in rows:
-        table.add_row(*row)
-    return table
+    columns = [Column(name, right=index > 0) for index, name in enumerate(header)]
+    lines, _ = render(columns, rows)
+    click.echo("\n".join([title, *lines, ""]))
 
 
-def _stats_table(title: str, groups: Sequence[GroupStats]) -> Any:
+def _stats_table(title: str, groups: Sequence[GroupStats]) -> None:
     from ops.acceptance import STATS_HEADER, stats_cells
 
-    return _table(title, STATS_HEADER, [stats_cells(g) for g in groups])
+    print_table(title, STATS_HEADER, [stats_cells(g) for g in groups])
 
 
 def print_accept(report: AcceptReport) -> None:
@@ -102,15 +91,15 @@ def print_accept(report: AcceptReport) -> None:
     if report.overall is None:
         out.print("no request has speculative counters: nothing to measure")
         return
-    print_table(_stats_table("overall", [report.overall]))
+    _stats_table("overall", [report.overall])
     for name, groups in report.by.items():
-        print_table(_stats_table(f"by {name}", groups))
+        _stats_table(f"by {name}", groups)
 
 
-def _paired_table(title: str, groups: Sequence[PairedGroup]) -> Any:
+def _paired_table(title: str, groups: Sequence[PairedGroup]) -> None:
     from ops.accept_pairs import PAIRED_HEADER, paired_cells
 
-    return _table(title, PAIRED_HEADER, [paired_cells(g) for g in groups])
+    print_table(title, PAIRED_HEADER, [paired_cells(g) for g in groups])
 
 
 def print_paired(report: PairedReport) -> None:
@@ -147,9 +136,9 @@ def print_paired(report: PairedReport) -> None:
         if better
         else "better draft overall: unclear (the interval of B - A contains 0)"
     )
-    print_table(_paired_table("acceptance length, overall", [report.overall]))
+    _paired_table("acceptance length, overall", [report.overall])
     for name, groups in report.by.items():
-        print_table(_paired_table(f"acceptance length by {name}", groups))
+        _paired_table(f"acceptance length by {name}", groups)
     worse = report.worse_groups()
     if worse:
         out.print("B is worse in: " + ", ".join(f"{g.field}={g.value}" for g in worse))
@@ -165,10 +154,9 @@ def print_paired(report: PairedReport) -> None:
     "fields",
     multiple=True,
     metavar="FIELD",
+    show_default="category and source when present, turn for --turns each runs, output_length",
     help="Group by this row field (repeatable): category, source, any metadata field (a.b "
-    "reads field b inside object field a), 'turn', "
-    "'output_length'. Default: category and source when present, turn for --turns each "
-    "runs, output_length.",
+    "reads field b inside object field a), 'turn', 'output_length'.",
 )
 @click.option("--seed", type=int, default=0, show_default=True, help="Bootstrap seed.")
 @click.option(

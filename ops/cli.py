@@ -7,37 +7,60 @@ imports the libraries it needs (SQLAlchemy, rich, pyarrow, alembic, httpx...) wh
 
 from __future__ import annotations
 
+import importlib
+
 import click
 
-from ops.accept_cmd import accept_cmd
-from ops.demo import demo_cmd
-from ops.emulator_cmd import emulator
-from ops.fleet_cmds import events_cmd, pause_cmd, restart_cmd, resume_cmd, servers_group
-from ops.flower_cmd import flower_cmd
-from ops.metrics_cmd import metrics_cmd
-from ops.options import (
-    get_settings,
-    handle_errors,
-    log_format_option,
-    open_db,
-    print_json,
-    setup_logging,
-)
-from ops.parity_cmd import parity_cmd
-from ops.pipeline_cmds import enqueue_cmd, export_cmd, reconcile_cmd, run_cmd
-from ops.report import report_cmd
-from ops.status_cmd import status_cmd
-from ops.storage_cmds import archive_cmd, compact_cmd
-from ops.verify_cmd import verify_cmd
+from ops.options import get_settings, handle_errors, log_format_option, print_json, setup_logging
+
+# Each command loads with its module when it is run or listed (`tokenmill status` imports the
+# status command's module only; `--help` lists them all, so it loads every command module,
+# which import only click).
+COMMANDS = {
+    "enqueue": "ops.pipeline_cmds:enqueue_cmd",
+    "run": "ops.pipeline_cmds:run_cmd",
+    "status": "ops.status_cmd:status_cmd",
+    "export": "ops.pipeline_cmds:export_cmd",
+    "reconcile": "ops.pipeline_cmds:reconcile_cmd",
+    "demo": "ops.demo:demo_cmd",
+    "emulator": "ops.emulator_cmd:emulator",
+    "servers": "ops.fleet_cmds:servers_group",
+    "pause": "ops.fleet_cmds:pause_cmd",
+    "resume": "ops.fleet_cmds:resume_cmd",
+    "restart": "ops.fleet_cmds:restart_cmd",
+    "events": "ops.fleet_cmds:events_cmd",
+    "flower": "ops.flower_cmd:flower_cmd",
+    "metrics": "ops.metrics_cmd:metrics_cmd",
+    "report": "ops.report:report_cmd",
+    "compact": "ops.storage_cmds:compact_cmd",
+    "archive": "ops.storage_cmds:archive_cmd",
+    "verify": "ops.verify_cmd:verify_cmd",
+    "parity": "ops.parity_cmd:parity_cmd",
+    "accept": "ops.accept_cmd:accept_cmd",
+}
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class LazyGroup(click.Group):
+    """A click group whose COMMANDS are imported on first use."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *COMMANDS})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name in COMMANDS and cmd_name not in self.commands:
+            module, attr = COMMANDS[cmd_name].split(":")
+            self.add_command(getattr(importlib.import_module(module), attr), cmd_name)
+        return super().get_command(ctx, cmd_name)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option(
     "--log-level",
     envvar="TOKENMILL_LOG_LEVEL",
     default="WARNING",
     show_default=True,
-    help="Logging level (env TOKENMILL_LOG_LEVEL).",
+    show_envvar=True,
+    help="Logging level.",
 )
 @log_format_option
 def cli(log_level: str, log_format: str | None) -> None:
@@ -91,31 +114,7 @@ def config_cmd() -> None:
     print_json(data)
 
 
-for command in (
-    enqueue_cmd,
-    run_cmd,
-    status_cmd,
-    export_cmd,
-    reconcile_cmd,
-    demo_cmd,
-    emulator,
-    servers_group,
-    pause_cmd,
-    resume_cmd,
-    restart_cmd,
-    events_cmd,
-    flower_cmd,
-    metrics_cmd,
-    report_cmd,
-    compact_cmd,
-    archive_cmd,
-    verify_cmd,
-    parity_cmd,
-    accept_cmd,
-):
-    cli.add_command(command)
-
-__all__ = ["cli", "main", "open_db"]
+__all__ = ["cli", "main"]
 
 
 def main() -> None:

@@ -21,12 +21,12 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from app.ledger.dashboard_queries import Dashboard, RunProgress, ServerRow, gather_dashboard
+from ops.fleet_cmds import current_error
+from ops.text_table import Column, fit
 
 log = logging.getLogger(__name__)
 
 BAR_WIDTH = 28
-ERROR_CHARS = 60
-MESSAGE_CHARS = 100
 STATE_STYLES = {
     "healthy": "green",
     "suspect": "yellow",
@@ -59,40 +59,99 @@ def _latency(seconds: float | None) -> str:
     return f"{seconds * 1000:.0f}ms" if seconds < 1 else f"{seconds:.1f}s"
 
 
-def _runs_table(runs: list[RunProgress], not_shown: int) -> Table:
+Cell = tuple[str, RenderableType]  # the plain text (to measure) and what is drawn
+
+
+def _fitted(
+    title: str,
+    columns: list[Column],
+    rows: list[list[Cell]],
+    width: int | None,
+    *,
+    empty: str,
+    caption: str | None = None,
+) -> Table:
+    """A rich table of the columns that fit `width` (text_table.fit: names are never cut,
+    columns of words fold, the others are left out in their stated order)."""
+    plain = [[text for text, _ in row] for row in rows]
+    # the table's outer padding takes a column on each side
+    fitted = fit(columns, plain, 10**6 if width is None else width - 2)
     table = Table(
-        title="runs",
+        title=title,
         title_justify="left",
         title_style="bold",
         box=box.SIMPLE_HEAD,
         show_edge=False,
-        caption=f"… {not_shown} older runs not shown (name one: status RUN --watch)"
-        if not_shown
-        else None,
+        caption=caption,
         caption_justify="left",
     )
-    for name in ("run", "progress", "finished", "done", "truncated", "failed", "out tokens"):
-        table.add_column(name, justify="left" if name in ("run", "progress") else "right")
-    table.add_column("tok/s (1m)", justify="right")
-    table.add_column("ETA", justify="right")
+    for i, w in zip(fitted.kept, fitted.widths, strict=True):
+        column = columns[i]
+        table.add_column(
+            column.header,
+            justify="right" if column.right else "left",
+            no_wrap=column.wrap is None,
+            min_width=w,
+            overflow="fold",
+        )
+    for row in rows:
+        table.add_row(*(row[i][1] for i in fitted.kept))
+    if not rows:
+        table.add_row(f"[dim]{empty}[/dim]", *[""] * (len(fitted.kept) - 1))
+    if fitted.dropped:
+        note = f"(left out at this width: {', '.join(fitted.dropped)})"
+        table.caption = f"{caption}\n{note}" if caption else note
+    return table
+
+
+def _text(value: str) -> Cell:
+    return value, escape(value)
+
+
+# Names are never cut; in a narrow terminal each table leaves columns out in this order (the
+# `drop` numbers): runs: progress, truncated, done, out tokens, tok/s; servers: workers, p50,
+# p95, tok/s, last probe, paused, last error; events: none, the message folds.
+RUN_COLUMNS = [
+    Column("run"),
+    Column("progress", drop=1),
+    Column("finished", right=True),
+    Column("done", right=True, drop=3),
+    Column("truncated", right=True, drop=2),
+    Column("failed", right=True),
+    Column("out tokens", right=True, drop=4),
+    Column("tok/s (1m)", right=True, drop=5),
+    Column("ETA", right=True),
+]
+
+
+def _runs_table(runs: list[RunProgress], not_shown: int, width: int | None) -> Table:
+    rows: list[list[Cell]] = []
     for run in runs:
         c = run.counts
         pct = 100 * run.finished / c.total if c.total else 100.0
-        table.add_row(
-            escape(c.run),
-            ProgressBar(total=max(c.total, 1), completed=run.finished, width=BAR_WIDTH),
-            f"{run.finished}/{c.total} {pct:3.0f}%"
-            + (f" ({c.waiting} waiting)" if c.waiting else ""),  # later turns of chains
-            str(c.done),
-            str(c.truncated),
-            f"[red]{c.failed}[/red]" if c.failed else "0",
-            f"{c.output_tokens:,}",
-            f"{run.tokens_per_s:,.0f}",
-            "done" if run.remaining == 0 else duration(run.eta_s),
+        finished = f"{run.finished}/{c.total} {pct:3.0f}%" + (
+            f" ({c.waiting} waiting)" if c.waiting else ""  # later turns of chains
         )
-    if not runs:
-        table.add_row("[dim]no runs yet[/dim]", *[""] * 8)
-    return table
+        rows.append(
+            [
+                _text(c.run),
+                (
+                    "#" * BAR_WIDTH,
+                    ProgressBar(total=max(c.total, 1), completed=run.finished, width=BAR_WIDTH),
+                ),
+                _text(finished),
+                _text(str(c.done)),
+                _text(str(c.truncated)),
+                (str(c.failed), f"[red]{c.failed}[/red]" if c.failed else "0"),
+                _text(f"{c.output_tokens:,}"),
+                _text(f"{run.tokens_per_s:,.0f}"),
+                _text("done" if run.remaining == 0 else duration(run.eta_s)),
+            ]
+        )
+    caption = (
+        f"… {not_shown} older runs not shown (name one: status RUN --watch)" if not_shown else None
+    )
+    return _fitted("runs", RUN_COLUMNS, rows, width, empty="no runs yet", caption=caption)
 
 
 def _state(row: ServerRow) -> str:
@@ -117,68 +176,65 @@ def _probe(row: ServerRow, now: datetime) -> str:
     return f"{_ago(row.info.last_probe_at, now)} {verdict}"
 
 
-def _servers_table(servers: list[ServerRow], now: datetime) -> Table:
-    table = Table(
-        title="servers",
-        title_justify="left",
-        title_style="bold",
-        box=box.SIMPLE_HEAD,
-        show_edge=False,
-    )
-    table.add_column("server")
-    table.add_column("state")
-    table.add_column("paused")
-    for name in ("workers", "in flight", "tok/s (1m)", "p50", "p95"):
-        table.add_column(name, justify="right")
-    table.add_column("last probe")
-    table.add_column("last error", overflow="ellipsis", no_wrap=True, max_width=ERROR_CHARS)
+SERVER_COLUMNS = [
+    Column("server"),
+    Column("state"),
+    Column("paused", drop=6),
+    Column("workers", right=True, drop=1),
+    Column("in flight", right=True),
+    Column("tok/s (1m)", right=True, drop=4),
+    Column("p50", right=True, drop=2),
+    Column("p95", right=True, drop=3),
+    Column("last probe", drop=5),
+    Column("last error", drop=7, wrap=16),
+]
+
+
+def _servers_table(servers: list[ServerRow], now: datetime, width: int | None) -> Table:
+    rows: list[list[Cell]] = []
     for row in servers:
-        error = (row.info.last_error or "") if row.info else ""
-        table.add_row(
-            escape(row.name),
-            _state(row),
-            _paused(row),
-            str(len(row.info.workers)) if row.info else "—",
-            str(row.in_flight),
-            f"{row.tokens_per_s:,.0f}",
-            _latency(row.latency_p50_s),
-            _latency(row.latency_p95_s),
-            _probe(row, now),
-            escape(error.splitlines()[0][:ERROR_CHARS]) if error else "",
+        paused, probe = _paused(row), _probe(row, now)
+        rows.append(
+            [
+                _text(row.name),
+                (row.info.state if row.info else "unregistered", _state(row)),
+                (Text.from_markup(paused).plain, paused),
+                _text(str(len(row.info.workers)) if row.info else "—"),
+                _text(str(row.in_flight)),
+                _text(f"{row.tokens_per_s:,.0f}"),
+                _text(_latency(row.latency_p50_s)),
+                _text(_latency(row.latency_p95_s)),
+                (Text.from_markup(probe).plain, probe),
+                _text(current_error(row.info) if row.info else ""),
+            ]
         )
-    if not servers:
-        table.add_row("[dim]no servers registered or working[/dim]", *[""] * 9)
-    return table
+    return _fitted("servers", SERVER_COLUMNS, rows, width, empty="no servers registered or working")
 
 
-def _events_table(dashboard: Dashboard) -> Table:
-    table = Table(
-        title="latest events",
-        title_justify="left",
-        title_style="bold",
-        box=box.SIMPLE_HEAD,
-        show_edge=False,
-    )
-    table.add_column("at (UTC)")
-    table.add_column("kind")
-    table.add_column("server")
-    table.add_column("message", overflow="ellipsis", no_wrap=True, max_width=MESSAGE_CHARS)
-    for event in reversed(dashboard.events):  # newest first, next to the header
-        table.add_row(
-            event.at.strftime("%H:%M:%S"),
-            escape(event.kind),
-            escape(event.server or ""),
-            escape(event.message.splitlines()[0] if event.message else ""),
-        )
-    if not dashboard.events:
-        table.add_row("[dim]none[/dim]", "", "", "")
-    return table
+EVENT_COLUMNS = [Column("at (UTC)"), Column("kind"), Column("server"), Column("message", wrap=24)]
+
+
+def _events_table(dashboard: Dashboard, width: int | None) -> Table:
+    rows = [
+        [
+            _text(event.at.strftime("%H:%M:%S")),
+            _text(event.kind),
+            _text(event.server or ""),
+            _text(event.message.splitlines()[0] if event.message else ""),
+        ]
+        for event in reversed(dashboard.events)  # newest first, next to the header
+    ]
+    return _fitted("latest events", EVENT_COLUMNS, rows, width, empty="none")
 
 
 def render_dashboard(
-    dashboard: Dashboard, *, interval_s: float | None = None, problem: str | None = None
+    dashboard: Dashboard,
+    *,
+    interval_s: float | None = None,
+    problem: str | None = None,
+    width: int | None = None,
 ) -> RenderableType:
-    """The whole screen for one tick."""
+    """The whole screen for one tick, its tables fitted to `width` (None: as wide as needed)."""
     header = Text.assemble(
         ("tokenmill status", "bold"),
         f"  {dashboard.at:%Y-%m-%d %H:%M:%S} UTC",
@@ -188,9 +244,9 @@ def render_dashboard(
     if problem:
         parts.append(Text(f"stale: {problem}", style="red"))
     for table in (
-        _runs_table(dashboard.runs, dashboard.runs_not_shown),
-        _servers_table(dashboard.servers, dashboard.at),
-        _events_table(dashboard),
+        _runs_table(dashboard.runs, dashboard.runs_not_shown, width),
+        _servers_table(dashboard.servers, dashboard.at, width),
+        _events_table(dashboard, width),
     ):
         parts += [Text(""), table]
     return Group(*parts)
@@ -223,7 +279,7 @@ def watch(
     drawn = 0
     try:
         with Live(
-            render_dashboard(current, interval_s=interval_s),
+            render_dashboard(current, interval_s=interval_s, width=console.width),
             console=console,
             auto_refresh=False,
             transient=False,
@@ -237,7 +293,10 @@ def watch(
                     log.debug("dashboard refresh failed: %s", exc)
                     problem = f"the database did not answer ({type(exc).__name__}); retrying"
                 live.update(
-                    render_dashboard(current, interval_s=interval_s, problem=problem), refresh=True
+                    render_dashboard(
+                        current, interval_s=interval_s, problem=problem, width=console.width
+                    ),
+                    refresh=True,
                 )
                 drawn += 1
     except KeyboardInterrupt:

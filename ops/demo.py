@@ -104,8 +104,20 @@ def inspect_commands(run_name: str, env: dict[str, str], out_dir: Path) -> list[
 
 
 @click.command("demo")
-@click.option("--samples-per-prompt", type=click.IntRange(1, 8), default=2, show_default=True)
-@click.option("--max-new-tokens", type=int, default=1024, show_default=True)
+@click.option(
+    "--samples-per-prompt",
+    type=click.IntRange(1, 8),
+    default=2,
+    show_default=True,
+    help="Samples generated for each bundled prompt.",
+)
+@click.option(
+    "--max-new-tokens",
+    type=int,
+    default=1024,
+    show_default=True,
+    help="Generation budget per sample.",
+)
 @handle_errors
 def demo_cmd(samples_per_prompt: int, max_new_tokens: int) -> None:
     """Run the whole pipeline locally: fixture tokenizer, emulator, run, export, verify."""

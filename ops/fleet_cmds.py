@@ -12,7 +12,15 @@ from typing import TYPE_CHECKING
 import click
 
 from app.core.errors import ConfigurationError
-from ops.options import err_console, get_settings, handle_errors, open_db, print_json, print_table
+from ops.options import (
+    err_console,
+    get_settings,
+    handle_errors,
+    open_db,
+    print_json,
+    setting_option,
+)
+from ops.text_table import Column, left_out_note, render
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -35,12 +43,14 @@ def _ago(at: datetime | None) -> str:
 @click.pass_context
 @handle_errors
 def servers_group(ctx: click.Context, as_json: bool) -> None:
-    """List the SGLang servers: URL (and the workers' own URL when it differs), state, pause,
-    workers, in flight, last probe and error."""
+    """List the SGLang servers: URL (and the workers' own URL below it when it differs), state,
+    pause, workers, in flight, last probe and error.
+
+    Names and URLs are never cut: in a narrow terminal the columns last probe, workers, in
+    flight, rendering, last error and paused are left out, in that order (--json has all).
+    """
     if ctx.invoked_subcommand is not None:
         return
-    from rich.table import Table
-
     from app.ledger import counters, registry
 
     db = open_db()
@@ -50,31 +60,49 @@ def servers_group(ctx: click.Context, as_json: bool) -> None:
     if as_json:
         print_json([s.to_json() | {"in_flight": leased} for s, leased in rows])
         return
-    table = Table(
-        "name",
-        "url",
-        "state",
-        "paused",
-        "workers",
-        "in flight",
-        "last probe",
-        "rendering",
-        "last error",
-    )
-    for s, leased in rows:
-        paused = f"yes ({s.paused_by})" if s.paused else "no"
-        table.add_row(
+    cells = [
+        [
             s.name,
             _urls(s),
             s.state,
-            paused,
+            f"yes ({s.paused_by})" if s.paused else "no",
             str(len(s.workers)),
             str(leased),
             _ago(s.last_probe_at),
             _rendering(s),
-            (s.last_error or "")[:60],
-        )
-    print_table(table)
+            current_error(s),
+        ]
+        for s, leased in rows
+    ]
+    lines, dropped = render(SERVER_COLUMNS, cells)
+    click.echo("\n".join(lines))
+    note = left_out_note(dropped)
+    if note:
+        click.echo(note, err=True)
+
+
+# Names and URLs are never cut. A table wider than the terminal folds the rendering and the
+# last error, then leaves out last probe, workers, in flight, rendering, last error and
+# paused, in that order; name, url and state always stay.
+SERVER_COLUMNS = (
+    Column("name"),
+    Column("url"),
+    Column("state"),
+    Column("paused", drop=6),
+    Column("workers", right=True, drop=2),
+    Column("in flight", right=True, drop=3),
+    Column("last probe", drop=1),
+    Column("rendering", drop=4, wrap=12),
+    Column("last error", drop=5, wrap=16),
+)
+
+
+def current_error(server: registry.ServerInfo) -> str:
+    """The server's last error while it is current (its last probe failed); a healthy
+    server's old "Connection refused" is history, in `tokenmill events`."""
+    if server.last_probe_ok is not False or not server.last_error:
+        return ""
+    return server.last_error.splitlines()[0]
 
 
 def _urls(server: registry.ServerInfo) -> str:
@@ -141,7 +169,12 @@ def _targets(server: tuple[str, ...], all_servers: bool) -> list[str]:
 @click.command("pause")
 @click.option("--server", multiple=True, help="Server name (repeatable).")
 @click.option("--all", "all_servers", is_flag=True, help="Every registered server.")
-@click.option("--reason", default="operator request", show_default=True)
+@click.option(
+    "--reason",
+    default="operator request",
+    show_default=True,
+    help="Why, for the timeline (`tokenmill events`).",
+)
 @handle_errors
 def pause_cmd(server: tuple[str, ...], all_servers: bool, reason: str) -> None:
     """Stop the workers of these servers from taking work; the watchdog never lifts this."""
@@ -178,13 +211,21 @@ def resume_cmd(server: tuple[str, ...], all_servers: bool) -> None:
     default=None,
     help="Restart command for this time (else the server's registered one).",
 )
-@click.option(
+@setting_option(
     "--timeout-s",
     type=float,
     default=None,
-    help="Give up waiting for readiness after this long (TOKENMILL_RESTART_TIMEOUT_S).",
+    setting="TOKENMILL_RESTART_TIMEOUT_S",
+    shown_default="1800",
+    help="Give up waiting for readiness after this many seconds (the server stays paused).",
 )
-@click.option("--poll-s", type=float, default=2.0, show_default=True)
+@click.option(
+    "--poll-s",
+    type=float,
+    default=2.0,
+    show_default=True,
+    help="Seconds between readiness probes while waiting.",
+)
 @handle_errors
 def restart_cmd(name: str, command: str | None, timeout_s: float | None, poll_s: float) -> None:
     """Pause NAME, run its restart command, wait until ready, check the fingerprint, resume."""
@@ -231,8 +272,8 @@ def restart_cmd(name: str, command: str | None, timeout_s: float | None, poll_s:
 @click.command("events")
 @click.option("--run", "run_name", default=None, help="Only this run (and fleet-wide events).")
 @click.option("--server", default=None, help="Only this server.")
-@click.option("--limit", type=int, default=200, show_default=True)
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--limit", type=int, default=200, show_default=True, help="The latest this many.")
+@click.option("--json", "as_json", is_flag=True, help="A JSON list of event objects.")
 @handle_errors
 def events_cmd(run_name: str | None, server: str | None, limit: int, as_json: bool) -> None:
     """The timeline: state changes, pauses, resumes, restarts, fingerprint mismatches."""
@@ -246,6 +287,18 @@ def events_cmd(run_name: str | None, server: str | None, limit: int, as_json: bo
     if as_json:
         print_json([e.to_json() for e in rows])
         return
-    for e in rows:
-        where = " ".join(x for x in (e.server, e.run) if x)
-        click.echo(f"{e.at:%Y-%m-%d %H:%M:%S}  {e.kind:<20} {where:<20} {e.message}")
+    cells = [
+        [
+            f"{e.at:%Y-%m-%d %H:%M:%S}",
+            e.kind,
+            " ".join(x for x in (e.server, e.run) if x),
+            e.message,
+        ]
+        for e in rows
+    ]
+    # the message folds; the time, kind, server and run are never cut, and none is left out
+    lines, _ = render(EVENT_COLUMNS, cells)
+    click.echo("\n".join(lines))
+
+
+EVENT_COLUMNS = (Column("at (UTC)"), Column("kind"), Column("where"), Column("message", wrap=24))

@@ -1,6 +1,7 @@
 """The `tokenmill flower` command: Celery's Flower dashboard for this deployment's broker.
 
-Basic auth comes from settings; without a password it listens on loopback only, or refuses.
+Basic auth comes from settings and covers every page but /healthcheck (Prometheus' /metrics
+too); without a password it listens on loopback only, or refuses.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import click
 
 from app.core.errors import ConfigurationError
 from app.core.network import is_loopback
-from ops.options import err_console, get_settings, handle_errors
+from ops.options import err_console, get_settings, handle_errors, setting_option
 
 if TYPE_CHECKING:
     from app.core.settings import Settings
@@ -46,33 +47,28 @@ def flower_launch(settings: Settings, host: str, port: int) -> FlowerLaunch:
         raise ConfigurationError("TOKENMILL_FLOWER_USER must be non-empty, without ':' or ','")
     if "," in password:
         raise ConfigurationError("TOKENMILL_FLOWER_PASSWORD must not contain ','")
-    argv = [
-        sys.executable,
-        "-m",
-        "celery",
-        "-A",
-        "app",
-        "flower",
-        f"--address={host}",
-        f"--port={port}",
-    ]
+    # `celery -A app flower`, with /metrics behind the same basic auth (ops.flower_app)
+    argv = [sys.executable, "-m", "ops.flower_app", f"--address={host}", f"--port={port}"]
     if not password:
         return FlowerLaunch(argv)
     return FlowerLaunch(argv, {"FLOWER_BASIC_AUTH": f"{user}:{password}"}, user)
 
 
 @click.command("flower")
-@click.option(
+@setting_option(
     "--host",
     default=None,
-    help="Address to listen on (env TOKENMILL_FLOWER_HOST, default 127.0.0.1); beyond "
-    "loopback TOKENMILL_FLOWER_PASSWORD is required.",
+    setting="TOKENMILL_FLOWER_HOST",
+    shown_default="127.0.0.1",
+    help="Address to listen on; beyond loopback TOKENMILL_FLOWER_PASSWORD is required.",
 )
-@click.option(
+@setting_option(
     "--port",
     type=click.IntRange(1, 65535),
     default=None,
-    help="Port (env TOKENMILL_FLOWER_PORT, default 5555).",
+    setting="TOKENMILL_FLOWER_PORT",
+    shown_default="5555",
+    help="Port to listen on.",
 )
 @handle_errors
 def flower_cmd(host: str | None, port: int | None) -> None:

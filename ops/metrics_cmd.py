@@ -8,21 +8,25 @@ from __future__ import annotations
 
 import click
 
-from ops.options import err_console, get_settings, handle_errors, open_db
+from ops.options import err_console, get_settings, handle_errors, open_db, setting_option
 
 
 @click.command("metrics")
-@click.option(
+@setting_option(
     "--host",
     default=None,
-    help="Address to listen on (TOKENMILL_METRICS_HOST, default 127.0.0.1). Beyond loopback, "
-    "TOKENMILL_METRICS_USER and TOKENMILL_METRICS_PASSWORD are required.",
+    setting="TOKENMILL_METRICS_HOST",
+    shown_default="127.0.0.1",
+    help="Address to listen on; beyond loopback TOKENMILL_METRICS_USER and "
+    "TOKENMILL_METRICS_PASSWORD are required.",
 )
-@click.option(
+@setting_option(
     "--port",
     type=click.IntRange(0, 65535),
     default=None,
-    help="Port to listen on (TOKENMILL_METRICS_PORT, default 9464).",
+    setting="TOKENMILL_METRICS_PORT",
+    shown_default="9464",
+    help="Port to listen on.",
 )
 @handle_errors
 def metrics_cmd(host: str | None, port: int | None) -> None:

@@ -1,6 +1,7 @@
 """Shared CLI plumbing: sampling options, settings and database opening, error reporting.
 
-Every option that has a setting names its `TOKENMILL_*` environment variable in --help.
+Every option that has a setting names its `TOKENMILL_*` environment variable and default in
+--help as click names an option's own: `[env var: TOKENMILL_X; default: V]` (setting_option).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from app.core.errors import ConfigurationError, TokenmillError
 # when loaded; rich, SQLAlchemy, pydantic, kombu and alembic load when a command uses them.
 if TYPE_CHECKING:
     from rich.console import Console
-    from rich.table import Table
     from sqlalchemy import Engine
 
     from app.core.contracts import SamplingParams
@@ -33,18 +33,19 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 @functools.cache
 def err_console() -> Console:
-    """Where messages and progress go: stderr (a command's own output goes to stdout)."""
+    """Where messages and progress go: stderr (a command's own output goes to stdout). Lines
+    are never broken by rich (soft wrap): a printed path or command stays whole to copy."""
     from rich.console import Console
 
-    return Console(stderr=True, highlight=False)
+    return Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 @functools.cache
 def out_console() -> Console:
-    """A command's own output (tables, summaries): stdout."""
+    """A command's own output (summaries): stdout, lines never broken by rich (soft wrap)."""
     from rich.console import Console
 
-    return Console(highlight=False)
+    return Console(highlight=False, soft_wrap=True)
 
 
 def get_settings() -> Settings:
@@ -54,27 +55,42 @@ def get_settings() -> Settings:
     return settings.get_settings()
 
 
-def print_table(table: Table) -> None:
-    """A table on stdout, whole: rich drops columns that do not fit the terminal, so a table
-    whose columns' minimum widths add up to more is printed wider instead."""
-    from rich.console import Console
+class SettingOption(click.Option):
+    """An option whose default is a setting: --help shows its variable and default the way
+    click shows an option's own (`[env var: TOKENMILL_X; default: V]`), while the value stays
+    None unless given, so the command reads the setting (app.core.settings is the only reader
+    of the environment). `shown_default` is the setting's default as printed (a unit test
+    compares it with the field's), so --help needs no settings loaded."""
 
-    out = out_console()
-    needed = sum((column.min_width or 0) + 2 for column in table.columns)
-    if needed <= out.width:
-        out.print(table)
-    else:  # Console.print never renders wider than the console it is called on
-        Console(highlight=False, width=needed, force_terminal=out.is_terminal).print(table)
+    def __init__(self, *args: Any, setting: str, shown_default: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.setting = setting
+        self.shown_default = shown_default
+
+    def get_help_extra(self, ctx: click.Context) -> Any:
+        extra = dict(super().get_help_extra(ctx))
+        return {"envvars": (self.setting,), "default": self.shown_default} | extra
+
+
+def setting_option(
+    *decls: str, setting: str, shown_default: str, **kwargs: Any
+) -> Callable[[F], F]:
+    """click.option for an option that overrides the setting `setting` (see SettingOption)."""
+    decorator: Callable[[F], F] = click.option(
+        *decls, cls=SettingOption, setting=setting, shown_default=shown_default, **kwargs
+    )
+    return decorator
 
 
 LOG_FORMATS = ("text", "json")
 
-log_format_option = click.option(
+log_format_option = setting_option(
     "--log-format",
     type=click.Choice(LOG_FORMATS, case_sensitive=False),
     default=None,
-    help="text, or json (one JSON object per line, for log shippers); "
-    "env TOKENMILL_LOG_FORMAT, default text.",
+    setting="TOKENMILL_LOG_FORMAT",
+    shown_default="text",
+    help="text, or json (one JSON object per line, for log shippers).",
 )
 
 
@@ -97,7 +113,7 @@ def setup_logging(level: str, log_format: str | None = None) -> None:
     logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), handlers=[handler])
     for noisy in ("httpx", "httpcore", "alembic.runtime.migration"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    from app.prompts.tokenization import quiet_transformers  # transformers itself loads lazily
+    from app.core.logs import quiet_transformers  # transformers itself loads lazily
 
     quiet_transformers()
 
@@ -276,10 +292,20 @@ def sampling_options(func: F) -> F:
             show_default=True,
             help="Generation budget per sample; sent explicitly.",
         ),
-        click.option("--temperature", type=float, default=1.0, show_default=True),
-        click.option("--top-p", type=float, default=1.0, show_default=True),
+        click.option(
+            "--temperature", type=float, default=1.0, show_default=True, help="Softmax temperature."
+        ),
+        click.option(
+            "--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling mass."
+        ),
         click.option("--top-k", type=int, default=-1, show_default=True, help="-1 disables top-k."),
-        click.option("--min-p", type=float, default=0.0, show_default=True),
+        click.option(
+            "--min-p",
+            type=float,
+            default=0.0,
+            show_default=True,
+            help="Smallest probability, relative to the likeliest token's.",
+        ),
         click.option(
             "--seed",
             type=int,
@@ -287,7 +313,11 @@ def sampling_options(func: F) -> F:
             help="Sample k of a prompt uses seed + k (reproducible, distinct samples).",
         ),
         click.option(
-            "--samples-per-prompt", type=click.IntRange(1, 1000), default=1, show_default=True
+            "--samples-per-prompt",
+            type=click.IntRange(1, 1000),
+            default=1,
+            show_default=True,
+            help="Samples generated for each prompt (sample k uses seed + k).",
         ),
         click.option(
             "--chat-template-kwargs",
@@ -366,6 +396,7 @@ field_option = click.option(
     "prompt_field",
     default=None,
     metavar="NAME",
+    show_default="the first of messages, conversations, prompt, input_ids",
     help="The field (Parquet/datasets column) holding the prompt: turns, a prompt string or "
-    "token ids. Default: the first of messages, conversations, prompt, input_ids.",
+    "token ids.",
 )

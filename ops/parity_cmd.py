@@ -35,7 +35,8 @@ MISMATCHES_SHOWN = 20
     "--sample",
     type=click.IntRange(min=1),
     default=None,
-    help="Check this many prompts drawn with --seed (default: every prompt).",
+    show_default="every prompt",
+    help="Check this many prompts drawn with --seed.",
 )
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the --sample draw.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")

@@ -329,6 +329,7 @@ def run_pipeline(
     type=click.Choice((*EXPORT_FORMATS, "parquet")),
     default="specforge",
     show_default=True,
+    help="specforge (input_ids + loss_mask), conversations (turns as text), or parquet shards.",
 )
 @click.option(
     "--out",

@@ -8,9 +8,11 @@ from typing import TYPE_CHECKING
 
 import click
 
-from ops.options import err_console, handle_errors, open_db, print_json, print_table
+from ops.options import err_console, handle_errors, open_db, print_json
+from ops.text_table import Column, left_out_note, render
 
 if TYPE_CHECKING:
+    from app import ledger
     from app.ledger import registry
 
 
@@ -27,7 +29,11 @@ if TYPE_CHECKING:
 )
 @handle_errors
 def status_cmd(run_name: str | None, as_json: bool, watch: bool, interval_s: float) -> None:
-    """Counts per run (all runs, or RUN_NAME); --watch for a live dashboard until Ctrl-C."""
+    """Counts per run (all runs, or RUN_NAME); --watch for a live dashboard until Ctrl-C.
+
+    Names and numbers are never cut: in a narrow terminal the columns queued, leased, pend,
+    wait, trunc and out tokens are left out, in that order (--json has every count).
+    """
     from app import ledger
     from app.ledger import registry
 
@@ -58,26 +64,26 @@ def status_cmd(run_name: str | None, as_json: bool, watch: bool, interval_s: flo
         return
     # the waiting column (later turns of `--turns all` runs) only when some run has any
     fields = [
-        (name, attr)
-        for name, attr in STATUS_COLUMNS
+        (column, attr)
+        for column, attr in STATUS_COLUMNS
         if attr != "waiting" or any(c.waiting for c in counts)
     ]
-    from rich import box
-    from rich.markup import escape
-    from rich.table import Table
+    rows = [[c.run, *(str(getattr(c, attr)) for _, attr in fields)] for c in counts]
+    lines, dropped = render([RUN_COLUMN, *(column for column, _ in fields)], rows)
+    click.echo("\n".join(lines))
+    note = left_out_note(dropped)
+    if note:
+        click.echo(note, err=True)
+    if stopped_names or any(differing.get(c.run) for c in counts):
+        _print_warnings(counts, stopped_names, differing)
 
-    rows = [[str(getattr(c, attr)) for _, attr in fields] for c in counts]
-    # names and numbers are never cut: each column is at least as wide as its longest value
-    # (headers wrap instead), and the light box leaves room for the columns in 80
-    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
-    table.add_column("run", no_wrap=True, min_width=max((len(c.run) for c in counts), default=3))
-    for i, (name, _) in enumerate(fields):
-        widest = max((len(r[i]) for r in rows), default=1)
-        # short headers keep their width; "out tokens" may wrap onto two lines
-        table.add_column(name, justify="right", min_width=max(widest, min(len(name), 6)))
-    for c, row in zip(counts, rows, strict=True):
-        table.add_row(escape(c.run), *row)
-    print_table(table)
+
+def _print_warnings(
+    counts: list[ledger.RunCounts], stopped_names: set[str], differing: dict[str, list[str]]
+) -> None:
+    """Runs whose last enqueue stopped early and servers that render a run differently."""
+    from rich.markup import escape
+
     console = err_console()
     for c in counts:
         if c.run in stopped_names:
@@ -106,14 +112,18 @@ def _differing_servers(servers: list[registry.ServerInfo]) -> dict[str, list[str
     return out
 
 
+# Names and numbers are never cut. A table wider than the terminal folds "out tokens", then
+# leaves out queued, leased, pending, waiting, truncated and out tokens, in that order; run,
+# total, done and failed always stay (a table still too wide is printed whole).
+RUN_COLUMN = Column("run")
 STATUS_COLUMNS = (
-    ("total", "total"),
-    ("wait", "waiting"),
-    ("pend", "pending"),
-    ("queued", "queued"),
-    ("leased", "leased"),
-    ("done", "done"),
-    ("failed", "failed"),
-    ("trunc", "truncated"),
-    ("out tokens", "output_tokens"),
+    (Column("total", right=True), "total"),
+    (Column("wait", right=True, drop=4), "waiting"),
+    (Column("pend", right=True, drop=3), "pending"),
+    (Column("queued", right=True, drop=1), "queued"),
+    (Column("leased", right=True, drop=2), "leased"),
+    (Column("done", right=True), "done"),
+    (Column("failed", right=True), "failed"),
+    (Column("trunc", right=True, drop=5), "truncated"),
+    (Column("out tokens", right=True, drop=6), "output_tokens"),
 )

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     default=None,
     metavar="URL",
     help="Also check the Parquet export at URL (a path, file://, s3://...) against the "
-    "ledger: counts, checksums, rows. Storage options: env TOKENMILL_STORAGE_OPTIONS.",
+    "ledger: counts, checksums, rows (storage options from TOKENMILL_STORAGE_OPTIONS).",
 )
 @click.option(
     "--tokenizer",

@@ -31,11 +31,10 @@ from app.core.constants import (
     WORK_QUEUE,
 )
 from app.core.locks import exclusive
-from app.core.logs import JsonFormatter, use_json
+from app.core.logs import JsonFormatter, quiet_transformers, use_json
 from app.core.settings import Settings, get_settings
 from app.ledger import registry
 from app.ledger.database import get_engine
-from app.prompts.tokenization import quiet_transformers
 from workers.control import reconcile as reconcile_logic
 from workers.control.compaction import compact_due
 from workers.control.parity import ParityGate

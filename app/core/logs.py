@@ -1,4 +1,5 @@
-"""Log formatting for log shippers: one JSON object per line, ids as fields, UTC timestamps.
+"""Log formatting for log shippers: one JSON object per line, ids as fields, UTC timestamps;
+and the filter that keeps transformers' no-PyTorch advice out of every log.
 
 Used by the CLI (`--log-format json`) and by Celery workers (`TOKENMILL_LOG_FORMAT=json`).
 """
@@ -54,3 +55,19 @@ def use_json(handlers: Iterable[logging.Handler]) -> None:
 
 
 __all__ = ["JsonFormatter", "use_json"]
+
+
+class _NoTorchAdvice(logging.Filter):
+    """tokenmill needs only tokenizers: transformers' "PyTorch was not found" line is noise."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "PyTorch was not found" not in record.getMessage()
+
+
+def quiet_transformers() -> None:
+    """Drop transformers' no-PyTorch advice, which it logs once, when `transformers` is first
+    imported. Called at process start (CLI, workers) as well as before loading a tokenizer, so
+    it holds whichever import comes first; every other transformers record passes."""
+    logger = logging.getLogger("transformers")
+    if not any(isinstance(f, _NoTorchAdvice) for f in logger.filters):
+        logger.addFilter(_NoTorchAdvice())

@@ -1,6 +1,8 @@
-"""The ledger's tables as typed SQLAlchemy 2.0 models: runs, items, servers, events, counters.
+"""The ledger's tables as SQLAlchemy Core tables: runs, items, servers, events, counters.
 
-The schema is changed only by Alembic migrations; a test checks these models match them.
+The schema is changed only by Alembic migrations; a test checks these tables match them.
+Core, not ORM: every query is a Core statement, and the ORM's import and mapper set-up cost
+every command's start-up a fifth of a second (bench/cli_startup.py).
 """
 
 from __future__ import annotations
@@ -8,7 +10,6 @@ from __future__ import annotations
 import enum
 import sys
 from array import array
-from datetime import datetime
 from typing import Any
 
 from sqlalchemy import (
@@ -22,6 +23,7 @@ from sqlalchemy import (
     Index,
     Integer,
     LargeBinary,
+    MetaData,
     String,
     Table,
     Text,
@@ -30,7 +32,6 @@ from sqlalchemy import (
     text,
 )
 from sqlalchemy.engine import Dialect
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
 # SQLite has no BIGINT autoincrement; INTEGER PRIMARY KEY is its 64-bit rowid.
@@ -78,139 +79,154 @@ class ItemStatus(enum.StrEnum):
 UNFINISHED = (ItemStatus.WAITING, ItemStatus.PENDING, ItemStatus.QUEUED, ItemStatus.LEASED)
 
 
-class Base(DeclarativeBase):
-    pass
+metadata = MetaData()
 
 
-class Run(Base):
-    __tablename__ = "runs"
+def _id() -> Column[Any]:
+    return Column("id", BigId, primary_key=True, autoincrement=True)
 
-    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
-    name: Mapped[str] = mapped_column(String(200), unique=True)
-    tokenizer_path: Mapped[str] = mapped_column(Text)
-    tokenizer_hash: Mapped[str] = mapped_column(String(64))
+
+def _unique_name() -> Column[Any]:
+    return Column("name", String(200), nullable=False, unique=True)
+
+
+def _when(name: str, *, nullable: bool = True) -> Column[Any]:
+    return Column(name, DateTime(timezone=True), nullable=nullable)
+
+
+runs = Table(
+    "runs",
+    metadata,
+    _id(),
+    _unique_name(),
+    Column("tokenizer_path", Text, nullable=False),
+    Column("tokenizer_hash", String(64), nullable=False),
     # sha256 of each file of the tokenizer folder but weights (None: a run older than 0005b)
-    tokenizer_files: Mapped[dict[str, str] | None] = mapped_column(JSON, nullable=True)
+    Column("tokenizer_files", JSON, nullable=True),
     # the folder's own Python code was allowed; every later load of it allows it again
-    trust_remote_code: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
-    chat_template_hash: Mapped[str] = mapped_column(String(64))
-    chat_template_kwargs: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
-    sampling_params: Mapped[dict[str, Any]] = mapped_column(JSON)
-    samples_per_prompt: Mapped[int] = mapped_column(Integer, default=1)
-    think_end_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
-    eos_token_ids: Mapped[list[int]] = mapped_column(JSON, default=list)
-    fingerprint: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    Column("trust_remote_code", Boolean, nullable=False, default=False, server_default=false()),
+    Column("chat_template_hash", String(64), nullable=False),
+    Column("chat_template_kwargs", JSON, nullable=False, default=dict),
+    Column("sampling_params", JSON, nullable=False),
+    Column("samples_per_prompt", Integer, nullable=False, default=1),
+    Column("think_end_id", Integer, nullable=True),
+    Column("eos_token_ids", JSON, nullable=False, default=list),
+    Column("fingerprint", JSON, nullable=True),
     # `--render-with URL`: every prompt is built by that server's /v1/tokenize
-    render_with: Mapped[str | None] = mapped_column(Text, nullable=True)
+    Column("render_with", Text, nullable=True),
     # `--require-parity`: a server whose rendering differs from the stored prompts is paused
-    require_parity: Mapped[bool] = mapped_column(default=False, server_default=false())
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    Column("require_parity", Boolean, nullable=False, default=False, server_default=false()),
+    _when("created_at", nullable=False),
     # the message-normalization rules the run's prompts are built with (app.prompts.chat_path);
     # null for runs created before they were pinned
-    normalization_version: Mapped[str | None] = mapped_column(String(40), nullable=True)
-
+    Column("normalization_version", String(40), nullable=True),
     # set when the run's items moved to items_archive (`tokenmill archive`); no more enqueues
-    archived_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    _when("archived_at"),
     # the archived run's counts and token sums, taken once its rows left the hot table (the
     # item counters follow the rows of items); null while the archive is not complete
-    archived_counts: Mapped[dict[str, int] | None] = mapped_column(JSON, nullable=True)
+    Column("archived_counts", JSON, nullable=True),
+)
 
-
-class ToolSet(Base):
-    """One distinct tools list of a run, stored once and referenced by its items."""
-
-    __tablename__ = "tool_sets"
-    __table_args__ = (UniqueConstraint("run_id", "tools_hash", name="uq_tool_sets_run_hash"),)
-
-    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
-    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+# One distinct tools list of a run, stored once and referenced by its items.
+tool_sets = Table(
+    "tool_sets",
+    metadata,
+    _id(),
+    Column("run_id", ForeignKey("runs.id", ondelete="CASCADE"), nullable=False),
     # sha256 of the tools' JSON in their own key order (the order the template renders)
-    tools_hash: Mapped[str] = mapped_column(String(64))
-    tools: Mapped[list[dict[str, Any]]] = mapped_column(JSON)
+    Column("tools_hash", String(64), nullable=False),
+    Column("tools", JSON, nullable=False),
+    UniqueConstraint("run_id", "tools_hash", name="uq_tool_sets_run_hash"),
+)
 
 
 def _partial(name: str, columns: tuple[str, ...], where: str) -> Index:
     return Index(name, *columns, postgresql_where=text(where), sqlite_where=text(where))
 
 
-class Item(Base):
-    __tablename__ = "items"
-    __table_args__ = (
-        UniqueConstraint(
-            "run_id", "item_key", "sample_index", "turn_index", name="uq_items_run_key_sample_turn"
-        ),
-        # keyset pages of one status of a run (export, verify, report, reconcile) and the
-        # "anything left to claim?" probe: one range of this index, in id order, no sort
-        Index("ix_items_run_status_id", "run_id", "status", "id"),
-        Index("ix_items_prev_item", "prev_item_id"),
-        Index("ix_items_status_lease", "status", "lease_expires_at"),
-        Index("ix_items_server_status", "server", "status"),
-        Index("ix_items_server_finished", "server", "finished_at"),
-        # Partial indexes hold only what the periodic queries look at (the active part of the
-        # table), so their plans are the same whatever the planner's statistics say.
-        _partial("ix_items_leased_started", ("started_at", "id"), "status = 'leased'"),
-        _partial("ix_items_queued_at", ("queued_at", "id"), "status = 'queued'"),
-        _partial("ix_items_done_finished", ("server", "finished_at"), "status = 'done'"),
-        _partial("ix_items_uncompacted", ("run_id", "id"), "status = 'done' AND shard_uri IS NULL"),
-    )
+def _reference(name: str, target: str, key: str) -> Column[Any]:
+    """A nullable id pointing at another row (deleted with it)."""
+    return Column(name, BigId, ForeignKey(target, ondelete="CASCADE", name=key), nullable=True)
 
-    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
-    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
-    item_key: Mapped[str] = mapped_column(String(200))
-    sample_index: Mapped[int] = mapped_column(Integer, default=0)
-    # multi-turn (`--turns all`): which assistant turn this item regenerates (0 = the first),
-    # and the item of the turn before it, which must be done before this one gets a prompt
-    turn_index: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
-    prev_item_id: Mapped[int | None] = mapped_column(
-        BigId,
-        ForeignKey("items.id", ondelete="CASCADE", name="fk_items_prev_item"),
-        nullable=True,
-    )
-    line_no: Mapped[int | None] = mapped_column(Integer, nullable=True)
-    messages: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON, nullable=True)
-    # what else built the prompt: the row's tools (a run's distinct tools lists are stored
-    # once) and its template kwargs merged over the run's (null: the run's own)
-    tool_set_id: Mapped[int | None] = mapped_column(
-        BigId,
-        ForeignKey("tool_sets.id", ondelete="CASCADE", name="fk_items_tool_set"),
-        nullable=True,
-    )
-    chat_template_kwargs: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
-    # the row's fields that are not template inputs (source, category, ...), exported
-    row_metadata: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
-    prompt_ids: Mapped[list[int]] = mapped_column(TokenArray)
-    prompt_tokens: Mapped[int] = mapped_column(Integer)
-    status: Mapped[str] = mapped_column(String(16), default=ItemStatus.PENDING)
-    attempts: Mapped[int] = mapped_column(Integer, default=0)
-    lease_owner: Mapped[str | None] = mapped_column(String(200), nullable=True)
-    lease_expires_at: Mapped[datetime | None] = mapped_column(
-        DateTime(timezone=True), nullable=True
-    )
-    server: Mapped[str | None] = mapped_column(String(200), nullable=True)
-    # the worker running a second copy of this leased item on another server (hedging the
-    # end of a run); cleared by the next claim. The first result written wins.
-    hedge_owner: Mapped[str | None] = mapped_column(String(200), nullable=True)
-    error: Mapped[str | None] = mapped_column(Text, nullable=True)
-    output_ids: Mapped[list[int] | None] = mapped_column(TokenArray, nullable=True)
-    finish_reason: Mapped[str | None] = mapped_column(String(16), nullable=True)
-    matched_stop: Mapped[str | None] = mapped_column(String(64), nullable=True)
-    completion_tokens: Mapped[int | None] = mapped_column(Integer, nullable=True)
-    cached_tokens: Mapped[int | None] = mapped_column(Integer, nullable=True)
-    latency_s: Mapped[float | None] = mapped_column(Float, nullable=True)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
-    queued_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
-    started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
-    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
-    # compaction: the token arrays live in row `shard_row` of the Parquet shard `shard_uri`
-    shard_uri: Mapped[str | None] = mapped_column(Text, nullable=True)
-    shard_row: Mapped[int | None] = mapped_column(Integer, nullable=True)
+
+def _item_columns() -> list[Column[Any]]:
+    """The columns of items (the archive copies them: see _archive_columns)."""
+    return [
+        _id(),
+        Column("run_id", ForeignKey("runs.id", ondelete="CASCADE"), nullable=False),
+        Column("item_key", String(200), nullable=False),
+        Column("sample_index", Integer, nullable=False, default=0),
+        # multi-turn (`--turns all`): which assistant turn this item regenerates (0 = the
+        # first), and the item of the turn before it, which must be done before this one gets
+        # a prompt
+        Column("turn_index", Integer, nullable=False, default=0, server_default="0"),
+        _reference("prev_item_id", "items.id", "fk_items_prev_item"),
+        Column("line_no", Integer, nullable=True),
+        # SQL NULL for a pre-tokenized item (not JSON null), so that `messages IS NOT NULL`
+        # finds the items rendered from messages (the parity sample reads them through the
+        # indexes)
+        Column("messages", JSON(none_as_null=True), nullable=True),
+        # what else built the prompt: the row's tools (a run's distinct tools lists are stored
+        # once) and its template kwargs merged over the run's (null: the run's own)
+        _reference("tool_set_id", "tool_sets.id", "fk_items_tool_set"),
+        Column("chat_template_kwargs", JSON, nullable=True),
+        # the row's fields that are not template inputs (source, category, ...), exported
+        Column("row_metadata", JSON, nullable=True),
+        Column("prompt_ids", TokenArray, nullable=False),
+        Column("prompt_tokens", Integer, nullable=False),
+        Column("status", String(16), nullable=False, default=ItemStatus.PENDING),
+        Column("attempts", Integer, nullable=False, default=0),
+        Column("lease_owner", String(200), nullable=True),
+        _when("lease_expires_at"),
+        Column("server", String(200), nullable=True),
+        # the worker running a second copy of this leased item on another server (hedging the
+        # end of a run); cleared by the next claim. The first result written wins.
+        Column("hedge_owner", String(200), nullable=True),
+        Column("error", Text, nullable=True),
+        Column("output_ids", TokenArray, nullable=True),
+        Column("finish_reason", String(16), nullable=True),
+        Column("matched_stop", String(64), nullable=True),
+        Column("completion_tokens", Integer, nullable=True),
+        Column("cached_tokens", Integer, nullable=True),
+        Column("latency_s", Float, nullable=True),
+        _when("created_at", nullable=False),
+        _when("queued_at"),
+        _when("started_at"),
+        _when("finished_at"),
+        # compaction: the token arrays live in row `shard_row` of the Parquet shard `shard_uri`
+        Column("shard_uri", Text, nullable=True),
+        Column("shard_row", Integer, nullable=True),
+    ]
+
+
+items = Table(
+    "items",
+    metadata,
+    *_item_columns(),
+    UniqueConstraint(
+        "run_id", "item_key", "sample_index", "turn_index", name="uq_items_run_key_sample_turn"
+    ),
+    # keyset pages of one status of a run (export, verify, report, reconcile) and the
+    # "anything left to claim?" probe: one range of this index, in id order, no sort
+    Index("ix_items_run_status_id", "run_id", "status", "id"),
+    Index("ix_items_prev_item", "prev_item_id"),
+    Index("ix_items_status_lease", "status", "lease_expires_at"),
+    Index("ix_items_server_status", "server", "status"),
+    Index("ix_items_server_finished", "server", "finished_at"),
+    # Partial indexes hold only what the periodic queries look at (the active part of the
+    # table), so their plans are the same whatever the planner's statistics say.
+    _partial("ix_items_leased_started", ("started_at", "id"), "status = 'leased'"),
+    _partial("ix_items_queued_at", ("queued_at", "id"), "status = 'queued'"),
+    _partial("ix_items_done_finished", ("server", "finished_at"), "status = 'done'"),
+    _partial("ix_items_uncompacted", ("run_id", "id"), "status = 'done' AND shard_uri IS NULL"),
+)
 
 
 def _archive_columns() -> list[Column[Any]]:
     """The columns of items, for the archive: same names and types, no defaults; run_id keeps
     its foreign key, prev_item_id points at another archived row without one."""
     columns: list[Column[Any]] = []
-    for col in Item.__table__.columns:
+    for col in items.columns:
         fks = [ForeignKey("runs.id", ondelete="CASCADE")] if col.name == "run_id" else []
         columns.append(
             Column(
@@ -226,60 +242,58 @@ def _archive_columns() -> list[Column[Any]]:
 
 
 # A finished, compacted run's rows, moved out of the hot table (`tokenmill archive`). Built
-# from Item's columns, so a column added to items must be added here by the same migration.
-ItemArchive = Table(
+# from items' columns, so a column added to items must be added here by the same migration.
+items_archive = Table(
     "items_archive",
-    Base.metadata,
+    metadata,
     *_archive_columns(),
     Index("ix_items_archive_run_status_id", "run_id", "status", "id"),
     Index("ix_items_archive_prev_item", "prev_item_id"),
 )
 
-
-class Server(Base):
-    __tablename__ = "servers"
-
-    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
-    name: Mapped[str] = mapped_column(String(200), unique=True)
+servers = Table(
+    "servers",
+    metadata,
+    _id(),
+    _unique_name(),
     # the control plane's URL of the server (the watchdog, restart and parity use it); its
     # workers never change it, they record the URL they send to as worker_url
-    url: Mapped[str] = mapped_column(Text)
-    worker_url: Mapped[str | None] = mapped_column(Text, nullable=True)
+    Column("url", Text, nullable=False),
+    Column("worker_url", Text, nullable=True),
     # the GPU node whose workers serve it (TOKENMILL_NODE_NAME of its last worker)
-    node: Mapped[str | None] = mapped_column(String(200), nullable=True)
-    state: Mapped[str] = mapped_column(String(16), default="unknown")
-    state_since: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
-    paused: Mapped[bool] = mapped_column(default=False)
-    paused_by: Mapped[str | None] = mapped_column(String(16), nullable=True)
-    pause_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
-    consecutive_failures: Mapped[int] = mapped_column(Integer, default=0)
-    consecutive_successes: Mapped[int] = mapped_column(Integer, default=0)
-    last_probe_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
-    last_probe_ok: Mapped[bool | None] = mapped_column(nullable=True)
-    last_probe_latency_s: Mapped[float | None] = mapped_column(Float, nullable=True)
-    last_error: Mapped[str | None] = mapped_column(Text, nullable=True)
-    fingerprint: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    Column("node", String(200), nullable=True),
+    Column("state", String(16), nullable=False, default="unknown"),
+    _when("state_since"),
+    Column("paused", Boolean, nullable=False, default=False),
+    Column("paused_by", String(16), nullable=True),
+    Column("pause_reason", Text, nullable=True),
+    Column("consecutive_failures", Integer, nullable=False, default=0),
+    Column("consecutive_successes", Integer, nullable=False, default=0),
+    _when("last_probe_at"),
+    Column("last_probe_ok", Boolean, nullable=True),
+    Column("last_probe_latency_s", Float, nullable=True),
+    Column("last_error", Text, nullable=True),
+    Column("fingerprint", JSON, nullable=True),
     # the last parity check per run name: {"run": {"status", "checked", "mismatched", "at"}}
-    parity: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
-    restart_command: Mapped[list[str] | None] = mapped_column(JSON, nullable=True)
-    workers: Mapped[list[str]] = mapped_column(JSON, default=list)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
-    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    Column("parity", JSON, nullable=True),
+    Column("restart_command", JSON, nullable=True),
+    Column("workers", JSON, nullable=False, default=list),
+    _when("created_at", nullable=False),
+    _when("updated_at", nullable=False),
+)
 
-
-class Event(Base):
-    __tablename__ = "events"
-    __table_args__ = (Index("ix_events_at", "at"),)
-
-    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
-    at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
-    kind: Mapped[str] = mapped_column(String(40))
-    run_id: Mapped[int | None] = mapped_column(
-        ForeignKey("runs.id", ondelete="CASCADE"), nullable=True
-    )
-    server: Mapped[str | None] = mapped_column(String(200), nullable=True)
-    message: Mapped[str] = mapped_column(Text)
-    details: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+events = Table(
+    "events",
+    metadata,
+    _id(),
+    _when("at", nullable=False),
+    Column("kind", String(40), nullable=False),
+    Column("run_id", ForeignKey("runs.id", ondelete="CASCADE"), nullable=True),
+    Column("server", String(200), nullable=True),
+    Column("message", Text, nullable=False),
+    Column("details", JSON, nullable=True),
+    Index("ix_events_at", "at"),
+)
 
 
 # Item counters: kept by database triggers on `items` (migration 0005e) in the same transaction
@@ -289,53 +303,49 @@ class Event(Base):
 # step; SQLite, with its single writer, uses shard 0 only. A key's value is the sum over its
 # shards. "" stands for no server / no finish reason (NULL cannot be part of the key).
 
-
-class ItemCount(Base):
-    """Items of a run by server, status and finish reason, with their token sums."""
-
-    __tablename__ = "item_counts"
-
-    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
-    server: Mapped[str] = mapped_column(String(200), primary_key=True)
-    status: Mapped[str] = mapped_column(String(16), primary_key=True)
-    finish_reason: Mapped[str] = mapped_column(String(16), primary_key=True)
-    shard: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
-    item_count: Mapped[int] = mapped_column(BigInteger)
-    prompt_tokens: Mapped[int] = mapped_column(BigInteger)
-    completion_tokens: Mapped[int] = mapped_column(BigInteger)
+# Items of a run by server, status and finish reason, with their token sums.
+item_counts = Table(
+    "item_counts",
+    metadata,
+    Column("run_id", ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True),
+    Column("server", String(200), primary_key=True),
+    Column("status", String(16), primary_key=True),
+    Column("finish_reason", String(16), primary_key=True),
+    Column("shard", Integer, primary_key=True, autoincrement=False),
+    Column("item_count", BigInteger, nullable=False),
+    Column("prompt_tokens", BigInteger, nullable=False),
+    Column("completion_tokens", BigInteger, nullable=False),
     # of those items, how many carry a hedge mark (a second copy ran on another server)
-    hedged: Mapped[int] = mapped_column(BigInteger)
+    Column("hedged", BigInteger, nullable=False),
+)
 
+# Done items of a run by server and latency bucket (index into the fixed bounds, the last one
+# past every bound), with their latency sum: histograms without reading items.
+item_latency_counts = Table(
+    "item_latency_counts",
+    metadata,
+    Column("run_id", ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True),
+    Column("server", String(200), primary_key=True),
+    Column("bucket", Integer, primary_key=True, autoincrement=False),
+    Column("shard", Integer, primary_key=True, autoincrement=False),
+    Column("item_count", BigInteger, nullable=False),
+    Column("latency_sum_s", Float, nullable=False),
+)
 
-class ItemLatencyCount(Base):
-    """Done items of a run by server and latency bucket (index into the fixed bounds, the
-    last one past every bound), with their latency sum: histograms without reading items."""
-
-    __tablename__ = "item_latency_counts"
-
-    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
-    server: Mapped[str] = mapped_column(String(200), primary_key=True)
-    bucket: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
-    shard: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
-    item_count: Mapped[int] = mapped_column(BigInteger)
-    latency_sum_s: Mapped[float] = mapped_column(Float)
-
-
-class ItemSpecStats(Base):
-    """A done item's speculative-decoding counters, as its server reported them in meta_info.
-
-    Keyed by the item id without a foreign key to items, so the row stays when its item moves
-    to items_archive; it goes with its run."""
-
-    __tablename__ = "item_spec_stats"
-    __table_args__ = (Index("ix_item_spec_stats_run", "run_id", "item_id"),)
-
-    item_id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=False)
-    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
-    verify_ct: Mapped[int] = mapped_column(Integer)
-    num_correct_drafts: Mapped[int] = mapped_column(Integer)
-    num_proposed_drafts: Mapped[int] = mapped_column(Integer)
-    accept_length: Mapped[float] = mapped_column(Float)
-    accept_rate: Mapped[float] = mapped_column(Float)
+# A done item's speculative-decoding counters, as its server reported them in meta_info.
+# Keyed by the item id without a foreign key to items, so the row stays when its item moves to
+# items_archive; it goes with its run.
+item_spec_stats = Table(
+    "item_spec_stats",
+    metadata,
+    Column("item_id", BigId, primary_key=True, autoincrement=False),
+    Column("run_id", ForeignKey("runs.id", ondelete="CASCADE"), nullable=False),
+    Column("verify_ct", Integer, nullable=False),
+    Column("num_correct_drafts", Integer, nullable=False),
+    Column("num_proposed_drafts", Integer, nullable=False),
+    Column("accept_length", Float, nullable=False),
+    Column("accept_rate", Float, nullable=False),
     # index: drafts accepted in one verify step; value: steps
-    histogram: Mapped[list[int]] = mapped_column(JSON)
+    Column("histogram", JSON, nullable=False),
+    Index("ix_item_spec_stats_run", "run_id", "item_id"),
+)

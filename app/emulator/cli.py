@@ -47,7 +47,8 @@ def _text_or_none(ctx: click.Context, param: click.Parameter, value: Any) -> str
 def _option(flag: str, *names: str, **kwargs: Any) -> Callable[[F], F]:
     """A flag that is also the environment variable TOKENMILL_EMULATOR_<FLAG>, shown in --help."""
     env = ENV_PREFIX + flag.lstrip("-").split("/")[0].replace("-", "_").upper()
-    return click.option(flag, *names, envvar=env, show_envvar=True, show_default=True, **kwargs)
+    kwargs.setdefault("show_default", True)
+    return click.option(flag, *names, envvar=env, show_envvar=True, **kwargs)
 
 
 @click.command("emulator")
@@ -155,9 +156,10 @@ def _option(flag: str, *names: str, **kwargs: Any) -> Callable[[F], F]:
     "--prefix-cache-tokens",
     type=click.IntRange(min=0),
     default=None,
+    show_default="the KV pool: max running x context length",
     help="Tokens the prefix (radix) cache holds, least recently used evicted first; cached "
-    "prompt tokens skip prefill and are reported as meta_info.cached_tokens. Default: the KV "
-    "pool (max running x context length); 0 turns the cache off.",
+    "prompt tokens skip prefill and are reported as meta_info.cached_tokens; 0 turns the "
+    "cache off.",
 )
 @_option(
     "--startup-delay-s",

@@ -5,19 +5,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import UTC, datetime
-from typing import Any, cast
+from typing import Any
 
 from sqlalchemy import Connection, Table, and_, select, tuple_
 
-from app.core.models import Event, Item, ItemArchive, Run, Server, ToolSet
+# the rows of archived runs (app.ledger.archive) are items_archive: the same columns as items
+from app.core.models import events, items, items_archive, runs, servers, tool_sets
 
-items = cast(Table, Item.__table__)
-runs = cast(Table, Run.__table__)
-servers = cast(Table, Server.__table__)
-events = cast(Table, Event.__table__)
-tool_sets = cast(Table, ToolSet.__table__)
-# the rows of archived runs (app.ledger.archive): same columns as items
-items_archive = ItemArchive
+__all__ = ["events", "items", "items_archive", "runs", "servers", "tool_sets"]
 
 
 def run_status_range(conn: Connection, table: Table, run_id: int, status: str, after: int) -> Any:

@@ -10,17 +10,15 @@ import logging
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 from sqlalchemy import Connection, Engine, Table, case, delete, func, insert, select, text
 
-from app.core.models import Item, ItemCount, ItemLatencyCount, ItemStatus
+from app.core.models import ItemStatus, item_counts, items
+from app.core.models import item_latency_counts as latency_counts
 
 log = logging.getLogger(__name__)
 
-items = cast(Table, Item.__table__)
-item_counts = cast(Table, ItemCount.__table__)
-latency_counts = cast(Table, ItemLatencyCount.__table__)
 
 # Generation latencies of reasoning models span seconds to an hour: buckets to match. The
 # triggers of migration 0005e bucket latencies by exactly these bounds.

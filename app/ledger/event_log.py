@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import Connection, insert
+from sqlalchemy import Connection, insert, select
 
 from app.ledger.common import events, utcnow
 
@@ -24,3 +24,11 @@ def record_event(
             at=utcnow(), kind=kind, run_id=run_id, server=server, message=message, details=details
         )
     )
+
+
+def has_event(conn: Connection, kind: str, *, run_id: int, server: str) -> bool:
+    """Whether an event of this kind was recorded for this run and server."""
+    stmt = select(events.c.id).where(
+        events.c.kind == kind, events.c.run_id == run_id, events.c.server == server
+    )
+    return conn.execute(stmt.limit(1)).first() is not None

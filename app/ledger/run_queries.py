@@ -3,7 +3,7 @@ that a later enqueue pins the same settings, its server fingerprint and whether 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -12,8 +12,6 @@ from sqlalchemy import Connection, insert, select, update
 from app.core.contracts import SamplingParams
 from app.core.errors import NotFound, RunArchived, RunMismatch
 from app.ledger.common import as_utc, runs, utcnow
-from app.prompts.chat_path import NORMALIZATION_VERSION
-from app.prompts.tokenizer_files import file_changes
 
 
 @dataclass(frozen=True)
@@ -41,7 +39,14 @@ class RunSpec:
     tokenizer_files: dict[str, str] | None = None
     legacy_tokenizer_hash: str | None = None
     # the message-normalization rules the prompts are built with (app.prompts.chat_path)
-    normalization_version: str = NORMALIZATION_VERSION
+    normalization_version: str = field(default_factory=lambda: _current_rules())
+
+
+def _current_rules() -> str:
+    # the chat path loads with a spec (an enqueue), not with every command that reads runs
+    from app.prompts.chat_path import NORMALIZATION_VERSION
+
+    return NORMALIZATION_VERSION
 
 
 @dataclass(frozen=True)
@@ -107,6 +112,8 @@ def run_differences(existing: RunInfo, spec: RunSpec) -> list[str]:
                 f"{spec.tokenizer_path} (hash {spec.tokenizer_hash[:12]})"
             )
     else:
+        from app.prompts.tokenizer_files import file_changes
+
         diffs += file_changes(
             existing.tokenizer_hash,
             existing.tokenizer_files,

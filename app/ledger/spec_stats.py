@@ -5,14 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import datetime
-from typing import cast
 
-from sqlalchemy import JSON, Connection, DateTime, Table, bindparam, select, text
+from sqlalchemy import JSON, Connection, DateTime, bindparam, select, text
 
 from app.core.contracts import SpecStats
-from app.core.models import ItemSpecStats
-
-item_spec_stats = cast(Table, ItemSpecStats.__table__)
+from app.core.models import item_spec_stats
 
 # Only for an item that this very write finished (status done, finished_at this write's time):
 # a later copy's counters (a hedge whose result lost) never replace the winner's.

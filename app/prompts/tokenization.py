@@ -16,6 +16,7 @@ from typing import Any
 
 from app.core.contracts import Message
 from app.core.errors import InputError, TokenizerError
+from app.core.logs import quiet_transformers
 from app.prompts.chat_path import (
     ChatInputs,
     ContentFormat,
@@ -66,22 +67,6 @@ _RESERVED_KWARGS = frozenset(
 
 
 _FAILED = "chat template failed: "
-
-
-class _NoTorchAdvice(logging.Filter):
-    """tokenmill needs only tokenizers: transformers' "PyTorch was not found" line is noise."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "PyTorch was not found" not in record.getMessage()
-
-
-def quiet_transformers() -> None:
-    """Drop transformers' no-PyTorch advice, which it logs once, when `transformers` is first
-    imported. Called at process start (CLI, workers) as well as before loading a tokenizer, so
-    it holds whichever import comes first; every other transformers record passes."""
-    logger = logging.getLogger("transformers")
-    if not any(isinstance(f, _NoTorchAdvice) for f in logger.filters):
-        logger.addFilter(_NoTorchAdvice())
 
 
 def load_tokenizer(path: str | Path, *, trust_remote_code: bool = False) -> ChatTokenizer:

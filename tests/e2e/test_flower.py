@@ -73,6 +73,7 @@ def test_tokenmill_flower_starts_on_embedded_defaults(tmp_path: Path) -> None:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10.0) as http:
             wait_for("Flower", lambda: http.get("/healthcheck").text == "OK", 60)
             assert http.get("/").status_code == 200
+            assert http.get("/metrics").status_code == 200  # no credentials set: loopback, open
     finally:
         stop([flower])
     log = err.read_text()
@@ -165,9 +166,13 @@ def test_flower_shows_readable_tasks_and_the_worker_logs_json(
             raw = http.get("/api/tasks", auth=auth).text
             workers = api("/api/workers", refresh=True)
 
-            # without credentials, or with wrong ones, the API answers 401
+            # without credentials, or with wrong ones, the API and /metrics answer 401
             assert http.get("/api/workers").status_code == 401
             assert http.get("/api/tasks", auth=httpx.BasicAuth(USER, "wrong")).status_code == 401
+            assert http.get("/metrics").status_code == 401
+            assert http.get("/metrics", auth=httpx.BasicAuth(USER, "wrong")).status_code == 401
+            metrics = http.get("/metrics", auth=auth)
+            assert metrics.status_code == 200 and "flower_events_total" in metrics.text
 
         wait_for("the run to finish", lambda: run_finished(pg_engine, "fl1"), 40)
     finally:

@@ -145,3 +145,19 @@ def test_duration() -> None:
         "2h 05m",
         "4d 15h",
     ]
+
+
+def test_render_at_80_columns_keeps_names_and_leaves_columns_out_in_order(fleet: Engine) -> None:
+    with fleet.connect() as conn:
+        board = dq.gather_dashboard(conn, now=T)
+    console = Console(record=True, width=80, color_system=None)
+    console.print(render_dashboard(board, interval_s=0.5, width=80))
+    text = console.export_text()
+    assert all(len(line) <= 80 for line in text.splitlines()), text
+    lines = {line.split()[0]: line for line in text.splitlines() if line.strip()}
+    assert {"r1", "r2", "gpu-a", "gpu-b", "gpu-c"} <= set(lines)
+    assert "…" not in text.replace("… ", "")  # nothing cut to an ellipsis
+    assert "(left out at this width: progress" in text
+    assert "(left out at this width: workers" in text
+    # gpu-b's probe failed: its error is current, folded at a space, not cut
+    assert "connection refused" in " ".join(text.split())

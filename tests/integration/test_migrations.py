@@ -9,7 +9,7 @@ from alembic.runtime.migration import MigrationContext
 from sqlalchemy import Engine, inspect
 
 from app.core.errors import SchemaOutOfDate
-from app.core.models import Base
+from app.core.models import metadata
 from app.ledger.migrate import (
     alembic_config,
     check_current,
@@ -22,7 +22,7 @@ from app.ledger.migrate import (
 def test_models_match_migrations(db: Engine) -> None:
     with db.connect() as conn:
         ctx = MigrationContext.configure(conn, opts={"compare_type": True})
-        diff = compare_metadata(ctx, Base.metadata)
+        diff = compare_metadata(ctx, metadata)
     assert diff == []
     assert current_revision(db) == head_revision()
 

@@ -1,6 +1,7 @@
-"""`tokenmill status` as an operator reads it in an 80-column terminal or a pipe: run names and
-numbers are never cut and no column is dropped (a table too wide for 80 columns is printed
-wider), and the waiting column appears only when a run has later turns."""
+"""`tokenmill status`, `servers` and `events` as an operator reads them in an 80-column terminal
+or a pipe: names, URLs and numbers are never cut, columns that do not fit are left out in the
+order each table states (and said so), a server's last error is shown only while it is
+current, and the waiting column appears only when a run has later turns."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from pathlib import Path
 
 from sqlalchemy import update
 
-from app.ledger import items
+from app import ledger
+from app.ledger import items, registry
 from app.ledger.database import make_engine
 from app.ledger.migrate import upgrade
 from tests.support.procs import clean_env, tokenmill
@@ -17,10 +19,14 @@ from tests.support.runs import add_item, make_run
 LONG_RUN = "kimi-k25-regen-2026-11-30-shard-07"
 
 
-def status_lines(data_dir: Path) -> list[str]:
-    result = tokenmill(["status"], clean_env(data_dir, COLUMNS="80"))
+def run_tokenmill(data_dir: Path, *args: str, columns: int = 80) -> tuple[list[str], str]:
+    result = tokenmill(list(args), clean_env(data_dir, COLUMNS=str(columns)))
     assert result.returncode == 0, result.stderr
-    return result.stdout.splitlines()
+    return result.stdout.splitlines(), result.stderr
+
+
+def header_of(lines: list[str]) -> list[str]:
+    return " ".join(lines[: lines.index(next(x for x in lines if "───" in x))]).split()
 
 
 def test_names_and_numbers_are_whole_and_waiting_shows_only_when_used(tmp_path: Path) -> None:
@@ -31,17 +37,71 @@ def test_names_and_numbers_are_whole_and_waiting_shows_only_when_used(tmp_path: 
         for i in range(12):
             add_item(conn, run.id, f"k{i}", completion_tokens=1_234_567)
         add_item(conn, run.id, "p", status="pending")
-    lines = status_lines(tmp_path)
-    header = " ".join(" ".join(lines[: lines.index(next(x for x in lines if "───" in x))]).split())
-    for name in ("run", "total", "pend", "queued", "leased", "done", "failed", "trunc", "tokens"):
-        assert name in header.split(), f"column {name} missing from {header!r}"
+    lines, err = run_tokenmill(tmp_path, "status")
+    assert all(len(line) <= 80 for line in lines), lines
+    # 34 characters of run name: queued and leased go first, as status's help says
+    assert header_of(lines) == ["run", "total", "pend", "done", "failed", "trunc", "out", "tokens"]
     row = next(line for line in lines if LONG_RUN in line)
-    assert row.split() == [LONG_RUN, "13", "1", "0", "0", "12", "0", "0", str(12 * 1_234_567)]
+    assert row.split() == [LONG_RUN, "13", "1", "12", "0", "0", str(12 * 1_234_567)]
+    assert "left out at 80 columns: queued, leased" in err
     assert "wait" not in "".join(lines)
 
     with engine.begin() as conn:
         conn.execute(update(items).where(items.c.item_key == "p").values(status="waiting"))
-    lines = status_lines(tmp_path)
-    assert "wait" in "".join(lines)
+    lines, err = run_tokenmill(tmp_path, "status")
+    assert all(len(line) <= 80 for line in lines), lines
+    assert header_of(lines) == ["run", "total", "wait", "done", "failed", "trunc", "out", "tokens"]
+    assert "left out at 80 columns: queued, leased, pend;" in err
     row = next(line for line in lines if LONG_RUN in line)
-    assert row.split() == [LONG_RUN, "13", "1", "0", "0", "0", "12", "0", "0", "14814804"]
+    assert row.split() == [LONG_RUN, "13", "1", "12", "0", "0", "14814804"]
+
+    short = tmp_path / "short"
+    short.mkdir()
+    engine = make_engine(f"sqlite:///{short / 'ledger.sqlite3'}")
+    upgrade(engine)
+    with engine.begin() as conn:
+        add_item(conn, make_run(conn, "r1").id, "k", completion_tokens=5)
+    lines, err = run_tokenmill(short, "status")
+    assert "queued" in header_of(lines) and "left out" not in err  # it fits: all of it
+
+
+NAME = "localhost:30000"  # what a worker names its server from a loopback URL
+URL = "http://gpu-node-a.cluster.example.internal:30000"
+
+
+def test_servers_keep_names_and_urls_whole_and_show_only_a_current_error(tmp_path: Path) -> None:
+    engine = make_engine(f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
+    upgrade(engine)
+    with engine.begin() as conn:
+        for name in (NAME, "gpu-b"):
+            registry.upsert_server(conn, name, URL.replace("node-a", name.split(":")[0]))
+        probe = {"failures": 0, "successes": 0, "latency_s": None}
+        # gpu-b's last probe failed; localhost:30000 was refused once and is healthy again
+        registry.record_probe(
+            conn, NAME, state="down", ok=False, error="Connection refused", **probe
+        )
+        registry.record_probe(conn, NAME, state="healthy", ok=True, error=None, **probe)
+        registry.record_probe(conn, "gpu-b", state="down", ok=False, error="timed out", **probe)
+        ledger.record_event(conn, "down", "a message long enough to fold " * 4, server="gpu-b")
+    lines, err = run_tokenmill(tmp_path, "servers")
+    assert all(len(line) <= 80 for line in lines), lines
+    text = "\n".join(lines)
+    assert NAME in text and URL.replace("node-a", "localhost") in text
+    assert "local…" not in text and "http:…" not in text
+    assert header_of(lines) == ["name", "url", "state"]
+    assert "left out at 80 columns: last probe, workers, in flight, rendering, last error, " in err
+
+    lines, err = run_tokenmill(tmp_path, "servers", columns=200)
+    assert "left out" not in err
+    rows = {line.split()[0]: line for line in lines[2:]}
+    assert rows["gpu-b"].rstrip().endswith("timed out")  # its last probe failed: current
+    assert "Connection refused" not in rows[NAME]  # history: the server is healthy again
+    assert rows[NAME].split()[2] == "healthy"
+
+    lines, _ = run_tokenmill(tmp_path, "events")
+    assert all(len(line) <= 80 for line in lines), lines
+    message = " ".join(("a message long enough to fold " * 4).split())
+    assert message in " ".join(" ".join(line.split()[3:]) for line in lines[2:4] if line) or (
+        message in " ".join(" ".join(lines[2:]).split())
+    )
+    assert len([line for line in lines[2:] if line.startswith(" ")]) >= 1  # folded, not cut

@@ -90,3 +90,26 @@ def test_the_declared_head_is_alembics_head() -> None:
     the revision alembic computes, or None (then alembic decides)."""
     assert declared_head() in (head_revision(), None)
     assert declared_head() is not None  # the scripts are plain enough to be read
+
+
+def test_a_command_loads_only_its_own_module(tmp_path: Path) -> None:
+    """`tokenmill status` on a ledger that exists: its own command module, SQLAlchemy Core and
+    the settings; not the other commands, the ORM, rich, alembic or the tokenizer code."""
+    status = f"""
+        import contextlib, io, os, sys
+        os.environ["TOKENMILL_DATA_DIR"] = {str(tmp_path)!r}
+        from ops.cli import cli
+        with contextlib.redirect_stdout(io.StringIO()):
+            try:
+                cli(["status"], prog_name="tokenmill")
+            except SystemExit as exc:
+                assert exc.code == 0, exc.code
+    """
+    assert "alembic" in loaded_after(status)  # the first one creates the ledger
+    check = """
+        others = [m for m in ("ops.demo", "ops.pipeline_cmds", "ops.report", "ops.fleet_cmds",
+                              "app.prompts.chat_path", "app.prompts.tokenization",
+                              "app.ledger.outcomes", "sqlalchemy.orm") if m in sys.modules]
+        assert others == [], others
+    """
+    assert loaded_after(status + check) == ["pydantic", "sqlalchemy"]

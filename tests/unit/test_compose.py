@@ -2,8 +2,9 @@
 
 The compose file is parsed and interpolated the way Compose does it, then every command a
 project service runs is parsed by the real command line it names: `tokenmill ...` through the
-click group in `ops.cli`, `celery -A app ...` through Celery's own click group (with the app
-that `-A app` finds) and, for Flower, through Flower's tornado options. Nothing is executed.
+click group in `ops.cli` (Flower too: `tokenmill flower`, its password in the environment),
+`celery -A app ...` through Celery's own click group (with the app that `-A app` finds).
+Nothing is executed.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ TEST_ENV = {"FLOWER_PASSWORD": "test-only-password", "SGLANG_API_KEY": "test-onl
 TOP_LEVEL_KEYS = {"name", "services", "volumes", "networks", "configs", "secrets", "include"}
 CONDITIONS = {"service_started", "service_healthy", "service_completed_successfully"}
 PROJECT_EXECUTABLES = {"tokenmill", "celery", "python"}
-CELERY_SUBCOMMANDS = {"worker", "beat", "flower"}
+CELERY_SUBCOMMANDS = {"worker", "beat"}
 SHARED_ENV_ANCHOR = "x-tokenmill-env"
 MIN_WORKER_GRACE_S = 60.0
 
@@ -453,9 +454,6 @@ def test_celery_commands_are_real_commands_and_options(service: str, args: list[
     assert args[1:3] == ["-A", "app"], f"{service}: start with `celery -A app`"
     subcommand = args[3]
     assert subcommand in CELERY_SUBCOMMANDS, f"{service}: celery {subcommand}"
-    if subcommand == "flower":
-        check_flower_options(service, args[4:])
-        return
     try:
         path, _, ctx = parse_celery(args)
     except click.UsageError as exc:
@@ -467,18 +465,46 @@ def test_celery_commands_are_real_commands_and_options(service: str, args: list[
     ctx.close()
 
 
-def check_flower_options(service: str, tornado_args: list[str]) -> None:
-    pytest.importorskip("flower", reason="Flower comes with tokenmill: pip install -e .")
-    import flower.options  # noqa: F401  (defines Flower's tornado options)
-    from tornado.options import options
+def test_flower_takes_its_password_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`tokenmill flower` beyond loopback, the credentials in TOKENMILL_FLOWER_*: what it
+    would run carries them in the environment only, and runs ops.flower_app (which puts
+    /metrics behind them)."""
+    from app.core.settings import Settings
+    from ops.flower_cmd import flower_launch
 
-    for arg in tornado_args:
-        assert arg.startswith("--") and "=" in arg, f"{service}: pass Flower options as --k=v"
-        name = arg[2:].split("=", 1)[0]
-        assert name in options, f"{service}: Flower has no option --{name}"
-    auth = option_value(tornado_args, "--basic-auth")
-    user, _, password = auth.partition(":")
-    assert user and password == TEST_ENV["FLOWER_PASSWORD"], "Flower requires credentials"
+    flower = services()["flower"]
+    args = argv(flower)
+    assert args[:2] == ["tokenmill", "flower"]
+    assert not any(TEST_ENV["FLOWER_PASSWORD"] in arg for arg in args)
+    env = service_environment(flower)
+    assert env["TOKENMILL_FLOWER_PASSWORD"] == TEST_ENV["FLOWER_PASSWORD"]
+    for key in [k for k in os.environ if k.startswith("TOKENMILL_")]:
+        monkeypatch.delenv(key)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    launch = flower_launch(Settings(), option_value(args, "--host"), 5555)
+    assert launch.argv[1:3] == ["-m", "ops.flower_app"]
+    assert launch.env == {"FLOWER_BASIC_AUTH": f"admin:{TEST_ENV['FLOWER_PASSWORD']}"}
+    assert not any(TEST_ENV["FLOWER_PASSWORD"] in arg for arg in launch.argv)
+
+
+def test_the_emulator_renders_with_the_mounted_tokenizer() -> None:
+    """One tokenizer folder, at one path, where the emulator renders, the worker templates
+    later turns and the CLI enqueues (the run pins the path)."""
+    emulator = argv(services()["emulator"])
+    folder = option_value(emulator, "--tokenizer")
+    for name in ("emulator", "worker", "cli"):
+        mounts = [str(v).split(":") for v in services()[name].get("volumes", [])]
+        assert [folder, "ro"] in [m[1:] for m in mounts], f"{name} does not mount {folder}"
+    (source,) = {m[0] for n in ("emulator", "worker", "cli") for m in _mounts(n, folder)}
+    assert source == "./tokenizer"  # TOKENIZER_DIR's default
+    trust = service_environment(services()["emulator"])["TOKENMILL_EMULATOR_TRUST_REMOTE_CODE"]
+    assert trust == "false"  # TOKENIZER_TRUST_REMOTE_CODE's default
+
+
+def _mounts(service: str, target: str) -> list[list[str]]:
+    mounts = [str(v).split(":") for v in services()[service].get("volumes", [])]
+    return [m for m in mounts if m[1] == target]
 
 
 def test_worker_is_bound_to_the_emulator_and_drains_on_stop() -> None:

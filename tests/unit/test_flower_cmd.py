@@ -21,10 +21,7 @@ def test_without_password_loopback_only() -> None:
     assert launch.argv == [
         sys.executable,
         "-m",
-        "celery",
-        "-A",
-        "app",
-        "flower",
+        "ops.flower_app",
         "--address=127.0.0.1",
         "--port=5555",
     ]

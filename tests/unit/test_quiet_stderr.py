@@ -39,7 +39,7 @@ def test_transformers_imported_first_elsewhere_stays_quiet() -> None:
 
 
 def test_the_filter_drops_only_the_no_torch_advice() -> None:
-    from app.prompts.tokenization import _NoTorchAdvice
+    from app.core.logs import _NoTorchAdvice
 
     keep = _NoTorchAdvice()
 

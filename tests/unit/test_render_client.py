@@ -18,7 +18,7 @@ from app.prompts.render import (
     parse_tokenize_response,
     prompt_request,
 )
-from workers.control.parity import Mismatch, ParityReport, first_difference, sample_ids
+from workers.control.parity import Mismatch, ParityReport, first_difference
 
 
 class Script:
@@ -150,16 +150,6 @@ def test_first_difference() -> None:
     assert first_difference([1, 2], [1, 2, 3]) == 2
     assert first_difference([1, 2, 3], [1]) == 1
     assert first_difference([], []) is None
-
-
-def test_sample_ids_is_seeded_and_sorted() -> None:
-    ids = list(range(100, 200))
-    assert sample_ids(ids, None, 0) == ids
-    assert sample_ids(ids, 500, 0) == ids
-    drawn = sample_ids(ids, 10, 7)
-    assert drawn == sorted(drawn) and len(set(drawn)) == 10 and set(drawn) <= set(ids)
-    assert sample_ids(ids, 10, 7) == drawn
-    assert any(sample_ids(ids, 10, seed) != drawn for seed in range(8))
 
 
 def test_a_report_is_unchecked_when_the_server_refused_every_prompt() -> None:

@@ -71,7 +71,11 @@ def set_server_paused(
     else:
         control.add_consumer(workers)
     if changed:
-        log.warning("server %s %s by %s: %s", name, kind, by, reason)
+        # what the watchdog, a parity or a fingerprint check decides is news in a worker's log;
+        # an operator's pause or resume, and a restart's, are printed by their own command
+        asked = by in (registry.PAUSED_BY_OPERATOR, registry.PAUSED_BY_RESTART)
+        level = logging.WARNING if paused and not asked else logging.INFO
+        log.log(level, "server %s %s by %s: %s", name, kind, by, reason)
     return changed
 
 

@@ -68,6 +68,7 @@ class WorkerRuntime:
         self.server_name = server_name or server_name_for(self.server_url)
         self.owner = make_owner(self.server_name)
         self._lock = threading.Lock()
+        self._pin_lock = threading.Lock()
         self._runs: dict[int, ledger.RunInfo] = {}
         self._run_ok: dict[int, bool] = {}
         self._pause_cache: tuple[float, bool, str | None] = (-1e9, False, None)
@@ -219,6 +220,14 @@ class WorkerRuntime:
             known = self._run_ok.get(run_id)
         if known is not None:
             return known
+        with self._pin_lock:  # the pool's threads meet a new run at once: one of them checks
+            with self._lock:
+                known = self._run_ok.get(run_id)
+            if known is not None:
+                return known
+            return self._check_run(run_id)
+
+    def _check_run(self, run_id: int) -> bool:
         try:
             fingerprint = self.server_fingerprint()
         except GenerationError as exc:
@@ -228,7 +237,10 @@ class WorkerRuntime:
         with self.db.begin() as conn:
             pinned = ledger.pin_fingerprint(conn, run_id, mine)
             ok = pinned == mine
-            if ok and pinned is not None:
+            # once per run and server: not again from its other workers, or after a resume
+            if ok and not ledger.has_event(
+                conn, EVENT_FINGERPRINT_PINNED, run_id=run_id, server=self.server_name
+            ):
                 log.info("run %d uses server %s fingerprint %s", run_id, self.server_name, mine)
                 ledger.record_event(
                     conn,
