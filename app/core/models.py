@@ -108,6 +108,9 @@ class Run(Base):
     # the message-normalization rules the run's prompts are built with (app.prompts.chat_path);
     # null for runs created before they were pinned
     normalization_version: Mapped[str | None] = mapped_column(String(40), nullable=True)
+    # how the prompts are rendered besides the template text (app.prompts.chat_pins); null for
+    # runs created before these were pinned
+    chat_pins: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
 
     # set when the run's items moved to items_archive (`tokenmill archive`); no more enqueues
     archived_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)

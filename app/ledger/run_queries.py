@@ -13,6 +13,7 @@ from app.core.contracts import SamplingParams
 from app.core.errors import NotFound, RunArchived, RunMismatch
 from app.ledger.common import as_utc, runs, utcnow
 from app.prompts.chat_path import NORMALIZATION_VERSION
+from app.prompts.chat_pins import pin_differences
 from app.prompts.tokenizer_files import file_changes
 
 
@@ -42,6 +43,8 @@ class RunSpec:
     legacy_tokenizer_hash: str | None = None
     # the message-normalization rules the prompts are built with (app.prompts.chat_path)
     normalization_version: str = NORMALIZATION_VERSION
+    # template choice, transformers versions, --pass-turn-fields (app.prompts.chat_pins)
+    chat_pins: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,7 @@ class RunInfo:
     tokenizer_files: dict[str, str] | None = None
     # None: created before the rules were pinned (app.prompts.chat_path.check_version refuses it)
     normalization_version: str | None = None
+    chat_pins: dict[str, Any] | None = None
 
 
 # The run's turn mode rides in its pinned sampling_params JSON (no column of its own), under
@@ -94,6 +98,7 @@ def _run_info(row: Any) -> RunInfo:
         trust_remote_code=bool(row.trust_remote_code),
         tokenizer_files=dict(row.tokenizer_files) if row.tokenizer_files is not None else None,
         normalization_version=row.normalization_version,
+        chat_pins=dict(row.chat_pins) if row.chat_pins is not None else None,
     )
 
 
@@ -137,6 +142,8 @@ def run_differences(existing: RunInfo, spec: RunSpec) -> list[str]:
         diffs.append(f"render with: {existing.render_with} → {spec.render_with}")
     if existing.require_parity != spec.require_parity:
         diffs.append(f"require parity: {existing.require_parity} → {spec.require_parity}")
+    if spec.chat_pins is not None:
+        diffs += pin_differences(existing.chat_pins, spec.chat_pins)
     return diffs
 
 
@@ -194,6 +201,7 @@ def get_or_create_run(conn: Connection, spec: RunSpec) -> tuple[RunInfo, bool]:
             tokenizer_files=spec.tokenizer_files,
             created_at=utcnow(),
             normalization_version=spec.normalization_version,
+            chat_pins=spec.chat_pins,
         )
     )
     return get_run(conn, spec.name), True

@@ -22,6 +22,7 @@ from app.prompts.chat_path import (
     normalize_messages,
     normalize_tools,
 )
+from app.prompts.chat_pins import check_file_unchanged, choice_of
 from app.prompts.placeholders import check_placeholders, image_placeholders
 from app.prompts.template_choice import ChosenTemplate, TemplateChoice, choose_template
 from app.prompts.tokenizer_config import (
@@ -139,6 +140,22 @@ def load_tokenizer(
         "fast" if chat.is_fast else "slow: templated in parallel processes",
     )
     return chat
+
+
+def load_for_run(
+    path: str | Path, *, trust_remote_code: bool, chat_pins: Mapping[str, Any] | None
+) -> ChatTokenizer:
+    """load_tokenizer with the template choice and --pass-turn-fields a run pinned; a pinned
+    --chat-template file that changed since is a TokenizerError."""
+    choice, pass_turn_fields = choice_of(chat_pins)
+    tokenizer = load_tokenizer(
+        path,
+        trust_remote_code=trust_remote_code,
+        template=choice,
+        pass_turn_fields=pass_turn_fields,
+    )
+    check_file_unchanged(chat_pins, tokenizer.template)
+    return tokenizer
 
 
 class ChatTokenizer:

@@ -22,6 +22,7 @@ from app.core.constants import EVENT_ENQUEUE_STOPPED, EVENT_ENQUEUED, EVENT_RUN_
 from app.core.contracts import PromptRecord, SamplingParams
 from app.core.errors import InputError
 from app.prompts.chat_path import ChatInputs, check_version, merge_template_kwargs
+from app.prompts.chat_pins import run_pins
 from app.prompts.conversation import TurnPlan
 from app.prompts.input_formats import open_table
 from app.prompts.input_records import report_bad_turns
@@ -235,6 +236,7 @@ def enqueue(
         trust_remote_code=options.trust_remote_code,
         render_with=options.render_with,
         require_parity=options.require_parity,
+        chat_pins=run_pins(tokenizer, rendered_here=options.render_with is None),
     )
     if (renderer is None) != (options.render_with is None):
         raise ValueError("a renderer is given exactly when options.render_with is set")
