@@ -28,9 +28,9 @@ The rules, read from `sglang/srt/entrypoints/openai/serving_chat.py`, `protocol.
   order: a user turn `role` and `content`; the others `role`, `content`, `tool_call_id`, `name`,
   `phase`, `reasoning_content`, `tool_calls`, `tools`, `prefix`. With `pass_turn_fields` every
   field reaches the template as given (a run opts into that with `--pass-turn-fields`).
-- Tool-call arguments are parsed as orjson parses them (integers from -2^63 to 2^64 - 1, no
-  NaN or Infinity, no lone surrogates), and a request body that orjson would refuse is refused
-  (`check_request_json`). Tool parameter schemas are rewritten as SGLang's
+- Tool-call arguments are parsed as orjson parses them (an integer beyond 64 bits becomes a
+  float; NaN, Infinity and lone surrogates are refused), and so is the rest of a row
+  (`as_sglang_reads`). Tool parameter schemas are rewritten as SGLang's
   `normalize_json_schema_types` rewrites them, then checked (`app.prompts.tool_schemas`).
 
 Where tokenmill differs on purpose: `reasoning` / `thinking` on a turn are aliases of
@@ -85,7 +85,7 @@ GENERIC_FIELDS = (
     "tools",
     "prefix",
 )
-# orjson's integer range: a body with an integer outside it is refused (400)
+# orjson's integer range: it reads an integer outside it as a float
 _ORJSON_INT_MIN, _ORJSON_INT_MAX = -(2**63), 2**64 - 1
 # Template text that makes SGLang treat content as a list of parts without looking further.
 _MULTIMODAL_WORDS = ("image", "audio", "video", "vision")
@@ -324,9 +324,10 @@ def parse_tool_call_arguments(text: str, where: str = "arguments") -> dict[str, 
     return value
 
 
-def check_request_json(value: Any, where: str) -> None:
-    """InputError naming the first value SGLang's orjson body parser refuses (400): a lone
-    surrogate, an integer beyond 64 bits, NaN or Infinity."""
+def as_sglang_reads(value: Any, where: str) -> Any:
+    """The value as SGLang's orjson body parser reads it: an integer beyond 64 bits becomes a
+    float (as orjson parses it); InputError naming the first value it refuses (400): a lone
+    surrogate, NaN, Infinity, or a number beyond a float's range."""
     if isinstance(value, str):
         try:
             value.encode("utf-8")
@@ -334,21 +335,31 @@ def check_request_json(value: Any, where: str) -> None:
             raise InputError(
                 f"{where} holds a lone surrogate escape (like \\ud800), which SGLang refuses"
             ) from None
-    elif isinstance(value, bool):
-        return
-    elif isinstance(value, int):
-        if not _ORJSON_INT_MIN <= value <= _ORJSON_INT_MAX:
-            raise InputError(f"{where} is an integer beyond 64 bits, which SGLang refuses")
-    elif isinstance(value, float):
+        return value
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        if _ORJSON_INT_MIN <= value <= _ORJSON_INT_MAX:
+            return value
+        try:
+            return float(value)
+        except OverflowError:
+            raise InputError(
+                f"{where} is a number beyond a float's range, which SGLang refuses"
+            ) from None
+    if isinstance(value, float):
         if not math.isfinite(value):
             raise InputError(f"{where} is {value}, which SGLang refuses (not JSON)")
-    elif isinstance(value, dict):
+        return value
+    if isinstance(value, dict):
+        out = {}
         for key, item in value.items():
-            check_request_json(key, f"{where} (a key)")
-            check_request_json(item, f"{where}.{key}")
-    elif isinstance(value, list):
-        for i, item in enumerate(value):
-            check_request_json(item, f"{where}[{i}]")
+            as_sglang_reads(key, f"{where} (a key)")
+            out[key] = as_sglang_reads(item, f"{where}.{key}")
+        return out
+    if isinstance(value, list):
+        return [as_sglang_reads(item, f"{where}[{i}]") for i, item in enumerate(value)]
+    return value
 
 
 def final_assistant_as_user(messages: Sequence[Message]) -> list[Message]:

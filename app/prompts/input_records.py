@@ -12,8 +12,8 @@ from app.core.contracts import Message, PromptRecord, stable_hash
 from app.core.errors import InputError
 from app.prompts.chat_path import (
     ContentFormat,
+    as_sglang_reads,
     check_reasoning_effort,
-    check_request_json,
     json_type,
     normalize_turn,
     parse_tools,
@@ -54,7 +54,7 @@ def build_record(
     rules = rules or ReadRules()
     named = rules.field
     try:
-        check_request_json(data, "the row")
+        data = as_sglang_reads(data, "the row")
     except InputError as error:
         raise BadRow(error.reason) from None
     if named is not None:

