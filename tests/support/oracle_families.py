@@ -4,7 +4,8 @@ list content, reasoning channels, tool JSON, bare function tools, turn fields, r
 
 `family_folder(kind, base, dst)` makes the tokenizer folder of a family from a base folder: the
 Kimi-shaped fixture for most, the DeepSeek-V3 vocabulary (a ByteLevel `tokenizer.json` under
-`LlamaTokenizerFast`) for the DeepSeek family.
+`LlamaTokenizerFast`) for the DeepSeek family, the K2.5-shaped custom-code folder (a tiktoken
+tokenizer of its own and a tool-declaration helper) for Kimi-K2.5.
 """
 
 from __future__ import annotations
@@ -150,7 +151,11 @@ FAMILIES: dict[str, Any] = {
     "minimax-m2": MINIMAX,
     "qwen3-vl": QWEN_VL,
     "deepseek-v3": None,  # the DeepSeek-V3 folder's own template
+    # the K2.5-shaped custom-code folder's own template, tokenizer and tool-declaration code
+    "kimi-k2.5": None,
 }
+# the families whose folder is its own code (loaded with trust_remote_code on both sides)
+CUSTOM_CODE = frozenset({"kimi-k2.5"})
 
 
 def family_folder(kind: str, base: Path, dst: Path) -> Path:
@@ -159,6 +164,6 @@ def family_folder(kind: str, base: Path, dst: Path) -> Path:
         shutil.rmtree(dst)
     template = FAMILIES[kind]
     if template is None:
-        shutil.copytree(base, dst, ignore=shutil.ignore_patterns("__pycache__", "*.py"))
+        shutil.copytree(base, dst, ignore=shutil.ignore_patterns("__pycache__"))
         return dst
     return tokenizer_with_template(base, dst, template)

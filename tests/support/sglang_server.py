@@ -343,11 +343,11 @@ TRANSFORMERS_519 = Path(__file__).resolve().parents[2] / ".cache" / "transformer
 
 
 def tokenize_as_deployed(
-    folder: Path, bodies: list[dict[str, Any]], **server: str | None
+    folder: Path, bodies: list[dict[str, Any]], **server: Any
 ) -> list[list[int] | str]:
     """SGLangServer(folder, **server).tokenize of each body under transformers 5.19.0: here
     when that is the version installed, else in a process that has TRANSFORMERS_519 first on
-    its path (server: chat_template_name, chat_template_file)."""
+    its path (server: chat_template_name, chat_template_file, trust_remote_code)."""
     import subprocess
     import sys
 
