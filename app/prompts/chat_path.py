@@ -49,13 +49,15 @@ import copy
 import hashlib
 import json
 import logging
-import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from app.core.contracts import Message
 from app.core.errors import ConfigurationError, InputError
+from app.prompts.request_json import as_sglang_reads as as_sglang_reads
+from app.prompts.request_json import json_type as json_type
+from app.prompts.request_json import parse_tool_call_arguments as parse_tool_call_arguments
 from app.prompts.tool_schemas import checked_parameters
 
 logger = logging.getLogger(__name__)
@@ -85,8 +87,6 @@ GENERIC_FIELDS = (
     "tools",
     "prefix",
 )
-# orjson's integer range: it reads an integer outside it as a float
-_ORJSON_INT_MIN, _ORJSON_INT_MAX = -(2**63), 2**64 - 1
 # Template text that makes SGLang treat content as a list of parts without looking further.
 _MULTIMODAL_WORDS = ("image", "audio", "video", "vision")
 # The loop variables SGLang recognizes in `{% for x in message['content'] %}`.
@@ -309,59 +309,6 @@ def _tool_call(call: Any, where: str, *, parse: bool) -> dict[str, Any]:
     }
 
 
-def parse_tool_call_arguments(text: str, where: str = "arguments") -> dict[str, Any]:
-    """Tool-call arguments given as a JSON string, as the object the template receives: parsed
-    by orjson, as SGLang parses them (so no NaN, Infinity, lone surrogate or integer beyond 64
-    bits)."""
-    import orjson
-
-    try:
-        value = orjson.loads(text)
-    except (orjson.JSONDecodeError, UnicodeEncodeError) as exc:
-        raise InputError(f"{where} is not valid JSON as SGLang reads it ({exc})") from None
-    if not isinstance(value, dict):
-        raise InputError(f"{where} must hold a JSON object, not a JSON {json_type(value)}")
-    return value
-
-
-def as_sglang_reads(value: Any, where: str) -> Any:
-    """The value as SGLang's orjson body parser reads it: an integer beyond 64 bits becomes a
-    float (as orjson parses it); InputError naming the first value it refuses (400): a lone
-    surrogate, NaN, Infinity, or a number beyond a float's range."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            raise InputError(
-                f"{where} holds a lone surrogate escape (like \\ud800), which SGLang refuses"
-            ) from None
-        return value
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int):
-        if _ORJSON_INT_MIN <= value <= _ORJSON_INT_MAX:
-            return value
-        try:
-            return float(value)
-        except OverflowError:
-            raise InputError(
-                f"{where} is a number beyond a float's range, which SGLang refuses"
-            ) from None
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            raise InputError(f"{where} is {value}, which SGLang refuses (not JSON)")
-        return value
-    if isinstance(value, dict):
-        out = {}
-        for key, item in value.items():
-            as_sglang_reads(key, f"{where} (a key)")
-            out[key] = as_sglang_reads(item, f"{where}.{key}")
-        return out
-    if isinstance(value, list):
-        return [as_sglang_reads(item, f"{where}[{i}]") for i, item in enumerate(value)]
-    return value
-
-
 def final_assistant_as_user(messages: Sequence[Message]) -> list[Message]:
     """A chat completion whose last turn is an assistant turn with string content: SGLang
     sends that turn as a user turn of the same content (without `continue_final_message`).
@@ -511,20 +458,3 @@ def check_reasoning_effort(value: Any, where: str = "reasoning_effort") -> str |
 
 
 _EFFORT_TIERS = ("none", "minimal", "low", "medium", "high", "xhigh", "ultra", "max")
-
-
-def json_type(value: Any) -> str:
-    """The JSON name of a value's type, for error messages."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int | float):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, list):
-        return "array"
-    if isinstance(value, dict):
-        return "object"
-    return type(value).__name__
