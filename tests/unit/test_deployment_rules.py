@@ -133,3 +133,38 @@ def test_an_image_placeholder_written_as_text_is_refused() -> None:
     with pytest.raises(InputError, match=r"messages\[0\].*<\|media_pad\|>"):
         check_placeholders(("<|media_pad|>",), turns, None)
     check_placeholders((), turns, None)
+
+
+def test_one_entry_the_tokenizer_cannot_encode_costs_only_itself(kimi_tokenizer_dir: Path) -> None:
+    """A lone surrogate that reaches the fast tokenizer (a TypeError for the whole batch)
+    fails its own entry; the others get their ids, the same ids as alone."""
+    from app.prompts.chat_path import ChatInputs
+    from app.prompts.tokenization import load_tokenizer
+
+    tokenizer = load_tokenizer(kimi_tokenizer_dir)
+    good = [{"role": "user", "content": "fine"}]
+    bad = [{"role": "user", "content": "broken \ud800"}]
+    batch = [ChatInputs(t, normalized=True) for t in (good, bad, good)]
+    first, broken, last = tokenizer.apply_each(batch)
+    assert isinstance(broken, InputError)
+    assert first == last == tokenizer.apply(good)
+
+
+def test_an_image_placeholder_the_tokenizer_has_is_the_rows_error(tmp_path: Path) -> None:
+    """Qwen-VL's <|image_pad|> as an added token: a row writing it as text is refused."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from app.prompts.chat_path import ChatInputs
+    from app.prompts.tokenization import load_tokenizer
+
+    raw = Tokenizer(models.WordLevel({"[UNK]": 0, "hi": 1}, unk_token="[UNK]"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="[UNK]")
+    fast.add_special_tokens({"additional_special_tokens": ["<|image_pad|>"]})
+    fast.chat_template = "{% for m in messages %}{{ m.content }} {% endfor %}"
+    fast.save_pretrained(tmp_path)
+    tokenizer = load_tokenizer(tmp_path)
+    turns = [{"role": "user", "content": "hi <|image_pad|>"}]
+    (result,) = tokenizer.apply_each([ChatInputs(turns, normalized=True)])
+    assert isinstance(result, InputError) and "<|image_pad|>" in result.reason
