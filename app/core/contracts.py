@@ -102,8 +102,8 @@ class PromptRecord:
     metadata: dict[str, Any] | None = None
     # the top-level fields the prompt was built from (prompt field, id, system, tools, ...)
     prompt_fields: tuple[str, ...] = ()
-    # the first turn that cannot be used (its position and why): the turns stop before it,
-    # and app.prompts.input_records.screen_bad_turns decides what the run's mode keeps
+    # the first turn that cannot be used (its position and why); the turns stop before it:
+    # read_prompts refuses the line unless `--turns each` keeps the boundaries before it
     bad_turn: tuple[int, str] | None = None
 
     def __post_init__(self) -> None:

@@ -23,14 +23,13 @@ The rules, read from `sglang/srt/entrypoints/openai/serving_chat.py`, `protocol.
 - Template kwargs: the run's, then the row's over them; a `reasoning_effort` sets the template
   variable `reasoning_effort` and defaults `thinking` and `enable_thinking` to
   `effort != "none"`, as a request's `reasoning_effort` does.
-
 - Each turn keeps the fields SGLang's request models declare for its role, in the models'
   order: a user turn `role` and `content`; the others `role`, `content`, `tool_call_id`, `name`,
   `phase`, `reasoning_content`, `tool_calls`, `tools`, `prefix`. With `pass_turn_fields` every
   field reaches the template as given (a run opts into that with `--pass-turn-fields`).
 - Tool-call arguments are parsed as orjson parses them (an integer beyond 64 bits becomes a
   float; NaN, Infinity and lone surrogates are refused), and so is the rest of a row
-  (`as_sglang_reads`). Tool parameter schemas are rewritten as SGLang's
+  (`as_sglang_reads`, `app.prompts.request_json`). Tool parameter schemas are rewritten as SGLang's
   `normalize_json_schema_types` rewrites them, then checked (`app.prompts.tool_schemas`).
 
 Where tokenmill differs on purpose: `reasoning` / `thinking` on a turn are aliases of
