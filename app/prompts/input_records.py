@@ -91,12 +91,15 @@ def build_record(
         turns = [_prompt_turn(data[field], field)]
     else:
         turns, bad = parse_turns_until_bad(data[field], field)
+    shift = 0
     if system is not None:
         if any(turn["role"] == "system" for turn in turns):
             raise BadRow(f"both a 'system' field and a system turn in '{field}'")
         turns.insert(0, {"role": "system", "content": system})
+        shift = 1
         bad = bad and BadTurn(bad.index + 1, bad.reason)
     turns, bad = _normalized_until_bad(turns, bad, field, rules)
+    in_tail = bad is not None and _in_trailing_assistant_turns(data[field], bad.index - shift)
     try:
         tools = parse_tools(sharegpt_tools(data.get("tools"), data[field]))
         effort = check_reasoning_effort(data.get("reasoning_effort"))
@@ -117,8 +120,17 @@ def build_record(
         metadata=metadata,
         prompt_fields=tuple(used),
         bad_turn=None if bad is None else (bad.index, bad.reason),
+        bad_turn_in_tail=in_tail,
     )
     return record, key is not None
+
+
+def _in_trailing_assistant_turns(raw: Any, index: int) -> bool:
+    """Whether the raw turns from index on are all OpenAI-style assistant turns: the ones a
+    `--turns last` prompt drops, so a bad one there does not touch the prompt."""
+    if not isinstance(raw, list) or not 0 <= index < len(raw):
+        return False
+    return all(isinstance(item, dict) and item.get("role") == "assistant" for item in raw[index:])
 
 
 def _normalized_until_bad(

@@ -11,6 +11,7 @@ import json
 import logging
 import zlib
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import IO, Any, cast
 
@@ -35,7 +36,7 @@ def read_prompts(
     field: str | None = None,
     content_format: ContentFormat = "string",
     pass_turn_fields: bool = False,
-    keep_bad_turns: bool = False,
+    turns: str = "last",
 ) -> Iterator[PromptRecord | InputError]:
     """Yield a PromptRecord or an InputError for every non-blank line of a JSONL file, or for
     every row of a Parquet / datasets input (see `app.prompts.input_formats`; errors say "row N").
@@ -66,8 +67,9 @@ def read_prompts(
     are dropped: the prompt ends at the last user (or tool) turn, and the answer after it is
     what gets regenerated.
 
-    A line with a bad turn is that line's error, unless keep_bad_turns (`--turns each`): then
-    its record holds the turns before the bad one, and `bad_turn` says which and why.
+    A line with a bad turn is that line's error, except in `--turns each` (turns "each"), where
+    its record holds the turns before the bad one and `bad_turn` says which and why, and in
+    `--turns last` when the bad turn is among the trailing assistant turns the prompt drops.
 
     `field` names the field (column) holding the prompt instead: its value is read as turns,
     a prompt string or ids, whichever it holds.
@@ -80,17 +82,19 @@ def read_prompts(
     else:
         records = _jsonl_records(path, max_line_bytes, rules)
     unit = "line" if table is None else "row"
-    return _unique(records if keep_bad_turns else _bad_turns_refused(records, unit), unit)
+    return _unique(records if turns == "each" else _bad_turns_refused(records, unit, turns), unit)
 
 
 def _bad_turns_refused(
-    entries: Iterator[tuple[PromptRecord, bool] | InputError], unit: str
+    entries: Iterator[tuple[PromptRecord, bool] | InputError], unit: str, turns: str
 ) -> Iterator[tuple[PromptRecord, bool] | InputError]:
     for entry in entries:
-        if not isinstance(entry, InputError) and entry[0].bad_turn is not None:
-            yield InputError(entry[0].bad_turn[1], entry[0].line, unit=unit)
-        else:
+        if isinstance(entry, InputError) or entry[0].bad_turn is None:
             yield entry
+        elif turns == "last" and entry[0].bad_turn_in_tail:
+            yield replace(entry[0], bad_turn=None, bad_turn_in_tail=False), entry[1]
+        else:
+            yield InputError(entry[0].bad_turn[1], entry[0].line, unit=unit)
 
 
 def _jsonl_records(

@@ -168,3 +168,30 @@ def test_an_image_placeholder_the_tokenizer_has_is_the_rows_error(tmp_path: Path
     turns = [{"role": "user", "content": "hi <|image_pad|>"}]
     (result,) = tokenizer.apply_each([ChatInputs(turns, normalized=True)])
     assert isinstance(result, InputError) and "<|image_pad|>" in result.reason
+
+
+def test_a_bad_turn_costs_what_contains_it_in_each_turn_mode(tmp_path: Path) -> None:
+    """A broken trailing assistant turn: `last` drops it with the answer it regenerates,
+    `all` needs it (the line's error), `each` keeps the boundaries before it."""
+    from app.core.contracts import PromptRecord
+    from app.prompts.inputs import read_prompts
+
+    broken = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{no"}}
+    row = {
+        "messages": [
+            {"role": "user", "content": "q"},
+            {"role": "assistant", "content": "a"},
+            {"role": "user", "content": "q2"},
+            {"role": "assistant", "content": None, "tool_calls": [broken]},
+        ]
+    }
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps(row) + "\n", encoding="utf-8")
+    (last,) = read_prompts(path, turns="last")
+    assert isinstance(last, PromptRecord) and last.bad_turn is None
+    assert [t["content"] for t in last.messages or []] == ["q", "a", "q2"]
+    (chained,) = read_prompts(path, turns="all")
+    assert isinstance(chained, InputError) and "messages[3].tool_calls[0]" in chained.reason
+    (each,) = read_prompts(path, turns="each")
+    assert isinstance(each, PromptRecord) and each.bad_turn is not None
+    assert each.bad_turn[0] == 3

@@ -211,7 +211,7 @@ def enqueue(
         field=options.prompt_field,
         content_format=tokenizer.content_format,
         pass_turn_fields=tokenizer.pass_turn_fields,
-        keep_bad_turns=options.turns == "each",
+        turns=options.turns,
     )
     unit = "row" if open_table(options.input_path) is not None else "line"
     first = next(entries, None)
