@@ -1,7 +1,7 @@
 # Targets CI runs too (.ci/run calls `make test`).
 PYTHON ?= python3
 
-.PHONY: install lint typecheck unit test demo
+.PHONY: install lint typecheck unit test oracle-519 transformers-519 demo
 
 # installs the project with its dev extra unless everything it asks for is already there
 install:
@@ -17,8 +17,21 @@ typecheck: install
 unit: install
 	$(PYTHON) -m pytest tests/unit -q
 
-test: lint typecheck
+# transformers 5.19.0, the version SGLang 0.5.23 pins, beside the venv's newer one: the oracle
+# test's SGLang runs with it, and oracle-519 runs tokenmill with it too
+TRANSFORMERS_519 := .cache/transformers-5.19.0
+transformers-519:
+	@test -d $(TRANSFORMERS_519)/transformers || $(PYTHON) -m pip install --quiet --no-deps \
+		--target $(TRANSFORMERS_519) 'transformers==5.19.0'
+
+# the deployment-exact oracle test again, with transformers 5.19.0 first on the path
+oracle-519: transformers-519
+	PYTHONPATH=$(TRANSFORMERS_519):$(CURDIR) $(PYTHON) -m pytest -q -p no:cacheprovider \
+		tests/integration/test_sglang_oracle.py
+
+test: lint typecheck transformers-519
 	$(PYTHON) -m pytest -q -p no:cacheprovider --durations=15
+	$(MAKE) oracle-519
 
 demo:
 	tokenmill demo

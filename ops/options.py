@@ -349,8 +349,32 @@ def sampling_options(func: F) -> F:
 
 
 def render_options(func: F) -> F:
-    """--render-with URL and --require-parity (both pinned by the run)."""
+    """--render-with URL, --require-parity and the template choice (all pinned by the run)."""
     decorators = [
+        click.option(
+            "--chat-template-name",
+            default=None,
+            metavar="NAME",
+            show_default="the first, as SGLang picks",
+            help="Render with this one of the tokenizer's named templates, as a server started "
+            "with --hf-chat-template-name NAME does; pinned by the run.",
+        ),
+        click.option(
+            "--chat-template",
+            "chat_template_file",
+            default=None,
+            metavar="FILE",
+            help="Render with this .jinja file, as a server started with --chat-template FILE "
+            "does; pinned by the run with the file's sha256.",
+        ),
+        click.option(
+            "--pass-turn-fields",
+            is_flag=True,
+            default=False,
+            help="Pass every field of a turn to the template; by default a turn keeps only "
+            "the fields SGLang's request models keep for its role (a user turn: role and "
+            "content), as the deployed server does. Pinned by the run.",
+        ),
         click.option(
             "--render-with",
             default=None,

@@ -46,7 +46,9 @@ def parity_cmd(run_name: str, server: str, sample: int | None, seed: int, as_jso
 
     Each prompt is rebuilt by the server's /v1/tokenize from the item's stored messages and
     the run's template kwargs, as a chat completion would render it. Run it before a long run
-    to see that the server builds the prompts tokenmill built.
+    to see that the server builds the prompts tokenmill built. The report names the client's
+    and the server's versions (transformers, SGLang). Only a real SGLang server is proof: the
+    emulator renders with tokenmill's own code.
     """
     from app import ledger
     from app.ledger import registry
@@ -86,6 +88,13 @@ def _print(report: ParityReport) -> None:
     out.print(
         f"run {escape(report.run)} on {escape(report.server)}: {report.checked} checked, "
         f"{report.equal} equal, {report.mismatched} mismatched"
+    )
+    v = report.versions
+    out.print(
+        f"client: transformers {v.get('client_transformers')} (the run's prompts rendered with "
+        f"{v.get('run_transformers') or 'the server'}, as {v.get('run_renders_as') or 'the server'}"
+        f"); server: SGLang {v.get('server_sglang') or 'unknown'} (transformers "
+        f"{v.get('server_transformers') or 'unknown to tokenmill'})"
     )
     for mismatch in report.mismatches[:MISMATCHES_SHOWN]:
         _print_mismatch(mismatch)

@@ -37,6 +37,19 @@ if TYPE_CHECKING:
 MAX_ERRORS_SHOWN = 50
 
 
+def _template_choice(opts: dict[str, Any], existing: RunInfo | None) -> tuple[Any, bool]:
+    """The template choice and --pass-turn-fields of the command line; a later enqueue that
+    gives none of them keeps the run's."""
+    from app.prompts.chat_pins import choice_of
+    from app.prompts.template_choice import TemplateChoice
+
+    given = TemplateChoice(opts.get("chat_template_name"), opts.get("chat_template_file"))
+    passing = bool(opts.get("pass_turn_fields"))
+    if existing is not None and given == TemplateChoice() and not passing:
+        return choice_of(existing.chat_pins)
+    return given, passing
+
+
 def _enqueue(
     input_path: Path, run: str, tokenizer_path: str, publish: bool, opts: dict[str, Any]
 ) -> EnqueueReport:
@@ -57,8 +70,14 @@ def _enqueue(
         _check_pinned_files(existing, tokenizer_path)
     # a run created with --trust-remote-code keeps it: a later enqueue need not repeat it
     trusted = opts["trust_remote_code"] or (existing is not None and existing.trust_remote_code)
+    template, pass_turn_fields = _template_choice(opts, existing)
     try:
-        tokenizer = load_tokenizer(tokenizer_path, trust_remote_code=trusted)
+        tokenizer = load_tokenizer(
+            tokenizer_path,
+            trust_remote_code=trusted,
+            template=template,
+            pass_turn_fields=pass_turn_fields,
+        )
     except TokenizerError as exc:
         raise TokenizerError(f"--tokenizer: {exc}") from exc
     options = EnqueueOptions(
@@ -398,7 +417,7 @@ def export_cmd(
 
     from app import ledger
     from app.outputs.export import export_run
-    from app.prompts.tokenization import load_tokenizer
+    from app.prompts.tokenization import load_for_run
 
     console = err_console()
     db = open_db()
@@ -413,7 +432,9 @@ def export_cmd(
                 f"the tokenizer files at {run.tokenizer_path} changed since run {run.name} "
                 f"pinned them, so their code is not run: {'; '.join(changes)}"
             )
-        tokenizer = load_tokenizer(run.tokenizer_path, trust_remote_code=run.trust_remote_code)
+        tokenizer = load_for_run(
+            run.tokenizer_path, trust_remote_code=run.trust_remote_code, chat_pins=run.chat_pins
+        )
         if whole_conversation and tokenizer.chat_template_hash != run.chat_template_hash:
             # the loss mask spans come from the run's own template
             raise ConfigurationError(

@@ -150,14 +150,16 @@ def _tokenizer(
     """The tokenizer to re-apply the template with; the run's own path not loading is a
     finding (nothing can vouch for the prompts), a bad --tokenizer a usage error. The run's
     pinned --trust-remote-code holds for both."""
-    from app.prompts.tokenization import load_tokenizer
+    from app.prompts.tokenization import load_for_run
     from ops.pipeline_cmds import pinned_folder_changes
 
     explicit = trust_remote_code
     trust_remote_code = trust_remote_code or run.trust_remote_code
     if override is not None:
         try:
-            return load_tokenizer(override, trust_remote_code=trust_remote_code), None
+            return load_for_run(
+                override, trust_remote_code=trust_remote_code, chat_pins=run.chat_pins
+            ), None
         except TokenizerError as exc:
             raise TokenizerError(f"--tokenizer: {exc}") from exc
     # the run's pin trusts the code the run was made with, not whatever the folder holds now:
@@ -170,7 +172,9 @@ def _tokenizer(
             "; pass --trust-remote-code to check with them anyway, or --tokenizer DIR"
         )
     try:
-        return load_tokenizer(run.tokenizer_path, trust_remote_code=trust_remote_code), None
+        return load_for_run(
+            run.tokenizer_path, trust_remote_code=trust_remote_code, chat_pins=run.chat_pins
+        ), None
     except TokenizerError as exc:
         return None, (
             f"the run's tokenizer could not be loaded, so the chat template was not checked: "

@@ -102,6 +102,11 @@ class PromptRecord:
     metadata: dict[str, Any] | None = None
     # the top-level fields the prompt was built from (prompt field, id, system, tools, ...)
     prompt_fields: tuple[str, ...] = ()
+    # the first turn that cannot be used (its position and why); the turns stop before it:
+    # read_prompts refuses the line unless `--turns each` keeps the boundaries before it
+    bad_turn: tuple[int, str] | None = None
+    # the bad turn is among the trailing assistant turns that a `--turns last` prompt drops
+    bad_turn_in_tail: bool = False
 
     def __post_init__(self) -> None:
         if (self.messages is None) == (self.input_ids is None):

@@ -120,6 +120,9 @@ runs = Table(
     # the message-normalization rules the run's prompts are built with (app.prompts.chat_path);
     # null for runs created before they were pinned
     Column("normalization_version", String(40), nullable=True),
+    # how the prompts are rendered besides the template text (app.prompts.chat_pins); null for
+    # runs created before these were pinned
+    Column("chat_pins", JSON, nullable=True),
     # set when the run's items moved to items_archive (`tokenmill archive`); no more enqueues
     _when("archived_at"),
     # the archived run's counts and token sums, taken once its rows left the hot table (the

@@ -75,7 +75,9 @@ def _option(flag: str, *names: str, **kwargs: Any) -> Callable[[F], F]:
     default=None,
     callback=_text_or_none,
     metavar="DIR|none",
-    help="Tokenizer folder (with its chat template) that /v1/tokenize and /v1/detokenize use.",
+    help="Tokenizer folder (with its chat template) that /v1/tokenize and /v1/detokenize use. "
+    "They render with tokenmill's own chat path, not SGLang's, so `tokenmill parity` against "
+    "the emulator checks tokenmill against itself: only a real server is proof.",
 )
 @_option(
     "--trust-remote-code/--no-trust-remote-code",
@@ -262,6 +264,10 @@ def _option(flag: str, *names: str, **kwargs: Any) -> Callable[[F], F]:
 )
 def emulator(sglang_version: str, log_level: str, **flags: Any) -> None:
     """Run an SGLang-compatible emulator (native /generate API, batching timing, faults).
+
+    Its /v1/tokenize renders chat requests with tokenmill's own code (app.prompts), not with
+    SGLang's chat path: parity and --render-with against it agree with tokenmill by
+    construction.
 
     Blocks until SIGINT/SIGTERM; on SIGTERM health turns 503, new requests are refused,
     requests in flight finish, then it exits 0.

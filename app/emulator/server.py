@@ -115,6 +115,10 @@ class EmulatorServer(GenerateRoute):
             self.tokenizer = await asyncio.get_running_loop().run_in_executor(
                 None, lambda: load_tokenizer(folder, trust_remote_code=remote)
             )
+            logger.info(
+                "/v1/tokenize renders chat requests with tokenmill's own chat path "
+                "(app.prompts), not SGLang's: it checks tokenmill against itself"
+            )
         self.scheduler.start()
         runner = web.AppRunner(
             self.build_app(), access_log=None, handle_signals=False, handler_cancellation=True

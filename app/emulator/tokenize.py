@@ -323,7 +323,10 @@ def _max_model_len(tokenizer: ChatTokenizer | None, context_length: int) -> int:
 
 
 def tokenize(body: Any, tokenizer: ChatTokenizer | None, context_length: int) -> TokenizeAnswer:
-    """Answer one /v1/tokenize body as SGLang 0.5.23 does (200, or 400/500 error objects)."""
+    """Answer one /v1/tokenize body as SGLang 0.5.23 does (200, or 400/500 error objects),
+    rendered with tokenmill's own chat path (logged with each chat request, at DEBUG)."""
+    if isinstance(body, dict) and body.get("messages") is not None:
+        logger.debug("/v1/tokenize: rendering with tokenmill's chat path, not SGLang's")
     try:
         request = TokenizeBody.model_validate(body)
     except ValidationError as exc:

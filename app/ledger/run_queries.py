@@ -40,6 +40,8 @@ class RunSpec:
     legacy_tokenizer_hash: str | None = None
     # the message-normalization rules the prompts are built with (app.prompts.chat_path)
     normalization_version: str = field(default_factory=lambda: _current_rules())
+    # template choice, transformers versions, --pass-turn-fields (app.prompts.chat_pins)
+    chat_pins: dict[str, Any] | None = None
 
 
 def _current_rules() -> str:
@@ -70,6 +72,7 @@ class RunInfo:
     tokenizer_files: dict[str, str] | None = None
     # None: created before the rules were pinned (app.prompts.chat_path.check_version refuses it)
     normalization_version: str | None = None
+    chat_pins: dict[str, Any] | None = None
 
 
 # The run's turn mode rides in its pinned sampling_params JSON (no column of its own), under
@@ -99,6 +102,7 @@ def _run_info(row: Any) -> RunInfo:
         trust_remote_code=bool(row.trust_remote_code),
         tokenizer_files=dict(row.tokenizer_files) if row.tokenizer_files is not None else None,
         normalization_version=row.normalization_version,
+        chat_pins=dict(row.chat_pins) if row.chat_pins is not None else None,
     )
 
 
@@ -144,6 +148,10 @@ def run_differences(existing: RunInfo, spec: RunSpec) -> list[str]:
         diffs.append(f"render with: {existing.render_with} → {spec.render_with}")
     if existing.require_parity != spec.require_parity:
         diffs.append(f"require parity: {existing.require_parity} → {spec.require_parity}")
+    if spec.chat_pins is not None:
+        from app.prompts.chat_pins import pin_differences
+
+        diffs += pin_differences(existing.chat_pins, spec.chat_pins)
     return diffs
 
 
@@ -201,6 +209,7 @@ def get_or_create_run(conn: Connection, spec: RunSpec) -> tuple[RunInfo, bool]:
             tokenizer_files=spec.tokenizer_files,
             created_at=utcnow(),
             normalization_version=spec.normalization_version,
+            chat_pins=spec.chat_pins,
         )
     )
     return get_run(conn, spec.name), True

@@ -23,14 +23,20 @@ The rules, read from `sglang/srt/entrypoints/openai/serving_chat.py`, `protocol.
 - Template kwargs: the run's, then the row's over them; a `reasoning_effort` sets the template
   variable `reasoning_effort` and defaults `thinking` and `enable_thinking` to
   `effort != "none"`, as a request's `reasoning_effort` does.
+- Each turn keeps the fields SGLang's request models declare for its role, in the models'
+  order: a user turn `role` and `content`; the others `role`, `content`, `tool_call_id`, `name`,
+  `phase`, `reasoning_content`, `tool_calls`, `tools`, `prefix`. With `pass_turn_fields` every
+  field reaches the template as given (a run opts into that with `--pass-turn-fields`).
+- Tool-call arguments are parsed as orjson parses them (an integer beyond 64 bits becomes a
+  float; NaN, Infinity and lone surrogates are refused), and so is the rest of a row
+  (`as_sglang_reads`, `app.prompts.request_json`). Tool parameter schemas are rewritten as SGLang's
+  `normalize_json_schema_types` rewrites them, then checked (`app.prompts.tool_schemas`).
 
-Where tokenmill differs on purpose: every other field of a turn reaches the template as given
-(SGLang's request models keep only the fields they declare), and `reasoning` / `thinking` on a
-turn are aliases of `reasoning_content` (`resolve_reasoning_aliases`, applied when reading).
-Tool results are not reordered: SGLang reorders a run of tool results only when one of them
-holds media, and tokenmill rows are text only. Tool calls are not checked for answering tool
-turns: SGLang checks that pairing only for MiniMax-M3. Tool parameter schemas are passed as
-given: SGLang's request validation rewrites database-style types (`varchar`, `int`) first.
+Where tokenmill differs on purpose: `reasoning` / `thinking` on a turn are aliases of
+`reasoning_content` (`resolve_reasoning_aliases`, applied when reading). Tool results are not
+reordered: SGLang reorders a run of tool results only when one of them holds media, and
+tokenmill rows are text only. Tool calls are not checked for answering tool turns: SGLang checks
+that pairing only for MiniMax-M3.
 
 The rules carry NORMALIZATION_VERSION; a run pins the version it was created with, and
 `check_version` refuses a run pinned to rules this tokenmill does not have.
@@ -38,6 +44,7 @@ The rules carry NORMALIZATION_VERSION; a run pins the version it was created wit
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
@@ -47,6 +54,10 @@ from typing import Any, Literal
 
 from app.core.contracts import Message
 from app.core.errors import ConfigurationError, InputError
+from app.prompts.request_json import as_sglang_reads as as_sglang_reads
+from app.prompts.request_json import json_type as json_type
+from app.prompts.request_json import parse_tool_call_arguments as parse_tool_call_arguments
+from app.prompts.tool_schemas import checked_parameters
 
 logger = logging.getLogger(__name__)
 
@@ -54,13 +65,27 @@ ContentFormat = Literal["string", "openai"]
 
 # The message-normalization rules of this module. Bump the suffix when a rule changes, so a
 # run keeps the rules it was created with (or is refused) instead of mixing two.
-NORMALIZATION_VERSION = "sglang-0.5.23.1"
+NORMALIZATION_VERSION = "sglang-0.5.23.2"
 KNOWN_VERSIONS = frozenset({NORMALIZATION_VERSION})
 
 # Turn fields that are aliases of reasoning_content (vLLM-style datasets).
 REASONING_ALIASES = ("reasoning", "thinking")
-# Content part types read as text (SGLang's "input_text" is the Responses API spelling).
-_TEXT_PART_TYPES = ("text", "input_text")
+# Content part types read as text ("input_text", the Responses API spelling, is refused as the
+# chat endpoint refuses it).
+_TEXT_PART_TYPES = ("text",)
+# The fields SGLang's request models keep, per role, in their order.
+USER_FIELDS = ("role", "content")
+GENERIC_FIELDS = (
+    "role",
+    "content",
+    "tool_call_id",
+    "name",
+    "phase",
+    "reasoning_content",
+    "tool_calls",
+    "tools",
+    "prefix",
+)
 # Template text that makes SGLang treat content as a list of parts without looking further.
 _MULTIMODAL_WORDS = ("image", "audio", "video", "vision")
 # The loop variables SGLang recognizes in `{% for x in message['content'] %}`.
@@ -184,7 +209,11 @@ def resolve_reasoning_aliases(turn: Message, where: str = "turn") -> Message:
 
 
 def normalize_messages(
-    messages: Sequence[Message], content_format: ContentFormat, *, field: str = "messages"
+    messages: Sequence[Message],
+    content_format: ContentFormat,
+    *,
+    field: str = "messages",
+    pass_turn_fields: bool = False,
 ) -> list[Message]:
     """The turns as SGLang's chat path hands them to a Jinja template (see the module doc).
 
@@ -196,13 +225,22 @@ def normalize_messages(
     if content_format not in ("string", "openai"):
         raise ValueError(f"content format must be 'string' or 'openai', not {content_format!r}")
     return [
-        _normalize_turn(turn, content_format, f"{field}[{index}]")
+        normalize_turn(turn, content_format, f"{field}[{index}]", pass_turn_fields=pass_turn_fields)
         for index, turn in enumerate(messages)
     ]
 
 
-def _normalize_turn(turn: Message, content_format: ContentFormat, where: str) -> Message:
-    out = dict(turn)
+def deployment_fields(turn: Message) -> Message:
+    """The turn with only the fields SGLang's request model for its role keeps, in its order."""
+    kept = USER_FIELDS if turn.get("role") == "user" else GENERIC_FIELDS
+    return {name: turn[name] for name in kept if name in turn}
+
+
+def normalize_turn(
+    turn: Message, content_format: ContentFormat, where: str, *, pass_turn_fields: bool = False
+) -> Message:
+    """One turn of normalize_messages; `where` names it in errors."""
+    out = dict(turn) if pass_turn_fields else deployment_fields(turn)
     if isinstance(out.get("tool_calls"), list):
         # SGLang parses the arguments of assistant turns only
         parse = out.get("role") == "assistant"
@@ -270,17 +308,6 @@ def _tool_call(call: Any, where: str, *, parse: bool) -> dict[str, Any]:
     }
 
 
-def parse_tool_call_arguments(text: str, where: str = "arguments") -> dict[str, Any]:
-    """Tool-call arguments given as a JSON string, as the object the template receives."""
-    try:
-        value = json.loads(text)
-    except ValueError as exc:
-        raise InputError(f"{where} is not valid JSON ({exc})") from None
-    if not isinstance(value, dict):
-        raise InputError(f"{where} must hold a JSON object, not a JSON {json_type(value)}")
-    return value
-
-
 def final_assistant_as_user(messages: Sequence[Message]) -> list[Message]:
     """A chat completion whose last turn is an assistant turn with string content: SGLang
     sends that turn as a user turn of the same content (without `continue_final_message`).
@@ -324,10 +351,10 @@ def parse_tools(value: Any, where: str = "tools") -> list[dict[str, Any]] | None
 
 def normalize_tools(tools: Iterable[Any], where: str = "tools") -> list[dict[str, Any]]:
     """Each tool as SGLang's `Tool.model_dump()` gives it to the template."""
-    return [_tool(tool, f"{where}[{i}]") for i, tool in enumerate(tools)]
+    return [_tool(tool, f"{where}[{i}]", i) for i, tool in enumerate(tools)]
 
 
-def _tool(tool: Any, where: str) -> dict[str, Any]:
+def _tool(tool: Any, where: str, index: int) -> dict[str, Any]:
     if not isinstance(tool, dict):
         raise InputError(f"{where} must be an object, not a JSON {json_type(tool)}")
     function = tool.get("function")
@@ -342,12 +369,14 @@ def _tool(tool: Any, where: str) -> dict[str, Any]:
     defer = _optional_bool(tool.get("defer_loading"), f"{where}.defer_loading")
     return {
         "type": kind,
-        "function": _function(function, defer, f"{where}.function"),
+        "function": _function(function, defer, f"{where}.function", index),
         "defer_loading": defer,
     }
 
 
-def _function(function: dict[str, Any], tool_defer: bool | None, where: str) -> dict[str, Any]:
+def _function(
+    function: dict[str, Any], tool_defer: bool | None, where: str, index: int
+) -> dict[str, Any]:
     name = function.get("name")
     if not isinstance(name, str):
         raise InputError(f"{where}.name must be a string, not a JSON {json_type(name)}")
@@ -361,7 +390,7 @@ def _function(function: dict[str, Any], tool_defer: bool | None, where: str) -> 
     values: dict[str, Any] = {
         "description": description,
         "name": name,
-        "parameters": function.get("parameters"),
+        "parameters": checked_parameters(copy.deepcopy(function.get("parameters")), index, where),
         "strict": strict,
         "defer_loading": defer,
     }
@@ -428,20 +457,3 @@ def check_reasoning_effort(value: Any, where: str = "reasoning_effort") -> str |
 
 
 _EFFORT_TIERS = ("none", "minimal", "low", "medium", "high", "xhigh", "ultra", "max")
-
-
-def json_type(value: Any) -> str:
-    """The JSON name of a value's type, for error messages."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int | float):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, list):
-        return "array"
-    if isinstance(value, dict):
-        return "object"
-    return type(value).__name__

@@ -4,18 +4,27 @@ system turn, tools, template kwargs and the metadata kept beside them."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from app.core.contracts import Message, PromptRecord, stable_hash
 from app.core.errors import InputError
 from app.prompts.chat_path import (
     ContentFormat,
+    as_sglang_reads,
     check_reasoning_effort,
     json_type,
-    normalize_messages,
+    normalize_turn,
     parse_tools,
 )
-from app.prompts.input_turns import BadRow, parse_turns, prompt_turns, sharegpt_tools
+from app.prompts.input_turns import (
+    BadRow,
+    BadTurn,
+    parse_turns_until_bad,
+    prompt_turns,
+    sharegpt_tools,
+)
 
 # The ledger's item_key column holds 200 characters.
 MAX_KEY_CHARS = 200
@@ -29,12 +38,25 @@ PROMPT_FIELDS = ("messages", "conversations", "prompt", "input_ids")
 INPUT_FIELDS = ("id", "system", "tools", "chat_template_kwargs", "reasoning_effort")
 
 
+@dataclass(frozen=True)
+class ReadRules:
+    """How rows become records: the prompt field (None: the first of PROMPT_FIELDS), the
+    template's content format, and whether turns keep every field (`--pass-turn-fields`)."""
+
+    field: str | None = None
+    content_format: ContentFormat = "string"
+    pass_turn_fields: bool = False
+
+
 def build_record(
-    data: dict[str, Any],
-    line_no: int,
-    named: str | None = None,
-    content_format: ContentFormat = "string",
+    data: dict[str, Any], line_no: int, rules: ReadRules | None = None
 ) -> tuple[PromptRecord, bool]:
+    rules = rules or ReadRules()
+    named = rules.field
+    try:
+        data = as_sglang_reads(data, "the row")
+    except InputError as error:
+        raise BadRow(error.reason) from None
     if named is not None:
         if data.get(named) is None:
             raise BadRow(f"no value in the --field {named!r} (keys: {_key_list(data)})")
@@ -64,20 +86,28 @@ def build_record(
             prompt_fields=tuple(used),
         )
         return record, key is not None
-    turns = (
-        [_prompt_turn(data[field], field)] if kind == "prompt" else parse_turns(data[field], field)
-    )
+    bad: BadTurn | None = None
+    if kind == "prompt":
+        turns = [_prompt_turn(data[field], field)]
+    else:
+        turns, bad = parse_turns_until_bad(data[field], field)
+    shift = 0
     if system is not None:
         if any(turn["role"] == "system" for turn in turns):
             raise BadRow(f"both a 'system' field and a system turn in '{field}'")
         turns.insert(0, {"role": "system", "content": system})
+        shift = 1
+        bad = bad and BadTurn(bad.index + 1, bad.reason)
+    turns, bad = _normalized_until_bad(turns, bad, field, rules)
+    in_tail = bad is not None and _in_trailing_assistant_turns(data[field], bad.index - shift)
     try:
-        turns = normalize_messages(turns, content_format, field=field)
         tools = parse_tools(sharegpt_tools(data.get("tools"), data[field]))
         effort = check_reasoning_effort(data.get("reasoning_effort"))
     except InputError as error:
         raise BadRow(error.reason) from None
     row_kwargs = _row_kwargs(data.get("chat_template_kwargs"))
+    if bad is not None and not any(turn["role"] == "user" for turn in turns):
+        raise BadRow(bad.reason)  # no boundary before the bad turn
     messages = prompt_turns(list(turns), field)
     record = PromptRecord(
         line_no,
@@ -89,8 +119,38 @@ def build_record(
         reasoning_effort=effort,
         metadata=metadata,
         prompt_fields=tuple(used),
+        bad_turn=None if bad is None else (bad.index, bad.reason),
+        bad_turn_in_tail=in_tail,
     )
     return record, key is not None
+
+
+def _in_trailing_assistant_turns(raw: Any, index: int) -> bool:
+    """Whether the raw turns from index on are all OpenAI-style assistant turns: the ones a
+    `--turns last` prompt drops, so a bad one there does not touch the prompt."""
+    if not isinstance(raw, list) or not 0 <= index < len(raw):
+        return False
+    return all(isinstance(item, dict) and item.get("role") == "assistant" for item in raw[index:])
+
+
+def _normalized_until_bad(
+    turns: list[Message], bad: BadTurn | None, field: str, rules: ReadRules
+) -> tuple[list[Message], BadTurn | None]:
+    """The turns normalized up to the first that cannot be (or the bad one read before)."""
+    out: list[Message] = []
+    for index, turn in enumerate(turns):
+        try:
+            out.append(
+                normalize_turn(
+                    turn,
+                    rules.content_format,
+                    f"{field}[{index}]",
+                    pass_turn_fields=rules.pass_turn_fields,
+                )
+            )
+        except InputError as error:
+            return out, BadTurn(index, error.reason)
+    return out, bad
 
 
 def _key_content(
@@ -198,3 +258,18 @@ def _key_list(data: dict[str, Any]) -> str:
 def content_key(kind: str, value: Any) -> str:
     """The item key of a line without an id: a short hash of its turns or ids."""
     return stable_hash({kind: value})[:CONTENT_KEY_CHARS]
+
+
+def report_bad_turns(records: list[PromptRecord], fail: Callable[[InputError], None]) -> None:
+    """`--turns each`: a record with a bad turn keeps its boundaries before it; the ones that
+    contain it are the line's error, reported through fail."""
+    for record in records:
+        if record.bad_turn is not None:
+            index, reason = record.bad_turn
+            fail(
+                InputError(
+                    f"{reason}; the boundaries from turn {index} on are not enqueued (the "
+                    "earlier ones are)",
+                    record.line,
+                )
+            )

@@ -4,13 +4,14 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 from app.core.contracts import Message
 from app.core.errors import InputError
 from app.prompts.chat_path import json_type, resolve_reasoning_aliases
 
-ROLES = frozenset({"system", "user", "assistant", "tool"})
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 # ShareGPT "from" values and the roles they mean.
 SHAREGPT_ROLES: dict[str, str] = {
     "human": "user",
@@ -34,12 +35,34 @@ class BadRow(Exception):
 
 
 def parse_turns(value: Any, field: str) -> list[Message]:
+    turns, bad = parse_turns_until_bad(value, field)
+    if bad is not None:
+        raise BadRow(bad.reason)
+    return turns
+
+
+@dataclass(frozen=True)
+class BadTurn:
+    """The first turn of a row that cannot be used: its position and why."""
+
+    index: int
+    reason: str
+
+
+def parse_turns_until_bad(value: Any, field: str) -> tuple[list[Message], BadTurn | None]:
+    """The turns before the first bad one, and that one (None if every turn is good)."""
     if not isinstance(value, list):
         raise BadRow(f"'{field}' must be a list of turns, not a JSON {json_type(value)}")
     if not value:
         raise BadRow(f"'{field}' is empty")
     items = sharegpt_tool_turns(value, field)
-    return [_turn(item, f"{field}[{index}]") for index, item in enumerate(items)]
+    turns: list[Message] = []
+    for index, item in enumerate(items):
+        try:
+            turns.append(_turn(item, f"{field}[{index}]"))
+        except BadRow as bad:
+            return turns, BadTurn(index, str(bad))
+    return turns, None
 
 
 def _turn(item: Any, where: str) -> Message:
@@ -62,7 +85,7 @@ def _turn(item: Any, where: str) -> Message:
         if not isinstance(role, str) or role not in ROLES:
             raise BadRow(
                 f"{where} has unknown role {json.dumps(role)} "
-                "(allowed: system, user, assistant, tool)"
+                "(allowed: system, developer, user, assistant, tool)"
             )
         if "content" not in item:
             raise BadRow(f"{where} has no 'content'")
@@ -73,26 +96,19 @@ def _turn(item: Any, where: str) -> Message:
     except InputError as error:
         raise BadRow(error.reason) from None
     turn["content"] = _content(turn, f"{where}.{content_field}")
-    if turn["role"] == "user" and not _text_of(turn["content"]).strip():
-        raise BadRow(f"{where}.{content_field} is empty (a user turn needs content)")
-    _check_extra_fields(turn, where)
+    if turn["role"] != "user":  # SGLang drops a user turn's other fields unread
+        _check_extra_fields(turn, where)
     return turn
-
-
-def _text_of(content: str | list[Any] | None) -> str:
-    if isinstance(content, list):
-        return "".join(str(part.get("text") or "") for part in content if isinstance(part, dict))
-    return content or ""
 
 
 def _content(turn: Message, where: str) -> str | list[Any] | None:
     """The content as given (a string, a list of text parts, or null where allowed)."""
     content = turn["content"]
     if content is None:
-        # OpenAI style: an assistant turn that only calls tools has no content.
-        if turn["role"] == "assistant" and turn.get("tool_calls"):
+        # SGLang's user model requires content; the others take null (rendered as "")
+        if turn["role"] != "user":
             return None
-        raise BadRow(f"{where} is null")
+        raise BadRow(f"{where} is null (a user turn needs content, empty or not)")
     if isinstance(content, list):
         for i, part in enumerate(content):
             _text_part(part, f"{where}[{i}]")
@@ -105,7 +121,7 @@ def _content(turn: Message, where: str) -> str | list[Any] | None:
 
 
 def _text_part(part: Any, where: str) -> str:
-    if not isinstance(part, dict) or part.get("type") not in ("text", "input_text"):
+    if not isinstance(part, dict) or part.get("type") != "text":
         kind = part.get("type") if isinstance(part, dict) else json_type(part)
         raise BadRow(f"{where} is a {json.dumps(kind)} part; only text parts are supported")
     text = part.get("text")
@@ -120,6 +136,10 @@ def _check_extra_fields(turn: Message, where: str) -> None:
             raise BadRow(f"{where}.{name} must be a string, not a JSON {json_type(turn[name])}")
     if turn.get("tool_calls") is not None and not isinstance(turn["tool_calls"], list):
         raise BadRow(f"{where}.tool_calls must be a list")
+    if turn.get("phase") not in (None, "commentary", "final_answer"):
+        raise BadRow(f'{where}.phase must be "commentary" or "final_answer"')
+    if turn.get("prefix") is not None and not isinstance(turn["prefix"], bool):
+        raise BadRow(f"{where}.prefix must be true, false or null")
 
 
 def prompt_turns(turns: list[Message], field: str) -> list[Message]:

@@ -11,6 +11,7 @@ import json
 import logging
 import zlib
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import IO, Any, cast
 
@@ -18,7 +19,7 @@ from app.core.contracts import PromptRecord
 from app.core.errors import ConfigurationError, InputError
 from app.prompts.chat_path import ContentFormat, json_type
 from app.prompts.input_formats import TableInput, iter_rows, open_table, prompt_columns
-from app.prompts.input_records import build_record
+from app.prompts.input_records import ReadRules, build_record
 from app.prompts.input_turns import BadRow
 
 logger = logging.getLogger(__name__)
@@ -34,6 +35,8 @@ def read_prompts(
     max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
     field: str | None = None,
     content_format: ContentFormat = "string",
+    pass_turn_fields: bool = False,
+    turns: str = "last",
 ) -> Iterator[PromptRecord | InputError]:
     """Yield a PromptRecord or an InputError for every non-blank line of a JSONL file, or for
     every row of a Parquet / datasets input (see `app.prompts.input_formats`; errors say "row N").
@@ -41,9 +44,10 @@ def read_prompts(
     Lines are read one at a time in binary (a `.gz` file is decompressed on the fly) and
     numbered from 1; a bad line yields its InputError and reading goes on. A line may hold:
 
-    - `messages`: a list of `{"role", "content"}` turns (roles system, user, assistant, tool);
-      every other field of a turn reaches the template as given, `reasoning` and `thinking`
-      being aliases of `reasoning_content`;
+    - `messages`: a list of `{"role", "content"}` turns (roles system, developer, user,
+      assistant, tool); a turn keeps the fields SGLang's request models keep for its role (every
+      field with pass_turn_fields), `reasoning` and `thinking` being aliases of
+      `reasoning_content`;
     - `conversations`: ShareGPT turns `{"from", "value"}` (human/user, gpt/chatgpt/assistant,
       system, tool/function/observation) or `{"role", "content"}` turns;
     - `prompt`: a string, one user turn;
@@ -63,18 +67,38 @@ def read_prompts(
     are dropped: the prompt ends at the last user (or tool) turn, and the answer after it is
     what gets regenerated.
 
+    A line with a bad turn is that line's error, except in `--turns each` (turns "each"), where
+    its record holds the turns before the bad one and `bad_turn` says which and why, and in
+    `--turns last` when the bad turn is among the trailing assistant turns the prompt drops.
+
     `field` names the field (column) holding the prompt instead: its value is read as turns,
     a prompt string or ids, whichever it holds.
     """
     path = Path(path)
     table = open_table(path)
+    rules = ReadRules(field, content_format, pass_turn_fields)
     if table is not None:
-        return _unique(_table_records(table, field, content_format), "row")
-    return _unique(_jsonl_records(path, max_line_bytes, field, content_format), "line")
+        records = _table_records(table, rules)
+    else:
+        records = _jsonl_records(path, max_line_bytes, rules)
+    unit = "line" if table is None else "row"
+    return _unique(records if turns == "each" else _bad_turns_refused(records, unit, turns), unit)
+
+
+def _bad_turns_refused(
+    entries: Iterator[tuple[PromptRecord, bool] | InputError], unit: str, turns: str
+) -> Iterator[tuple[PromptRecord, bool] | InputError]:
+    for entry in entries:
+        if isinstance(entry, InputError) or entry[0].bad_turn is None:
+            yield entry
+        elif turns == "last" and entry[0].bad_turn_in_tail:
+            yield replace(entry[0], bad_turn=None, bad_turn_in_tail=False), entry[1]
+        else:
+            yield InputError(entry[0].bad_turn[1], entry[0].line, unit=unit)
 
 
 def _jsonl_records(
-    path: Path, max_line_bytes: int, field: str | None, content_format: ContentFormat
+    path: Path, max_line_bytes: int, rules: ReadRules
 ) -> Iterator[tuple[PromptRecord, bool] | InputError]:
     with _open(path) as stream:
         for line_no, raw, complete in _lines(stream, max_line_bytes, path):
@@ -84,20 +108,18 @@ def _jsonl_records(
             if not raw.strip():
                 continue
             try:
-                yield _parse_line(
-                    raw, line_no, complete, first=line_no == 1, field=field, fmt=content_format
-                )
+                yield _parse_line(raw, line_no, complete, first=line_no == 1, rules=rules)
             except InputError as error:
                 yield error
 
 
 def _table_records(
-    table: TableInput, field: str | None, content_format: ContentFormat
+    table: TableInput, rules: ReadRules
 ) -> Iterator[tuple[PromptRecord, bool] | InputError]:
-    columns = prompt_columns(table, field)
+    columns = prompt_columns(table, rules.field)
     for row_no, row in iter_rows(table, columns):
         try:
-            yield build_record(row, row_no, field, content_format)
+            yield build_record(row, row_no, rules)
         except BadRow as bad:
             yield InputError(str(bad), row_no, unit="row")
 
@@ -193,8 +215,7 @@ def _parse_line(
     complete: bool,
     *,
     first: bool,
-    field: str | None = None,
-    fmt: ContentFormat = "string",
+    rules: ReadRules,
 ) -> tuple[PromptRecord, bool]:
     """The record of one line, and whether its key is an explicit id."""
     if first:
@@ -219,6 +240,6 @@ def _parse_line(
     if not isinstance(data, dict):
         raise InputError(f"line is a JSON {json_type(data)}, not an object", line_no)
     try:
-        return build_record(data, line_no, field, fmt)
+        return build_record(data, line_no, rules)
     except BadRow as bad:
         raise InputError(str(bad), line_no) from None

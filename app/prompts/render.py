@@ -212,6 +212,18 @@ class RenderClient:
 
         return list(self._pool.map(one, requests))
 
+    def server_version(self) -> str | None:
+        """The SGLang version `/server_info` reports (None when it does not answer with one)."""
+        for path in ("/server_info", "/get_server_info"):
+            try:
+                response = self._client.get(path)
+                data = response.json() if response.status_code == 200 else None
+            except (httpx.HTTPError, ValueError):
+                continue
+            if isinstance(data, dict) and isinstance(data.get("version"), str):
+                return str(data["version"])
+        return None
+
     def detokenize(self, rows: Sequence[Sequence[int]]) -> list[str]:
         """The text of each id list, special tokens kept (one request)."""
         if not rows:

@@ -14,6 +14,7 @@ from concurrent.futures import Future, ProcessPoolExecutor
 
 from app.core.errors import InputError
 from app.prompts.chat_path import ChatInputs
+from app.prompts.template_choice import TemplateChoice
 from app.prompts.tokenization import ChatTokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -104,6 +105,8 @@ class Templater:
                 str(self._tokenizer.path),
                 self._tokenizer.trust_remote_code,
                 self._tokenizer.tokenizer_hash,
+                TemplateChoice(self._tokenizer.template.name, self._tokenizer.template.file),
+                self._tokenizer.pass_turn_fields,
             ),
         )
         # one task per process that returns once its initializer has loaded the tokenizer
@@ -131,9 +134,20 @@ def _relay(remote: Future[list[list[int] | str]], done: Future[list[Result]]) ->
     done.set_result([InputError(row) if isinstance(row, str) else row for row in rows])
 
 
-def _load(path: str, trust_remote_code: bool, tokenizer_hash: str) -> None:
+def _load(
+    path: str,
+    trust_remote_code: bool,
+    tokenizer_hash: str,
+    template: TemplateChoice,
+    pass_turn_fields: bool,
+) -> None:
     global _process_tokenizer
-    tokenizer = load_tokenizer(path, trust_remote_code=trust_remote_code)
+    tokenizer = load_tokenizer(
+        path,
+        trust_remote_code=trust_remote_code,
+        template=template,
+        pass_turn_fields=pass_turn_fields,
+    )
     if tokenizer.tokenizer_hash != tokenizer_hash:  # the folder changed under the enqueue
         raise RuntimeError(f"the tokenizer files in {path} changed while templating")
     _process_tokenizer = tokenizer

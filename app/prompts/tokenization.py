@@ -7,8 +7,6 @@ this module is cheap.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -25,6 +23,9 @@ from app.prompts.chat_path import (
     normalize_messages,
     normalize_tools,
 )
+from app.prompts.chat_pins import check_file_unchanged, choice_of
+from app.prompts.placeholders import check_placeholders, image_placeholders
+from app.prompts.template_choice import ChosenTemplate, TemplateChoice, choose_template
 from app.prompts.tokenizer_config import (
     context_length_of,
     custom_code_class,
@@ -38,6 +39,8 @@ from app.prompts.tokenizer_files import (
     manifest_hash,
     tokenizer_files_manifest,
 )
+from app.prompts.tokenizer_loading import check_faithful, load_as_sglang
+from app.prompts.transformers_pin import TransformersPin, as_server_renders, transformers_pin
 
 logger = logging.getLogger(__name__)
 
@@ -69,13 +72,21 @@ _RESERVED_KWARGS = frozenset(
 _FAILED = "chat template failed: "
 
 
-def load_tokenizer(path: str | Path, *, trust_remote_code: bool = False) -> ChatTokenizer:
-    """Load a tokenizer from a local folder (never the hub) and check it has a chat template.
+def load_tokenizer(
+    path: str | Path,
+    *,
+    trust_remote_code: bool = False,
+    template: TemplateChoice | None = None,
+    pass_turn_fields: bool = False,
+) -> ChatTokenizer:
+    """Load a tokenizer from a local folder (never the hub) as SGLang loads it, check that it is
+    faithful to its files, and choose its chat template as SGLang does
+    (`app.prompts.tokenizer_loading`, `app.prompts.template_choice`).
 
     The folder is resolved to an absolute path (runs store it, and later commands may run
     from another folder). A folder whose tokenizer is its own Python code (`auto_map` in
     tokenizer_config.json) loads only with trust_remote_code; without it the error names
-    `--trust-remote-code`.
+    `--trust-remote-code`. pass_turn_fields: turns keep every field when rendered.
     """
     folder = Path(path).expanduser()
     if not folder.exists():
@@ -91,19 +102,21 @@ def load_tokenizer(path: str | Path, *, trust_remote_code: bool = False) -> Chat
         )
     try:
         quiet_transformers()
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(
-            str(folder), local_files_only=True, trust_remote_code=trust_remote_code
-        )
+        tokenizer = load_as_sglang(folder, trust_remote_code=trust_remote_code)
     except Exception as exc:
         raise TokenizerError(f"could not load the tokenizer in {str(folder)!r}: {exc}") from exc
-    if not getattr(tokenizer, "chat_template", None):
-        raise TokenizerError(
-            f"the tokenizer in {str(folder)!r} has no chat template "
-            "(no chat_template in tokenizer_config.json and no chat_template.jinja)"
-        )
-    chat = ChatTokenizer(tokenizer, folder, trust_remote_code=trust_remote_code)
+    check_faithful(tokenizer, folder)
+    chosen = choose_template(
+        getattr(tokenizer, "chat_template", None), template or TemplateChoice(), folder
+    )
+    tokenizer.chat_template = chosen.text  # as SGLang's TemplateManager overwrites it
+    chat = ChatTokenizer(
+        tokenizer,
+        folder,
+        trust_remote_code=trust_remote_code,
+        template=chosen,
+        pass_turn_fields=pass_turn_fields,
+    )
     logger.info(
         "loaded tokenizer %s (tokenizer %s, template %s, %s)",
         folder,
@@ -114,6 +127,22 @@ def load_tokenizer(path: str | Path, *, trust_remote_code: bool = False) -> Chat
     return chat
 
 
+def load_for_run(
+    path: str | Path, *, trust_remote_code: bool, chat_pins: Mapping[str, Any] | None
+) -> ChatTokenizer:
+    """load_tokenizer with the template choice and --pass-turn-fields a run pinned; a pinned
+    --chat-template file that changed since is a TokenizerError."""
+    choice, pass_turn_fields = choice_of(chat_pins)
+    tokenizer = load_tokenizer(
+        path,
+        trust_remote_code=trust_remote_code,
+        template=choice,
+        pass_turn_fields=pass_turn_fields,
+    )
+    check_file_unchanged(chat_pins, tokenizer.template)
+    return tokenizer
+
+
 class ChatTokenizer:
     """A Hugging Face tokenizer with its chat template, as the producer and exporter use it.
 
@@ -122,21 +151,35 @@ class ChatTokenizer:
     prompt, and encoded without adding special tokens.
     """
 
-    def __init__(self, tokenizer: Any, path: Path, *, trust_remote_code: bool = False) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        path: Path,
+        *,
+        trust_remote_code: bool = False,
+        template: ChosenTemplate | None = None,
+        pass_turn_fields: bool = False,
+    ) -> None:
         self._tokenizer = tokenizer
         self._path = path
         self._trust_remote_code = trust_remote_code
         self._tokenizer_files = tokenizer_files_manifest(path)
         self._tokenizer_hash = manifest_hash(self._tokenizer_files)
         self._legacy_hash = legacy_tokenizer_files_hash(path)
-        template = tokenizer.chat_template
-        text = template if isinstance(template, str) else json.dumps(template, sort_keys=True)
-        self._chat_template_hash = hashlib.sha256(text.encode("utf-8")).hexdigest()
+        if template is None:
+            text = tokenizer.chat_template
+            chosen = default_template(text) if not isinstance(text, str) else text
+            template = ChosenTemplate(chosen or "", chosen or "")
+        self._chosen = template
+        self._chat_template_hash = template.sha256
+        self._pass_turn_fields = pass_turn_fields
+        self._pin: TransformersPin | None = None
         self._think_start_id = single_token_id(tokenizer, THINK_START)
         self._think_end_id = single_token_id(tokenizer, THINK_END)
         self._eos_token_ids = eos_token_ids_of(tokenizer, path)
         self._context_length = context_length_of(tokenizer, path)
-        self._content_format = detect_content_format(default_template(template))
+        self._content_format = detect_content_format(template.detect_from)
+        self._placeholders = image_placeholders(tokenizer)
 
     @property
     def hf_tokenizer(self) -> Any:
@@ -184,8 +227,26 @@ class ChatTokenizer:
 
     @property
     def chat_template_hash(self) -> str:
-        """sha256 of the chat template text (of the JSON of all named templates, if several)."""
+        """sha256 of the chat template text rendered with (the chosen one of named templates,
+        or the --chat-template file as SGLang reads it)."""
         return self._chat_template_hash
+
+    @property
+    def template(self) -> ChosenTemplate:
+        """The chosen template and what the run pins about it."""
+        return self._chosen
+
+    @property
+    def pass_turn_fields(self) -> bool:
+        """Turns keep every field (`--pass-turn-fields`), not only those SGLang keeps."""
+        return self._pass_turn_fields
+
+    def transformers_pin(self) -> TransformersPin:
+        """The transformers version rendered with and the server's it renders as;
+        ConfigurationError naming both when they cannot agree (checked at the first render)."""
+        if self._pin is None:
+            self._pin = transformers_pin()
+        return self._pin
 
     @property
     def think_start_id(self) -> int | None:
@@ -261,6 +322,7 @@ class ChatTokenizer:
         """Prompt ids for each entry (its own turns, tools and kwargs), or the InputError of
         an entry that cannot be normalized or rendered (its kwargs included); the texts are
         encoded in one call."""
+        self.transformers_pin()  # the whole batch is refused, not each entry
         texts: list[str | InputError] = []
         for inputs in batch:
             try:
@@ -269,40 +331,63 @@ class ChatTokenizer:
                 texts.append(exc)
             except TokenizerError as exc:  # this entry's kwargs
                 texts.append(InputError(str(exc)))
+            except Exception as exc:  # nothing one entry holds may stop the others
+                texts.append(InputError(f"cannot build the prompt: {type(exc).__name__}: {exc}"))
         rendered = [text for text in texts if isinstance(text, str)]
-        encoded = iter(self._encode(rendered) if rendered else [])
+        encoded = iter(self._encode_each(rendered) if rendered else [])
         return [text if isinstance(text, InputError) else next(encoded) for text in texts]
+
+    def _encode_each(self, texts: list[str]) -> list[list[int] | InputError]:
+        """`_encode`, or when the batch fails, each text on its own (its error its own)."""
+        try:
+            return list(self._encode(texts))
+        except Exception:
+            logger.debug("batch encode failed; encoding %d prompts one by one", len(texts))
+        out: list[list[int] | InputError] = []
+        for text in texts:
+            try:
+                out.append(self._encode([text])[0])
+            except Exception as exc:
+                out.append(InputError(f"the tokenizer cannot encode the prompt: {exc}"))
+        return out
 
     def _prepared(
         self, inputs: ChatInputs
     ) -> tuple[list[Message], list[dict[str, Any]] | None, dict[str, Any]]:
         kwargs = _template_kwargs(inputs.chat_template_kwargs)
         if inputs.normalized:
-            return list(inputs.messages), inputs.tools or None, kwargs
-        turns = normalize_messages(inputs.messages, self._content_format)
-        tools = normalize_tools(inputs.tools) if inputs.tools else None
+            turns, tools = list(inputs.messages), inputs.tools or None
+        else:
+            turns = normalize_messages(
+                inputs.messages, self._content_format, pass_turn_fields=self._pass_turn_fields
+            )
+            tools = normalize_tools(inputs.tools) if inputs.tools else None
+        check_placeholders(self._placeholders, turns, tools)
         return turns, tools or None, kwargs
 
     def _render(
         self, turns: list[Message], tools: list[dict[str, Any]] | None, kwargs: dict[str, Any]
     ) -> str:
+        # SGLang retries once with bare function tools whatever failed; the template's own
+        # first error says what is wrong, the retry's only when the tools were the matter
         try:
             return self._template(turns, tools, kwargs)
         except Exception as exc:
-            if not tools:
-                raise InputError(f"{_FAILED}{exc}") from exc
-        # SGLang's second try: some templates take tools without the OpenAI wrapper
+            first = exc
+        if not tools:
+            raise InputError(f"{_FAILED}{first}") from first
         try:
             return self._template(turns, bare_function_tools(tools), kwargs)
         except Exception as exc:
-            raise InputError(f"{_FAILED}{exc}") from exc
+            raise InputError(f"{_FAILED}{first} (and with bare function tools: {exc})") from first
 
     def _template(
         self, turns: list[Message], tools: list[dict[str, Any]] | None, kwargs: dict[str, Any]
     ) -> str:
-        text = self._tokenizer.apply_chat_template(
-            turns, tools=tools, add_generation_prompt=True, tokenize=False, **kwargs
-        )
+        with as_server_renders():
+            text = self._tokenizer.apply_chat_template(
+                turns, tools=tools, add_generation_prompt=True, tokenize=False, **kwargs
+            )
         return str(text)
 
     def _encode(self, texts: list[str]) -> list[list[int]]:

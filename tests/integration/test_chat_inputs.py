@@ -21,6 +21,7 @@ from app.outputs.storage import export_parquet
 from app.outputs.verify import CHECK_TEMPLATE, verify_run
 from app.prompts.chat_path import NORMALIZATION_VERSION
 from app.prompts.tokenization import ChatTokenizer, load_tokenizer
+from app.prompts.transformers_pin import as_server_renders
 from tests.support import sglang_chat_path as sglang
 from tests.support.chat_templates import AGENT_TEMPLATE, tokenizer_with_template
 from workers.intake.producer import EnqueueOptions, enqueue
@@ -101,11 +102,18 @@ def agent(kimi_tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
 
 def expected_ids(tok: ChatTokenizer, row: dict[str, Any], tools: Any, **kwargs: Any) -> list[int]:
     """The prompt from SGLang's own turn functions and the template run directly."""
-    turns = sglang.reference_messages(row["messages"], tok.content_format)
-    turns = [{**t, "reasoning_content": t.pop("thinking")} if "thinking" in t else t for t in turns]
-    text = tok.hf_tokenizer.apply_chat_template(
-        turns, tools=tools, add_generation_prompt=True, tokenize=False, **kwargs
-    )
+    # tokenmill reads `thinking` as reasoning_content (an alias SGLang's models do not have)
+    given = [
+        {("reasoning_content" if k == "thinking" else k): v for k, v in t.items()}
+        for t in row["messages"]
+    ]
+    turns = sglang.reference_messages(given, tok.content_format)
+    with (
+        as_server_renders()
+    ):  # transformers 5.19's rendering (tests/integration/test_sglang_oracle)
+        text = tok.hf_tokenizer.apply_chat_template(
+            turns, tools=tools, add_generation_prompt=True, tokenize=False, **kwargs
+        )
     return list(tok.hf_tokenizer.encode(text, add_special_tokens=False))
 
 

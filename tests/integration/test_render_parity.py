@@ -294,11 +294,22 @@ def test_parity_is_equal_on_a_server_with_the_same_template(
     done = tokenmill(["parity", "local", "--server", same.base_url, "--json"], local_run)
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
-    assert set(report) == {"run", "server", "checked", "equal", "mismatched", "mismatches"}
+    assert set(report) == {
+        "run", "server", "checked", "equal", "mismatched", "mismatches", "versions"
+    }  # fmt: skip
     assert (report["checked"], report["equal"], report["mismatched"]) == (40, 40, 0)
+    # the client's and the server's versions, side by side
+    import transformers
+
+    versions = report["versions"]
+    assert versions["client_transformers"] == transformers.__version__
+    assert versions["run_transformers"] == transformers.__version__
+    assert versions["run_renders_as"] == "5.19.0"
+    assert versions["server_sglang"] is not None
     text = tokenmill(["parity", "local", "--server", same.base_url], local_run)
     assert text.returncode == 0
     assert "40 checked, 40 equal, 0 mismatched" in text.stdout
+    assert f"client: transformers {transformers.__version__}" in text.stdout
 
 
 def test_parity_reports_every_mismatch_with_a_readable_diff(

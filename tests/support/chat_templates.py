@@ -47,8 +47,11 @@ BARE_TOOLS_TEMPLATE = (
 )
 
 
-def tokenizer_with_template(fixture: Path, folder: Path, template: str) -> Path:
-    """A copy of the fixture tokenizer folder whose chat template is template."""
+def tokenizer_with_template(
+    fixture: Path, folder: Path, template: str | list[dict[str, str]]
+) -> Path:
+    """A copy of the fixture tokenizer folder whose chat template is template (a list: named
+    templates, as tokenizer_config.json holds them)."""
     shutil.copytree(fixture, folder)
     config_path = folder / "tokenizer_config.json"
     config = json.loads(config_path.read_text(encoding="utf-8"))

@@ -92,11 +92,23 @@ def detect_content_format(template: str) -> str:
     return str(template_utils().detect_jinja_template_content_format(template))
 
 
-def reference_messages(dumped: list[dict[str, Any]], content_format: str) -> list[dict[str, Any]]:
-    """SGLang's turns for a Jinja template, from turns as its request models dump them."""
+def dumped_turns(turns: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The turns as SGLang's request models (protocol.py's ChatCompletionMessageParam) keep
+    and dump them: only the fields their role declares, in the models' order."""
+    from pydantic import TypeAdapter
+
+    from tests.support.sglang_contract import load_protocol
+
+    adapter = TypeAdapter(load_protocol().ChatCompletionMessageParam)
+    return [adapter.validate_python(copy.deepcopy(turn)).model_dump() for turn in turns]
+
+
+def reference_messages(turns: list[dict[str, Any]], content_format: str) -> list[dict[str, Any]]:
+    """SGLang's turns for a Jinja template, from a request's turns (dumped by its request
+    models first)."""
     functions = serving_chat_functions()
     process = template_utils().process_content_for_template_format
-    messages = copy.deepcopy(dumped)
+    messages = dumped_turns(turns)
     for message in messages:
         functions["normalize_assistant_tool_call_arguments"](message, strict=True)
     out = []

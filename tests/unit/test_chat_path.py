@@ -121,7 +121,7 @@ CONVERSATIONS: dict[str, list[dict[str, Any]]] = {
         {"role": "user", "content": TEXT_PARTS},
         {"role": "assistant", "content": None, "tool_calls": [call('{"a": 1}')]},
         {"role": "tool", "content": TEXT_PARTS, "tool_call_id": "c1"},
-        {"role": "user", "content": [{"type": "input_text", "text": "more"}]},
+        {"role": "user", "content": [{"type": "text", "text": "more"}]},
     ],
     "empty parts": [{"role": "user", "content": []}, {"role": "tool", "content": []}],
     "tool turn with one part": [{"role": "tool", "content": [TEXT_PARTS[0]], "name": "f"}],

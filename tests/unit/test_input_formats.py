@@ -21,8 +21,8 @@ ROWS: list[dict[str, Any]] = [
     {
         "id": "b",
         "messages": [
-            {"role": "system", "content": "Be brief."},
-            {"role": "user", "content": "Hi", "name": "ann"},
+            {"role": "system", "content": "Be brief.", "name": "ann"},
+            {"role": "user", "content": "Hi"},
             {"role": "assistant", "content": "Hello!"},
             {"role": "user", "content": "Again?"},
         ],
@@ -62,7 +62,7 @@ def test_parquet_gives_the_same_records_as_jsonl(tmp_path: Path) -> None:
     # the struct gives every turn a "name"; only the turn that had one keeps it
     second = parquet[1]
     assert isinstance(second, PromptRecord) and second.messages is not None
-    assert [("name" in t) for t in second.messages] == [False, True, False, False]
+    assert [("name" in t) for t in second.messages] == [True, False, False, False]
 
 
 def test_a_folder_of_parquet_files_numbers_rows_across_files(tmp_path: Path) -> None:

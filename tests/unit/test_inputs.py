@@ -100,18 +100,37 @@ GOOD: list[tuple[str, dict[str, Any], list[dict[str, Any]]]] = [
         [{"role": "user", "content": "a  b"}],
     ),
     (
-        "every turn field kept, null ones dropped",
+        "the fields SGLang keeps per role, null ones dropped",
         {
             "messages": [
                 {"role": "user", "content": "q", "name": "ann", "weight": 0, "loss": False},
-                {"role": "assistant", "content": "a", "reasoning_content": "r", "weight": 1},
+                {"role": "assistant", "reasoning_content": "r", "weight": 1, "content": "a"},
                 {"role": "user", "content": "q2", "tool_call_id": None},
             ]
         },
         [
-            {"role": "user", "content": "q", "name": "ann", "weight": 0, "loss": False},
-            {"role": "assistant", "content": "a", "reasoning_content": "r", "weight": 1},
+            {"role": "user", "content": "q"},
+            {"role": "assistant", "content": "a", "reasoning_content": "r"},
             {"role": "user", "content": "q2"},
+        ],
+    ),
+    (
+        "empty user content, null assistant and tool content, developer turns",
+        {
+            "messages": [
+                {"role": "developer", "content": "d"},
+                {"role": "user", "content": ""},
+                {"role": "assistant", "content": None},
+                {"role": "user", "content": []},
+                {"role": "tool", "content": None},
+            ]
+        },
+        [
+            {"role": "developer", "content": "d"},
+            {"role": "user", "content": ""},
+            {"role": "assistant", "content": ""},
+            {"role": "user", "content": ""},
+            {"role": "tool", "content": ""},
         ],
     ),
     (
@@ -237,12 +256,12 @@ BAD: list[tuple[str, Any, str]] = [
     (
         "unknown role",
         {"messages": [{"role": "bot", "content": "x"}]},
-        'messages[0] has unknown role "bot" (allowed: system, user, assistant, tool)',
+        'messages[0] has unknown role "bot" (allowed: system, developer, user, assistant, tool)',
     ),
     (
         "role not a string",
         {"messages": [{"role": 1, "content": "x"}]},
-        "messages[0] has unknown role 1 (allowed: system, user, assistant, tool)",
+        "messages[0] has unknown role 1 (allowed: system, developer, user, assistant, tool)",
     ),
     (
         "unknown sharegpt speaker",
@@ -268,17 +287,7 @@ BAD: list[tuple[str, Any, str]] = [
     (
         "null user content",
         {"messages": [{"role": "user", "content": None}]},
-        "messages[0].content is null",
-    ),
-    (
-        "null tool content",
-        {"messages": [U, {"role": "tool", "content": None}]},
-        "messages[1].content is null",
-    ),
-    (
-        "null assistant content without tool calls",
-        {"messages": [{"role": "assistant", "content": None}, U]},
-        "messages[0].content is null",
+        "messages[0].content is null (a user turn needs content, empty or not)",
     ),
     (
         "image part",
@@ -289,21 +298,6 @@ BAD: list[tuple[str, Any, str]] = [
         "text part without text",
         {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
         "messages[0].content[0] has no string 'text'",
-    ),
-    (
-        "empty user content",
-        {"messages": [S, {"role": "user", "content": ""}]},
-        "messages[1].content is empty (a user turn needs content)",
-    ),
-    (
-        "whitespace user content",
-        {"conversations": [{"from": "human", "value": " \n\t"}]},
-        "conversations[0].value is empty (a user turn needs content)",
-    ),
-    (
-        "empty text parts",
-        {"messages": [{"role": "user", "content": []}]},
-        "messages[0].content is empty (a user turn needs content)",
     ),
     ("empty prompt", {"prompt": "  "}, "'prompt' is empty"),
     ("prompt not a string", {"prompt": ["a"]}, "'prompt' must be a string, not a JSON array"),
@@ -319,8 +313,8 @@ BAD: list[tuple[str, Any, str]] = [
         "'messages' ends with a system turn, not a user or tool turn",
     ),
     (
-        "name not a string",
-        {"messages": [{"role": "user", "content": "x", "name": 3}]},
+        "name not a string (a system turn keeps it; a user turn drops it unread)",
+        {"messages": [{"role": "system", "content": "x", "name": 3}, U]},
         "messages[0].name must be a string, not a JSON number",
     ),
     (

@@ -115,14 +115,14 @@ def test_reasoning_alias_and_content_per_format(tmp_path: Path) -> None:
         "messages": [
             {"role": "user", "content": PARTS},
             {"role": "assistant", "content": "4", "thinking": "add"},
-            {"role": "user", "content": "again", "lang": "en"},
+            {"role": "user", "content": "again"},
         ]
     }
     string = one(tmp_path, row, "string")
     assert string.messages == [
         {"role": "user", "content": "a b"},
         {"role": "assistant", "content": "4", "reasoning_content": "add"},
-        {"role": "user", "content": "again", "lang": "en"},
+        {"role": "user", "content": "again"},
     ]
     openai = one(tmp_path, row, "openai")
     assert openai.messages is not None and openai.messages[0]["content"] == PARTS

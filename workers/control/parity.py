@@ -18,6 +18,7 @@ from app.core.errors import GenerationError, PermanentError
 from app.core.settings import Settings
 from app.ledger import RunInfo, StoredItem, registry
 from app.prompts.render import RenderClient, RenderRequest, prompt_request, render_client
+from app.prompts.transformers_pin import SERVER_TRANSFORMERS, client_version
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,9 @@ class ParityReport:
     checked: int = 0
     equal: int = 0
     mismatches: list[Mismatch] = field(default_factory=list)
+    # the transformers versions the prompts were rendered with and this client has, and the
+    # server's SGLang version with the transformers version it pins (versions_of)
+    versions: dict[str, str | None] = field(default_factory=dict)
 
     @property
     def mismatched(self) -> int:
@@ -90,8 +94,23 @@ class ParityReport:
             "checked": self.checked,
             "equal": self.equal,
             "mismatched": self.mismatched,
+            "versions": dict(self.versions),
             "mismatches": [m.to_json() for m in self.mismatches],
         }
+
+
+def versions_of(run: RunInfo, server_version: str | None) -> dict[str, str | None]:
+    """The client's and the server's versions side by side: the transformers the run's prompts
+    were rendered with (and rendered as), the one installed here, the server's SGLang and the
+    transformers that SGLang version pins (None where unknown)."""
+    pins = run.chat_pins or {}
+    return {
+        "run_transformers": pins.get("transformers"),
+        "run_renders_as": pins.get("renders_as"),
+        "client_transformers": client_version(),
+        "server_sglang": server_version,
+        "server_transformers": SERVER_TRANSFORMERS.get(server_version or ""),
+    }
 
 
 def first_difference(stored: Sequence[int], rendered: Sequence[int]) -> int | None:
@@ -129,7 +148,9 @@ def check_run(
             ids = ledger.prompt_item_ids(conn, run.id)
         else:  # through the indexes: a preflight of a 10M-item run reads what it samples
             ids = ledger.sample_prompt_item_ids(conn, run.id, sample, seed)
-    report = ParityReport(run=run.name, server=server)
+    report = ParityReport(
+        run=run.name, server=server, versions=versions_of(run, client.server_version())
+    )
     for start in range(0, len(ids), page):
         with db.connect() as conn:
             page_items = ledger.stored_prompts(conn, ids[start : start + page])

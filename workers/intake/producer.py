@@ -22,8 +22,10 @@ from app.core.constants import EVENT_ENQUEUE_STOPPED, EVENT_ENQUEUED, EVENT_RUN_
 from app.core.contracts import PromptRecord, SamplingParams
 from app.core.errors import InputError
 from app.prompts.chat_path import ChatInputs, check_version, merge_template_kwargs
+from app.prompts.chat_pins import run_pins
 from app.prompts.conversation import TurnPlan
 from app.prompts.input_formats import open_table
+from app.prompts.input_records import report_bad_turns
 from app.prompts.inputs import read_prompts
 from app.prompts.render import RenderClient, RenderServerUnavailable, prompt_request
 from app.prompts.template_pool import Templater
@@ -205,7 +207,11 @@ def enqueue(
     # empty is refused with no run created.
     check_template_kwargs(options.chat_template_kwargs)
     entries = read_prompts(
-        options.input_path, field=options.prompt_field, content_format=tokenizer.content_format
+        options.input_path,
+        field=options.prompt_field,
+        content_format=tokenizer.content_format,
+        pass_turn_fields=tokenizer.pass_turn_fields,
+        turns=options.turns,
     )
     unit = "row" if open_table(options.input_path) is not None else "line"
     first = next(entries, None)
@@ -230,6 +236,7 @@ def enqueue(
         trust_remote_code=options.trust_remote_code,
         render_with=options.render_with,
         require_parity=options.require_parity,
+        chat_pins=run_pins(tokenizer, rendered_here=options.render_with is None),
     )
     if (renderer is None) != (options.render_with is None):
         raise ValueError("a renderer is given exactly when options.render_with is set")
@@ -348,6 +355,7 @@ def enqueue(
                 with db.connect() as conn:
                     present = ledger.existing_keys(conn, run.id, (r.key for r in records))
             fresh = [r for r in records if r.key not in present]
+            report_bad_turns(fresh, fail)
             report.already_present += len(records) - len(fresh)
             report.prompts += len(records)
             plans: dict[str, list[TurnPlan]] = {}

@@ -34,7 +34,7 @@ from app.prompts.conversation import (
     tool_turn_position,
 )
 from app.prompts.render import RenderClient, prompt_request, render_client
-from app.prompts.tokenization import ChatTokenizer, load_tokenizer
+from app.prompts.tokenization import ChatTokenizer, load_for_run
 from app.prompts.tokenizer_files import folder_changes
 
 log = logging.getLogger(__name__)
@@ -218,7 +218,9 @@ class TokenizerCache:
                 f"the tokenizer files at {run.tokenizer_path} changed since the run was "
                 f"created: {'; '.join(changes)}"
             )
-        tokenizer = load_tokenizer(folder, trust_remote_code=run.trust_remote_code)
+        tokenizer = load_for_run(
+            folder, trust_remote_code=run.trust_remote_code, chat_pins=run.chat_pins
+        )
         if tokenizer.chat_template_hash != run.chat_template_hash:
             raise TokenmillError(
                 f"the chat template at {run.tokenizer_path} differs from the run's "

