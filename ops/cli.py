@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import click
 
+from app.core.constants import LOG_LEVELS
+from ops.delete_cmd import delete_cmd
 from ops.demo import demo_cmd
 from ops.emulator_cmd import emulator
 from ops.fleet_cmds import events_cmd, pause_cmd, restart_cmd, resume_cmd, servers_group
@@ -23,8 +25,9 @@ from ops.options import (
     setup_logging,
 )
 from ops.parity_cmd import parity_cmd
-from ops.pipeline_cmds import enqueue_cmd, export_cmd, reconcile_cmd, run_cmd
+from ops.pipeline_cmds import enqueue_cmd, export_cmd, reconcile_cmd
 from ops.report import report_cmd
+from ops.run_cmd import run_cmd
 from ops.status_cmd import status_cmd
 from ops.storage_cmds import archive_cmd, compact_cmd
 from ops.verify_cmd import verify_cmd
@@ -34,6 +37,7 @@ from ops.verify_cmd import verify_cmd
 @click.option(
     "--log-level",
     envvar="TOKENMILL_LOG_LEVEL",
+    type=click.Choice(LOG_LEVELS, case_sensitive=False),
     default="WARNING",
     show_default=True,
     help="Logging level (env TOKENMILL_LOG_LEVEL).",
@@ -108,6 +112,7 @@ for command in (
     report_cmd,
     compact_cmd,
     archive_cmd,
+    delete_cmd,
     verify_cmd,
     parity_cmd,
 ):
