@@ -134,7 +134,7 @@ def enqueue_input(
                 on_progress=lambda n: progress.update(task, lines=n),
             )
         except Exception as exc:
-            raise _unpublished(exc, db, run, settings) from exc
+            raise unpublished_error(exc, db, run, settings) from exc
         finally:
             if renderer is not None:
                 renderer.close()
@@ -159,7 +159,7 @@ def enqueue_input(
     return report
 
 
-def _unpublished(exc: Exception, db: Any, run: str, settings: Settings) -> Exception:
+def unpublished_error(exc: Exception, db: Any, run: str, settings: Settings) -> Exception:
     """exc, or for a broker that failed mid-enqueue, the error that also says how many items
     wait in the ledger unpublished and how to queue them."""
     import sys

@@ -1,5 +1,6 @@
-"""A run deleted from the ledger (`tokenmill delete`'s queries) and the leases of a dead
-`tokenmill run` taken back by its rerun, on SQLite and Postgres."""
+"""A run deleted from the ledger (`tokenmill delete`'s queries), the leases of a dead
+`tokenmill run` taken back by its rerun (SQLite and Postgres), and the error of a broker that
+fails mid-enqueue, which says how many items wait unpublished."""
 
 from __future__ import annotations
 
@@ -103,3 +104,29 @@ def _dead_pid() -> int:
         check=True,
     )
     return int(child.stdout)
+
+
+def test_a_broker_that_fails_mid_enqueue_is_named_with_what_waitsunpublished_error(
+    sqlite_engine: Engine,
+) -> None:
+    from kombu.exceptions import OperationalError
+
+    from app.core.errors import BrokerUnavailable
+    from app.core.settings import Settings
+    from ops.pipeline_cmds import unpublished_error
+
+    with sqlite_engine.begin() as conn:
+        run = make_run(conn, "r")
+        for i in range(3):
+            add_item(conn, run.id, f"k{i}", status="pending")
+    settings = Settings(broker_url="redis://:secret@127.0.0.1:1/0")
+    failure = OperationalError("Error 111 connecting")
+    error = unpublished_error(failure, sqlite_engine, "r", settings)
+    assert isinstance(error, BrokerUnavailable)
+    assert str(error) == (
+        "the broker redis://:***@127.0.0.1:1/0 failed: Error 111 connecting; 3 items of run r "
+        "are in the ledger but not queued: `tokenmill reconcile r` queues them once the broker "
+        "answers"
+    )
+    other = ValueError("not the broker's")
+    assert unpublished_error(other, sqlite_engine, "r", settings) is other
