@@ -1,5 +1,6 @@
-# Targets CI runs too (.ci/run calls `make test`).
-PYTHON ?= python3
+# Targets CI runs too (.ci/run calls `make test`). The Python of ./.venv when there is one
+# (the one .ci/run creates), else python3.
+PYTHON ?= $(if $(wildcard .venv/bin/python),.venv/bin/python,python3)
 
 .PHONY: install lint typecheck unit test oracle-519 transformers-519 demo
 

@@ -9,7 +9,9 @@ from typing import Any
 
 from celery import Celery
 from kombu import Queue  # type: ignore[attr-defined]
+from pydantic import ValidationError
 
+from app.core.broker_url import check_broker_url
 from app.core.constants import (
     COMPACT_TASK,
     CONTROL_QUEUE,
@@ -18,7 +20,8 @@ from app.core.constants import (
     WATCHDOG_TASK,
     WORK_QUEUE,
 )
-from app.core.settings import Settings, get_settings
+from app.core.errors import ConfigurationError
+from app.core.settings import Settings, describe_invalid, get_settings
 
 
 def celery_config(settings: Settings) -> dict[str, Any]:
@@ -107,7 +110,15 @@ def celery_config(settings: Settings) -> dict[str, Any]:
 
 
 def create_celery(settings: Settings | None = None) -> Celery:
-    settings = settings or get_settings()
+    if settings is None:
+        try:
+            settings = get_settings()
+            check_broker_url(settings.resolved_broker_url())
+        except ValidationError as exc:
+            # `celery -A app worker` would print the traceback of loading this module
+            raise SystemExit(f"error: {describe_invalid(exc)}") from None
+        except ConfigurationError as exc:
+            raise SystemExit(f"error: {exc}") from None
     celery = Celery("tokenmill", include=["workers.tasks"])
     celery.conf.update(celery_config(settings))
     return celery

@@ -11,6 +11,7 @@ import importlib
 
 import click
 
+from app.core.constants import LOG_LEVELS
 from ops.options import get_settings, handle_errors, log_format_option, print_json, setup_logging
 
 # Each command loads with its module when it is run or listed (`tokenmill status` imports the
@@ -18,7 +19,7 @@ from ops.options import get_settings, handle_errors, log_format_option, print_js
 # which import only click).
 COMMANDS = {
     "enqueue": "ops.pipeline_cmds:enqueue_cmd",
-    "run": "ops.pipeline_cmds:run_cmd",
+    "run": "ops.run_cmd:run_cmd",
     "status": "ops.status_cmd:status_cmd",
     "export": "ops.pipeline_cmds:export_cmd",
     "reconcile": "ops.pipeline_cmds:reconcile_cmd",
@@ -34,6 +35,7 @@ COMMANDS = {
     "report": "ops.report:report_cmd",
     "compact": "ops.storage_cmds:compact_cmd",
     "archive": "ops.storage_cmds:archive_cmd",
+    "delete": "ops.delete_cmd:delete_cmd",
     "verify": "ops.verify_cmd:verify_cmd",
     "parity": "ops.parity_cmd:parity_cmd",
     "accept": "ops.accept_cmd:accept_cmd",
@@ -57,6 +59,7 @@ class LazyGroup(click.Group):
 @click.option(
     "--log-level",
     envvar="TOKENMILL_LOG_LEVEL",
+    type=click.Choice(LOG_LEVELS, case_sensitive=False),
     default="WARNING",
     show_default=True,
     show_envvar=True,

@@ -194,6 +194,7 @@ def demo_cmd(samples_per_prompt: int, max_new_tokens: int) -> None:
     finally:
         emulator.stop()
     out_dir = base.data_dir / "demo" / "exports"
+    out_dir.mkdir(parents=True, exist_ok=True)  # the demo's own folder (exports make none)
     specforge = export_run(db, run, "specforge", out_dir / f"{run_name}.specforge.jsonl")
     convs = export_run(
         db, run, "conversations", out_dir / f"{run_name}.conversations.jsonl", tokenizer=tokenizer

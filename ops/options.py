@@ -97,8 +97,12 @@ log_format_option = setting_option(
 TEXT_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
+_log_format_option: list[str] = []  # --log-format, when given
+
+
 def setup_logging(level: str, log_format: str | None = None) -> None:
     """Log to stderr at level, as text or JSON lines (None: TOKENMILL_LOG_FORMAT)."""
+    _log_format_option[:] = [log_format] if log_format else []
     handler = logging.StreamHandler(sys.stderr)
     if log_format is None:
         # decided at the first record or warning: reading the settings loads pydantic, which
@@ -160,12 +164,68 @@ def _configured_log_format() -> str:
         return "text"
 
 
+def ledger_name(settings: Settings) -> str:
+    """The ledger as a user recognizes it: the embedded one's file, else its URL (redacted)."""
+    from app.core.settings import redact_url
+
+    if settings.embedded:
+        return str(settings.data_dir / "ledger.sqlite3")
+    return redact_url(settings.resolved_database_url())
+
+
+def broker_name(settings: Settings) -> str:
+    """The broker as a user recognizes it: the embedded one's folder, else its URL (redacted)."""
+    from app.core.settings import redact_url
+
+    if settings.broker_url is None:
+        return f"the folder {settings.broker_folder()}"
+    return redact_url(settings.resolved_broker_url())
+
+
+_announced: set[str] = set()
+
+
+def announce_embedded(settings: Settings, *, broker: bool = False) -> None:
+    """Say once per process that the embedded default ledger (and broker) is in use, so a
+    forgotten TOKENMILL_DATABASE_URL (or TOKENMILL_BROKER_URL) is never a surprise. With JSON
+    logs it is a log record (a bare line would break a JSON-lines reader)."""
+    notes = []
+    if settings.embedded and "ledger" not in _announced:
+        notes.append(
+            f"ledger: {ledger_name(settings)} (the embedded default; "
+            "TOKENMILL_DATABASE_URL names another)"
+        )
+        _announced.add("ledger")
+    if broker and settings.broker_url is None and "broker" not in _announced:
+        notes.append(
+            f"broker: {broker_name(settings)} (the embedded default; "
+            "TOKENMILL_BROKER_URL names another)"
+        )
+        _announced.add("broker")
+    log_format = (_log_format_option or [settings.log_format])[0]
+    for note in notes:
+        if log_format.lower() == "json":
+            logging.getLogger("ops").info("%s", note)
+        else:
+            # plain click, not rich: a read command that needs no table never imports rich
+            click.secho(note, err=True, dim=True)
+
+
+def check_broker(settings: Settings) -> None:
+    """Refuse a TOKENMILL_BROKER_URL whose scheme no transport has, before anything is written."""
+    from app.core.broker_url import check_broker_url
+
+    check_broker_url(settings.resolved_broker_url())
+
+
 def open_db(settings: Settings | None = None) -> Engine:
-    """The ledger engine; the embedded SQLite ledger is created/upgraded on first use."""
+    """The ledger engine; the embedded SQLite ledger is created/upgraded on first use (and
+    named on stderr, once)."""
     from app.ledger.database import get_engine
     from app.ledger.migrate import ensure_schema
 
     settings = settings or get_settings()
+    announce_embedded(settings)
     try:
         engine = get_engine(settings)
     except ValueError as exc:  # e.g. a port that is not a number
@@ -213,11 +273,9 @@ def _error_line(exc: Exception) -> str | None:
         from pydantic import ValidationError
 
         if isinstance(exc, ValidationError):
-            problems = "; ".join(
-                f"TOKENMILL_{'_'.join(map(str, error['loc'])).upper()}: {_scrub(error['msg'])}"
-                for error in exc.errors()
-            )
-            return f"invalid configuration: {problems}"
+            from app.core.settings import describe_invalid
+
+            return _scrub(describe_invalid(exc))
     return None
 
 

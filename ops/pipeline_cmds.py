@@ -1,24 +1,34 @@
-"""The pipeline commands: enqueue, run, export, reconcile (status: ops/status_cmd.py).
+"""The pipeline commands: enqueue, export, reconcile (run: ops/run_cmd.py; status: status_cmd).
 
 Thin: parse options, call workers/app functions, show progress and counts.
 """
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import click
 
 from app.core.constants import EXPORT_FORMATS
-from app.core.errors import ConfigurationError, InputError, NotFound, RunMismatch, TokenizerError
+from app.core.errors import (
+    BrokerUnavailable,
+    ConfigurationError,
+    InputError,
+    NotFound,
+    RunMismatch,
+    TokenizerError,
+)
 from ops.options import (
+    announce_embedded,
+    broker_name,
     build_sampling,
+    check_broker,
     err_console,
     field_option,
     get_settings,
     handle_errors,
+    ledger_name,
     open_db,
     print_json,
     render_options,
@@ -26,12 +36,10 @@ from ops.options import (
 )
 
 if TYPE_CHECKING:
-    from rich.table import Table
-
-    from app.ledger import RunCounts, RunInfo
+    from app.core.settings import Settings
+    from app.ledger import RunInfo
     from app.outputs.export import ExportFormat
     from app.prompts.tokenization import ChatTokenizer
-    from workers.engine.runner import EmbeddedRunner
     from workers.intake.producer import EnqueueReport
 
 MAX_ERRORS_SHOWN = 50
@@ -50,7 +58,7 @@ def _template_choice(opts: dict[str, Any], existing: RunInfo | None) -> tuple[An
     return given, passing
 
 
-def _enqueue(
+def enqueue_input(
     input_path: Path, run: str, tokenizer_path: str, publish: bool, opts: dict[str, Any]
 ) -> EnqueueReport:
     from rich.markup import escape
@@ -63,6 +71,9 @@ def _enqueue(
 
     console = err_console()
     settings = get_settings()
+    if publish:
+        check_broker(settings)  # a typo of the scheme, before anything is inserted
+        announce_embedded(settings, broker=True)
     db = open_db(settings)
     kwargs = parse_chat_template_kwargs(opts["chat_template_kwargs"])
     existing = _existing_run(db, run)
@@ -141,6 +152,8 @@ def _enqueue(
                 on_error=on_error,
                 on_progress=lambda n: progress.update(task, lines=n),
             )
+        except Exception as exc:
+            raise unpublished_error(exc, db, run, settings) from exc
         finally:
             if renderer is not None:
                 renderer.close()
@@ -151,6 +164,10 @@ def _enqueue(
         markup=True,
         soft_wrap=True,
     )
+    where = f"ledger {ledger_name(settings)}"
+    if publish:
+        where += f", broker {broker_name(settings)}"
+    console.print(f"into {escape(where)}", markup=True, soft_wrap=True)
     for title, fields in (
         ("prompts built from", report.prompt_fields),
         ("kept as row metadata (exported with each sample)", report.metadata_fields),
@@ -159,6 +176,31 @@ def _enqueue(
             counts = ", ".join(f"{escape(name)} ({n} rows)" for name, n in fields.items())
             console.print(f"fields {title}: {counts}", markup=True, soft_wrap=True)
     return report
+
+
+def unpublished_error(exc: Exception, db: Any, run: str, settings: Settings) -> Exception:
+    """exc, or for a broker that failed mid-enqueue, the error that also says how many items
+    wait in the ledger unpublished and how to queue them."""
+    import sys
+
+    if "kombu" not in sys.modules:
+        return exc
+    from kombu.exceptions import OperationalError
+
+    if not isinstance(exc, OperationalError):
+        return exc
+    from app import ledger
+
+    waiting = 0
+    info = _existing_run(db, run)
+    if info is not None:
+        with db.connect() as conn:
+            waiting = ledger.run_counts(conn, info).pending
+    return BrokerUnavailable(
+        f"the broker {broker_name(settings)} failed: {str(exc).strip().splitlines()[0]}; "
+        f"{waiting} items of run {run} are in the ledger but not queued: "
+        f"`tokenmill reconcile {run}` queues them once the broker answers"
+    )
 
 
 def _render_url(url: str | None) -> str | None:
@@ -226,118 +268,9 @@ def enqueue_cmd(
     INPUT_PATH is a JSONL(.gz) file, a .parquet file or folder of them, or a folder written
     by datasets' save_to_disk.
     """
-    report = _enqueue(input_path, run_name, tokenizer_path, True, opts)
+    report = enqueue_input(input_path, run_name, tokenizer_path, True, opts)
     if as_json:
         print_json(report.to_json())
-
-
-def _progress_table(counts: RunCounts, runner: EmbeddedRunner, started: float) -> Table:
-    from rich.markup import escape
-    from rich.table import Table
-
-    elapsed = max(time.monotonic() - started, 1e-6)
-    finished = counts.done + counts.failed
-    rate = counts.output_tokens / elapsed
-    items_rate = finished / elapsed
-    eta = (counts.total - finished) / items_rate if items_rate > 0 else float("nan")
-    table = Table.grid(padding=(0, 2))
-    width = 30
-    filled = int(width * finished / counts.total) if counts.total else width
-    bar = "█" * filled + "░" * (width - filled)
-    table.add_row(
-        f"[bold]{escape(counts.run)}[/bold]",
-        bar,
-        f"{finished}/{counts.total}",
-        f"done {counts.done}",
-        f"failed {counts.failed}",
-        f"truncated {counts.truncated}",
-        f"{rate:,.0f} tok/s",
-        f"ETA {eta:,.0f}s" if eta == eta else "ETA —",
-    )
-    for view in runner.servers():
-        state = (
-            "[red]fingerprint differs: no work[/red]"
-            if view.refused
-            else "[red]unavailable[/red]"
-            if view.unavailable
-            else "[green]ok[/green]"
-        )
-        if view.parity_differs:
-            state += " [yellow]renders prompts differently[/yellow]"
-        err = f"last error: {escape(view.last_error[:80])}" if view.last_error else ""
-        table.add_row(
-            f"  {escape(view.name)}",
-            state,
-            f"in flight {view.inflight}",
-            f"done {view.done}",
-            f"failed {view.failed}",
-            "",
-            "",
-            err,
-        )
-    return table
-
-
-@click.command("run")
-@click.argument("input_path", type=click.Path(path_type=Path))
-@click.option("--run", "run_name", required=True, help="Run name.")
-@click.option("--tokenizer", "tokenizer_path", required=True, help="Local tokenizer folder.")
-@click.option(
-    "--server",
-    "servers",
-    multiple=True,
-    required=True,
-    help="SGLang server URL; repeat for several servers.",
-)
-@click.option("--json", "as_json", is_flag=True, help="Print the final counts as JSON.")
-@field_option
-@sampling_options
-@render_options
-@handle_errors
-def run_cmd(
-    input_path: Path,
-    run_name: str,
-    tokenizer_path: str,
-    servers: tuple[str, ...],
-    as_json: bool,
-    **opts: Any,
-) -> None:
-    """Enqueue INPUT_PATH and generate it in this process against --server URLs until done."""
-    counts = run_pipeline(input_path, run_name, tokenizer_path, list(servers), opts)
-    if as_json:
-        print_json(counts.to_json())
-
-
-def run_pipeline(
-    input_path: Path, run_name: str, tokenizer_path: str, servers: list[str], opts: dict[str, Any]
-) -> RunCounts:
-    from rich.live import Live
-    from rich.markup import escape
-
-    from app import ledger
-    from workers.engine.runner import EmbeddedRunner
-
-    console = err_console()
-    settings = get_settings()
-    db = open_db(settings)
-    _enqueue(input_path, run_name, tokenizer_path, False, opts)
-    with db.connect() as conn:
-        run = ledger.get_run(conn, run_name)
-    runner = EmbeddedRunner(db, settings, run, servers)
-    started = time.monotonic()
-    runner.start()
-    try:
-        with Live(console=console, refresh_per_second=4, transient=False) as live:
-            counts = runner.wait(on_tick=lambda c: live.update(_progress_table(c, runner, started)))
-    finally:
-        runner.stop()
-    console.print(
-        f"run [bold]{escape(run_name)}[/bold] finished in {time.monotonic() - started:.1f}s: "
-        f"{counts.done} done ({counts.truncated} truncated), {counts.failed} failed, "
-        f"{counts.output_tokens} output tokens",
-        markup=True,
-    )
-    return counts
 
 
 @click.command("export")
@@ -483,11 +416,12 @@ def export_cmd(
 @handle_errors
 def reconcile_cmd(run_name: str | None) -> None:
     """Re-queue items whose lease expired or that were never published."""
+    settings = get_settings()
+    check_broker(settings)  # before the Celery app (publish_items) is built on the URL
+    announce_embedded(settings, broker=True)
+    db = open_db(settings)
     from workers.control.reconcile import reconcile
     from workers.intake.publish import publish_items
-
-    settings = get_settings()
-    db = open_db(settings)
 
     def publish(ids: list[int], wait_s: float) -> None:
         if ids:

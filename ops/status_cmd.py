@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from ops.options import err_console, handle_errors, open_db, print_json
+from ops.options import err_console, get_settings, handle_errors, ledger_name, open_db, print_json
 from ops.text_table import Column, left_out_note, render
 
 if TYPE_CHECKING:
@@ -51,6 +51,10 @@ def status_cmd(run_name: str | None, as_json: bool, watch: bool, interval_s: flo
         differing = _differing_servers(registry.list_servers(conn))
         stopped = registry.stopped_enqueues(conn, [r.id for r in runs])
     stopped_names = {r.name for r in runs if r.id in stopped}
+    if not runs and not as_json:
+        # an empty table would not say where it looked (a forgotten TOKENMILL_DATABASE_URL)
+        click.echo(f"no runs in the ledger {ledger_name(get_settings())}", err=True)
+        return
     if as_json:
         found = [
             c.to_json()

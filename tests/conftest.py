@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -18,6 +19,10 @@ from sqlalchemy import Engine, create_engine, text
 
 from app.ledger.database import make_engine
 from app.ledger.migrate import upgrade
+
+# Tests run the commands users type (`tokenmill`, `celery -A app worker`) by name: they are the
+# scripts of the Python running the tests (a fresh venv's, which need not be on PATH).
+os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
 
 PG_ADMIN_URL = os.environ.get(
     "TOKENMILL_TEST_PG_ADMIN_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"

@@ -20,6 +20,9 @@ REDIS_PREFIX = "tokenmill:"
 # the JSONL formats of `tokenmill export` (app.outputs.export), named on the command line
 EXPORT_FORMATS: tuple[Literal["specforge", "conversations"], ...] = ("specforge", "conversations")
 
+# the levels `--log-level` and TOKENMILL_LOG_LEVEL take (logging's own names)
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
 # events recorded in the ledger timeline
 EVENT_RUN_CREATED = "run_created"
 EVENT_ENQUEUED = "enqueued"

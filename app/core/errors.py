@@ -59,6 +59,10 @@ class ConfigurationError(TokenmillError):
     """The configuration is invalid."""
 
 
+class BrokerUnavailable(TokenmillError):
+    """The broker could not be reached."""
+
+
 class RunMismatch(ConfigurationError):
     """The run already exists with a different tokenizer, template or sampling parameters."""
 

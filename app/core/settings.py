@@ -5,14 +5,26 @@ Every value has an embedded default so one machine with no services runs the who
 
 from __future__ import annotations
 
+import difflib
 import functools
+import logging
+import os
 import socket
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+log = logging.getLogger(__name__)
+
+ENV_PREFIX = "TOKENMILL_"
+# TOKENMILL_* names that are not settings of this object: the emulator's flags
+# (app/emulator/cli.py), the test suite's and benchmarks' services, docker-compose's bucket
+OTHER_ENV_PREFIXES = ("TOKENMILL_EMULATOR_", "TOKENMILL_TEST_", "TOKENMILL_BENCH_")
+OTHER_ENV_NAMES = ("TOKENMILL_BUCKET",)
 
 
 def default_data_dir() -> Path:
@@ -22,7 +34,7 @@ def default_data_dir() -> Path:
 class Settings(BaseSettings):
     """All settings, each also an environment variable `TOKENMILL_<NAME>`."""
 
-    model_config = SettingsConfigDict(env_prefix="TOKENMILL_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
 
     data_dir: Path = Field(default_factory=default_data_dir)
     database_url: str | None = None
@@ -101,7 +113,7 @@ class Settings(BaseSettings):
     restart_timeout_s: float = Field(default=1800.0, gt=0)
 
     visibility_timeout_s: int = Field(default=6 * 3600, ge=60)
-    log_level: str = "INFO"
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = "INFO"
     # "json": one JSON object per log line (CLI and workers), for log shippers
     log_format: Literal["text", "json"] = "text"
 
@@ -131,10 +143,12 @@ class Settings(BaseSettings):
     def _strip_slash(cls, value: str) -> str:
         return value.rstrip("/")
 
-    @field_validator("log_format", mode="before")
+    @field_validator("log_level", "log_format", mode="before")
     @classmethod
-    def _lower_format(cls, value: object) -> object:
-        return value.strip().lower() if isinstance(value, str) else value
+    def _normal_case(cls, value: object, info: ValidationInfo) -> object:
+        if not isinstance(value, str):
+            return value
+        return value.strip().upper() if info.field_name == "log_level" else value.strip().lower()
 
     @property
     def embedded(self) -> bool:
@@ -195,16 +209,66 @@ def redact_url(url: str) -> str:
     return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
 
 
+def setting_env_names() -> list[str]:
+    """The environment variable of every setting, e.g. TOKENMILL_INFLIGHT."""
+    return [ENV_PREFIX + name.upper() for name in Settings.model_fields]
+
+
+def unknown_env_names(environ: Mapping[str, str]) -> list[str]:
+    """One line per TOKENMILL_* variable that is no setting (a typo is otherwise silently
+    ignored), naming the closest setting when one is close."""
+    known = setting_env_names()
+    lines = []
+    for name in sorted(environ):
+        upper = name.upper()
+        if not upper.startswith(ENV_PREFIX) or upper in known or upper in OTHER_ENV_NAMES:
+            continue
+        if upper.startswith(OTHER_ENV_PREFIXES):
+            continue
+        close = difflib.get_close_matches(upper, known, n=1, cutoff=0.75)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        lines.append(f"{name} is not a tokenmill setting and is ignored{hint}")
+    return lines
+
+
+def describe_invalid(exc: ValidationError) -> str:
+    """One line naming every invalid setting by its variable and why, e.g.
+    "invalid configuration: TOKENMILL_INFLIGHT: Input should be a valid integer"."""
+    problems = "; ".join(
+        f"{ENV_PREFIX}{'_'.join(map(str, error['loc'])).upper()}: {error['msg']}"
+        for error in exc.errors()
+    )
+    return f"invalid configuration: {problems}"
+
+
+_env_checked = False
+
+
+def _warn_unknown_env() -> None:
+    """Warn once per process; the flag is set first, as a log handler may read the settings."""
+    global _env_checked
+    if _env_checked:
+        return
+    _env_checked = True
+    for line in unknown_env_names(os.environ):
+        log.warning("%s", line)
+
+
 @functools.cache
 def get_settings() -> Settings:
-    return Settings()
+    """The process's settings, read once; unknown TOKENMILL_* variables are warned about."""
+    settings = Settings()
+    _warn_unknown_env()
+    return settings
 
 
 __all__ = [
     "SecretStr",
     "Settings",
+    "describe_invalid",
     "get_settings",
     "normalize_database_url",
     "redact_options",
     "redact_url",
+    "unknown_env_names",
 ]

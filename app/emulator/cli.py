@@ -182,6 +182,12 @@ def _option(flag: str, *names: str, **kwargs: Any) -> Callable[[F], F]:
     help="Seconds after ready when the scheduler freezes for good (/health stays 200).",
 )
 @_option(
+    "--hang-after-requests",
+    type=click.IntRange(min=1),
+    default=None,
+    help="The scheduler freezes for good when this many /generate requests have arrived.",
+)
+@_option(
     "--health-timeout-s",
     type=click.FloatRange(min=0, min_open=True),
     default=20.0,

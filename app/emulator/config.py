@@ -63,6 +63,9 @@ class EmulatorConfig:
     startup_delay_s: float = 0.0
     loading_s: float = 0.0
     hang_after_s: float | None = None
+    # the scheduler freezes for good when this many /generate requests have arrived (a hang
+    # placed by the work done, not the clock: the same on a loaded machine)
+    hang_after_requests: int | None = None
     health_timeout_s: float = 20.0
     health_endpoint_generation: bool = False
     error_rate: float = 0.0
@@ -103,6 +106,10 @@ class EmulatorConfig:
             (self.startup_delay_s >= 0, "startup_delay_s must be >= 0"),
             (self.loading_s >= 0, "loading_s must be >= 0"),
             (self.hang_after_s is None or self.hang_after_s >= 0, "hang_after_s must be >= 0"),
+            (
+                self.hang_after_requests is None or self.hang_after_requests >= 1,
+                "hang_after_requests must be >= 1",
+            ),
             (self.health_timeout_s > 0, "health_timeout_s must be > 0"),
             (0 <= self.error_rate <= 1, "error_rate must be in [0, 1]"),
             (0 <= self.drop_rate <= 1, "drop_rate must be in [0, 1]"),

@@ -177,6 +177,9 @@ class Scheduler:
             self._by_rid[job.item.rid] = job
             if not job.item.internal:
                 self.counters.requests += 1
+        limit = self.cfg.hang_after_requests
+        if limit is not None and self.counters.requests >= limit:
+            self.hang()
         self._wakeup.set()
 
     def abort(self, rid: str) -> None:

@@ -12,6 +12,7 @@ Its queries live in submodules by what they serve:
 - `turns`: multi-turn chains (`--turns all`) linked, advanced and failed
 - `reads`: RunCounts, StoredItem, iter_items and its keyset pages, stored prompts
 - `compaction`: token arrays of done items moved to Parquet shards
+- `removal`: a run deleted, its items in pages, then the run with what refers to it
 - `event_log`: record_event, has_event
 - `spec_stats`: done items' speculative-decoding counters, written with their results
 
@@ -41,10 +42,12 @@ if TYPE_CHECKING:
     from app.ledger.claims import claim_next as claim_next
     from app.ledger.claims import claim_next_groups as claim_next_groups
     from app.ledger.claims import claimable_left as claimable_left
+    from app.ledger.claims import drop_hedge_marks as drop_hedge_marks
     from app.ledger.claims import extend_leases as extend_leases
     from app.ledger.claims import finished_among as finished_among
     from app.ledger.claims import hedge_candidates as hedge_candidates
     from app.ledger.claims import item_keys as item_keys
+    from app.ledger.claims import lease_owners as lease_owners
     from app.ledger.claims import mark_hedged as mark_hedged
     from app.ledger.claims import run_has_items as run_has_items
     from app.ledger.claims import unmark_hedged as unmark_hedged
@@ -96,6 +99,8 @@ if TYPE_CHECKING:
     from app.ledger.reads import scanned_run_counts as scanned_run_counts
     from app.ledger.reads import stored_items as stored_items
     from app.ledger.reads import stored_prompts as stored_prompts
+    from app.ledger.removal import delete_items_page as delete_items_page
+    from app.ledger.removal import delete_run_row as delete_run_row
     from app.ledger.run_queries import RunInfo as RunInfo
     from app.ledger.run_queries import RunSpec as RunSpec
     from app.ledger.run_queries import get_or_create_run as get_or_create_run
@@ -124,10 +129,12 @@ _EXPORTS: dict[str, str] = {
     "claim_next": "app.ledger.claims",
     "claim_next_groups": "app.ledger.claims",
     "claimable_left": "app.ledger.claims",
+    "drop_hedge_marks": "app.ledger.claims",
     "extend_leases": "app.ledger.claims",
     "finished_among": "app.ledger.claims",
     "hedge_candidates": "app.ledger.claims",
     "item_keys": "app.ledger.claims",
+    "lease_owners": "app.ledger.claims",
     "mark_hedged": "app.ledger.claims",
     "run_has_items": "app.ledger.claims",
     "unmark_hedged": "app.ledger.claims",
@@ -179,6 +186,8 @@ _EXPORTS: dict[str, str] = {
     "scanned_run_counts": "app.ledger.reads",
     "stored_items": "app.ledger.reads",
     "stored_prompts": "app.ledger.reads",
+    "delete_items_page": "app.ledger.removal",
+    "delete_run_row": "app.ledger.removal",
     "RunInfo": "app.ledger.run_queries",
     "RunSpec": "app.ledger.run_queries",
     "get_or_create_run": "app.ledger.run_queries",

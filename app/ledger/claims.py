@@ -285,3 +285,30 @@ def extend_leases(conn: Connection, *, owner: str, lease_s: float) -> int:
     # and its rows, locked and checked, are then found by primary key only
     locked = select(items.c.id).where(mine).with_for_update(skip_locked=True).cte("locked")
     return conn.execute(stmt.where(items.c.id == locked.c.id)).rowcount
+
+
+def lease_owners(conn: Connection, run_id: int) -> list[str]:
+    """The owners holding leases of the run's items (one range of the run's leased items)."""
+    stmt = (
+        select(items.c.lease_owner)
+        .where(
+            run_status_range(conn, items, run_id, ItemStatus.LEASED.value, 0),
+            items.c.lease_owner.is_not(None),
+        )
+        .distinct()
+    )
+    return sorted(str(owner) for owner in conn.execute(stmt).scalars())
+
+
+def drop_hedge_marks(conn: Connection, run_id: int, owner: str) -> int:
+    """Clear the hedge marks an owner left on the run's leased items (it died), so other
+    servers may hedge them."""
+    stmt = (
+        update(items)
+        .where(
+            run_status_range(conn, items, run_id, ItemStatus.LEASED.value, 0),
+            items.c.hedge_owner == owner,
+        )
+        .values(hedge_owner=None)
+    )
+    return int(conn.execute(stmt).rowcount)

@@ -169,12 +169,36 @@ def iter_rows(
                 yield item, row
 
 
+def current_umask() -> int:
+    """The process's umask (os.umask can only be read by setting it)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def check_export_file(out: Path, run_name: str) -> None:
+    """Refuse an export path that is a folder, or whose folder does not exist (an export
+    never creates folders: a typo must not leave a tree of them behind)."""
+    if out.is_dir():
+        raise ConfigurationError(
+            f"cannot export to {out}: it is a folder; name a file in it, e.g. "
+            f"{out / (run_name + '.jsonl')}"
+        )
+    if not out.parent.is_dir():
+        raise ConfigurationError(
+            f"cannot export to {out}: the folder {out.parent} does not exist; create it first"
+        )
+
+
 class _JsonlFile:
     """A JSONL file written under a temporary name, renamed when complete."""
 
     def __init__(self, out: Path) -> None:
         self.out = out
         fd, self.tmp_name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+        # mkstemp makes the file 0600; an export is as readable as any file the user writes
+        # (and as the Parquet shards are): 0666 less the umask
+        os.fchmod(fd, 0o666 & ~current_umask())
         self.fh = os.fdopen(fd, "w", encoding="utf-8")
 
     def write(self, row: dict[str, Any]) -> None:
@@ -214,7 +238,7 @@ def export_run(
     if (fmt == "conversations" or whole) and tokenizer is None:
         raise ValueError(f"the {fmt} export needs the run's tokenizer")
     out = out.expanduser()
-    out.parent.mkdir(parents=True, exist_ok=True)
+    check_export_file(out, run.name)
     report = ExportReport(path=out, format=fmt)
     if selection is not None and selection.exclusion is not None:
         with db.connect() as conn:

@@ -13,12 +13,13 @@ import logging
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Connection, Engine
 
 from app import ledger
-from app.core.errors import NotFound
+from app.core.errors import ConfigurationError, NotFound
 from app.core.models import ItemStatus
 from app.ledger import RunInfo, StoredItem, counters, registry
 from app.outputs.shards import (
@@ -116,6 +117,17 @@ class ParquetExport:
         return self.prompt_tokens + self.output_tokens
 
 
+def check_export_folder(folder: Path) -> None:
+    """A local Parquet export goes into a folder that exists or whose parent exists (the
+    export makes that one folder, never a tree of them); a file there is refused."""
+    if folder.exists() and not folder.is_dir():
+        raise ConfigurationError(f"cannot export to {folder}: it is a file, not a folder")
+    if not folder.parent.is_dir():
+        raise ConfigurationError(
+            f"cannot export to {folder}: the folder {folder.parent} does not exist; create it first"
+        )
+
+
 def export_parquet(
     db: Engine,
     run: RunInfo,
@@ -136,6 +148,8 @@ def export_parquet(
     if shard_rows < 1:
         raise ValueError("shard_rows must be at least 1")
     loc = open_location(url, storage_options)
+    if loc.local:
+        check_export_folder(Path(loc.root))
     export_id = uuid.uuid4().hex[:8]
     report = ParquetExport(url=loc.url)
     servers: set[str] = set()

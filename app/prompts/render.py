@@ -168,6 +168,10 @@ class RenderClient:
             except GenerationError as exc:
                 now = time.monotonic()
                 down_since = now if down_since is None else down_since
+                if self.policy.wait_s <= 0:  # one attempt (the parity check of a --server)
+                    raise RenderServerUnavailable(
+                        f"{self.base_url} did not answer /v1/tokenize: {exc}"
+                    ) from exc
                 if now - down_since >= self.policy.wait_s:
                     raise RenderServerUnavailable(
                         f"the render server {self.base_url} has not answered /v1/tokenize "

@@ -68,6 +68,7 @@ _FLAG_FIELDS = {
     "--drop-rate": ("drop_rate", float),
     "--fault-seed": ("fault_seed", int),
     "--hang-after-s": ("hang_after_s", float),
+    "--hang-after-requests": ("hang_after_requests", int),
     "--health-timeout-s": ("health_timeout_s", float),
 }
 

@@ -65,9 +65,9 @@ BAD_LINES = [
         "empty conversations", jsonl({"id": "e2", "conversations": []}), "'conversations' is empty"
     ),
     BadLine(
-        "empty user turn",
-        jsonl({"id": "e3", "messages": [{"role": "user", "content": "  "}]}),
-        "messages[0].content is empty (a user turn needs content)",
+        "a Responses-API part the chat endpoint refuses",
+        jsonl({"id": "e3", "messages": [{"role": "user", "content": [{"type": "input_text"}]}]}),
+        'messages[0].content[0] is a "input_text" part; only text parts are supported',
     ),
     BadLine(
         "unknown role",

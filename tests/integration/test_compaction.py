@@ -35,6 +35,7 @@ def settings_for(tmp_path: Path, **extra: object) -> Settings:
 
 def exports(db: Engine, run: ledger.RunInfo, folder: Path) -> tuple[bytes, list[object]]:
     """SpecForge JSONL bytes and the Parquet rows (without the shard names) of run."""
+    folder.mkdir(parents=True, exist_ok=True)
     jsonl = folder / "sf.jsonl"
     export_run(db, run, "specforge", jsonl)
     report = export_parquet(db, run, str(folder / "pq"), shard_rows=1000)

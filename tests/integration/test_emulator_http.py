@@ -493,6 +493,19 @@ def test_a_hung_scheduler_keeps_health_200_but_fails_health_generate() -> None:
         assert process.stop(timeout_s=5) == 0
 
 
+def test_a_scheduler_hangs_when_its_nth_request_arrives() -> None:
+    cfg = EmulatorConfig(port=0, step_ms=1, median_tokens=4, hang_after_requests=3)
+    with running_emulator(cfg) as process:
+        for _ in range(2):  # served as usual
+            generate(process, {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 4}})
+        assert not stats(process)["hung"]
+        with pytest.raises(httpx.ReadTimeout):
+            post(process, {"input_ids": [3]}, timeout_s=0.5)  # the third freezes it
+        assert stats(process)["hung"] and stats(process)["requests"] == 3
+        assert get(process, "/health").status_code == 200
+        assert process.stop(timeout_s=5) == 0
+
+
 # --- startup and shutdown -------------------------------------------------------------
 
 
@@ -600,7 +613,8 @@ def test_the_click_command_names_every_flag_and_its_env_var() -> None:
     assert emulator.name == "emulator"
     result = CliRunner().invoke(emulator, ["--help"], terminal_width=200)
     assert result.exit_code == 0
-    for flag in ("--port", "--step-ms", "--max-running", "--hang-after-s", "--max-queued"):
+    flags = ("--port", "--step-ms", "--max-running", "--hang-after-s", "--hang-after-requests")
+    for flag in (*flags, "--max-queued"):
         assert flag in result.output
     assert "TOKENMILL_EMULATOR_STEP_MS" in result.output
     refused = CliRunner().invoke(emulator, ["--token-min", "900", "--token-max", "800"])

@@ -49,6 +49,14 @@ def tokenmill(
     )
 
 
+def run_args(prompts: Path, run: str, tokenizer: Path, servers: list[str]) -> list[str]:
+    """`tokenmill run` of prompts against servers, 32 new tokens at most."""
+    argv = ["run", str(prompts), "--run", run, "--tokenizer", str(tokenizer)]
+    for url in servers:
+        argv += ["--server", url]
+    return [*argv, "--max-new-tokens", "32"]
+
+
 def start_celery(kind: str, env: dict[str, str], log: Path, *args: str) -> subprocess.Popen[bytes]:
     """`celery -A app worker|beat ARGS`, output to log."""
     return subprocess.Popen(

@@ -50,6 +50,11 @@ def chat_rows(count: int, *, multi_turn: bool = True, tools: bool = True) -> lis
     return rows
 
 
+def prompt_rows(count: int) -> list[Row]:
+    """count one-line prompts with ids q0, q1, ..."""
+    return [{"id": f"q{i}", "prompt": f"hi {i}"} for i in range(count)]
+
+
 def write_rows(path: Path, rows: list[Row]) -> Path:
     path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
     return path

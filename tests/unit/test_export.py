@@ -4,6 +4,7 @@ split at the `</think>` token id (never by string search)."""
 from __future__ import annotations
 
 import json
+import stat
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -12,8 +13,9 @@ from sqlalchemy import Engine
 
 from app import ledger
 from app.core.contracts import GenerateResult, SamplingParams
+from app.core.errors import ConfigurationError
 from app.ledger import RunInfo, StoredItem
-from app.outputs.export import assistant_turn, export_run, specforge_row
+from app.outputs.export import assistant_turn, current_umask, export_run, specforge_row
 from app.prompts.tokenization import ChatTokenizer, load_tokenizer
 
 THINK, END_THINK, IM_END = 163606, 163607, 163586
@@ -109,11 +111,19 @@ def test_export_file_is_complete_and_atomic(
             lease_s=60,
         )
     out = tmp_path / "x" / "r.jsonl"
+    with pytest.raises(ConfigurationError, match="does not exist; create it first"):
+        export_run(sqlite_engine, run, "specforge", out)  # an export never creates folders
+    assert not out.parent.exists()
+    out.parent.mkdir()
+    with pytest.raises(ConfigurationError, match="it is a folder; name a file in it"):
+        export_run(sqlite_engine, run, "specforge", out.parent)
     report = export_run(sqlite_engine, run, "specforge", out)
     lines = out.read_text().splitlines()
     assert report.rows == len(lines) == 2499
     assert {json.loads(line)["id"] for line in lines} == {f"k{i}" for i in range(2499)}
     assert [p.name for p in out.parent.iterdir()] == ["r.jsonl"]  # no temp file left behind
+    # as readable as any file the user writes (mkstemp's own 0600 is not kept)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o666 & ~current_umask()
     conv = export_run(
         sqlite_engine, run, "conversations", tmp_path / "c.jsonl", tokenizer=tokenizer
     )

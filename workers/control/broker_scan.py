@@ -9,11 +9,13 @@ from __future__ import annotations
 import base64
 import json
 import logging
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from typing import Any, cast
 
 from app.core.constants import GENERATE_TASK, WORK_QUEUE
+from app.core.errors import BrokerUnavailable
+from app.core.settings import redact_url
 
 log = logging.getLogger(__name__)
 
@@ -73,42 +75,59 @@ def broker_holds(
     found: set[int] = set()
     client = redis.Redis.from_url(broker_url, socket_timeout=30, socket_connect_timeout=5)
     try:
-        now_s = float(client.time()[0])
-        recent = cast(
-            list[bytes], client.zrangebyscore(UNACKED_INDEX_KEY, now_s - unacked_grace_s, "+inf")
-        )
-        for start in range(0, len(recent), 500):
-            for entry in client.hmget(UNACKED_KEY, recent[start : start + 500]):
-                if entry is not None:
-                    found.update(want.intersection(_ids_in_message(entry)))
-        read = 0
-        keys = [WORK_QUEUE.encode(), *client.scan_iter(match=f"{WORK_QUEUE}{PRIORITY_SEP}*")]
-        for key in keys:
-            if client.type(key) != b"list":
-                continue
-            length, start = int(client.llen(key)), 0
-            # chunks grow from what the wanted ids fill (they are the longest-queued, met
-            # first) to 1,000, and decoding stops at the message that holds the last of them
-            step = max(16, min(1000, 2 * len(want) // max(1, _IDS_PER_MESSAGE)))
-            while start < length:
-                if found >= want:
-                    return BrokerCheck(found, complete=True)
-                if read >= max_messages:
-                    return BrokerCheck(found, complete=False)
-                size = min(step, max_messages - read)
-                step = min(1000, 2 * step)
-                chunk = client.lrange(key, -(start + size), -(start + 1))
-                if not chunk:
-                    break
-                start += size
-                for raw in reversed(chunk):
-                    read += 1
-                    found.update(want.intersection(_ids_in_message(raw)))
-                    if found >= want:
-                        return BrokerCheck(found, complete=True)
-        return BrokerCheck(found, complete=True)
+        return _holds(client, want, found, unacked_grace_s, max_messages)
+    except redis.RedisError as exc:
+        raise BrokerUnavailable(
+            f"the broker {redact_url(broker_url)} cannot be read: {exc}"
+        ) from exc
     finally:
         client.close()
+
+
+def _recent_unacked(client: Any, unacked_grace_s: float) -> Iterator[bytes]:
+    """The unacknowledged messages delivered less than unacked_grace_s ago."""
+    now_s = float(client.time()[0])
+    recent = cast(
+        list[bytes], client.zrangebyscore(UNACKED_INDEX_KEY, now_s - unacked_grace_s, "+inf")
+    )
+    for start in range(0, len(recent), 500):
+        for entry in client.hmget(UNACKED_KEY, recent[start : start + 500]):
+            if entry is not None:
+                yield entry
+
+
+def _holds(
+    client: Any, want: set[int], found: set[int], unacked_grace_s: float, max_messages: int
+) -> BrokerCheck:
+    """broker_holds' read, on an open client."""
+    for entry in _recent_unacked(client, unacked_grace_s):
+        found.update(want.intersection(_ids_in_message(entry)))
+    read = 0
+    keys = [WORK_QUEUE.encode(), *client.scan_iter(match=f"{WORK_QUEUE}{PRIORITY_SEP}*")]
+    for key in keys:
+        if client.type(key) != b"list":
+            continue
+        length, start = int(client.llen(key)), 0
+        # chunks grow from what the wanted ids fill (they are the longest-queued, met
+        # first) to 1,000, and decoding stops at the message that holds the last of them
+        step = max(16, min(1000, 2 * len(want) // max(1, _IDS_PER_MESSAGE)))
+        while start < length:
+            if found >= want:
+                return BrokerCheck(found, complete=True)
+            if read >= max_messages:
+                return BrokerCheck(found, complete=False)
+            size = min(step, max_messages - read)
+            step = min(1000, 2 * step)
+            chunk = client.lrange(key, -(start + size), -(start + 1))
+            if not chunk:
+                break
+            start += size
+            for raw in reversed(chunk):
+                read += 1
+                found.update(want.intersection(_ids_in_message(raw)))
+                if found >= want:
+                    return BrokerCheck(found, complete=True)
+    return BrokerCheck(found, complete=True)
 
 
 def broker_item_ids(broker_url: str, *, unacked_grace_s: float | None = None) -> set[int] | None:
@@ -136,14 +155,8 @@ def broker_item_ids(broker_url: str, *, unacked_grace_s: float | None = None) ->
             for _, raw in client.hscan_iter(UNACKED_KEY):
                 found.update(_ids_in_message(raw))
             return found
-        now_s = float(client.time()[0])
-        recent = cast(
-            list[bytes], client.zrangebyscore(UNACKED_INDEX_KEY, now_s - unacked_grace_s, "+inf")
-        )
-        for start in range(0, len(recent), 500):
-            for entry in client.hmget(UNACKED_KEY, recent[start : start + 500]):
-                if entry is not None:
-                    found.update(_ids_in_message(entry))
+        for entry in _recent_unacked(client, unacked_grace_s):
+            found.update(_ids_in_message(entry))
         return found
     finally:
         client.close()

@@ -221,3 +221,14 @@ def compact_due(db: Engine, settings: Settings) -> list[CompactionReport]:
         limit_periodic(conn, timeout_s=SCAN_TIMEOUT_S)
         due = ledger.runs_with_compactable(conn, settings.compact_min_items)
     return [compact_run(db, settings, run) for run in due]
+
+
+def remove_run_shards(settings: Settings, run_name: str) -> list[str]:
+    """Delete every compacted shard (and a killed writer's temporary file) of a run that is
+    being deleted: nothing refers to them any more. Returns the names removed."""
+    loc = compaction_location(settings, run_name)
+    names = list_names(loc, prefix=SHARD_PREFIX, suffix=SHARD_SUFFIX)
+    if loc.local:
+        names += list_names(loc, prefix=f".{SHARD_PREFIX}", suffix=".tmp")
+    remove_objects(loc, names)
+    return names

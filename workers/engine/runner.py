@@ -20,6 +20,8 @@ from app.core.errors import ConfigurationError
 from app.core.settings import Settings
 from app.ledger import RunCounts, RunInfo
 from workers.control.parity import preflight
+from workers.engine.contact import ServerContact
+from workers.engine.orphans import EMBEDDED_OWNER_PREFIX, take_back
 from workers.engine.runtime import WorkerRuntime
 from workers.intake import turns
 
@@ -40,6 +42,10 @@ class ServerView:
     # its rendering of the run's prompts differs from the stored ones (the parity preflight);
     # with --require-parity it takes no work
     parity_differs: bool = False
+    # not answering: for how long (None: not yet known) and why
+    down: bool = False
+    down_for_s: float | None = None
+    down_error: str | None = None
 
 
 class EmbeddedRunner:
@@ -53,6 +59,7 @@ class EmbeddedRunner:
         server_urls: list[str],
         *,
         poll_s: float = 0.05,
+        on_notice: Callable[[str], None] = log.warning,
     ) -> None:
         if not server_urls:
             raise ConfigurationError("give at least one --server URL")
@@ -60,6 +67,8 @@ class EmbeddedRunner:
         self.settings = settings
         self.run = run
         self.poll_s = poll_s
+        # what the user should hear at once: a server down or back, leases taken back
+        self.on_notice = on_notice
         self.runtimes = [
             WorkerRuntime(
                 settings,
@@ -67,9 +76,14 @@ class EmbeddedRunner:
                 server_url=url,
                 server_name=None,
                 on_released=lambda ids, wait_s: None,  # released items are claimed from the ledger
+                owner_prefix=EMBEDDED_OWNER_PREFIX,
             )
             for url in server_urls
         ]
+        self._contacts = {
+            rt.server_name: ServerContact(rt.server_url, on_notice) for rt in self.runtimes
+        }
+        self._next_probe: dict[str, float] = {}
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._refused: dict[str, bool] = {}
@@ -78,6 +92,9 @@ class EmbeddedRunner:
         self._claim_lock = threading.Lock()
 
     def start(self) -> None:
+        self._take_back()
+        with ThreadPoolExecutor(len(self.runtimes), thread_name_prefix="tm-probe") as pool:
+            list(pool.map(self._reachable, self.runtimes))
         self._preflight_all()
         for rt in self.runtimes:
             rt.window.serves_conversations = self.run.turns == "each"
@@ -88,9 +105,45 @@ class EmbeddedRunner:
             thread.start()
             self._threads.append(thread)
 
+    def _take_back(self) -> None:
+        """A rerun takes back at once the leases its own dead predecessor held (the same run in
+        the same ledger, its process gone), instead of waiting for them to expire."""
+        taken = take_back(self.db, self.run.id)
+        if taken.items:
+            pids = ", ".join(map(str, taken.pids))
+            self.on_notice(
+                f"took back {taken.items} items of run {self.run.name} leased by an earlier "
+                f"`tokenmill run` (pid {pids}) that is no longer running"
+            )
+
+    def _reachable(self, rt: WorkerRuntime) -> bool:
+        """Whether the server answers; probed (GET /health) while it is not known to, at most
+        every unavailable_wait_s, and found down again when its window finds it gone."""
+        contact = self._contacts[rt.server_name]
+        if rt.window.unavailable():
+            contact.found_down(rt.window.stats.last_error or "the server went away")
+            return False
+        if contact.up:
+            return True
+        now = time.monotonic()
+        if now < self._next_probe.get(rt.server_name, 0.0):
+            return False
+        self._next_probe[rt.server_name] = now + max(self.poll_s, rt.settings.unavailable_wait_s)
+        client = rt.new_client()
+        try:
+            probe = client.health("/health")
+        finally:
+            client.close()
+        if probe.ok:
+            contact.found_up()
+            return True
+        contact.found_down(probe.error or f"HTTP {probe.status_code}")
+        return False
+
     def _preflight_all(self) -> None:
-        """The parity preflight of every server at once, before any takes work, so that no
-        server starts ahead of the others; one that does not answer is checked when it does."""
+        """The parity preflight of every server that answers, at once, before any takes work,
+        so that no server starts ahead of the others; one that does not answer is checked
+        when it does."""
         if self.settings.parity_sample <= 0:
             return
 
@@ -99,8 +152,11 @@ class EmbeddedRunner:
             if report is not None:
                 self._parity[rt.server_name] = report.status
 
-        with ThreadPoolExecutor(len(self.runtimes), thread_name_prefix="tm-parity") as pool:
-            list(pool.map(check, self.runtimes))
+        reachable = [rt for rt in self.runtimes if self._contacts[rt.server_name].up]
+        if not reachable:
+            return
+        with ThreadPoolExecutor(len(reachable), thread_name_prefix="tm-parity") as pool:
+            list(pool.map(check, reachable))
 
     def _parity_blocks(self, rt: WorkerRuntime) -> bool:
         """The preflight, once per server when it first answers: True when the server renders
@@ -116,14 +172,15 @@ class EmbeddedRunner:
     def _feed(self, rt: WorkerRuntime) -> None:
         while not self._stop.is_set():
             room = rt.window.room()
-            if room <= 0 or rt.window.unavailable() or rt.paused():
+            if room <= 0 or not self._reachable(rt) or rt.paused():
                 self._stop.wait(self.poll_s)
                 continue
             if self._parity_blocks(rt):
                 self._stop.wait(max(self.poll_s, rt.settings.unavailable_wait_s))
                 continue
             if not rt.run_matches_server(self.run.id):
-                self._refused[rt.server_name] = True
+                # refused (its fingerprint differs), or its fingerprint could not be read yet
+                self._refused[rt.server_name] = rt.refuses_run(self.run.id)
                 self._stop.wait(max(self.poll_s, rt.settings.unavailable_wait_s))
                 rt.forget_run(self.run.id)  # look again: the server may come back fixed
                 continue
@@ -166,21 +223,31 @@ class EmbeddedRunner:
             return ledger.run_counts(conn, self.run)
 
     def servers(self) -> list[ServerView]:
-        return [
-            ServerView(
-                name=rt.server_name,
-                url=rt.server_url,
-                inflight=rt.window.stats.inflight,
-                done=rt.window.stats.done,
-                failed=rt.window.stats.failed,
-                output_tokens=rt.window.stats.output_tokens,
-                unavailable=rt.window.unavailable(),
-                refused=self._refused.get(rt.server_name, False),
-                last_error=rt.window.stats.last_error,
-                parity_differs=self._parity.get(rt.server_name) == "differs",
+        views = []
+        for rt in self.runtimes:
+            contact = self._contacts[rt.server_name].state()
+            views.append(
+                ServerView(
+                    name=rt.server_name,
+                    url=rt.server_url,
+                    inflight=rt.window.stats.inflight,
+                    done=rt.window.stats.done,
+                    failed=rt.window.stats.failed,
+                    output_tokens=rt.window.stats.output_tokens,
+                    unavailable=rt.window.unavailable(),
+                    refused=self._refused.get(rt.server_name, False),
+                    last_error=rt.window.stats.last_error,
+                    parity_differs=self._parity.get(rt.server_name) == "differs",
+                    down=not contact.up,
+                    down_for_s=contact.down_for_s,
+                    down_error=contact.error,
+                )
             )
-            for rt in self.runtimes
-        ]
+        return views
+
+    def inflight(self) -> int:
+        """Requests out to the servers now (what a stop waits for)."""
+        return sum(rt.window.stats.inflight for rt in self.runtimes)
 
     def wait(
         self, on_tick: Callable[[RunCounts], None] = lambda c: None, tick_s: float = 0.5
@@ -226,8 +293,12 @@ class EmbeddedRunner:
             )
 
     def stop(self) -> None:
+        """Stop feeding, then stop every window at once: each lets its requests in flight
+        finish for up to drain_timeout_s and gives back what is still leased."""
         self._stop.set()
         for thread in self._threads:
             thread.join(timeout=5)
-        for rt in self.runtimes:
-            rt.stop()
+        if not self.runtimes:
+            return
+        with ThreadPoolExecutor(len(self.runtimes), thread_name_prefix="tm-stop") as pool:
+            list(pool.map(lambda rt: rt.stop(), self.runtimes))

@@ -61,12 +61,14 @@ class WorkerRuntime:
         on_released: Callable[[list[int], float], None],
         inflight: int | None = None,
         backlog: int | None = None,
+        owner_prefix: str = "",
     ) -> None:
         self.settings = settings
         self.db = db
         self.server_url = server_url.rstrip("/")
         self.server_name = server_name or server_name_for(self.server_url)
-        self.owner = make_owner(self.server_name)
+        # the embedded runner marks its owners, so its rerun can tell them apart
+        self.owner = make_owner(owner_prefix + self.server_name)
         self._lock = threading.Lock()
         self._pin_lock = threading.Lock()
         self._runs: dict[int, ledger.RunInfo] = {}
@@ -268,6 +270,11 @@ class WorkerRuntime:
         with self._lock:
             self._run_ok[run_id] = ok
         return ok
+
+    def refuses_run(self, run_id: int) -> bool:
+        """This server's fingerprint was found to differ from the run's pinned one."""
+        with self._lock:
+            return self._run_ok.get(run_id) is False
 
     def forget_run(self, run_id: int) -> None:
         """Check this run's fingerprint again on next use (the server may have changed)."""

@@ -390,6 +390,8 @@ def enqueue(
         writer.shutdown(wait=True)
     if publish is not None:
         _publish_pending(db, run.id, publish, published_after, report, group_size)
+    if report.inserted == 0 and report.already_present == 0:
+        raise _nothing_usable(db, run, report, options.input_path, unit)
     with db.begin() as conn:
         if report.inserted:
             ledger.refresh_statistics(conn)
@@ -405,6 +407,24 @@ def enqueue(
         "enqueue %s: %s", options.run, {k: v for k, v in report.to_json().items() if k != "errors"}
     )
     return report
+
+
+def _nothing_usable(
+    db: Engine, run: ledger.RunInfo, report: EnqueueReport, path: Path, unit: str
+) -> InputError:
+    """The error of an input with no usable prompt (a binary file, say); a run this enqueue
+    created is deleted again, so nothing is left behind that holds no work."""
+    first = f"; the first: {report.errors[0]}" if report.errors else ""
+    if report.run_created:
+        with db.begin() as conn:
+            ledger.delete_run_row(conn, run.id, run.name)
+        outcome = f"run {run.name} was not created"
+    else:
+        outcome = f"run {run.name} is unchanged"
+    return InputError(
+        f"no prompt of {str(path)!r} could be used ({report.skipped} {unit}s skipped{first}); "
+        f"{outcome}"
+    )
 
 
 def _stopped(
