@@ -116,7 +116,7 @@ def bare_templating(folder: Path, count: int) -> str:
     from app.prompts.chat_path import ChatInputs, parse_tools
     from app.prompts.template_pool import Templater
     from app.prompts.tokenization import load_tokenizer
-    from workers.intake.producer import CHUNK_LINES
+    from workers.intake.reading import CHUNK_LINES
 
     batch = [
         ChatInputs(row["messages"], parse_tools(row.get("tools")), row.get("chat_template_kwargs"))

@@ -81,7 +81,7 @@ def conversations(path: Path, start: int, stop: int, size: int) -> Iterator[list
 
 def bare_tokenize(tokenizer: Any, path: Path, start: int, stop: int) -> tuple[float, float, int]:
     """(wall s, CPU s, tokens) of apply_batch alone over prompts [start, stop)."""
-    from workers.intake.producer import CHUNK_LINES
+    from workers.intake.reading import CHUNK_LINES
 
     wall = cpu = 0.0
     tokens = 0
@@ -99,9 +99,8 @@ def analyze_as_it_grows(db: Any) -> None:
     existing_keys lookup of chunks 2, 8, 32 and 128."""
     from sqlalchemy import text
 
-    import workers.intake.producer as producer
+    from app import ledger as ledger_mod
 
-    ledger_mod = producer.ledger
     lookup = ledger_mod.existing_keys
     calls = [0]
 
@@ -122,8 +121,9 @@ WRITER_STEPS = ("insert_items",)  # the step of the writer thread
 def instrument() -> dict[str, float]:
     """Wall time the producer spends in each step, accumulated by wrapping (in this process
     only) the functions `workers.intake.producer.enqueue` calls; cheap enough to leave on."""
-    import workers.intake.producer as producer
+    import workers.intake.reading as reading
     from app import ledger
+    from workers.intake.prompting import LocalTemplating
 
     spent: dict[str, float] = defaultdict(float)
 
@@ -139,10 +139,10 @@ def instrument() -> dict[str, float]:
 
         setattr(owner, name, timed)
 
-    wrap(producer, "_submit", "chat template + tokenize (_submit → apply_each)")
+    wrap(LocalTemplating, "submit", "chat template + tokenize (LocalTemplating.submit)")
     wrap(ledger, "insert_items", "insert_items (writer thread: COPY + INSERT … SELECT)")
     wrap(ledger, "existing_keys", "existing_keys (SELECT per chunk)")
-    read = producer.read_prompts
+    read = reading.read_prompts
 
     def timed_read(*args: Any, **kwargs: Any) -> Iterator[Any]:
         records = read(*args, **kwargs)
@@ -156,7 +156,7 @@ def instrument() -> dict[str, float]:
             spent["read_prompts (JSONL parsing)"] += time.perf_counter() - t0
             yield record
 
-    producer.read_prompts = timed_read  # type: ignore[assignment]
+    reading.read_prompts = timed_read  # type: ignore[assignment]
     return spent
 
 

@@ -57,13 +57,13 @@ from sqlalchemy import text
 DEFAULT_CONFIGS = "64:8,64:32,16:32"
 # where the worker's time goes, by the functions that own it (py-spy frame names)
 FOCUS = (
-    "InflightWindow._slot_loop",
+    "Slot.loop",
     "SGLangClient.generate",
     "SGLangClient._send",
     "parse_generate_response",
     "ResultWriter.loop",
     "record_outcomes",
-    "InflightWindow._timer_loop",
+    "Timer.loop",
     "handle_message",
     "claim_items",
     "InflightWindow.wait_for_room",

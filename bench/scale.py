@@ -30,31 +30,27 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-REDIS_URL = os.environ.get("TOKENMILL_BENCH_SCALE_REDIS_URL", "redis://127.0.0.1:6379/14")
-# the product reads its settings (the broker for publishing) from the environment: set it
-# before app.celery_app is imported
-os.environ["TOKENMILL_BROKER_URL"] = REDIS_URL
-
-import scale_build as build  # noqa: E402
-from common import (  # noqa: E402
+import scale_build as build
+from common import (
     ROOT,
     engine_for,
     fixture_tokenizer_dir,
-    flush_redis,
     machine_note,
 )
-from scale_table import RESULTS, report, save  # noqa: E402
-from sqlalchemy import Engine, text  # noqa: E402
 
-from app import ledger  # noqa: E402
-from app.core.contracts import GenerateResult  # noqa: E402
-from app.core.settings import Settings  # noqa: E402
-from app.ledger import registry  # noqa: E402
+# first: it points the product's broker setting at the benchmark's Redis database
+from scale_broker import REDIS_URL, fill_broker, queued_ids
+from scale_table import RESULTS, report, save
+from sqlalchemy import Engine, text
+
+from app import ledger
+from app.core.contracts import GenerateResult
+from app.core.settings import Settings
+from app.ledger import registry
 
 PARTS = ("commands", "queries", "claims", "export", "preflight")
 CLAIM_BATCH = 32
 CLAIM_ROUNDS = 20
-BROKER_FILL_IDS = 200_000  # run B's first ids, in broker messages as after an enqueue
 
 
 def main() -> None:
@@ -118,7 +114,7 @@ def measure(built: build.Ledger, parts: list[str], repeat: int) -> dict[str, flo
                 conn.execute(text("SELECT pg_total_relation_size('items')")).scalar_one()
                 / built.size
             )
-        _fill_broker(db, built)
+        fill_broker(db, built)
         if "commands" in parts:
             out |= time_commands(db, built, repeat)
         if "queries" in parts:
@@ -135,47 +131,6 @@ def measure(built: build.Ledger, parts: list[str], repeat: int) -> dict[str, flo
 
 
 # --- the broker: every queued item of run B is in a message, as after a real enqueue ---------
-
-
-def _fill_broker(db: Engine, built: build.Ledger) -> None:
-    """Messages for run B's oldest BROKER_FILL_IDS queued ids (all of them up to 1M items):
-    what reconcile's bounded check reads first. Publishing 2M ids would take 10 minutes."""
-    from workers.intake.publish import publish_items
-
-    flush_redis(REDIS_URL)
-    after, started = 0, time.monotonic()
-    while after == 0 or after < _nth_queued(db, built, BROKER_FILL_IDS):
-        ids = _queued_ids(db, built, after, 50_000)
-        if not ids:
-            break
-        publish_items(ids, batch_size=32, run=build.RUN_B)
-        after = ids[-1]
-    print(f"  broker filled in {time.monotonic() - started:.0f}s", flush=True)
-
-
-def _queued_ids(db: Engine, built: build.Ledger, after: int, limit: int) -> list[int]:
-    """Run B's queued ids above after, in id order (the bench's own pick, not a product query)."""
-    with db.connect() as conn:
-        rows = conn.execute(
-            text(
-                "SELECT id FROM items WHERE run_id = :run AND status = 'queued' AND id > :after "
-                "ORDER BY id LIMIT :n"
-            ),
-            {"run": built.run_b.id, "after": after, "n": limit},
-        )
-        return [int(i) for i in rows.scalars()]
-
-
-def _nth_queued(db: Engine, built: build.Ledger, n: int) -> int:
-    with db.connect() as conn:
-        last = conn.execute(
-            text(
-                "SELECT max(id) FROM (SELECT id FROM items WHERE run_id = :run "
-                "AND status = 'queued' ORDER BY id LIMIT :n) AS first"
-            ),
-            {"run": built.run_b.id, "n": n},
-        ).scalar()
-    return int(last or 0)
 
 
 def _restore_dead_leases(db: Engine, built: build.Ledger) -> None:
@@ -411,7 +366,7 @@ def time_claims(db: Engine, built: build.Ledger) -> dict[str, float]:
     claims, writes = [], []
     owner = "gen@scale-bench"
     for _ in range(CLAIM_ROUNDS):
-        ids = _queued_ids(db, built, 0, CLAIM_BATCH)
+        ids = queued_ids(db, built, 0, CLAIM_BATCH)
         started = time.perf_counter()
         with db.begin() as conn:
             claimed = ledger.claim_items(conn, ids, owner=owner, server="s3", lease_s=300)

@@ -55,7 +55,7 @@ DURATION = re.compile(r"duration: ([0-9.]+) ms\s+(?:statement|execute [^:]*): (.
 
 
 def main(*, keep: bool, workers: int = 2) -> None:
-    from scale import REDIS_URL, _fill_broker
+    from scale_broker import REDIS_URL, fill_broker
 
     from app.prompts.tokenization import load_tokenizer
 
@@ -73,7 +73,7 @@ def main(*, keep: bool, workers: int = 2) -> None:
     _set_slow_log(SLOW_MS)
     processed = 0  # items of run B finished while the fleet ran
     try:
-        _fill_broker(db, built)
+        fill_broker(db, built)
         with db.connect() as conn:
             before = ledger.run_counts(conn, built.run_b)
         emu_args = ["--step-ms", "5", "--median-tokens", "16", "--sigma", "0.5"]

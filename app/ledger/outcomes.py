@@ -128,106 +128,125 @@ def record_outcomes(
     retries = [o for o in by_id if isinstance(o, RetryLater)]
     released = [o for o in by_id if isinstance(o, Released)]
     if done:
-        stmt = (
-            update(items)
-            .where(items.c.id == bindparam("b_id"), _not_final())
-            .values(
-                status=ItemStatus.DONE.value,
-                output_ids=bindparam("b_output_ids"),
-                finish_reason=bindparam("b_finish_reason"),
-                matched_stop=bindparam("b_matched"),
-                # the server's count, which `tokenmill verify` checks against prompt_ids
-                prompt_tokens=bindparam("b_prompt"),
-                completion_tokens=bindparam("b_completion"),
-                cached_tokens=bindparam("b_cached"),
-                latency_s=bindparam("b_latency"),
-                server=func.coalesce(
-                    bindparam("b_server", type_=items.c.server.type), items.c.server
-                ),
-                attempts=items.c.attempts + bindparam("b_attempts"),
-                error=None,
-                lease_owner=None,
-                lease_expires_at=None,
-                finished_at=now,
-            )
-        )
-        rows = [
-            {
-                "b_id": o.item_id,
-                "b_output_ids": o.result.output_ids,
-                "b_finish_reason": o.result.finish_reason,
-                "b_prompt": o.result.prompt_tokens,
-                "b_matched": None
-                if o.result.matched_stop is None
-                else str(o.result.matched_stop)[:64],
-                "b_completion": o.result.completion_tokens,
-                "b_cached": o.result.cached_tokens,
-                "b_latency": o.result.e2e_latency_s,
-                "b_attempts": o.attempts_used,
-                "b_server": o.server,
-            }
-            for o in done
-        ]
-        if conn.dialect.name == "postgresql" and len(rows) > 1:
-            _record_done_together(conn, rows, now)
-        else:
-            conn.execute(stmt, rows)
+        _record_done(conn, done, now)
         record_spec_stats(conn, [(o.item_id, o.result.spec) for o in done if o.result.spec], now)
     if failed:
-        stmt = (
-            update(items)
-            .where(items.c.id == bindparam("b_id"), _not_final())
-            .values(
-                status=ItemStatus.FAILED.value,
-                error=bindparam("b_error"),
-                attempts=items.c.attempts + bindparam("b_attempts"),
-                lease_owner=None,
-                lease_expires_at=None,
-                finished_at=now,
-            )
-        )
-        conn.execute(
-            stmt,
-            [
-                {"b_id": o.item_id, "b_error": _trim(o.error), "b_attempts": o.attempts_used}
-                for o in failed
-            ],
-        )
+        _record_failed(conn, failed, now)
     if retries:
-        stmt = (
-            update(items)
-            .where(
-                items.c.id == bindparam("b_id"),
-                items.c.status == ItemStatus.LEASED.value,
-                items.c.lease_owner == owner,
-            )
-            .values(
-                error=bindparam("b_error"),
-                attempts=items.c.attempts + 1,
-                lease_expires_at=now + timedelta(seconds=lease_s),
-            )
-        )
-        conn.execute(stmt, [{"b_id": o.item_id, "b_error": _trim(o.error)} for o in retries])
-    released_ids: list[int] = []
+        _record_retries(conn, retries, owner=owner, lease_s=lease_s, now=now)
     if released:
-        ids = [o.item_id for o in released]
-        stmt = (
-            update(items)
-            .where(
-                items.c.id.in_(ids),
-                items.c.status == ItemStatus.LEASED.value,
-                items.c.lease_owner == owner,
-            )
-            .values(
-                status=ItemStatus.QUEUED.value,
-                lease_owner=None,
-                lease_expires_at=None,
-                queued_at=now,
-            )
-            .returning(items.c.id)
+        return _record_released(conn, released, owner=owner, now=now)
+    return []
+
+
+def _record_done(conn: Connection, done: Sequence[Done], now: datetime) -> None:
+    """Results: done, unless the item is final already (the first result wins)."""
+    stmt = (
+        update(items)
+        .where(items.c.id == bindparam("b_id"), _not_final())
+        .values(
+            status=ItemStatus.DONE.value,
+            output_ids=bindparam("b_output_ids"),
+            finish_reason=bindparam("b_finish_reason"),
+            matched_stop=bindparam("b_matched"),
+            # the server's count, which `tokenmill verify` checks against prompt_ids
+            prompt_tokens=bindparam("b_prompt"),
+            completion_tokens=bindparam("b_completion"),
+            cached_tokens=bindparam("b_cached"),
+            latency_s=bindparam("b_latency"),
+            server=func.coalesce(bindparam("b_server", type_=items.c.server.type), items.c.server),
+            attempts=items.c.attempts + bindparam("b_attempts"),
+            error=None,
+            lease_owner=None,
+            lease_expires_at=None,
+            finished_at=now,
         )
-        released_ids = sorted(conn.execute(stmt).scalars())
-    return released_ids
+    )
+    rows = [
+        {
+            "b_id": o.item_id,
+            "b_output_ids": o.result.output_ids,
+            "b_finish_reason": o.result.finish_reason,
+            "b_prompt": o.result.prompt_tokens,
+            "b_matched": None if o.result.matched_stop is None else str(o.result.matched_stop)[:64],
+            "b_completion": o.result.completion_tokens,
+            "b_cached": o.result.cached_tokens,
+            "b_latency": o.result.e2e_latency_s,
+            "b_attempts": o.attempts_used,
+            "b_server": o.server,
+        }
+        for o in done
+    ]
+    if conn.dialect.name == "postgresql" and len(rows) > 1:
+        _record_done_together(conn, rows, now)
+    else:
+        conn.execute(stmt, rows)
+
+
+def _record_failed(conn: Connection, failed: Sequence[Failed], now: datetime) -> None:
+    """Failures, each with its error, unless the item is final already."""
+    stmt = (
+        update(items)
+        .where(items.c.id == bindparam("b_id"), _not_final())
+        .values(
+            status=ItemStatus.FAILED.value,
+            error=bindparam("b_error"),
+            attempts=items.c.attempts + bindparam("b_attempts"),
+            lease_owner=None,
+            lease_expires_at=None,
+            finished_at=now,
+        )
+    )
+    conn.execute(
+        stmt,
+        [
+            {"b_id": o.item_id, "b_error": _trim(o.error), "b_attempts": o.attempts_used}
+            for o in failed
+        ],
+    )
+
+
+def _record_retries(
+    conn: Connection, retries: Sequence[RetryLater], *, owner: str, lease_s: float, now: datetime
+) -> None:
+    """Failed attempts to be retried by this owner: an attempt spent, the lease extended."""
+    stmt = (
+        update(items)
+        .where(
+            items.c.id == bindparam("b_id"),
+            items.c.status == ItemStatus.LEASED.value,
+            items.c.lease_owner == owner,
+        )
+        .values(
+            error=bindparam("b_error"),
+            attempts=items.c.attempts + 1,
+            lease_expires_at=now + timedelta(seconds=lease_s),
+        )
+    )
+    conn.execute(stmt, [{"b_id": o.item_id, "b_error": _trim(o.error)} for o in retries])
+
+
+def _record_released(
+    conn: Connection, released: Sequence[Released], *, owner: str, now: datetime
+) -> list[int]:
+    """Items this owner gives back to the queue (no attempt spent); the ids it still held."""
+    ids = [o.item_id for o in released]
+    stmt = (
+        update(items)
+        .where(
+            items.c.id.in_(ids),
+            items.c.status == ItemStatus.LEASED.value,
+            items.c.lease_owner == owner,
+        )
+        .values(
+            status=ItemStatus.QUEUED.value,
+            lease_owner=None,
+            lease_expires_at=None,
+            queued_at=now,
+        )
+        .returning(items.c.id)
+    )
+    return sorted(conn.execute(stmt).scalars())
 
 
 def release_owner(conn: Connection, owner: str) -> list[int]:

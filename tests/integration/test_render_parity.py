@@ -40,6 +40,7 @@ from tests.support.templates import thinking_off_by_default
 from workers.control.parity import ParityGate, check_run
 from workers.control.watchdog import run_watchdog
 from workers.intake import producer
+from workers.intake.reading import CHUNK_LINES
 
 FAST: dict[str, Any] = {"median_tokens": 8.0, "token_min": 300, "token_max": 400, "step_ms": 1.0}
 
@@ -187,14 +188,14 @@ class KillingClient(RenderClient):
 def test_an_outage_longer_than_the_wait_stops_and_a_rerun_completes(
     db: Engine, tmp_path: Path, kimi_tokenizer_dir: Path, tokenizer: ChatTokenizer
 ) -> None:
-    lines = producer.CHUNK_LINES * 2 + 40
+    lines = CHUNK_LINES * 2 + 40
     path = write_rows(tmp_path / "rows.jsonl", chat_rows(lines))
     port = free_port()
     server = _restart_on(port, kimi_tokenizer_dir)
     url = server.base_url
     try:
         # the server dies in the second chunk: the first is stored whole, nothing after it
-        after = producer.CHUNK_LINES + 100
+        after = CHUNK_LINES + 100
         renderer = KillingClient(server, after=after, wait_s=1.0)
         with renderer, pytest.raises(RenderServerUnavailable) as err:
             producer.enqueue(
@@ -203,7 +204,7 @@ def test_an_outage_longer_than_the_wait_stops_and_a_rerun_completes(
         assert renderer.refused > 0
         assert "Run the same enqueue again" in str(err.value)
         stored, _ = _count(db, "outage")
-        assert stored == producer.CHUNK_LINES
+        assert stored == CHUNK_LINES
         assert f"{stored} items were stored; nothing from line {stored + 1} on" in str(err.value)
         assert _count(db, "outage") == (stored, stored)
         with db.connect() as conn:

@@ -1,5 +1,6 @@
-"""The layout rules of the house style, checked on the source: imports flow ops → workers → app,
-no import cycles among modules, no module holding a third of the code, a docstring on each."""
+"""The layout rules of the house style, checked on the source: imports flow bench → ops → workers
+→ app, no import cycles (bench included), no module holding a third of the code, a docstring on
+each, no private name read across modules, no function over 100 lines."""
 
 from __future__ import annotations
 
@@ -8,12 +9,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("app", "workers", "ops")
-LAYER = {"app": 0, "workers": 1, "ops": 2}
+BENCH = "bench"  # scripts: they import each other by bare module names (bench/ is their path)
+LAYER = {"app": 0, "workers": 1, "ops": 2, BENCH: 3}
+MAX_FUNCTION_LINES = 100
 
 
-def modules() -> dict[str, Path]:
+def modules(packages: tuple[str, ...] = PACKAGES) -> dict[str, Path]:
     found: dict[str, Path] = {}
-    for package in PACKAGES:
+    for package in packages:
         for path in (ROOT / package).rglob("*.py"):
             parts = path.relative_to(ROOT).with_suffix("").parts
             name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
@@ -24,12 +27,15 @@ def modules() -> dict[str, Path]:
 def imports_of(path: Path, known: set[str]) -> set[str]:
     """Project modules imported anywhere in the file (function-level imports count too)."""
     out: set[str] = set()
+    in_bench = path.relative_to(ROOT).parts[0] == BENCH
     for node in ast.walk(ast.parse(path.read_text())):
         names: list[str] = []
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        if in_bench:  # `import common` in a bench script is bench/common.py
+            names += [f"{BENCH}.{n}" for n in names if f"{BENCH}.{n.split('.')[0]}" in known]
         for name in names:
             while name and name not in known:
                 name = name.rpartition(".")[0]
@@ -39,7 +45,7 @@ def imports_of(path: Path, known: set[str]) -> set[str]:
 
 
 def graph() -> dict[str, set[str]]:
-    mods = modules()
+    mods = modules((*PACKAGES, BENCH))
     known = set(mods)
     return {name: imports_of(path, known) - {name} for name, path in mods.items()}
 
@@ -104,3 +110,107 @@ def test_only_settings_reads_the_environment() -> None:
         and ("os.environ" in path.read_text() or "os.getenv" in path.read_text())
     ]
     assert readers == []
+
+
+def test_the_graph_sees_bench_scripts_import_each_other() -> None:
+    """The bench/ rules above would pass vacuously if its bare imports were not resolved."""
+    assert "bench.common" in graph()["bench.scale"]
+
+
+# a named tuple's public methods start with "_" so as not to clash with its fields
+NAMEDTUPLE_API = frozenset({"_replace", "_asdict", "_fields", "_make", "_field_defaults"})
+
+
+def private(name: str) -> bool:
+    if name in NAMEDTUPLE_API:
+        return False
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def own_private_names(tree: ast.AST) -> set[str]:
+    """The private names a module defines: its functions and classes, and its attributes
+    (self._x / cls._x)."""
+    own: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            own.add(node.name)
+        elif (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in ("self", "cls")
+        ):
+            own.add(node.attr)
+    return {name for name in own if private(name)}
+
+
+def private_reads(path: Path) -> list[str]:
+    """Private names this module takes from another: imported by name, or read as an
+    attribute of anything but self/cls that this module does not define itself."""
+    tree = ast.parse(path.read_text())
+    own = own_private_names(tree)
+    found: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            found += [f"{node.lineno}: import {a.name}" for a in node.names if private(a.name)]
+        elif isinstance(node, ast.Attribute) and private(node.attr):
+            receiver = node.value
+            if isinstance(receiver, ast.Name) and receiver.id in ("self", "cls"):
+                continue
+            if node.attr not in own:
+                found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_private_name_is_read_across_modules_in_workers() -> None:
+    wrong = [
+        f"{name}:{read}"
+        for name, path in modules(("workers",)).items()
+        for read in private_reads(path)
+    ]
+    assert wrong == []
+
+
+def test_the_private_read_check_sees_a_reach_into_another_object(tmp_path: Path) -> None:
+    path = tmp_path / "reach.py"
+    path.write_text(
+        "from m import _helper\n"
+        "class A:\n"
+        "    def __init__(self) -> None:\n"
+        "        self._mine = 1\n"
+        "    def f(self, other: A, w: object) -> object:\n"
+        "        return self._mine + other._mine + w._cond + w.__class__\n"
+    )
+    assert private_reads(path) == ["1: import _helper", "6: w._cond"]
+
+
+def test_no_protocol_lists_private_attributes() -> None:
+    """A Protocol is an interface between modules: what it lists is public."""
+    wrong: list[str] = []
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            bases = {ast.unparse(b).rpartition(".")[2] for b in node.bases}
+            if "Protocol" not in bases:
+                continue
+            for member in node.body:
+                target = (
+                    member.target.id
+                    if isinstance(member, ast.AnnAssign) and isinstance(member.target, ast.Name)
+                    else getattr(member, "name", "")
+                )
+                if private(target):
+                    wrong.append(f"{name}.{node.name}.{target}")
+    assert wrong == []
+
+
+def test_no_function_in_workers_or_app_is_over_100_lines() -> None:
+    long = [
+        f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines"
+        for name, path in modules(("app", "workers")).items()
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.end_lineno is not None
+        and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES
+    ]
+    assert long == []

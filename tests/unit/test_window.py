@@ -66,9 +66,16 @@ def make_window(
     inflight: int = 4,
     max_attempts: int = 3,
     released: list[int] | None = None,
+    server_up: bool = True,
 ) -> tuple[InflightWindow, dict[str, int]]:
     shared = {"calls": 0, "now": 0, "peak": 0}
     lock = threading.Lock()
+
+    def client() -> FakeClient:
+        made = FakeClient(script, shared, lock)
+        made.server_up = server_up
+        return made
+
     window = InflightWindow(
         WindowConfig(
             server_name="fake",
@@ -83,7 +90,7 @@ def make_window(
         ),
         db=db,
         owner="owner-1",
-        client_factory=lambda: FakeClient(script, shared, lock),
+        client_factory=client,
         sampling_for_run=lambda run_id: SamplingParams(seed=1),
         on_released=lambda ids, wait_s: (released if released is not None else []).extend(ids),
     )
@@ -236,17 +243,11 @@ def test_reset_by_a_dying_server_costs_no_attempt(
 ) -> None:
     released: list[int] = []
     window, _ = make_window(
-        sqlite_engine, lambda ids, call: RetryableError("Server disconnected"), released=released
+        sqlite_engine,
+        lambda ids, call: RetryableError("Server disconnected"),
+        released=released,
+        server_up=False,
     )
-    original = window._client_factory
-
-    def dead_server_client() -> FakeClient:
-        client = original()
-        assert isinstance(client, FakeClient)
-        client.server_up = False
-        return client
-
-    window._client_factory = dead_server_client
     started.append(window)
     window.start()
     ids = feed(sqlite_engine, window, run, 3)

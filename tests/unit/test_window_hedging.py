@@ -381,7 +381,7 @@ def test_stop_during_a_hedge_search_sends_nothing_and_takes_the_marks_back(
     assert searching.wait(10)
     stopper = threading.Thread(target=fast.stop, kwargs={"drain_timeout_s": 2})
     stopper.start()
-    wait_for(fast._stopping.is_set, "stop() to begin")
+    wait_for(fast.is_stopping, "stop() to begin")
     resume.set()  # the search returns the two items, marked, after stop() began
     stopper.join(30)
     assert not stopper.is_alive()

@@ -1,2 +1,3 @@
 """The generate engine beside one GPU: the claim logic behind the Celery task, the worker's runtime,
-and the in-flight window with its parts (slots, writer, heartbeat, hedging, conversation groups)."""
+and the in-flight window with its parts (backlog, room, slots, timer, writer, heartbeat, hedges,
+conversation groups), each owning its own state."""

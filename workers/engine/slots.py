@@ -1,169 +1,281 @@
-"""What a slot does with a claimed item: sends it to the window's server and settles the answer
-or the error as done, failed, retried later with backoff, or given back (the server at fault)."""
+"""A slot of the in-flight window: one thread with one single-connection client that takes the
+next job the moment its previous request finishes, sends it to the window's server, and settles
+the answer or the error as done, failed, retried later with backoff, or given back (the server
+at fault). A hedge copy is sent the same way and never spends an attempt. A slot asks its
+window only through the public methods SlotHost names."""
 
 from __future__ import annotations
 
-import heapq
 import logging
 import uuid
+from collections.abc import Callable
+from typing import Protocol
 
 from app.core.contracts import GenerateResult
 from app.core.errors import GenerationError, PermanentError, RetryableError, ServerUnavailable
-from app.ledger import Done, Failed, Released, RetryLater
-from workers.engine.window_types import Delayed, GenerateClient, Job, WindowHost
+from app.ledger import ClaimedItem, Done, Failed, Outcome, Released
+from workers.engine.window_types import GenerateClient, Job, WindowConfig
 
 log = logging.getLogger(__name__)
 
 
-def run_job(w: WindowHost, client: GenerateClient, job: Job) -> None:
-    """Send job on this slot's client and settle it: done, failed (permanently or out of
-    attempts), retried later with backoff, or given back when the server is at fault."""
-    item = job.item
-    name = w.config.server_name
-    if w._stopping.is_set():
-        w._settle(Released(item.id, "worker shutting down"), job)
-        return
-    if w.unavailable() or w._is_paused():
-        log.info(
-            "run %d item %d released by %s: server paused or unavailable",
-            item.run_id,
-            item.id,
-            name,
-            extra=w._ids(item),
-        )
-        w._settle(Released(item.id, "server paused or unavailable"), job)
-        return
-    rid = f"tm-{item.id}-{uuid.uuid4().hex[:12]}"
-    job.tries += 1
-    with w._cond:
-        w.stats.sent += 1
-        w.stats.inflight += 1
-        job.rid = rid
-        w._sending[item.id] = job
-        if job.group is not None:
-            w._groups.sent(job.group, job, w._clock())
-    try:
+class SlotHost(Protocol):
+    """The window, as its slots see it. Every method takes the window's lock itself."""
+
+    @property
+    def config(self) -> WindowConfig: ...
+
+    def next_job(self) -> Job | None: ...
+
+    def is_stopping(self) -> bool: ...
+
+    def unavailable(self) -> bool: ...
+
+    def paused(self) -> bool: ...
+
+    def mark_unavailable(self) -> None: ...
+
+    def settle(self, outcome: Outcome, job: Job | None = None) -> None: ...
+
+    def sent(self, job: Job, rid: str) -> None: ...
+
+    def answered(self, job: Job) -> None: ...
+
+    def sending_ended(self, job: Job) -> None: ...
+
+    def retry_later(self, job: Job, reason: str, delay_s: float) -> None: ...
+
+    def note(self, *, failed: int = 0, error: str | None = None) -> None: ...
+
+    def count_done(self, result: GenerateResult) -> None: ...
+
+    def hedge_sent(self, job: Job, rid: str) -> bool: ...
+
+    def hedge_answered(self, job: Job) -> None: ...
+
+    def hedge_dropped(self, job: Job) -> None: ...
+
+    def hedge_ended(self) -> None: ...
+
+
+def item_fields(item: ClaimedItem, server: str) -> dict[str, object]:
+    """The ids an item's log lines carry as fields (JSON logs) besides the message."""
+    return {"run_id": item.run_id, "item_id": item.id, "server": server}
+
+
+def log_done(item: ClaimedItem, result: GenerateResult, server: str, how: str) -> None:
+    log.info(
+        "run %d item %d done on %s%s: %d tokens, %s",
+        item.run_id,
+        item.id,
+        server,
+        how,
+        result.completion_tokens,
+        result.finish_reason,
+        extra=item_fields(item, server),
+    )
+
+
+class Slot:
+    """One slot thread's loop and its client (made at its first job, closed when it ends)."""
+
+    def __init__(self, window: SlotHost, client_factory: Callable[[], GenerateClient]) -> None:
+        self._window = window
+        self._client_factory = client_factory
+        self._client: GenerateClient | None = None
+        self._server = window.config.server_name
+
+    def loop(self) -> None:
         try:
-            result: GenerateResult | None = client.generate(
-                item.prompt_ids, job.sampling.for_sample(item.sample_index), rid
-            )
-        except GenerationError:
-            if not job.cancelled:
-                raise
-            result = None  # aborted because a hedge on another server finished it first
-    except PermanentError as exc:
-        log.info(
-            "run %d item %d failed permanently on %s: %s",
-            item.run_id,
-            item.id,
-            name,
-            exc,
-            extra=w._ids(item),
-        )
-        w._settle(Failed(item.id, f"permanent: {exc}", attempts_used=1), job)
-        _note(w, failed=1, error=str(exc))
-    except ServerUnavailable as exc:
-        # the server, not the item, is at fault: no attempt is spent
-        w._unavailable_until = w._clock() + w.config.unavailable_wait_s
-        job.tries -= 1
-        log.info(
-            "server %s unavailable (%s); run %d item %d goes back",
-            name,
-            exc,
-            item.run_id,
-            item.id,
-            extra=w._ids(item),
-        )
-        w._settle(Released(item.id, f"server unavailable: {exc}"), job)
-        _note(w, error=str(exc))
-    except RetryableError as exc:
-        if job.abandoned:
+            while True:
+                job = self._window.next_job()
+                if job is None:
+                    return
+                if self._client is None:
+                    self._client = self._client_factory()
+                if job.hedge:
+                    self._hedge(self._client, job)
+                else:
+                    self._run(self._client, job)
+                if job.abandoned:
+                    return  # a replacement slot took this one's place when it was given up
+        finally:
+            if self._client is not None:
+                self._client.close()
+
+    def _run(self, client: GenerateClient, job: Job) -> None:
+        """Send job on this slot's client and settle it: done, failed (permanently or out of
+        attempts), retried later with backoff, or given back when the server is at fault."""
+        w, item = self._window, job.item
+        if w.is_stopping():
+            w.settle(Released(item.id, "worker shutting down"), job)
             return
-        if w._is_paused() or (exc.status_code is None and _server_gone(client)):
-            # the server died or was paused under the request: not the item's fault
-            w._unavailable_until = w._clock() + w.config.unavailable_wait_s
-            job.tries -= 1
+        if w.unavailable() or w.paused():
             log.info(
-                "server %s went away (%s); run %d item %d goes back",
-                name,
-                exc,
+                "run %d item %d released by %s: server paused or unavailable",
                 item.run_id,
                 item.id,
-                extra=w._ids(item),
+                self._server,
+                extra=item_fields(item, self._server),
             )
-            w._settle(Released(item.id, f"server went away: {exc}"), job)
-        elif item.attempts + job.tries >= w.config.max_attempts:
-            log.info(
-                "run %d item %d failed on %s after %d attempts: %s",
+            w.settle(Released(item.id, "server paused or unavailable"), job)
+            return
+        rid = f"tm-{item.id}-{uuid.uuid4().hex[:12]}"
+        job.tries += 1
+        w.sent(job, rid)
+        try:
+            try:
+                result: GenerateResult | None = client.generate(
+                    item.prompt_ids, job.sampling.for_sample(item.sample_index), rid
+                )
+            except GenerationError:
+                if not job.cancelled:
+                    raise
+                result = None  # aborted because a hedge on another server finished it first
+        except PermanentError as exc:
+            self._failed_permanently(job, exc)
+        except ServerUnavailable as exc:
+            # the server, not the item, is at fault: no attempt is spent
+            self._given_back(job, "unavailable", exc)
+        except RetryableError as exc:
+            self._retryable(client, job, exc)
+        except Exception as exc:  # a bug must not kill the slot or strand the lease
+            log.exception(
+                "unexpected error sending run %d item %d",
                 item.run_id,
                 item.id,
-                name,
-                item.attempts + job.tries,
-                exc,
-                extra=w._ids(item),
+                extra=item_fields(item, self._server),
             )
-            w._settle(
-                Failed(
-                    item.id,
-                    f"gave up after {item.attempts + job.tries} attempts: {exc}",
-                    attempts_used=1,
-                ),
-                job,
-            )
-            _note(w, failed=1, error=str(exc))
+            w.settle(Released(item.id, f"internal error: {exc!r}"), job)
         else:
-            w._writer.put(RetryLater(item.id, str(exc)), False)
-            delay = min(
-                w.config.retry_backoff_max_s,
-                w.config.retry_backoff_s * 2 ** (item.attempts + job.tries - 1),
-            )
-            log.info(
-                "run %d item %d attempt %d on %s failed (%s); retry in %.1fs",
-                item.run_id,
-                item.id,
-                item.attempts + job.tries,
-                name,
-                exc,
-                delay,
-                extra=w._ids(item),
-            )
-            with w._cond:
-                heapq.heappush(w._delayed, Delayed(w._clock() + delay, next(w._seq), job))
-                w.stats.retried += 1
-            _note(w, error=str(exc))
-    except Exception as exc:  # a bug must not kill the slot or strand the lease
-        log.exception(
-            "unexpected error sending run %d item %d",
-            item.run_id,
-            item.id,
-            extra=w._ids(item),
-        )
-        w._settle(Released(item.id, f"internal error: {exc!r}"), job)
-    else:
-        with w._cond:
-            # answered: no longer out, so a hedge round never aborts it or counts it cancelled
-            # because its own result, written meanwhile, shows it finished
-            w._sending.pop(item.id, None)
+            self._answered(job, result)
+        finally:
+            w.sending_ended(job)
+
+    def _answered(self, job: Job, result: GenerateResult | None) -> None:
+        w, item = self._window, job.item
+        # answered: no longer out, so a hedge round never aborts it or counts it cancelled
+        # because its own result, written meanwhile, shows it finished
+        w.answered(job)
         if result is None:
             log.info(
                 "run %d item %d: the copy on %s was aborted, another server finished it",
                 item.run_id,
                 item.id,
-                name,
-                extra=w._ids(item),
+                self._server,
+                extra=item_fields(item, self._server),
             )
-            w._settle(Released(item.id, "finished on another server"), job)
+            w.settle(Released(item.id, "finished on another server"), job)
             return
-        w._log_done(item, result, "")
-        w._settle(Done(item.id, result, attempts_used=1, server=name), job)
-        with w._cond:
-            w.stats.done += 1
-            w.stats.output_tokens += result.completion_tokens
-            w.stats.last_completion = w._clock()
-    finally:
-        with w._cond:
-            w.stats.inflight -= 1
-            w._sending.pop(item.id, None)
+        log_done(item, result, self._server, "")
+        w.settle(Done(item.id, result, attempts_used=1, server=self._server), job)
+        w.count_done(result)
+
+    def _failed_permanently(self, job: Job, exc: PermanentError) -> None:
+        item = job.item
+        log.info(
+            "run %d item %d failed permanently on %s: %s",
+            item.run_id,
+            item.id,
+            self._server,
+            exc,
+            extra=item_fields(item, self._server),
+        )
+        self._window.settle(Failed(item.id, f"permanent: {exc}", attempts_used=1), job)
+        self._window.note(failed=1, error=str(exc))
+
+    def _given_back(self, job: Job, how: str, exc: Exception) -> None:
+        """The server is unavailable ("unavailable") or died or was paused under the request
+        ("went away"): not the item's fault, so the attempt is not spent."""
+        item = job.item
+        self._window.mark_unavailable()
+        job.tries -= 1
+        log.info(
+            "server %s %s (%s); run %d item %d goes back",
+            self._server,
+            how,
+            exc,
+            item.run_id,
+            item.id,
+            extra=item_fields(item, self._server),
+        )
+        self._window.settle(Released(item.id, f"server {how}: {exc}"), job)
+        if how == "unavailable":
+            self._window.note(error=str(exc))
+
+    def _retryable(self, client: GenerateClient, job: Job, exc: RetryableError) -> None:
+        w, item = self._window, job.item
+        if job.abandoned:
+            return
+        attempt = item.attempts + job.tries
+        if w.paused() or (exc.status_code is None and _server_gone(client)):
+            self._given_back(job, "went away", exc)
+        elif attempt >= w.config.max_attempts:
+            log.info(
+                "run %d item %d failed on %s after %d attempts: %s",
+                item.run_id,
+                item.id,
+                self._server,
+                attempt,
+                exc,
+                extra=item_fields(item, self._server),
+            )
+            w.settle(
+                Failed(item.id, f"gave up after {attempt} attempts: {exc}", attempts_used=1), job
+            )
+            w.note(failed=1, error=str(exc))
+        else:
+            delay_s = min(
+                w.config.retry_backoff_max_s, w.config.retry_backoff_s * 2 ** (attempt - 1)
+            )
+            log.info(
+                "run %d item %d attempt %d on %s failed (%s); retry in %.1fs",
+                item.run_id,
+                item.id,
+                attempt,
+                self._server,
+                exc,
+                delay_s,
+                extra=item_fields(item, self._server),
+            )
+            w.retry_later(job, str(exc), delay_s)
+            w.note(error=str(exc))
+
+    def _hedge(self, client: GenerateClient, job: Job) -> None:
+        """Send a second copy of an item leased to another server; write its result if it
+        comes (first wins), drop it silently otherwise: a hedge never spends an attempt and
+        never changes the item's lease."""
+        w, item = self._window, job.item
+        if w.unavailable() or w.paused():
+            w.hedge_dropped(job)
+            return
+        rid = f"tm-{item.id}-hedge-{uuid.uuid4().hex[:8]}"
+        if not w.hedge_sent(job, rid):
+            w.hedge_dropped(job)
+            return
+        try:
+            result = client.generate(
+                item.prompt_ids, job.sampling.for_sample(item.sample_index), rid
+            )
+        except Exception as exc:
+            if isinstance(exc, ServerUnavailable):
+                w.mark_unavailable()
+            log.info(
+                "run %d item %d: hedge on %s ended without a result (%s)",
+                item.run_id,
+                item.id,
+                self._server,
+                "aborted" if job.cancelled else exc,
+                extra=item_fields(item, self._server),
+            )
+            if not job.abandoned:
+                w.hedge_dropped(job)
+        else:
+            log_done(item, result, self._server, " (hedge)")
+            w.hedge_answered(job)
+            w.settle(Done(item.id, result, attempts_used=1, server=self._server), job)
+        finally:
+            w.hedge_ended()
 
 
 def _server_gone(client: GenerateClient) -> bool:
@@ -173,10 +285,3 @@ def _server_gone(client: GenerateClient) -> bool:
     except Exception:
         return True
     return not probe.ok and (probe.status_code is None or probe.status_code == 503)
-
-
-def _note(w: WindowHost, *, failed: int = 0, error: str | None = None) -> None:
-    with w._cond:
-        w.stats.failed += failed
-        if error:
-            w.stats.last_error = error[:300]

@@ -1,40 +1,40 @@
 """The in-flight window: keeps a constant number of requests in flight to one SGLang server.
 
-Claimed items wait in a small backlog; each of N slot threads (one single-connection client
-each) takes the next item the moment its previous request finishes (slots.py beside this
-module), so there are no batch barriers and heavy-tailed output lengths never idle the server.
-Outcomes go to one writer thread that commits them in small groups (writer.py); a heartbeat
-thread with its own connection keeps this worker's leases alive (heartbeat.py).
+Claimed items wait in a small backlog (backlog.py); each of N slot threads (slots.py, one
+single-connection client each) takes the next item the moment its previous request finishes,
+so there are no batch barriers and heavy-tailed output lengths never idle the server. Outcomes
+go to one writer thread that commits them in small groups (writer.py); a heartbeat thread with
+its own connection keeps this worker's leases alive (heartbeat.py).
 
-Hedging (the end of a run, hedging.py): when slots are free and the run has nothing
-left to claim, the timer asks for items still running on other servers and sends a second copy
-of each to this server. The first result written wins (the ledger never writes a finished item
-again); the copy that lost is aborted on its server (`/abort_request`) once the ledger shows
-the item finished, and hedges give their slots back at once when real work arrives.
+At the end of a run, free slots send second copies of items still running on other servers
+(hedging.py): the first result written wins, the copy that lost is aborted, and hedges give
+their slots back at once when real work arrives.
+
+The window owns the one condition; its parts (Room and InFlight, Conversations, Hedges) are plain
+structures it calls under it, and its threads (slots, the writer, the timer's hedge round) ask it
+through its public methods.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import logging
-import math
-import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Hashable
 
 from sqlalchemy import Engine
 
 from app import ledger
 from app.core.contracts import GenerateResult, SamplingParams
-from app.ledger import ClaimedItem, Done, Failed, Outcome, Released
+from app.ledger import ClaimedItem, Done, Failed, Outcome, Released, RetryLater
+from workers.engine.backlog import Backlog
 from workers.engine.groups import Conversations
 from workers.engine.heartbeat import renew_leases
-from workers.engine.hedging import Hedges
-from workers.engine.slots import run_job
-from workers.engine.window_types import Delayed, GenerateClient, Job
+from workers.engine.hedging import HedgeRound, Hedges
+from workers.engine.room import InFlight, Room
+from workers.engine.slots import Slot
+from workers.engine.timer import Timer
+from workers.engine.window_types import GenerateClient, Job
 
 # the window's own records, named here too: callers build and read a window with them
 from workers.engine.window_types import WindowConfig as WindowConfig
@@ -42,9 +42,6 @@ from workers.engine.window_types import WindowStats as WindowStats
 from workers.engine.writer import ResultWriter
 
 log = logging.getLogger(__name__)
-
-_STOP = object()
-RATE_WINDOW_S = 30.0  # completions this far back set the server's rate (backlog_s)
 
 
 class InflightWindow:
@@ -79,26 +76,50 @@ class InflightWindow:
         self._clock = clock
         # the conversation of an item (run id, item key), or None: sent on its own
         self.group_of = group_of
-        # set once this window takes `--turns each` conversations (see _backlog_limit)
-        self.serves_conversations = False
+        # guards the room, the in-flight map, the conversations, the hedges and the stats
+        self._cond = threading.Condition()
+        self._room = Room(config, clock)
+        self._sending = InFlight()
         self._groups: Conversations[Job] = Conversations(
             order=lambda j: (len(j.item.prompt_ids), j.item.turn_index, j.item.sample_index)
         )
-        self._backlog: queue.Queue[Job | object] = queue.Queue()
+        self._backlog = Backlog()
         self._writer = ResultWriter(db, owner=owner, config=config, on_written=self._written)
-        self._sending: dict[int, Job] = {}
-        self._hedges = Hedges(self, find_hedges=find_hedges, unmark_hedges=unmark_hedges)
-        self._delayed: list[Delayed] = []
-        self._seq = itertools.count()
-        self._cond = threading.Condition()
-        self._outstanding = 0  # claimed items this window holds and has not settled
-        self._completions: deque[tuple[float, int]] = deque()  # (commit time, items finished)
-        self._completed = 0  # sum of the counts in _completions
-        self._unwritten = 0  # outcomes handed to the writer and not yet committed
+        self._hedges = Hedges(stats=self.stats, clock=clock, client_factory=client_factory)
+        self._hedge_round = HedgeRound(
+            self,
+            db=db,
+            sampling_for_run=sampling_for_run,
+            find_hedges=find_hedges,
+            unmark_hedges=unmark_hedges,
+        )
         self._unavailable_until = 0.0
         self._stopping = threading.Event()
+        self._timer = Timer(
+            config,
+            self._backlog,
+            clock=clock,
+            stopping=self._stopping,
+            release_early=self._release_early,
+            hedge_round=self._hedge_round.run,
+            settle=self.settle,
+        )
         self._threads: list[threading.Thread] = []
         self._started = False
+
+    @property
+    def server_name(self) -> str:
+        return self.config.server_name
+
+    @property
+    def serves_conversations(self) -> bool:
+        """Whether this window takes `--turns each` conversations (then it backlogs one)."""
+        return self._room.serves_conversations
+
+    @serves_conversations.setter
+    def serves_conversations(self, value: bool) -> None:
+        with self._cond:
+            self._room.serves_conversations = value
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -108,9 +129,9 @@ class InflightWindow:
         self._started = True
         name = self.config.server_name
         for i in range(self.config.inflight):
-            self._spawn(self._slot_loop, f"tm-slot-{name}-{i}")
+            self._spawn(Slot(self, self._client_factory).loop, f"tm-slot-{name}-{i}")
         self._spawn(self._writer.loop, f"tm-writer-{name}")
-        self._spawn(self._timer_loop, f"tm-timer-{name}")
+        self._spawn(self._timer.loop, f"tm-timer-{name}")
         self._spawn(
             lambda: renew_leases(self._db, self.owner, self.config, self._stopping),
             f"tm-heartbeat-{name}",
@@ -134,14 +155,13 @@ class InflightWindow:
         with self._cond:
             self._stopping.set()
             # hedges are spare copies: abort them instead of waiting for them to finish
-            self._hedges.make_room(len(self._hedges.jobs))
+            self._hedges.make_room(len(self._hedges.jobs()))
             self._give_back(self._groups.drop_all(), "worker shutting down")
             self._cond.notify_all()
-        for _ in range(self.config.inflight):
-            self._backlog.put(_STOP)
+        self._backlog.stop_slots(self.config.inflight)
         deadline = self._clock() + drain_timeout_s
         with self._cond:
-            while self._outstanding > 0 and self._clock() < deadline:
+            while self._room.outstanding > 0 and self._clock() < deadline:
                 self._cond.wait(timeout=0.1)
         self._writer.stop()
         for thread in self._threads:
@@ -161,51 +181,40 @@ class InflightWindow:
                 thread.join(timeout=5.0)  # the hedges' aborts go out before the process ends
         log.info("window stopped server=%s", self.config.server_name)
 
+    def is_stopping(self) -> bool:
+        return self._stopping.is_set()
+
     # --- intake ---------------------------------------------------------------------------
 
     @property
     def outstanding(self) -> int:
         with self._cond:
-            return self._outstanding
+            return self._room.outstanding
 
     def unavailable(self) -> bool:
         return self._clock() < self._unavailable_until
 
-    def _backlog_limit(self) -> int:
-        """Claimed items allowed to wait beyond the in-flight ones (call with _cond held)."""
-        cfg = self.config
-        if self.serves_conversations:
-            # a waiting conversation is many items' work: hold one at most, so the others
-            # (and their histories) go to servers with free slots
-            return 1
-        limit = max(cfg.backlog, 1)
-        if cfg.backlog_s <= 0:
-            return limit
-        now = self._clock()
-        while self._completions and self._completions[0][0] < now - RATE_WINDOW_S:
-            self._completed -= self._completions.popleft()[1]
-        seen = self._completed
-        if seen < 8:  # too few completions to tell the rate yet
-            return limit
-        span = max(0.5, now - self._completions[0][0])
-        return max(1, min(limit, math.ceil(seen / span * cfg.backlog_s)))
+    def mark_unavailable(self) -> None:
+        """The server refused or dropped a request as down: nothing is sent for a while."""
+        self._unavailable_until = self._clock() + self.config.unavailable_wait_s
+
+    def paused(self) -> bool:
+        return self._is_paused()
 
     def capacity(self) -> int:
         """Items this window takes: the in-flight slots plus the backlog."""
         with self._cond:
-            return self.config.inflight + self._backlog_limit()
+            return self._room.capacity()
 
     def wait_for_room(self, n: int, timeout_s: float | None = None) -> bool:
         """Block until n more items fit in the window (backpressure on the message consumer)."""
         n = min(n, self.capacity())
         deadline = None if timeout_s is None else self._clock() + timeout_s
         with self._cond:
-            while self._outstanding + n > self.config.inflight + self._backlog_limit():
+            while self._room.free() < n:
                 if self._stopping.is_set():
                     return False
-                self._hedges.make_room(
-                    self._outstanding + n - self.config.inflight - self._backlog_limit()
-                )
+                self._hedges.make_room(n - self._room.free())
                 remaining = None if deadline is None else deadline - self._clock()
                 if remaining is not None and remaining <= 0:
                     return False
@@ -221,17 +230,16 @@ class InflightWindow:
         deadline = self._clock() + timeout_s
         with self._cond:
             while not self._stopping.is_set():
-                backlog = self._backlog_limit()
-                room = self.config.inflight + backlog - self._outstanding
+                backlog = self._room.backlog_limit()
+                room = self._room.free()
                 if room >= min(n, backlog) or self._clock() >= deadline:
                     break
                 self._hedges.make_room(min(n, backlog) - room)
                 self._cond.wait(timeout=min(0.5, max(0.0, deadline - self._clock())))
             if self._stopping.is_set():
                 return 0
-            room = self.config.inflight + self._backlog_limit() - self._outstanding
-            held = max(0, min(n, room))
-            self._outstanding += held
+            held = max(0, min(n, self._room.free()))
+            self._room.take(held)
             return held
 
     def unreserve(self, n: int) -> None:
@@ -239,12 +247,12 @@ class InflightWindow:
         if n <= 0:
             return
         with self._cond:
-            self._outstanding -= n
+            self._room.give(n)
             self._cond.notify_all()
 
     def room(self) -> int:
         with self._cond:
-            return max(0, self.config.inflight + self._backlog_limit() - self._outstanding)
+            return max(0, self._room.free())
 
     def units(self, claimed: list[ClaimedItem]) -> int:
         """The room these items take: one per conversation, one per other item."""
@@ -273,29 +281,28 @@ class InflightWindow:
             if job.group is not None:
                 by_group.setdefault(job.group, []).append(job)
         with self._cond:
-            self.serves_conversations = self.serves_conversations or bool(by_group)
+            room = self._room
+            room.serves_conversations = room.serves_conversations or bool(by_group)
             if not reserved:
-                self._outstanding += self.units(claimed)
+                room.take(self.units(claimed))
             ready = [j for j in jobs if j.group is None]
             for key, members in by_group.items():
                 head = self._groups.admit(key, members)
                 if head is None:
-                    self._outstanding -= 1  # rides on the head its conversation has out
+                    room.give(1)  # rides on the head its conversation has out
                 else:
                     ready.append(head)
             # real work never waits behind a hedge: as many hedges as items would wait for a
             # slot give theirs up (hedges already cancelled are on their way out)
-            waiting = self._outstanding - self.config.inflight
-            leaving = sum(1 for j in self._hedges.jobs.values() if j.cancelled)
-            self._hedges.make_room(min(len(ready), waiting - leaving))
+            self._hedges.make_room(min(len(ready), room.waiting() - self._hedges.leaving()))
         for job in ready:
             self._backlog.put(job)
 
     def _give_back(self, jobs: list[Job], reason: str) -> None:
         """Release held items that will not be sent (call with _cond held)."""
         for job in jobs:
-            self._outstanding += 1
-            self._unwritten += 1
+            self._room.take(1)
+            self._room.handed_to_writer()
             self._writer.put(Released(job.item.id, reason), True)
 
     def _release_early(self) -> None:
@@ -306,121 +313,177 @@ class InflightWindow:
             if free <= 0 or not self._backlog.empty() or self._stopping.is_set():
                 return
             early = self._groups.early(self._clock(), self.config.group_stagger_s, free)
-            self._outstanding += len(early)
+            self._room.take(len(early))
             for job in early:
                 self._backlog.put(job)
 
     def idle(self) -> bool:
         with self._cond:
-            return self._outstanding == 0 and self._unwritten == 0
-
-    # --- slots ----------------------------------------------------------------------------
-
-    def _slot_loop(self) -> None:
-        client: GenerateClient | None = None
-        try:
-            while True:
-                job = self._backlog.get()
-                if job is _STOP:
-                    return
-                assert isinstance(job, Job)
-                if client is None:
-                    client = self._client_factory()
-                if job.hedge:
-                    self._hedges.run(client, job)
-                else:
-                    run_job(self, client, job)
-                if job.abandoned:
-                    return  # a replacement slot took this one's place when it was given up
-        finally:
-            if client is not None:
-                client.close()
-
-    def _settle(self, outcome: Outcome, job: Job | None = None) -> None:
-        with self._cond:
-            if job is not None and job.abandoned:
-                # already given back; only a real result is still worth writing
-                if isinstance(outcome, Done):
-                    self._writer.put(outcome, False)
-                return
-            self._unwritten += 1
-            if job is not None and job.group is not None:
-                successor = self._groups.settled(job.group, job)
-                if successor is not None:
-                    # the conversation's unit of room passes to its next item (queued under
-                    # the lock: ahead of any stop marks)
-                    self._outstanding += 1
-                    self._backlog.put(successor)
-        self._writer.put(outcome, True)
+            return self._room.idle()
 
     def abandon_inflight(self, reason: str) -> int:
         """Give back every item whose request is still out (a hung or dead server): other
         servers take them at once; a late answer is still written if it comes."""
         with self._cond:
-            jobs = [j for j in self._sending.values() if not j.abandoned]
+            jobs = [j for j in self._sending.jobs() if not j.abandoned]
             for job in jobs:
-                self._unwritten += 1
+                self._room.handed_to_writer()
                 self._writer.put(Released(job.item.id, reason), True)
                 job.abandoned = True
                 if job.group is not None:  # its conversation goes elsewhere with it
                     self._give_back(self._groups.drop(job.group), reason)
             # hedges on this server are dropped (the item stays with its holder)
-            jobs += self._hedges.abandon()
+            dropped = self._hedges.abandon()
+            if dropped:
+                self._room.give(len(dropped))
+                self._cond.notify_all()
+            jobs += dropped
         # the abandoned slots may stay blocked on a hung socket until the generate timeout:
         # fresh slots keep the window whole (they hold items back while the server is paused)
         for job in jobs:
-            self._spawn(self._slot_loop, f"tm-slot-{self.config.server_name}-r{job.item.id}")
+            self._spawn(
+                Slot(self, self._client_factory).loop,
+                f"tm-slot-{self.config.server_name}-r{job.item.id}",
+            )
         if jobs:
             log.warning(
                 "gave back %d in-flight items of %s: %s", len(jobs), self.config.server_name, reason
             )
         return len(jobs)
 
-    # log fields and lines about this window's server, for slots.py and hedging.py too
+    # --- what the slots ask (slots.SlotHost) -------------------------------------------------
 
-    def _ids(self, item: ClaimedItem) -> dict[str, object]:
-        """The ids an item's log lines carry as fields (JSON logs) besides the message."""
-        return {"run_id": item.run_id, "item_id": item.id, "server": self.config.server_name}
+    def next_job(self) -> Job | None:
+        return self._backlog.take()
 
-    def _log_done(self, item: ClaimedItem, result: GenerateResult, how: str) -> None:
-        log.info(
-            "run %d item %d done on %s%s: %d tokens, %s",
-            item.run_id,
-            item.id,
-            self.config.server_name,
-            how,
-            result.completion_tokens,
-            result.finish_reason,
-            extra=self._ids(item),
-        )
-
-    # --- timer: delayed retries and the hedge round ----------------------------------------
-
-    def _timer_loop(self) -> None:
-        next_hedge = self._clock()
-        while not self._stopping.is_set():
-            now = self._clock()
-            due: list[Job] = []
-            with self._cond:
-                while self._delayed and self._delayed[0].due <= now:
-                    due.append(heapq.heappop(self._delayed).job)
-            for job in due:
-                self._backlog.put(job)
-            if self.config.group_stagger_s > 0:
-                self._release_early()
-            if self.config.hedge_interval_s > 0 and now >= next_hedge:
-                next_hedge = now + self.config.hedge_interval_s
-                try:
-                    self._hedges.round()
-                except Exception as exc:
-                    log.warning("hedge round failed (%s); trying again", exc)
-            self._stopping.wait(0.05)
-        # shutting down: delayed retries are given back, not sent
+    def settle(self, outcome: Outcome, job: Job | None = None) -> None:
+        """job's outcome goes to the writer; its room comes back once it is committed, or
+        passes to its conversation's next item."""
         with self._cond:
-            pending = [d.job for d in self._delayed]
-            self._delayed.clear()
-        for job in pending:
-            self._settle(Released(job.item.id, "worker shutting down"), job)
+            if job is not None and job.abandoned:
+                # already given back; only a real result is still worth writing
+                if isinstance(outcome, Done):
+                    self._writer.put(outcome, False)
+                return
+            self._room.handed_to_writer()
+            if job is not None and job.group is not None:
+                successor = self._groups.settled(job.group, job)
+                if successor is not None:
+                    # the conversation's unit of room passes to its next item (queued under
+                    # the lock: ahead of any stop marks)
+                    self._room.take(1)
+                    self._backlog.put(successor)
+        self._writer.put(outcome, True)
+
+    def sent(self, job: Job, rid: str) -> None:
+        """job goes out as request rid."""
+        with self._cond:
+            self.stats.sent += 1
+            self.stats.inflight += 1
+            job.rid = rid
+            self._sending.add(job)
+            if job.group is not None:
+                self._groups.sent(job.group, job, self._clock())
+
+    def answered(self, job: Job) -> None:
+        with self._cond:
+            self._sending.remove(job)
+
+    def sending_ended(self, job: Job) -> None:
+        with self._cond:
+            self.stats.inflight -= 1
+            self._sending.remove(job)
+
+    def retry_later(self, job: Job, reason: str, delay_s: float) -> None:
+        """The attempt failed and is recorded; job goes out again after delay_s."""
+        self._writer.put(RetryLater(job.item.id, reason), False)
+        with self._cond:
+            self._backlog.later(job, self._clock() + delay_s)
+            self.stats.retried += 1
+
+    def note(self, *, failed: int = 0, error: str | None = None) -> None:
+        with self._cond:
+            self.stats.note(failed=failed, error=error)
+
+    def count_done(self, result: GenerateResult) -> None:
+        with self._cond:
+            self.stats.count_done(result.completion_tokens, at=self._clock())
+
+    def hedge_sent(self, job: Job, rid: str) -> bool:
+        """Whether the hedge goes out as rid (not if cancelled meanwhile, or stopping)."""
+        with self._cond:
+            # under the lock: a hedge cancelled from now on has a rid, so its abort is sent
+            if job.cancelled or self._stopping.is_set():
+                return False
+            job.rid = rid
+            job.sent_at = self._clock()
+            self.stats.hedges += 1
+            self.stats.inflight += 1
+            return True
+
+    def hedge_answered(self, job: Job) -> None:
+        with self._cond:
+            self.stats.hedge_results += 1
+            self._hedges.forget(job)
+
+    def hedge_dropped(self, job: Job) -> None:
+        """A hedge ends without a result: give its room back, write nothing."""
+        with self._cond:
+            self._hedges.forget(job)
+            self._room.give(1)
+            self._cond.notify_all()
+
+    def hedge_ended(self) -> None:
+        with self._cond:
+            self.stats.inflight -= 1
+
+    # --- what the hedge round asks (hedging.HedgeHost) ---------------------------------------
+
+    def copies_out(self) -> list[Job]:
+        """Requests out (in flight or hedges sent) still worth their answer."""
+        with self._cond:
+            return self._hedges.worth_an_answer(self._sending.jobs())
+
+    def cancel_finished(self, jobs: list[Job], item_ids: set[int]) -> None:
+        """Abort those of jobs (from copies_out) whose items the ledger shows finished."""
+        with self._cond:
+            for job in jobs:
+                if job.item.id in item_ids and not job.cancelled:
+                    self._hedges.cancel(job)
+
+    def abort_stale(self) -> None:
+        with self._cond:
+            self._hedges.abort_again(self._sending.jobs())
+
+    def can_hedge(self) -> bool:
+        """Not stopping, the server up and nothing waiting for a slot."""
+        if self._stopping.is_set() or self.unavailable() or self._is_paused():
+            return False
+        return self._backlog.empty()
+
+    def hold_free_slots(self) -> int:
+        """Hold every slot no item is meant for; how many (maybe 0: then none is held)."""
+        with self._cond:
+            free = self._room.free_slots()
+            if free <= 0:
+                return 0
+            self._room.take(free)
+            return free
+
+    def queue_hedges(self, jobs: list[Job], held: int) -> bool:
+        """Queue hedge jobs in the held slots, giving back the room of the rest; False (and
+        nothing queued) when the window is stopping."""
+        with self._cond:
+            # stop() cancels the hedges it sees and then queues the slots' stop marks: under
+            # the lock, these jobs are either seen by it or queued ahead of the marks
+            stopping = self._stopping.is_set()
+            self._room.give(held if stopping else held - len(jobs))
+            if not stopping:
+                for job in jobs:
+                    self._hedges.add(job)
+                    self._backlog.put(job)
+            self._cond.notify_all()
+        return not stopping
 
     # --- writer: what a commit settles -----------------------------------------------------
 
@@ -442,9 +505,5 @@ class InflightWindow:
             except Exception:
                 log.exception("could not re-queue %d released items; reconcile will", len(released))
         with self._cond:
-            if ended:
-                self._completions.append((self._clock(), ended))
-                self._completed += ended
-            self._outstanding -= settled
-            self._unwritten -= settled
+            self._room.committed(settled, ended)
             self._cond.notify_all()

@@ -1,21 +1,15 @@
-"""Records and interfaces the in-flight window shares with its parts (slots, hedging): config,
-stats, the job of one claimed item, the client a slot sends through, the window they work on."""
+"""Records the in-flight window shares with its parts: its config and stats, the job of one
+claimed item, and the interface of the client a slot sends through."""
 
 from __future__ import annotations
 
-import itertools
-import queue
-import threading
-from collections.abc import Callable, Hashable
-from dataclasses import dataclass, field
+from collections.abc import Hashable
+from dataclasses import dataclass
 from typing import Protocol
 
-from sqlalchemy import Engine
-
 from app.core.contracts import GenerateResult, SamplingParams
-from app.ledger import ClaimedItem, Outcome
+from app.ledger import ClaimedItem
 from app.sglang import ProbeResult
-from workers.engine.groups import Conversations
 
 
 class GenerateClient(Protocol):
@@ -73,12 +67,15 @@ class WindowStats:
     hedge_results: int = 0  # of those, answered (written only if no other result was first)
     cancelled: int = 0  # copies aborted: finished on another server, or a hedge making room
 
+    def note(self, *, failed: int = 0, error: str | None = None) -> None:
+        self.failed += failed
+        if error:
+            self.last_error = error[:300]
 
-@dataclass(order=True)
-class Delayed:
-    due: float
-    seq: int
-    job: Job = field(compare=False)
+    def count_done(self, tokens: int, *, at: float) -> None:
+        self.done += 1
+        self.output_tokens += tokens
+        self.last_completion = at
 
 
 @dataclass
@@ -93,45 +90,3 @@ class Job:
     sent_at: float = 0.0
     cancelled_at: float = 0.0
     group: Hashable | None = None  # its conversation (`--turns each`), sent one at a time
-
-
-class OutcomeQueue(Protocol):
-    """The window's result writer, as a slot hands it an outcome to commit."""
-
-    def put(self, outcome: Outcome, settles: bool) -> None: ...
-
-
-# the parts name the window by this protocol, not by importing it: the window imports them
-class WindowHost(Protocol):
-    """The InflightWindow state and steps that slots and hedging work on. Its counters,
-    queues and jobs are shared with the window's other threads, guarded by _cond."""
-
-    config: WindowConfig
-    stats: WindowStats
-    _cond: threading.Condition
-    _stopping: threading.Event
-    _db: Engine
-    _clock: Callable[[], float]
-    _client_factory: Callable[[], GenerateClient]
-    _sampling_for_run: Callable[[int], SamplingParams]
-    _is_paused: Callable[[], bool]
-    _backlog: queue.Queue[Job | object]
-    _sending: dict[int, Job]
-    _groups: Conversations[Job]
-    _delayed: list[Delayed]
-    _seq: itertools.count[int]
-    _outstanding: int
-    _unavailable_until: float
-
-    @property
-    def _writer(self) -> OutcomeQueue: ...
-
-    def unavailable(self) -> bool: ...
-
-    def unreserve(self, n: int) -> None: ...
-
-    def _settle(self, outcome: Outcome, job: Job | None = None) -> None: ...
-
-    def _ids(self, item: ClaimedItem) -> dict[str, object]: ...
-
-    def _log_done(self, item: ClaimedItem, result: GenerateResult, how: str) -> None: ...

@@ -1,2 +1,2 @@
-"""The intake: prompts into the ledger and the queue (enqueue, publishing item ids) and the
-multi-turn chains whose later turns are templated as earlier ones finish."""
+"""The intake: prompts into the ledger and the queue (enqueue as a pipeline of stages, publishing
+item ids) and the multi-turn chains whose later turns are templated as earlier ones finish."""

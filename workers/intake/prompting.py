@@ -1,0 +1,204 @@
+"""The prompt stages of an enqueue: template (locally, in a pool for a slow tokenizer) or render
+(a server's /v1/tokenize) each planned chunk, then build its ledger items, refusing bad prompts."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from app import ledger
+from app.core.contracts import PromptRecord
+from app.core.errors import InputError, PermanentError
+from app.prompts.chat_path import ChatInputs, merge_template_kwargs
+from app.prompts.render import RenderRequest, prompt_request
+from app.prompts.template_pool import Templater
+from workers.intake import turns
+from workers.intake.reading import PlannedChunk
+from workers.intake.reporting import Reporter
+
+PromptIds = list[list[int] | InputError]  # per record: its prompt ids, or why it has none
+
+
+def row_kwargs(run_kwargs: dict[str, Any], record: PromptRecord) -> dict[str, Any] | None:
+    """The record's template kwargs merged over the run's; None when it has none of its own
+    (the item then uses the run's)."""
+    if record.chat_template_kwargs is None and record.reasoning_effort is None:
+        return None
+    return merge_template_kwargs(run_kwargs, record.chat_template_kwargs, record.reasoning_effort)
+
+
+@dataclass
+class PromptedChunk:
+    """A planned chunk with its prompt ids on the way (templated maybe in another process)."""
+
+    planned: PlannedChunk
+    ids: Future[PromptIds]
+
+
+class PromptSource(Protocol):
+    """The template-or-render stage: starts building the prompt ids of a planned chunk."""
+
+    def start(self, planned: PlannedChunk) -> PromptedChunk: ...
+
+
+class LocalTemplating:
+    """Templates the chat records of each chunk with the run's tokenizer (Templater: inline,
+    or in its pool of processes for a slow tokenizer); pre-tokenized records keep their ids."""
+
+    def __init__(self, templater: Templater, run_kwargs: dict[str, Any]) -> None:
+        self._templater = templater
+        self._run_kwargs = run_kwargs
+
+    def start(self, planned: PlannedChunk) -> PromptedChunk:
+        return PromptedChunk(planned, self.submit(planned.records))
+
+    def submit(self, records: list[PromptRecord]) -> Future[PromptIds]:
+        """The prompt ids of records, in their order, once the templater has them."""
+        kwargs = self._run_kwargs
+        chat = [
+            ChatInputs(r.messages or [], r.tools, row_kwargs(kwargs, r) or kwargs, normalized=True)
+            for r in records
+            if r.messages is not None
+        ]
+        templated = self._templater.submit(chat)
+        out: Future[PromptIds] = Future()
+
+        def merge(done: Future[PromptIds]) -> None:
+            try:
+                rows = iter(done.result())
+            except Exception as exc:
+                out.set_exception(exc)
+                return
+            merged: PromptIds = []
+            for r in records:
+                if r.input_ids is not None:
+                    merged.append(list(r.input_ids))
+                    continue
+                ids = next(rows)
+                if isinstance(ids, InputError):  # the line that breaks the template
+                    ids = InputError(ids.reason, r.line)
+                merged.append(ids)
+            out.set_result(merged)
+
+        templated.add_done_callback(merge)
+        return out
+
+
+class Renderer(Protocol):
+    """What ServerRendering asks of app.prompts.render.RenderClient."""
+
+    def render_many(
+        self, requests: Sequence[RenderRequest]
+    ) -> list[list[int] | PermanentError]: ...
+
+
+class ServerRendering:
+    """Asks the render server (`--render-with`) for the prompt ids of each chunk's chat records,
+    as local templating gives them; pre-tokenized records keep their ids. The chunk is rendered
+    before start returns; RenderServerUnavailable passes through (the enqueue stops)."""
+
+    def __init__(self, client: Renderer, run_kwargs: dict[str, Any]) -> None:
+        self._client = client
+        self._run_kwargs = run_kwargs
+
+    def start(self, planned: PlannedChunk) -> PromptedChunk:
+        ids: Future[PromptIds] = Future()
+        ids.set_result(self.render(planned.records))
+        return PromptedChunk(planned, ids)
+
+    def render(self, records: list[PromptRecord]) -> PromptIds:
+        kwargs = self._run_kwargs
+        out: PromptIds = [list(r.input_ids or []) for r in records]
+        chat = [(i, r) for i, r in enumerate(records) if r.messages is not None]
+        rendered = self._client.render_many(
+            [
+                prompt_request(r.messages or [], row_kwargs(kwargs, r) or kwargs, tools=r.tools)
+                for _, r in chat
+            ]
+        )
+        for (i, r), ids in zip(chat, rendered, strict=True):
+            out[i] = (
+                InputError(f"the render server refused the prompt: {ids}", r.line)
+                if isinstance(ids, Exception)
+                else ids
+            )
+        return out
+
+
+class ItemBuilder:
+    """The build stage: a chunk's prompt ids become its ledger items (one per sample, and the
+    waiting later turns of `--turns all`); an empty prompt, or one at or over the model's
+    context length, is refused with its line."""
+
+    def __init__(
+        self,
+        *,
+        run_kwargs: dict[str, Any],
+        samples_per_prompt: int,
+        context_length: int | None,
+        reporter: Reporter,
+    ) -> None:
+        self._run_kwargs = run_kwargs
+        self._samples = samples_per_prompt
+        self._context = context_length
+        self._reporter = reporter
+
+    def items(self, chunk: PromptedChunk) -> list[ledger.NewItem]:
+        """Waits for the chunk's prompt ids, then builds its items."""
+        planned = chunk.planned
+        new_items: list[ledger.NewItem] = []
+        built = chunk.ids.result()
+        for position, (record, ids) in enumerate(zip(planned.records, built, strict=True)):
+            turn = None if planned.turn_of is None else planned.turn_of[position]
+            if not self._accepted(record, ids, "" if turn is None else f"turn {turn}: "):
+                continue
+            assert not isinstance(ids, InputError)
+            merged = row_kwargs(self._run_kwargs, record)
+            if turn is not None:
+                new_items.extend(self._boundary_items(record, ids, turn, merged))
+                continue
+            new_items.extend(
+                turns.chain_items(record, ids, self._samples, planned.plans.get(record.key), merged)
+            )
+        return new_items
+
+    def _accepted(self, record: PromptRecord, ids: list[int] | InputError, where: str) -> bool:
+        """Whether the record's prompt can be stored; if not, its line is refused."""
+        fail = self._reporter.fail
+        if isinstance(ids, InputError):
+            fail(InputError(where + ids.reason, ids.line))
+            return False
+        if not ids:
+            fail(InputError(f"{where}the prompt is empty after templating", record.line))
+            return False
+        if self._context is not None and len(ids) >= self._context:
+            fail(
+                InputError(
+                    f"{where}prompt has {len(ids)} tokens, at or over the model's "
+                    f"context length {self._context}",
+                    record.line,
+                )
+            )
+            return False
+        return True
+
+    def _boundary_items(
+        self, record: PromptRecord, ids: list[int], turn: int, merged: dict[str, Any] | None
+    ) -> list[ledger.NewItem]:
+        """`--turns each`: the items (one per sample) of one boundary sample of a row."""
+        return [
+            ledger.NewItem(
+                record.key,
+                k,
+                record.line,
+                record.messages,
+                ids,
+                turn,
+                tools=record.tools,
+                chat_template_kwargs=merged,
+                metadata=record.metadata,
+            )
+            for k in range(self._samples)
+        ]
