@@ -14,6 +14,7 @@ import click
 from app.core.constants import EXPORT_FORMATS
 from app.core.errors import ConfigurationError, InputError, NotFound, RunMismatch, TokenizerError
 from ops.options import (
+    build_efforts,
     build_sampling,
     err_console,
     field_option,
@@ -73,6 +74,8 @@ def _enqueue(
         render_with=_render_url(opts.get("render_with")),
         require_parity=bool(opts.get("require_parity")),
         batch_size=settings.batch_size,
+        weight_version=opts.get("weight_version"),
+        reasoning_efforts=build_efforts(opts),
     )
     publisher = None
     if publish:

@@ -108,6 +108,8 @@ class Run(Base):
     # the message-normalization rules the run's prompts are built with (app.prompts.chat_path);
     # null for runs created before they were pinned
     normalization_version: Mapped[str | None] = mapped_column(String(40), nullable=True)
+    # `--weight-version V`: only servers reporting V serve the run (null: the first seen pins)
+    weight_version: Mapped[str | None] = mapped_column(String(200), nullable=True)
 
     # set when the run's items moved to items_archive (`tokenmill archive`); no more enqueues
     archived_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
@@ -204,6 +206,11 @@ class Item(Base):
     # compaction: the token arrays live in row `shard_row` of the Parquet shard `shard_uri`
     shard_uri: Mapped[str | None] = mapped_column(Text, nullable=True)
     shard_row: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    # provenance of the result: meta_info.weight_version, and the sampling_params body sent
+    weight_version: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    sampling_params: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    # the input row's own sampling_params (merged over the run's for each sample)
+    row_sampling_params: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
 
 
 def _archive_columns() -> list[Column[Any]]:

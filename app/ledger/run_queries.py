@@ -42,6 +42,10 @@ class RunSpec:
     legacy_tokenizer_hash: str | None = None
     # the message-normalization rules the prompts are built with (app.prompts.chat_path)
     normalization_version: str = NORMALIZATION_VERSION
+    # `--weight-version V`: only servers reporting V serve the run
+    weight_version: str | None = None
+    # `--reasoning-effort a,b,c`: sample k is templated with the k-th effort (modulo)
+    reasoning_efforts: tuple[str | float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -65,16 +69,21 @@ class RunInfo:
     tokenizer_files: dict[str, str] | None = None
     # None: created before the rules were pinned (app.prompts.chat_path.check_version refuses it)
     normalization_version: str | None = None
+    weight_version: str | None = None
+    reasoning_efforts: tuple[str | float, ...] = ()
 
 
 # The run's turn mode rides in its pinned sampling_params JSON (no column of its own), under
 # a key SamplingParams does not have; present only for `--turns all`, so older runs read "last".
 _TURNS_KEY = "turns"
+# the same for the reasoning-effort cycle (a template input per sample, not a sampling value)
+_EFFORTS_KEY = "reasoning_effort_cycle"
 
 
 def _run_info(row: Any) -> RunInfo:
     pinned = dict(row.sampling_params)
     turns = str(pinned.pop(_TURNS_KEY, "last"))
+    efforts = tuple(pinned.pop(_EFFORTS_KEY, ()))
     return RunInfo(
         id=row.id,
         name=row.name,
@@ -94,6 +103,8 @@ def _run_info(row: Any) -> RunInfo:
         trust_remote_code=bool(row.trust_remote_code),
         tokenizer_files=dict(row.tokenizer_files) if row.tokenizer_files is not None else None,
         normalization_version=row.normalization_version,
+        weight_version=row.weight_version,
+        reasoning_efforts=efforts,
     )
 
 
@@ -137,6 +148,11 @@ def run_differences(existing: RunInfo, spec: RunSpec) -> list[str]:
         diffs.append(f"render with: {existing.render_with} → {spec.render_with}")
     if existing.require_parity != spec.require_parity:
         diffs.append(f"require parity: {existing.require_parity} → {spec.require_parity}")
+    if existing.weight_version != spec.weight_version:
+        diffs.append(f"weight version: {existing.weight_version} → {spec.weight_version}")
+    if existing.reasoning_efforts != spec.reasoning_efforts:
+        old_e, new_e = list(existing.reasoning_efforts), list(spec.reasoning_efforts)
+        diffs.append(f"reasoning effort cycle: {old_e} → {new_e}")
     return diffs
 
 
@@ -194,6 +210,7 @@ def get_or_create_run(conn: Connection, spec: RunSpec) -> tuple[RunInfo, bool]:
             tokenizer_files=spec.tokenizer_files,
             created_at=utcnow(),
             normalization_version=spec.normalization_version,
+            weight_version=spec.weight_version,
         )
     )
     return get_run(conn, spec.name), True
@@ -203,6 +220,8 @@ def _pinned_sampling(spec: RunSpec) -> dict[str, Any]:
     pinned = spec.sampling.to_json()
     if spec.turns != "last":
         pinned[_TURNS_KEY] = spec.turns
+    if spec.reasoning_efforts:
+        pinned[_EFFORTS_KEY] = list(spec.reasoning_efforts)
     return pinned
 
 

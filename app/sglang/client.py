@@ -9,7 +9,7 @@ import ssl
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Any, Final
 
@@ -221,7 +221,8 @@ class SGLangClient:
             result.prompt_tokens,
             result.completion_tokens,
         )
-        return result
+        # what the server received, kept with the result as its provenance
+        return replace(result, sampling_params=dict(body["sampling_params"]))
 
     def abort(self, rid: str) -> bool:
         """Ask the server to abort request `rid` (`POST /abort_request`); best effort.

@@ -64,7 +64,9 @@ class Hedges:
             return
         try:
             result = client.generate(
-                item.prompt_ids, job.sampling.for_sample(item.sample_index), rid
+                item.prompt_ids,
+                job.sampling.for_sample(item.sample_index, item.row_sampling_params),
+                rid,
             )
         except Exception as exc:
             if isinstance(exc, ServerUnavailable):
@@ -80,6 +82,9 @@ class Hedges:
             if not job.abandoned:
                 self.drop(job)
         else:
+            if w._check_result(item, result) is not None:
+                self.drop(job)  # other weights than the run's: the item stays with its holder
+                return
             w._log_done(item, result, " (hedge)")
             with w._cond:
                 w.stats.hedge_results += 1

@@ -45,7 +45,9 @@ def run_job(w: WindowHost, client: GenerateClient, job: Job) -> None:
     try:
         try:
             result: GenerateResult | None = client.generate(
-                item.prompt_ids, job.sampling.for_sample(item.sample_index), rid
+                item.prompt_ids,
+                job.sampling.for_sample(item.sample_index, item.row_sampling_params),
+                rid,
             )
         except GenerationError:
             if not job.cancelled:
@@ -153,6 +155,20 @@ def run_job(w: WindowHost, client: GenerateClient, job: Job) -> None:
                 extra=w._ids(item),
             )
             w._settle(Released(item.id, "finished on another server"), job)
+            return
+        drift = w._check_result(item, result)
+        if drift is not None:
+            # made with other weights than the run's: never written; no attempt spent
+            job.tries -= 1
+            log.warning(
+                "run %d item %d: result of %s refused (%s); it goes back",
+                item.run_id,
+                item.id,
+                name,
+                drift,
+                extra=w._ids(item),
+            )
+            w._settle(Released(item.id, f"weights changed: {drift}"), job)
             return
         w._log_done(item, result, "")
         w._settle(Done(item.id, result, attempts_used=1, server=name), job)

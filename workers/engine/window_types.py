@@ -115,6 +115,8 @@ class WindowHost(Protocol):
     _client_factory: Callable[[], GenerateClient]
     _sampling_for_run: Callable[[int], SamplingParams]
     _is_paused: Callable[[], bool]
+    # why a result must not be written (its weights are not the run's), or None
+    _check_result: Callable[[ClaimedItem, GenerateResult], str | None]
     _backlog: queue.Queue[Job | object]
     _sending: dict[int, Job]
     _groups: Conversations[Job]

@@ -28,7 +28,7 @@ from app.prompts.inputs import read_prompts
 from app.prompts.render import RenderClient, RenderServerUnavailable, prompt_request
 from app.prompts.template_pool import Templater
 from app.prompts.tokenization import ChatTokenizer, check_template_kwargs
-from workers.intake import turns
+from workers.intake import cycles, turns
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +57,10 @@ class EnqueueOptions:
     batch_size: int = 32
     # processes templating a slow (pure-Python) tokenizer; None: one per core
     template_processes: int | None = None
+    # `--weight-version V`: only servers reporting V serve the run (pinned)
+    weight_version: str | None = None
+    # `--reasoning-effort a,b,c`: sample k is templated with the k-th effort (pinned)
+    reasoning_efforts: tuple[str | float, ...] = ()
 
 
 @dataclass
@@ -230,6 +234,8 @@ def enqueue(
         trust_remote_code=options.trust_remote_code,
         render_with=options.render_with,
         require_parity=options.require_parity,
+        weight_version=options.weight_version,
+        reasoning_efforts=options.reasoning_efforts,
     )
     if (renderer is None) != (options.render_with is None):
         raise ValueError("a renderer is given exactly when options.render_with is set")
@@ -249,6 +255,7 @@ def enqueue(
                 run_id=run.id,
             )
     context = tokenizer.context_length
+    spp = options.samples_per_prompt
     group_size = options.batch_size if run.turns == "each" else None
     published_after = 0
     analyzed_at = 0
@@ -306,8 +313,9 @@ def enqueue(
                         tools=record.tools,
                         chat_template_kwargs=merged,
                         metadata=record.metadata,
+                        sampling_params=record.sampling_params,
                     )
-                    for k in range(options.samples_per_prompt)
+                    for k in cycles.samples_of(record, options.samples_per_prompt)
                 )
                 continue
             new_items.extend(
@@ -337,6 +345,8 @@ def enqueue(
         for chunk in _chunks(itertools.chain([first], entries), CHUNK_LINES):
             records: list[PromptRecord] = []
             for entry in chunk:
+                if not isinstance(entry, InputError):
+                    entry = cycles.row_error(options.sampling, entry, spp) or entry
                 if isinstance(entry, InputError):
                     fail(entry)
                 else:
@@ -350,6 +360,7 @@ def enqueue(
             fresh = [r for r in records if r.key not in present]
             report.already_present += len(records) - len(fresh)
             report.prompts += len(records)
+            fresh = cycles.expand_efforts(fresh, run.reasoning_efforts, spp)
             plans: dict[str, list[TurnPlan]] = {}
             turn_of: list[int] | None = None
             if options.turns == "all":  # template turn 0 now; later turns wait for it
