@@ -28,6 +28,7 @@ from ops.report import report_cmd
 from ops.status_cmd import status_cmd
 from ops.storage_cmds import archive_cmd, compact_cmd
 from ops.verify_cmd import verify_cmd
+from ops.weights_cmd import update_weights_cmd
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -102,6 +103,7 @@ for command in (
     pause_cmd,
     resume_cmd,
     restart_cmd,
+    update_weights_cmd,
     events_cmd,
     flower_cmd,
     metrics_cmd,

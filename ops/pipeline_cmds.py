@@ -351,13 +351,34 @@ def run_pipeline(
     help="A --turns all run: one row per conversation whose every turn is done; specforge "
     "masks every regenerated assistant turn (the conversations default).",
 )
+@click.option(
+    "--weight-version",
+    default=None,
+    metavar="V",
+    help="Export only the samples made with this weight_version.",
+)
+@click.option(
+    "--allow-mixed-weights",
+    is_flag=True,
+    help="Export samples of several weight versions together (refused otherwise).",
+)
 @handle_errors
-def export_cmd(run_name: str, fmt: str, out: str, per_turn: bool, whole_conversation: bool) -> None:
-    """Write RUN_NAME's finished samples to --out: JSONL, or Parquet shards + .manifest.json."""
+def export_cmd(
+    run_name: str,
+    fmt: str,
+    out: str,
+    per_turn: bool,
+    whole_conversation: bool,
+    weight_version: str | None,
+    allow_mixed_weights: bool,
+) -> None:
+    """Write RUN_NAME's finished samples to --out: JSONL, or Parquet shards + .manifest.json.
+    Every sample carries its weight_version and sampling_params; one weight version per export
+    unless --allow-mixed-weights."""
     if fmt == "parquet":
         from ops.storage_cmds import export_to_storage
 
-        export_to_storage(run_name, out)
+        export_to_storage(run_name, out, weight_version, allow_mixed_weights)
         return
     from rich.markup import escape
 
@@ -400,6 +421,8 @@ def export_cmd(run_name: str, fmt: str, out: str, per_turn: bool, whole_conversa
         tokenizer=tokenizer,
         per_turn=per_turn,
         whole_conversation=whole_conversation,
+        weight_version=weight_version,
+        allow_mixed_weights=allow_mixed_weights,
     )
     console.print(
         f"wrote {report.rows} samples ({report.truncated} truncated, "

@@ -79,6 +79,7 @@ from app.ledger.queue import refresh_statistics as refresh_statistics
 from app.ledger.queue import touch_queued as touch_queued
 from app.ledger.reads import RunCounts as RunCounts
 from app.ledger.reads import StoredItem as StoredItem
+from app.ledger.reads import done_weight_versions as done_weight_versions
 from app.ledger.reads import iter_items as iter_items
 from app.ledger.reads import merged_pages as merged_pages
 from app.ledger.reads import prompt_item_ids as prompt_item_ids

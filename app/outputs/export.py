@@ -20,6 +20,7 @@ from app import ledger
 from app.core.constants import EXPORT_FORMATS
 from app.core.errors import ConfigurationError
 from app.ledger import RunInfo, StoredItem
+from app.outputs.provenance import provenance, weight_filter
 from app.prompts.conversation import check_specforge_row, template_encoder, whole_conversation_mask
 from app.prompts.tokenization import ChatTokenizer, split_reasoning
 
@@ -52,7 +53,9 @@ def specforge_row(item: StoredItem) -> dict[str, Any]:
 
 
 def _with_metadata(row: dict[str, Any], item: StoredItem) -> dict[str, Any]:
-    """The row with the input row's metadata fields (source, category, ...), if it had any."""
+    """The row with its provenance (weight_version, sampling_params) and the input row's
+    metadata fields (source, category, ...), if it had any."""
+    row.update(provenance(item))
     if item.metadata is not None:
         row["metadata"] = item.metadata
     return row
@@ -146,9 +149,14 @@ def iter_rows(
     tokenizer: ChatTokenizer | None,
     *,
     whole: bool = False,
+    weight_version: str | None = None,
+    allow_mixed_weights: bool = False,
 ) -> Iterator[tuple[StoredItem, dict[str, Any]]]:
     with db.connect() as conn:
+        keep = weight_filter(conn, run, weight_version, allow_mixed_weights)
         for item in ledger.iter_items(conn, run.id, final_turns_only=whole):
+            if not keep(item):
+                continue
             if fmt == "specforge" and whole:
                 assert tokenizer is not None
                 yield item, whole_conversation_row(item, run, tokenizer)
@@ -174,8 +182,11 @@ def export_run(
     tokenizer: ChatTokenizer | None = None,
     per_turn: bool = False,
     whole_conversation: bool = False,
+    weight_version: str | None = None,
+    allow_mixed_weights: bool = False,
 ) -> ExportReport:
     """Write every done sample of run to out (atomically: a temp file renamed when complete).
+    One weight version per export unless allow_mixed_weights (app.outputs.provenance).
 
     A `--turns all` run: one row per turn (per_turn), or per chain whose every turn is done
     (whole_conversation; the default of the conversations format)."""
@@ -190,7 +201,16 @@ def export_run(
     fd, tmp_name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            for item, row in iter_rows(db, run, fmt, tokenizer, whole=whole):
+            rows = iter_rows(
+                db,
+                run,
+                fmt,
+                tokenizer,
+                whole=whole,
+                weight_version=weight_version,
+                allow_mixed_weights=allow_mixed_weights,
+            )
+            for item, row in rows:
                 fh.write(json.dumps(row, ensure_ascii=False, separators=(",", ":")))
                 fh.write("\n")
                 report.rows += 1

@@ -243,6 +243,33 @@ class SGLangClient:
             return False
         return True
 
+    def update_weights_from_disk(
+        self,
+        model_path: str,
+        *,
+        weight_version: str | None = None,
+        load_format: str | None = None,
+        abort_all_requests: bool = False,
+    ) -> tuple[bool, str]:
+        """`POST /update_weights_from_disk`: load new weights in place (the server waits for
+        its requests in flight unless abort_all_requests); (success, the server's message).
+        A load can take minutes, so it is bounded by the generate timeout."""
+        body: dict[str, Any] = {"model_path": model_path, "abort_all_requests": abort_all_requests}
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        if load_format is not None:
+            body["load_format"] = load_format
+        response = self._send(
+            "POST", "/update_weights_from_disk", timeout=self._generate_timeout, json=body
+        )
+        try:
+            answer = json.loads(response.content)
+        except ValueError:
+            answer = None
+        if isinstance(answer, dict) and "success" in answer:
+            return bool(answer["success"]), str(answer.get("message") or "")
+        raise map_http_error(response.status_code, response.content)
+
     # -- health -----------------------------------------------------------------------
 
     def health(self, path: str = "/health_generate") -> ProbeResult:
