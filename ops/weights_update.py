@@ -19,7 +19,7 @@ from app.core.constants import EVENT_WEIGHTS_UPDATE
 from app.core.errors import GenerationError
 from app.core.settings import Settings
 from app.ledger import registry
-from app.ledger.registry import PAUSED_BY_WEIGHTS
+from app.ledger.registry import PAUSED_BY_UPDATE, PAUSED_BY_WEIGHTS
 from workers.control.pausing import WorkerControl, pause_server, resume_server
 from workers.control.weights import RunsVerdict, judge
 from workers.engine.runtime import client_for
@@ -52,7 +52,8 @@ def update_weights(
         server = registry.get_server(conn, name)
     target = weight_version or model_path
     earlier_pause = server.paused_by if server.paused else None
-    pause_server(db, control, name, by=PAUSED_BY_WEIGHTS, reason=f"updating weights to {target}")
+    # a pause the watchdog does not lift: it would resume the server mid-update
+    pause_server(db, control, name, by=PAUSED_BY_UPDATE, reason=f"updating weights to {target}")
     _event(db, name, f"{name}: weight update to {target} started ({model_path})")
     leased = _drain(db, name, drain_timeout_s or settings.drain_timeout_s, poll_s, on_progress)
     if leased:
@@ -112,7 +113,7 @@ def _finish(
     if verdict.refusing:
         message += f"; runs pinned to other weights skip it: {verdict.refusals()}"
     resumed = False
-    if earlier_pause and earlier_pause != PAUSED_BY_WEIGHTS:
+    if earlier_pause and earlier_pause not in (PAUSED_BY_WEIGHTS, PAUSED_BY_UPDATE):
         pause_server(db, control, name, by=earlier_pause, reason="paused before the update")
         message += f"; still paused as before ({earlier_pause})"
     elif verdict.stranded:

@@ -29,6 +29,8 @@ PAUSED_BY_RESTART = "restart"
 PAUSED_BY_PARITY = "parity"
 # its weights changed under the runs it served (an in-place update), or `update-weights`
 PAUSED_BY_WEIGHTS = "weights"
+# `tokenmill update-weights` at work (the watchdog leaves it to the command)
+PAUSED_BY_UPDATE = "update"
 
 
 @dataclass(frozen=True)
