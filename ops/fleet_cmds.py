@@ -54,6 +54,7 @@ def servers_group(ctx: click.Context, as_json: bool) -> None:
         "url",
         "state",
         "paused",
+        "weights",
         "workers",
         "in flight",
         "last probe",
@@ -62,11 +63,14 @@ def servers_group(ctx: click.Context, as_json: bool) -> None:
     )
     for s, leased in rows:
         paused = f"yes ({s.paused_by})" if s.paused else "no"
+        if s.paused and s.paused_by == "weights":  # name the change: "weight_version: A → B"
+            paused = f"yes ({s.pause_reason})"
         table.add_row(
             s.name,
             s.url,
             s.state,
             paused,
+            str((s.fingerprint or {}).get("weight_version") or "—"),
             str(len(s.workers)),
             str(leased),
             _ago(s.last_probe_at),

@@ -177,3 +177,41 @@ def load_protocol() -> ModuleType:
             if name not in saved:
                 del sys.modules[name]
     return module
+
+
+# --- other modules of the wheel, loaded with their sglang imports stubbed ---------------------
+
+
+def wheel_module(member: str, name: str) -> ModuleType:
+    """One module of the wheel (say `sglang/srt/sampling/sampling_params.py`), extracted once
+    and loaded under `name`; its imports of sglang, openai and xgrammar get stand-ins (only
+    while it loads), so its own logic runs without torch."""
+    return _wheel_module(member, name)
+
+
+@functools.cache
+def _wheel_module(member: str, name: str) -> ModuleType:
+    target = CACHE_DIR / f"{name}-{SGLANG_VERSION}.py"
+    if not target.exists():
+        with zipfile.ZipFile(_wheel(CACHE_DIR, SGLANG_VERSION)) as wheel:
+            source = wheel.read(member)
+        handle, temporary = tempfile.mkstemp(dir=CACHE_DIR, suffix=".py.part")
+        with os.fdopen(handle, "wb") as out:
+            out.write(source)
+        os.replace(temporary, target)
+    finder = _StubFinder()
+    saved = {k: v for k, v in sys.modules.items() if k.split(".")[0] in _STUBBED_PACKAGES}
+    sys.meta_path.insert(0, finder)
+    try:
+        spec = importlib.util.spec_from_file_location(name, target)
+        if spec is None or spec.loader is None:
+            raise RuntimeError(f"cannot load {target}")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    finally:
+        sys.meta_path.remove(finder)
+        for stubbed in [k for k in sys.modules if k.split(".")[0] in _STUBBED_PACKAGES]:
+            if stubbed not in saved:
+                del sys.modules[stubbed]
+    return module
