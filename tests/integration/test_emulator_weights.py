@@ -19,7 +19,10 @@ from tests.support.emulator import running_emulator
 from tests.support.sglang_contract import decode_response, load_contract
 
 CFG = EmulatorConfig(port=0, step_ms=5, median_tokens=40, weight_version="step-100")
-BODY: dict[str, Any] = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 30, "sampling_seed": 3}}
+BODY: dict[str, Any] = {
+    "input_ids": [5, 6, 7],
+    "sampling_params": {"max_new_tokens": 30, "sampling_seed": 3},
+}
 
 
 def run(cfg: EmulatorConfig, scenario: Any) -> Any:

@@ -72,7 +72,7 @@ def test_an_export_of_two_weight_versions_is_refused_unless_asked(
     db: Engine, tmp_path: Path
 ) -> None:
     run = make_run(db)
-    with pytest.raises(ConfigurationError, match="v1: 3, v2: 1.*--allow-mixed-weights"):
+    with pytest.raises(ConfigurationError, match=r"v1: 3, v2: 1.*--allow-mixed-weights"):
         export_run(db, run, "specforge", tmp_path / "all.jsonl")
     with pytest.raises(ConfigurationError, match="no done samples of weight_version 'v9'"):
         export_run(db, run, "specforge", tmp_path / "v9.jsonl", weight_version="v9")
