@@ -13,9 +13,10 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Hashable
+from typing import Any
 from urllib.parse import urlsplit
 
-from sqlalchemy import Engine
+from sqlalchemy import Connection, Engine
 
 from app import ledger
 from app.core.constants import EVENT_FINGERPRINT_MISMATCH, EVENT_FINGERPRINT_PINNED
@@ -261,14 +262,7 @@ class WorkerRuntime:
                     + "; ".join(diff)
                 )
                 log.warning(message)
-                ledger.record_event(
-                    conn,
-                    EVENT_FINGERPRINT_MISMATCH,
-                    message,
-                    run_id=run_id,
-                    server=self.server_name,
-                    details={"pinned": pinned, "server": mine},
-                )
+                self._mismatch(conn, run_id, message, {"pinned": pinned, "server": mine})
         with self._lock:
             self._run_ok[run_id] = ok
             if ok:
@@ -283,17 +277,24 @@ class WorkerRuntime:
         )
         log.info(message)
         with self.db.begin() as conn:
-            ledger.record_event(
-                conn,
-                EVENT_FINGERPRINT_MISMATCH,
-                message,
-                run_id=run_id,
-                server=self.server_name,
-                details={"weight_version": required, "server": fingerprint.to_json()},
-            )
+            details = {"weight_version": required, "server": fingerprint.to_json()}
+            self._mismatch(conn, run_id, message, details)
         with self._lock:
             self._run_ok[run_id] = False
         return False
+
+    def _mismatch(
+        self, conn: Connection, run_id: int, message: str, details: dict[str, Any]
+    ) -> None:
+        """The timeline's entry for a run this server does not serve."""
+        ledger.record_event(
+            conn,
+            EVENT_FINGERPRINT_MISMATCH,
+            message,
+            run_id=run_id,
+            server=self.server_name,
+            details=details,
+        )
 
     def check_result(self, item: ledger.ClaimedItem, result: GenerateResult) -> str | None:
         """Why this result must not be written: it was made (in part) under other weights than
