@@ -133,3 +133,34 @@ def test_the_request_log_holds_every_prompt_as_sent_and_its_weights(tmp_path: Pa
         {"rid": "b_1", "input_ids": [3], "sampling_params": batch["sampling_params"][1],
          "weight_version": "a"},
     ]  # fmt: skip
+
+
+def _request_fields(member: str, cls: str) -> dict[str, bool]:
+    """A request class of the wheel's io_struct: each field and whether it is required (read
+    from the source: the module itself imports torch)."""
+    import ast
+    import zipfile
+
+    from tests.support.sglang_contract import CACHE_DIR, SGLANG_VERSION
+
+    wheel = next(CACHE_DIR.glob(f"sglang-{SGLANG_VERSION}-*.whl"))
+    with zipfile.ZipFile(wheel) as archive:
+        tree = ast.parse(archive.read(member))
+    node = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == cls)
+    return {
+        stmt.target.id: stmt.value is None
+        for stmt in node.body
+        if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
+    }
+
+
+def test_the_update_bodies_take_the_fields_sglangs_request_models_declare() -> None:
+    from app.emulator.weights import DISK_FIELDS, VERSION_FIELDS
+
+    io_struct = "sglang/srt/managers/io_struct.py"
+    disk = _request_fields(io_struct, "UpdateWeightFromDiskReqInput")
+    version = _request_fields(io_struct, "UpdateWeightVersionReqInput")
+    assert set(DISK_FIELDS) - {"rid"} == set(disk)
+    assert set(VERSION_FIELDS) - {"rid"} == set(version)
+    assert [name for name, required in disk.items() if required] == ["model_path"]
+    assert [name for name, required in version.items() if required] == ["new_version"]

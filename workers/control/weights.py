@@ -15,6 +15,7 @@ from sqlalchemy import Engine
 from app import ledger
 from app.core.constants import EVENT_WEIGHTS_CHANGED
 from app.core.contracts import ServerFingerprint
+from app.core.errors import NotFound
 from app.ledger import registry
 from app.ledger.database import limit_periodic
 from app.ledger.registry import PAUSED_BY_WEIGHTS
@@ -92,11 +93,16 @@ def note_weights(
     and the server paused (by "weights") if the active runs refuse them and none accepts
     them. Returns the verdict when they changed, else None."""
     with db.begin() as conn:
-        info = registry.get_server(conn, server)
-        change = weights_differ(info.fingerprint or before, fingerprint)
-        kept = dict(info.fingerprint or {})
-        kept.update({k: v for k, v in fingerprint.to_json().items() if v is not None})
-        registry.set_fingerprint(conn, server, kept)
+        try:
+            info: registry.ServerInfo | None = registry.get_server(conn, server)
+        except NotFound:  # `tokenmill run` registers no servers: the runs refuse it alone
+            info = None
+        known = info.fingerprint if info is not None else None
+        change = weights_differ(known or before, fingerprint)
+        if info is not None:
+            kept = dict(known or {})
+            kept.update({k: v for k, v in fingerprint.to_json().items() if v is not None})
+            registry.set_fingerprint(conn, server, kept)
         if not change:
             return None
     verdict = judge(db, fingerprint)
@@ -115,6 +121,8 @@ def note_weights(
                      "accepting": verdict.accepting, "refusing": verdict.refusing},
         )  # fmt: skip
     log.warning(message)
+    if info is None:
+        return verdict
     if verdict.stranded and not (info.paused and info.paused_by != PAUSED_BY_WEIGHTS):
         pause_server(
             db,
