@@ -333,7 +333,12 @@ class WorkerRuntime:
                 self.db, CeleryControl(), self.server_name, fingerprint, "a worker", before
             )
         except Exception:
+            # the next result of these weights tries again (a busy SQLite ledger, say)
             log.exception("could not record the weight change of %s", self.server_name)
+            with self._lock:
+                self._drifts_seen.discard((run_id, version))
+                if before is not None and self._fingerprint is None:
+                    self._fingerprint = ServerFingerprint(**before)
         self._pause_cache = (-1e9, False, None)  # read the flag again at once
 
     def forget_runs(self) -> None:
