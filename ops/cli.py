@@ -29,6 +29,7 @@ COMMANDS = {
     "pause": "ops.fleet_cmds:pause_cmd",
     "resume": "ops.fleet_cmds:resume_cmd",
     "restart": "ops.fleet_cmds:restart_cmd",
+    "update-weights": "ops.weights_cmd:update_weights_cmd",
     "events": "ops.fleet_cmds:events_cmd",
     "flower": "ops.flower_cmd:flower_cmd",
     "metrics": "ops.metrics_cmd:metrics_cmd",

@@ -47,7 +47,8 @@ def servers_group(ctx: click.Context, as_json: bool) -> None:
     pause, workers, in flight, last probe and error.
 
     Names and URLs are never cut: in a narrow terminal the columns last probe, workers, in
-    flight, rendering, last error and paused are left out, in that order (--json has all).
+    flight, rendering, last error, weights and paused are left out, in that order (--json has
+    all).
     """
     if ctx.invoked_subcommand is not None:
         return
@@ -65,7 +66,8 @@ def servers_group(ctx: click.Context, as_json: bool) -> None:
             s.name,
             _urls(s),
             s.state,
-            f"yes ({s.paused_by})" if s.paused else "no",
+            _paused(s),
+            str((s.fingerprint or {}).get("weight_version") or "—"),
             str(len(s.workers)),
             str(leased),
             _ago(s.last_probe_at),
@@ -82,19 +84,30 @@ def servers_group(ctx: click.Context, as_json: bool) -> None:
 
 
 # Names and URLs are never cut. A table wider than the terminal folds the rendering and the
-# last error, then leaves out last probe, workers, in flight, rendering, last error and
-# paused, in that order; name, url and state always stay.
+# last error, then leaves out last probe, workers, in flight, rendering, last error, weights
+# and paused, in that order; name, url and state always stay.
 SERVER_COLUMNS = (
     Column("name"),
     Column("url"),
     Column("state"),
-    Column("paused", drop=6),
+    Column("paused", drop=7, wrap=16),
+    Column("weights", drop=6),
     Column("workers", right=True, drop=2),
     Column("in flight", right=True, drop=3),
     Column("last probe", drop=1),
     Column("rendering", drop=4, wrap=12),
     Column("last error", drop=5, wrap=16),
 )
+
+
+def _paused(server: registry.ServerInfo) -> str:
+    """Whether the server is paused and by whom; a weights pause names the change
+    ("weight_version: A → B")."""
+    if not server.paused:
+        return "no"
+    if server.paused_by == "weights":
+        return f"yes ({server.pause_reason})"
+    return f"yes ({server.paused_by})"
 
 
 def current_error(server: registry.ServerInfo) -> str:

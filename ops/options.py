@@ -351,18 +351,41 @@ def sampling_options(func: F) -> F:
             help="Generation budget per sample; sent explicitly.",
         ),
         click.option(
-            "--temperature", type=float, default=1.0, show_default=True, help="Softmax temperature."
+            "--temperature",
+            default="1.0",
+            show_default=True,
+            metavar="T[,T...]",
+            help="Softmax temperature: one value, or a cycle where sample k takes the k-th value "
+            "(modulo), e.g. 0.6,0.8,1.0.",
         ),
         click.option(
-            "--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling mass."
+            "--top-p",
+            default="1.0",
+            show_default=True,
+            metavar="P[,P...]",
+            help="Nucleus sampling mass, or a cycle of them.",
         ),
         click.option("--top-k", type=int, default=-1, show_default=True, help="-1 disables top-k."),
         click.option(
             "--min-p",
-            type=float,
-            default=0.0,
+            default="0.0",
             show_default=True,
-            help="Smallest probability, relative to the likeliest token's.",
+            metavar="P[,P...]",
+            help="Smallest probability, relative to the likeliest token's, or a cycle of them.",
+        ),
+        click.option(
+            "--reasoning-effort",
+            default=None,
+            metavar="E[,E...]",
+            help="The template's reasoning_effort (none, low, medium, high, ...), or a cycle: "
+            "sample k's prompt is templated with the k-th effort. A row's own wins. Pinned.",
+        ),
+        click.option(
+            "--weight-version",
+            default=None,
+            metavar="V",
+            help="Only servers reporting this weight_version serve the run (others skip it). "
+            "Pinned.",
         ),
         click.option(
             "--seed",
@@ -455,18 +478,37 @@ def render_options(func: F) -> F:
 
 def build_sampling(kwargs: dict[str, Any]) -> SamplingParams:
     from app.core.contracts import SamplingParams
+    from app.prompts.row_sampling import parse_cycle
 
     try:
+        cycles = {
+            name: parse_cycle(str(kwargs[name]), name.replace("_", "-"))
+            for name in ("temperature", "top_p", "min_p")
+        }
         return SamplingParams(
             max_new_tokens=kwargs["max_new_tokens"],
-            temperature=kwargs["temperature"],
-            top_p=kwargs["top_p"],
+            temperature=cycles["temperature"][0],
+            top_p=cycles["top_p"][0],
             top_k=kwargs["top_k"],
-            min_p=kwargs["min_p"],
+            min_p=cycles["min_p"][0],
             seed=kwargs["seed"],
+            # one value is no cycle: the run reads as it always did
+            temperature_cycle=cycles["temperature"] if len(cycles["temperature"]) > 1 else (),
+            top_p_cycle=cycles["top_p"] if len(cycles["top_p"]) > 1 else (),
+            min_p_cycle=cycles["min_p"] if len(cycles["min_p"]) > 1 else (),
         )
     except ValueError as exc:
         raise ConfigurationError(f"invalid sampling option: {exc}") from exc
+
+
+def build_efforts(kwargs: dict[str, Any]) -> tuple[str | float, ...]:
+    """`--reasoning-effort` as the cycle the run pins."""
+    from app.prompts.row_sampling import parse_efforts
+
+    try:
+        return parse_efforts(kwargs.get("reasoning_effort"))
+    except ValueError as exc:
+        raise ConfigurationError(f"invalid --reasoning-effort: {exc}") from exc
 
 
 def print_json(data: Any) -> None:

@@ -22,6 +22,7 @@ from app.core.errors import (
 from ops.options import (
     announce_embedded,
     broker_name,
+    build_efforts,
     build_sampling,
     check_broker,
     err_console,
@@ -103,6 +104,8 @@ def enqueue_input(
         render_with=_render_url(opts.get("render_with")),
         require_parity=bool(opts.get("require_parity")),
         batch_size=settings.batch_size,
+        weight_version=opts.get("weight_version"),
+        reasoning_efforts=build_efforts(opts),
     )
     publisher = None
     if publish:
@@ -325,6 +328,17 @@ def enqueue_cmd(
     help="A JSONL or Parquet file of prompts (an eval set): training rows whose prompt, "
     "rendered with the run's pinned template, is one of them are dropped and counted.",
 )
+@click.option(
+    "--weight-version",
+    default=None,
+    metavar="V",
+    help="Export only the samples made with this weight_version.",
+)
+@click.option(
+    "--allow-mixed-weights",
+    is_flag=True,
+    help="Export samples of several weight versions together (refused otherwise).",
+)
 @handle_errors
 def export_cmd(
     run_name: str,
@@ -335,8 +349,12 @@ def export_cmd(
     split_text: str | None,
     split_seed: int,
     exclude_file: Path | None,
+    weight_version: str | None,
+    allow_mixed_weights: bool,
 ) -> None:
-    """Write RUN_NAME's finished samples to --out: JSONL, or Parquet shards + .manifest.json."""
+    """Write RUN_NAME's finished samples to --out: JSONL, or Parquet shards + .manifest.json.
+    Every sample carries its weight_version and sampling_params; one weight version per export
+    unless --allow-mixed-weights."""
     if fmt == "parquet" and (split_text or exclude_file):
         raise ConfigurationError(
             "--split and --exclude apply to the specforge and conversations exports"
@@ -344,7 +362,7 @@ def export_cmd(
     if fmt == "parquet":
         from ops.storage_cmds import export_to_storage
 
-        export_to_storage(run_name, out)
+        export_to_storage(run_name, out, weight_version, allow_mixed_weights)
         return
     from rich.markup import escape
 
@@ -401,6 +419,8 @@ def export_cmd(
         per_turn=per_turn,
         whole_conversation=whole_conversation,
         selection=selection,
+        weight_version=weight_version,
+        allow_mixed_weights=allow_mixed_weights,
     )
     console.print(
         f"wrote {report.rows} samples ({report.truncated} truncated, "

@@ -11,7 +11,9 @@ import click
 from ops.options import err_console, get_settings, handle_errors, open_db, print_json
 
 
-def export_to_storage(run_name: str, out: str) -> None:
+def export_to_storage(
+    run_name: str, out: str, weight_version: str | None = None, allow_mixed: bool = False
+) -> None:
     """`tokenmill export RUN --format parquet --out URL`: shards and .manifest.json under URL."""
     from rich.markup import escape
 
@@ -30,6 +32,8 @@ def export_to_storage(run_name: str, out: str) -> None:
             out,
             storage_options=settings.storage_options,
             shard_rows=settings.shard_rows,
+            weight_version=weight_version,
+            allow_mixed_weights=allow_mixed,
         )
     except OSError as exc:  # fsspec/s3fs report storage failures as OSError subclasses
         raise StorageError(f"writing the export to {out} failed: {exc}") from exc

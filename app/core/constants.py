@@ -35,3 +35,7 @@ EVENT_TURNS_BLOCKED = "turns_blocked"
 EVENT_ENQUEUE_STOPPED = "enqueue_stopped"
 # a server re-rendered a sample of a run's stored prompts (the parity preflight)
 EVENT_PARITY = "parity"
+# a server's weights changed in place (its weight_version or model path), and an
+# `update-weights` call on it
+EVENT_WEIGHTS_CHANGED = "weights_changed"
+EVENT_WEIGHTS_UPDATE = "weights_update"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -33,27 +34,37 @@ class SamplingParams:
     presence_penalty: float = 0.0
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # cycles (`--temperature 0.6,0.8,1.0`): sample k takes the k-th value modulo the list;
+    # empty: every sample takes the single value above
+    temperature_cycle: tuple[float, ...] = ()
+    top_p_cycle: tuple[float, ...] = ()
+    min_p_cycle: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError("max_new_tokens must be at least 1")
-        if self.temperature < 0:
-            raise ValueError("temperature must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise ValueError("top_p must be in (0, 1]")
+        for t in (self.temperature, *self.temperature_cycle):
+            if t < 0:
+                raise ValueError("temperature must be >= 0")
+        for p in (self.top_p, *self.top_p_cycle):
+            if not 0 < p <= 1:
+                raise ValueError("top_p must be in (0, 1]")
         if self.top_k == 0 or self.top_k < -1:
             raise ValueError("top_k must be -1 (off) or >= 1")
-        if not 0 <= self.min_p <= 1:
-            raise ValueError("min_p must be in [0, 1]")
+        for m in (self.min_p, *self.min_p_cycle):
+            if not 0 <= m <= 1:
+                raise ValueError("min_p must be in [0, 1]")
 
-    def for_sample(self, sample_index: int) -> dict[str, Any]:
-        """The `sampling_params` body for sample k: seed + k when a seed is pinned."""
+    def for_sample(self, sample_index: int, row: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """The `sampling_params` body for sample k: the k-th value of each cycle, seed + k when
+        a seed is pinned, then the row's own `sampling_params` over them (a row's
+        `sampling_seed` S gives sample k the seed S + k)."""
         body: dict[str, Any] = {
             "max_new_tokens": self.max_new_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
+            "temperature": _pick(self.temperature_cycle, sample_index, self.temperature),
+            "top_p": _pick(self.top_p_cycle, sample_index, self.top_p),
             "top_k": self.top_k,
-            "min_p": self.min_p,
+            "min_p": _pick(self.min_p_cycle, sample_index, self.min_p),
             "repetition_penalty": self.repetition_penalty,
             "frequency_penalty": self.frequency_penalty,
             "presence_penalty": self.presence_penalty,
@@ -63,18 +74,45 @@ class SamplingParams:
             body["stop_token_ids"] = list(self.stop_token_ids)
         if self.seed is not None:
             body["sampling_seed"] = self.seed + sample_index
+        for key, value in (row or {}).items():
+            body[key] = value + sample_index if key == "sampling_seed" else value
         return body
+
+    @property
+    def cycles(self) -> dict[str, list[float]]:
+        """The cycled settings and their values (empty when nothing cycles)."""
+        named = {
+            "temperature": self.temperature_cycle,
+            "top_p": self.top_p_cycle,
+            "min_p": self.min_p_cycle,
+        }
+        return {name: list(values) for name, values in named.items() if values}
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
         data["stop_token_ids"] = list(self.stop_token_ids)
+        # a run without cycles reads as it did before they existed (later enqueues compare)
+        for name in _CYCLES:
+            if data[name]:
+                data[name] = list(data[name])
+            else:
+                del data[name]
         return data
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> SamplingParams:
         data = dict(data)
         data["stop_token_ids"] = tuple(data.get("stop_token_ids") or ())
+        for name in _CYCLES:
+            data[name] = tuple(data.get(name) or ())
         return cls(**data)
+
+
+_CYCLES = ("temperature_cycle", "top_p_cycle", "min_p_cycle")
+
+
+def _pick(cycle: tuple[float, ...], sample_index: int, single: float) -> float:
+    return cycle[sample_index % len(cycle)] if cycle else single
 
 
 @dataclass(frozen=True)
@@ -107,6 +145,11 @@ class PromptRecord:
     bad_turn: tuple[int, str] | None = None
     # the bad turn is among the trailing assistant turns that a `--turns last` prompt drops
     bad_turn_in_tail: bool = False
+    # the row's own `sampling_params`, merged over the run's for each of its samples
+    sampling_params: dict[str, Any] | None = None
+    # the sample indices this record makes (a `--reasoning-effort` cycle templates a row once
+    # per effort); None: every sample of the run
+    samples: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if (self.messages is None) == (self.input_ids is None):
@@ -143,6 +186,10 @@ class GenerateResult:
     text: str = ""
     # speculative decoding's counters (None: the server does not speculate, or no verify step)
     spec: SpecStats | None = None
+    # every version the output tokens came under (meta_info.weight_versions; empty when the
+    # server does not report spans), and the sampling_params body the request carried
+    weight_versions: tuple[str, ...] = ()
+    sampling_params: dict[str, Any] | None = None
 
     @property
     def truncated(self) -> bool:

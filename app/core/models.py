@@ -123,6 +123,8 @@ runs = Table(
     # how the prompts are rendered besides the template text (app.prompts.chat_pins); null for
     # runs created before these were pinned
     Column("chat_pins", JSON, nullable=True),
+    # `--weight-version V`: only servers reporting V serve the run (null: the first seen pins)
+    Column("weight_version", String(200), nullable=True),
     # set when the run's items moved to items_archive (`tokenmill archive`); no more enqueues
     _when("archived_at"),
     # the archived run's counts and token sums, taken once its rows left the hot table (the
@@ -199,6 +201,11 @@ def _item_columns() -> list[Column[Any]]:
         # compaction: the token arrays live in row `shard_row` of the Parquet shard `shard_uri`
         Column("shard_uri", Text, nullable=True),
         Column("shard_row", Integer, nullable=True),
+        # provenance of the result: meta_info.weight_version, and the sampling_params body sent
+        Column("weight_version", String(200), nullable=True),
+        Column("sampling_params", JSON, nullable=True),
+        # the input row's own sampling_params (merged over the run's for each sample)
+        Column("row_sampling_params", JSON, nullable=True),
     ]
 
 

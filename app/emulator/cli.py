@@ -16,6 +16,7 @@ from app.core.network import is_loopback
 from app.emulator.config import (
     DEFAULT_MODEL_PATH,
     DEFAULT_SGLANG_VERSION,
+    DEFAULT_WEIGHT_VERSION,
     KIMI_IM_END_ID,
     KIMI_THINK_END_ID,
     EmulatorConfig,
@@ -84,7 +85,12 @@ def _option(flag: str, *names: str, **kwargs: Any) -> Callable[[F], F]:
     default=False,
     help="Let the --tokenizer folder run its own tokenizer code (custom-code tokenizers).",
 )
-@_option("--weight-version", default="default", help="weight_version reported everywhere.")
+@_option(
+    "--weight-version",
+    default=DEFAULT_WEIGHT_VERSION,
+    help="weight_version at launch (/model_info, every answer's meta_info; outputs depend on "
+    "it). /update_weights_from_disk and /update_weight_version change it in place.",
+)
 @_option(
     "--reasoning-parser",
     default=None,
@@ -256,11 +262,25 @@ def _option(flag: str, *names: str, **kwargs: Any) -> Callable[[F], F]:
     "tokens accept more, and the draft path moves it per kind of prompt.",
 )
 @_option(
+    "--weight-load-s",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    help="Seconds an in-place /update_weights_from_disk takes to load (requests wait).",
+)
+@_option(
     "--request-log",
     default=None,
     callback=_text_or_none,
     metavar="FILE|none",
     help="Append one JSON line per finished request (rid, counts, the acceptance it drew).",
+)
+@_option(
+    "--prompt-log",
+    default=None,
+    callback=_text_or_none,
+    metavar="FILE|none",
+    help="Append one JSON line per /generate prompt received: rid, input_ids, "
+    "sampling_params as sent, weight_version.",
 )
 @_option(
     "--log-level",

@@ -18,6 +18,8 @@ DEFAULT_MODEL_PATH = "moonshotai/Kimi-K2.5"
 DEFAULT_SGLANG_VERSION = "0.5.23"
 # what SGLang applies when a request does not send max_new_tokens
 DEFAULT_MAX_NEW_TOKENS = 128
+# SGLang's --weight-version default
+DEFAULT_WEIGHT_VERSION = "default"
 
 
 @dataclass(frozen=True)
@@ -31,7 +33,7 @@ class EmulatorConfig:
     # `Authorization: Bearer <key>`; required to listen beyond loopback
     api_key: str | None = None
     model_path: str = DEFAULT_MODEL_PATH
-    weight_version: str = "default"
+    weight_version: str = DEFAULT_WEIGHT_VERSION
     reasoning_parser: str | None = None
     version: str = DEFAULT_SGLANG_VERSION
     context_length: int = 16384
@@ -72,6 +74,11 @@ class EmulatorConfig:
     drop_rate: float = 0.0
     max_queued: int | None = None
     fault_seed: int = 0
+    # seconds an in-place weight update (/update_weights_from_disk) takes to load
+    weight_load_s: float = 0.0
+    # a JSONL file that gets one line per /generate prompt received (rid, input_ids,
+    # sampling_params, the weight version it ran under): what the server was sent
+    prompt_log: str | None = None
 
     # speculative decoding (see app.emulator.speculative): SGLang's --speculative-* flags and
     # the draft's base acceptance; off without an algorithm
@@ -115,6 +122,7 @@ class EmulatorConfig:
             (0 <= self.drop_rate <= 1, "drop_rate must be in [0, 1]"),
             (self.error_rate + self.drop_rate <= 1, "error_rate + drop_rate must be <= 1"),
             (self.max_queued is None or self.max_queued >= 0, "max_queued must be >= 0"),
+            (self.weight_load_s >= 0, "weight_load_s must be >= 0"),
         ]
         problems = [message for ok, message in checks if not ok]
         try:

@@ -29,8 +29,30 @@ from app.emulator.protocol import (
 from app.emulator.scheduler import Counters, Job, Scheduler, new_job
 from app.emulator.schema import SchemaViolation
 from app.emulator.speculative import RequestLog, draw_steps, expected_step_tokens, meta_fields
+from app.emulator.weights import Weights, version_spans
 
 logger = logging.getLogger(__name__)
+
+
+def log_prompts(path: str | None, call: GenerateCall, weight_version: str) -> None:
+    """One JSON line per prompt of the call in the prompt log (when there is one): the rid,
+    the ids and sampling_params exactly as received, and the weights they run under."""
+    if path is None:
+        return
+    lines = [
+        json.dumps(
+            {
+                "rid": item.rid,
+                "input_ids": item.input_ids,
+                "sampling_params": dict(item.sampling),
+                "weight_version": weight_version,
+            },
+            separators=(",", ":"),
+        )
+        for item in call.items
+    ]
+    with open(path, "a", encoding="utf-8") as log:
+        log.write("\n".join(lines) + "\n")
 
 
 class Phase(enum.Enum):
@@ -58,6 +80,7 @@ class GenerateRoute:
     _resumed: asyncio.Event
     _inflight: int
     request_log: RequestLog
+    weights: Weights
 
     # here because /generate is where a hung scheduler shows first; the server's routes use it too
     @property
@@ -103,13 +126,23 @@ class GenerateRoute:
             raise asyncio.CancelledError
 
         await self._resumed.wait()
+        # held from here to the last answer: a weight update waits for it, and new requests
+        # wait for a pending update (SGLang's model_update_lock)
+        async with self.weights.lock.reader():
+            return await self._run_call(request, call, arrival_s)
+
+    async def _run_call(
+        self, request: web.Request, call: GenerateCall, arrival_s: float
+    ) -> web.StreamResponse:
         if self.phase is not Phase.READY:
             return empty_reply(503)
         if self.hung:
             await asyncio.get_running_loop().create_future()  # never answers
+        log_prompts(self.cfg.prompt_log, call, self.weights.weight_version)
         if self.cfg.immediate:
             return self._answer_now(call, arrival_s)
-        jobs = [new_job(item, self.cfg, arrival_s) for item in call.items]
+        version = self.weights.weight_version
+        jobs = [new_job(item, self.cfg, arrival_s, version) for item in call.items]
         max_queued = self.cfg.max_queued
         if max_queued is not None and self.scheduler.waiting + len(jobs) > max_queued:
             self.counters.rejected_queue_full += 1
@@ -139,9 +172,14 @@ class GenerateRoute:
         """step_ms 0: the whole output at once, without the scheduler (overhead benchmarks)."""
         answers = []
         cache = self.scheduler.cache
+        version = self.weights.weight_version
         for item in call.items:
             output_ids, finish = generate_output(
-                item.input_ids, item.sampling, self.cfg, sample_index=item.sample_index
+                item.input_ids,
+                item.sampling,
+                self.cfg,
+                sample_index=item.sample_index,
+                weight_version=version,
             )
             cached = cache.match(item.input_ids)
             cache.insert(item.input_ids)
@@ -159,6 +197,8 @@ class GenerateRoute:
                     cached_tokens=cached,
                     e2e_latency_s=latency_s,
                     spec_meta=self._finished(item, output_ids, finish),
+                    weight_version=version,
+                    weight_versions=version_spans([], version, len(output_ids)),
                 )
             )
         if call.stream:
@@ -176,7 +216,9 @@ class GenerateRoute:
 
     def _final(self, job: Job) -> dict[str, Any]:
         if not job.started:  # aborted while it waited
-            return waiting_abort_response(job.item, self.cfg, job.e2e_latency_s)
+            return waiting_abort_response(
+                job.item, self.cfg, job.e2e_latency_s, weight_version=job.final_version
+            )
         return generate_response(
             job.item,
             job.output_ids,
@@ -185,6 +227,8 @@ class GenerateRoute:
             cached_tokens=job.cached_tokens,
             e2e_latency_s=job.e2e_latency_s,
             spec_meta=self._finished(job.item, job.output_ids, job.finish_reason),
+            weight_version=job.final_version,
+            weight_versions=job.weight_versions,
         )
 
     def _finished(
@@ -229,7 +273,9 @@ class GenerateRoute:
         finish = {"type": "abort", "status_code": 503, "message": QUEUE_FULL}
         response = await self._open_stream(request)
         for index, job in enumerate(jobs):
-            event = waiting_abort_response(job.item, self.cfg, job.e2e_latency_s, finish)
+            event = waiting_abort_response(
+                job.item, self.cfg, job.e2e_latency_s, finish, self.weights.weight_version
+            )
             if not call.is_single:
                 event["index"] = index
             await response.write(b"data: " + dumps(event) + b"\n\n")
@@ -270,6 +316,7 @@ class GenerateRoute:
                             None,
                             self.cfg,
                             cached_tokens=job.cached_tokens,
+                            weight_version=self.weights.weight_version,
                         )
                     else:
                         continue

@@ -10,17 +10,21 @@ from typing import Any
 
 from app.emulator.config import EmulatorConfig
 from app.emulator.scheduler import Counters, Scheduler
+from app.emulator.weights import Weights
 
 
-def model_info(cfg: EmulatorConfig) -> dict[str, Any]:
+def model_info(cfg: EmulatorConfig, weights: Weights | None = None) -> dict[str, Any]:
+    """The model as served now: a weight update moves model_path, served_model_name,
+    load_format and weight_version (the tokenizer path stays the launch one)."""
+    live = weights or Weights(cfg.model_path, cfg.weight_version)
     return {
-        "model_path": cfg.model_path,
-        "served_model_name": cfg.served_model_name,
+        "model_path": live.model_path,
+        "served_model_name": live.model_path,
         "tokenizer_path": cfg.model_path,
         "is_generation": True,
         "preferred_sampling_params": None,
-        "weight_version": cfg.weight_version,
-        "load_format": "auto",
+        "weight_version": live.weight_version,
+        "load_format": live.load_format,
         "reasoning_parser": cfg.reasoning_parser,
         "tool_call_parser": None,
         "disaggregation_mode": "null",

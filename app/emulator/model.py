@@ -13,7 +13,7 @@ from array import array
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from app.emulator.config import DEFAULT_MAX_NEW_TOKENS, EmulatorConfig
+from app.emulator.config import DEFAULT_MAX_NEW_TOKENS, DEFAULT_WEIGHT_VERSION, EmulatorConfig
 
 FinishReason = dict[str, Any]
 
@@ -36,9 +36,13 @@ def is_greedy(sampling: Mapping[str, Any]) -> bool:
 
 
 def generation_seed(
-    input_ids: Sequence[int], sampling: Mapping[str, Any], sample_index: int = 0
+    input_ids: Sequence[int],
+    sampling: Mapping[str, Any],
+    sample_index: int = 0,
+    weight_version: str = DEFAULT_WEIGHT_VERSION,
 ) -> int:
-    """The seed of one output: prompt ids, plus sampling_seed and temperature unless greedy."""
+    """The seed of one output: prompt ids, plus sampling_seed and temperature unless greedy,
+    and the weights (their version: other weights answer otherwise, greedy or not)."""
     if is_greedy(sampling):
         key: tuple[Any, ...] = (None, 0.0, 0)
     else:
@@ -51,6 +55,9 @@ def generation_seed(
     digest = hashlib.blake2b(GENERATION_VERSION, digest_size=16)
     digest.update(_ids_bytes(input_ids))
     digest.update(repr(key).encode())
+    if weight_version != DEFAULT_WEIGHT_VERSION:
+        # the launch default adds nothing, so outputs stored before versions counted still match
+        digest.update(b"weights:" + weight_version.encode())
     return int.from_bytes(digest.digest(), "big")
 
 
@@ -76,6 +83,7 @@ def generate_output(
     cfg: EmulatorConfig,
     *,
     sample_index: int = 0,
+    weight_version: str | None = None,
 ) -> tuple[list[int], FinishReason]:
     """The output ids and finish reason the emulator returns for one prompt.
 
@@ -84,12 +92,14 @@ def generate_output(
     Every position consumes one draw, so a smaller max_new_tokens gives a prefix of the output
     a larger one gives. `ignore_eos` runs on past EOS to max_new_tokens; `stop_token_ids` stop
     at the first listed id the stream contains; `min_new_tokens` holds back EOS and stops.
+    The weights are cfg's unless weight_version names the ones loaded since.
     """
     max_new_tokens = resolve_max_new_tokens(len(input_ids), sampling, cfg)
     min_new_tokens = int(sampling.get("min_new_tokens") or 0)
     ignore_eos = bool(sampling.get("ignore_eos"))
 
-    rng = random.Random(generation_seed(input_ids, sampling, sample_index))
+    version = cfg.weight_version if weight_version is None else weight_version
+    rng = random.Random(generation_seed(input_ids, sampling, sample_index, version))
     content_len = max(draw_content_length(rng, cfg), min_new_tokens)
     reasoning_share = REASONING_SHARE_MIN + REASONING_SHARE_SPAN * rng.random()
     think_at = int((content_len - 1) * reasoning_share)

@@ -262,15 +262,19 @@ def generate_response(
     cached_tokens: int = 0,
     e2e_latency_s: float | None = None,
     spec_meta: dict[str, Any] | None = None,
+    weight_version: str | None = None,
+    weight_versions: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """One /generate answer (or a stream event while finish_reason is None), as SGLang shapes it;
-    spec_meta: the finished request's speculative-decoding fields."""
+    """One /generate answer (or a stream event while finish_reason is None), as SGLang shapes it.
+    spec_meta: the finished request's speculative-decoding fields; weight_version: the server's
+    now (None: cfg's); weight_versions: a finished request's spans of output per version, the
+    last of which is then its weight_version."""
     reasoning = reasoning_token_count(output_ids, cfg) if item.require_reasoning else 0
     meta: dict[str, Any] = {
         "id": item.rid,
         "finish_reason": finish_reason,
         "prompt_tokens": len(item.input_ids),
-        "weight_version": cfg.weight_version,
+        "weight_version": cfg.weight_version if weight_version is None else weight_version,
         "num_retractions": 0,
         "reasoning_tokens": reasoning,
         "completion_tokens": len(output_ids),
@@ -278,6 +282,9 @@ def generate_response(
     }
     if spec_meta:
         meta.update(spec_meta)
+    if weight_versions:
+        meta["weight_versions"] = weight_versions
+        meta["weight_version"] = weight_versions[-1]["version"]
     if e2e_latency_s is not None:
         meta["e2e_latency"] = e2e_latency_s
         meta["response_sent_to_client_ts"] = time.time()
@@ -296,14 +303,18 @@ def waiting_abort_response(
     cfg: EmulatorConfig,
     e2e_latency_s: float,
     finish_reason: FinishReason | None = None,
+    weight_version: str | None = None,
 ) -> dict[str, Any]:
-    """The answer of a request aborted before it was scheduled (SGLang's shorter meta_info)."""
+    """The answer of a request aborted before it was scheduled (SGLang's shorter meta_info,
+    with the one empty span of the version it was aborted under)."""
+    version = cfg.weight_version if weight_version is None else weight_version
     meta = {
         "id": item.rid,
         "finish_reason": finish_reason or waiting_abort(),
-        "weight_version": cfg.weight_version,
+        "weight_version": version,
         "e2e_latency": e2e_latency_s,
         "completion_tokens": 0,
+        "weight_versions": [{"version": version, "start": 0, "end": 0}],
     }
     return _with_prompt(item, {"text": "", "output_ids": [], "meta_info": meta})
 

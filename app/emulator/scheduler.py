@@ -17,6 +17,7 @@ from app.emulator.config import EmulatorConfig
 from app.emulator.model import FinishReason, generate_output
 from app.emulator.prefix_cache import RadixCache
 from app.emulator.protocol import ItemRequest, running_abort, waiting_abort
+from app.emulator.weights import VersionEvent, version_spans
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +64,14 @@ class Job:
     abort_requested: bool = False
     finish_reason: FinishReason | None = None
     finished_s: float | None = None
+    # weight-version changes while it had output, and the version it finished under
+    version_events: list[VersionEvent] = field(default_factory=list)
+    final_version: str | None = None
+
+    @property
+    def weight_versions(self) -> list[dict[str, Any]]:
+        """The spans of its output per weight version (once finished)."""
+        return version_spans(self.version_events, self.final_version or "", self.produced)
 
     @property
     def output_ids(self) -> list[int]:
@@ -78,9 +87,15 @@ class Job:
         return end - self.arrival_s
 
 
-def new_job(item: ItemRequest, cfg: EmulatorConfig, arrival_s: float) -> Job:
+def new_job(
+    item: ItemRequest, cfg: EmulatorConfig, arrival_s: float, weight_version: str | None = None
+) -> Job:
     output_ids, finish = generate_output(
-        item.input_ids, item.sampling, cfg, sample_index=item.sample_index
+        item.input_ids,
+        item.sampling,
+        cfg,
+        sample_index=item.sample_index,
+        weight_version=weight_version,
     )
     done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
     return Job(item, output_ids, finish, arrival_s, done)
@@ -111,6 +126,8 @@ class Scheduler:
         self._running: list[Job] = []
         self._by_rid: dict[str, Job] = {}
         self._gate = _Gate()
+        # the weights' version now (moved by weight updates); jobs plan their output under it
+        self.weight_version = cfg.weight_version
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -169,6 +186,19 @@ class Scheduler:
         self._gate.paused = False
         self._wakeup.set()
 
+    def change_version(self, new_version: str) -> int:
+        """A new weight version: requests with output so far record where it changed
+        (record_weight_version_change); returns how many did."""
+        if new_version == self.weight_version:
+            return 0
+        recorded = 0
+        for job in [*self._running, *self._waiting]:
+            if job.produced:
+                job.version_events.append(VersionEvent(self.weight_version, job.produced))
+                recorded += 1
+        self.weight_version = new_version
+        return recorded
+
     # --- requests -----------------------------------------------------------------------
 
     def submit(self, jobs: list[Job]) -> None:
@@ -216,7 +246,7 @@ class Scheduler:
                 sampling={"max_new_tokens": 1, "temperature": 0.0},
                 internal=True,
             )
-            self.submit([new_job(item, self.cfg, time.perf_counter())])
+            self.submit([new_job(item, self.cfg, time.perf_counter(), self.weight_version)])
         try:
             await asyncio.wait_for(asyncio.shield(waiter), timeout_s)
         except TimeoutError:
@@ -301,6 +331,7 @@ class Scheduler:
 
     def _finish(self, job: Job, reason: FinishReason, now: float) -> None:
         job.finish_reason = reason
+        job.final_version = self.weight_version
         job.finished_s = now
         if self._by_rid.get(job.item.rid) is job:
             del self._by_rid[job.item.rid]

@@ -7,6 +7,7 @@ Its `/generate` route is `app.emulator.generate_route`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
@@ -27,6 +28,15 @@ from app.emulator.protocol import error_object
 from app.emulator.scheduler import Counters, Scheduler
 from app.emulator.speculative import RequestLog
 from app.emulator.tokenize import TokenizeAnswer, answer_raw
+from app.emulator.weights import (
+    DISK_FIELDS,
+    FLUSH_REFUSED,
+    UPDATED,
+    VERSION_FIELDS,
+    Weights,
+    check_body,
+    load_error,
+)
 from app.prompts.tokenization import ChatTokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -63,6 +73,7 @@ class EmulatorServer(GenerateRoute):
         self._lifecycle: asyncio.Task[None] | None = None
         self.tokenizer: ChatTokenizer | None = None
         self.request_log = RequestLog(cfg.request_log)
+        self.weights = Weights(cfg.model_path, cfg.weight_version)
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -91,6 +102,8 @@ class EmulatorServer(GenerateRoute):
         add("POST", "/abort_request", self.abort_request)
         add("GET", "/flush_cache", self.flush_cache)
         add("POST", "/flush_cache", self.flush_cache)
+        add("POST", "/update_weights_from_disk", self.update_weights_from_disk)
+        add("POST", "/update_weight_version", self.update_weight_version)
         add("POST", "/pause_generation", self.pause_generation)
         add("POST", "/continue_generation", self.continue_generation)
         add("GET", "/emulator/stats", self.stats)
@@ -212,13 +225,25 @@ class EmulatorServer(GenerateRoute):
             if not healthy:
                 await asyncio.sleep(timeout_s)
         else:
-            healthy = await self.scheduler.probe(timeout_s)
+            healthy = await self._probe_generation(timeout_s)
         if not healthy:
             logger.error(
                 "Health check failed: no progress from the scheduler for %.1f s", timeout_s
             )
         self.unhealthy = not healthy
         return empty_reply(200 if healthy else 503)
+
+    async def _probe_generation(self, timeout_s: float) -> bool:
+        """The health check's 1-token generation: like any request it waits for a weight
+        update in progress, so a load longer than the timeout answers 503."""
+        started = time.monotonic()
+        try:
+            async with asyncio.timeout(timeout_s):
+                async with self.weights.lock.reader():
+                    remaining_s = max(0.001, timeout_s - (time.monotonic() - started))
+                    return await self.scheduler.probe(remaining_s)
+        except TimeoutError:
+            return False
 
     async def ready(self, request: web.Request) -> web.Response:
         ok = self.phase is Phase.READY and not self.unhealthy and self._resumed.is_set()
@@ -248,7 +273,7 @@ class EmulatorServer(GenerateRoute):
         return json_reply(result.body, result.status)
 
     async def model_info(self, request: web.Request) -> web.Response:
-        return json_reply(model_info(self.cfg))
+        return json_reply(model_info(self.cfg, self.weights))
 
     async def server_info(self, request: web.Request) -> web.Response:
         if self.hung:  # internal_states asks the scheduler, which never answers
@@ -289,6 +314,72 @@ class EmulatorServer(GenerateRoute):
         if self.scheduler.flush_cache():
             return web.Response(text=FLUSH_OK)
         return web.Response(text=FLUSH_FAILED, status=400)
+
+    # --- weight updates (app.emulator.weights) -------------------------------------------
+
+    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
+        """Load new weights in place: wait for the requests in flight (or abort them), hold
+        new ones back while loading, flush the prefix cache, then serve the new version."""
+        try:
+            body = check_body(
+                await self._body(request), DISK_FIELDS, "model_path", "UpdateWeightFromDiskReqInput"
+            )
+        except ValueError as exc:
+            return json_reply(error_object(str(exc), 400) | {"type": "Bad Request"}, 400)
+        weights = self.weights
+        if body.get("abort_all_requests"):
+            self.scheduler.abort_all()
+        lock = weights.lock.writer() if self._resumed.is_set() else contextlib.nullcontext()
+        async with lock:
+            success, message = await self._load_weights(body)
+        if success and body.get("weight_version") is not None:
+            message += f" Weight version updated to {body['weight_version']}."
+        logger.info("update_weights_from_disk: %s", message)
+        reply = {"success": success, "message": message, "num_paused_requests": 0}
+        return json_reply(reply, 200 if success else 400)
+
+    async def _load_weights(self, body: dict[str, Any]) -> tuple[bool, str]:
+        weights, model_path = self.weights, str(body["model_path"])
+        if self.cfg.weight_load_s > 0:
+            await asyncio.sleep(self.cfg.weight_load_s)  # the scheduler runs nothing meanwhile
+        error = load_error(model_path)
+        if error is not None:
+            return False, error
+        if body.get("weight_version") is not None:
+            self.scheduler.change_version(str(body["weight_version"]))
+            weights.weight_version = str(body["weight_version"])
+        weights.model_path = model_path
+        weights.load_format = str(body.get("load_format") or weights.load_format)
+        weights.updates += 1
+        if body.get("flush_cache", True) and not self.scheduler.flush_cache():
+            return False, FLUSH_REFUSED
+        return True, UPDATED
+
+    async def update_weight_version(self, request: web.Request) -> web.Response:
+        """A new weight_version without new weights: no lock; aborts what is in flight
+        unless abort_all_requests is false (then their spans record the change)."""
+        try:
+            body = check_body(
+                await self._body(request),
+                VERSION_FIELDS,
+                "new_version",
+                "UpdateWeightVersionReqInput",
+            )
+        except ValueError as exc:
+            return json_reply(error_object(str(exc), 400) | {"type": "Bad Request"}, 400)
+        if body.get("abort_all_requests", True) is not False:
+            self.scheduler.abort_all()
+        new_version = str(body["new_version"])
+        self.scheduler.change_version(new_version)
+        self.weights.weight_version = new_version
+        logger.info("weight version updated to %s", new_version)
+        return json_reply(
+            {
+                "success": True,
+                "message": f"Weight version updated to {new_version}",
+                "new_version": new_version,
+            }
+        )
 
     async def pause_generation(self, request: web.Request) -> web.Response:
         try:

@@ -91,6 +91,7 @@ if TYPE_CHECKING:
     from app.ledger.queue import touch_queued as touch_queued
     from app.ledger.reads import RunCounts as RunCounts
     from app.ledger.reads import StoredItem as StoredItem
+    from app.ledger.reads import done_weight_versions as done_weight_versions
     from app.ledger.reads import iter_items as iter_items
     from app.ledger.reads import merged_pages as merged_pages
     from app.ledger.reads import prompt_item_ids as prompt_item_ids
@@ -178,6 +179,7 @@ _EXPORTS: dict[str, str] = {
     "touch_queued": "app.ledger.queue",
     "RunCounts": "app.ledger.reads",
     "StoredItem": "app.ledger.reads",
+    "done_weight_versions": "app.ledger.reads",
     "iter_items": "app.ledger.reads",
     "merged_pages": "app.ledger.reads",
     "prompt_item_ids": "app.ledger.reads",

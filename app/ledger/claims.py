@@ -36,6 +36,8 @@ class ClaimedItem:
     attempts: int
     item_key: str = ""
     turn_index: int = 0
+    # the row's own sampling_params, merged over the run's when the request is built
+    row_sampling_params: dict[str, Any] | None = None
 
 
 _CLAIM_COLUMNS = (
@@ -46,6 +48,7 @@ _CLAIM_COLUMNS = (
     items.c.attempts,
     items.c.item_key,
     items.c.turn_index,
+    items.c.row_sampling_params,
 )
 
 

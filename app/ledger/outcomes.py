@@ -3,6 +3,7 @@ record_outcomes, and leases given back: by a worker shutting down, or because th
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -73,15 +74,17 @@ UPDATE items SET
     status = 'done', output_ids = v.output_ids, finish_reason = v.finish_reason,
     matched_stop = v.matched, prompt_tokens = v.prompt, completion_tokens = v.completion,
     cached_tokens = v.cached, latency_s = v.latency, server = coalesce(v.server, items.server),
+    weight_version = v.weight_version, sampling_params = CAST(v.sampling AS json),
     attempts = items.attempts + v.attempts, error = NULL, lease_owner = NULL,
     lease_expires_at = NULL, finished_at = :now
 FROM unnest(
     CAST(:ids AS bigint[]), CAST(:outputs AS bytea[]), CAST(:reasons AS text[]),
     CAST(:matched AS text[]), CAST(:prompt AS integer[]), CAST(:completion AS integer[]),
     CAST(:cached AS integer[]), CAST(:latency AS double precision[]),
-    CAST(:attempts AS integer[]), CAST(:servers AS text[])
+    CAST(:attempts AS integer[]), CAST(:servers AS text[]), CAST(:versions AS text[]),
+    CAST(:samplings AS text[])
 ) AS v(id, output_ids, finish_reason, matched, prompt, completion, cached, latency, attempts,
-       server)
+       server, weight_version, sampling)
 WHERE items.id = v.id AND items.status <> 'done' AND items.status <> 'failed'
   AND items.id IN (
     SELECT id FROM items WHERE id = ANY(CAST(:ids AS bigint[])) ORDER BY id FOR UPDATE
@@ -109,6 +112,10 @@ def _record_done_together(conn: Connection, rows: list[dict[str, Any]], now: dat
             "latency": [r["b_latency"] for r in picked],
             "attempts": [r["b_attempts"] for r in picked],
             "servers": [r["b_server"] for r in picked],
+            "versions": [r["b_weight_version"] for r in picked],
+            "samplings": [
+                None if r["b_sampling"] is None else json.dumps(r["b_sampling"]) for r in picked
+            ],
         },
     )
 
@@ -156,6 +163,8 @@ def _record_done(conn: Connection, done: Sequence[Done], now: datetime) -> None:
             latency_s=bindparam("b_latency"),
             server=func.coalesce(bindparam("b_server", type_=items.c.server.type), items.c.server),
             attempts=items.c.attempts + bindparam("b_attempts"),
+            weight_version=bindparam("b_weight_version"),
+            sampling_params=bindparam("b_sampling", type_=items.c.sampling_params.type),
             error=None,
             lease_owner=None,
             lease_expires_at=None,
@@ -174,6 +183,8 @@ def _record_done(conn: Connection, done: Sequence[Done], now: datetime) -> None:
             "b_latency": o.result.e2e_latency_s,
             "b_attempts": o.attempts_used,
             "b_server": o.server,
+            "b_weight_version": o.result.weight_version,
+            "b_sampling": o.result.sampling_params,
         }
         for o in done
     ]

@@ -40,6 +40,8 @@ class NewItem:
     tools: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
+    # the row's own sampling_params (None: the run's alone)
+    sampling_params: dict[str, Any] | None = None
 
 
 def _insert_ignoring_conflicts(conn: Connection) -> Any:
@@ -70,6 +72,7 @@ def insert_items(conn: Connection, run_id: int, new: Sequence[NewItem]) -> int:
             "tool_set_id": tool_set_ids[tools_hash(n.tools)] if n.tools else None,
             "chat_template_kwargs": n.chat_template_kwargs,
             "row_metadata": n.metadata,
+            "row_sampling_params": n.sampling_params,
             "prompt_ids": n.prompt_ids,
             "prompt_tokens": len(n.prompt_ids),
             "turn_index": n.turn_index,

@@ -185,6 +185,11 @@ class StoredItem:
     chat_template_kwargs: dict[str, Any] | None = None
     # the row's fields that are not template inputs, exported with each sample
     metadata: dict[str, Any] | None = None
+    # provenance once done: the weights that made it and the sampling_params it was sent;
+    # and the row's own sampling_params (merged over the run's)
+    weight_version: str | None = None
+    sampling_params: dict[str, Any] | None = None
+    row_sampling_params: dict[str, Any] | None = None
 
 
 # StoredItem's fields that are columns of items (and of items_archive) under their own names
@@ -209,6 +214,9 @@ _STORED_FIELDS = (
     "shard_uri",
     "shard_row",
     "chat_template_kwargs",
+    "weight_version",
+    "sampling_params",
+    "row_sampling_params",
 )
 
 
@@ -445,3 +453,17 @@ def stored_items(conn: Connection, ids: Sequence[int]) -> list[StoredItem]:
         stmt = _stored_select(table).where(table.c.id.in_(list(ids)))
         found.update((row.id, StoredItem(**row._mapping)) for row in conn.execute(stmt))
     return [found[i] for i in sorted(found)]
+
+
+def done_weight_versions(conn: Connection, run_id: int) -> dict[str | None, int]:
+    """The run's done samples per weight version (None: results stored before versions were)."""
+    counts: dict[str | None, int] = {}
+    for table in (items, items_archive):
+        stmt = (
+            select(table.c.weight_version, func.count())
+            .where(table.c.run_id == run_id, table.c.status == ItemStatus.DONE.value)
+            .group_by(table.c.weight_version)
+        )
+        for version, n in conn.execute(stmt):
+            counts[version] = counts.get(version, 0) + int(n)
+    return counts

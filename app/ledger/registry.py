@@ -27,6 +27,10 @@ PAUSED_BY_FINGERPRINT = "fingerprint"
 PAUSED_BY_RESTART = "restart"
 # its rendering of a `--require-parity` run's prompts differs from the stored ones
 PAUSED_BY_PARITY = "parity"
+# its weights changed under the runs it served (an in-place update), or `update-weights`
+PAUSED_BY_WEIGHTS = "weights"
+# `tokenmill update-weights` at work (the watchdog leaves it to the command)
+PAUSED_BY_UPDATE = "update"
 
 
 @dataclass(frozen=True)
@@ -369,6 +373,20 @@ def active_run_fingerprints(conn: Connection) -> list[tuple[int, str, dict[str, 
     return [
         (r.id, r.name, dict(r.fingerprint))
         for r in conn.execute(stmt).all()
+        if run_has_items(conn, r.id, unfinished)
+    ]
+
+
+def active_run_pins(conn: Connection) -> list[tuple[str, dict[str, Any] | None, str | None]]:
+    """(run name, pinned fingerprint or None, `--weight-version` or None) of every run that
+    still has unfinished items (an indexed probe per run, as active_run_fingerprints)."""
+    unfinished = (ItemStatus.PENDING.value, ItemStatus.QUEUED.value, ItemStatus.LEASED.value)
+    stmt = select(runs.c.id, runs.c.name, runs.c.fingerprint, runs.c.weight_version).where(
+        runs.c.archived_at.is_(None)
+    )
+    return [
+        (r.name, dict(r.fingerprint) if r.fingerprint else None, r.weight_version)
+        for r in conn.execute(stmt.order_by(runs.c.id)).all()
         if run_has_items(conn, r.id, unfinished)
     ]
 

@@ -42,6 +42,10 @@ class RunSpec:
     normalization_version: str = field(default_factory=lambda: _current_rules())
     # template choice, transformers versions, --pass-turn-fields (app.prompts.chat_pins)
     chat_pins: dict[str, Any] | None = None
+    # `--weight-version V`: only servers reporting V serve the run
+    weight_version: str | None = None
+    # `--reasoning-effort a,b,c`: sample k is templated with the k-th effort (modulo)
+    reasoning_efforts: tuple[str | float, ...] = ()
 
 
 def _current_rules() -> str:
@@ -73,16 +77,21 @@ class RunInfo:
     # None: created before the rules were pinned (app.prompts.chat_path.check_version refuses it)
     normalization_version: str | None = None
     chat_pins: dict[str, Any] | None = None
+    weight_version: str | None = None
+    reasoning_efforts: tuple[str | float, ...] = ()
 
 
 # The run's turn mode rides in its pinned sampling_params JSON (no column of its own), under
 # a key SamplingParams does not have; present only for `--turns all`, so older runs read "last".
 _TURNS_KEY = "turns"
+# the same for the reasoning-effort cycle (a template input per sample, not a sampling value)
+_EFFORTS_KEY = "reasoning_effort_cycle"
 
 
 def _run_info(row: Any) -> RunInfo:
     pinned = dict(row.sampling_params)
     turns = str(pinned.pop(_TURNS_KEY, "last"))
+    efforts = tuple(pinned.pop(_EFFORTS_KEY, ()))
     return RunInfo(
         id=row.id,
         name=row.name,
@@ -103,6 +112,8 @@ def _run_info(row: Any) -> RunInfo:
         tokenizer_files=dict(row.tokenizer_files) if row.tokenizer_files is not None else None,
         normalization_version=row.normalization_version,
         chat_pins=dict(row.chat_pins) if row.chat_pins is not None else None,
+        weight_version=row.weight_version,
+        reasoning_efforts=efforts,
     )
 
 
@@ -152,6 +163,11 @@ def run_differences(existing: RunInfo, spec: RunSpec) -> list[str]:
         from app.prompts.chat_pins import pin_differences
 
         diffs += pin_differences(existing.chat_pins, spec.chat_pins)
+    if existing.weight_version != spec.weight_version:
+        diffs.append(f"weight version: {existing.weight_version} → {spec.weight_version}")
+    if existing.reasoning_efforts != spec.reasoning_efforts:
+        old_e, new_e = list(existing.reasoning_efforts), list(spec.reasoning_efforts)
+        diffs.append(f"reasoning effort cycle: {old_e} → {new_e}")
     return diffs
 
 
@@ -210,6 +226,7 @@ def get_or_create_run(conn: Connection, spec: RunSpec) -> tuple[RunInfo, bool]:
             created_at=utcnow(),
             normalization_version=spec.normalization_version,
             chat_pins=spec.chat_pins,
+            weight_version=spec.weight_version,
         )
     )
     return get_run(conn, spec.name), True
@@ -219,6 +236,8 @@ def _pinned_sampling(spec: RunSpec) -> dict[str, Any]:
     pinned = spec.sampling.to_json()
     if spec.turns != "last":
         pinned[_TURNS_KEY] = spec.turns
+    if spec.reasoning_efforts:
+        pinned[_EFFORTS_KEY] = list(spec.reasoning_efforts)
     return pinned
 
 

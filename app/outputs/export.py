@@ -20,6 +20,7 @@ from app import ledger
 from app.core.constants import EXPORT_FORMATS
 from app.core.errors import ConfigurationError
 from app.ledger import RunInfo, StoredItem
+from app.outputs.provenance import provenance, weight_filter
 from app.outputs.split import Selection, eval_path, manifest_path
 from app.prompts.conversation import check_specforge_row, template_encoder, whole_conversation_mask
 from app.prompts.tokenization import ChatTokenizer, split_reasoning
@@ -56,7 +57,9 @@ def specforge_row(item: StoredItem) -> dict[str, Any]:
 
 
 def _with_metadata(row: dict[str, Any], item: StoredItem) -> dict[str, Any]:
-    """The row with the input row's metadata fields (source, category, ...), if it had any."""
+    """The row with its provenance (weight_version, sampling_params) and the input row's
+    metadata fields (source, category, ...), if it had any."""
+    row.update(provenance(item))
     if item.metadata is not None:
         row["metadata"] = item.metadata
     return row
@@ -150,9 +153,14 @@ def iter_rows(
     tokenizer: ChatTokenizer | None,
     *,
     whole: bool = False,
+    weight_version: str | None = None,
+    allow_mixed_weights: bool = False,
 ) -> Iterator[tuple[StoredItem, dict[str, Any]]]:
     with db.connect() as conn:
+        keep = weight_filter(conn, run, weight_version, allow_mixed_weights)
         for item in ledger.iter_items(conn, run.id, final_turns_only=whole):
+            if not keep(item):
+                continue
             if fmt == "specforge" and whole:
                 assert tokenizer is not None
                 yield item, whole_conversation_row(item, run, tokenizer)
@@ -226,8 +234,11 @@ def export_run(
     per_turn: bool = False,
     whole_conversation: bool = False,
     selection: Selection | None = None,
+    weight_version: str | None = None,
+    allow_mixed_weights: bool = False,
 ) -> ExportReport:
     """Write every done sample of run to out (atomically: a temp file renamed when complete).
+    One weight version per export unless allow_mixed_weights (app.outputs.provenance).
 
     A `--turns all` run: one row per turn (per_turn), or per chain whose every turn is done
     (whole_conversation; the default of the conversations format). With a selection, eval rows
@@ -247,7 +258,16 @@ def export_run(
     if selection is not None and selection.eval_fraction is not None:
         files["eval"] = _JsonlFile(eval_path(out))
     try:
-        for item, row in iter_rows(db, run, fmt, tokenizer, whole=whole):
+        rows = iter_rows(
+            db,
+            run,
+            fmt,
+            tokenizer,
+            whole=whole,
+            weight_version=weight_version,
+            allow_mixed_weights=allow_mixed_weights,
+        )
+        for item, row in rows:
             side = "train" if selection is None else selection.side(item)
             if side not in files:
                 continue

@@ -52,6 +52,9 @@ SHARD_SCHEMA = pa.schema(
         pa.field("item_id", pa.int64(), nullable=False),
         # the row's fields that were not template inputs (source, category, ...), as JSON text
         pa.field("metadata", pa.string()),
+        # provenance: the weights that made the sample, and its sampling_params as JSON text
+        pa.field("weight_version", pa.string()),
+        pa.field("sampling_params", pa.string()),
     ]
 )
 COLUMNS: tuple[str, ...] = tuple(SHARD_SCHEMA.names)
@@ -78,6 +81,8 @@ class ShardRow:
     latency_s: float | None
     item_id: int
     metadata: str | None = None
+    weight_version: str | None = None
+    sampling_params: str | None = None
 
 
 @dataclass(frozen=True)

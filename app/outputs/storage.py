@@ -22,6 +22,7 @@ from app import ledger
 from app.core.errors import ConfigurationError, NotFound
 from app.core.models import ItemStatus
 from app.ledger import RunInfo, StoredItem, counters, registry
+from app.outputs.provenance import ProvenanceCounts, weight_filter
 from app.outputs.shards import (
     Location,
     ShardInfo,
@@ -67,6 +68,8 @@ def shard_row(item: StoredItem) -> ShardRow:
         latency_s=item.latency_s,
         item_id=item.id,
         metadata=None if item.metadata is None else json.dumps(item.metadata, ensure_ascii=False),
+        weight_version=item.weight_version,
+        sampling_params=None if item.sampling_params is None else json.dumps(item.sampling_params),
     )
 
 
@@ -135,6 +138,8 @@ def export_parquet(
     *,
     storage_options: dict[str, Any] | None = None,
     shard_rows: int = 50_000,
+    weight_version: str | None = None,
+    allow_mixed_weights: bool = False,
 ) -> ParquetExport:
     """Write every done sample of run as Parquet shards and a .manifest.json under url.
 
@@ -144,6 +149,8 @@ def export_parquet(
     any point leaves the previous export whole and no manifest listing a partial or foreign
     shard. After the manifest, shards it does not list are removed, and so is a manifest of an
     older export under its old name (it would keep readers of the folder from opening it).
+    One weight version per export (app.outputs.provenance): weight_version picks one, or
+    allow_mixed_weights takes them all; the manifest counts samples per version and setting.
     """
     if shard_rows < 1:
         raise ValueError("shard_rows must be at least 1")
@@ -153,10 +160,15 @@ def export_parquet(
     export_id = uuid.uuid4().hex[:8]
     report = ParquetExport(url=loc.url)
     servers: set[str] = set()
+    made = ProvenanceCounts()
     with db.connect() as conn:
+        keep = weight_filter(conn, run, weight_version, allow_mixed_weights)
         writer: ShardWriter | None = None
         try:
             for item in ledger.iter_items(conn, run.id):
+                if not keep(item):
+                    continue
+                made.add(item)
                 if writer is None:
                     name = f"{SHARD_PREFIX}{len(report.shards):05d}-{export_id}{SHARD_SUFFIX}"
                     writer = ShardWriter(loc, name)
@@ -190,6 +202,7 @@ def export_parquet(
             "failed": counts.failed,
             "unfinished": counts.total - counts.done - counts.failed,
         },
+        "provenance": made.to_json() | {"weight_version": weight_version},
         "shards": [s.to_json() for s in report.shards],
         "created_at": ledger.utcnow().isoformat(),
     }
@@ -285,13 +298,16 @@ def check_export(
     # counted from the items themselves: a check does not trust the counters it could catch
     scanned = counters.scanned_groups(conn, run.id)
     done = sum(t.items for k, t in scanned.items() if k.status == ItemStatus.DONE.value)
+    picked = (manifest.get("provenance") or {}).get("weight_version")
+    if picked is not None:  # an export of one weight version (`--weight-version`)
+        done = ledger.done_weight_versions(conn, run.id).get(picked, 0)
     if check.rows != done:
         problems.append(f"the manifest lists {check.rows} rows; the ledger has {done} done items")
     counted = (manifest.get("counts") or {}).get("rows")
     if counted != check.rows:
         problems.append(f"manifest counts.rows is {counted}; its shards add up to {check.rows}")
     if len(readable) == len(shards):
-        _compare_rows(conn, run_id, loc, readable, problems)
+        _compare_rows(conn, run_id, loc, readable, problems, picked)
     else:
         problems.append("rows were not compared with the ledger: a shard is unreadable")
     if len(problems) > MAX_PROBLEMS:
@@ -330,12 +346,22 @@ def _export_rows(loc: Location, names: list[str]) -> Iterator[tuple[str, ShardRo
 
 
 def _compare_rows(
-    conn: Connection, run_id: int, loc: Location, names: list[str], problems: list[str]
+    conn: Connection,
+    run_id: int,
+    loc: Location,
+    names: list[str],
+    problems: list[str],
+    weight_version: str | None = None,
 ) -> None:
     mismatches = 0
     position = 0
+    stored_items = (
+        item
+        for item in ledger.iter_items(conn, run_id)
+        if weight_version is None or item.weight_version == weight_version
+    )
     try:
-        pairs = itertools.zip_longest(_export_rows(loc, names), ledger.iter_items(conn, run_id))
+        pairs = itertools.zip_longest(_export_rows(loc, names), stored_items)
         for position, (exported, stored) in enumerate(pairs):  # noqa: B007
             if exported is None:
                 assert stored is not None
@@ -366,4 +392,10 @@ def _row_differences(row: ShardRow, item: StoredItem) -> list[str]:
         "output_ids": item.output_ids or [],
         "finish_reason": item.finish_reason,
     }
+    if row.weight_version is not None or row.sampling_params is not None:
+        # shards written before the provenance columns read them as null
+        wanted["weight_version"] = item.weight_version
+        wanted["sampling_params"] = (
+            None if item.sampling_params is None else json.dumps(item.sampling_params)
+        )
     return [f"{k} (ledger item {item.id})" for k, v in wanted.items() if getattr(row, k) != v]

@@ -31,13 +31,25 @@ CHECK_STOP = "stop_token"
 CHECK_LENGTH = "max_new_tokens"
 CHECK_COMPLETION = "completion_tokens"
 CHECK_PROMPT = "prompt_tokens"
-CHECKS = (CHECK_TEMPLATE, CHECK_STOP, CHECK_LENGTH, CHECK_COMPLETION, CHECK_PROMPT)
+CHECK_WEIGHTS = "weight_version"
+CHECK_SAMPLING = "sampling_params"
+CHECKS = (
+    CHECK_TEMPLATE,
+    CHECK_STOP,
+    CHECK_LENGTH,
+    CHECK_COMPLETION,
+    CHECK_PROMPT,
+    CHECK_WEIGHTS,
+    CHECK_SAMPLING,
+)
 CHECK_TITLES = {
     CHECK_TEMPLATE: "chat template re-applied reproduces prompt_ids",
     CHECK_STOP: "stopped outputs end with a stop/EOS id",
     CHECK_LENGTH: "truncated outputs have exactly max_new_tokens ids",
     CHECK_COMPLETION: "len(output_ids) == the server's completion_tokens",
     CHECK_PROMPT: "len(prompt_ids) == the server's prompt_tokens",
+    CHECK_WEIGHTS: "each sample's weight_version is the one the run pinned",
+    CHECK_SAMPLING: "each sample's sampling_params are the run's for it, with its row's over them",
 }
 
 
@@ -179,8 +191,11 @@ def verify_run(
     with db.connect() as conn:
         for item in ledger.iter_items(conn, run.id, storage_options=storage_options):
             report.items += 1
-            _check_finish(report, item, stops, run.sampling.max_new_tokens)
+            sent = run.sampling.for_sample(item.sample_index, item.row_sampling_params)
+            mine = stops | set(sent.get("stop_token_ids") or [])
+            _check_finish(report, item, mine, sent.get("max_new_tokens"))
             _check_counts(report, item)
+            _check_provenance(report, item, sent, pinned_version(run))
             if item.messages is None or tokenizer is None:
                 report.checks[CHECK_TEMPLATE].not_checkable += 1
             else:
@@ -249,13 +264,49 @@ def _ids_difference(stored: list[int], templated: list[int]) -> str:
     )
 
 
+def pinned_version(run: RunInfo) -> str | None:
+    """The weight version a run's samples must have: its `--weight-version`, else the one
+    its fingerprint pinned when a server first served it."""
+    if run.weight_version is not None:
+        return run.weight_version
+    version = (run.fingerprint or {}).get("weight_version")
+    return None if version is None else str(version)
+
+
+def _check_provenance(
+    report: VerifyReport, item: StoredItem, expected: dict[str, Any], pinned: str | None
+) -> None:
+    """The sample's weights against the pin, and what it was sent against what the run and
+    its row ask for that sample (results stored before either was recorded: not checkable)."""
+    weights = report.checks[CHECK_WEIGHTS]
+    if item.weight_version is None or pinned is None:
+        weights.not_checkable += 1
+    elif item.weight_version != pinned:
+        weights.failed(item, f"weight_version {item.weight_version}; the run pinned {pinned}")
+    else:
+        weights.passed()
+    sampling = report.checks[CHECK_SAMPLING]
+    if item.sampling_params is None:
+        sampling.not_checkable += 1
+    elif item.sampling_params != expected:
+        keys = sorted(set(item.sampling_params) | set(expected))
+        diff = [
+            f"{k}: sent {item.sampling_params.get(k)!r}, expected {expected.get(k)!r}"
+            for k in keys
+            if item.sampling_params.get(k) != expected.get(k)
+        ]
+        sampling.failed(item, "; ".join(diff))
+    else:
+        sampling.passed()
+
+
 def _check_finish(
-    report: VerifyReport, item: StoredItem, stops: set[int], max_new_tokens: int
+    report: VerifyReport, item: StoredItem, stops: set[int], max_new_tokens: int | None
 ) -> None:
     output = item.output_ids or []
     if item.finish_reason == "length":
         tally = report.checks[CHECK_LENGTH]
-        if len(output) == max_new_tokens:
+        if max_new_tokens is None or len(output) == max_new_tokens:  # null: the context's rest
             tally.passed()
         else:
             tally.failed(

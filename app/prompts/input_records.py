@@ -25,6 +25,7 @@ from app.prompts.input_turns import (
     prompt_turns,
     sharegpt_tools,
 )
+from app.prompts.row_sampling import parse_row_sampling
 
 # The ledger's item_key column holds 200 characters.
 MAX_KEY_CHARS = 200
@@ -35,7 +36,14 @@ CONTENT_KEY_CHARS = 20
 PROMPT_FIELDS = ("messages", "conversations", "prompt", "input_ids")
 # Top-level fields that are template inputs or the item key, besides the prompt field; every
 # other top-level field is row metadata, exported with each sample.
-INPUT_FIELDS = ("id", "system", "tools", "chat_template_kwargs", "reasoning_effort")
+INPUT_FIELDS = (
+    "id",
+    "system",
+    "tools",
+    "chat_template_kwargs",
+    "reasoning_effort",
+    "sampling_params",
+)
 
 
 @dataclass(frozen=True)
@@ -73,6 +81,10 @@ def build_record(
     system = _system_field(data.get("system"))
     used = [field] + [name for name in INPUT_FIELDS if data.get(name) is not None]
     metadata = _metadata(data, used)
+    try:
+        sampling = parse_row_sampling(data.get("sampling_params"))
+    except InputError as error:
+        raise BadRow(error.reason) from None
     if kind == "input_ids":
         for name in ("system", "tools", "chat_template_kwargs", "reasoning_effort"):
             if data.get(name) is not None:
@@ -80,10 +92,11 @@ def build_record(
         ids = _input_ids(data[field], field)
         record = PromptRecord(
             line_no,
-            key or content_key("input_ids", ids),
+            key or content_key("input_ids", ids if sampling is None else [ids, sampling]),
             input_ids=ids,
             metadata=metadata,
             prompt_fields=tuple(used),
+            sampling_params=sampling,
         )
         return record, key is not None
     bad: BadTurn | None = None
@@ -111,7 +124,7 @@ def build_record(
     messages = prompt_turns(list(turns), field)
     record = PromptRecord(
         line_no,
-        key or content_key("messages", _key_content(messages, tools, row_kwargs, effort)),
+        key or content_key("messages", _key_content(messages, tools, row_kwargs, effort, sampling)),
         messages=messages,
         conversation=turns if len(turns) > len(messages) else None,
         tools=tools,
@@ -121,6 +134,7 @@ def build_record(
         prompt_fields=tuple(used),
         bad_turn=None if bad is None else (bad.index, bad.reason),
         bad_turn_in_tail=in_tail,
+        sampling_params=sampling,
     )
     return record, key is not None
 
@@ -158,12 +172,14 @@ def _key_content(
     tools: list[dict[str, Any]] | None,
     kwargs: dict[str, Any] | None,
     effort: str | float | None,
+    sampling: dict[str, Any] | None = None,
 ) -> Any:
-    """What a content key hashes: the turns, and the row's tools and kwargs when it has any
-    (so rows without them keep the keys they always had)."""
-    if tools is None and kwargs is None and effort is None:
+    """What a content key hashes: the turns, and the row's tools, kwargs and sampling when it
+    has any (so rows without them keep the keys they always had)."""
+    if tools is None and kwargs is None and effort is None and sampling is None:
         return messages
-    return {"messages": messages, "tools": tools, "kwargs": kwargs, "effort": effort}
+    content = {"messages": messages, "tools": tools, "kwargs": kwargs, "effort": effort}
+    return content if sampling is None else content | {"sampling": sampling}
 
 
 def _row_kwargs(value: Any) -> dict[str, Any] | None:

@@ -9,7 +9,7 @@ import ssl
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Any, Final
 
@@ -221,7 +221,8 @@ class SGLangClient:
             result.prompt_tokens,
             result.completion_tokens,
         )
-        return result
+        # what the server received, kept with the result as its provenance
+        return replace(result, sampling_params=dict(body["sampling_params"]))
 
     def abort(self, rid: str) -> bool:
         """Ask the server to abort request `rid` (`POST /abort_request`); best effort.
@@ -241,6 +242,33 @@ class SGLangClient:
             logger.warning("abort of rid %s at %s refused: %s", rid, self.base_url, error)
             return False
         return True
+
+    def update_weights_from_disk(
+        self,
+        model_path: str,
+        *,
+        weight_version: str | None = None,
+        load_format: str | None = None,
+        abort_all_requests: bool = False,
+    ) -> tuple[bool, str]:
+        """`POST /update_weights_from_disk`: load new weights in place (the server waits for
+        its requests in flight unless abort_all_requests); (success, the server's message).
+        A load can take minutes, so it is bounded by the generate timeout."""
+        body: dict[str, Any] = {"model_path": model_path, "abort_all_requests": abort_all_requests}
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        if load_format is not None:
+            body["load_format"] = load_format
+        response = self._send(
+            "POST", "/update_weights_from_disk", timeout=self._generate_timeout, json=body
+        )
+        try:
+            answer = json.loads(response.content)
+        except ValueError:
+            answer = None
+        if isinstance(answer, dict) and "success" in answer:
+            return bool(answer["success"]), str(answer.get("message") or "")
+        raise map_http_error(response.status_code, response.content)
 
     # -- health -----------------------------------------------------------------------
 

@@ -51,6 +51,17 @@ def _matched(value: Any) -> int | str | None:
     raise _malformed("finish_reason.matched has an unknown shape")
 
 
+def _span_versions(spans: Any) -> tuple[str, ...]:
+    """The versions of meta_info.weight_versions ([{"version", "start", "end"}]), in order."""
+    if not isinstance(spans, list):
+        return ()
+    return tuple(
+        str(s["version"])
+        for s in spans
+        if isinstance(s, dict) and isinstance(s.get("version"), str)
+    )
+
+
 def parse_generate_response(
     content: bytes,
     rid: str,
@@ -118,6 +129,7 @@ def parse_generate_response(
             else elapsed_s
         ),
         weight_version=weight_version if isinstance(weight_version, str) else None,
+        weight_versions=_span_versions(meta.get("weight_versions")),
         prompt_token_ids=prompt_token_ids,
         text=text if isinstance(text, str) else "",
         spec=_spec_stats(meta),

@@ -70,6 +70,7 @@ _FLAG_FIELDS = {
     "--hang-after-s": ("hang_after_s", float),
     "--hang-after-requests": ("hang_after_requests", int),
     "--health-timeout-s": ("health_timeout_s", float),
+    "--weight-version": ("weight_version", str),
 }
 
 
@@ -248,31 +249,42 @@ class Deployment:
 
     # --- the run --------------------------------------------------------------------------
 
-    def enqueue(self, tokenizer: Path, n: int, *, long_every: int = 0, long_words: int = 0) -> None:
-        prompts = self.tmp / "prompts.jsonl"
+    def enqueue(
+        self,
+        tokenizer: Path,
+        n: int,
+        *,
+        long_every: int = 0,
+        long_words: int = 0,
+        run: str = RUN,
+        extra: tuple[str, ...] = (),
+    ) -> None:
+        prompts = self.tmp / f"prompts-{run}.jsonl"
         prompts.write_text("".join(prompt_lines(n, long_every, long_words)))
         result = tokenmill(
             [
                 "enqueue",
                 str(prompts),
                 "--run",
-                RUN,
+                run,
                 "--tokenizer",
                 str(tokenizer),
                 "--max-new-tokens",
                 str(MAX_NEW_TOKENS),
                 "--seed",
                 "1",
+                *extra,
             ],
             self.env,
         )
         assert result.returncode == 0, result.stderr
-        self.items = n
-        assert self.counts().total == n
+        if run == RUN:
+            self.items = n
+        assert self.counts(run).total == n
 
-    def counts(self) -> ledger.RunCounts:
+    def counts(self, run: str = RUN) -> ledger.RunCounts:
         with self.db.connect() as conn:
-            return ledger.run_counts(conn, ledger.get_run(conn, RUN))
+            return ledger.run_counts(conn, ledger.get_run(conn, run))
 
     def server(self, name: str) -> registry.ServerInfo:
         with self.db.connect() as conn:

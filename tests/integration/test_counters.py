@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 from alembic import command
 from click.testing import CliRunner
-from sqlalchemy import Connection, Engine, create_engine, delete, func, select, text, update
+from sqlalchemy import Connection, Engine, create_engine, delete, func, insert, select, text, update
 
 from app import ledger
-from app.core.contracts import GenerateResult
+from app.core.contracts import GenerateResult, SamplingParams
 from app.core.settings import get_settings
 from app.ledger import Done, Failed, Released, RetryLater, counters, items, runs
 from app.ledger.counters import GroupKey, LatencyKey, Tally
@@ -307,11 +307,21 @@ def test_the_migration_backfills_existing_items(
     )
     upgrade(engine, "0005f")  # the revision before the counters
     with engine.begin() as conn:
-        run = support_runs.make_run(conn, "old")
+        # the columns that revision has (today's models also read later ones)
+        run_id = conn.execute(
+            insert(ledger.runs)
+            .values(
+                name="old", tokenizer_path="/t", tokenizer_hash="a" * 64,
+                chat_template_hash="b" * 64, chat_template_kwargs={},
+                sampling_params=SamplingParams().to_json(), samples_per_prompt=1,
+                eos_token_ids=[2], created_at=ledger.utcnow(),
+            )
+            .returning(ledger.runs.c.id)
+        ).scalar_one()  # fmt: skip
         for i, status in enumerate(["pending", "queued", "leased", "done", "done", "failed"]):
             support_runs.add_item(
                 conn,
-                run.id,
+                run_id,
                 f"k{i}",
                 status=status,
                 completion_tokens=10 * i,
@@ -321,6 +331,7 @@ def test_the_migration_backfills_existing_items(
     upgrade(engine)
     with engine.connect() as conn:
         assert_exact(conn)
+        run = ledger.get_run(conn, "old")
         counts = ledger.run_counts(conn, run)
         assert (counts.total, counts.done, counts.truncated, counts.output_tokens) == (6, 2, 1, 70)
     # and the downgrade removes the triggers with the tables

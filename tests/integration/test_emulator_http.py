@@ -569,7 +569,8 @@ def test_step_ms_zero_answers_at_once_and_flags_come_from_the_environment() -> N
         "TOKENMILL_EMULATOR_WEIGHT_VERSION": "v7",
         "TOKENMILL_EMULATOR_REASONING_PARSER": "kimi_k2",
     }
-    immediate = EmulatorConfig(step_ms=0)
+    # the outputs are those of the weights it runs (v7)
+    immediate = EmulatorConfig(step_ms=0, weight_version="v7")
     with running_emulator(env=env) as process:
         info = get(process, "/model_info").json()
         assert (info["model_path"], info["weight_version"]) == ("org/other-model", "v7")

@@ -49,11 +49,15 @@ def _wheel(cache_dir: Path, version: str) -> Path:
 
 def contract_path(cache_dir: Path = CACHE_DIR, version: str = SGLANG_VERSION) -> Path:
     """The extracted api_types.py, fetching the wheel and extracting it on first use."""
-    target = cache_dir / f"api_types-{version}.py"
+    return _extracted(CONTRACT_MEMBER, cache_dir / f"api_types-{version}.py", cache_dir, version)
+
+
+def _extracted(member: str, target: Path, cache_dir: Path, version: str) -> Path:
+    """One file of the wheel at target, extracted on first use."""
     if target.exists():
         return target
     with zipfile.ZipFile(_wheel(cache_dir, version)) as wheel:
-        source = wheel.read(CONTRACT_MEMBER)
+        source = wheel.read(member)
     # write then rename: concurrent test processes never see half a file
     handle, temporary = tempfile.mkstemp(dir=cache_dir, suffix=".py.part")
     with os.fdopen(handle, "wb") as out:
@@ -95,20 +99,6 @@ PROTOCOL_MODULE = "sglang_openai_protocol"
 # packages protocol.py imports that are not installed here (or would pull in torch); what it
 # takes from them is replaced by stand-ins that validate anything
 _STUBBED_PACKAGES = ("openai", "sglang", "xgrammar")
-
-
-def protocol_path(cache_dir: Path = CACHE_DIR, version: str = SGLANG_VERSION) -> Path:
-    """The extracted protocol.py of the wheel, fetched and extracted on first use."""
-    target = cache_dir / f"openai_protocol-{version}.py"
-    if target.exists():
-        return target
-    with zipfile.ZipFile(_wheel(cache_dir, version)) as wheel:
-        source = wheel.read(PROTOCOL_MEMBER)
-    handle, temporary = tempfile.mkstemp(dir=cache_dir, suffix=".py.part")
-    with os.fdopen(handle, "wb") as out:
-        out.write(source)
-    os.replace(temporary, target)
-    return target
 
 
 def _stand_in(name: str) -> Any:
@@ -153,27 +143,42 @@ class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         pass
 
 
-@functools.cache
 def load_protocol() -> ModuleType:
     """SGLang's protocol models (TokenizeRequest, TokenizeResponse, DetokenizeRequest, ...).
 
     Its imports of openai, sglang and xgrammar are answered by stand-ins while it loads (and
-    only then: the finder is removed again), so the module runs with pydantic alone.
-    """
-    path = protocol_path()
+    only then), so the module runs with pydantic alone."""
+    return wheel_module(PROTOCOL_MEMBER, PROTOCOL_MODULE)
+
+
+# --- other modules of the wheel, loaded with their sglang imports stubbed ---------------------
+
+
+def wheel_module(member: str, name: str) -> ModuleType:
+    """One module of the wheel (say `sglang/srt/sampling/sampling_params.py`), extracted once
+    and loaded under `name`; its imports of sglang, openai and xgrammar get stand-ins (only
+    while it loads), so its own logic runs without torch."""
+    return _wheel_module(member, name)
+
+
+@functools.cache
+def _wheel_module(member: str, name: str) -> ModuleType:
+    target = _extracted(
+        member, CACHE_DIR / f"{name}-{SGLANG_VERSION}.py", CACHE_DIR, SGLANG_VERSION
+    )
     finder = _StubFinder()
     saved = {k: v for k, v in sys.modules.items() if k.split(".")[0] in _STUBBED_PACKAGES}
     sys.meta_path.insert(0, finder)
     try:
-        spec = importlib.util.spec_from_file_location(PROTOCOL_MODULE, path)
+        spec = importlib.util.spec_from_file_location(name, target)
         if spec is None or spec.loader is None:
-            raise RuntimeError(f"cannot load {path}")
+            raise RuntimeError(f"cannot load {target}")
         module = importlib.util.module_from_spec(spec)
-        sys.modules[PROTOCOL_MODULE] = module  # pydantic resolves annotations through it
+        sys.modules[name] = module
         spec.loader.exec_module(module)
     finally:
         sys.meta_path.remove(finder)
-        for name in [k for k in sys.modules if k.split(".")[0] in _STUBBED_PACKAGES]:
-            if name not in saved:
-                del sys.modules[name]
+        for stubbed in [k for k in sys.modules if k.split(".")[0] in _STUBBED_PACKAGES]:
+            if stubbed not in saved:
+                del sys.modules[stubbed]
     return module

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from sqlalchemy import Engine
 
@@ -25,12 +25,14 @@ from app.ledger.registry import (
     PAUSED_BY_FINGERPRINT,
     PAUSED_BY_PARITY,
     PAUSED_BY_WATCHDOG,
+    PAUSED_BY_WEIGHTS,
     ServerInfo,
 )
 from app.sglang import SGLangClient
 from workers.control.health import Health, Thresholds, Verdict, step
 from workers.control.parity import ParityGate
 from workers.control.pausing import WorkerControl, pause_server, resume_server
+from workers.control.weights import judge, note_weights
 from workers.engine.runtime import client_for
 
 log = logging.getLogger(__name__)
@@ -43,6 +45,8 @@ class Probe:
     ok: bool
     latency_s: float | None
     error: str | None
+    # /model_info as the healthy probe read it: its weights are checked on every probe
+    model: dict[str, Any] | None = None
 
 
 class Prober(Protocol):
@@ -66,18 +70,19 @@ class HttpProber:
         return client_for(server.url, self.settings)
 
     def probe(self, server: ServerInfo) -> Probe:
+        model = None
         with self._client(server) as client:
             result = client.health("/health_generate")
             if result.ok:
                 try:
-                    client.model_info()
+                    model = client.model_info()
                 except GenerationError as exc:
                     if getattr(exc, "status_code", None) in (401, 403):
                         return Probe(False, result.latency_s, str(exc))
         error = None
         if not result.ok:
             error = result.error or f"HTTP {result.status_code}"
-        return Probe(result.ok, result.latency_s, error)
+        return Probe(result.ok, result.latency_s, error, model)
 
     def fingerprint(self, server: ServerInfo) -> ServerFingerprint:
         with self._client(server) as client:
@@ -148,6 +153,12 @@ def check_server(
                 details={"from": previous.state.value, "to": verdict.state.value, "error": error},
             )
             log.warning(message)
+    if verdict.state == Health.HEALTHY and probe.model is not None and server.fingerprint:
+        # weights swapped in place (no restart): seen here even on an idle server
+        now = _live_fingerprint(probe.model, server.fingerprint)
+        if note_weights(db, control, server.name, now, "the watchdog") is not None:
+            with db.connect() as conn:
+                server = registry.get_server(conn, server.name)
     if verdict.state == Health.DOWN and not server.paused:
         pause_server(
             db, control, server.name, by=PAUSED_BY_WATCHDOG, reason=f"server down: {error}"
@@ -164,7 +175,22 @@ def check_server(
 
 
 # pauses the watchdog sets and lifts itself
-_GUARDED = (PAUSED_BY_WATCHDOG, PAUSED_BY_FINGERPRINT, PAUSED_BY_PARITY)
+_GUARDED = (PAUSED_BY_WATCHDOG, PAUSED_BY_FINGERPRINT, PAUSED_BY_PARITY, PAUSED_BY_WEIGHTS)
+
+
+def _live_fingerprint(model: dict[str, Any], known: dict[str, Any]) -> ServerFingerprint:
+    """The fingerprint /model_info gives now; the server version (from /server_info, which
+    weight updates do not change) as known."""
+    return ServerFingerprint(
+        model_path=None if model.get("model_path") is None else str(model["model_path"]),
+        weight_version=(
+            None if model.get("weight_version") is None else str(model["weight_version"])
+        ),
+        reasoning_parser=(
+            None if model.get("reasoning_parser") is None else str(model["reasoning_parser"])
+        ),
+        version=known.get("version"),
+    )
 
 
 def _pause_for_parity(
@@ -195,9 +221,15 @@ def _admit(
         registry.set_fingerprint(conn, server.name, fingerprint.to_json())
         limit_periodic(conn)
         conflicts = fingerprint_conflicts(fingerprint, registry.active_run_fingerprints(conn))
+    # a server that serves some active run (its weights are one of theirs) is admitted; its
+    # workers skip the runs pinned to other weights (one run per version across a fleet)
+    if conflicts and judge(db, fingerprint).accepting:
+        conflicts = []
     if conflicts:
         if server.paused and server.paused_by not in _GUARDED:
             return  # an operator's or a restart's pause: theirs to lift, not ours to relabel
+        if server.paused and server.paused_by == PAUSED_BY_WEIGHTS:
+            return  # paused for its new weights, and still no active run takes them
         reason = "fingerprint differs from the pinned one: " + " | ".join(conflicts)
         if pause_server(db, control, server.name, by=PAUSED_BY_FINGERPRINT, reason=reason):
             with db.begin() as conn:

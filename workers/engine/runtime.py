@@ -13,17 +13,20 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Hashable
+from typing import Any
 
-from sqlalchemy import Engine
+from sqlalchemy import Connection, Engine
 
 from app import ledger
 from app.core.constants import EVENT_FINGERPRINT_MISMATCH, EVENT_FINGERPRINT_PINNED
-from app.core.contracts import SamplingParams, ServerFingerprint
+from app.core.contracts import GenerateResult, SamplingParams, ServerFingerprint
 from app.core.errors import GenerationError
 from app.core.settings import Settings
 from app.ledger import registry
 from app.ledger.database import limit_periodic
 from app.sglang import SGLangClient
+from workers.control.pausing import CeleryControl
+from workers.control.weights import note_weights
 from workers.engine.identity import server_name_for
 from workers.engine.window import InflightWindow, WindowConfig
 from workers.intake.turns import TurnAdvancer
@@ -75,6 +78,10 @@ class WorkerRuntime:
         self._run_ok: dict[int, bool] = {}
         self._pause_cache: tuple[float, bool, str | None] = (-1e9, False, None)
         self._fingerprint: ServerFingerprint | None = None
+        # the weight version each run this worker serves pinned (results are checked by it),
+        # and the weight changes this worker already reported
+        self._pinned_versions: dict[int, str | None] = {}
+        self._drifts_seen: set[tuple[int, str]] = set()
         n = inflight or settings.inflight
         # later turns of `--turns all` chains, started as their previous turn is committed
         self.turns = TurnAdvancer(db, publish=lambda ids: on_released(ids, 0.0))
@@ -105,6 +112,7 @@ class WorkerRuntime:
             find_hedges=self.find_hedges if settings.hedge else None,
             unmark_hedges=self.unmark_hedges,
             group_of=self.group_of,
+            check_result=self.check_result,
         )
 
     def new_client(self) -> SGLangClient:
@@ -181,12 +189,16 @@ class WorkerRuntime:
         at, paused, by = self._pause_cache
         if now - at < max_age_s:
             return paused, by
+        was_paused = paused
         try:
             with self.db.connect() as conn:
                 paused, by = registry.pause_flag(conn, self.server_name)
         except Exception as exc:
             log.warning("could not read the pause flag of %s (%s)", self.server_name, exc)
         self._pause_cache = (now, paused, by)
+        if was_paused and not paused:
+            # resumed: its configuration may have changed meanwhile (a restart, new weights)
+            self.forget_runs()
         return paused, by
 
     def register(self, worker: str | None, *, node: str | None = None) -> None:
@@ -236,6 +248,9 @@ class WorkerRuntime:
             log.info("fingerprint of %s unavailable (%s); deferring", self.server_name, exc)
             return False
         mine = fingerprint.to_json()
+        required = self.run_info(run_id).weight_version
+        if required is not None and fingerprint.weight_version != required:
+            return self._refuse_version(run_id, required, fingerprint)
         with self.db.begin() as conn:
             pinned = ledger.pin_fingerprint(conn, run_id, mine)
             ok = pinned == mine
@@ -259,22 +274,96 @@ class WorkerRuntime:
                     + "; ".join(diff)
                 )
                 log.warning(message)
-                ledger.record_event(
-                    conn,
-                    EVENT_FINGERPRINT_MISMATCH,
-                    message,
-                    run_id=run_id,
-                    server=self.server_name,
-                    details={"pinned": pinned, "server": mine},
-                )
+                self._mismatch(conn, run_id, message, {"pinned": pinned, "server": mine})
         with self._lock:
             self._run_ok[run_id] = ok
+            if ok:
+                self._pinned_versions[run_id] = pinned.get("weight_version")
         return ok
 
     def refuses_run(self, run_id: int) -> bool:
         """This server's fingerprint was found to differ from the run's pinned one."""
         with self._lock:
             return self._run_ok.get(run_id) is False
+
+    def _refuse_version(self, run_id: int, required: str, fingerprint: ServerFingerprint) -> bool:
+        """A run pinned to another weight version: this server skips it (and may serve others)."""
+        message = (
+            f"server {self.server_name} does not serve run {self.run_info(run_id).name}: "
+            f"weight_version: {required} (--weight-version) → {fingerprint.weight_version}"
+        )
+        log.info(message)
+        with self.db.begin() as conn:
+            details = {"weight_version": required, "server": fingerprint.to_json()}
+            self._mismatch(conn, run_id, message, details)
+        with self._lock:
+            self._run_ok[run_id] = False
+        return False
+
+    def _mismatch(
+        self, conn: Connection, run_id: int, message: str, details: dict[str, Any]
+    ) -> None:
+        """The timeline's entry for a run this server does not serve."""
+        ledger.record_event(
+            conn,
+            EVENT_FINGERPRINT_MISMATCH,
+            message,
+            run_id=run_id,
+            server=self.server_name,
+            details=details,
+        )
+
+    def check_result(self, item: ledger.ClaimedItem, result: GenerateResult) -> str | None:
+        """Why this result must not be written: it was made (in part) under other weights than
+        the run pinned ("weight_version: A → B"); None when it is the run's."""
+        with self._lock:
+            pinned = self._pinned_versions.get(item.run_id)
+        seen = result.weight_versions or (
+            (result.weight_version,) if result.weight_version is not None else ()
+        )
+        other = [v for v in seen if v != pinned]
+        if pinned is None or not other:
+            return None
+        change = f"weight_version: {pinned} → {other[-1]}"
+        self._weights_changed(item.run_id, other[-1])
+        return change
+
+    def _weights_changed(self, run_id: int, version: str) -> None:
+        """Once per run and version: look at the server again, record the change and pause the
+        server if no active run takes its new weights; check every run again on next use."""
+        with self._lock:
+            if (run_id, version) in self._drifts_seen:
+                return
+            self._drifts_seen.add((run_id, version))
+            before = self._fingerprint.to_json() if self._fingerprint is not None else None
+        self.forget_runs()
+        try:
+            fingerprint = self.server_fingerprint()
+        except GenerationError as exc:
+            log.warning("fingerprint of %s unavailable (%s)", self.server_name, exc)
+            fingerprint = ServerFingerprint(weight_version=version)
+        if before is not None and fingerprint.weight_version == before.get("weight_version"):
+            # the server answers with other weights than /model_info says: what it answered wins
+            fingerprint = ServerFingerprint(**{**before, "weight_version": version})
+        try:
+            note_weights(
+                self.db, CeleryControl(), self.server_name, fingerprint, "a worker", before
+            )
+        except Exception:
+            # the next result of these weights tries again (a busy SQLite ledger, say)
+            log.exception("could not record the weight change of %s", self.server_name)
+            with self._lock:
+                self._drifts_seen.discard((run_id, version))
+                if before is not None and self._fingerprint is None:
+                    self._fingerprint = ServerFingerprint(**before)
+        self._pause_cache = (-1e9, False, None)  # read the flag again at once
+
+    def forget_runs(self) -> None:
+        """Check every run against the server's fingerprint again on next use (a run's pinned
+        weight version stays: results still in flight are checked by it)."""
+        with self._lock:
+            self._run_ok.clear()
+        self._fingerprint = None
 
     def forget_run(self, run_id: int) -> None:
         """Check this run's fingerprint again on next use (the server may have changed)."""

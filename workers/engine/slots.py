@@ -49,6 +49,8 @@ class SlotHost(Protocol):
 
     def count_done(self, result: GenerateResult) -> None: ...
 
+    def check_result(self, item: ClaimedItem, result: GenerateResult) -> str | None: ...
+
     def hedge_sent(self, job: Job, rid: str) -> bool: ...
 
     def hedge_answered(self, job: Job) -> None: ...
@@ -126,7 +128,9 @@ class Slot:
         try:
             try:
                 result: GenerateResult | None = client.generate(
-                    item.prompt_ids, job.sampling.for_sample(item.sample_index), rid
+                    item.prompt_ids,
+                    job.sampling.for_sample(item.sample_index, item.row_sampling_params),
+                    rid,
                 )
             except GenerationError:
                 if not job.cancelled:
@@ -166,6 +170,20 @@ class Slot:
                 extra=item_fields(item, self._server),
             )
             w.settle(Released(item.id, "finished on another server"), job)
+            return
+        drift = w.check_result(item, result)
+        if drift is not None:
+            # made with other weights than the run's: never written; no attempt spent
+            job.tries -= 1
+            log.warning(
+                "run %d item %d: result of %s refused (%s); it goes back",
+                item.run_id,
+                item.id,
+                self._server,
+                drift,
+                extra=item_fields(item, self._server),
+            )
+            w.settle(Released(item.id, f"weights changed: {drift}"), job)
             return
         log_done(item, result, self._server, "")
         w.settle(Done(item.id, result, attempts_used=1, server=self._server), job)
@@ -255,7 +273,9 @@ class Slot:
             return
         try:
             result = client.generate(
-                item.prompt_ids, job.sampling.for_sample(item.sample_index), rid
+                item.prompt_ids,
+                job.sampling.for_sample(item.sample_index, item.row_sampling_params),
+                rid,
             )
         except Exception as exc:
             if isinstance(exc, ServerUnavailable):
@@ -271,6 +291,9 @@ class Slot:
             if not job.abandoned:
                 w.hedge_dropped(job)
         else:
+            if w.check_result(item, result) is not None:
+                w.hedge_dropped(job)  # other weights than the run's: the item stays with its holder
+                return
             log_done(item, result, self._server, " (hedge)")
             w.hedge_answered(job)
             w.settle(Done(item.id, result, attempts_used=1, server=self._server), job)

@@ -61,6 +61,7 @@ class InflightWindow:
         find_hedges: Callable[[int], list[ClaimedItem]] | None = None,
         unmark_hedges: Callable[[list[int]], None] = lambda ids: None,
         group_of: Callable[[int, str], Hashable | None] = lambda run_id, key: None,
+        check_result: Callable[[ClaimedItem, GenerateResult], str | None] = lambda i, r: None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
@@ -73,6 +74,8 @@ class InflightWindow:
         # told the ids of results just committed (multi-turn chains start their next turn)
         self._on_finished = on_finished
         self._is_paused = is_paused
+        # a result made with other weights than its run's is given back, not written
+        self._check_result = check_result
         self._clock = clock
         # the conversation of an item (run id, item key), or None: sent on its own
         self.group_of = group_of
@@ -408,6 +411,10 @@ class InflightWindow:
     def count_done(self, result: GenerateResult) -> None:
         with self._cond:
             self.stats.count_done(result.completion_tokens, at=self._clock())
+
+    def check_result(self, item: ClaimedItem, result: GenerateResult) -> str | None:
+        """Why result must not be written (made with other weights than its run's), or None."""
+        return self._check_result(item, result)
 
     def hedge_sent(self, job: Job, rid: str) -> bool:
         """Whether the hedge goes out as rid (not if cancelled meanwhile, or stopping)."""

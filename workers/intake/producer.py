@@ -26,6 +26,7 @@ from app.prompts.chat_pins import run_pins
 from app.prompts.render import RenderClient, RenderServerUnavailable
 from app.prompts.template_pool import Templater
 from app.prompts.tokenization import ChatTokenizer, check_template_kwargs
+from workers.intake import cycles
 from workers.intake.prompting import (
     ItemBuilder,
     LocalTemplating,
@@ -62,6 +63,10 @@ class EnqueueOptions:
     batch_size: int = 32
     # processes templating a slow (pure-Python) tokenizer; None: one per core
     template_processes: int | None = None
+    # `--weight-version V`: only servers reporting V serve the run (pinned)
+    weight_version: str | None = None
+    # `--reasoning-effort a,b,c`: sample k is templated with the k-th effort (pinned)
+    reasoning_efforts: tuple[str | float, ...] = ()
 
 
 def run_spec(tokenizer: ChatTokenizer, options: EnqueueOptions) -> ledger.RunSpec:
@@ -83,6 +88,8 @@ def run_spec(tokenizer: ChatTokenizer, options: EnqueueOptions) -> ledger.RunSpe
         render_with=options.render_with,
         require_parity=options.require_parity,
         chat_pins=run_pins(tokenizer, rendered_here=options.render_with is None),
+        weight_version=options.weight_version,
+        reasoning_efforts=options.reasoning_efforts,
     )
 
 
@@ -126,6 +133,10 @@ def enqueue(
         content_format=tokenizer.content_format,
         pass_turn_fields=tokenizer.pass_turn_fields,
         turns=options.turns,
+        # a row's own sampling_params must be what SGLang takes for each of its samples
+        row_check=lambda record: cycles.row_error(
+            options.sampling, record, options.samples_per_prompt
+        ),
     )
     spec = run_spec(tokenizer, options)
     if (renderer is None) != (options.render_with is None):
@@ -142,6 +153,8 @@ def enqueue(
         options.turns,
         existing_keys=None if report.run_created else existing_keys,
         reporter=reporter,
+        efforts=run.reasoning_efforts,
+        samples_per_prompt=options.samples_per_prompt,
     )
     publisher = (
         None

@@ -14,7 +14,7 @@ from app.core.errors import InputError, PermanentError
 from app.prompts.chat_path import ChatInputs, merge_template_kwargs
 from app.prompts.render import RenderRequest, prompt_request
 from app.prompts.template_pool import Templater
-from workers.intake import turns
+from workers.intake import cycles, turns
 from workers.intake.reading import PlannedChunk
 from workers.intake.reporting import Reporter
 
@@ -199,6 +199,7 @@ class ItemBuilder:
                 tools=record.tools,
                 chat_template_kwargs=merged,
                 metadata=record.metadata,
+                sampling_params=record.sampling_params,
             )
-            for k in range(self._samples)
+            for k in cycles.samples_of(record, self._samples)
         ]

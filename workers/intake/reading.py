@@ -4,7 +4,7 @@ and plan (which records are new to the run, and the turns each becomes in the ru
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,7 +15,7 @@ from app.prompts.conversation import TurnPlan
 from app.prompts.input_formats import open_table
 from app.prompts.input_records import report_bad_turns
 from app.prompts.inputs import read_prompts
-from workers.intake import turns
+from workers.intake import cycles, turns
 from workers.intake.reporting import Reporter
 
 CHUNK_LINES = 512
@@ -54,6 +54,7 @@ class Reader:
         content_format: ContentFormat,
         pass_turn_fields: bool,
         turns: str,
+        row_check: Callable[[PromptRecord], InputError | None] = lambda record: None,
     ) -> None:
         self._entries = read_prompts(
             path,
@@ -70,6 +71,7 @@ class Reader:
                 f"the prompts file {str(path)!r} is empty (no non-blank lines): nothing to enqueue"
             )
         self._first: PromptRecord | InputError = first
+        self._row_check = row_check
         self._lines = 0
 
     def chunks(self, reporter: Reporter) -> Iterator[ReadChunk]:
@@ -79,6 +81,8 @@ class Reader:
         while chunk := list(itertools.islice(entries, CHUNK_LINES)):
             records: list[PromptRecord] = []
             for entry in chunk:
+                if not isinstance(entry, InputError):
+                    entry = self._row_check(entry) or entry
                 if isinstance(entry, InputError):
                     reporter.fail(entry)
                 else:
@@ -99,8 +103,14 @@ class Planner:
         *,
         existing_keys: Callable[[Iterable[str]], set[str]] | None,
         reporter: Reporter,
+        efforts: Sequence[str | float] = (),
+        samples_per_prompt: int = 1,
     ) -> None:
         self._mode = mode
+        # `--reasoning-effort a,b,c`: a chat row is templated once per effort, each record
+        # holding the samples of its effort
+        self._efforts = efforts
+        self._samples_per_prompt = samples_per_prompt
         # None for a new run: it has no keys but this input's (which are unique)
         self._existing_keys = existing_keys
         self._reporter = reporter
@@ -116,6 +126,7 @@ class Planner:
         report = self._reporter.report
         report.already_present += len(records) - len(fresh)
         report.prompts += len(records)
+        fresh = cycles.expand_efforts(fresh, self._efforts, self._samples_per_prompt)
         planned = PlannedChunk(fresh, chunk.lines)
         fail = self._reporter.fail
         if self._mode == "all":  # template turn 0 now; later turns wait for it

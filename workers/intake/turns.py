@@ -128,9 +128,10 @@ def chain_items(
         tools=record.tools,
         chat_template_kwargs=kwargs,
         metadata=record.metadata,
+        sampling_params=record.sampling_params,
     )
     new: list[NewItem] = []
-    for k in range(samples):
+    for k in record.samples if record.samples is not None else range(samples):
         new.append(replace(first, sample_index=k))
         for plan in later:
             new.append(
