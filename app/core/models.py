@@ -125,6 +125,8 @@ runs = Table(
     Column("chat_pins", JSON, nullable=True),
     # `--weight-version V`: only servers reporting V serve the run (null: the first seen pins)
     Column("weight_version", String(200), nullable=True),
+    # the run's multimodal pins (app.core.images.ImagePins.to_json); null: a text-only run
+    Column("images", JSON, nullable=True),
     # set when the run's items moved to items_archive (`tokenmill archive`); no more enqueues
     _when("archived_at"),
     # the archived run's counts and token sums, taken once its rows left the hot table (the
@@ -206,6 +208,11 @@ def _item_columns() -> list[Column[Any]]:
         Column("sampling_params", JSON, nullable=True),
         # the input row's own sampling_params (merged over the run's for each sample)
         Column("row_sampling_params", JSON, nullable=True),
+        # the item's images in prompt order (app.core.images.ImageRef.to_json); null: text only
+        Column("images", JSON, nullable=True),
+        # at done: how many times the server repeated each image's placeholder (the served
+        # prompt ids are derived from them); null for a text item
+        Column("image_token_counts", JSON, nullable=True),
     ]
 
 
@@ -358,4 +365,15 @@ item_spec_stats = Table(
     # index: drafts accepted in one verify step; value: steps
     Column("histogram", JSON, nullable=False),
     Index("ix_item_spec_stats_run", "run_id", "item_id"),
+)
+
+# Per run and image: the token count the first server expanded it to. Every server of a run
+# must expand one image alike; a server that differs is drift (its result is not written).
+run_image_tokens = Table(
+    "run_image_tokens",
+    metadata,
+    Column("run_id", ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True),
+    Column("sha256", String(64), primary_key=True),
+    Column("token_count", Integer, nullable=False),
+    Column("server", String(200), nullable=False),
 )
