@@ -173,3 +173,20 @@ def _difference(
         f"request position {position} (id {token}) should be served as {expected} at served "
         f"position {at}, which is {got}"
     )
+
+
+# The /server_info launch arguments (SGLang 0.5.23, `arg_groups/fields/mm.py`) that change how
+# many tokens an image becomes, or whether images are read at all: with the server's version,
+# they join the fingerprint a run pins (a server that comes back with other values is paused).
+IMAGE_SETTINGS = (
+    "enable_multimodal",
+    "mm_process_config",
+    "image_processor_backend",
+    "disable_fast_image_processor",
+    "limit_mm_data_per_request",
+)
+
+
+def image_settings(server_info: Mapping[str, Any]) -> dict[str, Any]:
+    """The image settings a /server_info reports (the keys it has of IMAGE_SETTINGS)."""
+    return {name: server_info[name] for name in IMAGE_SETTINGS if name in server_info}
