@@ -1,25 +1,15 @@
-"""The emulator's image token counts against SGLang's and transformers' own code, and its expansion.
-
-Kimi: the wheel's `navit_resize_config` (kimi_k25.py), lifted out of the module by its syntax tree
-(the module imports torch) and run as is, plus sglang.md's worked examples. Qwen: transformers'
-`smart_resize` (the PIL backend's module, which imports without torch; its source is checked equal
-to the torch backend's).
+"""The emulator's image token counts against SGLang's and transformers' own code
+(tests.support.vision_reference) and sglang.md's worked examples; its expansion, image_data shapes
+and loader errors.
 """
 
 from __future__ import annotations
 
-import ast
-import base64
-import importlib.util
-import io
 import math
-import zipfile
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import pytest
-from PIL import Image
 
 from app.emulator.image_data import (
     BATCH_LENGTH,
@@ -32,15 +22,20 @@ from app.emulator.image_prompt import ImageProcessor, TextCodec
 from app.emulator.vision import (
     KIMI_PLACEHOLDER_ID,
     AspectRatioError,
+    VisionConfigError,
     VisionSettings,
     check_process_config,
     kimi_token_count,
     qwen_token_count,
     vision_settings,
 )
-from tests.support.sglang_contract import CACHE_DIR, SGLANG_VERSION, contract_path
+from tests.support.vision_reference import (
+    data_uri,
+    png,
+    transformers_smart_resize,
+    wheel_navit_resize_config,
+)
 
-KIMI_MEMBER = "sglang/srt/multimodal/processors/kimi_k25.py"
 SIZES = [
     (640, 480),
     (300, 200),
@@ -59,42 +54,6 @@ SIZES = [
     (4096, 2160),
     (255, 4097),
 ]
-
-
-def _function_from_source(source: str, name: str, namespace: dict[str, Any]) -> Any:
-    """One top-level function of a module's source, compiled alone (no module imports run)."""
-    tree = ast.parse(source)
-    node = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name)
-    exec(compile(ast.Module(body=[node], type_ignores=[]), name, "exec"), namespace)
-    return namespace[name]
-
-
-def _wheel_navit() -> Callable[..., dict[str, int]]:
-    contract_path()  # fetches the wheel when the cache lacks it
-    wheel = sorted(Path(CACHE_DIR).glob(f"sglang-{SGLANG_VERSION}-*.whl"))[0]
-    with zipfile.ZipFile(wheel) as archive:
-        source = archive.read(KIMI_MEMBER).decode()
-    namespace: dict[str, Any] = {"math": math, "Optional": Any}
-    return _function_from_source(source, "navit_resize_config", namespace)  # type: ignore[no-any-return]
-
-
-def _transformers_smart_resize() -> Callable[..., tuple[int, int]]:
-    from transformers.models.qwen2_vl import image_processing_pil_qwen2_vl as pil_backend
-
-    torch_spec = importlib.util.find_spec("transformers.models.qwen2_vl.image_processing_qwen2_vl")
-    assert torch_spec is not None and torch_spec.origin is not None
-    torch_source = Path(torch_spec.origin).read_text(encoding="utf-8")
-    pil_source = Path(pil_backend.__file__).read_text(encoding="utf-8")
-
-    def source_of(text: str) -> str:
-        tree = ast.parse(text)
-        node = next(
-            n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "smart_resize"
-        )
-        return ast.unparse(node)
-
-    assert source_of(torch_source) == source_of(pil_source)
-    return pil_backend.smart_resize  # type: ignore[no-any-return]
 
 
 def _navit_by_hand(width: int, height: int, in_patch_limit: int, side: int) -> int:
@@ -117,7 +76,7 @@ def test_kimi_counts_match_sglang_md_worked_examples() -> None:
 
 @pytest.mark.parametrize("limits", [(16384, 512), (4096, 512), (16384, 64), (1024, 40)])
 def test_kimi_counts_match_the_wheels_navit_resize_config(limits: tuple[int, int]) -> None:
-    navit = _wheel_navit()
+    navit = wheel_navit_resize_config()
     in_patch_limit, side = limits
     for width, height in SIZES:
         expected = navit(width, height, 14, 2, in_patch_limit, side)["num_tokens"]
@@ -130,7 +89,7 @@ def test_kimi_counts_match_the_wheels_navit_resize_config(limits: tuple[int, int
 
 @pytest.mark.parametrize("bounds", [(3136, 12845056), (3136, 1003520), (200_000, 400_000)])
 def test_qwen_counts_match_transformers_smart_resize(bounds: tuple[int, int]) -> None:
-    smart_resize = _transformers_smart_resize()
+    smart_resize = transformers_smart_resize()
     low, high = bounds
     for width, height in SIZES:
         if max(width, height) / min(width, height) > 200:
@@ -141,22 +100,12 @@ def test_qwen_counts_match_transformers_smart_resize(bounds: tuple[int, int]) ->
 
 
 def test_qwen_refuses_an_aspect_ratio_over_200_as_transformers_does() -> None:
-    smart_resize = _transformers_smart_resize()
+    smart_resize = transformers_smart_resize()
     with pytest.raises(ValueError) as reference:
         smart_resize(10, 2010)
     with pytest.raises(AspectRatioError) as ours:
         qwen_token_count(2010, 10)
     assert str(ours.value) == str(reference.value)
-
-
-def _png(width: int, height: int, color: tuple[int, int, int] = (200, 30, 30)) -> bytes:
-    out = io.BytesIO()
-    Image.new("RGB", (width, height), color).save(out, format="PNG")
-    return out.getvalue()
-
-
-def _data_uri(data: bytes) -> str:
-    return "data:image/png;base64," + base64.b64encode(data).decode()
 
 
 KIMI = VisionSettings(
@@ -169,7 +118,7 @@ KIMI = VisionSettings(
 
 def test_kimi_expands_each_placeholder_and_keeps_every_other_id() -> None:
     ids = [1, 2, KIMI_PLACEHOLDER_ID, 3, KIMI_PLACEHOLDER_ID, 4]
-    served = ImageProcessor(KIMI).serve(ids, [_data_uri(_png(640, 480)), _data_uri(_png(300, 200))])
+    served = ImageProcessor(KIMI).serve(ids, [data_uri(png(640, 480)), data_uri(png(300, 200))])
     expected = [1, 2] + [KIMI_PLACEHOLDER_ID] * 414 + [3] + [KIMI_PLACEHOLDER_ID] * 88 + [4]
     assert served.ids == expected
     assert served.spans == ((2, 414), (417, 88))
@@ -190,12 +139,12 @@ def test_kimi_counts_placeholders_before_reading_any_image() -> None:
         "Kimi image placeholders must map one-to-one to image data: expected 1, found 2 token(s)"
     )
     with pytest.raises(ImageInputError, match="not supported for Kimi"):
-        processor.serve([KIMI_PLACEHOLDER_ID], [_data_uri(_png(8, 8))], mm_hashes=["ab"])
+        processor.serve([KIMI_PLACEHOLDER_ID], [data_uri(png(8, 8))], mm_hashes=["ab"])
 
 
 def test_kimi_keys_an_image_by_its_bytes_and_the_settings() -> None:
     ids = [5, KIMI_PLACEHOLDER_ID, 6]
-    red, blue = _data_uri(_png(64, 64)), _data_uri(_png(64, 64, (0, 0, 200)))
+    red, blue = data_uri(png(64, 64)), data_uri(png(64, 64, (0, 0, 200)))
     processor = ImageProcessor(KIMI)
     assert processor.serve(ids, [red]).key_ids == processor.serve(ids, [red]).key_ids
     assert processor.serve(ids, [red]).ids == processor.serve(ids, [blue]).ids
@@ -221,15 +170,16 @@ def test_image_data_shapes_per_prompt() -> None:
 
 
 def test_loading_errors_read_as_sglangs(tmp_path: Path) -> None:
-    png = tmp_path / "red.png"
-    png.write_bytes(_png(30, 20))
-    for source in (str(png), f"file://{png}", _data_uri(_png(30, 20)), {"url": str(png)}):
+    on_disk = tmp_path / "red.png"
+    on_disk.write_bytes(png(30, 20))
+    sources = (str(on_disk), f"file://{on_disk}", data_uri(png(30, 20)), {"url": str(on_disk)})
+    for source in sources:
         for family in ("kimi", "qwen"):
             loaded = load_image(source, 0, family)
             assert (loaded.width, loaded.height) == (30, 20)
-    not_an_image = _data_uri(b"definitely not an image " * 8)
+    not_an_image = data_uri(b"definitely not an image " * 8)
     with pytest.raises(ImageInputError) as caught:
-        load_image(_data_uri(b"not an image"), 2, "kimi")
+        load_image(data_uri(b"not an image"), 2, "kimi")
     assert str(caught.value).startswith(
         "An exception occurred while loading IMAGE data at index 2: Error while loading data "
         "b'not an image': Could not decode image: "
@@ -308,7 +258,7 @@ def _qwen(retokenize: bool = False) -> ImageProcessor:
 
 
 def test_qwen_keeps_the_callers_ids_or_re_tokenizes_with_the_fallback_on() -> None:
-    image = _data_uri(_png(56, 56))  # 4 tokens
+    image = data_uri(png(56, 56))  # 4 tokens
     pads = [901] * 4
     # "ab" sent as two ids, where the tokenizer's own split is the one id 3000
     ids = [ord("a"), ord("b"), 900, 901, 902, ord("x")]
@@ -330,3 +280,56 @@ def test_qwen_keeps_the_callers_ids_or_re_tokenizes_with_the_fallback_on() -> No
     assert served.ids == [ord("a"), 900, *pads, 902]
     # no group at all: no image is used
     assert _qwen().serve([ord("a")], [image]).ids == [ord("a")]
+
+
+def test_http_images_load_and_an_unreachable_url_is_kimis_500_and_qwens_400() -> None:
+    import http.server
+    import socket
+    import threading
+
+    body = png(40, 30)
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: object) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/cat.png"
+        for family in ("kimi", "qwen"):
+            assert (load_image(url, 0, family).width, load_image(url, 0, family).height) == (40, 30)
+    finally:
+        server.shutdown()
+        server.server_close()
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{closed.getsockname()[1]}/gone.png"
+    with pytest.raises(ImageServerError):
+        load_image(dead, 0, "kimi")
+    with pytest.raises(ImageInputError, match=r"Error while loading data http://127\.0\.0\.1"):
+        load_image(dead, 0, "qwen")
+
+
+def test_qwens_generic_loader_gives_a_500_for_a_missing_absolute_path(tmp_path: Path) -> None:
+    with pytest.raises(ImageServerError) as caught:
+        load_image(str(tmp_path / "gone.png"), 3, "qwen")
+    assert str(caught.value).startswith(
+        f"An exception occurred while loading IMAGE data at index 3: Error while loading data "
+        f"{tmp_path / 'gone.png'}: [Errno 2]"
+    )
+
+
+def test_a_tokenizer_folder_without_the_placeholder_id_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text('{"vocab_size": 10}')
+    with pytest.raises(VisionConfigError, match="no integer media_placeholder_token_id"):
+        vision_settings("kimi", str(tmp_path), {})
+    with pytest.raises(VisionConfigError, match="no integer image_token_id"):
+        vision_settings("qwen", str(tmp_path), {})
