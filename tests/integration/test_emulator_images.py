@@ -34,6 +34,7 @@ MEDIA_PAD = 163605
 IMAGE_PAD = SPECIAL_TOKENS_BY_NAME["<|image_pad|>"]
 VISION_START = SPECIAL_TOKENS_BY_NAME["<|vision_start|>"]
 VISION_END = SPECIAL_TOKENS_BY_NAME["<|vision_end|>"]
+ENDOFTEXT = SPECIAL_TOKENS_BY_NAME["<|endoftext|>"]
 KIMI = EmulatorConfig(port=0, step_ms=1, median_tokens=6, context_length=4096, mm="kimi")
 HTTP = httpx.Client(timeout=20.0)
 # sampled, with a seed: outputs are a function of the prompt (and its images) only
@@ -179,8 +180,9 @@ def test_outputs_and_the_prefix_cache_follow_the_image_content(kimi: EmulatorPro
     assert other["meta_info"]["cached_tokens"] <= 3
 
 
-def test_kimi_batch_images_and_the_context_check_on_expanded_length() -> None:
-    cfg = dataclasses.replace(KIMI, context_length=600)
+def test_kimi_batch_images_and_the_context_check_on_expanded_length(tmp_path: Path) -> None:
+    prompt_log = tmp_path / "prompts.jsonl"
+    cfg = dataclasses.replace(KIMI, context_length=600, prompt_log=str(prompt_log))
     with running_emulator(cfg) as emu:
         big, small = data_uri(png(640, 480)), data_uri(png(300, 200))
         batch = {
@@ -191,6 +193,8 @@ def test_kimi_batch_images_and_the_context_check_on_expanded_length() -> None:
         }
         answers = generate(emu, batch)
         assert [a["meta_info"]["prompt_tokens"] for a in answers] == [1 + 88, 1 + 2 * 88]
+        logged = [json.loads(line)["input_ids"] for line in prompt_log.read_text().splitlines()]
+        assert logged == batch["input_ids"]  # the prompt log keeps the ids as sent
         wrong_length = post(emu, {**batch, "image_data": [small, small, small]})
         assert wrong_length.json() == {
             "error": {"message": "The length of image_data should be equal to the batch size."}
@@ -272,24 +276,35 @@ def byte_split(folder: Path, ids: list[int]) -> list[int]:
 
 
 def test_qwen_keeps_the_callers_ids_and_expands_the_pad(
-    qwen: EmulatorProcess, qwen_drift: EmulatorProcess, qwen_folder: Path
+    qwen: EmulatorProcess, qwen_folder: Path
 ) -> None:
     ids = qwen_ids(qwen_folder, "Describe this picture in one sentence.")
     image = data_uri(png(640, 480))
     count = qwen_reference_count(640, 480)
-    for emu in (qwen, qwen_drift):  # canonical ids survive the fallback too
-        answer = generate(emu, body(ids, [image]))
-        assert answer["prompt_token_ids"] == expand_placeholders(ids, IMAGE_PAD, [count])
-        assert answer["meta_info"]["image_tokens"] == count
+    answer = generate(qwen, body(ids, [image]))
+    assert answer["prompt_token_ids"] == expand_placeholders(ids, IMAGE_PAD, [count])
+    assert answer["meta_info"]["image_tokens"] == count
+    # ids the server's tokenizer would split otherwise are kept too
     odd = byte_split(qwen_folder, ids)
     assert odd != ids
     kept = generate(qwen, body(odd, [image]))
     assert served_counts(odd, kept["prompt_token_ids"], IMAGE_PAD) == [count]
-    # the fallback re-tokenizes the decoded text: the canonical split comes back, not odd's
-    drifted = generate(qwen_drift, body(odd, [image]))
-    assert drifted["prompt_token_ids"] == expand_placeholders(ids, IMAGE_PAD, [count])
-    with pytest.raises(ImageDrift):
-        served_counts(odd, drifted["prompt_token_ids"], IMAGE_PAD)
+
+
+def test_qwens_re_tokenize_fallback_drifts(qwen_drift: EmulatorProcess, qwen_folder: Path) -> None:
+    ids = qwen_ids(qwen_folder, "Describe this picture in one sentence.")
+    image = data_uri(png(640, 480))
+    count = qwen_reference_count(640, 480)
+    expanded = expand_placeholders(ids, IMAGE_PAD, [count])
+    # the fixture's tokenizer adds <|endoftext|> when it re-tokenizes (app.fixtures.qwen_vl)
+    drifted = generate(qwen_drift, body(ids, [image]))
+    assert drifted["prompt_token_ids"] == [ENDOFTEXT, *expanded]
+    assert drifted["meta_info"]["prompt_tokens"] == len(expanded) + 1
+    with pytest.raises(ImageDrift, match="request position 0"):
+        served_counts(ids, drifted["prompt_token_ids"], IMAGE_PAD)
+    # and it re-splits ids the tokenizer would split otherwise into its own split
+    odd = generate(qwen_drift, body(byte_split(qwen_folder, ids), [image]))
+    assert odd["prompt_token_ids"] == [ENDOFTEXT, *expanded]
 
 
 def test_qwen_errors(qwen: EmulatorProcess, qwen_folder: Path) -> None:
