@@ -5,6 +5,7 @@ and loader errors.
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import ClassVar
@@ -333,3 +334,40 @@ def test_a_tokenizer_folder_without_the_placeholder_id_is_refused(tmp_path: Path
         vision_settings("kimi", str(tmp_path), {})
     with pytest.raises(VisionConfigError, match="no integer image_token_id"):
         vision_settings("qwen", str(tmp_path), {})
+
+
+def test_server_info_reports_every_image_setting_flat() -> None:
+    from app.core.images import IMAGE_SETTINGS, image_settings
+    from app.emulator.config import EmulatorConfig
+    from app.emulator.info import model_info, server_info
+
+    config = json.dumps({"image": {"in_patch_limit": 4096}})
+    cfg = EmulatorConfig(mm="kimi", mm_process_config=config)
+    info = server_info(cfg, 1234, 0.0)
+    assert set(image_settings(info)) == set(IMAGE_SETTINGS)
+    assert info["mm_process_config"] == {"image": {"in_patch_limit": 4096}}
+    assert info["enable_multimodal"] is True
+    assert "--mm-process-config" in info["launch_command"]
+    assert model_info(cfg)["has_image_understanding"] is True
+    text_only = server_info(EmulatorConfig(), 1234, 0.0)
+    assert image_settings(text_only)["mm_process_config"] == {}
+    assert model_info(EmulatorConfig())["has_image_understanding"] is False
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--mm", "kimi", "--mm-process-config", "{nope"], "mm_process_config is not JSON"),
+        (["--mm", "qwen"], "it needs a tokenizer"),
+        (["--mm-retokenize"], "it needs mm 'qwen'"),
+        (["--mm", "kimi", "--mm-process-config", '{"image": {"min_pixels": 5}}'], "min_pixels"),
+    ],
+)
+def test_the_cli_refuses_image_flags_that_cannot_work(flags: list[str], message: str) -> None:
+    from click.testing import CliRunner
+
+    from app.emulator.cli import emulator
+
+    result = CliRunner().invoke(emulator, flags)
+    assert result.exit_code == 2
+    assert message in result.output
