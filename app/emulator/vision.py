@@ -191,6 +191,11 @@ def vision_settings(
         }
         default_id = None
     limits.update({key: int(value) for key, value in overrides.items()})
+    if family == "qwen" and limits["min_pixels"] > limits["max_pixels"]:
+        raise VisionConfigError(
+            f"--mm qwen: min_pixels {limits['min_pixels']} is above max_pixels "
+            f"{limits['max_pixels']}"
+        )
     placeholder_id = config.get(id_key, default_id)
     if not isinstance(placeholder_id, int):
         raise VisionConfigError(
