@@ -66,7 +66,7 @@ class ItemRequest:
 
     @property
     def key_ids(self) -> list[int]:
-        """The ids the prefix cache and the output seed see (the prompt ids without images)."""
+        """The ids the prefix cache and the output seed see (input_ids when it has no image)."""
         return self.input_ids if self.image_key_ids is None else self.image_key_ids
 
     @property
