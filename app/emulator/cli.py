@@ -283,6 +283,36 @@ def _option(flag: str, *names: str, **kwargs: Any) -> Callable[[F], F]:
     "sampling_params as sent, weight_version.",
 )
 @_option(
+    "--mm",
+    default=None,
+    callback=_text_or_none,
+    type=click.Choice(["kimi", "qwen", "none"], case_sensitive=False),
+    help="Serve images on /generate as SGLang's processor of this family: Kimi-K2.5's NaViT "
+    "count, or Qwen2.5-VL's smart resize (needs --tokenizer). 'none': a text-only model "
+    "that ignores image_data.",
+)
+@_option(
+    "--mm-process-config",
+    default=None,
+    callback=_text_or_none,
+    metavar="JSON|none",
+    help="SGLang's --mm-process-config, reported by /server_info; its image keys change the "
+    'counts: kimi {"image": {"in_patch_limit": N, "patch_limit_on_one_side": M}}, qwen '
+    '{"image": {"min_pixels": A, "max_pixels": B}}.',
+)
+@_option(
+    "--mm-retokenize/--no-mm-retokenize",
+    default=False,
+    help="Qwen: serve the decoded prompt re-tokenized with the images expanded "
+    "(SGLANG_MM_AVOID_RETOKENIZE off), which can change the prompt's ids (token drift).",
+)
+@_option(
+    "--vision-ms-per-1k-tokens",
+    type=click.FloatRange(min=0),
+    default=4.0,
+    help="Vision-encoder time added to the prefill, per 1,000 image tokens not cached.",
+)
+@_option(
     "--log-level",
     type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
     default="INFO",

@@ -5,11 +5,13 @@ Built by the CLI from flags (each also an environment variable); tests build it 
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from app.emulator.speculative import SpecSettings, resolve_settings
+from app.emulator.vision import FAMILY_MODELS, check_process_config
 
 KIMI_IM_END_ID = 163586
 KIMI_THINK_END_ID = 163607
@@ -91,6 +93,15 @@ class EmulatorConfig:
     # a JSONL file with one line per finished request (None: no log)
     request_log: str | None = None
 
+    # images on /generate (see app.emulator.vision): the multimodal family ("kimi", "qwen"; None:
+    # a text-only model that ignores image_data), SGLang's --mm-process-config as JSON text,
+    # Qwen's decode + re-tokenize fallback (SGLANG_MM_AVOID_RETOKENIZE off), and the vision
+    # encoder's cost, added to the prefill of the image tokens it computes
+    mm: str | None = None
+    mm_process_config: str | None = None
+    mm_retokenize: bool = False
+    vision_ms_per_1k_tokens: float = 4.0
+
     def __post_init__(self) -> None:
         problems = list(self._problems())
         if problems:
@@ -125,6 +136,7 @@ class EmulatorConfig:
             (self.weight_load_s >= 0, "weight_load_s must be >= 0"),
         ]
         problems = [message for ok, message in checks if not ok]
+        problems += self._image_problems()
         try:
             _ = self.speculative
         except ValueError as exc:
@@ -133,6 +145,45 @@ class EmulatorConfig:
         if any(s is not None and self.token_min <= s < self.token_max for s in specials):
             problems.append("eos_id and think_end_id must lie outside [token_min, token_max)")
         return problems
+
+    def _image_problems(self) -> list[str]:
+        problems = []
+        if self.mm is not None and self.mm not in FAMILY_MODELS:
+            problems.append(
+                f"mm must be one of {', '.join(FAMILY_MODELS)} or none, got {self.mm!r}"
+            )
+        if self.mm_retokenize and self.mm != "qwen":
+            problems.append("mm_retokenize is Qwen's fallback: it needs mm 'qwen'")
+        if self.mm == "qwen" and self.tokenizer is None:
+            problems.append("mm 'qwen' decodes and re-tokenizes prompts: it needs a tokenizer")
+        if self.vision_ms_per_1k_tokens < 0:
+            problems.append("vision_ms_per_1k_tokens must be >= 0")
+        if self.mm_process_config is not None:
+            try:
+                check_process_config(self.process_config, self.mm)
+            except ValueError as exc:
+                problems.append(f"mm_process_config: {exc}")
+        return problems
+
+    @property
+    def process_config(self) -> dict[str, Any]:
+        """--mm-process-config parsed (SGLang resolves an absent one to {})."""
+        if self.mm_process_config is None:
+            return {}
+        try:
+            value = json.loads(self.mm_process_config)
+        except ValueError as exc:
+            raise ValueError(f"mm_process_config is not JSON: {exc}") from exc
+        if not isinstance(value, dict):
+            raise ValueError("mm_process_config must be a JSON object")
+        return value
+
+    @property
+    def model_identity(self) -> tuple[str, tuple[str, ...]]:
+        """The model_type and architectures /model_info reports (the --mm family's model)."""
+        if self.mm is not None and self.mm in FAMILY_MODELS:
+            return FAMILY_MODELS[self.mm]
+        return self.model_type, self.architectures
 
     @property
     def immediate(self) -> bool:
@@ -203,6 +254,12 @@ class EmulatorConfig:
             "speculative_num_steps": None,
             "speculative_eagle_topk": None,
             "speculative_num_draft_tokens": None,
+            # app.core.images.IMAGE_SETTINGS, with SGLang's resolved defaults
+            "enable_multimodal": True if self.mm else None,
+            "mm_process_config": self.process_config,
+            "image_processor_backend": "auto",
+            "disable_fast_image_processor": False,
+            "limit_mm_data_per_request": None,
         }
         spec = self.speculative
         if spec is not None:

@@ -14,6 +14,8 @@ from typing import Any
 from aiohttp import web
 
 from app.emulator.config import EmulatorConfig
+from app.emulator.image_data import ImageInputError, ImageServerError
+from app.emulator.image_prompt import ImageProcessor
 from app.emulator.model import generate_output, generation_seed
 from app.emulator.protocol import (
     QUEUE_FULL,
@@ -43,7 +45,7 @@ def log_prompts(path: str | None, call: GenerateCall, weight_version: str) -> No
         json.dumps(
             {
                 "rid": item.rid,
-                "input_ids": item.input_ids,
+                "input_ids": item.input_ids if item.sent_ids is None else item.sent_ids,
                 "sampling_params": dict(item.sampling),
                 "weight_version": weight_version,
             },
@@ -81,6 +83,8 @@ class GenerateRoute:
     _inflight: int
     request_log: RequestLog
     weights: Weights
+    # a multimodal server's image processor (None: text-only, image_data ignored)
+    images: ImageProcessor | None
 
     # here because /generate is where a hung scheduler shows first; the server's routes use it too
     @property
@@ -99,15 +103,27 @@ class GenerateRoute:
         finally:
             self._inflight -= 1
 
+    async def _parse(self, raw: bytes) -> GenerateCall:
+        body = json.loads(raw)
+        if self.images is not None and isinstance(body, dict) and body.get("image_data"):
+            # reading and decoding images runs off the event loop, as SGLang's loaders do
+            images, cfg = self.images, self.cfg
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(None, lambda: parse_generate(body, cfg, images))
+        return parse_generate(body, self.cfg, self.images)
+
     async def _generate(self, request: web.Request, arrival_s: float) -> web.StreamResponse:
         try:
-            call = parse_generate(json.loads(await request.read()), self.cfg)
+            call = await self._parse(await request.read())
         except SchemaViolation as exc:
             self.counters.rejected_invalid += 1
             return json_reply({"error": str(exc)}, 400)
-        except InvalidRequest as exc:
+        except (InvalidRequest, ImageInputError) as exc:
             self.counters.rejected_invalid += 1
             return json_reply({"error": {"message": str(exc)}}, 400)
+        except ImageServerError as exc:
+            self.counters.rejected_invalid += 1
+            return web.Response(status=500, text=str(exc))
         except ValueError as exc:  # not JSON at all
             self.counters.rejected_invalid += 1
             body = error_object(f"JSON decode error: {exc}", 400) | {"type": "Bad Request"}
@@ -175,14 +191,14 @@ class GenerateRoute:
         version = self.weights.weight_version
         for item in call.items:
             output_ids, finish = generate_output(
-                item.input_ids,
+                item.key_ids,
                 item.sampling,
                 self.cfg,
                 sample_index=item.sample_index,
                 weight_version=version,
             )
-            cached = cache.match(item.input_ids)
-            cache.insert(item.input_ids)
+            cached = cache.match(item.key_ids)
+            cache.insert(item.key_ids)
             self.counters.requests += 1
             self.counters.completed += 1
             self.counters.generated_tokens += len(output_ids)
@@ -247,7 +263,7 @@ class GenerateRoute:
             "finish_reason": finish.get("type"),
         }
         if spec is not None:
-            seed = generation_seed(item.input_ids, item.sampling, item.sample_index)
+            seed = generation_seed(item.key_ids, item.sampling, item.sample_index)
             draw = draw_steps(item.input_ids, len(output_ids), spec, seed=seed)
             fields = meta_fields(draw, len(output_ids), spec)
             record |= {

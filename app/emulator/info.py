@@ -17,6 +17,7 @@ def model_info(cfg: EmulatorConfig, weights: Weights | None = None) -> dict[str,
     """The model as served now: a weight update moves model_path, served_model_name,
     load_format and weight_version (the tokenizer path stays the launch one)."""
     live = weights or Weights(cfg.model_path, cfg.weight_version)
+    model_type, architectures = cfg.model_identity
     return {
         "model_path": live.model_path,
         "served_model_name": live.model_path,
@@ -28,10 +29,10 @@ def model_info(cfg: EmulatorConfig, weights: Weights | None = None) -> dict[str,
         "reasoning_parser": cfg.reasoning_parser,
         "tool_call_parser": None,
         "disaggregation_mode": "null",
-        "has_image_understanding": False,
+        "has_image_understanding": cfg.mm is not None,
         "has_audio_understanding": False,
-        "model_type": cfg.model_type,
-        "architectures": list(cfg.architectures),
+        "model_type": model_type,
+        "architectures": list(architectures),
     }
 
 
@@ -44,6 +45,8 @@ def launch_command(cfg: EmulatorConfig, port: int | None) -> str:
         parts += ["--reasoning-parser", cfg.reasoning_parser]
     if cfg.max_queued is not None:
         parts += ["--max-queued-requests", str(cfg.max_queued)]
+    if cfg.mm_process_config is not None:
+        parts += ["--mm-process-config", cfg.mm_process_config]
     spec = cfg.speculative
     if spec is not None:
         for key, value in spec.server_args().items():

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.emulator.config import EmulatorConfig
+from app.emulator.image_data import images_per_prompt
+from app.emulator.image_prompt import ImageProcessor, ServedPrompt, text_prompt
 from app.emulator.model import (
     GREEDY_TEMPERATURE,
     FinishReason,
@@ -55,6 +57,21 @@ class ItemRequest:
     return_prompt_token_ids: bool = False
     require_reasoning: bool = False
     internal: bool = False
+    # with images: the ids with image tokens keyed by content (prefix cache, output seed),
+    # and each image's (first position, token count)
+    image_key_ids: list[int] | None = None
+    image_spans: tuple[tuple[int, int], ...] = ()
+    # with images: the ids as the request sent them (input_ids are the served ones)
+    sent_ids: list[int] | None = None
+
+    @property
+    def key_ids(self) -> list[int]:
+        """The ids the prefix cache and the output seed see (input_ids when it has no image)."""
+        return self.input_ids if self.image_key_ids is None else self.image_key_ids
+
+    @property
+    def image_tokens(self) -> int:
+        return sum(count for _, count in self.image_spans)
 
     @property
     def skip_special_tokens(self) -> bool:
@@ -70,11 +87,15 @@ class GenerateCall:
     stream: bool
 
 
-def parse_generate(body: Any, cfg: EmulatorConfig) -> GenerateCall:
-    """Check and normalize a /generate body as SGLang does.
+def parse_generate(
+    body: Any, cfg: EmulatorConfig, images: ImageProcessor | None = None
+) -> GenerateCall:
+    """Check and normalize a /generate body as SGLang does; with an image processor (a
+    multimodal server), each prompt's images are read and its placeholders expanded first.
 
-    Raises SchemaViolation (400 `{"error": text}`) or InvalidRequest (400 `{"error":
-    {"message": text}}`), with SGLang's texts, in SGLang's order of checks.
+    Raises SchemaViolation (400 `{"error": text}`), InvalidRequest or ImageInputError (400
+    `{"error": {"message": text}}`) or ImageServerError (500), with SGLang's texts, in SGLang's
+    order of checks. A text-only server ignores image_data.
     """
     check_generate_request(body)
     text, input_ids = body.get("text"), body.get("input_ids")
@@ -95,13 +116,43 @@ def parse_generate(body: Any, cfg: EmulatorConfig) -> GenerateCall:
         "return_prompt_token_ids": bool(body.get("return_prompt_token_ids")),
         "require_reasoning": bool(body.get("require_reasoning")),
     }
+    served = _served_prompts(body, prompts, images)
     items = []
-    for index, (prompt, sampling) in enumerate(zip(prompts, samplings, strict=True)):
-        validate_item(prompt, sampling, cfg)
+    for index, (prompt, sampling) in enumerate(zip(served, samplings, strict=True)):
+        validate_item(prompt.ids, sampling, cfg)
+        with_images = bool(prompt.spans)
         for sample in range(n):
             rid = rids[index * n + sample]
-            items.append(ItemRequest(rid, prompt, sampling, sample_index=sample, **common))
+            items.append(
+                ItemRequest(
+                    rid,
+                    prompt.ids,
+                    sampling,
+                    sample_index=sample,
+                    image_key_ids=prompt.key_ids if with_images else None,
+                    image_spans=prompt.spans,
+                    sent_ids=prompts[index] if with_images else None,
+                    **common,
+                )
+            )
     return GenerateCall(items=items, is_single=is_single, stream=bool(body.get("stream")))
+
+
+def _served_prompts(
+    body: Mapping[str, Any], prompts: list[list[int]], images: ImageProcessor | None
+) -> list[ServedPrompt]:
+    """Each prompt as the server serves it: as sent on a text-only server (image_data is
+    ignored), else through the image processor."""
+    is_single = isinstance(body["input_ids"][0], int)
+    # the batch shape is checked whatever the model (SGLang normalizes it before tokenizing)
+    per_prompt = images_per_prompt(body.get("image_data"), len(prompts), is_single)
+    if images is None:
+        return [text_prompt(prompt) for prompt in prompts]
+    mm_hashes = body.get("mm_hashes")
+    return [
+        images.serve(prompt, items, mm_hashes)
+        for prompt, items in zip(prompts, per_prompt, strict=True)
+    ]
 
 
 def _per_prompt_sampling(value: Any, batch_size: int) -> list[Mapping[str, Any]]:
@@ -280,6 +331,8 @@ def generate_response(
         "completion_tokens": len(output_ids),
         "cached_tokens": cached_tokens,
     }
+    if item.image_tokens:
+        meta["image_tokens"] = item.image_tokens
     if spec_meta:
         meta.update(spec_meta)
     if weight_versions:

@@ -39,6 +39,7 @@ class Counters:
     cached_tokens: int = 0
     busy_steps: int = 0
     busy_time_s: float = 0.0
+    vision_tokens: int = 0
     rejected_queue_full: int = 0
     rejected_invalid: int = 0
     injected_errors: int = 0
@@ -87,11 +88,16 @@ class Job:
         return end - self.arrival_s
 
 
+def uncached_image_tokens(spans: tuple[tuple[int, int], ...], cached_tokens: int) -> int:
+    """The image tokens of spans at or past position cached_tokens (the encoder's work)."""
+    return sum(max(0, start + count - max(start, cached_tokens)) for start, count in spans)
+
+
 def new_job(
     item: ItemRequest, cfg: EmulatorConfig, arrival_s: float, weight_version: str | None = None
 ) -> Job:
     output_ids, finish = generate_output(
-        item.input_ids,
+        item.key_ids,
         item.sampling,
         cfg,
         sample_index=item.sample_index,
@@ -269,6 +275,7 @@ class Scheduler:
         loop = asyncio.get_running_loop()
         step_s = self.cfg.step_ms / 1000.0
         prefill_s_per_token = self.cfg.prefill_ms_per_1k_tokens / 1e6
+        vision_s_per_token = self.cfg.vision_ms_per_1k_tokens / 1e6
         deadline = loop.time()
         while True:
             if self._gate.frozen or self.idle:
@@ -276,7 +283,10 @@ class Scheduler:
                 await self._wakeup.wait()
                 deadline = loop.time()
                 continue
-            duration_s = step_s + self._admit() * prefill_s_per_token
+            prefill_tokens, vision_tokens = self._admit()
+            duration_s = (
+                step_s + prefill_tokens * prefill_s_per_token + vision_tokens * vision_s_per_token
+            )
             now = loop.time()
             deadline = max(deadline + duration_s, now - MAX_CATCH_UP_S)
             await asyncio.sleep(deadline - now)
@@ -285,27 +295,30 @@ class Scheduler:
             self._advance()
             self.counters.busy_time_s += duration_s
 
-    def _admit(self) -> int:
-        """Move waiting jobs into free slots; returns the prompt tokens to prefill."""
-        prefill_tokens = 0
+    def _admit(self) -> tuple[int, int]:
+        """Move waiting jobs into free slots; returns the prompt tokens to prefill and the
+        image tokens the vision encoder computes (those past the cached prefix)."""
+        prefill_tokens = vision_tokens = 0
         while self._waiting and len(self._running) < self.cfg.max_running:
             job = self._waiting.popleft()
-            ids = job.item.input_ids
+            ids = job.item.key_ids
             # requests admitted in the same step prefill together: none sees the others' prompts
             job.cached_tokens = self.cache.match(ids)
             self._prefilling.append(job)
             job.started = True
             prefill_tokens += len(ids) - job.cached_tokens
+            vision_tokens += uncached_image_tokens(job.item.image_spans, job.cached_tokens)
             self._running.append(job)
             if not job.item.internal:
                 self.counters.cached_tokens += job.cached_tokens
         self.counters.prefill_tokens += prefill_tokens
-        return prefill_tokens
+        self.counters.vision_tokens += vision_tokens
+        return prefill_tokens, vision_tokens
 
     def _advance(self) -> None:
         now = time.perf_counter()
         for job in self._prefilling:  # prefill done: the prompt is cached (cache_unfinished_req)
-            self.cache.insert(job.item.input_ids)
+            self.cache.insert(job.item.key_ids)
         self._prefilling.clear()
         still_running: list[Job] = []
         produced = 0
@@ -337,7 +350,7 @@ class Scheduler:
             del self._by_rid[job.item.rid]
         if job.started and job not in self._prefilling:
             # cache_finished_req: the prompt and every output token but the last
-            self.cache.insert(job.item.input_ids + job.output_ids[:-1])
+            self.cache.insert(job.item.key_ids + job.output_ids[:-1])
         if not job.item.internal:
             if reason.get("type") == "abort":
                 self.counters.aborted += 1

@@ -47,6 +47,23 @@ SAMPLING_FIELDS = (
     "choice",
 )
 WATERMARK_FIELDS = ("enabled", "key", "context_window")
+MEDIA_REF_FIELDS = (
+    "url",
+    "detail",
+    "max_dynamic_patch",
+    "content_hash",
+    "min_pixels",
+    "max_pixels",
+    "total_max_pixels",
+    "fps",
+    "num_frames",
+    "min_frames",
+    "max_frames",
+    "max_tokens_per_frame",
+    "max_image_tokens",
+    "use_audio",
+    "image_grid_thw",
+)
 
 
 def describe(value: Any) -> str:
@@ -230,6 +247,66 @@ _WATERMARK: dict[str, Check] = {
 }
 check_watermark = check_struct(_WATERMARK, WATERMARK_FIELDS, "WatermarkRequestConfig")
 
+
+def _check_grid(value: Any) -> None:
+    for row in check_seq(value):
+        list_of(check_int, "i64")(row)
+
+
+_MEDIA_REF: dict[str, Check] = {
+    "url": check_str,
+    "detail": check_str,
+    "max_dynamic_patch": check_int,
+    "content_hash": check_str,
+    "min_pixels": check_int,
+    "max_pixels": check_int,
+    "total_max_pixels": check_int,
+    "fps": check_float,
+    "num_frames": check_int,
+    "min_frames": check_int,
+    "max_frames": check_int,
+    "max_tokens_per_frame": check_int,
+    "max_image_tokens": check_int,
+    "use_audio": check_bool,
+    "image_grid_thw": _check_grid,
+}
+_check_media_ref = check_struct(_MEDIA_REF, MEDIA_REF_FIELDS, "MediaRef")
+
+
+def _check_media_item(value: Any) -> None:
+    """A string (URL, path, data URI, base64) or a MediaRef object (unknown keys rejected)."""
+    if isinstance(value, str):
+        return
+    if isinstance(value, dict):
+        if "url" in value and value["url"] is None:
+            raise invalid_type(None, "a string")
+        _check_media_ref(value)
+        return
+    raise invalid_type(value, "one of the MediaItem shapes")
+
+
+def _check_media_items(value: Any) -> None:
+    for item in check_seq(value):
+        if item is not None:
+            _check_media_item(item)
+
+
+def check_media_input(value: Any) -> None:
+    """image_data / video_data / audio_data: an item, a list of items (nulls allowed), or a
+    list of such lists; the first entry alone decides which list shape it is."""
+    if isinstance(value, (str, dict)):
+        _check_media_item(value)
+        return
+    if not isinstance(value, list):
+        raise invalid_type(value, "one of the MediaInput shapes")
+    if value and isinstance(value[0], list):
+        for row in value:
+            if row is not None:
+                _check_media_items(row)
+        return
+    _check_media_items(value)
+
+
 _STRING_OR_LIST = or_list(check_str, "a string", "StringOrList")
 _SAMPLING: dict[str, Check] = {
     "max_new_tokens": check_int,
@@ -292,10 +369,10 @@ _GENERATE: dict[str, Check] = {
     "decode_tp_size": optional_or_list(check_int, "i64", "OptionalInt64OrList"),
     "routed_dp_rank": check_int,
     "disagg_prefill_dp_rank": check_int,
-    "image_data": _accept,
+    "image_data": check_media_input,
     "mm_hashes": string_list_or_list,
-    "video_data": _accept,
-    "audio_data": _accept,
+    "video_data": check_media_input,
+    "audio_data": check_media_input,
     "extra_key": _STRING_OR_LIST,
     "priority": check_int,
     "cache_salt": _STRING_OR_LIST,

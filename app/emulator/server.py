@@ -23,11 +23,13 @@ from aiohttp import web
 from app.core.errors import TokenizerError
 from app.emulator.config import EmulatorConfig
 from app.emulator.generate_route import GenerateRoute, Phase, empty_reply, json_reply
+from app.emulator.image_prompt import ImageProcessor, TextCodec
 from app.emulator.info import model_info, models_list, server_info, stats_json
 from app.emulator.protocol import error_object
 from app.emulator.scheduler import Counters, Scheduler
 from app.emulator.speculative import RequestLog
 from app.emulator.tokenize import TokenizeAnswer, answer_raw
+from app.emulator.vision import VisionConfigError, vision_settings
 from app.emulator.weights import (
     DISK_FIELDS,
     FLUSH_REFUSED,
@@ -72,6 +74,7 @@ class EmulatorServer(GenerateRoute):
         self._runner: web.AppRunner | None = None
         self._lifecycle: asyncio.Task[None] | None = None
         self.tokenizer: ChatTokenizer | None = None
+        self.images: ImageProcessor | None = None
         self.request_log = RequestLog(cfg.request_log)
         self.weights = Weights(cfg.model_path, cfg.weight_version)
 
@@ -132,6 +135,8 @@ class EmulatorServer(GenerateRoute):
                 "/v1/tokenize renders chat requests with tokenmill's own chat path "
                 "(app.prompts), not SGLang's: it checks tokenmill against itself"
             )
+        if self.cfg.mm is not None and self.images is None:
+            self.images = image_processor(self.cfg, self.tokenizer)
         self.scheduler.start()
         runner = web.AppRunner(
             self.build_app(), access_log=None, handle_signals=False, handler_cancellation=True
@@ -402,6 +407,28 @@ class EmulatorServer(GenerateRoute):
         return json_reply({"message": "Generation continued successfully.", "status": "ok"})
 
 
+def image_processor(cfg: EmulatorConfig, tokenizer: ChatTokenizer | None) -> ImageProcessor:
+    """The --mm family's processor: its settings from the tokenizer folder and
+    --mm-process-config; Qwen decodes and tokenizes with the server's tokenizer."""
+    assert cfg.mm is not None
+    settings = vision_settings(cfg.mm, cfg.tokenizer, cfg.process_config, cfg.mm_retokenize)
+    codec = None
+    if tokenizer is not None:
+        hf = tokenizer.hf_tokenizer
+        codec = TextCodec(
+            decode=lambda ids: tokenizer.decode(ids),
+            encode=lambda text: list(hf.encode(text, add_special_tokens=True)),
+        )
+    logger.info(
+        "images on /generate: %s, placeholder id %d, %s%s",
+        settings.family,
+        settings.placeholder_id,
+        settings.limits,
+        " (decode + re-tokenize fallback on)" if settings.retokenize else "",
+    )
+    return ImageProcessor(settings, codec)
+
+
 async def serve(cfg: EmulatorConfig) -> None:
     """Run one emulated server until SIGINT/SIGTERM; a second signal skips the drain."""
     loop = asyncio.get_running_loop()
@@ -450,5 +477,8 @@ def run(cfg: EmulatorConfig) -> int:
         return 1
     except TokenizerError as exc:  # --tokenizer cannot be loaded (custom code not allowed, ...)
         print(f"emulator: --tokenizer: {exc}", file=sys.stderr)
+        return 1
+    except VisionConfigError as exc:  # --mm: the tokenizer folder does not name the placeholder
+        print(f"emulator: {exc}", file=sys.stderr)
         return 1
     return 0
