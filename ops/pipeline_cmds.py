@@ -362,7 +362,8 @@ def export_cmd(
 ) -> None:
     """Write RUN_NAME's finished samples to --out: JSONL, or Parquet shards + .manifest.json.
     Every sample carries its weight_version and sampling_params; one weight version per export
-    unless --allow-mixed-weights."""
+    unless --allow-mixed-weights. Image rows carry the prompt ids as served (each image's
+    tokens), their images (sha256, uri, size) and image_token_counts."""
     if fmt == "parquet" and (split_text or exclude_file):
         raise ConfigurationError(
             "--split and --exclude apply to the specforge and conversations exports"

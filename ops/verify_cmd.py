@@ -190,7 +190,7 @@ def _print_summary(report: VerifyReport) -> None:
     from rich.console import Console
     from rich.markup import escape
 
-    from app.outputs.verify import CHECK_TITLES
+    from app.outputs.verify import CHECK_TITLES, IMAGE_CHECKS
 
     # the summary is the command's output: stdout (errors go to stderr through handle_errors)
     out = Console(highlight=False, soft_wrap=True)
@@ -198,6 +198,8 @@ def _print_summary(report: VerifyReport) -> None:
     for finding in report.findings:
         out.print(f"[red]finding:[/red] {escape(finding)}", soft_wrap=True)
     for tally in report.checks.values():
+        if tally.name in IMAGE_CHECKS and not (tally.checked or tally.not_checkable):
+            continue  # a run without images
         status = "[red]FAIL[/red]" if tally.mismatches else "[green]ok[/green]  "
         counts = f"{tally.checked} checked"
         if tally.mismatches:

@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 ExportFormat = Literal["specforge", "conversations"]
 FORMATS: tuple[ExportFormat, ...] = EXPORT_FORMATS
 JSONL_MANIFEST_FORMAT = "tokenmill-jsonl-export/1"
+# the rows of a run without image pins: text items as stored; an image item is refused, named
+TEXT_ONLY = ImageRows(None, None)
 
 
 @dataclass
@@ -60,16 +62,16 @@ def specforge_row(item: StoredItem, images: ImageRows | None = None) -> dict[str
     row lists its images ({sha256, uri, width, height}) and image_token_counts; a text
     item's row has neither key."""
     output = item.output_ids or []
-    prompt = item.prompt_ids if images is None else images.served_prompt(item)
+    images = images or TEXT_ONLY
+    prompt = images.served_prompt(item)
     row = {
         "id": item.item_key,
         "sample": item.sample_index,
         "input_ids": prompt + output,
         "loss_mask": [0] * len(prompt) + [1] * len(output),
         "finish_reason": item.finish_reason,
+        **images.fields(item),
     }
-    if images is not None:
-        row.update(images.fields(item))
     return _with_metadata(row, item)
 
 
@@ -114,18 +116,17 @@ def conversations_row(
     row: dict[str, Any] = {"id": item.item_key, "sample": item.sample_index}
     if not turns:
         row["prompt"] = tokenizer.decode(item.prompt_ids)
-    if images is not None and item.image_refs:
-        entries = images.fields(item)
-        uris = [(e["uri"], e["sha256"]) for e in entries["images"]]
+    fields = (images or TEXT_ONLY).fields(item)
+    uris = [(entry["uri"], entry["sha256"]) for entry in fields.get("images", [])]
+    if uris:
         try:
             turns = image_parts(turns, uris)
         except ValueError as exc:
             raise ImageExportError(f"{item_label(item)}: {exc}") from None
-        row["conversations"] = [*turns, assistant_turn(item, run, tokenizer)]
+    row["conversations"] = [*turns, assistant_turn(item, run, tokenizer)]
+    if uris:
         row["images"] = [uri for uri, _ in uris]
-        row["image_token_counts"] = entries["image_token_counts"]
-    else:
-        row["conversations"] = [*turns, assistant_turn(item, run, tokenizer)]
+        row["image_token_counts"] = fields["image_token_counts"]
     # what else built the prompt, so a trainer that re-renders it gets the same text
     if item.tools is not None:
         row["tools"] = item.tools
@@ -149,9 +150,9 @@ def whole_conversation_row(
     mask = whole_conversation_mask(
         item.id, item.messages or [], item.prompt_ids, len(output), encode
     )
-    prompt = item.prompt_ids
-    if images is not None and item.image_refs:
-        prompt = images.served_prompt(item)
+    images = images or TEXT_ONLY
+    prompt = images.served_prompt(item)
+    if item.image_refs:
         assert images.placeholder_id is not None and item.image_token_counts is not None
         mask = expanded_mask(item.prompt_ids, mask, images.placeholder_id, item.image_token_counts)
     row = {
@@ -161,9 +162,8 @@ def whole_conversation_row(
         "input_ids": prompt + output,
         "loss_mask": mask,
         "finish_reason": item.finish_reason,
+        **images.fields(item),
     }
-    if images is not None:
-        row.update(images.fields(item))
     check_specforge_row(row)
     return _with_metadata(row, item)
 

@@ -6,6 +6,18 @@ prompt with the i-th placeholder repeated image_token_counts[i] times (app.core.
 every export writes the expanded ids. Image references point at the image store
 (`image_uri`), or, with --with-images, at the copy under the export's own `images/` folder,
 by the relative path `images/<sha256>.<ext>` (the store key), so the folder travels whole.
+
+The row shapes, by what trainers read:
+- specforge and Parquet: `images` = [{sha256, uri, width, height}] and `image_token_counts`
+  beside input_ids / prompt_ids; a VLM trainer's collator needs no more to line up each
+  image with its span of placeholder ids (SpecForge's VLM preparation built the same
+  expanded ids + request ids pair: `specforge/data/vlm_preprocessing.py`).
+- conversations: the turns keep each image where it was, as the OpenAI part
+  `{"type": "image_url", "image_url": {"url": uri}, "sha256": ...}` (what chat templates
+  and HF processors take), and the row lists the uris under `images` beside
+  `conversations`, in prompt order: the field LLaVA-Instruct / ShareGPT4V rows,
+  LLaMA-Factory's sharegpt format and SpecForge's VLM preparation read (a list of paths;
+  SpecForge keeps only the text parts of a list content and attaches the image itself).
 """
 
 from __future__ import annotations
@@ -205,7 +217,9 @@ def image_parts(turns: Iterable[Mapping[str, Any]], uris: list[tuple[str, str]])
             turn["content"] = parts
         out.append(turn)
     if pending:
-        raise ValueError(f"the turns hold {len(uris) - len(pending)} image parts for {len(uris)}")
+        raise ValueError(
+            f"the turns hold {len(uris) - len(pending)} image parts for its {len(uris)} images"
+        )
     return out
 
 

@@ -57,14 +57,12 @@ MAX_PROBLEMS = 50
 
 def shard_row(item: StoredItem, images: ImageRows | None = None) -> ShardRow:
     """A done item as a row of a shard (exports and compaction write the same columns): an
-    image item's prompt as served, with its images and image_token_counts (images None
-    writes an image item as an error: a row without them would not be what the model saw)."""
-    prompt = item.prompt_ids
-    image_fields: dict[str, Any] = {}
-    if item.image_refs or item.image_token_counts is not None:
-        rows = images or ImageRows(None, None)  # no pins: served_prompt names the item
-        prompt = rows.served_prompt(item)
-        image_fields = rows.fields(item)
+    image item's prompt as served, with its images and image_token_counts. Without images
+    (a run's image rows) an image item is refused (ImageExportError, naming it): a row of its
+    ids as sent would not be what the model saw."""
+    images = images or ImageRows(None, None)  # no pins: an image item is refused, named
+    prompt = images.served_prompt(item)
+    image_fields = images.fields(item)
     return ShardRow(
         id=item.item_key,
         sample=item.sample_index,

@@ -53,6 +53,7 @@ CHECKS = (
     CHECK_IMAGE_COUNTS,
     CHECK_IMAGE_STORE,
 )
+IMAGE_CHECKS = (CHECK_IMAGE_COUNTS, CHECK_IMAGE_STORE)
 CHECK_TITLES = {
     CHECK_TEMPLATE: "chat template re-applied reproduces prompt_ids",
     CHECK_STOP: "stopped outputs end with a stop/EOS id",

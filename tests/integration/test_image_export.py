@@ -18,6 +18,7 @@ from app.outputs.export import export_run
 from app.outputs.image_rows import ImageExportError
 from app.outputs.image_store import image_uri
 from app.outputs.storage import check_export, export_parquet
+from app.outputs.verify import CHECK_PROMPT, verify_run
 from app.prompts.tokenization import ChatTokenizer, load_tokenizer
 from tests.support.image_runs import PAD, make_image_run, served
 from workers.control.compaction import compact_run
@@ -182,3 +183,7 @@ def test_a_compacted_run_exports_the_same(pg_engine: Engine, tmp_path: Path) -> 
     export_parquet(pg_engine, built.run, str(tmp_path / "after"), image_store=built.store)
     before, after = parquet_rows(tmp_path / "before"), parquet_rows(tmp_path / "after")
     assert before == after
+    # read back for verify, the prompts are the ids that were sent again
+    report = verify_run(pg_engine, built.run, None, image_store=built.store)
+    assert report.clean, report.to_json()
+    assert report.checks[CHECK_PROMPT].checked == 4
