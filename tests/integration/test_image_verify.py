@@ -21,6 +21,7 @@ from app.outputs.verify import (
     VerifyReport,
     verify_run,
 )
+from app.prompts.tokenization import load_tokenizer
 from ops.cli import cli
 from tests.support.image_runs import ImageRun, make_image_run
 from tests.support.procs import clean_env
@@ -112,6 +113,27 @@ def test_verify_export_checks_a_jsonl_exports_image_references(
     assert any(
         "'one'" in p and "image_token_counts [414]; the ledger's [413]" in p for p in problems
     )
+
+
+def test_verify_export_reads_a_conversations_export_too(
+    pg_engine: Engine, tmp_path: Path, kimi_tokenizer_dir: Path
+) -> None:
+    built = make_image_run(pg_engine, tmp_path, "iv-conv")
+    out = tmp_path / "conv.jsonl"
+    tokenizer = load_tokenizer(kimi_tokenizer_dir)
+    export_run(
+        pg_engine, built.run, "conversations", out, tokenizer=tokenizer, image_store=built.store
+    )
+    report = verify(pg_engine, built, out)
+    assert report.export is not None and report.export.problems == []
+    # an image part pointed elsewhere than the row's images list
+    lines = out.read_text(encoding="utf-8").splitlines()
+    rows = [json.loads(line) for line in lines]
+    two = next(r for r in rows if r["id"] == "two")
+    two["conversations"][0]["content"][2]["image_url"]["url"] = "images/elsewhere.png"
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    problems = verify(pg_engine, built, out).export.problems  # type: ignore[union-attr]
+    assert any("'two'" in p and "image part 1 does not point at images[1]" in p for p in problems)
 
 
 def test_the_export_and_verify_commands(
