@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -31,11 +32,13 @@ def is_jsonl_export(url: str) -> bool:
 
 
 def _image_items(conn: Connection, run_id: int) -> dict[tuple[str, int], dict[int, StoredItem]]:
-    """The run's done image items by (id, sample), then turn."""
+    """The run's done image items by (id, sample), then turn; without their turns and token
+    arrays, which the check does not read (memory: the image fields of the image items)."""
     found: dict[tuple[str, int], dict[int, StoredItem]] = {}
     for item in ledger.iter_items(conn, run_id):
         if item.image_refs:
-            found.setdefault((item.item_key, item.sample_index), {})[item.turn_index] = item
+            slim = replace(item, messages=None, prompt_ids=[], output_ids=None, tools=None)
+            found.setdefault((item.item_key, item.sample_index), {})[item.turn_index] = slim
     return found
 
 

@@ -13,10 +13,13 @@ import pyarrow.parquet as pq
 import pytest
 from sqlalchemy import Engine
 
+from app.core.images import ImageRef
 from app.core.settings import Settings
+from app.outputs import image_rows
 from app.outputs.export import export_run
 from app.outputs.image_rows import ImageExportError
 from app.outputs.image_store import image_uri
+from app.outputs.shards import Location
 from app.outputs.storage import check_export, export_parquet
 from app.outputs.verify import CHECK_PROMPT, verify_run
 from app.prompts.tokenization import ChatTokenizer, load_tokenizer
@@ -90,13 +93,24 @@ def test_conversations_point_image_parts_at_the_store(
     assert "images" not in rows["text"] and "image_token_counts" not in rows["text"]
 
 
-def test_with_images_copies_each_image_once_and_lists_it(db: Engine, tmp_path: Path) -> None:
+def test_with_images_copies_each_image_once_and_lists_it(
+    db: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     built = make_image_run(db, tmp_path, "img-copy")
     folder = tmp_path / "dataset"
     folder.mkdir()
     out = folder / "sf.jsonl"
+    read: list[str] = []
+    real = image_rows.get_image
+
+    def counted(loc: Location, ref: ImageRef) -> bytes:
+        read.append(ref.sha256)
+        return real(loc, ref)
+
+    monkeypatch.setattr(image_rows, "get_image", counted)
     report = export_run(db, built.run, "specforge", out, image_store=built.store, with_images=True)
-    assert report.images == 3  # "one" and "two" share an image: copied once
+    assert report.images == 3  # "one" and "two" share an image: read and copied once
+    assert sorted(read) == sorted(r.sha256 for r in built.refs)
     copies = sorted(p.name for p in (folder / "images").iterdir())
     assert copies == sorted(Path(r.key).name for r in built.refs)
     rows = read_jsonl(out)

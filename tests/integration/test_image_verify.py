@@ -12,8 +12,11 @@ from click.testing import CliRunner
 from sqlalchemy import Engine, update
 
 from app import ledger
+from app.core.images import ImageRef
 from app.core.settings import get_settings
+from app.outputs import verify as verify_module
 from app.outputs.export import export_run
+from app.outputs.shards import Location
 from app.outputs.verify import (
     CHECK_IMAGE_COUNTS,
     CHECK_IMAGE_STORE,
@@ -50,10 +53,22 @@ def details(report: VerifyReport, check: str) -> list[tuple[str, str]]:
     return [(m.key, m.detail) for m in report.checks[check].examples]
 
 
-def test_a_good_image_run_is_clean(pg_engine: Engine, tmp_path: Path) -> None:
+def test_a_good_image_run_is_clean(
+    pg_engine: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     built = make_image_run(pg_engine, tmp_path, "iv-clean")
+    read: list[str] = []
+    real = verify_module.get_image
+
+    def counted(loc: Location, ref: ImageRef) -> bytes:
+        read.append(ref.sha256)
+        return real(loc, ref)
+
+    monkeypatch.setattr(verify_module, "get_image", counted)
     report = verify(pg_engine, built)
     assert report.clean, report.to_json()
+    # four image references ("one" and "two" share an image), each distinct image read once
+    assert sorted(read) == sorted(r.sha256 for r in built.refs)
     assert report.checks[CHECK_IMAGE_COUNTS].checked == 3
     assert report.checks[CHECK_IMAGE_STORE].checked == 3
     assert report.checks[CHECK_PROMPT].checked == 4  # served lengths against prompt_tokens
