@@ -13,17 +13,15 @@ import pyarrow.parquet as pq
 import pytest
 from sqlalchemy import Engine
 
-from app.core.images import ImageRef
 from app.core.settings import Settings
 from app.outputs import image_rows
 from app.outputs.export import export_run
 from app.outputs.image_rows import ImageExportError
 from app.outputs.image_store import image_uri
-from app.outputs.shards import Location
 from app.outputs.storage import check_export, export_parquet
 from app.outputs.verify import CHECK_PROMPT, verify_run
 from app.prompts.tokenization import ChatTokenizer, load_tokenizer
-from tests.support.image_runs import PAD, make_image_run, served
+from tests.support.image_runs import PAD, count_image_reads, make_image_run, served
 from workers.control.compaction import compact_run
 
 
@@ -100,14 +98,7 @@ def test_with_images_copies_each_image_once_and_lists_it(
     folder = tmp_path / "dataset"
     folder.mkdir()
     out = folder / "sf.jsonl"
-    read: list[str] = []
-    real = image_rows.get_image
-
-    def counted(loc: Location, ref: ImageRef) -> bytes:
-        read.append(ref.sha256)
-        return real(loc, ref)
-
-    monkeypatch.setattr(image_rows, "get_image", counted)
+    read = count_image_reads(image_rows, monkeypatch)
     report = export_run(db, built.run, "specforge", out, image_store=built.store, with_images=True)
     assert report.images == 3  # "one" and "two" share an image: read and copied once
     assert sorted(read) == sorted(r.sha256 for r in built.refs)

@@ -12,11 +12,9 @@ from click.testing import CliRunner
 from sqlalchemy import Engine, update
 
 from app import ledger
-from app.core.images import ImageRef
 from app.core.settings import get_settings
 from app.outputs import verify as verify_module
 from app.outputs.export import export_run
-from app.outputs.shards import Location
 from app.outputs.verify import (
     CHECK_IMAGE_COUNTS,
     CHECK_IMAGE_STORE,
@@ -26,7 +24,7 @@ from app.outputs.verify import (
 )
 from app.prompts.tokenization import load_tokenizer
 from ops.cli import cli
-from tests.support.image_runs import ImageRun, make_image_run
+from tests.support.image_runs import ImageRun, count_image_reads, make_image_run
 from tests.support.procs import clean_env
 
 
@@ -57,14 +55,7 @@ def test_a_good_image_run_is_clean(
     pg_engine: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     built = make_image_run(pg_engine, tmp_path, "iv-clean")
-    read: list[str] = []
-    real = verify_module.get_image
-
-    def counted(loc: Location, ref: ImageRef) -> bytes:
-        read.append(ref.sha256)
-        return real(loc, ref)
-
-    monkeypatch.setattr(verify_module, "get_image", counted)
+    read = count_image_reads(verify_module, monkeypatch)
     report = verify(pg_engine, built)
     assert report.clean, report.to_json()
     # four image references ("one" and "two" share an image), each distinct image read once

@@ -11,7 +11,9 @@ from __future__ import annotations
 import io
 from dataclasses import dataclass, replace
 from pathlib import Path
+from types import ModuleType
 
+import pytest
 from PIL import Image
 from sqlalchemy import Engine, update
 
@@ -164,3 +166,17 @@ def served(prompt: list[int], counts: list[int] | None) -> list[int]:
     for token in prompt:
         out.extend([token] * (pending.pop(0) if token == PAD else 1))
     return out
+
+
+def count_image_reads(module: ModuleType, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The sha256 of every image `module` reads with get_image from now on, in order."""
+    read: list[str] = []
+    real = module.get_image
+
+    def counted(loc: Location, ref: ImageRef) -> bytes:
+        read.append(ref.sha256)
+        data: bytes = real(loc, ref)
+        return data
+
+    monkeypatch.setattr(module, "get_image", counted)
+    return read
