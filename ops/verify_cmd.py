@@ -190,6 +190,7 @@ def _print_summary(report: VerifyReport) -> None:
     from rich.console import Console
     from rich.markup import escape
 
+    from app.outputs.jsonl_checks import is_jsonl_export
     from app.outputs.verify import CHECK_TITLES, IMAGE_CHECKS
 
     # the summary is the command's output: stdout (errors go to stderr through handle_errors)
@@ -221,9 +222,9 @@ def _print_summary(report: VerifyReport) -> None:
     if report.export is not None:
         export = report.export
         status = "[red]FAIL[/red]" if export.problems else "[green]ok[/green]  "
+        shards = "" if is_jsonl_export(export.url) else f"{export.shards} shards, "
         out.print(
-            f"{status} export {escape(export.url)}: {export.shards} shards, {export.rows} rows",
-            soft_wrap=True,
+            f"{status} export {escape(export.url)}: {shards}{export.rows} rows", soft_wrap=True
         )
         for problem in export.problems:
             out.print(f"       {escape(problem)}", soft_wrap=True)

@@ -172,6 +172,15 @@ def test_the_export_and_verify_commands(
         checks = {c["check"]: c for c in data["checks"]}
         assert checks[CHECK_IMAGE_STORE]["checked"] == 3
         assert checks[CHECK_IMAGE_STORE]["mismatches"] == 0
+        folder = tmp_path / "jsonl"
+        folder.mkdir()
+        sf = folder / "sf.jsonl"
+        exported = runner.invoke(cli, ["export", "iv-cli", "--out", str(sf), "--with-images"])
+        assert exported.exit_code == 0, exported.output
+        assert "copied 3 images" in exported.output
+        assert (folder / "sf.jsonl.manifest.json").is_file()
+        checked = runner.invoke(cli, ["verify", "iv-cli", "--export", str(sf)])
+        assert f"ok   export {sf}: 4 rows" in checked.stdout
         Path(built.store.path(built.refs[0].key)).write_bytes(b"x")
         broken = runner.invoke(cli, ["verify", "iv-cli"])
         assert broken.exit_code == 1
