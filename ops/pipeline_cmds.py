@@ -339,6 +339,13 @@ def enqueue_cmd(
     is_flag=True,
     help="Export samples of several weight versions together (refused otherwise).",
 )
+@click.option(
+    "--with-images",
+    is_flag=True,
+    help="Copy every image the export references beside it (OUT's folder, or the parquet "
+    "folder: images/<sha256>.<ext>, each once, its hash checked), point the rows at the "
+    "copies by relative path, and list them with hashes and sizes in the manifest.",
+)
 @handle_errors
 def export_cmd(
     run_name: str,
@@ -351,10 +358,12 @@ def export_cmd(
     exclude_file: Path | None,
     weight_version: str | None,
     allow_mixed_weights: bool,
+    with_images: bool,
 ) -> None:
     """Write RUN_NAME's finished samples to --out: JSONL, or Parquet shards + .manifest.json.
     Every sample carries its weight_version and sampling_params; one weight version per export
-    unless --allow-mixed-weights."""
+    unless --allow-mixed-weights. Image rows carry the prompt ids as served (each image's
+    tokens), their images (sha256, uri, size) and image_token_counts."""
     if fmt == "parquet" and (split_text or exclude_file):
         raise ConfigurationError(
             "--split and --exclude apply to the specforge and conversations exports"
@@ -362,12 +371,13 @@ def export_cmd(
     if fmt == "parquet":
         from ops.storage_cmds import export_to_storage
 
-        export_to_storage(run_name, out, weight_version, allow_mixed_weights)
+        export_to_storage(run_name, out, weight_version, allow_mixed_weights, with_images)
         return
     from rich.markup import escape
 
     from app import ledger
     from app.outputs.export import export_run
+    from app.outputs.split import manifest_path
     from app.prompts.tokenization import load_for_run
 
     console = err_console()
@@ -421,11 +431,17 @@ def export_cmd(
         selection=selection,
         weight_version=weight_version,
         allow_mixed_weights=allow_mixed_weights,
+        with_images=with_images,
     )
     console.print(
         f"wrote {report.rows} samples ({report.truncated} truncated, "
         f"{report.tokens} tokens) to {escape(str(report.path))}"
     )
+    if with_images:
+        console.print(
+            f"copied {report.images} images to {escape(str(Path(out).parent / 'images'))}; "
+            f"listed in {escape(str(manifest_path(Path(out))))}"
+        )
     if selection is not None:
         for line in selection.summary(Path(out)):
             console.print(escape(line))

@@ -12,12 +12,17 @@ from ops.options import err_console, get_settings, handle_errors, open_db, print
 
 
 def export_to_storage(
-    run_name: str, out: str, weight_version: str | None = None, allow_mixed: bool = False
+    run_name: str,
+    out: str,
+    weight_version: str | None = None,
+    allow_mixed: bool = False,
+    with_images: bool = False,
 ) -> None:
     """`tokenmill export RUN --format parquet --out URL`: shards and .manifest.json under URL."""
     from rich.markup import escape
 
     from app import ledger
+    from app.outputs.image_store import image_location
     from app.outputs.shards import StorageError
     from app.outputs.storage import export_parquet
 
@@ -34,10 +39,14 @@ def export_to_storage(
             shard_rows=settings.shard_rows,
             weight_version=weight_version,
             allow_mixed_weights=allow_mixed,
+            image_store=image_location(settings),
+            with_images=with_images,
         )
     except OSError as exc:  # fsspec/s3fs report storage failures as OSError subclasses
         raise StorageError(f"writing the export to {out} failed: {exc}") from exc
     removed = f"; removed {len(report.removed)} old shards" if report.removed else ""
+    if with_images:
+        removed += f"; copied {report.images} images to images/"
     err_console().print(
         f"wrote {report.rows} samples ({report.truncated} truncated, {report.tokens} tokens) "
         f"in {len(report.shards)} Parquet shards and .manifest.json to {escape(report.url)}"

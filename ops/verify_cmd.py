@@ -25,8 +25,9 @@ if TYPE_CHECKING:
     "export_url",
     default=None,
     metavar="URL",
-    help="Also check the Parquet export at URL (a path, file://, s3://...) against the "
-    "ledger: counts, checksums, rows (storage options from TOKENMILL_STORAGE_OPTIONS).",
+    help="Also check the export at URL against the ledger: a Parquet folder (a path, "
+    "file://, s3://...: counts, checksums, rows, image references) or a .jsonl export (its "
+    "image references); storage options from TOKENMILL_STORAGE_OPTIONS.",
 )
 @click.option(
     "--tokenizer",
@@ -71,8 +72,9 @@ def verify_cmd(
 
     The chat template re-applied to the stored turns gives the stored prompt_ids; stopped
     outputs end with a stop/EOS id; truncated ones have exactly max_new_tokens ids; the
-    stored arrays match the server's prompt_tokens / completion_tokens. Exit 0 when clean,
-    1 on any mismatch, 2 on usage errors.
+    stored arrays match the server's prompt_tokens / completion_tokens. Image items: their
+    image_token_counts rebuild the served prompt, and every stored image still hashes to
+    its sha256. Exit 0 when clean, 1 on any mismatch, 2 on usage errors.
 
     With --counts: the item counters equal a full count (exit 0), or they drifted (exit 1;
     exit 0 once --repair has replaced them).
@@ -85,6 +87,7 @@ def verify_cmd(
     if run_name is None:
         raise click.UsageError("missing argument RUN_NAME")
     from app import ledger
+    from app.outputs.image_store import image_location
     from app.outputs.verify import verify_run
 
     settings = get_settings()
@@ -98,6 +101,7 @@ def verify_cmd(
         tokenizer,
         export_url=export_url,
         storage_options=settings.storage_options,
+        image_store=image_location(settings),
     )
     if problem is not None:
         report.findings.insert(0, problem)
@@ -186,7 +190,8 @@ def _print_summary(report: VerifyReport) -> None:
     from rich.console import Console
     from rich.markup import escape
 
-    from app.outputs.verify import CHECK_TITLES
+    from app.outputs.jsonl_checks import is_jsonl_export
+    from app.outputs.verify import CHECK_TITLES, IMAGE_CHECKS
 
     # the summary is the command's output: stdout (errors go to stderr through handle_errors)
     out = Console(highlight=False, soft_wrap=True)
@@ -194,6 +199,8 @@ def _print_summary(report: VerifyReport) -> None:
     for finding in report.findings:
         out.print(f"[red]finding:[/red] {escape(finding)}", soft_wrap=True)
     for tally in report.checks.values():
+        if tally.name in IMAGE_CHECKS and not (tally.checked or tally.not_checkable):
+            continue  # a run without images
         status = "[red]FAIL[/red]" if tally.mismatches else "[green]ok[/green]  "
         counts = f"{tally.checked} checked"
         if tally.mismatches:
@@ -215,9 +222,9 @@ def _print_summary(report: VerifyReport) -> None:
     if report.export is not None:
         export = report.export
         status = "[red]FAIL[/red]" if export.problems else "[green]ok[/green]  "
+        shards = "" if is_jsonl_export(export.url) else f"{export.shards} shards, "
         out.print(
-            f"{status} export {escape(export.url)}: {export.shards} shards, {export.rows} rows",
-            soft_wrap=True,
+            f"{status} export {escape(export.url)}: {shards}{export.rows} rows", soft_wrap=True
         )
         for problem in export.problems:
             out.print(f"       {escape(problem)}", soft_wrap=True)

@@ -24,6 +24,7 @@ from sqlalchemy import (
 )
 
 import app.ledger.counters as counters
+from app.core.images import ImagePins, ImageRef, refs_from_json
 from app.core.models import ItemStatus
 from app.ledger.common import (
     items,
@@ -190,6 +191,16 @@ class StoredItem:
     weight_version: str | None = None
     sampling_params: dict[str, Any] | None = None
     row_sampling_params: dict[str, Any] | None = None
+    # an image item: its images in prompt order (ImageRef.to_json each) and, once done, how
+    # many ids the server made of each image's placeholder (prompt_ids hold one per image)
+    images: list[dict[str, Any]] | None = None
+    image_token_counts: list[int] | None = None
+    run_id: int | None = None
+
+    @property
+    def image_refs(self) -> tuple[ImageRef, ...]:
+        """The item's images as ImageRefs (empty for a text item)."""
+        return refs_from_json(self.images)
 
 
 # StoredItem's fields that are columns of items (and of items_archive) under their own names
@@ -217,6 +228,9 @@ _STORED_FIELDS = (
     "weight_version",
     "sampling_params",
     "row_sampling_params",
+    "images",
+    "image_token_counts",
+    "run_id",
 )
 
 
@@ -229,12 +243,54 @@ def _stored_select(table: Table) -> Select[Any]:
     ).select_from(table.outerjoin(tool_sets, tool_sets.c.id == table.c.tool_set_id))
 
 
-def _hydrated(page: list[StoredItem], shards: ShardCache) -> list[StoredItem]:
-    """The page with the token arrays of compacted items read back from their shards."""
+def run_image_pins(conn: Connection, run_id: int) -> ImagePins | None:
+    """What a multimodal run pinned of its images (None: a text-only run)."""
+    pinned = conn.execute(select(runs.c.images).where(runs.c.id == run_id)).scalar_one_or_none()
+    return None if pinned is None else ImagePins.from_json(pinned)
+
+
+class _Placeholders:
+    """The placeholder id of each run a page's items come from, looked up once per run."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+        self._ids: dict[int, int | None] = {}
+
+    def of(self, run_id: int | None) -> int | None:
+        if run_id is None:
+            return None
+        if run_id not in self._ids:
+            pins = run_image_pins(self._conn, run_id)
+            self._ids[run_id] = None if pins is None else pins.placeholder_id
+        return self._ids[run_id]
+
+
+def request_ids(served: Sequence[int], placeholder_id: int) -> list[int]:
+    """The request ids of a served prompt: each run of placeholder ids back to one. A compacted
+    shard holds the served ids; the ledger (and the template check) the ids that were sent.
+    Exact as long as a request never has two placeholders side by side, which the template
+    cannot render (each image sits between its begin and end marks) and
+    `app.core.images.served_counts` relies on as well."""
+    out: list[int] = []
+    for position, token in enumerate(served):
+        if token == placeholder_id and position > 0 and served[position - 1] == placeholder_id:
+            continue
+        out.append(token)
+    return out
+
+
+def _hydrated(
+    page: list[StoredItem], shards: ShardCache, placeholders: _Placeholders
+) -> list[StoredItem]:
+    """The page with the token arrays of compacted items read back from their shards (an
+    image item's prompt as it was sent: the shard holds it as served)."""
     out = []
     for item in page:
         if item.shard_uri is not None and item.shard_row is not None:
             prompt_ids, output_ids = shards.arrays(item.shard_uri, item.shard_row, item.id)
+            placeholder = placeholders.of(item.run_id) if item.image_token_counts else None
+            if placeholder is not None:
+                prompt_ids = request_ids(prompt_ids, placeholder)
             item = replace(item, prompt_ids=prompt_ids, output_ids=output_ids)
         out.append(item)
     return out
@@ -277,8 +333,9 @@ def _iter_items(
         for table in (items, items_archive)
         for status in dict.fromkeys(statuses)
     ]
+    placeholders = _Placeholders(conn)
     for page in merged_pages(streams, page_size):
-        yield from _hydrated(page, shards)
+        yield from _hydrated(page, shards, placeholders)
 
 
 def _keyset_pages(
@@ -420,7 +477,7 @@ def stored_prompts(
 
     shards = ShardCache(storage_options)
     try:
-        return _hydrated(stored_items(conn, ids), shards)
+        return _hydrated(stored_items(conn, ids), shards, _Placeholders(conn))
     finally:
         shards.close()
 

@@ -20,7 +20,15 @@ from app import ledger
 from app.core.constants import EXPORT_FORMATS
 from app.core.errors import ConfigurationError
 from app.ledger import RunInfo, StoredItem
+from app.outputs.image_rows import (
+    ImageExportError,
+    ImageRows,
+    expanded_mask,
+    image_parts,
+    item_label,
+)
 from app.outputs.provenance import provenance, weight_filter
+from app.outputs.shards import Location, open_location
 from app.outputs.split import Selection, eval_path, manifest_path
 from app.prompts.conversation import check_specforge_row, template_encoder, whole_conversation_mask
 from app.prompts.tokenization import ChatTokenizer, split_reasoning
@@ -30,6 +38,8 @@ log = logging.getLogger(__name__)
 ExportFormat = Literal["specforge", "conversations"]
 FORMATS: tuple[ExportFormat, ...] = EXPORT_FORMATS
 JSONL_MANIFEST_FORMAT = "tokenmill-jsonl-export/1"
+# the rows of a run without image pins: text items as stored; an image item is refused, named
+TEXT_ONLY = ImageRows(None, None)
 
 
 @dataclass
@@ -41,17 +51,26 @@ class ExportReport:
     tokens: int = 0
     # a split or filtered export: where its rows went (the counts above are the training side's)
     selection: Selection | None = None
+    # --with-images: how many distinct images were copied beside the export
+    images: int = 0
 
 
-def specforge_row(item: StoredItem) -> dict[str, Any]:
-    """input_ids = prompt + output; the loss mask trains only on what the model generated."""
+def specforge_row(item: StoredItem, images: ImageRows | None = None) -> dict[str, Any]:
+    """input_ids = prompt + output; the loss mask trains only on what the model generated.
+
+    An image item's prompt is the served one (each image's tokens, all masked 0), and its
+    row lists its images ({sha256, uri, width, height}) and image_token_counts; a text
+    item's row has neither key."""
     output = item.output_ids or []
+    images = images or TEXT_ONLY
+    prompt = images.served_prompt(item)
     row = {
         "id": item.item_key,
         "sample": item.sample_index,
-        "input_ids": item.prompt_ids + output,
-        "loss_mask": [0] * len(item.prompt_ids) + [1] * len(output),
+        "input_ids": prompt + output,
+        "loss_mask": [0] * len(prompt) + [1] * len(output),
         "finish_reason": item.finish_reason,
+        **images.fields(item),
     }
     return _with_metadata(row, item)
 
@@ -86,12 +105,28 @@ def assistant_turn(item: StoredItem, run: RunInfo, tokenizer: ChatTokenizer) -> 
     return turn
 
 
-def conversations_row(item: StoredItem, run: RunInfo, tokenizer: ChatTokenizer) -> dict[str, Any]:
+def conversations_row(
+    item: StoredItem, run: RunInfo, tokenizer: ChatTokenizer, images: ImageRows | None = None
+) -> dict[str, Any]:
+    """The turns and the regenerated assistant turn as text. An image item's image parts point
+    at its images (`image_rows.image_parts`), and the row lists their uris in prompt order
+    under `images` (the field LLaVA / ShareGPT4V rows and SpecForge's VLM preparation read
+    beside `conversations`) with `image_token_counts`."""
     turns: list[dict[str, Any]] = [dict(t) for t in item.messages or []]
     row: dict[str, Any] = {"id": item.item_key, "sample": item.sample_index}
     if not turns:
         row["prompt"] = tokenizer.decode(item.prompt_ids)
+    fields = (images or TEXT_ONLY).fields(item)
+    uris = [(entry["uri"], entry["sha256"]) for entry in fields.get("images", [])]
+    if uris:
+        try:
+            turns = image_parts(turns, uris)
+        except ValueError as exc:
+            raise ImageExportError(f"{item_label(item)}: {exc}") from None
     row["conversations"] = [*turns, assistant_turn(item, run, tokenizer)]
+    if uris:
+        row["images"] = [uri for uri, _ in uris]
+        row["image_token_counts"] = fields["image_token_counts"]
     # what else built the prompt, so a trainer that re-renders it gets the same text
     if item.tools is not None:
         row["tools"] = item.tools
@@ -102,10 +137,11 @@ def conversations_row(item: StoredItem, run: RunInfo, tokenizer: ChatTokenizer) 
 
 
 def whole_conversation_row(
-    item: StoredItem, run: RunInfo, tokenizer: ChatTokenizer
+    item: StoredItem, run: RunInfo, tokenizer: ChatTokenizer, images: ImageRows | None = None
 ) -> dict[str, Any]:
     """A `--turns all` chain as one SpecForge row: its last turn's prompt + output, the loss
-    mask on the last output and on every regenerated assistant turn inside the prompt."""
+    mask on the last output and on every regenerated assistant turn inside the prompt (an
+    image item's prompt served, its image tokens masked 0)."""
     output = item.output_ids or []
     kwargs = run.chat_template_kwargs
     if item.chat_template_kwargs is not None:
@@ -114,13 +150,19 @@ def whole_conversation_row(
     mask = whole_conversation_mask(
         item.id, item.messages or [], item.prompt_ids, len(output), encode
     )
+    images = images or TEXT_ONLY
+    prompt = images.served_prompt(item)
+    if item.image_refs:
+        assert images.placeholder_id is not None and item.image_token_counts is not None
+        mask = expanded_mask(item.prompt_ids, mask, images.placeholder_id, item.image_token_counts)
     row = {
         "id": item.item_key,
         "sample": item.sample_index,
         "turns": item.turn_index + 1,
-        "input_ids": item.prompt_ids + output,
+        "input_ids": prompt + output,
         "loss_mask": mask,
         "finish_reason": item.finish_reason,
+        **images.fields(item),
     }
     check_specforge_row(row)
     return _with_metadata(row, item)
@@ -155,6 +197,7 @@ def iter_rows(
     whole: bool = False,
     weight_version: str | None = None,
     allow_mixed_weights: bool = False,
+    images: ImageRows | None = None,
 ) -> Iterator[tuple[StoredItem, dict[str, Any]]]:
     with db.connect() as conn:
         keep = weight_filter(conn, run, weight_version, allow_mixed_weights)
@@ -163,15 +206,15 @@ def iter_rows(
                 continue
             if fmt == "specforge" and whole:
                 assert tokenizer is not None
-                yield item, whole_conversation_row(item, run, tokenizer)
+                yield item, whole_conversation_row(item, run, tokenizer, images)
             elif fmt == "specforge":
-                row = specforge_row(item)
+                row = specforge_row(item, images)
                 if run.turns != "last":
                     row["turn"] = item.turn_index
                 yield item, row
             else:
                 assert tokenizer is not None
-                row = conversations_row(item, run, tokenizer)
+                row = conversations_row(item, run, tokenizer, images)
                 if run.turns == "each":
                     row["turn"] = item.turn_index
                 yield item, row
@@ -236,9 +279,16 @@ def export_run(
     selection: Selection | None = None,
     weight_version: str | None = None,
     allow_mixed_weights: bool = False,
+    image_store: Location | None = None,
+    with_images: bool = False,
 ) -> ExportReport:
     """Write every done sample of run to out (atomically: a temp file renamed when complete).
     One weight version per export unless allow_mixed_weights (app.outputs.provenance).
+
+    Image rows point at image_store (default the configured one); with_images copies every
+    image they reference to `<out's folder>/images/<sha256>.<ext>`, once, checking its
+    sha256, points at the copies by that relative path, and lists them in
+    `manifest_path(out)`.
 
     A `--turns all` run: one row per turn (per_turn), or per chain whose every turn is done
     (whole_conversation; the default of the conversations format). With a selection, eval rows
@@ -254,6 +304,9 @@ def export_run(
     if selection is not None and selection.exclusion is not None:
         with db.connect() as conn:
             selection.find_excluded(ledger.iter_items(conn, run.id))
+    with db.connect() as conn:
+        copy_to = open_location(str(out.parent)) if with_images else None
+        images = ImageRows.for_run(conn, run.id, image_store, copy_to)
     files = {"train": _JsonlFile(out)}
     if selection is not None and selection.eval_fraction is not None:
         files["eval"] = _JsonlFile(eval_path(out))
@@ -266,6 +319,7 @@ def export_run(
             whole=whole,
             weight_version=weight_version,
             allow_mixed_weights=allow_mixed_weights,
+            images=images,
         )
         for item, row in rows:
             side = "train" if selection is None else selection.side(item)
@@ -275,7 +329,7 @@ def export_run(
             if side == "train":
                 report.rows += 1
                 report.truncated += item.finish_reason == "length"
-                report.tokens += len(item.prompt_ids) + len(item.output_ids or [])
+                report.tokens += len(images.served_prompt(item)) + len(item.output_ids or [])
         for file in files.values():
             file.commit()
     except BaseException:
@@ -284,22 +338,33 @@ def export_run(
         raise
     if selection is not None:
         report.selection = selection
-        _write_manifest(run, fmt, files, selection)
+    if selection is not None or with_images:
+        _write_manifest(run, fmt, files, selection, images.manifest() if with_images else None)
+    report.images = len(images.copied)
     log.info("exported %d %s rows of run %s to %s", report.rows, fmt, run.name, out)
     return report
 
 
 def _write_manifest(
-    run: RunInfo, fmt: str, files: dict[str, _JsonlFile], selection: Selection
+    run: RunInfo,
+    fmt: str,
+    files: dict[str, _JsonlFile],
+    selection: Selection | None,
+    images: list[dict[str, Any]] | None,
 ) -> None:
-    manifest = {
+    """`<out>.manifest.json`: the files, the split (if any), and the images copied beside
+    the export (with --with-images: each one's relative path, sha256 and size)."""
+    manifest: dict[str, Any] = {
         "format": JSONL_MANIFEST_FORMAT,
         "run": run.name,
         "export_format": fmt,
         "files": {side: file.out.name for side, file in files.items()},
-        **selection.to_json(),
-        "created_at": ledger.utcnow().isoformat(),
     }
+    if selection is not None:
+        manifest.update(selection.to_json())
+    if images is not None:
+        manifest["images"] = images
+    manifest["created_at"] = ledger.utcnow().isoformat()
     target = manifest_path(files["train"].out)
     tmp = target.with_name(f".{target.name}.tmp")
     tmp.write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")

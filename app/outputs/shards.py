@@ -34,6 +34,17 @@ COMPRESSION = "zstd"
 ROW_GROUP_ROWS = 1000
 HASH_CHUNK_BYTES = 4 << 20
 
+# one image of an image row: its content hash, where it is (the store's URL, or the path
+# relative to the export folder when the export carries its images) and its size in pixels
+IMAGE_ENTRY = pa.struct(
+    [
+        pa.field("sha256", pa.string(), nullable=False),
+        pa.field("uri", pa.string(), nullable=False),
+        pa.field("width", pa.int32(), nullable=False),
+        pa.field("height", pa.int32(), nullable=False),
+    ]
+)
+
 # one row of a shard; exports and compaction write the same columns, so a compacted shard is
 # itself a readable dataset file
 SHARD_SCHEMA = pa.schema(
@@ -55,6 +66,10 @@ SHARD_SCHEMA = pa.schema(
         # provenance: the weights that made the sample, and its sampling_params as JSON text
         pa.field("weight_version", pa.string()),
         pa.field("sampling_params", pa.string()),
+        # an image row (null for text): its images in prompt order and how many tokens each
+        # became; prompt_ids are then the served ids, each image's placeholder repeated
+        pa.field("images", pa.list_(IMAGE_ENTRY)),
+        pa.field("image_token_counts", pa.list_(pa.int32())),
     ]
 )
 COLUMNS: tuple[str, ...] = tuple(SHARD_SCHEMA.names)
@@ -83,6 +98,8 @@ class ShardRow:
     metadata: str | None = None
     weight_version: str | None = None
     sampling_params: str | None = None
+    images: list[dict[str, Any]] | None = None
+    image_token_counts: list[int] | None = None
 
 
 @dataclass(frozen=True)

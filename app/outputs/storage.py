@@ -22,6 +22,9 @@ from app import ledger
 from app.core.errors import ConfigurationError, NotFound
 from app.core.models import ItemStatus
 from app.ledger import RunInfo, StoredItem, counters, registry
+from app.ledger.reads import run_image_pins
+from app.outputs.image_checks import ImageRefs, listed_image_problems, row_image_problems
+from app.outputs.image_rows import ImageRows, count_problem, served_prompt
 from app.outputs.provenance import ProvenanceCounts, weight_filter
 from app.outputs.shards import (
     Location,
@@ -52,13 +55,19 @@ SHARD_SUFFIX = ".parquet"
 MAX_PROBLEMS = 50
 
 
-def shard_row(item: StoredItem) -> ShardRow:
-    """A done item as a row of a shard (exports and compaction write the same columns)."""
+def shard_row(item: StoredItem, images: ImageRows | None = None) -> ShardRow:
+    """A done item as a row of a shard (exports and compaction write the same columns): an
+    image item's prompt as served, with its images and image_token_counts. Without images
+    (a run's image rows) an image item is refused (ImageExportError, naming it): a row of its
+    ids as sent would not be what the model saw."""
+    images = images or ImageRows(None, None)  # no pins: an image item is refused, named
+    prompt = images.served_prompt(item)
+    image_fields = images.fields(item)
     return ShardRow(
         id=item.item_key,
         sample=item.sample_index,
         turn=item.turn_index,
-        prompt_ids=item.prompt_ids,
+        prompt_ids=prompt,
         output_ids=item.output_ids or [],
         finish_reason=item.finish_reason,
         prompt_tokens=item.prompt_tokens,
@@ -70,6 +79,8 @@ def shard_row(item: StoredItem) -> ShardRow:
         metadata=None if item.metadata is None else json.dumps(item.metadata, ensure_ascii=False),
         weight_version=item.weight_version,
         sampling_params=None if item.sampling_params is None else json.dumps(item.sampling_params),
+        images=image_fields.get("images"),
+        image_token_counts=image_fields.get("image_token_counts"),
     )
 
 
@@ -114,10 +125,18 @@ class ParquetExport:
     output_tokens: int = 0
     shards: list[ShardInfo] = field(default_factory=list)
     removed: list[str] = field(default_factory=list)
+    # with_images: the distinct images copied beside the shards
+    images: int = 0
 
     @property
     def tokens(self) -> int:
         return self.prompt_tokens + self.output_tokens
+
+    def add(self, row: ShardRow) -> None:
+        self.rows += 1
+        self.truncated += row.finish_reason == "length"
+        self.prompt_tokens += len(row.prompt_ids)
+        self.output_tokens += len(row.output_ids)
 
 
 def check_export_folder(folder: Path) -> None:
@@ -140,6 +159,8 @@ def export_parquet(
     shard_rows: int = 50_000,
     weight_version: str | None = None,
     allow_mixed_weights: bool = False,
+    image_store: Location | None = None,
+    with_images: bool = False,
 ) -> ParquetExport:
     """Write every done sample of run as Parquet shards and a .manifest.json under url.
 
@@ -151,6 +172,9 @@ def export_parquet(
     older export under its old name (it would keep readers of the folder from opening it).
     One weight version per export (app.outputs.provenance): weight_version picks one, or
     allow_mixed_weights takes them all; the manifest counts samples per version and setting.
+    Image rows point at image_store (default the configured one); with_images copies each
+    image they reference to `<url>/images/<sha256>.<ext>` once (its sha256 checked), points at
+    it by that relative path, and lists the copies in the manifest's `images`.
     """
     if shard_rows < 1:
         raise ValueError("shard_rows must be at least 1")
@@ -163,6 +187,7 @@ def export_parquet(
     made = ProvenanceCounts()
     with db.connect() as conn:
         keep = weight_filter(conn, run, weight_version, allow_mixed_weights)
+        images = ImageRows.for_run(conn, run.id, image_store, loc if with_images else None)
         writer: ShardWriter | None = None
         try:
             for item in ledger.iter_items(conn, run.id):
@@ -172,11 +197,9 @@ def export_parquet(
                 if writer is None:
                     name = f"{SHARD_PREFIX}{len(report.shards):05d}-{export_id}{SHARD_SUFFIX}"
                     writer = ShardWriter(loc, name)
-                writer.write([shard_row(item)])
-                report.rows += 1
-                report.truncated += item.finish_reason == "length"
-                report.prompt_tokens += len(item.prompt_ids)
-                report.output_tokens += len(item.output_ids or [])
+                row = shard_row(item, images)
+                writer.write([row])
+                report.add(row)
                 if item.server:
                     servers.add(item.server)
                 if writer.rows >= shard_rows:
@@ -206,6 +229,9 @@ def export_parquet(
         "shards": [s.to_json() for s in report.shards],
         "created_at": ledger.utcnow().isoformat(),
     }
+    if with_images:
+        manifest["images"] = images.manifest()
+    report.images = len(images.copied)
     write_object(loc, MANIFEST_NAME, json.dumps(manifest, indent=1).encode("utf-8"))
     listed = {s.path for s in report.shards}
     stale = [
@@ -273,7 +299,9 @@ def check_export(
 ) -> ExportCheck:
     """Check the Parquet export at url against the ledger: the manifest, each shard's presence,
     byte size, sha256 and row count, the total against the done items, then every row's
-    (item_id, id, sample, prompt_ids, output_ids, finish_reason) against the ledger's."""
+    (item_id, id, sample, prompt_ids, output_ids, finish_reason) against the ledger's; an image
+    row's prompt_ids against the served ones, its images and counts against the ledger's, and
+    each image it references (and each the manifest lists) against its sha256."""
     check = ExportCheck(rows=0, shards=0)
     problems = check.problems
     loc = open_location(url, storage_options)
@@ -306,8 +334,10 @@ def check_export(
     counted = (manifest.get("counts") or {}).get("rows")
     if counted != check.rows:
         problems.append(f"manifest counts.rows is {counted}; its shards add up to {check.rows}")
+    refs = ImageRefs(loc, storage_options)
+    problems += listed_image_problems(manifest.get("images") or [], refs)
     if len(readable) == len(shards):
-        _compare_rows(conn, run_id, loc, readable, problems, picked)
+        _compare_rows(conn, run_id, loc, readable, problems, picked, refs)
     else:
         problems.append("rows were not compared with the ledger: a shard is unreadable")
     if len(problems) > MAX_PROBLEMS:
@@ -352,7 +382,11 @@ def _compare_rows(
     names: list[str],
     problems: list[str],
     weight_version: str | None = None,
+    refs: ImageRefs | None = None,
 ) -> None:
+    refs = refs or ImageRefs(loc)
+    pins = run_image_pins(conn, run_id)
+    placeholder = None if pins is None else pins.placeholder_id
     mismatches = 0
     position = 0
     stored_items = (
@@ -371,7 +405,7 @@ def _compare_rows(
             if stored is None:
                 problems.append(f"shard {name}: item {row.item_id} is not a done item")
                 break
-            diffs = _row_differences(row, stored)
+            diffs = _row_differences(row, stored, placeholder, refs)
             if diffs:
                 mismatches += 1
                 problems.append(
@@ -383,12 +417,23 @@ def _compare_rows(
         problems.append(f"reading the export failed after {position} rows: {exc}")
 
 
-def _row_differences(row: ShardRow, item: StoredItem) -> list[str]:
+def _row_differences(
+    row: ShardRow, item: StoredItem, placeholder: int | None, refs: ImageRefs
+) -> list[str]:
+    image_problems: list[str] = []
+    prompt = item.prompt_ids
+    if item.image_refs or row.images is not None or row.image_token_counts is not None:
+        problem = count_problem(item, placeholder)
+        if problem is None:
+            prompt = served_prompt(item, placeholder)
+        else:
+            image_problems.append(f"the ledger's item has {problem}")
+        image_problems += row_image_problems(row.images, row.image_token_counts, item, refs)
     wanted: dict[str, Any] = {
         "item_id": item.id,
         "id": item.item_key,
         "sample": item.sample_index,
-        "prompt_ids": item.prompt_ids,
+        "prompt_ids": prompt,
         "output_ids": item.output_ids or [],
         "finish_reason": item.finish_reason,
     }
@@ -398,4 +443,5 @@ def _row_differences(row: ShardRow, item: StoredItem) -> list[str]:
         wanted["sampling_params"] = (
             None if item.sampling_params is None else json.dumps(item.sampling_params)
         )
-    return [f"{k} (ledger item {item.id})" for k, v in wanted.items() if getattr(row, k) != v]
+    differ = [f"{k} (ledger item {item.id})" for k, v in wanted.items() if getattr(row, k) != v]
+    return differ + image_problems

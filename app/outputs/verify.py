@@ -10,13 +10,20 @@ import json
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Engine
 
 from app import ledger
 from app.core.errors import ConfigurationError
+from app.core.images import ImagePins
 from app.ledger import RunInfo, StoredItem
+from app.ledger.reads import run_image_pins
+from app.outputs.image_rows import count_problem, served_prompt
+from app.outputs.image_store import ImageError, get_image, image_location
+from app.outputs.jsonl_checks import check_jsonl_images, is_jsonl_export
+from app.outputs.shards import Location
 from app.outputs.storage import check_export
 from app.prompts.chat_path import ChatInputs, check_version
 from app.prompts.tokenization import ChatTokenizer
@@ -33,6 +40,8 @@ CHECK_COMPLETION = "completion_tokens"
 CHECK_PROMPT = "prompt_tokens"
 CHECK_WEIGHTS = "weight_version"
 CHECK_SAMPLING = "sampling_params"
+CHECK_IMAGE_COUNTS = "image_token_counts"
+CHECK_IMAGE_STORE = "image_store"
 CHECKS = (
     CHECK_TEMPLATE,
     CHECK_STOP,
@@ -41,15 +50,20 @@ CHECKS = (
     CHECK_PROMPT,
     CHECK_WEIGHTS,
     CHECK_SAMPLING,
+    CHECK_IMAGE_COUNTS,
+    CHECK_IMAGE_STORE,
 )
+IMAGE_CHECKS = (CHECK_IMAGE_COUNTS, CHECK_IMAGE_STORE)
 CHECK_TITLES = {
     CHECK_TEMPLATE: "chat template re-applied reproduces prompt_ids",
     CHECK_STOP: "stopped outputs end with a stop/EOS id",
     CHECK_LENGTH: "truncated outputs have exactly max_new_tokens ids",
     CHECK_COMPLETION: "len(output_ids) == the server's completion_tokens",
-    CHECK_PROMPT: "len(prompt_ids) == the server's prompt_tokens",
+    CHECK_PROMPT: "len(prompt_ids as served) == the server's prompt_tokens",
     CHECK_WEIGHTS: "each sample's weight_version is the one the run pinned",
     CHECK_SAMPLING: "each sample's sampling_params are the run's for it, with its row's over them",
+    CHECK_IMAGE_COUNTS: "image items have one image_token_count >= 1 per image and placeholder",
+    CHECK_IMAGE_STORE: "every stored image an item uses still hashes to its sha256",
 }
 
 
@@ -173,10 +187,17 @@ def verify_run(
     *,
     export_url: str | None = None,
     storage_options: dict[str, Any] | None = None,
+    image_store: Location | None = None,
     on_progress: Callable[[int], None] = lambda n: None,
 ) -> VerifyReport:
     """Check every done item of run; with tokenizer None the template check is skipped
-    (counted as not checkable). Nothing per item is kept beyond a few examples."""
+    (counted as not checkable). Nothing per item is kept beyond a few examples.
+
+    Image items: the template check re-renders the ids sent (one placeholder per image), the
+    counts must rebuild the served prompt (whose length is the server's prompt_tokens), and
+    every image is read back from image_store (default the configured one), each distinct
+    image once. export_url: a Parquet export folder, or a JSONL export file (its image
+    references are checked)."""
     report = VerifyReport(run=run.name)
     if tokenizer is not None:
         report.findings += tokenizer_findings(run, tokenizer)
@@ -189,12 +210,13 @@ def verify_run(
     stops = set(run.eos_token_ids) | set(run.sampling.stop_token_ids)
     pending: list[StoredItem] = []
     with db.connect() as conn:
+        images = StoredImages(report, run_image_pins(conn, run.id), image_store)
         for item in ledger.iter_items(conn, run.id, storage_options=storage_options):
             report.items += 1
             sent = run.sampling.for_sample(item.sample_index, item.row_sampling_params)
             mine = stops | set(sent.get("stop_token_ids") or [])
             _check_finish(report, item, mine, sent.get("max_new_tokens"))
-            _check_counts(report, item)
+            _check_counts(report, item, images.check(item))
             _check_provenance(report, item, sent, pinned_version(run))
             if item.messages is None or tokenizer is None:
                 report.checks[CHECK_TEMPLATE].not_checkable += 1
@@ -207,7 +229,10 @@ def verify_run(
                 on_progress(report.items)
         if pending and tokenizer is not None:
             _check_templates(report, tokenizer, run.chat_template_kwargs, pending)
-        if export_url is not None:
+        if export_url is not None and is_jsonl_export(export_url):
+            result = check_jsonl_images(conn, run.id, Path(export_url), storage_options)
+            report.export = ExportSummary(export_url, result.rows, result.shards, result.problems)
+        elif export_url is not None:
             result = check_export(conn, run.id, export_url, storage_options)
             report.export = ExportSummary(export_url, result.rows, result.shards, result.problems)
     on_progress(report.items)
@@ -353,7 +378,65 @@ def _stop_difference(output: list[int], matched: str | None, stops: set[int]) ->
     )
 
 
-def _check_counts(report: VerifyReport, item: StoredItem) -> None:
+class StoredImages:
+    """The image checks of verify: each image item's counts, and its images read back from
+    the store (each distinct image once; its problem, if any, named for every item using it)."""
+
+    def __init__(self, report: VerifyReport, pins: ImagePins | None, store: Location | None):
+        self.report = report
+        self.placeholder_id = None if pins is None else pins.placeholder_id
+        self.store = store
+        self._store_problems: dict[str, str | None] = {}  # sha256 -> why it fails, or None
+
+    def check(self, item: StoredItem) -> list[int] | None:
+        """Check item's images; its served prompt ids, or None when they cannot be rebuilt."""
+        if not item.image_refs and item.image_token_counts is None:
+            return item.prompt_ids
+        counts = self.report.checks[CHECK_IMAGE_COUNTS]
+        problem = count_problem(item, self.placeholder_id)
+        served = None
+        if problem is None:
+            counts.passed()
+            served = served_prompt(item, self.placeholder_id)
+        else:
+            counts.failed(item, problem)
+        self._check_store(item)
+        return served
+
+    def _check_store(self, item: StoredItem) -> None:
+        tally = self.report.checks[CHECK_IMAGE_STORE]
+        refs = item.image_refs
+        if not refs:
+            return
+        store = self._store()
+        if store is None:
+            tally.not_checkable += 1
+            return
+        bad = []
+        for index, ref in enumerate(refs):
+            if ref.sha256 not in self._store_problems:
+                try:
+                    get_image(store, ref)
+                    self._store_problems[ref.sha256] = None
+                except ImageError as exc:
+                    self._store_problems[ref.sha256] = str(exc)
+            problem = self._store_problems[ref.sha256]
+            if problem is not None:
+                bad.append(f"image {index}: {problem}")
+        if bad:
+            tally.failed(item, "; ".join(bad))
+        else:
+            tally.passed()
+
+    def _store(self) -> Location | None:
+        if self.store is None and self.placeholder_id is not None:
+            from app.core.settings import get_settings
+
+            self.store = image_location(get_settings())
+        return self.store
+
+
+def _check_counts(report: VerifyReport, item: StoredItem, served: list[int] | None) -> None:
     completion = report.checks[CHECK_COMPLETION]
     output = item.output_ids or []
     if item.completion_tokens is None:
@@ -367,13 +450,14 @@ def _check_counts(report: VerifyReport, item: StoredItem) -> None:
             f"{item.completion_tokens}",
         )
     prompt = report.checks[CHECK_PROMPT]
-    if item.prompt_tokens is None:
+    if item.prompt_tokens is None or served is None:  # served None: the counts are wrong
         prompt.not_checkable += 1
-    elif item.prompt_tokens == len(item.prompt_ids):
+    elif item.prompt_tokens == len(served):
         prompt.passed()
     else:
+        what = "prompt ids stored"
+        if served is not item.prompt_ids:
+            what = f"prompt ids served ({len(item.prompt_ids)} sent + image tokens)"
         prompt.failed(
-            item,
-            f"{len(item.prompt_ids)} prompt ids stored; the server reported prompt_tokens "
-            f"{item.prompt_tokens}",
+            item, f"{len(served)} {what}; the server reported prompt_tokens {item.prompt_tokens}"
         )

@@ -160,12 +160,12 @@ def test_a_crash_mid_shard_keeps_the_previous_export(
         real = storage.shard_row
         seen = 0
 
-        def shard_row(item: ledger.StoredItem) -> object:
+        def shard_row(item: ledger.StoredItem, images: object = None) -> object:
             nonlocal seen
             seen += 1
             if seen > n:
                 raise OSError("disk gone")
-            return real(item)
+            return real(item, images)  # type: ignore[arg-type]
 
         return shard_row
 

@@ -29,6 +29,9 @@ from app.core.locks import exclusive
 from app.core.settings import Settings
 from app.ledger import RunInfo
 from app.ledger.database import SCAN_TIMEOUT_S, limit_periodic
+from app.ledger.reads import run_image_pins
+from app.outputs.image_rows import ImageRows
+from app.outputs.image_store import image_location
 from app.outputs.shards import (
     Location,
     ShardWriter,
@@ -132,6 +135,10 @@ def _compact_locked(
             f"({settings.compact_min_items}); use --all to compact them anyway"
         )
         return
+    with db.connect() as conn:
+        pins = run_image_pins(conn, run.id)
+    # image rows are written as exports write them: served prompt ids, images, counts
+    images = ImageRows(pins, image_location(settings) if pins is not None else None)
     started = time.monotonic()
     after = 0
     while True:
@@ -143,7 +150,7 @@ def _compact_locked(
             ids = ledger.compactable_ids(conn, run.id, after_id=after, limit=shard_rows)
         if not ids:
             break
-        report.compacted += compact_ids(db, loc, ids)
+        report.compacted += compact_ids(db, loc, ids, images)
         report.shards.append(shard_name(ids[0], ids[-1]))
         after = ids[-1]
     if report.compacted >= ANALYZE_AFTER_ITEMS:
@@ -172,15 +179,16 @@ def shard_ids(name: str) -> tuple[int, int] | None:
     return int(first), int(last)
 
 
-def compact_ids(db: Engine, loc: Location, ids: list[int]) -> int:
-    """Write one shard of these items, then point them at it; return how many were moved."""
+def compact_ids(db: Engine, loc: Location, ids: list[int], images: ImageRows | None = None) -> int:
+    """Write one shard of these items, then point them at it; return how many were moved.
+    images: how the run's image rows are written (needed when it has any)."""
     name = shard_name(ids[0], ids[-1])
     written: list[tuple[int, int]] = []
     with ShardWriter(loc, name) as writer:
         for page in _pages(ids, READ_PAGE_ITEMS):
             with db.connect() as conn:
                 stored = ledger.stored_items(conn, page)
-            rows = [shard_row(item) for item in stored if item.shard_uri is None]
+            rows = [shard_row(item, images) for item in stored if item.shard_uri is None]
             written += [(row.item_id, len(written) + i) for i, row in enumerate(rows)]
             writer.write(rows)
         writer.commit()
