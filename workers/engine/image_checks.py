@@ -35,6 +35,11 @@ class ImageChecks:
         self._pins: dict[int, ImagePins | None] = {}
         self._agreed: dict[tuple[int, str], ImageCount] = {}
 
+    @property
+    def data(self) -> ImageData:
+        """Where the images' data URIs come from (the worker's cache of them)."""
+        return self._data
+
     def pins(self, run_id: int) -> ImagePins | None:
         """The run's image pins (its placeholder id), read once per run."""
         with self._lock:
