@@ -23,6 +23,7 @@ from sqlalchemy import Engine, select, update
 from app import ledger
 from app.core.constants import EVENT_IMAGE_DRIFT
 from app.core.contracts import GenerateResult, ServerFingerprint
+from app.core.errors import ConfigurationError
 from app.core.images import FAMILIES, ImagePins, ImageRef, expand_placeholders
 from app.core.models import run_image_tokens
 from app.core.settings import Settings
@@ -32,8 +33,10 @@ from app.ledger.image_tokens import note_image_tokens, pin_image_settings
 from app.outputs.image_store import put_image
 from app.outputs.shards import open_location
 from app.sglang import ProbeResult
+from ops.emulator_proc import start_emulator
 from tests.support.runs import make_run
 from workers.engine.generate import handle_message
+from workers.engine.runner import EmbeddedRunner
 from workers.engine.runtime import WorkerRuntime
 
 PAD = 163605  # Kimi-K2.5's <|media_pad|> (config.json media_placeholder_token_id)
@@ -68,18 +71,21 @@ def image_run(db: Engine, name: str = "img") -> ledger.RunInfo:
     return run
 
 
-def add(db: Engine, run: ledger.RunInfo, key: str, ids: list[int], refs: list[ImageRef]) -> int:
+def add(
+    db: Engine,
+    run: ledger.RunInfo,
+    key: str,
+    ids: list[int],
+    refs: list[ImageRef],
+    *,
+    sample: int = 0,
+) -> int:
+    mine = (items.c.run_id == run.id, items.c.item_key == key, items.c.sample_index == sample)
     with db.begin() as conn:
-        ledger.insert_items(conn, run.id, [ledger.NewItem(key, 0, 1, None, ids)])
+        ledger.insert_items(conn, run.id, [ledger.NewItem(key, sample, 1, None, ids)])
         if refs:
-            conn.execute(
-                update(items)
-                .where(items.c.run_id == run.id, items.c.item_key == key)
-                .values(images=[r.to_json() for r in refs])
-            )
-        item_id = conn.execute(
-            select(items.c.id).where(items.c.run_id == run.id, items.c.item_key == key)
-        ).scalar_one()
+            conn.execute(update(items).where(*mine).values(images=[r.to_json() for r in refs]))
+        item_id = conn.execute(select(items.c.id).where(*mine)).scalar_one()
     return int(item_id)
 
 
@@ -432,19 +438,45 @@ def test_a_text_only_server_is_never_sent_an_image_item(
 ) -> None:
     run = image_run(db)
     item = add(db, run, "p", [1, PAD], pictures[:1])
+    sample = add(db, run, "p", [1, PAD], pictures[:1], sample=1)
     text = add(db, run, "t", [1, 2], [])
     server = FakeServer(reads_images=False)
     rt = start(db, store, runtimes, "gpu-a", server)
     assert not rt.reads_images()
     sent: list[tuple[list[int], float]] = []
     report = handle_message(
-        rt, [item, text], requeue=lambda ids, wait_s: sent.append((ids, wait_s))
+        rt, [item, sample, text], requeue=lambda ids, wait_s: sent.append((ids, wait_s))
     )
-    assert report["claimed"] == 1 and report["deferred"] == 1
-    assert sent == [([item], rt.settings.unavailable_wait_s)]
+    assert report["claimed"] == 1 and report["deferred"] == 2
+    # the image prompt's samples go back together, in one message for one server that reads
+    assert sent == [([item, sample], rt.settings.unavailable_wait_s)]
     deadline = time.monotonic() + 30
     while not rt.window.idle():
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    assert row(db, item).status == "pending" and row(db, text).status == "done"  # untouched
+    assert [row(db, i).status for i in (item, sample, text)] == ["pending", "pending", "done"]
     assert [r["image_data"] for r in server.requests] == [None]
+
+
+def test_tokenmill_run_with_only_text_only_servers_says_why_its_image_items_wait(
+    sqlite_engine: Engine, store: str, pictures: list[ImageRef], tmp_path: Path
+) -> None:
+    run = image_run(sqlite_engine)
+    add(sqlite_engine, run, "p", [1, PAD], pictures[:1])
+    emulator = start_emulator(["--step-ms", "1"])  # text-only: no has_image_understanding
+    settings = Settings(data_dir=tmp_path, storage_url=store, parity_sample=0, hedge=False)
+    runner = EmbeddedRunner(sqlite_engine, settings, run, [emulator.url], poll_s=0.01)
+    try:
+        runner.start()
+        with pytest.raises(ConfigurationError, match="1 image items of run img wait for a server"):
+            runner.wait(tick_s=0.05)
+        assert [view.text_only for view in runner.servers()] == [True]
+    finally:
+        runner.stop()
+        emulator.stop()
+    assert row(sqlite_engine, ledger_id(sqlite_engine, run)).status in ("pending", "queued")
+
+
+def ledger_id(db: Engine, run: ledger.RunInfo) -> int:
+    with db.connect() as conn:
+        return int(conn.execute(select(items.c.id).where(items.c.run_id == run.id)).scalar_one())

@@ -131,6 +131,15 @@ class Slot:
         except PermanentError as exc:  # an image missing or changed in the store, say
             self._failed_permanently(job, exc)
             return
+        except Exception as exc:  # the store cannot be opened: not the item's fault
+            log.exception(
+                "could not read the images of run %d item %d",
+                item.run_id,
+                item.id,
+                extra=item_fields(item, self._server),
+            )
+            w.settle(Released(item.id, f"images not read: {exc!r}"), job)
+            return
         rid = f"tm-{item.id}-{uuid.uuid4().hex[:12]}"
         job.tries += 1
         w.sent(job, rid)
@@ -274,8 +283,8 @@ class Slot:
             return
         try:
             images = w.image_data(item) if item.images else None
-        except PermanentError:
-            w.hedge_dropped(job)  # the item's holder meets the same error and fails it
+        except Exception:  # the item's holder meets the same error and settles it
+            w.hedge_dropped(job)
             return
         rid = f"tm-{item.id}-hedge-{uuid.uuid4().hex[:8]}"
         if not w.hedge_sent(job, rid):
