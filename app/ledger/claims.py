@@ -300,6 +300,19 @@ def text_items_left(conn: Connection, run_id: int) -> bool:
     return next(rows, None) is not None
 
 
+def image_items_left(conn: Connection, run_id: int) -> bool:
+    """Whether the run has claimable items with images (what only a server that understands
+    images may take): a probe of the run's claimable range that stops at the first one."""
+    pin_index_plans(conn)
+    for status in CLAIMABLE:
+        probe = select(items.c.id).where(
+            run_status_range(conn, items, run_id, status, 0), items.c.images.is_not(None)
+        )
+        if conn.execute(probe.order_by(*run_status_order(items)).limit(1)).first() is not None:
+            return True
+    return False
+
+
 def run_has_items(conn: Connection, run_id: int, statuses: Iterable[str]) -> bool:
     """Whether the run has an item in one of these statuses: one probe of the
     (run_id, status, id) index per status, which stops at the first row found. Written as a

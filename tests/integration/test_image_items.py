@@ -29,11 +29,14 @@ from app.core.models import run_image_tokens
 from app.core.settings import Settings
 from app.ledger import Done, items, registry, runs
 from app.ledger.claims import claimable_image_items, text_items_left
+from app.ledger.database import make_engine
 from app.ledger.image_tokens import note_image_tokens, pin_image_settings
+from app.ledger.migrate import upgrade
 from app.outputs.image_store import put_image
 from app.outputs.shards import open_location
 from app.sglang import ProbeResult
 from ops.emulator_proc import start_emulator
+from tests.support.procs import clean_env, tokenmill
 from tests.support.runs import make_run
 from workers.engine.generate import handle_message
 from workers.engine.runner import EmbeddedRunner
@@ -480,3 +483,24 @@ def test_tokenmill_run_with_only_text_only_servers_says_why_its_image_items_wait
 def ledger_id(db: Engine, run: ledger.RunInfo) -> int:
     with db.connect() as conn:
         return int(conn.execute(select(items.c.id).where(items.c.run_id == run.id)).scalar_one())
+
+
+def test_status_says_why_image_items_wait_when_no_registered_server_reads_images(
+    tmp_path: Path, pictures: list[ImageRef]
+) -> None:
+    engine = make_engine(f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
+    upgrade(engine)
+    run = image_run(engine, "pics")
+    add(engine, run, "p", [1, PAD], pictures[:1])
+    text_only = ServerFingerprint(model_path="m", version="0.5.23").to_json()
+    with engine.begin() as conn:
+        registry.upsert_server(conn, "gpu-a", "http://gpu-a:30000")
+        registry.set_fingerprint(conn, "gpu-a", text_only)
+    said = tokenmill(["status"], clean_env(tmp_path))
+    assert said.returncode == 0, said.stderr
+    assert "run pics: its image items wait: no registered server understands images" in " ".join(
+        said.stderr.split()
+    )
+    with engine.begin() as conn:
+        registry.set_fingerprint(conn, "gpu-a", {**text_only, "images": {}})
+    assert "image items wait" not in tokenmill(["status"], clean_env(tmp_path)).stderr
