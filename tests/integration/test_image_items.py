@@ -39,6 +39,8 @@ from ops.emulator_proc import start_emulator
 from tests.support.procs import clean_env, tokenmill
 from tests.support.runs import make_run
 from workers.engine.generate import handle_message
+from workers.engine.image_checks import ImageChecks
+from workers.engine.image_data import ImageData
 from workers.engine.runner import EmbeddedRunner
 from workers.engine.runtime import WorkerRuntime
 
@@ -504,3 +506,15 @@ def test_status_says_why_image_items_wait_when_no_registered_server_reads_images
     with engine.begin() as conn:
         registry.set_fingerprint(conn, "gpu-a", {**text_only, "images": {}})
     assert "image items wait" not in tokenmill(["status"], clean_env(tmp_path)).stderr
+
+
+def test_a_run_that_pins_its_images_at_a_later_enqueue_is_read_again(
+    db: Engine, store: str
+) -> None:
+    with db.begin() as conn:
+        run = make_run(conn, "late")
+    checks = ImageChecks(db, "gpu-a", ImageData(lambda: open_location(store, {})))
+    assert checks.pins(run.id) is None  # text only so far
+    with db.begin() as conn:
+        conn.execute(update(runs).where(runs.c.id == run.id).values(images=PINS.to_json()))
+    assert checks.pins(run.id) == PINS

@@ -32,7 +32,7 @@ class ImageChecks:
         self._server = server_name
         self._data = data
         self._lock = threading.Lock()
-        self._pins: dict[int, ImagePins | None] = {}
+        self._pins: dict[int, ImagePins] = {}
         self._agreed: dict[tuple[int, str], ImageCount] = {}
 
     @property
@@ -41,14 +41,17 @@ class ImageChecks:
         return self._data
 
     def pins(self, run_id: int) -> ImagePins | None:
-        """The run's image pins (its placeholder id), read once per run."""
+        """The run's image pins (its placeholder id), read once per run that has them; a run
+        without them is read again when asked (a later enqueue may bring its first image)."""
         with self._lock:
-            if run_id in self._pins:
-                return self._pins[run_id]
+            cached = self._pins.get(run_id)
+        if cached is not None:
+            return cached
         with self._db.connect() as conn:
             pins = run_image_pins(conn, run_id)
-        with self._lock:
-            self._pins[run_id] = pins
+        if pins is not None:
+            with self._lock:
+                self._pins[run_id] = pins
         return pins
 
     def image_data(self, item: ClaimedItem) -> list[str]:
