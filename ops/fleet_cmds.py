@@ -102,10 +102,10 @@ SERVER_COLUMNS = (
 
 def _paused(server: registry.ServerInfo) -> str:
     """Whether the server is paused and by whom; a weights pause names the change
-    ("weight_version: A → B")."""
+    ("weight_version: A → B"), an images pause the token drift."""
     if not server.paused:
         return "no"
-    if server.paused_by == "weights":
+    if server.paused_by in ("weights", "images"):
         return f"yes ({server.pause_reason})"
     return f"yes ({server.paused_by})"
 

@@ -59,7 +59,9 @@ def _progress_table(counts: RunCounts, runner: EmbeddedRunner, started: float) -
         f"ETA {eta:,.0f}s" if eta == eta else "ETA —",
     )
     for view in runner.servers():
-        if view.refused:
+        if view.drift:
+            state = "[red]token drift: no work[/red]"
+        elif view.refused:
             state = "[red]fingerprint differs: no work[/red]"
         elif view.down and view.down_for_s is not None:
             state = f"[red]down {view.down_for_s:,.0f}s[/red]"
@@ -71,7 +73,7 @@ def _progress_table(counts: RunCounts, runner: EmbeddedRunner, started: float) -
             state = "[green]ok[/green]"
         if view.parity_differs:
             state += " [yellow]renders prompts differently[/yellow]"
-        error = view.down_error if view.down else view.last_error
+        error = view.drift or (view.down_error if view.down else view.last_error)
         err = f"last error: {escape(error[:80])}" if error else ""
         table.add_row(
             f"  {escape(view.name)}",

@@ -12,6 +12,8 @@ from ops.options import err_console, get_settings, handle_errors, ledger_name, o
 from ops.text_table import Column, left_out_note, render
 
 if TYPE_CHECKING:
+    from sqlalchemy import Connection
+
     from app import ledger
     from app.ledger import registry
 
@@ -48,8 +50,10 @@ def status_cmd(run_name: str | None, as_json: bool, watch: bool, interval_s: flo
     with db.connect() as conn:
         runs = [ledger.get_run(conn, run_name)] if run_name else ledger.list_runs(conn)
         counts = [ledger.run_counts(conn, r) for r in runs]
-        differing = _differing_servers(registry.list_servers(conn))
+        servers = registry.list_servers(conn)
+        differing = _differing_servers(servers)
         stopped = registry.stopped_enqueues(conn, [r.id for r in runs])
+        unserved = _unserved_images(conn, servers, runs, counts)
     stopped_names = {r.name for r in runs if r.id in stopped}
     if not runs and not as_json:
         # an empty table would not say where it looked (a forgotten TOKENMILL_DATABASE_URL)
@@ -80,6 +84,32 @@ def status_cmd(run_name: str | None, as_json: bool, watch: bool, interval_s: flo
         click.echo(note, err=True)
     if stopped_names or any(differing.get(c.run) for c in counts):
         _print_warnings(counts, stopped_names, differing)
+    for name in unserved:
+        from rich.markup import escape
+
+        err_console().print(
+            f"[yellow]run {escape(name)}: its image items wait[/yellow]: no registered server "
+            "understands images (their /model_info has_image_understanding is not true)",
+            markup=True,
+            soft_wrap=True,
+        )
+
+
+def _unserved_images(
+    conn: Connection,
+    servers: list[registry.ServerInfo],
+    runs: list[ledger.RunInfo],
+    counts: list[ledger.RunCounts],
+) -> list[str]:
+    """The runs with image items to claim while every registered server whose fingerprint is
+    known understands no images (such servers never take them); none when one does."""
+    from app.ledger.claims import image_items_left
+
+    known = [s.fingerprint for s in servers if s.fingerprint]
+    if not known or any("images" in fingerprint for fingerprint in known):
+        return []
+    waiting = {c.run for c in counts if c.pending or c.queued}
+    return [r.name for r in runs if r.name in waiting and image_items_left(conn, r.id)]
 
 
 def _print_warnings(

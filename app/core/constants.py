@@ -39,3 +39,6 @@ EVENT_PARITY = "parity"
 # `update-weights` call on it
 EVENT_WEIGHTS_CHANGED = "weights_changed"
 EVENT_WEIGHTS_UPDATE = "weights_update"
+# a server's served prompt ids were not the request's with each image placeholder repeated,
+# or it expanded an image of a run to another count than the run's other servers
+EVENT_IMAGE_DRIFT = "image_drift"

@@ -208,6 +208,14 @@ class ServerFingerprint:
     # the speculative-decoding settings from /server_info (algorithm, draft model path, draft
     # tokens, steps, top-k); None when the server does not speculate
     speculative: dict[str, Any] | None = None
+    # the image settings from /server_info (app.core.images.image_settings) of a server whose
+    # /model_info says `has_image_understanding: true`; None: the server reads no images
+    images: dict[str, Any] | None = None
+
+    @property
+    def reads_images(self) -> bool:
+        """Whether the server understands images (only such servers get image items)."""
+        return self.images is not None
 
     def to_json(self) -> dict[str, Any]:
         data: dict[str, Any] = {
@@ -219,15 +227,31 @@ class ServerFingerprint:
         # only when set: a run pinned by a server that does not speculate keeps its old form
         if self.speculative is not None:
             data["speculative"] = self.speculative
+        # the same for a server that reads no images
+        if self.images is not None:
+            data["images"] = self.images
         return data
 
     def differences(self, other: ServerFingerprint) -> list[str]:
-        """Human lines like "reasoning_parser: None → kimi_k2" for every field that differs."""
+        """Human lines like "reasoning_parser: None → kimi_k2" for every field that differs,
+        and "images.mm_process_config: A → B" for every image setting that does.
+
+        Image settings are compared only when both servers read images: one that reads none
+        serves a run's text items alone, and image settings do not change those."""
         mine, theirs = self.to_json(), other.to_json()
+        mine_images, their_images = mine.pop("images", None), theirs.pop("images", None)
         keys = [*mine, *(k for k in theirs if k not in mine)]
-        return [
+        lines = [
             f"{k}: {mine.get(k)} → {theirs.get(k)}" for k in keys if mine.get(k) != theirs.get(k)
         ]
+        if mine_images is not None and their_images is not None:
+            names = [*mine_images, *(k for k in their_images if k not in mine_images)]
+            lines += [
+                f"images.{k}: {mine_images.get(k)} → {their_images.get(k)}"
+                for k in names
+                if mine_images.get(k) != their_images.get(k)
+            ]
+        return lines
 
 
 def stable_hash(value: Any) -> str:

@@ -11,6 +11,7 @@ from typing import Any
 
 from sqlalchemy import Connection, and_, or_, select, update
 
+from app.core.images import ImageRef, refs_from_json
 from app.core.models import ItemStatus
 from app.ledger.common import (
     _in_id_order,
@@ -38,6 +39,8 @@ class ClaimedItem:
     turn_index: int = 0
     # the row's own sampling_params, merged over the run's when the request is built
     row_sampling_params: dict[str, Any] | None = None
+    # the prompt's images in the order of its placeholders (empty: a text item)
+    images: tuple[ImageRef, ...] = ()
 
 
 _CLAIM_COLUMNS = (
@@ -49,7 +52,19 @@ _CLAIM_COLUMNS = (
     items.c.item_key,
     items.c.turn_index,
     items.c.row_sampling_params,
+    items.c.images,
 )
+
+
+def _claimed(row: Any) -> ClaimedItem:
+    fields = dict(row._mapping)
+    fields["images"] = refs_from_json(fields.get("images"))
+    return ClaimedItem(**fields)
+
+
+def _text_only() -> Any:
+    """Items without images: all a server that reads no images may claim."""
+    return items.c.images.is_(None)
 
 
 def _claimable(now: datetime) -> Any:
@@ -60,16 +75,26 @@ def _claimable(now: datetime) -> Any:
 
 
 def claim_items(
-    conn: Connection, ids: Sequence[int], *, owner: str, server: str, lease_s: float
+    conn: Connection,
+    ids: Sequence[int],
+    *,
+    owner: str,
+    server: str,
+    lease_s: float,
+    text_only: bool = False,
 ) -> list[ClaimedItem]:
     """Lease the given items to owner if nobody holds them; already-leased or finished items
-    are skipped, so a redelivered message claims nothing."""
+    are skipped, so a redelivered message claims nothing. text_only: items with images are
+    skipped too (the server reads no images; `claimable_image_items` names them)."""
     if not ids:
         return []
     now = utcnow()
+    where = [items.c.id.in_(_in_id_order(conn, ids)), _claimable(now)]
+    if text_only:
+        where.append(_text_only())
     stmt = (
         update(items)
-        .where(items.c.id.in_(_in_id_order(conn, ids)), _claimable(now))
+        .where(*where)
         .values(
             status=ItemStatus.LEASED.value,
             lease_owner=owner,
@@ -80,21 +105,39 @@ def claim_items(
         )
         .returning(*_CLAIM_COLUMNS)
     )
-    claimed = [ClaimedItem(**row._mapping) for row in conn.execute(stmt)]
+    claimed = [_claimed(row) for row in conn.execute(stmt)]
     claimed.sort(key=lambda c: c.id)
     return claimed
 
 
+def claimable_image_items(conn: Connection, ids: Sequence[int]) -> list[int]:
+    """Which of these items have images and are still to be claimed: what a server that
+    reads no images passed over, to go back to the queue for one that does."""
+    if not ids:
+        return []
+    stmt = select(items.c.id).where(
+        items.c.id.in_(list(ids)), items.c.images.is_not(None), _claimable(utcnow())
+    )
+    return sorted(int(i) for i in conn.execute(stmt).scalars())
+
+
 def _claimable_rows(
-    conn: Connection, run_id: int, limit: int, now: datetime, *columns: Any
+    conn: Connection,
+    run_id: int,
+    limit: int,
+    now: datetime,
+    *columns: Any,
+    text_only: bool = False,
 ) -> Iterator[Any]:
     """Rows (of these columns) of the run's claimable items: pending, then queued (each one
     range of the (run_id, status, id) index, in id order), then expired leases (a range of
     (status, lease_expires_at)), at most limit of each. A claim reads what it takes, never
-    the done rows before it. Rows another claim holds are skipped (Postgres)."""
+    the done rows before it. Rows another claim holds are skipped (Postgres). text_only:
+    items without images only."""
+    only = [_text_only()] if text_only else []
     ranges = [
         select(*columns)
-        .where(run_status_range(conn, items, run_id, status, 0))
+        .where(run_status_range(conn, items, run_id, status, 0), *only)
         .order_by(*run_status_order(items))
         for status in CLAIMABLE
     ]
@@ -104,6 +147,7 @@ def _claimable_rows(
             items.c.status == ItemStatus.LEASED.value,
             items.c.lease_expires_at < now,
             items.c.run_id == run_id,
+            *only,
         )
         .order_by(items.c.status, items.c.lease_expires_at)
     )
@@ -122,19 +166,21 @@ def claim_next(
     lease_s: float,
     limit: int,
     run_id: int | None = None,
+    text_only: bool = False,
 ) -> list[ClaimedItem]:
     """Lease up to limit claimable items of the run (of every run, oldest run first, without
-    one) straight from the ledger (the embedded runner's feed)."""
+    one) straight from the ledger (the embedded runner's feed); text_only: items without
+    images only (the server reads none), the others stay queued for a server that does."""
     if limit <= 0:
         return []
     now = utcnow()
     everyone = select(runs.c.id).order_by(runs.c.id)
     run_ids = [run_id] if run_id is not None else list(conn.execute(everyone).scalars())
     found = itertools.chain.from_iterable(
-        _claimable_rows(conn, r, limit, now, items.c.id) for r in run_ids
+        _claimable_rows(conn, r, limit, now, items.c.id, text_only=text_only) for r in run_ids
     )
     ids = [row.id for row in itertools.islice(found, limit)]
-    return claim_items(conn, ids, owner=owner, server=server, lease_s=lease_s)
+    return claim_items(conn, ids, owner=owner, server=server, lease_s=lease_s, text_only=text_only)
 
 
 def item_keys(conn: Connection, ids: Sequence[int]) -> dict[int, tuple[int, str]]:
@@ -153,36 +199,70 @@ def claim_next_groups(
     lease_s: float,
     limit: int,
     run_id: int,
+    text_only: bool = False,
 ) -> list[ClaimedItem]:
     """Lease the claimable items of up to limit keys of a run, every claimable item of a key
     together (a `--turns each` conversation runs on one server); keys in the order their
     first claimable item comes. The keys are read from the claimable ids in index order until
     limit of them are found (a conversation's items are consecutive), never by grouping
-    every claimable row of the run."""
+    every claimable row of the run. text_only: keys with no claimable image item only (a
+    conversation with an image waits, whole, for a server that reads images)."""
     if limit <= 0:
         return []
     now = utcnow()
     keys: dict[str, None] = {}  # in the order their first claimable item comes
-    for row in _claimable_rows(conn, run_id, 16 * limit, now, items.c.id, items.c.item_key):
+    seen: set[str] = set()
+    rows = _claimable_rows(
+        conn, run_id, 16 * limit, now, items.c.id, items.c.item_key, text_only=text_only
+    )
+    for row in rows:
+        if row.item_key in seen:
+            continue
+        seen.add(row.item_key)
         keys.setdefault(row.item_key)
+        if len(keys) >= limit and text_only:
+            _drop_keys_with_images(conn, run_id, keys, now)
         if len(keys) >= limit:
             break
+    if text_only:
+        _drop_keys_with_images(conn, run_id, keys, now)
     if not keys:
         return []
     pick = select(items.c.id).where(
         items.c.run_id == run_id, items.c.item_key.in_(list(keys)), _claimable(now)
     )
     ids = list(conn.execute(pick).scalars())
-    return claim_items(conn, ids, owner=owner, server=server, lease_s=lease_s)
+    return claim_items(conn, ids, owner=owner, server=server, lease_s=lease_s, text_only=text_only)
+
+
+def _drop_keys_with_images(
+    conn: Connection, run_id: int, keys: dict[str, None], now: datetime
+) -> None:
+    """Take out of keys the conversations with a claimable image item."""
+    if not keys:
+        return
+    with_images = select(items.c.item_key).where(
+        items.c.run_id == run_id,
+        items.c.item_key.in_(list(keys)),
+        items.c.images.is_not(None),
+        _claimable(now),
+    )
+    for key in conn.execute(with_images).scalars():
+        keys.pop(key, None)
 
 
 def hedge_candidates(
-    conn: Connection, *, server: str, limit: int, skip_runs: Sequence[int] = ()
+    conn: Connection,
+    *,
+    server: str,
+    limit: int,
+    skip_runs: Sequence[int] = (),
+    text_only: bool = False,
 ) -> list[tuple[int, int]]:
     """(item id, run id) of up to `limit` items worth a second copy on `server` ("hedging"):
     leased to another server, not hedged yet, in runs with nothing left to claim (the end of
     a run, when `server` would otherwise idle) and not in skip_runs (runs `server` may not
-    serve); the longest-running first."""
+    serve); the longest-running first. text_only: items without images only."""
     if limit <= 0:
         return []
     pin_index_plans(conn)
@@ -201,7 +281,7 @@ def hedge_candidates(
         return []
     pick = (
         select(items.c.id, items.c.run_id)
-        .where(live, items.c.run_id.in_(ending))
+        .where(live, items.c.run_id.in_(ending), *([_text_only()] if text_only else []))
         .order_by(items.c.started_at, items.c.id)
         .limit(limit)
     )
@@ -211,6 +291,26 @@ def hedge_candidates(
 def claimable_left(conn: Connection, run_id: int) -> bool:
     """Whether the run still has items to claim (pending or queued)."""
     return run_has_items(conn, run_id, CLAIMABLE)
+
+
+def text_items_left(conn: Connection, run_id: int) -> bool:
+    """Whether the run has claimable items without images (what a server that reads no
+    images may still take)."""
+    rows = _claimable_rows(conn, run_id, 1, utcnow(), items.c.id, text_only=True)
+    return next(rows, None) is not None
+
+
+def image_items_left(conn: Connection, run_id: int) -> bool:
+    """Whether the run has claimable items with images (what only a server that understands
+    images may take): a probe of the run's claimable range that stops at the first one."""
+    pin_index_plans(conn)
+    for status in CLAIMABLE:
+        probe = select(items.c.id).where(
+            run_status_range(conn, items, run_id, status, 0), items.c.images.is_not(None)
+        )
+        if conn.execute(probe.order_by(*run_status_order(items)).limit(1)).first() is not None:
+            return True
+    return False
 
 
 def run_has_items(conn: Connection, run_id: int, statuses: Iterable[str]) -> bool:
@@ -245,7 +345,7 @@ def mark_hedged(conn: Connection, ids: Sequence[int], *, owner: str) -> list[Cla
         .returning(*_CLAIM_COLUMNS)
     )
     order = {item_id: i for i, item_id in enumerate(ids)}
-    hedged = [ClaimedItem(**row._mapping) for row in conn.execute(stmt)]
+    hedged = [_claimed(row) for row in conn.execute(stmt)]
     hedged.sort(key=lambda c: order[c.id])
     return hedged
 

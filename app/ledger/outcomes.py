@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Connection, and_, bindparam, func, select, text, update
+from sqlalchemy import JSON, Connection, and_, bindparam, func, select, text, update
 
 from app.core.contracts import GenerateResult
 from app.core.models import ItemStatus, pack_ids
@@ -28,6 +28,9 @@ class Done:
     # the server that produced the result, when it is not the one that claimed the item (a
     # hedge); None keeps the claimer's
     server: str | None = None
+    # an image item's accepted counts: how many times the server repeated each image's
+    # placeholder (the served prompt ids are derived from them); None for a text item
+    image_token_counts: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,7 @@ UPDATE items SET
     matched_stop = v.matched, prompt_tokens = v.prompt, completion_tokens = v.completion,
     cached_tokens = v.cached, latency_s = v.latency, server = coalesce(v.server, items.server),
     weight_version = v.weight_version, sampling_params = CAST(v.sampling AS json),
+    image_token_counts = CAST(v.image_counts AS json),
     attempts = items.attempts + v.attempts, error = NULL, lease_owner = NULL,
     lease_expires_at = NULL, finished_at = :now
 FROM unnest(
@@ -82,9 +86,9 @@ FROM unnest(
     CAST(:matched AS text[]), CAST(:prompt AS integer[]), CAST(:completion AS integer[]),
     CAST(:cached AS integer[]), CAST(:latency AS double precision[]),
     CAST(:attempts AS integer[]), CAST(:servers AS text[]), CAST(:versions AS text[]),
-    CAST(:samplings AS text[])
+    CAST(:samplings AS text[]), CAST(:image_counts AS text[])
 ) AS v(id, output_ids, finish_reason, matched, prompt, completion, cached, latency, attempts,
-       server, weight_version, sampling)
+       server, weight_version, sampling, image_counts)
 WHERE items.id = v.id AND items.status <> 'done' AND items.status <> 'failed'
   AND items.id IN (
     SELECT id FROM items WHERE id = ANY(CAST(:ids AS bigint[])) ORDER BY id FOR UPDATE
@@ -115,6 +119,10 @@ def _record_done_together(conn: Connection, rows: list[dict[str, Any]], now: dat
             "versions": [r["b_weight_version"] for r in picked],
             "samplings": [
                 None if r["b_sampling"] is None else json.dumps(r["b_sampling"]) for r in picked
+            ],
+            "image_counts": [
+                None if r["b_image_counts"] is None else json.dumps(r["b_image_counts"])
+                for r in picked
             ],
         },
     )
@@ -165,6 +173,8 @@ def _record_done(conn: Connection, done: Sequence[Done], now: datetime) -> None:
             attempts=items.c.attempts + bindparam("b_attempts"),
             weight_version=bindparam("b_weight_version"),
             sampling_params=bindparam("b_sampling", type_=items.c.sampling_params.type),
+            # a text item's None is SQL NULL (not JSON null), as the batched write leaves it
+            image_token_counts=bindparam("b_image_counts", type_=JSON(none_as_null=True)),
             error=None,
             lease_owner=None,
             lease_expires_at=None,
@@ -185,6 +195,9 @@ def _record_done(conn: Connection, done: Sequence[Done], now: datetime) -> None:
             "b_server": o.server,
             "b_weight_version": o.result.weight_version,
             "b_sampling": o.result.sampling_params,
+            "b_image_counts": (
+                None if o.image_token_counts is None else list(o.image_token_counts)
+            ),
         }
         for o in done
     ]

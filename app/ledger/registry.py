@@ -31,6 +31,10 @@ PAUSED_BY_PARITY = "parity"
 PAUSED_BY_WEIGHTS = "weights"
 # `tokenmill update-weights` at work (the watchdog leaves it to the command)
 PAUSED_BY_UPDATE = "update"
+# token drift on image items: the served prompt ids were not the request's with each image's
+# placeholder repeated, or an image expanded to another count than on the run's other
+# servers; the operator's to lift (`tokenmill resume`) once the server is fixed
+PAUSED_BY_IMAGES = "images"
 
 
 @dataclass(frozen=True)

@@ -3,12 +3,13 @@ probes, /model_info and /server_info, the fingerprint a run pins, and one shared
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import ssl
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Any, Final
@@ -17,6 +18,7 @@ import httpx
 
 from app.core.contracts import GenerateResult, ServerFingerprint
 from app.core.errors import GenerationError, PermanentError, RetryableError
+from app.core.images import image_settings
 from app.sglang.errors import map_http_error, server_message
 from app.sglang.responses import parse_generate_response
 
@@ -165,15 +167,21 @@ class SGLangClient:
         rid: str,
         *,
         return_prompt_token_ids: bool = False,
+        image_data: Sequence[str] | None = None,
     ) -> dict[str, Any]:
-        """The exact JSON body `generate` sends (one prompt, non-streaming)."""
+        """The exact JSON body `generate` sends (one prompt, non-streaming). With image_data
+        (one `data:` URI per image, in prompt order; input_ids hold one placeholder each) the
+        served prompt ids are asked back, so the caller can check how the images expanded."""
         body: dict[str, Any] = {
             "input_ids": input_ids,
             "sampling_params": dict(sampling_params),
             "rid": rid,
             "stream": False,
         }
-        if return_prompt_token_ids:
+        if image_data:
+            # a list even for one image: one request's list is its images, in prompt order
+            body["image_data"] = list(image_data)
+        if return_prompt_token_ids or image_data:
             body["return_prompt_token_ids"] = True
         return body
 
@@ -184,8 +192,12 @@ class SGLangClient:
         rid: str,
         *,
         return_prompt_token_ids: bool = False,
+        image_data: Sequence[str] | None = None,
     ) -> GenerateResult:
         """Generate for one prompt; return only a finished (stop or length) result.
+
+        image_data: the prompt's images as `data:` URIs (see `image_data_uri`), in the order
+        of its placeholders; the result then carries the served `prompt_token_ids`.
 
         Raises PermanentError (bad request: fix the item, not the server), RetryableError
         (timeouts, resets, 5xx, a full queue, a plain abort, a malformed answer) or
@@ -196,7 +208,11 @@ class SGLangClient:
         if not rid:
             raise PermanentError("rid cannot be empty")
         body = self.build_generate_body(
-            input_ids, sampling_params, rid, return_prompt_token_ids=return_prompt_token_ids
+            input_ids,
+            sampling_params,
+            rid,
+            return_prompt_token_ids=return_prompt_token_ids,
+            image_data=image_data,
         )
         content = json.dumps(body, separators=(",", ":")).encode()
         started_s = time.monotonic()
@@ -309,7 +325,8 @@ class SGLangClient:
 
     def fingerprint(self) -> ServerFingerprint:
         """The configuration a run pins: model_path, weight_version, reasoning_parser from
-        `/model_info`, version from `/server_info`; outputs-changing server args in `extra`."""
+        `/model_info`, version from `/server_info`; outputs-changing server args in `extra`;
+        the image settings of a server whose `/model_info` says it understands images."""
         model = self.model_info()
         server = self.server_info()
         self._log_version(server)
@@ -322,6 +339,7 @@ class SGLangClient:
             version=_opt_str(server.get("version")),
             extra=extra,
             speculative=speculative_settings(server),
+            images=image_settings(server) if model.get("has_image_understanding") is True else None,
         )
 
     def log_version(self) -> str | None:
@@ -375,6 +393,24 @@ def speculative_settings(server_info: Mapping[str, Any]) -> dict[str, Any] | Non
         "num_steps": server_info.get("speculative_num_steps"),
         "eagle_topk": server_info.get("speculative_eagle_topk"),
     }
+
+
+# the MIME subtype of each format tokenmill stores (app.core.images.FORMAT_EXTENSIONS)
+_IMAGE_MIME: Final = {
+    "PNG": "png",
+    "JPEG": "jpeg",
+    "WEBP": "webp",
+    "GIF": "gif",
+    "BMP": "bmp",
+    "TIFF": "tiff",
+}
+
+
+def image_data_uri(image_format: str, data: bytes) -> str:
+    """An image's bytes as the `data:image/<type>;base64,...` string SGLang's image loader
+    takes in `image_data` (the servers of a fleet cannot read the client's paths)."""
+    subtype = _IMAGE_MIME.get(image_format.upper(), image_format.lower())
+    return f"data:image/{subtype};base64,{base64.b64encode(data).decode('ascii')}"
 
 
 def _opt_str(value: Any) -> str | None:

@@ -37,6 +37,9 @@ class FakeRuntime:
     def run_matches_server(self, run_id: int) -> bool:
         return True
 
+    def reads_images(self) -> bool:
+        return True
+
 
 def setup(db: Engine, n: int) -> tuple[FakeRuntime, list[int]]:
     spec = ledger.RunSpec("r", "/t", "a" * 64, "b" * 64, {}, SamplingParams(), 1, None, [2])

@@ -179,8 +179,9 @@ _GUARDED = (PAUSED_BY_WATCHDOG, PAUSED_BY_FINGERPRINT, PAUSED_BY_PARITY, PAUSED_
 
 
 def _live_fingerprint(model: dict[str, Any], known: dict[str, Any]) -> ServerFingerprint:
-    """The fingerprint /model_info gives now; the server version (from /server_info, which
-    weight updates do not change) as known."""
+    """The fingerprint /model_info gives now; the server version, speculative and image
+    settings (launch arguments from /server_info, which weight updates do not change) as
+    known, so the runs judge the new weights on them alone."""
     return ServerFingerprint(
         model_path=None if model.get("model_path") is None else str(model["model_path"]),
         weight_version=(
@@ -190,6 +191,8 @@ def _live_fingerprint(model: dict[str, Any], known: dict[str, Any]) -> ServerFin
             None if model.get("reasoning_parser") is None else str(model["reasoning_parser"])
         ),
         version=known.get("version"),
+        speculative=known.get("speculative"),
+        images=known.get("images"),
     )
 
 

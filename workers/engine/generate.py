@@ -1,5 +1,6 @@
 """The generate pipeline behind the Celery task: claim the message's items, hand them to the
-window, or put the message back when this worker's server cannot take work right now.
+window, or put the message back when this worker's server cannot take work right now (and
+its image items, when the server reads no images).
 
 Plain functions, testable without Celery.
 """
@@ -12,6 +13,7 @@ from collections.abc import Callable, Sequence
 
 from app import ledger
 from app.ledger import Released
+from app.ledger.claims import claimable_image_items
 from workers.engine.runtime import WorkerRuntime
 
 log = logging.getLogger(__name__)
@@ -70,8 +72,10 @@ def handle_message(
     deadline = time.monotonic() + rt.settings.room_wait_s
     accepted: list[ledger.ClaimedItem] = []
     refused: list[ledger.ClaimedItem] = []
-    skipped = 0
+    skipped = passed = 0
     units = _units(rt, ids)  # a conversation of boundary samples is one unit: one server
+    # a server that reads no images claims text items only; image items go back to the queue
+    text_only = not rt.reads_images()
     while units:
         held = rt.window.reserve(len(units), max(0.0, deadline - time.monotonic()))
         if not held:
@@ -84,12 +88,26 @@ def handle_message(
         try:
             with rt.db.begin() as conn:
                 claimed = ledger.claim_items(
-                    conn, take, owner=rt.owner, server=rt.server_name, lease_s=rt.settings.lease_s
+                    conn,
+                    take,
+                    owner=rt.owner,
+                    server=rt.server_name,
+                    lease_s=rt.settings.lease_s,
+                    text_only=text_only,
+                )
+                mine = {c.id for c in claimed}
+                passed_over = (
+                    claimable_image_items(conn, [i for i in take if i not in mine])
+                    if text_only
+                    else []
                 )
         except BaseException:
             rt.window.unreserve(held)
             raise
-        skipped += len(take) - len(claimed)
+        if passed_over:
+            requeue(passed_over, wait_s)
+            passed += len(passed_over)
+        skipped += len(take) - len(claimed) - len(passed_over)
         try:
             refused_now = [c for c in claimed if not rt.run_matches_server(c.run_id)]
         except BaseException:
@@ -108,9 +126,16 @@ def handle_message(
         log.debug("message of %d items: %d sent back unclaimed (no room)", len(ids), len(rest))
     if skipped:
         log.info("message of %d items: %d already taken or finished", len(ids), skipped)
+    if passed:
+        log.info(
+            "message of %d items: %d image items sent back (%s reads no images)",
+            len(ids),
+            passed,
+            rt.server_name,
+        )
     return {
         "claimed": len(accepted),
         "skipped": skipped,
-        "deferred": len(refused) + len(rest),
+        "deferred": len(refused) + len(rest) + passed,
         "server": rt.server_name,
     }

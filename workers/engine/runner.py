@@ -19,6 +19,7 @@ from app import ledger
 from app.core.errors import ConfigurationError
 from app.core.settings import Settings
 from app.ledger import RunCounts, RunInfo
+from app.ledger.claims import text_items_left
 from workers.control.parity import preflight
 from workers.engine.contact import ServerContact
 from workers.engine.orphans import EMBEDDED_OWNER_PREFIX, take_back
@@ -46,6 +47,10 @@ class ServerView:
     down: bool = False
     down_for_s: float | None = None
     down_error: str | None = None
+    # it understands no images (`has_image_understanding` is not true): it takes text items only
+    text_only: bool = False
+    # it stopped on its own for token drift on an image item (why); it takes no work
+    drift: str | None = None
 
 
 class EmbeddedRunner:
@@ -197,7 +202,9 @@ class EmbeddedRunner:
                 self._stop.wait(self.poll_s)
 
     def _claim(self, rt: WorkerRuntime, room: int) -> list[ledger.ClaimedItem]:
-        """Up to room items, or (boundary samples) every item of up to room conversations."""
+        """Up to room items, or (boundary samples) every item of up to room conversations;
+        text items only for a server that reads no images."""
+        text_only = not rt.reads_images()
         if self.run.turns != "each":
             with self.db.begin() as conn:
                 return ledger.claim_next(
@@ -207,6 +214,7 @@ class EmbeddedRunner:
                     lease_s=rt.settings.lease_s,
                     limit=room,
                     run_id=self.run.id,
+                    text_only=text_only,
                 )
         with self._claim_lock, self.db.begin() as conn:
             return ledger.claim_next_groups(
@@ -216,6 +224,7 @@ class EmbeddedRunner:
                 lease_s=rt.settings.lease_s,
                 limit=room,
                 run_id=self.run.id,
+                text_only=text_only,
             )
 
     def counts(self) -> RunCounts:
@@ -241,6 +250,8 @@ class EmbeddedRunner:
                     down=not contact.up,
                     down_for_s=contact.down_for_s,
                     down_error=contact.error,
+                    text_only=rt.known_text_only(),
+                    drift=rt.local_pause,
                 )
             )
         return views
@@ -267,6 +278,9 @@ class EmbeddedRunner:
                     "the stored ones, and the run requires parity (see `tokenmill parity "
                     f"{self.run.name} --server URL`); nothing was sent"
                 )
+            stuck = self._stuck(counts)
+            if stuck is not None:
+                raise ConfigurationError(stuck)
             if counts.waiting and self._only_waiting(counts):
                 self._catch_up_turns()
             if time.monotonic() - last_sweep > self.settings.heartbeat_s:
@@ -274,6 +288,32 @@ class EmbeddedRunner:
                 with self.db.begin() as conn:
                     ledger.requeue_expired(conn, run_id=self.run.id)
             time.sleep(tick_s)
+
+    def _stuck(self, counts: RunCounts) -> str | None:
+        """Why no server will take the run's items left (None: some server may): every server
+        stopped for token drift, or the items left have images and every server was read and
+        understands none. Asked only while nothing is leased or in flight."""
+        if counts.leased or not (counts.pending or counts.queued):
+            return None
+        if not all(rt.window.idle() for rt in self.runtimes):
+            return None
+        if all(rt.local_pause for rt in self.runtimes):
+            drifts = "; ".join(f"{rt.server_name}: {rt.local_pause}" for rt in self.runtimes)
+            return (
+                f"every server stopped for token drift, so run {self.run.name} cannot go on "
+                f"(nothing it served was written): {drifts}"
+            )
+        if not all(rt.known_text_only() or rt.local_pause for rt in self.runtimes):
+            return None
+        with self.db.connect() as conn:
+            if text_items_left(conn, self.run.id):
+                return None
+        left = counts.pending + counts.queued
+        return (
+            f"{left} image items of run {self.run.name} wait for a server that understands "
+            "images, and no --server does (their /model_info has_image_understanding is not "
+            "true); they stay queued"
+        )
 
     def _only_waiting(self, counts: RunCounts) -> bool:
         active = counts.pending or counts.queued or counts.leased

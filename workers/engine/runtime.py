@@ -16,19 +16,31 @@ from collections.abc import Callable, Hashable
 from typing import Any
 
 from sqlalchemy import Connection, Engine
+from sqlalchemy.exc import SQLAlchemyError
 
 from app import ledger
-from app.core.constants import EVENT_FINGERPRINT_MISMATCH, EVENT_FINGERPRINT_PINNED
+from app.core.constants import (
+    EVENT_FINGERPRINT_MISMATCH,
+    EVENT_FINGERPRINT_PINNED,
+    EVENT_IMAGE_DRIFT,
+)
 from app.core.contracts import GenerateResult, SamplingParams, ServerFingerprint
 from app.core.errors import GenerationError
+from app.core.images import ImageDrift
 from app.core.settings import Settings
 from app.ledger import registry
 from app.ledger.database import limit_periodic
+from app.ledger.image_tokens import pin_image_settings
+from app.ledger.registry import PAUSED_BY_IMAGES
+from app.outputs.image_store import image_location
 from app.sglang import SGLangClient
-from workers.control.pausing import CeleryControl
+from workers.control.pausing import CeleryControl, pause_server
 from workers.control.weights import note_weights
 from workers.engine.identity import server_name_for
+from workers.engine.image_checks import ImageChecks
+from workers.engine.image_data import ImageData
 from workers.engine.window import InflightWindow, WindowConfig
+from workers.engine.window_types import Checked
 from workers.intake.turns import TurnAdvancer
 
 log = logging.getLogger(__name__)
@@ -82,6 +94,11 @@ class WorkerRuntime:
         # and the weight changes this worker already reported
         self._pinned_versions: dict[int, str | None] = {}
         self._drifts_seen: set[tuple[int, str]] = set()
+        # token drift on an image item was reported (the server paused) since the last resume;
+        # the reason it pauses itself when the registry has no such server (`tokenmill run`)
+        self._image_drift_reported = False
+        self._local_pause: str | None = None
+        self.images = ImageChecks(db, self.server_name, ImageData(lambda: image_location(settings)))
         n = inflight or settings.inflight
         # later turns of `--turns all` chains, started as their previous turn is committed
         self.turns = TurnAdvancer(db, publish=lambda ids: on_released(ids, 0.0))
@@ -113,6 +130,7 @@ class WorkerRuntime:
             unmark_hedges=self.unmark_hedges,
             group_of=self.group_of,
             check_result=self.check_result,
+            image_data=self.images.image_data,
         )
 
     def new_client(self) -> SGLangClient:
@@ -132,10 +150,11 @@ class WorkerRuntime:
         with self._lock:
             refused = [run_id for run_id, ok in self._run_ok.items() if not ok]
             refused += [run_id for run_id, info in self._runs.items() if info.turns == "each"]
+        text_only = not self.reads_images()
         with self.db.connect() as conn:
             limit_periodic(conn)
             candidates = ledger.hedge_candidates(
-                conn, server=self.server_name, limit=limit, skip_runs=refused
+                conn, server=self.server_name, limit=limit, skip_runs=refused, text_only=text_only
             )
         # checked outside the transaction: a first use pins the run's fingerprint (a write).
         # Boundary samples are not hedged: a conversation's items wait on their server on
@@ -180,8 +199,14 @@ class WorkerRuntime:
         return (run_id, item_key)
 
     def paused(self) -> bool:
-        """The durable pause flag of this server, read at most once a second."""
-        return self.pause_state()[0]
+        """The durable pause flag of this server, read at most once a second (or its own
+        pause for token drift, when the registry does not know the server)."""
+        return self._local_pause is not None or self.pause_state()[0]
+
+    @property
+    def local_pause(self) -> str | None:
+        """Why this worker stopped sending on its own (token drift, unregistered server)."""
+        return self._local_pause
 
     def pause_state(self, *, max_age_s: float = 1.0) -> tuple[bool, str | None]:
         """(paused, who paused it) from the ledger; on a read error the last known value."""
@@ -199,6 +224,7 @@ class WorkerRuntime:
         if was_paused and not paused:
             # resumed: its configuration may have changed meanwhile (a restart, new weights)
             self.forget_runs()
+            self._image_drift_reported = False
         return paused, by
 
     def register(self, worker: str | None, *, node: str | None = None) -> None:
@@ -218,6 +244,20 @@ class WorkerRuntime:
                 registry.remove_worker(conn, self.server_name, worker)
         except Exception as exc:
             log.warning("could not unregister worker %s (%s)", worker, exc)
+
+    def reads_images(self) -> bool:
+        """Whether the server understands images (`has_image_understanding`); a server whose
+        fingerprint cannot be read now counts as one that does not (it gets text items,
+        which its run check then defers)."""
+        try:
+            return self.server_fingerprint().reads_images
+        except GenerationError:
+            return False
+
+    def known_text_only(self) -> bool:
+        """The server was read and understands no images (not merely unknown now)."""
+        fingerprint = self._fingerprint
+        return fingerprint is not None and not fingerprint.reads_images
 
     def server_fingerprint(self) -> ServerFingerprint:
         if self._fingerprint is None:
@@ -251,9 +291,13 @@ class WorkerRuntime:
         required = self.run_info(run_id).weight_version
         if required is not None and fingerprint.weight_version != required:
             return self._refuse_version(run_id, required, fingerprint)
+        image_run = self.images.pins(run_id) is not None
         with self.db.begin() as conn:
             pinned = ledger.pin_fingerprint(conn, run_id, mine)
-            ok = pinned == mine
+            if fingerprint.images is not None and image_run:
+                # a run of images pins the image settings of the first server that reads them
+                pinned = pin_image_settings(conn, run_id, fingerprint.images)
+            ok = not ServerFingerprint(**pinned).differences(fingerprint)
             # once per run and server: not again from its other workers, or after a resume
             if ok and not ledger.has_event(
                 conn, EVENT_FINGERPRINT_PINNED, run_id=run_id, server=self.server_name
@@ -313,9 +357,62 @@ class WorkerRuntime:
             details=details,
         )
 
-    def check_result(self, item: ledger.ClaimedItem, result: GenerateResult) -> str | None:
-        """Why this result must not be written: it was made (in part) under other weights than
-        the run pinned ("weight_version: A → B"); None when it is the run's."""
+    def check_result(self, item: ledger.ClaimedItem, result: GenerateResult) -> Checked:
+        """Whether this result may be written: not if it was made (in part) under other
+        weights than the run pinned, nor, for an image item, if its served prompt is not the
+        request expanded (token drift: the server is paused); its image token counts if so."""
+        change = self._weights_refusal(item, result)
+        if change is not None:
+            return Checked(refusal=f"weights changed: {change}")
+        if not item.images:
+            return Checked()
+        try:
+            counts = self.images.accept(item, result)
+        except ImageDrift as exc:
+            return Checked(refusal=self._image_drift(item, str(exc)))
+        except SQLAlchemyError as exc:  # the counts could not be compared: not written yet
+            log.warning("could not check the image counts of item %d (%s)", item.id, exc)
+            return Checked(refusal=f"image counts not checked (ledger error: {exc})")
+        return Checked(image_token_counts=counts)
+
+    def _image_drift(self, item: ledger.ClaimedItem, difference: str) -> str:
+        """Once until the server is resumed: record the drift and pause the server (in the
+        registry, or on its own when the registry has no such server); the refusal."""
+        refusal = f"token drift: {difference}"
+        with self._lock:
+            first = not self._image_drift_reported
+            self._image_drift_reported = True
+        if not first:
+            return refusal
+        run = self.run_info(item.run_id).name
+        reason = f"token drift on run {run} item {item.id}: {difference}"
+        log.warning("server %s: %s", self.server_name, reason)
+        try:
+            with self.db.begin() as conn:
+                ledger.record_event(
+                    conn,
+                    EVENT_IMAGE_DRIFT,
+                    f"{self.server_name}: {reason}",
+                    run_id=item.run_id,
+                    server=self.server_name,
+                    details={"item_id": item.id, "difference": difference},
+                )
+                registered = registry.find_server(conn, self.server_name) is not None
+            if registered:
+                pause_server(
+                    self.db, CeleryControl(), self.server_name, by=PAUSED_BY_IMAGES, reason=reason
+                )
+            else:
+                self._local_pause = reason
+        except Exception:
+            log.exception("could not pause %s for token drift", self.server_name)
+            self._local_pause = reason  # this worker stops sending at least
+        self._pause_cache = (-1e9, False, None)  # read the flag again at once
+        return refusal
+
+    def _weights_refusal(self, item: ledger.ClaimedItem, result: GenerateResult) -> str | None:
+        """The change ("weight_version: A → B") when result was made (in part) under other
+        weights than the run pinned; None when it is the run's."""
         with self._lock:
             pinned = self._pinned_versions.get(item.run_id)
         seen = result.weight_versions or (

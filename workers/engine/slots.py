@@ -1,8 +1,10 @@
 """A slot of the in-flight window: one thread with one single-connection client that takes the
 next job the moment its previous request finishes, sends it to the window's server, and settles
 the answer or the error as done, failed, retried later with backoff, or given back (the server
-at fault). A hedge copy is sent the same way and never spends an attempt. A slot asks its
-window only through the public methods SlotHost names."""
+at fault). An image item carries its images (read before sending: a missing one fails the
+item) and its result is accepted only as the window's checks say. A hedge copy is sent the
+same way and never spends an attempt. A slot asks its window only through the public methods
+SlotHost names."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from typing import Protocol
 from app.core.contracts import GenerateResult
 from app.core.errors import GenerationError, PermanentError, RetryableError, ServerUnavailable
 from app.ledger import ClaimedItem, Done, Failed, Outcome, Released
-from workers.engine.window_types import GenerateClient, Job, WindowConfig
+from workers.engine.window_types import Checked, GenerateClient, Job, WindowConfig
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +51,9 @@ class SlotHost(Protocol):
 
     def count_done(self, result: GenerateResult) -> None: ...
 
-    def check_result(self, item: ClaimedItem, result: GenerateResult) -> str | None: ...
+    def check_result(self, item: ClaimedItem, result: GenerateResult) -> Checked: ...
+
+    def image_data(self, item: ClaimedItem) -> list[str]: ...
 
     def hedge_sent(self, job: Job, rid: str) -> bool: ...
 
@@ -122,16 +126,26 @@ class Slot:
             )
             w.settle(Released(item.id, "server paused or unavailable"), job)
             return
+        try:
+            images = w.image_data(item) if item.images else None
+        except PermanentError as exc:  # an image missing or changed in the store, say
+            self._failed_permanently(job, exc)
+            return
+        except Exception as exc:  # the store cannot be opened: not the item's fault
+            log.exception(
+                "could not read the images of run %d item %d",
+                item.run_id,
+                item.id,
+                extra=item_fields(item, self._server),
+            )
+            w.settle(Released(item.id, f"images not read: {exc!r}"), job)
+            return
         rid = f"tm-{item.id}-{uuid.uuid4().hex[:12]}"
         job.tries += 1
         w.sent(job, rid)
         try:
             try:
-                result: GenerateResult | None = client.generate(
-                    item.prompt_ids,
-                    job.sampling.for_sample(item.sample_index, item.row_sampling_params),
-                    rid,
-                )
+                result: GenerateResult | None = _send(client, job, rid, images)
             except GenerationError:
                 if not job.cancelled:
                     raise
@@ -171,22 +185,22 @@ class Slot:
             )
             w.settle(Released(item.id, "finished on another server"), job)
             return
-        drift = w.check_result(item, result)
-        if drift is not None:
-            # made with other weights than the run's: never written; no attempt spent
+        checked = w.check_result(item, result)
+        if checked.refusal is not None:
+            # other weights than the run's, or token drift: never written; no attempt spent
             job.tries -= 1
             log.warning(
                 "run %d item %d: result of %s refused (%s); it goes back",
                 item.run_id,
                 item.id,
                 self._server,
-                drift,
+                checked.refusal,
                 extra=item_fields(item, self._server),
             )
-            w.settle(Released(item.id, f"weights changed: {drift}"), job)
+            w.settle(Released(item.id, checked.refusal), job)
             return
         log_done(item, result, self._server, "")
-        w.settle(Done(item.id, result, attempts_used=1, server=self._server), job)
+        w.settle(_done(item, result, checked, self._server), job)
         w.count_done(result)
 
     def _failed_permanently(self, job: Job, exc: PermanentError) -> None:
@@ -267,16 +281,17 @@ class Slot:
         if w.unavailable() or w.paused():
             w.hedge_dropped(job)
             return
+        try:
+            images = w.image_data(item) if item.images else None
+        except Exception:  # the item's holder meets the same error and settles it
+            w.hedge_dropped(job)
+            return
         rid = f"tm-{item.id}-hedge-{uuid.uuid4().hex[:8]}"
         if not w.hedge_sent(job, rid):
             w.hedge_dropped(job)
             return
         try:
-            result = client.generate(
-                item.prompt_ids,
-                job.sampling.for_sample(item.sample_index, item.row_sampling_params),
-                rid,
-            )
+            result = _send(client, job, rid, images)
         except Exception as exc:
             if isinstance(exc, ServerUnavailable):
                 w.mark_unavailable()
@@ -291,14 +306,34 @@ class Slot:
             if not job.abandoned:
                 w.hedge_dropped(job)
         else:
-            if w.check_result(item, result) is not None:
-                w.hedge_dropped(job)  # other weights than the run's: the item stays with its holder
+            checked = w.check_result(item, result)
+            if checked.refusal is not None:
+                w.hedge_dropped(job)  # other weights, or drift: the item stays with its holder
                 return
             log_done(item, result, self._server, " (hedge)")
             w.hedge_answered(job)
-            w.settle(Done(item.id, result, attempts_used=1, server=self._server), job)
+            w.settle(_done(item, result, checked, self._server), job)
         finally:
             w.hedge_ended()
+
+
+def _send(client: GenerateClient, job: Job, rid: str, images: list[str] | None) -> GenerateResult:
+    """job's request: its prompt ids and sample's sampling params, and its images if any."""
+    item = job.item
+    params = job.sampling.for_sample(item.sample_index, item.row_sampling_params)
+    if images is None:
+        return client.generate(item.prompt_ids, params, rid)
+    return client.generate(item.prompt_ids, params, rid, image_data=images)
+
+
+def _done(item: ClaimedItem, result: GenerateResult, checked: Checked, server: str) -> Done:
+    return Done(
+        item.id,
+        result,
+        attempts_used=1,
+        server=server,
+        image_token_counts=checked.image_token_counts,
+    )
 
 
 def _server_gone(client: GenerateClient) -> bool:

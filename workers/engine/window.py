@@ -26,6 +26,7 @@ from sqlalchemy import Engine
 
 from app import ledger
 from app.core.contracts import GenerateResult, SamplingParams
+from app.core.errors import PermanentError
 from app.ledger import ClaimedItem, Done, Failed, Outcome, Released, RetryLater
 from workers.engine.backlog import Backlog
 from workers.engine.groups import Conversations
@@ -34,7 +35,7 @@ from workers.engine.hedging import HedgeRound, Hedges
 from workers.engine.room import InFlight, Room
 from workers.engine.slots import Slot
 from workers.engine.timer import Timer
-from workers.engine.window_types import GenerateClient, Job
+from workers.engine.window_types import Checked, GenerateClient, Job
 
 # the window's own records, named here too: callers build and read a window with them
 from workers.engine.window_types import WindowConfig as WindowConfig
@@ -61,7 +62,8 @@ class InflightWindow:
         find_hedges: Callable[[int], list[ClaimedItem]] | None = None,
         unmark_hedges: Callable[[list[int]], None] = lambda ids: None,
         group_of: Callable[[int, str], Hashable | None] = lambda run_id, key: None,
-        check_result: Callable[[ClaimedItem, GenerateResult], str | None] = lambda i, r: None,
+        check_result: Callable[[ClaimedItem, GenerateResult], Checked] = lambda i, r: Checked(),
+        image_data: Callable[[ClaimedItem], list[str]] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
@@ -74,8 +76,11 @@ class InflightWindow:
         # told the ids of results just committed (multi-turn chains start their next turn)
         self._on_finished = on_finished
         self._is_paused = is_paused
-        # a result made with other weights than its run's is given back, not written
+        # a result made with other weights than its run's, or with token drift on an image
+        # item, is given back, not written
         self._check_result = check_result
+        # an image item's images as its request carries them (None: this window sends none)
+        self._image_data = image_data
         self._clock = clock
         # the conversation of an item (run id, item key), or None: sent on its own
         self.group_of = group_of
@@ -412,9 +417,16 @@ class InflightWindow:
         with self._cond:
             self.stats.count_done(result.completion_tokens, at=self._clock())
 
-    def check_result(self, item: ClaimedItem, result: GenerateResult) -> str | None:
-        """Why result must not be written (made with other weights than its run's), or None."""
+    def check_result(self, item: ClaimedItem, result: GenerateResult) -> Checked:
+        """Whether result may be written (not if made with other weights than its run's, or
+        with token drift on an image item) and, for an image item, its image token counts."""
         return self._check_result(item, result)
+
+    def image_data(self, item: ClaimedItem) -> list[str]:
+        """The images of an image item's request; PermanentError when they cannot be sent."""
+        if self._image_data is None:
+            raise PermanentError("this worker sends no images")
+        return self._image_data(item)
 
     def hedge_sent(self, job: Job, rid: str) -> bool:
         """Whether the hedge goes out as rid (not if cancelled meanwhile, or stopping)."""

@@ -1,5 +1,6 @@
 """Records the in-flight window shares with its parts: its config and stats, the job of one
-claimed item, and the interface of the client a slot sends through."""
+claimed item, what the checks of a result decide, and the interface of the client a slot
+sends through."""
 
 from __future__ import annotations
 
@@ -14,7 +15,12 @@ from app.sglang import ProbeResult
 
 class GenerateClient(Protocol):
     def generate(
-        self, input_ids: list[int], sampling_params: dict[str, object], rid: str
+        self,
+        input_ids: list[int],
+        sampling_params: dict[str, object],
+        rid: str,
+        *,
+        image_data: list[str] | None = None,
     ) -> GenerateResult: ...
 
     def health(self, path: str = ...) -> ProbeResult: ...
@@ -22,6 +28,16 @@ class GenerateClient(Protocol):
     def abort(self, rid: str) -> bool: ...
 
     def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Checked:
+    """A result as its run's checks take it: refused, with why (other weights than the run's,
+    token drift), or accepted, with an image item's counts (how many times the server
+    repeated each image's placeholder)."""
+
+    refusal: str | None = None
+    image_token_counts: tuple[int, ...] | None = None
 
 
 @dataclass

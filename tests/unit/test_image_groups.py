@@ -1,0 +1,146 @@
+"""Prefix-cache affinity of image items: the boundary samples of a conversation with images go
+through the window's conversation grouping as text ones do (one at a time, shortest first,
+each with its images), and a capable server claims such a conversation whole, while a server
+that reads no images leaves every item of it, and every sample of an image prompt, queued
+together for one that does."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Hashable, Iterator
+
+import pytest
+from sqlalchemy import Engine, update
+
+from app import ledger
+from app.core.contracts import GenerateResult, SamplingParams
+from app.core.images import ImageRef
+from app.ledger import items
+from app.sglang import ProbeResult
+from workers.engine.window import InflightWindow, WindowConfig
+from workers.engine.window_types import Checked
+
+PAD = 163605
+PICTURE = ImageRef("c" * 64, "images/" + "c" * 64 + ".png", 64, 48, "PNG", 100, "cat.png")
+
+
+class RecordingClient:
+    """Answers after a moment; records each request's first id, its images and when."""
+
+    def __init__(self, log: list[tuple[str, int, object]], lock: threading.Lock) -> None:
+        self.log, self.lock = log, lock
+
+    def generate(
+        self,
+        input_ids: list[int],
+        sampling_params: dict[str, object],
+        rid: str,
+        *,
+        image_data: list[str] | None = None,
+    ) -> GenerateResult:
+        with self.lock:
+            self.log.append(("sent", input_ids[0], image_data))
+        time.sleep(0.03)
+        with self.lock:
+            self.log.append(("done", input_ids[0], None))
+        return GenerateResult(rid, [5, 2], "stop", 2, len(input_ids), 2, 0, 0.0)
+
+    def health(self, path: str = "/health") -> ProbeResult:
+        return ProbeResult(ok=True, status_code=200, latency_s=0.0)
+
+    def abort(self, rid: str) -> bool:
+        return False
+
+    def close(self) -> None:
+        pass
+
+
+def grouped(run_id: int, key: str) -> Hashable | None:
+    return (run_id, key) if key.startswith("conv") else None
+
+
+@pytest.fixture
+def windows() -> Iterator[list[InflightWindow]]:
+    made: list[InflightWindow] = []
+    yield made
+    for window in made:
+        window.stop(drain_timeout_s=1)
+
+
+def with_images(engine: Engine, run: ledger.RunInfo, key: str, turns: list[int]) -> None:
+    with engine.begin() as conn:
+        conn.execute(
+            update(items)
+            .where(items.c.run_id == run.id, items.c.item_key == key, items.c.turn_index.in_(turns))
+            .values(images=[PICTURE.to_json()])
+        )
+
+
+def test_a_conversation_with_images_goes_out_one_at_a_time_with_its_images(
+    sqlite_engine: Engine, run: ledger.RunInfo, windows: list[InflightWindow]
+) -> None:
+    log: list[tuple[str, int, object]] = []
+    lock = threading.Lock()
+    window = InflightWindow(
+        WindowConfig("fake", 4, 60, 0.2, 3, 0.01, 0.05, 0.05, backlog=4),
+        db=sqlite_engine,
+        owner="owner-1",
+        client_factory=lambda: RecordingClient(log, lock),
+        sampling_for_run=lambda run_id: SamplingParams(seed=1),
+        on_released=lambda ids, wait_s: None,
+        group_of=grouped,
+        image_data=lambda item: [f"data:image/png;base64,{item.images[0].sha256[:4]}"],
+        check_result=lambda item, result: Checked(
+            image_token_counts=(24,) if item.images else None
+        ),
+    )
+    windows.append(window)
+    window.start()
+    # history grows turn by turn; the image is in the first user turn, so every turn has it
+    new = [
+        ledger.NewItem("conv-a", 0, 1, None, [1000 + turn, PAD] + [7] * (10 * turn), turn)
+        for turn in (2, 0, 1)
+    ]
+    new += [ledger.NewItem("single", s, 2, None, [2000 + s, PAD], 0) for s in range(2)]
+    with sqlite_engine.begin() as conn:
+        ledger.insert_items(conn, run.id, new)
+    with_images(sqlite_engine, run, "conv-a", [0, 1, 2])
+    with_images(sqlite_engine, run, "single", [0])
+    with sqlite_engine.begin() as conn:
+        ids = ledger.pending_ids(conn, run.id)
+        claimed = ledger.claim_items(conn, ids, owner="owner-1", server="fake", lease_s=60)
+    assert all(c.images == (PICTURE,) for c in claimed)
+    assert window.units(claimed) == 3  # the conversation is one unit, as a text one is
+    window.submit(claimed)
+    deadline = time.monotonic() + 30
+    while not window.idle():
+        assert time.monotonic() < deadline, "window never settled"
+        time.sleep(0.01)
+    conv = [(what, first - 1000, images) for what, first, images in log if first < 2000]
+    assert [turn for what, turn, _ in conv if what == "sent"] == [0, 1, 2]
+    assert [what for what, _, _ in conv] == ["sent", "done"] * 3
+    assert all(
+        images == ["data:image/png;base64,cccc"] for what, _, images in log if what == "sent"
+    )
+    with sqlite_engine.connect() as conn:
+        stored = list(ledger.iter_items(conn, run.id))
+    assert len(stored) == 5
+
+
+def test_an_image_conversation_is_claimed_whole_or_not_at_all(
+    sqlite_engine: Engine, run: ledger.RunInfo
+) -> None:
+    new = [ledger.NewItem("conv-a", 0, 1, None, [1, 2] + [3] * turn, turn) for turn in range(3)]
+    with sqlite_engine.begin() as conn:
+        ledger.insert_items(conn, run.id, new)
+    with_images(sqlite_engine, run, "conv-a", [2])  # an image in its last user turn only
+    with sqlite_engine.begin() as conn:
+        nothing = ledger.claim_next_groups(
+            conn, owner="text", server="t", lease_s=60, limit=4, run_id=run.id, text_only=True
+        )
+        whole = ledger.claim_next_groups(
+            conn, owner="mm", server="m", lease_s=60, limit=4, run_id=run.id
+        )
+    assert nothing == []  # its text turns wait with it: one server caches its history
+    assert sorted(c.turn_index for c in whole) == [0, 1, 2]
