@@ -15,6 +15,7 @@ Its queries live in submodules by what they serve:
 - `removal`: a run deleted, its items in pages, then the run with what refers to it
 - `event_log`: record_event, has_event
 - `spec_stats`: done items' speculative-decoding counters, written with their results
+- `image_tokens`: a run's image pins and the count each of its images expands to
 
 This module re-exports them all, and callers use them as `ledger.X` (or `from app.ledger
 import X`); calling through the attribute is also what lets a test patch `ledger.X` for them.

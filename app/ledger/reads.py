@@ -24,7 +24,7 @@ from sqlalchemy import (
 )
 
 import app.ledger.counters as counters
-from app.core.images import ImagePins, ImageRef, refs_from_json
+from app.core.images import ImageRef, refs_from_json
 from app.core.models import ItemStatus
 from app.ledger.common import (
     items,
@@ -35,6 +35,7 @@ from app.ledger.common import (
     tool_sets,
 )
 from app.ledger.database import pin_index_plans
+from app.ledger.image_tokens import run_image_pins
 from app.ledger.run_queries import RunInfo
 
 if TYPE_CHECKING:  # pyarrow loads when items are streamed (export, verify), not with every command
@@ -241,12 +242,6 @@ def _stored_select(table: Table) -> Select[Any]:
         tool_sets.c.tools.label("tools"),
         table.c.row_metadata.label("metadata"),
     ).select_from(table.outerjoin(tool_sets, tool_sets.c.id == table.c.tool_set_id))
-
-
-def run_image_pins(conn: Connection, run_id: int) -> ImagePins | None:
-    """What a multimodal run pinned of its images (None: a text-only run)."""
-    pinned = conn.execute(select(runs.c.images).where(runs.c.id == run_id)).scalar_one_or_none()
-    return None if pinned is None else ImagePins.from_json(pinned)
 
 
 class _Placeholders:

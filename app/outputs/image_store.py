@@ -4,7 +4,8 @@
 fsspec URL otherwise), shared by every row and run that uses the image, so GPU nodes never
 need the user's paths. `inspect_image` checks that bytes decode (Pillow) and reads their
 format and size; `put_image` stores them if absent and returns the ImageRef an item records;
-`get_image` reads them back and checks they still hash to their sha256.
+`get_image` reads them back and checks they still hash to their sha256 (ImageError: the image is
+missing or changed; StorageError: the store did not answer, which a retry may fix).
 """
 
 from __future__ import annotations
@@ -97,8 +98,11 @@ def get_image(loc: Location, ref: ImageRef) -> bytes:
     """The stored bytes of ref; ImageError if missing or if they no longer hash to its sha256."""
     try:
         data = read_object(*_folder(loc, ref.key))
-    except (NotFound, FileNotFoundError, StorageError) as exc:
-        raise ImageError(f"image {ref.key} is missing from {loc.url} ({exc})") from None
+    except (NotFound, FileNotFoundError):
+        raise ImageError(f"image {ref.key} is missing from {loc.url}") from None
+    except OSError as exc:
+        # the store did not answer (S3 down, a network error): not the image's fault, try again
+        raise StorageError(f"could not read image {ref.key} from {loc.url}: {exc}") from exc
     digest = hashlib.sha256(data).hexdigest()
     if digest != ref.sha256:
         raise ImageError(f"image {ref.key} in {loc.url} hashes to {digest}, not {ref.sha256}")

@@ -22,7 +22,7 @@ from app import ledger
 from app.core.errors import ConfigurationError, NotFound
 from app.core.models import ItemStatus
 from app.ledger import RunInfo, StoredItem, counters, registry
-from app.ledger.reads import run_image_pins
+from app.ledger.image_tokens import run_image_pins
 from app.outputs.image_checks import ImageRefs, listed_image_problems, row_image_problems
 from app.outputs.image_rows import ImageRows, count_problem, served_prompt
 from app.outputs.provenance import ProvenanceCounts, weight_filter

@@ -19,7 +19,7 @@ from app import ledger
 from app.core.errors import ConfigurationError
 from app.core.images import ImagePins
 from app.ledger import RunInfo, StoredItem
-from app.ledger.reads import run_image_pins
+from app.ledger.image_tokens import run_image_pins
 from app.outputs.image_rows import count_problem, served_prompt
 from app.outputs.image_store import ImageError, get_image, image_location
 from app.outputs.jsonl_checks import check_jsonl_images, is_jsonl_export

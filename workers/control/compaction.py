@@ -29,7 +29,7 @@ from app.core.locks import exclusive
 from app.core.settings import Settings
 from app.ledger import RunInfo
 from app.ledger.database import SCAN_TIMEOUT_S, limit_periodic
-from app.ledger.reads import run_image_pins
+from app.ledger.image_tokens import run_image_pins
 from app.outputs.image_rows import ImageRows
 from app.outputs.image_store import image_location
 from app.outputs.shards import (
