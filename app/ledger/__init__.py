@@ -87,7 +87,9 @@ if TYPE_CHECKING:
     from app.ledger.queue import oldest_queued as oldest_queued
     from app.ledger.queue import pending_ids as pending_ids
     from app.ledger.queue import pending_keys as pending_keys
+    from app.ledger.queue import pin_run_images as pin_run_images
     from app.ledger.queue import refresh_statistics as refresh_statistics
+    from app.ledger.queue import run_image_pins as run_image_pins
     from app.ledger.queue import touch_queued as touch_queued
     from app.ledger.reads import RunCounts as RunCounts
     from app.ledger.reads import StoredItem as StoredItem
@@ -171,6 +173,8 @@ _EXPORTS: dict[str, str] = {
     "NewItem": "app.ledger.queue",
     "existing_keys": "app.ledger.queue",
     "insert_items": "app.ledger.queue",
+    "pin_run_images": "app.ledger.queue",
+    "run_image_pins": "app.ledger.queue",
     "mark_queued": "app.ledger.queue",
     "oldest_queued": "app.ledger.queue",
     "pending_ids": "app.ledger.queue",

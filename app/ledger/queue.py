@@ -13,12 +13,14 @@ from typing import Any
 from sqlalchemy import JSON, Connection, select, text, update
 from sqlalchemy.dialects import postgresql, sqlite
 
+from app.core.images import ImagePins
 from app.core.models import ItemStatus
 from app.ledger.common import (
     _in_id_order,
     items,
     run_status_order,
     run_status_range,
+    runs,
     tool_sets,
     utcnow,
 )
@@ -42,6 +44,8 @@ class NewItem:
     metadata: dict[str, Any] | None = None
     # the row's own sampling_params (None: the run's alone)
     sampling_params: dict[str, Any] | None = None
+    # the prompt's images in prompt order (ImageRef.to_json); None: a text item
+    images: list[dict[str, Any]] | None = None
 
 
 def _insert_ignoring_conflicts(conn: Connection) -> Any:
@@ -73,6 +77,7 @@ def insert_items(conn: Connection, run_id: int, new: Sequence[NewItem]) -> int:
             "chat_template_kwargs": n.chat_template_kwargs,
             "row_metadata": n.metadata,
             "row_sampling_params": n.sampling_params,
+            "images": n.images,
             "prompt_ids": n.prompt_ids,
             "prompt_tokens": len(n.prompt_ids),
             "turn_index": n.turn_index,
@@ -86,6 +91,24 @@ def insert_items(conn: Connection, run_id: int, new: Sequence[NewItem]) -> int:
         return _copy_insert_items(conn, rows)
     stmt = _insert_ignoring_conflicts(conn).returning(items.c.id)
     return len(conn.execute(stmt, rows).all())
+
+
+def run_image_pins(conn: Connection, run_id: int) -> ImagePins | None:
+    """The image placeholder the run pinned (its first image item did), or None."""
+    value = conn.execute(select(runs.c.images).where(runs.c.id == run_id)).scalar_one_or_none()
+    return None if value is None else ImagePins.from_json(value)
+
+
+def pin_run_images(conn: Connection, run_id: int, pins: ImagePins) -> ImagePins:
+    """Pin pins as the run's image placeholder unless it holds one; returns what it holds."""
+    conn.execute(
+        update(runs)
+        .where(runs.c.id == run_id, runs.c.images.is_(None))
+        .values(images=pins.to_json())
+    )
+    held = run_image_pins(conn, run_id)
+    assert held is not None
+    return held
 
 
 def _tool_set_ids(
