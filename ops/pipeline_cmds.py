@@ -106,6 +106,7 @@ def enqueue_input(
         batch_size=settings.batch_size,
         weight_version=opts.get("weight_version"),
         reasoning_efforts=build_efforts(opts),
+        image_root=opts.get("image_root"),
     )
     publisher = None
     if publish:
