@@ -129,9 +129,11 @@ class Planner:
         report_bad_turns(fresh, self._reporter.fail)
         report = self._reporter.report
         report.already_present += len(records) - len(fresh)
+        if self._images is not None:  # a line whose image cannot be used is no prompt
+            stored = self._with_images(fresh)
+            report.prompts -= len(fresh) - len(stored)
+            fresh = stored
         report.prompts += len(records)
-        if self._images is not None:
-            fresh = self._with_images(fresh)
         fresh = cycles.expand_efforts(fresh, self._efforts, self._samples_per_prompt)
         planned = PlannedChunk(fresh, chunk.lines)
         fail = self._reporter.fail
