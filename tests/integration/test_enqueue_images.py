@@ -296,3 +296,74 @@ def test_placeholder_written_as_text_is_refused(
     assert report.inserted == 1
     assert "holds the image placeholder token <|media_pad|> as text" in str(errors[0])
     assert MEDIA_BEGIN not in stored_items(pg_engine, "literal")[0].prompt_ids
+
+
+def test_a_chain_advances_with_the_images_of_its_history(
+    pg_engine: Engine, tokenizer: ChatTokenizer, tmp_path: Path, store: Path
+) -> None:
+    from app.core.contracts import GenerateResult
+    from app.ledger import Done
+    from workers.intake import turns
+
+    (tmp_path / "a.png").write_bytes(png(10, 10))
+    (tmp_path / "b.png").write_bytes(png(12, 10, (1, 2, 3)))
+    conversation = [
+        user("Look", image_part("a.png")),
+        {"role": "assistant", "content": "Seen."},
+        user("And this", image_part("b.png")),
+        {"role": "assistant", "content": "Seen too."},
+    ]
+    path = write_rows(tmp_path / "conv.jsonl", [{"id": "c", "messages": conversation}])
+    run_enqueue(pg_engine, tokenizer, path, "chain", turns="all")
+    with pg_engine.connect() as conn:
+        run_id = ledger.get_run(conn, "chain").id
+        first_id, later_id = [
+            i.id for i in ledger.iter_items(conn, run_id, statuses=("pending", "waiting"))
+        ]
+    encode = tokenizer.hf_tokenizer.encode
+    output = [*encode("hmm", add_special_tokens=False), tokenizer.think_end_id]
+    output += [*encode("A dot.", add_special_tokens=False), tokenizer.eos_token_ids[0]]
+    result = GenerateResult("r", output, "stop", None, 10, len(output), 0, 0.1)  # type: ignore[arg-type]
+    with pg_engine.begin() as conn:
+        ledger.claim_items(conn, [first_id], owner="w", server="s", lease_s=60)
+        ledger.record_outcomes(conn, [Done(first_id, result)], owner="w", lease_s=60)
+    report = turns.advance(pg_engine, turns.TokenizerCache(), prev_ids=[first_id])
+    assert report.started == [later_id]
+    later = stored_items(pg_engine, "chain")[1]
+    assert later.status == "pending" and len(later.images) == 2
+    assert later.prompt_ids.count(MEDIA_PAD) == 2
+    # its history holds both images, its parts pointing at the store in the images' order
+    parts = [p for t in later.messages if isinstance(t["content"], list) for p in t["content"]]
+    keys = [p["image_url"]["url"] for p in parts if p["type"] == "image_url"]
+    assert keys == [i["key"] for i in later.images]
+
+
+def test_images_from_s3_into_an_s3_store(
+    pg_engine: Engine, tokenizer: ChatTokenizer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import s3fs
+
+    from tests.support.moto_s3 import moto_s3
+
+    with moto_s3("imgs") as options:
+        monkeypatch.setenv("TOKENMILL_STORAGE_URL", "s3://imgs/store")
+        monkeypatch.setenv("TOKENMILL_STORAGE_OPTIONS", json.dumps(options))
+        fs = s3fs.S3FileSystem(**options)
+        data = png(16, 16)
+        with fs.open("imgs/rows/cat.png", "wb") as stream:
+            stream.write(data)
+        rows = [
+            {"id": "s3", "messages": [user("Cat?", image_part("s3://imgs/rows/cat.png"))]},
+            {"id": "gone", "messages": [user("Dog?", image_part("s3://imgs/rows/dog.png"))]},
+        ]
+        path = write_rows(tmp_path / "s3.jsonl", rows)
+        report, errors = run_enqueue(pg_engine, tokenizer, path, "s3")
+        assert report.inserted == 1
+        assert [str(e) for e in errors] == [
+            "line 2: messages[0].content[1]: image 's3://imgs/rows/dog.png' cannot be read: "
+            "No such file"
+        ]
+        [row] = stored_items(pg_engine, "s3")
+        key = row.images[0]["key"]
+        assert row.images[0]["sha256"] == hashlib.sha256(data).hexdigest()
+        assert fs.cat(f"imgs/store/{key}") == data
