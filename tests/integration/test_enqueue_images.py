@@ -367,3 +367,21 @@ def test_images_from_s3_into_an_s3_store(
         key = row.images[0]["key"]
         assert row.images[0]["sha256"] == hashlib.sha256(data).hexdigest()
         assert fs.cat(f"imgs/store/{key}") == data
+
+
+def test_pre_tokenized_rows_stay_text_only(
+    pg_engine: Engine, tokenizer: ChatTokenizer, tmp_path: Path, store: Path
+) -> None:
+    rows = [
+        {"id": "ids", "input_ids": [1, 2, 3], "image": "a.png"},
+        {"id": "pad", "input_ids": [1, MEDIA_PAD, 3]},
+    ]
+    path = write_rows(tmp_path / "ids.jsonl", rows)
+    report, errors = run_enqueue(pg_engine, tokenizer, path, "ids")
+    assert report.inserted == 1
+    assert [str(e) for e in errors] == [
+        f"line 2: 'input_ids'[1] is the image placeholder id {MEDIA_PAD}; pre-tokenized rows "
+        "are text only (give images as image parts of turns)"
+    ]
+    [row] = stored_items(pg_engine, "ids")
+    assert row.images is None  # the row's "image" is its metadata, no image of the prompt

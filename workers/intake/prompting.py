@@ -181,7 +181,9 @@ class ItemBuilder:
                 continue
             assert not isinstance(ids, InputError)
             images = images_of(record.messages, record)
-            if images and not self._images_accepted(record, ids, images, where):
+            if (images or record.input_ids is not None) and not self._images_accepted(
+                record, ids, images, where
+            ):
                 continue
             merged = row_kwargs(self._run_kwargs, record)
             if turn is not None:
@@ -195,8 +197,18 @@ class ItemBuilder:
     def _images_accepted(
         self, record: PromptRecord, ids: list[int], images: list[ImageRef], where: str
     ) -> bool:
-        """Whether an image prompt's ids hold one placeholder per image (none adjacent)."""
+        """Whether an image prompt's ids hold one placeholder per image (none adjacent), and a
+        pre-tokenized prompt none (its row has no images to fill one)."""
         try:
+            if record.input_ids is not None:
+                if self._pins is not None and self._pins.placeholder_id in ids:
+                    at = ids.index(self._pins.placeholder_id)
+                    raise InputError(
+                        f"'input_ids'[{at}] is the image placeholder id "
+                        f"{self._pins.placeholder_id}; pre-tokenized rows are text only (give "
+                        "images as image parts of turns)"
+                    )
+                return True
             if self._pins is None:
                 raise InputError(no_pins_error(self._tokenizer_path))
             check_image_prompt(ids, len(images), self._pins)
