@@ -34,33 +34,34 @@ def placeholder_id_of(folder: Path) -> tuple[int, str] | None:
     return None
 
 
-def read_image_pins(folder: Path, tokenizer: Any) -> ImagePins | None:
-    """The pins of a multimodal tokenizer folder, or None when it names no placeholder id.
+def read_image_pins(folder: Path, tokenizer: Any) -> ImagePins | str:
+    """The pins of a multimodal tokenizer folder, or why it has none (what an image row is
+    refused with; a text row never asks).
 
     The id's token must be the placeholder of a family SGLang serves images for
     (app.core.images.FAMILIES): its template text for one image is what the run pins.
     """
     found = placeholder_id_of(folder)
+    keys = " or ".join(PLACEHOLDER_KEYS)
     if found is None:
-        return None
+        return (
+            f"the row has images, but the tokenizer folder {str(folder)!r} names no image "
+            f"placeholder id ({keys} in {', '.join(CONFIG_FILES)}): it is not a multimodal "
+            "model's"
+        )
     placeholder_id, where = found
-    token = tokenizer.convert_ids_to_tokens(placeholder_id)
+    try:
+        token = tokenizer.convert_ids_to_tokens(placeholder_id)
+    except Exception:  # an id past the vocabulary
+        token = None
     for family, (placeholder, image_text) in FAMILIES.items():
         if token == placeholder:
             return ImagePins(family, placeholder, placeholder_id, image_text)
     known = ", ".join(f"{name} {placeholder}" for name, (placeholder, _) in FAMILIES.items())
-    raise ConfigurationError(
-        f"{where} of {str(folder)!r} names the image placeholder id {placeholder_id}, which is "
-        f"the token {token!r}, not the placeholder of a model family tokenmill knows ({known})"
-    )
-
-
-def no_pins_error(folder: Path | str) -> str:
-    """Why an image row cannot be used with a tokenizer folder that names no placeholder."""
-    keys = " or ".join(PLACEHOLDER_KEYS)
     return (
-        f"the row has images, but the tokenizer folder {str(folder)!r} names no image "
-        f"placeholder id ({keys} in {', '.join(CONFIG_FILES)}): it is not a multimodal model's"
+        f"the row has images, but {where} of {str(folder)!r} names the image placeholder id "
+        f"{placeholder_id}, which is the token {token!r}, not the placeholder of a model "
+        f"family tokenmill knows ({known})"
     )
 
 

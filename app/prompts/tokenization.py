@@ -183,7 +183,9 @@ class ChatTokenizer:
         self._context_length = context_length_of(tokenizer, path)
         self._content_format = detect_content_format(template.detect_from)
         self._placeholders = image_placeholders(tokenizer)
-        self._image_pins = read_image_pins(path, tokenizer)
+        pins = read_image_pins(path, tokenizer)
+        self._image_pins = pins if isinstance(pins, ImagePins) else None
+        self._no_image_pins = pins if isinstance(pins, str) else ""
 
     @property
     def hf_tokenizer(self) -> Any:
@@ -280,6 +282,11 @@ class ChatTokenizer:
     def image_pins(self) -> ImagePins | None:
         """The image placeholder the folder names (a multimodal model's), or None."""
         return self._image_pins
+
+    @property
+    def no_image_pins(self) -> str:
+        """Why image_pins is None (an image row is refused with it); "" when it is not."""
+        return self._no_image_pins
 
     def render(
         self,

@@ -10,6 +10,7 @@ import base64
 import hashlib
 import io
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from app.core.contracts import SamplingParams
 from app.core.errors import ConfigurationError, InputError
 from app.core.images import ImagePins
 from app.core.models import items, runs
+from app.core.settings import get_settings
 from app.prompts.tokenization import ChatTokenizer, load_tokenizer
 from workers.intake.producer import EnqueueOptions, enqueue
 
@@ -34,10 +36,13 @@ def tokenizer(kimi_tokenizer_dir: Path) -> ChatTokenizer:
 
 
 @pytest.fixture
-def store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+def store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """This test's image store (the process's settings read again with it)."""
     folder = tmp_path / "store"
     monkeypatch.setenv("TOKENMILL_STORAGE_URL", str(folder))
-    return folder
+    get_settings.cache_clear()
+    yield folder
+    get_settings.cache_clear()
 
 
 def png(width: int, height: int, color: tuple[int, int, int] = (200, 30, 30)) -> bytes:
@@ -228,6 +233,7 @@ def test_llava_rows_and_image_root(
     assert by_key["llava"].prompt_ids.count(MEDIA_PAD) == 1
     # the JPEG-named file is a PNG: the store keys it by what it is
     assert by_key["llava"].images[0]["key"].endswith(".png")
+    assert (store / by_key["llava"].images[0]["key"]).read_bytes() == (root / "a.jpg").read_bytes()
 
 
 def test_boundary_samples_and_chains_carry_the_images_of_their_history(
@@ -348,6 +354,7 @@ def test_images_from_s3_into_an_s3_store(
     with moto_s3("imgs") as options:
         monkeypatch.setenv("TOKENMILL_STORAGE_URL", "s3://imgs/store")
         monkeypatch.setenv("TOKENMILL_STORAGE_OPTIONS", json.dumps(options))
+        get_settings.cache_clear()
         fs = s3fs.S3FileSystem(**options)
         data = png(16, 16)
         with fs.open("imgs/rows/cat.png", "wb") as stream:
@@ -367,6 +374,7 @@ def test_images_from_s3_into_an_s3_store(
         key = row.images[0]["key"]
         assert row.images[0]["sha256"] == hashlib.sha256(data).hexdigest()
         assert fs.cat(f"imgs/store/{key}") == data
+    get_settings.cache_clear()
 
 
 def test_pre_tokenized_rows_stay_text_only(

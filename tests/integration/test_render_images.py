@@ -17,6 +17,7 @@ from sqlalchemy import Engine
 from app import ledger
 from app.core.contracts import SamplingParams
 from app.core.errors import PermanentError
+from app.core.settings import get_settings
 from app.emulator.config import EmulatorConfig
 from app.prompts.render import RenderClient, RenderPolicy, RenderRequest
 from app.prompts.tokenization import ChatTokenizer, load_tokenizer
@@ -98,6 +99,7 @@ def test_render_with_sends_data_uris_and_parity_is_equal(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv("TOKENMILL_STORAGE_URL", str(tmp_path / "store"))
+    get_settings.cache_clear()
     path = image_rows(tmp_path)
     sampling = SamplingParams(max_new_tokens=16, seed=1)
     local = producer.EnqueueOptions(path, "local", sampling)
@@ -127,3 +129,4 @@ def test_render_with_sends_data_uris_and_parity_is_equal(
             run = ledger.get_run(conn, "local")
         parity = check_run(pg_engine, run, client, server=server.base_url)
     assert (parity.checked, parity.equal) == (3, 3)
+    get_settings.cache_clear()

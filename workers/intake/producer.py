@@ -215,7 +215,7 @@ def enqueue(
             context_length=tokenizer.context_length,
             reporter=reporter,
             image_pins=tokenizer.image_pins,
-            tokenizer_path=str(tokenizer.path),
+            no_pins=tokenizer.no_image_pins,
         ),
         store,
         reporter,

@@ -13,7 +13,7 @@ from app.core.contracts import PromptRecord
 from app.core.errors import InputError, PermanentError
 from app.core.images import ImagePins, ImageRef
 from app.prompts.chat_path import ChatInputs, merge_template_kwargs
-from app.prompts.image_pins import check_image_prompt, no_pins_error
+from app.prompts.image_pins import check_image_prompt
 from app.prompts.render import RenderRequest, prompt_request
 from app.prompts.template_pool import Templater
 from workers.intake import cycles, turns
@@ -160,14 +160,15 @@ class ItemBuilder:
         context_length: int | None,
         reporter: Reporter,
         image_pins: ImagePins | None = None,
-        tokenizer_path: str = "",
+        no_pins: str = "",
     ) -> None:
         self._run_kwargs = run_kwargs
         self._samples = samples_per_prompt
         self._context = context_length
         self._reporter = reporter
         self._pins = image_pins
-        self._tokenizer_path = tokenizer_path
+        # why the tokenizer has no pins: what an image row is refused with
+        self._no_pins = no_pins
 
     def items(self, chunk: PromptedChunk) -> list[ledger.NewItem]:
         """Waits for the chunk's prompt ids, then builds its items."""
@@ -210,7 +211,7 @@ class ItemBuilder:
                     )
                 return True
             if self._pins is None:
-                raise InputError(no_pins_error(self._tokenizer_path))
+                raise InputError(self._no_pins)
             check_image_prompt(ids, len(images), self._pins)
         except InputError as exc:
             self._reporter.fail(InputError(where + exc.reason, record.line))

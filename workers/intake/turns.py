@@ -34,7 +34,7 @@ from app.prompts.conversation import (
     split_turns,
     tool_turn_position,
 )
-from app.prompts.image_pins import check_image_prompt, no_pins_error
+from app.prompts.image_pins import check_image_prompt
 from app.prompts.render import RenderClient, prompt_request, render_client
 from app.prompts.tokenization import ChatTokenizer, load_for_run
 from app.prompts.tokenizer_files import folder_changes
@@ -288,7 +288,7 @@ def check_turn_images(tokenizer: ChatTokenizer, history: list[Any], prompt_ids: 
     if not images:
         return
     if tokenizer.image_pins is None:
-        raise InputError(no_pins_error(str(tokenizer.path)))
+        raise InputError(tokenizer.no_image_pins)
     check_image_prompt(prompt_ids, images, tokenizer.image_pins)
 
 
