@@ -168,6 +168,13 @@ def enqueue_input(
         markup=True,
         soft_wrap=True,
     )
+    if report.images_read:
+        console.print(
+            f"{report.images_read} distinct images read ({report.image_bytes_read:,} bytes), "
+            f"stored under {escape(settings.resolved_storage_url())}/images",
+            markup=True,
+            soft_wrap=True,
+        )
     where = f"ledger {ledger_name(settings)}"
     if publish:
         where += f", broker {broker_name(settings)}"

@@ -125,6 +125,10 @@ def test_image_rows_are_stored_once_and_recorded_in_prompt_order(
     report, errors = run_enqueue(pg_engine, tokenizer, path, "img")
 
     assert report.inserted == 3
+    # red.png (used twice), the data URI, blue.png (by file:// and by path: one source),
+    # the missing and the broken one: each read once
+    assert report.images_read == 5
+    assert report.image_bytes_read == len(red) + 2 * len(blue) + 40
     assert sorted(str(e) for e in errors) == [
         "line 3: messages[0].content[1]: image 'cats/missing.png' cannot be read: "
         "No such file or directory",
@@ -393,3 +397,25 @@ def test_pre_tokenized_rows_stay_text_only(
     ]
     [row] = stored_items(pg_engine, "ids")
     assert row.images is None  # the row's "image" is its metadata, no image of the prompt
+
+
+def test_the_cli_reads_relative_images_from_image_root(
+    pg_engine: Engine, redis_url: str, pg_url: str, kimi_tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    from tests.support.procs import service_env, tokenmill
+
+    root = tmp_path / "pictures"
+    root.mkdir()
+    data = png(24, 24)
+    (root / "cat.png").write_bytes(data)
+    rows = [{"id": "cli", "messages": [user("Cat?", image_part("cat.png"))]}]
+    path = write_rows(tmp_path / "cli.jsonl", rows)
+    env = service_env(pg_url, redis_url, tmp_path / "data")
+    args = ["enqueue", str(path), "--run", "cli", "--tokenizer", str(kimi_tokenizer_dir)]
+    proc = tokenmill([*args, "--image-root", str(root), "--json"], env)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert (report["inserted"], report["images_read"], report["errors"]) == (1, 1, [])
+    assert "1 distinct images read" in proc.stderr
+    sha = hashlib.sha256(data).hexdigest()
+    assert (tmp_path / "data" / "storage" / "images" / f"{sha}.png").read_bytes() == data

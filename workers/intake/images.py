@@ -62,6 +62,7 @@ class ImageSources:
         self._options = dict(storage_options or {})
         self._outcomes: dict[str, ImageRef | str] = {}
         self.reads = 0  # sources read (distinct ones: the cache answers the others)
+        self.bytes_read = 0
 
     def ref(self, source: str) -> ImageRef:
         """The stored image of source; ImageUnreadable saying why it cannot be used."""
@@ -91,6 +92,7 @@ class ImageSources:
             data = self._read(source, resolved)
         except ImageUnreadable as exc:
             return f"image {shown(source)!r} cannot be read: {exc}"
+        self.bytes_read += len(data)
         if self._store is None:
             self._store = self._open_store()
         try:
@@ -151,7 +153,12 @@ class ImageResolver:
 
     @property
     def reads(self) -> int:
+        """The distinct image sources read so far."""
         return self._sources.reads
+
+    @property
+    def bytes_read(self) -> int:
+        return self._sources.bytes_read
 
     def resolve(self, record: PromptRecord) -> PromptRecord | InputError:
         turns = record.conversation or record.messages

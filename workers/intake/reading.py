@@ -132,6 +132,8 @@ class Planner:
         if self._images is not None:  # a line whose image cannot be used is no prompt
             stored = self._with_images(fresh)
             report.prompts -= len(fresh) - len(stored)
+            report.images_read = self._images.reads
+            report.image_bytes_read = self._images.bytes_read
             fresh = stored
         report.prompts += len(records)
         fresh = cycles.expand_efforts(fresh, self._efforts, self._samples_per_prompt)
