@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import binascii
 import functools
+import hashlib
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
@@ -71,14 +72,15 @@ class ImageSources:
         if outcome is None:
             outcome = self._outcomes[resolved] = self._read_and_store(source, resolved)
         if isinstance(outcome, str):
-            raise ImageUnreadable(outcome)
-        return (
-            outcome if outcome.source == _given(source) else replace(outcome, source=_given(source))
-        )
+            raise ImageUnreadable(f"image {shown(source)!r} {outcome}")
+        given = _given(source)
+        return outcome if outcome.source == given else replace(outcome, source=given)
 
     def _resolved(self, source: str) -> str:
+        """The cache key of a source: its path or URL (a data URI by its sha256: the
+        cache must not hold every URI of the input)."""
         if source.startswith("data:"):
-            return source
+            return "data:" + hashlib.sha256(source.encode("utf-8", "surrogatepass")).hexdigest()
         if source.startswith("file://"):
             return str(Path(unquote(urlparse(source).path)))
         if _is_url(source):
@@ -87,18 +89,19 @@ class ImageSources:
         return str(path if path.is_absolute() else self._root / path)
 
     def _read_and_store(self, source: str, resolved: str) -> ImageRef | str:
+        """The source's ImageRef, or why it cannot be used (after "image 'source' ")."""
         self.reads += 1
         try:
             data = self._read(source, resolved)
         except ImageUnreadable as exc:
-            return f"image {shown(source)!r} cannot be read: {exc}"
+            return f"cannot be read: {exc}"
         self.bytes_read += len(data)
         if self._store is None:
             self._store = self._open_store()
         try:
             return put_image(self._store, data, _given(source))
         except ImageError as exc:
-            return f"image {shown(source)!r} is not a usable image: {exc}"
+            return f"is not a usable image: {exc}"
 
     def _read(self, source: str, resolved: str) -> bytes:
         if source.startswith("data:"):
