@@ -229,6 +229,7 @@ class StoredImages:
     def _data_uri(self, key: str) -> str:
         name = key.rsplit("/", 1)[-1]
         sha256, _, ext = name.partition(".")
+        # get_image reads the key and checks the sha256 the key names; nothing else is used
         ref = ImageRef(sha256, key, 0, 0, ext.upper(), 0, key)
         if self._store is None:
             self._store = self._open_store()
