@@ -28,7 +28,7 @@ transformers-519:
 # the deployment-exact oracle test again, with transformers 5.19.0 first on the path
 oracle-519: transformers-519
 	PYTHONPATH=$(TRANSFORMERS_519):$(CURDIR) $(PYTHON) -m pytest -q -p no:cacheprovider \
-		tests/integration/test_sglang_oracle.py
+		tests/integration/test_sglang_oracle.py tests/integration/test_sglang_oracle_images.py
 
 test: lint typecheck transformers-519
 	$(PYTHON) -m pytest -q -p no:cacheprovider --durations=15

@@ -12,6 +12,7 @@ import logging
 import sys
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 from urllib.parse import unquote, urlsplit
 
@@ -422,6 +423,16 @@ def sampling_options(func: F) -> F:
             is_flag=True,
             default=False,
             help="Allow the tokenizer folder's own Python code (off unless asked).",
+        ),
+        click.option(
+            "--image-root",
+            type=click.Path(exists=True, file_okay=False, path_type=Path),
+            default=None,
+            metavar="PATH",
+            show_default="the input file's folder",
+            help="The folder that relative image paths of the rows (image parts, LLaVA "
+            "'image'/'images') are read from. Each image is stored once under its sha256 in "
+            "the storage URL's images/ folder.",
         ),
     ]
     for decorator in reversed(decorators):

@@ -106,6 +106,7 @@ def enqueue_input(
         batch_size=settings.batch_size,
         weight_version=opts.get("weight_version"),
         reasoning_efforts=build_efforts(opts),
+        image_root=opts.get("image_root"),
     )
     publisher = None
     if publish:
@@ -167,6 +168,13 @@ def enqueue_input(
         markup=True,
         soft_wrap=True,
     )
+    if report.images_read:
+        console.print(
+            f"{report.images_read} distinct images read ({report.image_bytes_read:,} bytes), "
+            f"stored under {escape(settings.resolved_storage_url())}/images",
+            markup=True,
+            soft_wrap=True,
+        )
     where = f"ledger {ledger_name(settings)}"
     if publish:
         where += f", broker {broker_name(settings)}"

@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
+from app.core.images import ImageRef
+
 Message = dict[str, Any]
 FinishType = Literal["stop", "length"]
 
@@ -150,6 +152,9 @@ class PromptRecord:
     # the sample indices this record makes (a `--reasoning-effort` cycle templates a row once
     # per effort); None: every sample of the run
     samples: tuple[int, ...] | None = None
+    # the images of the turns (conversation, else messages) in prompt order, once stored at
+    # enqueue (workers.intake.images); their image parts then hold the store keys
+    images: tuple[ImageRef, ...] = ()
 
     def __post_init__(self) -> None:
         if (self.messages is None) == (self.input_ids is None):

@@ -208,8 +208,9 @@ def _item_columns() -> list[Column[Any]]:
         Column("sampling_params", JSON, nullable=True),
         # the input row's own sampling_params (merged over the run's for each sample)
         Column("row_sampling_params", JSON, nullable=True),
-        # the item's images in prompt order (app.core.images.ImageRef.to_json); null: text only
-        Column("images", JSON, nullable=True),
+        # the item's images in prompt order (app.core.images.ImageRef.to_json); SQL NULL (not
+        # JSON null) for a text item, so that `images IS NOT NULL` finds the image items
+        Column("images", JSON(none_as_null=True), nullable=True),
         # at done: how many times the server repeated each image's placeholder (the served
         # prompt ids are derived from them); null for a text item
         Column("image_token_counts", JSON, nullable=True),

@@ -24,6 +24,7 @@ from app.prompts.chat_path import (
     merge_template_kwargs,
     normalize_messages,
     normalize_tools,
+    template_view,
 )
 from app.prompts.tokenization import ChatTokenizer
 
@@ -67,14 +68,32 @@ class _ThinkingPart(BaseModel):
         return self
 
 
+class _ImageURL(BaseModel):
+    url: str
+    detail: Literal["auto", "low", "high"] | None = "auto"
+    max_dynamic_patch: int | None = None
+    min_dynamic_patch: int | None = None
+    max_long_side_pixel: int | None = None
+    content_hash: str | None = None
+
+
+class _ImagePart(BaseModel):
+    """An image part: rendered as the template renders an image (the image is not read: the
+    rendered ids hold one placeholder per image, which /generate expands)."""
+
+    type: Literal["image_url"]
+    image_url: _ImageURL
+    modalities: Literal["image", "multi-images", "video"] | None = "image"
+
+
 class _MediaPart(BaseModel):
-    """Image, video and audio parts: accepted by shape, never rendered by the emulator."""
+    """Video and audio parts: accepted by shape; the chat path refuses them (a 400)."""
 
     model_config = ConfigDict(extra="allow")
-    type: Literal["image_url", "video_url", "audio_url", "input_audio", "tool_reference"]
+    type: Literal["video_url", "audio_url", "input_audio", "tool_reference"]
 
 
-_Part = _TextPart | _ThinkingPart | _MediaPart
+_Part = _TextPart | _ThinkingPart | _ImagePart | _MediaPart
 
 
 def _has_thinking(content: Any) -> bool:
@@ -269,11 +288,12 @@ def _render_as_asked(
     add_special_tokens: bool,
 ) -> list[int]:
     hf = tokenizer.hf_tokenizer
+    shown = template_view(turns)  # each image part as {"type": "image"}, as SGLang hands it
 
     def render(tool_list: list[dict[str, Any]] | None) -> str:
         return str(
             hf.apply_chat_template(
-                turns,
+                shown,
                 tools=tool_list,
                 add_generation_prompt=add_generation_prompt,
                 tokenize=False,

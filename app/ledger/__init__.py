@@ -72,6 +72,8 @@ if TYPE_CHECKING:
     from app.ledger.compaction import shard_uris as shard_uris
     from app.ledger.event_log import has_event as has_event
     from app.ledger.event_log import record_event as record_event
+    from app.ledger.image_tokens import pin_run_images as pin_run_images
+    from app.ledger.image_tokens import run_image_pins as run_image_pins
     from app.ledger.outcomes import ERROR_MAX_CHARS as ERROR_MAX_CHARS
     from app.ledger.outcomes import Done as Done
     from app.ledger.outcomes import Failed as Failed
@@ -172,6 +174,8 @@ _EXPORTS: dict[str, str] = {
     "NewItem": "app.ledger.queue",
     "existing_keys": "app.ledger.queue",
     "insert_items": "app.ledger.queue",
+    "pin_run_images": "app.ledger.image_tokens",
+    "run_image_pins": "app.ledger.image_tokens",
     "mark_queued": "app.ledger.queue",
     "oldest_queued": "app.ledger.queue",
     "pending_ids": "app.ledger.queue",

@@ -30,6 +30,18 @@ def run_image_pins(conn: Connection, run_id: int) -> ImagePins | None:
     return None if value is None else ImagePins.from_json(value)
 
 
+def pin_run_images(conn: Connection, run_id: int, pins: ImagePins) -> ImagePins:
+    """Pin pins as the run's image placeholder unless it holds one; returns what it holds."""
+    conn.execute(
+        update(runs)
+        .where(runs.c.id == run_id, runs.c.images.is_(None))
+        .values(images=pins.to_json())
+    )
+    held = run_image_pins(conn, run_id)
+    assert held is not None
+    return held
+
+
 def _insert_first(conn: Connection) -> Any:
     dialect = postgresql if conn.dialect.name == "postgresql" else sqlite
     return dialect.insert(run_image_tokens).on_conflict_do_nothing(

@@ -42,6 +42,8 @@ class NewItem:
     metadata: dict[str, Any] | None = None
     # the row's own sampling_params (None: the run's alone)
     sampling_params: dict[str, Any] | None = None
+    # the prompt's images in prompt order (ImageRef.to_json); None: a text item
+    images: list[dict[str, Any]] | None = None
 
 
 def _insert_ignoring_conflicts(conn: Connection) -> Any:
@@ -73,6 +75,7 @@ def insert_items(conn: Connection, run_id: int, new: Sequence[NewItem]) -> int:
             "chat_template_kwargs": n.chat_template_kwargs,
             "row_metadata": n.metadata,
             "row_sampling_params": n.sampling_params,
+            "images": n.images,
             "prompt_ids": n.prompt_ids,
             "prompt_tokens": len(n.prompt_ids),
             "turn_index": n.turn_index,

@@ -15,6 +15,13 @@ The rules, read from `sglang/srt/entrypoints/openai/serving_chat.py`, `protocol.
   are joined with a single space; for `openai` templates the list is kept, each text part as
   `{"type": "text", "text"}`. A `tool` turn whose parts are all text is joined with a space
   in either case.
+- Image parts (`image_url`, and SGLang's `input_image`; tokenmill also reads `{"type":
+  "image", "image": url}`) of user turns and tool results: kept in the list as
+  `{"type": "image_url", "image_url": {"url"}}` (the url only), a tool turn holding one keeps
+  its list. `template_view` gives the template what SGLang does, each image part as `{"type":
+  "image"}`, and `image_urls` the images in the order SGLang collects them. A `string`
+  template drops image parts in SGLang (no placeholder would stand for the image), so there
+  an image part is refused; so are video and audio parts, which tokenmill does not take.
 - Tools (the request's `tools`) take the shape of SGLang's `Tool` model: `{"type",
   "function": {...}, "defer_loading"}`, the function's keys in the order given, `description`
   and `parameters` added as null when missing, `strict` / `defer_loading` only when given.
@@ -34,9 +41,10 @@ The rules, read from `sglang/srt/entrypoints/openai/serving_chat.py`, `protocol.
 
 Where tokenmill differs on purpose: `reasoning` / `thinking` on a turn are aliases of
 `reasoning_content` (`resolve_reasoning_aliases`, applied when reading). Tool results are not
-reordered: SGLang reorders a run of tool results only when one of them holds media, and
-tokenmill rows are text only. Tool calls are not checked for answering tool turns: SGLang checks
-that pairing only for MiniMax-M3.
+reordered: SGLang reorders a run of tool results holding media into the order of their calls
+(for templates that may render them by tool_call_id), so such a run out of that order is
+refused rather than reordered (`check_tool_result_order`). Tool calls are not checked for
+answering tool turns: SGLang checks that pairing only for MiniMax-M3.
 
 The rules carry NORMALIZATION_VERSION; a run pins the version it was created with, and
 `check_version` refuses a run pinned to rules this tokenmill does not have.
@@ -48,7 +56,7 @@ import copy
 import hashlib
 import json
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -65,14 +73,22 @@ ContentFormat = Literal["string", "openai"]
 
 # The message-normalization rules of this module. Bump the suffix when a rule changes, so a
 # run keeps the rules it was created with (or is refused) instead of mixing two.
-NORMALIZATION_VERSION = "sglang-0.5.23.2"
-KNOWN_VERSIONS = frozenset({NORMALIZATION_VERSION})
+NORMALIZATION_VERSION = "sglang-0.5.23.3"
+# .3 adds image parts; text-only turns normalize as under .2, so runs pinned to it go on
+KNOWN_VERSIONS = frozenset({"sglang-0.5.23.2", NORMALIZATION_VERSION})
 
 # Turn fields that are aliases of reasoning_content (vLLM-style datasets).
 REASONING_ALIASES = ("reasoning", "thinking")
 # Content part types read as text ("input_text", the Responses API spelling, is refused as the
 # chat endpoint refuses it).
 _TEXT_PART_TYPES = ("text",)
+# Image part types: SGLang's two (`image_url`, `input_image`) and the `{"type": "image",
+# "image": url}` spelling of Hugging Face processors, read as an image_url part.
+IMAGE_PART_TYPES = ("image_url", "input_image", "image")
+# Media tokenmill does not take (SGLang's video and audio parts, and their other spellings).
+MEDIA_PART_TYPES = ("video_url", "video", "input_video", "audio_url", "input_audio", "audio")
+# The roles whose image parts the templates render (Kimi-K2.5 renders tool results' too).
+IMAGE_ROLES = ("user", "tool")
 # The fields SGLang's request models keep, per role, in their order.
 USER_FIELDS = ("role", "content")
 GENERIC_FIELDS = (
@@ -254,26 +270,147 @@ def normalize_turn(
         out["content"] = ""
     content = out["content"]
     if isinstance(content, list):
-        parts = [_text_part(part, f"{where}.content[{i}]") for i, part in enumerate(content)]
+        role = out.get("role")
+        parts = [
+            content_part(part, f"{where}.content[{i}]", role, content_format)
+            for i, part in enumerate(content)
+        ]
+        texts = [part["text"] for part in parts if part["type"] == "text"]
         if content_format == "string":
-            out["content"] = " ".join(parts)
+            out["content"] = " ".join(texts)
         else:
             # SGLang rebuilds such a turn with its content last
             del out["content"]
-            out["content"] = [{"type": "text", "text": text} for text in parts]
-            if out.get("role") == "tool":
-                out["content"] = " ".join(parts)
+            out["content"] = parts
+            if role == "tool" and len(texts) == len(parts):
+                out["content"] = " ".join(texts)
     return {key: value for key, value in out.items() if value is not None}
 
 
-def _text_part(part: Any, where: str) -> str:
-    if not isinstance(part, dict) or part.get("type") not in _TEXT_PART_TYPES:
-        kind = part.get("type") if isinstance(part, dict) else json_type(part)
-        raise InputError(f"{where} is a {json.dumps(kind)} part; only text parts are supported")
-    text = part.get("text")
-    if not isinstance(text, str):
-        raise InputError(f"{where} has no string 'text'")
-    return text
+def content_part(
+    part: Any, where: str, role: Any, content_format: ContentFormat = "openai"
+) -> dict[str, Any]:
+    """One content part, checked: `{"type": "text", "text"}` or `{"type": "image_url",
+    "image_url": {"url"}}`; an InputError naming the part for anything else."""
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind in _TEXT_PART_TYPES:
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise InputError(f"{where} has no string 'text'")
+        return {"type": "text", "text": text}
+    if kind in IMAGE_PART_TYPES:
+        if role not in IMAGE_ROLES:
+            raise InputError(
+                f"{where} is an image part in {_article(role)} {role} turn; images are taken "
+                "in user turns "
+                "and tool results"
+            )
+        if content_format == "string":
+            raise InputError(
+                f"{where} is an image part, but the chat template takes string content: "
+                "SGLang drops image parts for such templates, so no placeholder would stand "
+                "for the image"
+            )
+        return {"type": "image_url", "image_url": {"url": _image_url(part, kind, where)}}
+    if kind in MEDIA_PART_TYPES:
+        raise InputError(
+            f"{where} is a {json.dumps(kind)} part; tokenmill takes text and image parts"
+        )
+    shown = kind if isinstance(part, dict) else json_type(part)
+    raise InputError(f"{where} is a {json.dumps(shown)} part; tokenmill takes text and image parts")
+
+
+def _article(word: Any) -> str:
+    return "an" if str(word)[:1] in tuple("aeiou") else "a"
+
+
+def _image_url(part: dict[str, Any], kind: str, where: str) -> str:
+    """The image reference of an image part (`image_url.url`, or a bare string in its place)."""
+    field = "image" if kind == "image" else "image_url"
+    value = part.get(field)
+    if isinstance(value, dict):
+        value = value.get("url")
+        field += ".url"
+    if not isinstance(value, str) or not value.strip():
+        raise InputError(f"{where} has no image reference (a non-empty string '{field}')")
+    return value
+
+
+def is_image_part(part: Any) -> bool:
+    """Whether part is a normalized image part."""
+    return isinstance(part, dict) and part.get("type") == "image_url"
+
+
+def image_urls(turns: Sequence[Message]) -> list[str]:
+    """The image references of normalized turns, in the order SGLang collects the images."""
+    return [
+        part["image_url"]["url"]
+        for turn in turns
+        if isinstance(turn.get("content"), list)
+        for part in turn["content"]
+        if is_image_part(part)
+    ]
+
+
+def with_image_urls(turns: Sequence[Message], url_of: Callable[[str], str]) -> list[Message]:
+    """Normalized turns with each image reference replaced by url_of(reference)."""
+    out: list[Message] = []
+    for turn in turns:
+        content = turn.get("content")
+        if isinstance(content, list) and any(is_image_part(part) for part in content):
+            parts = [
+                {"type": "image_url", "image_url": {"url": url_of(part["image_url"]["url"])}}
+                if is_image_part(part)
+                else part
+                for part in content
+            ]
+            turn = {**turn, "content": parts}
+        out.append(turn)
+    return out
+
+
+def template_view(turns: Sequence[Message]) -> list[Message]:
+    """The turns as SGLang hands them to the template: each image part as `{"type": "image"}`
+    (the images themselves travel beside the prompt, in `image_urls` order)."""
+    out: list[Message] = []
+    for turn in turns:
+        content = turn.get("content")
+        if isinstance(content, list) and any(is_image_part(part) for part in content):
+            parts = [{"type": "image"} if is_image_part(part) else part for part in content]
+            turn = {**turn, "content": parts}
+        out.append(turn)
+    return out
+
+
+def check_tool_result_order(turns: Sequence[Message], field: str = "messages") -> None:
+    """An InputError when a run of tool results holding an image does not answer its calls in
+    their order: SGLang would reorder such a run (for templates that may render results by
+    tool_call_id), and tokenmill keeps the rows' order."""
+    for index, turn in enumerate(turns):
+        calls = turn.get("tool_calls") if turn.get("role") == "assistant" else None
+        if not calls:
+            continue
+        run: list[tuple[int, Message]] = []
+        for at in range(index + 1, len(turns)):
+            if turns[at].get("role") != "tool":
+                break
+            run.append((at, turns[at]))
+        if not any(image_urls([result]) for _, result in run):
+            continue
+        order = [call.get("id") if isinstance(call, dict) else None for call in calls]
+        answered = [result.get("tool_call_id") for _, result in run]
+        # SGLang leaves a run it cannot pair alone (ids missing, repeated or unknown)
+        pairable = (
+            None not in order
+            and len(set(order)) == len(order)
+            and len(set(answered)) == len(answered)
+            and all(call_id in order for call_id in answered)
+        )
+        if pairable and answered != sorted(answered, key=order.index):
+            raise InputError(
+                f"{field}[{run[0][0]}]: the tool results after {field}[{index}] hold an image "
+                "and answer its calls out of order; give them in the order of the calls"
+            )
 
 
 def _tool_call(call: Any, where: str, *, parse: bool) -> dict[str, Any]:

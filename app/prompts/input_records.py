@@ -14,13 +14,17 @@ from app.prompts.chat_path import (
     ContentFormat,
     as_sglang_reads,
     check_reasoning_effort,
+    check_tool_result_order,
     json_type,
     normalize_turn,
     parse_tools,
 )
 from app.prompts.input_turns import (
+    IMAGE_MARKER,
     BadRow,
     BadTurn,
+    llava_images,
+    llava_turns,
     parse_turns_until_bad,
     prompt_turns,
     sharegpt_tools,
@@ -80,6 +84,10 @@ def build_record(
     key = _explicit_key(data.get("id"))
     system = _system_field(data.get("system"))
     used = [field] + [name for name in INPUT_FIELDS if data.get(name) is not None]
+    llava = llava_images(data) if _may_be_llava(data, field, kind) else None
+    if llava is not None:
+        data = {**data, field: llava_turns(data[field], field, *llava)}
+        used.append(llava[0])
     metadata = _metadata(data, used)
     try:
         sampling = parse_row_sampling(data.get("sampling_params"))
@@ -112,6 +120,10 @@ def build_record(
         shift = 1
         bad = bad and BadTurn(bad.index + 1, bad.reason)
     turns, bad = _normalized_until_bad(turns, bad, field, rules)
+    try:
+        check_tool_result_order(turns, field)
+    except InputError as error:
+        raise BadRow(error.reason) from None
     in_tail = bad is not None and _in_trailing_assistant_turns(data[field], bad.index - shift)
     try:
         tools = parse_tools(sharegpt_tools(data.get("tools"), data[field]))
@@ -137,6 +149,26 @@ def build_record(
         sampling_params=sampling,
     )
     return record, key is not None
+
+
+def _may_be_llava(data: dict[str, Any], field: str, kind: str) -> bool:
+    """Whether an `image` / `images` field beside the turns is a LLaVA row's images: in a
+    `conversations` row, or when a turn's text holds an `<image>` marker (elsewhere such a
+    field is the row's metadata)."""
+    if kind in ("prompt", "input_ids"):
+        return False
+    turns = data.get(field)
+    return field == "conversations" or (
+        isinstance(turns, list)
+        and any(IMAGE_MARKER in (_turn_string(turn) or "") for turn in turns)
+    )
+
+
+def _turn_string(turn: Any) -> str | None:
+    if not isinstance(turn, dict):
+        return None
+    text = turn.get("value", turn.get("content"))
+    return text if isinstance(text, str) else None
 
 
 def _in_trailing_assistant_turns(raw: Any, index: int) -> bool:

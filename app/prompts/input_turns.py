@@ -9,7 +9,7 @@ from typing import Any
 
 from app.core.contracts import Message
 from app.core.errors import InputError
-from app.prompts.chat_path import json_type, resolve_reasoning_aliases
+from app.prompts.chat_path import content_part, json_type, resolve_reasoning_aliases
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 # ShareGPT "from" values and the roles they mean.
@@ -102,7 +102,8 @@ def _turn(item: Any, where: str) -> Message:
 
 
 def _content(turn: Message, where: str) -> str | list[Any] | None:
-    """The content as given (a string, a list of text parts, or null where allowed)."""
+    """The content as given (a string, a list of text and image parts, or null where
+    allowed); a part of another kind is the line's error, named."""
     content = turn["content"]
     if content is None:
         # SGLang's user model requires content; the others take null (rendered as "")
@@ -111,23 +112,17 @@ def _content(turn: Message, where: str) -> str | list[Any] | None:
         raise BadRow(f"{where} is null (a user turn needs content, empty or not)")
     if isinstance(content, list):
         for i, part in enumerate(content):
-            _text_part(part, f"{where}[{i}]")
+            try:
+                content_part(part, f"{where}[{i}]", turn["role"])
+            except InputError as error:
+                raise BadRow(error.reason) from None
         return content
     if not isinstance(content, str):
         raise BadRow(
-            f"{where} must be a string or a list of text parts, not a JSON {json_type(content)}"
+            f"{where} must be a string or a list of text and image parts, "
+            f"not a JSON {json_type(content)}"
         )
     return content
-
-
-def _text_part(part: Any, where: str) -> str:
-    if not isinstance(part, dict) or part.get("type") != "text":
-        kind = part.get("type") if isinstance(part, dict) else json_type(part)
-        raise BadRow(f"{where} is a {json.dumps(kind)} part; only text parts are supported")
-    text = part.get("text")
-    if not isinstance(text, str):
-        raise BadRow(f"{where} has no string 'text'")
-    return text
 
 
 def _check_extra_fields(turn: Message, where: str) -> None:
@@ -151,6 +146,71 @@ def prompt_turns(turns: list[Message], field: str) -> list[Message]:
     if turns[-1]["role"] not in ("user", "tool"):
         raise BadRow(f"'{field}' ends with a {turns[-1]['role']} turn, not a user or tool turn")
     return turns
+
+
+# --- LLaVA / ShareGPT4V image rows ------------------------------------------------------------
+
+
+IMAGE_MARKER = "<image>"
+# the fields beside the turns that hold a LLaVA row's images: one path, or a list of them
+LLAVA_IMAGE_FIELDS = ("image", "images")
+
+
+def llava_images(data: dict[str, Any]) -> tuple[str, list[str]] | None:
+    """The field and the image references of a LLaVA / ShareGPT4V row (`"image": path` or
+    `"images": [path, ...]` beside its turns), or None for a row without them."""
+    present = [name for name in LLAVA_IMAGE_FIELDS if data.get(name) is not None]
+    if not present:
+        return None
+    if len(present) > 1:
+        raise BadRow("both 'image' and 'images' beside the turns; give the images in one")
+    name = present[0]
+    value = data[name]
+    refs = [value] if name == "image" and isinstance(value, str) else value
+    if not isinstance(refs, list):
+        want = "a string" if name == "image" else "a list of strings"
+        raise BadRow(f"'{name}' must be {want}, not a JSON {json_type(value)}")
+    for index, ref in enumerate(refs):
+        if not isinstance(ref, str) or not ref.strip():
+            raise BadRow(f"'{name}'[{index}] must be a non-empty string (an image reference)")
+    return name, refs
+
+
+def llava_turns(items: Any, field: str, name: str, refs: list[str]) -> Any:
+    """The turns of a LLaVA row with each `<image>` marker of a turn's text made an image part
+    at its place (the text around it kept as text parts, empty pieces dropped), the row's
+    images taken in order. A marker count other than the images' is the line's error."""
+    if not isinstance(items, list):
+        return items
+    markers = sum((_turn_text(item) or "").count(IMAGE_MARKER) for item in items)
+    if markers != len(refs):
+        raise BadRow(
+            f"'{field}' has {markers} {IMAGE_MARKER} marker(s) but '{name}' gives "
+            f"{len(refs)} image(s); each image needs one marker at its place in the text"
+        )
+    images = iter(refs)
+    out: list[Any] = []
+    for item in items:
+        text = _turn_text(item)
+        if text is None or IMAGE_MARKER not in text:
+            out.append(item)
+            continue
+        parts: list[dict[str, Any]] = []
+        for position, piece in enumerate(text.split(IMAGE_MARKER)):
+            if position:
+                parts.append({"type": "image_url", "image_url": {"url": next(images)}})
+            if piece:
+                parts.append({"type": "text", "text": piece})
+        key = "value" if "from" in item else "content"
+        out.append({**item, key: parts})
+    return out
+
+
+def _turn_text(item: Any) -> str | None:
+    if not isinstance(item, dict):
+        return None
+    text = item.get("value") if "from" in item else item.get("content")
+    return text if isinstance(text, str) else None
 
 
 # --- ShareGPT tool turns -----------------------------------------------------------------------

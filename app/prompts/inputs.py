@@ -51,7 +51,17 @@ def read_prompts(
     - `conversations`: ShareGPT turns `{"from", "value"}` (human/user, gpt/chatgpt/assistant,
       system, tool/function/observation) or `{"role", "content"}` turns;
     - `prompt`: a string, one user turn;
-    - `input_ids`: a non-empty list of non-negative ints, used as the prompt ids verbatim.
+    - `input_ids`: a non-empty list of non-negative ints, used as the prompt ids verbatim
+      (text only: such a row has no images).
+
+    A user turn or a tool result may hold image parts beside its text parts: OpenAI's
+    `{"type": "image_url", "image_url": {"url": ...}}`, SGLang's `input_image`, or
+    `{"type": "image", "image": ...}`, each read as an `image_url` part. A LLaVA /
+    ShareGPT4V row gives its images beside the turns (`"image": ref` or `"images": [ref,
+    ...]`) and marks each one's place with `<image>` in the turns' text: each marker becomes
+    an image part there, the text around it text parts, and a marker count other than the
+    images' is the line's error. Video and audio parts are the line's error, named. The
+    references are read and stored at enqueue (`workers.intake.images`).
 
     Optional `id` (string or int) is the item key; without it the key is a hash of the turns
     (or ids), so the same prompt twice is reported as a duplicate. An optional non-empty

@@ -1,5 +1,6 @@
 """Image-placeholder tokens written as text: refused, since the server would read each as an
-image slot (`<|media_pad|>` for Kimi, `<|image_pad|>` / `<|video_pad|>` for Qwen-VL, ...)."""
+image slot (`<|media_pad|>` for Kimi, `<|image_pad|>` / `<|video_pad|>` for Qwen-VL, ...) with
+no image part behind it. Images come as image parts, which the template renders."""
 
 from __future__ import annotations
 
@@ -35,25 +36,31 @@ def check_placeholders(
     tools: Sequence[dict[str, Any]] | None,
 ) -> None:
     """InputError naming the first turn (or the tools) whose text holds a placeholder token:
-    rows carry text only, so no image can stand behind it."""
+    no image part stands behind such text, so the server's images and placeholders would
+    not pair up."""
     if not placeholders:
         return
     for index, turn in enumerate(turns):
         found = _found(placeholders, turn)
         if found:
             raise InputError(
-                f"messages[{index}] holds the image placeholder token {found} as text; "
-                "tokenmill rows are text only, so no image can fill it"
+                f"messages[{index}] holds the image placeholder token {found} as text; no "
+                "image stands behind it (give an image as an image part: the template "
+                "renders its placeholder)"
             )
     found = _found(placeholders, tools)
     if found:
-        raise InputError(f"the tools hold the image placeholder token {found} as text")
+        raise InputError(
+            f"the tools hold the image placeholder token {found} as text; no image stands behind it"
+        )
 
 
 def _found(placeholders: Sequence[str], value: Any) -> str | None:
     if isinstance(value, str):
         return next((token for token in placeholders if token in value), None)
     if isinstance(value, dict):
+        if value.get("type") == "image_url":  # an image part: its reference is no text
+            return None
         value = list(value.values())
     if isinstance(value, list):
         for item in value:

@@ -14,6 +14,7 @@ from typing import Any
 
 from app.core.contracts import Message
 from app.core.errors import InputError, TokenizerError
+from app.core.images import ImagePins
 from app.core.logs import quiet_transformers
 from app.prompts.chat_path import (
     ChatInputs,
@@ -22,8 +23,10 @@ from app.prompts.chat_path import (
     detect_content_format,
     normalize_messages,
     normalize_tools,
+    template_view,
 )
 from app.prompts.chat_pins import check_file_unchanged, choice_of
+from app.prompts.image_pins import read_image_pins
 from app.prompts.placeholders import check_placeholders, image_placeholders
 from app.prompts.template_choice import ChosenTemplate, TemplateChoice, choose_template
 from app.prompts.tokenizer_config import (
@@ -180,6 +183,9 @@ class ChatTokenizer:
         self._context_length = context_length_of(tokenizer, path)
         self._content_format = detect_content_format(template.detect_from)
         self._placeholders = image_placeholders(tokenizer)
+        pins = read_image_pins(path, tokenizer)
+        self._image_pins = pins if isinstance(pins, ImagePins) else None
+        self._no_image_pins = pins if isinstance(pins, str) else ""
 
     @property
     def hf_tokenizer(self) -> Any:
@@ -272,6 +278,16 @@ class ChatTokenizer:
         detected from the template as SGLang detects it."""
         return self._content_format
 
+    @property
+    def image_pins(self) -> ImagePins | None:
+        """The image placeholder the folder names (a multimodal model's), or None."""
+        return self._image_pins
+
+    @property
+    def no_image_pins(self) -> str:
+        """Why image_pins is None (an image row is refused with it); "" when it is not."""
+        return self._no_image_pins
+
     def render(
         self,
         messages: Sequence[Message],
@@ -363,7 +379,7 @@ class ChatTokenizer:
             )
             tools = normalize_tools(inputs.tools) if inputs.tools else None
         check_placeholders(self._placeholders, turns, tools)
-        return turns, tools or None, kwargs
+        return template_view(turns), tools or None, kwargs
 
     def _render(
         self, turns: list[Message], tools: list[dict[str, Any]] | None, kwargs: dict[str, Any]

@@ -67,7 +67,7 @@ BAD_LINES = [
     BadLine(
         "a Responses-API part the chat endpoint refuses",
         jsonl({"id": "e3", "messages": [{"role": "user", "content": [{"type": "input_text"}]}]}),
-        'messages[0].content[0] is a "input_text" part; only text parts are supported',
+        'messages[0].content[0] is a "input_text" part; tokenmill takes text and image parts',
     ),
     BadLine(
         "unknown role",
@@ -87,7 +87,7 @@ BAD_LINES = [
     BadLine(
         "numeric content",
         jsonl({"id": "c", "messages": [{"role": "user", "content": 42}]}),
-        "messages[0].content must be a string or a list of text parts, not a JSON number",
+        "messages[0].content must be a string or a list of text and image parts, not a JSON number",
     ),
     BadLine(
         "object content",
@@ -95,9 +95,36 @@ BAD_LINES = [
         "not a JSON object",
     ),
     BadLine(
-        "image part",
+        "image part without a reference",
         jsonl({"id": "c3", "messages": [{"role": "user", "content": [{"type": "image"}]}]}),
-        'messages[0].content[0] is a "image" part; only text parts are supported',
+        "messages[0].content[0] has no image reference (a non-empty string 'image')",
+    ),
+    BadLine(
+        "video part",
+        jsonl(
+            {
+                "id": "c4",
+                "messages": [
+                    {"role": "user", "content": [{"type": "video_url", "video_url": {"url": "v"}}]}
+                ],
+            }
+        ),
+        'messages[0].content[0] is a "video_url" part; tokenmill takes text and image parts',
+    ),
+    BadLine(
+        "missing image",
+        jsonl(
+            {
+                "id": "c5",
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "image_url", "image_url": {"url": "cats/none.png"}}],
+                    }
+                ],
+            }
+        ),
+        "messages[0].content[0]: image 'cats/none.png' cannot be read: No such file",
     ),
     # The limit is not an option of the CLI: the line is 32 MiB + 1 byte, written in pieces.
     BadLine(
@@ -195,7 +222,8 @@ def test_bad_lines_are_skipped_by_number_and_every_good_line_is_enqueued(
     assert sorted(skipped) == sorted(bad), "a good line was skipped or a bad one went unreported"
 
     report = json.loads(proc.stdout)
-    assert [e["line"] for e in report["errors"]] == sorted(bad)
+    # each stage reports the lines it refuses as it meets them (an image after the reading)
+    assert sorted(e["line"] for e in report["errors"]) == sorted(bad)
     assert report["prompts"] == len(good_keys) + 1  # + the first "same words" line
     assert report["inserted"] == report["published"] == (len(good_keys) + 1) * SAMPLES
 
@@ -214,7 +242,8 @@ def test_bad_lines_are_skipped_by_number_and_every_good_line_is_enqueued(
     assert again.returncode == 0, again.stderr
     report = json.loads(again.stdout)
     assert (report["inserted"], report["already_present"]) == (0, len(good_keys) + 1)
-    assert [e["line"] for e in report["errors"]] == sorted(bad)
+    # each stage reports the lines it refuses as it meets them (an image after the reading)
+    assert sorted(e["line"] for e in report["errors"]) == sorted(bad)
 
 
 def no_template_tokenizer(source: Path, dest: Path) -> Path:

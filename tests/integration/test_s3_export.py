@@ -15,6 +15,7 @@ from app import ledger
 from app.core.settings import Settings
 from app.outputs.storage import check_export, export_parquet, read_manifest
 from tests.support.done_runs import make_done_run
+from tests.support.moto_s3 import moto_s3
 from workers.control.compaction import compact_run
 
 BUCKET = "tokenmill-test"
@@ -23,29 +24,8 @@ BUCKET = "tokenmill-test"
 @pytest.fixture(scope="module")
 def s3_options() -> Iterator[dict[str, object]]:
     """Options as TOKENMILL_STORAGE_OPTIONS would carry them, for a fresh moto server."""
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    options: dict[str, object] = {
-        "endpoint_url": f"http://{host}:{port}",
-        "key": "testing",
-        "secret": "testing",
-        "client_kwargs": {"region_name": "us-east-1"},
-        "skip_instance_cache": True,
-    }
-    import boto3
-
-    boto3.client(
-        "s3",
-        endpoint_url=options["endpoint_url"],
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
-        region_name="us-east-1",
-    ).create_bucket(Bucket=BUCKET)
-    yield options
-    server.stop()
+    with moto_s3(BUCKET) as options:
+        yield options
 
 
 def test_export_to_s3_round_trip_and_corruption(

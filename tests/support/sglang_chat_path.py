@@ -32,9 +32,14 @@ SERVING_CHAT_FUNCTIONS = (
 
 @dataclass
 class _MediaStub:
-    """Stands in for sglang.srt.utils.ImageData / VideoData (never reached: text only)."""
+    """Stands in for sglang.srt.utils.ImageData / VideoData: the fields the chat path fills."""
 
     url: str = ""
+    detail: str | None = None
+    max_dynamic_patch: int | None = None
+    content_hash: str | None = None
+    max_long_side_pixel: int | None = None
+    preprocess_kwargs: dict[str, Any] | None = None
 
 
 def _member(name: str) -> str:
@@ -106,18 +111,26 @@ def dumped_turns(turns: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def reference_messages(turns: list[dict[str, Any]], content_format: str) -> list[dict[str, Any]]:
     """SGLang's turns for a Jinja template, from a request's turns (dumped by its request
     models first)."""
+    return reference_messages_and_images(turns, content_format)[0]
+
+
+def reference_messages_and_images(
+    turns: list[dict[str, Any]], content_format: str
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """reference_messages, and the urls of the images SGLang collects, in its order."""
     functions = serving_chat_functions()
     process = template_utils().process_content_for_template_format
     messages = dumped_turns(turns)
     for message in messages:
         functions["normalize_assistant_tool_call_arguments"](message, strict=True)
     out = []
+    images: list[Any] = []
     for message in copy.deepcopy(messages):
         if message.get("content") is None:
             message["content"] = ""
-        processed = process(message, content_format, [], [], [], [])
+        processed = process(message, content_format, images, [], [], [])
         processed["content"] = functions["normalize_tool_content"](
             processed["role"], processed.get("content")
         )
         out.append(processed)
-    return out
+    return out, [image.url for image in images]

@@ -225,6 +225,7 @@ class SGLangServer:
         chat_template_name: str | None = None,
         chat_template_file: str | None = None,
         trust_remote_code: bool = False,
+        multimodal: bool = False,
     ) -> None:
         import jinja2
         import orjson
@@ -238,7 +239,7 @@ class SGLangServer:
             tokenizer=tokenizer,
             processor=None,
             model_config=SimpleNamespace(
-                hf_config=SimpleNamespace(architectures=[]), is_multimodal=False
+                hf_config=SimpleNamespace(architectures=[]), is_multimodal=multimodal
             ),
             served_model_name="default",
         )
@@ -261,6 +262,7 @@ class SGLangServer:
             "_CHAT_TEMPLATE_CLIENT_ERRORS": (jinja2.TemplateError, TypeError),
             "normalize_json_schema_types": _schema_namespace()["normalize_json_schema_types"],
             "process_content_for_template_format": utils.process_content_for_template_format,
+            "MEDIA_URL_PART_TYPES": utils.MEDIA_URL_PART_TYPES,
             "normalize_assistant_tool_call_arguments": functions[
                 "normalize_assistant_tool_call_arguments"
             ],
@@ -303,6 +305,7 @@ class SGLangServer:
         chat._prompt_text_round_trip_is_lossy = chat._probe_prompt_text_round_trip()
         self.chat = chat
         self.template_manager = manager
+        self.multimodal = multimodal
 
     def tokenize(self, body: dict[str, Any]) -> list[int] | str:
         """The prompt ids of a /v1/tokenize chat body, or the error text of its 400: the body
@@ -325,7 +328,7 @@ class SGLangServer:
         if error:
             return str(error)
         try:
-            result = self.chat._process_messages(chat_request, False)
+            result = self.chat._process_messages(chat_request, self.multimodal)
         except ValueError as exc:
             return str(exc)
         except Exception as exc:  # a 500 at the server: still a refusal

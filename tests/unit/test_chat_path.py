@@ -204,7 +204,7 @@ def test_bad_tool_call_arguments_name_the_field(arguments: str, reason: str) -> 
 @pytest.mark.parametrize(
     ("turn", "field"),
     [
-        ({"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}, "content[0]"),
+        ({"role": "user", "content": [{"type": "video_url", "video_url": "x"}]}, "content[0]"),
         (
             {"role": "assistant", "tool_calls": [{"id": "c", "function": "f"}]},
             "tool_calls[0].function",

@@ -277,12 +277,13 @@ BAD: list[tuple[str, Any, str]] = [
     (
         "numeric content",
         {"messages": [{"role": "user", "content": 5}]},
-        "messages[0].content must be a string or a list of text parts, not a JSON number",
+        "messages[0].content must be a string or a list of text and image parts, not a JSON number",
     ),
     (
         "dict content",
         {"conversations": [{"from": "human", "value": {"a": 1}}]},
-        "conversations[0].value must be a string or a list of text parts, not a JSON object",
+        "conversations[0].value must be a string or a list of text and image parts, not a "
+        "JSON object",
     ),
     (
         "null user content",
@@ -290,9 +291,26 @@ BAD: list[tuple[str, Any, str]] = [
         "messages[0].content is null (a user turn needs content, empty or not)",
     ),
     (
-        "image part",
+        "image part without a url",
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
-        'messages[0].content[0] is a "image_url" part; only text parts are supported',
+        "messages[0].content[0] has no image reference (a non-empty string 'image_url.url')",
+    ),
+    (
+        "audio part",
+        {"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},
+        'messages[0].content[0] is a "input_audio" part; tokenmill takes text and image parts',
+    ),
+    (
+        "image in an assistant turn",
+        {
+            "messages": [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": [{"type": "image", "image": "a.png"}]},
+                {"role": "user", "content": "and?"},
+            ]
+        },
+        "messages[1].content[0] is an image part in an assistant turn; images are taken in user "
+        "turns and tool results",
     ),
     (
         "text part without text",

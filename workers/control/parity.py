@@ -14,11 +14,13 @@ from sqlalchemy import Engine
 
 from app import ledger
 from app.core.constants import EVENT_PARITY
-from app.core.errors import GenerationError, PermanentError
-from app.core.settings import Settings
+from app.core.errors import GenerationError, InputError, PermanentError
+from app.core.settings import Settings, get_settings
 from app.ledger import RunInfo, StoredItem, registry
+from app.outputs.image_store import image_location
 from app.prompts.render import RenderClient, RenderRequest, prompt_request, render_client
 from app.prompts.transformers_pin import SERVER_TRANSFORMERS, client_version
+from workers.intake.images import StoredImages
 
 log = logging.getLogger(__name__)
 
@@ -122,13 +124,31 @@ def first_difference(stored: Sequence[int], rendered: Sequence[int]) -> int | No
     return None if len(stored) == len(rendered) else min(len(stored), len(rendered))
 
 
-def item_request(item: StoredItem, run: RunInfo) -> RenderRequest:
+def item_request(
+    item: StoredItem, run: RunInfo, images: StoredImages | None = None
+) -> RenderRequest:
     """What the server re-renders for a stored item: what built its prompt (its turns, its
-    row's tools, its merged kwargs or else the run's), as `--render-with` sends it."""
+    row's tools, its merged kwargs or else the run's), as `--render-with` sends it: image
+    parts as data URIs of the stored images (InputError if one cannot be read)."""
     kwargs = item.chat_template_kwargs
     if kwargs is None:
         kwargs = run.chat_template_kwargs
-    return prompt_request(item.messages or [], kwargs, tools=item.tools)
+    messages = item.messages or []
+    if images is not None:
+        messages = images.for_server(messages)
+    return prompt_request(messages, kwargs, tools=item.tools)
+
+
+def _requests(
+    items: Sequence[StoredItem], run: RunInfo, images: StoredImages
+) -> list[RenderRequest | PermanentError]:
+    out: list[RenderRequest | PermanentError] = []
+    for item in items:
+        try:
+            out.append(item_request(item, run, images))
+        except InputError as exc:  # compared as a prompt the server could not render
+            out.append(PermanentError(exc.reason))
+    return out
 
 
 def check_run(
@@ -140,9 +160,14 @@ def check_run(
     sample: int | None = None,
     seed: int = 0,
     page: int = 256,
+    images: StoredImages | None = None,
 ) -> ParityReport:
     """Re-render the run's prompts (all, or a seeded sample) and compare each with its stored
-    ids. An outage of the server raises (ServerUnavailable, RetryableError): nothing is known."""
+    ids, images sent from the image store (images: the store of TOKENMILL_STORAGE_URL unless
+    given). An outage of the server raises (ServerUnavailable, RetryableError): nothing is
+    known."""
+    if images is None:
+        images = StoredImages(lambda: image_location(get_settings()))
     with db.connect() as conn:
         if sample is None:
             ids = ledger.prompt_item_ids(conn, run.id)
@@ -155,8 +180,10 @@ def check_run(
         with db.connect() as conn:
             page_items = ledger.stored_prompts(conn, ids[start : start + page])
         stored = [i for i in page_items if i.messages is not None]
-        rendered = client.render_many([item_request(i, run) for i in stored])
-        for item, answer in zip(stored, rendered, strict=True):
+        prepared = _requests(stored, run, images)
+        rendered = iter(client.render_many([r for r in prepared if isinstance(r, RenderRequest)]))
+        answers = [next(rendered) if isinstance(r, RenderRequest) else r for r in prepared]
+        for item, answer in zip(stored, answers, strict=True):
             report.checked += 1
             mismatch = _compare(client, item, answer)
             if mismatch is None:
@@ -218,7 +245,14 @@ def preflight(
         return None
     try:
         with render_client(url, settings, wait_s=0.0) as client:
-            report = check_run(db, run, client, server=server, sample=settings.parity_sample)
+            report = check_run(
+                db,
+                run,
+                client,
+                server=server,
+                sample=settings.parity_sample,
+                images=StoredImages(lambda: image_location(settings)),
+            )
     except GenerationError as exc:
         log.warning("parity preflight of run %s on %s not done: %s", run.name, server, exc)
         return None

@@ -21,12 +21,17 @@ from app import ledger
 from app.core.constants import EVENT_RUN_CREATED
 from app.core.contracts import SamplingParams
 from app.core.errors import InputError
+from app.core.images import ImagePins
+from app.core.settings import Settings, get_settings
+from app.outputs.image_store import image_location
 from app.prompts.chat_path import check_version
 from app.prompts.chat_pins import run_pins
+from app.prompts.image_pins import check_run_pins
 from app.prompts.render import RenderClient, RenderServerUnavailable
 from app.prompts.template_pool import Templater
 from app.prompts.tokenization import ChatTokenizer, check_template_kwargs
 from workers.intake import cycles
+from workers.intake.images import ImageResolver, ImageSources, StoredImages
 from workers.intake.prompting import (
     ItemBuilder,
     LocalTemplating,
@@ -67,6 +72,9 @@ class EnqueueOptions:
     weight_version: str | None = None
     # `--reasoning-effort a,b,c`: sample k is templated with the k-th effort (pinned)
     reasoning_efforts: tuple[str | float, ...] = ()
+    # `--image-root PATH`: where relative image paths of the rows are read from (None: the
+    # input file's folder)
+    image_root: Path | None = None
 
 
 def run_spec(tokenizer: ChatTokenizer, options: EnqueueOptions) -> ledger.RunSpec:
@@ -93,13 +101,17 @@ def run_spec(tokenizer: ChatTokenizer, options: EnqueueOptions) -> ledger.RunSpe
     )
 
 
-def open_run(db: Engine, spec: ledger.RunSpec, report: EnqueueReport) -> ledger.RunInfo:
-    """The run, created (and its creation recorded) if new; an existing run must match spec
-    and be pinned to chat-path rules this tokenmill has."""
+def open_run(
+    db: Engine, spec: ledger.RunSpec, report: EnqueueReport, image_pins: ImagePins | None = None
+) -> ledger.RunInfo:
+    """The run, created (and its creation recorded) if new; an existing run must match spec,
+    be pinned to chat-path rules this tokenmill has and to the tokenizer's image placeholder."""
     with db.begin() as conn:
         run, created = ledger.get_or_create_run(conn, spec)
         # later enqueues build prompts with the rules the run pinned (or are refused)
         check_version(run.normalization_version, run=run.name)
+        if not created:
+            check_run_pins(ledger.run_image_pins(conn, run.id), image_pins, run.name)
         report.run_created = created
         if created:
             ledger.record_event(
@@ -110,6 +122,18 @@ def open_run(db: Engine, spec: ledger.RunSpec, report: EnqueueReport) -> ledger.
                 run_id=run.id,
             )
     return run
+
+
+def image_resolver(options: EnqueueOptions, settings: Settings) -> ImageResolver:
+    """The image stage: the store of TOKENMILL_STORAGE_URL (opened at the first image),
+    relative paths read from `--image-root`, else from the input file's folder."""
+    return ImageResolver(
+        ImageSources(
+            lambda: image_location(settings),
+            options.image_root or Path(options.input_path).resolve().parent,
+            settings.storage_options,
+        )
+    )
 
 
 def enqueue(
@@ -142,19 +166,21 @@ def enqueue(
     if (renderer is None) != (options.render_with is None):
         raise ValueError("a renderer is given exactly when options.render_with is set")
     reporter = Reporter(report, unit=reader.unit, on_error=on_error, on_progress=on_progress)
-    run = open_run(db, spec, report)
+    run = open_run(db, spec, report, tokenizer.image_pins)
     kwargs = options.chat_template_kwargs
 
     def existing_keys(keys: Any) -> set[str]:
         with db.connect() as conn:
             return ledger.existing_keys(conn, run.id, keys)
 
+    settings = get_settings()
     planner = Planner(
         options.turns,
         existing_keys=None if report.run_created else existing_keys,
         reporter=reporter,
         efforts=run.reasoning_efforts,
         samples_per_prompt=options.samples_per_prompt,
+        images=image_resolver(options, settings),
     )
     publisher = (
         None
@@ -169,19 +195,27 @@ def enqueue(
     )
     templater = Templater(tokenizer, options.template_processes)
     store = Store(
-        db, run.id, link_chains=options.turns == "all", publisher=publisher, reporter=reporter
+        db,
+        run.id,
+        link_chains=options.turns == "all",
+        publisher=publisher,
+        reporter=reporter,
+        image_pins=tokenizer.image_pins,
+        run_name=run.name,
     )
     pipeline = EnqueuePipeline(
         reader,
         planner,
         LocalTemplating(templater, kwargs)
         if renderer is None
-        else ServerRendering(renderer, kwargs),
+        else ServerRendering(renderer, kwargs, StoredImages(lambda: image_location(settings))),
         ItemBuilder(
             run_kwargs=kwargs,
             samples_per_prompt=options.samples_per_prompt,
             context_length=tokenizer.context_length,
             reporter=reporter,
+            image_pins=tokenizer.image_pins,
+            no_pins=tokenizer.no_image_pins,
         ),
         store,
         reporter,

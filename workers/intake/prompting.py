@@ -11,10 +11,13 @@ from typing import Any, Protocol
 from app import ledger
 from app.core.contracts import PromptRecord
 from app.core.errors import InputError, PermanentError
+from app.core.images import ImagePins, ImageRef
 from app.prompts.chat_path import ChatInputs, merge_template_kwargs
+from app.prompts.image_pins import check_image_prompt
 from app.prompts.render import RenderRequest, prompt_request
 from app.prompts.template_pool import Templater
 from workers.intake import cycles, turns
+from workers.intake.images import StoredImages, images_of, refs_json
 from workers.intake.reading import PlannedChunk
 from workers.intake.reporting import Reporter
 
@@ -96,12 +99,16 @@ class Renderer(Protocol):
 
 class ServerRendering:
     """Asks the render server (`--render-with`) for the prompt ids of each chunk's chat records,
-    as local templating gives them; pre-tokenized records keep their ids. The chunk is rendered
-    before start returns; RenderServerUnavailable passes through (the enqueue stops)."""
+    as local templating gives them; pre-tokenized records keep their ids. Image parts go as
+    SGLang takes them, `image_url` parts holding a data URI of the stored bytes. The chunk is
+    rendered before start returns; RenderServerUnavailable passes through (the enqueue stops)."""
 
-    def __init__(self, client: Renderer, run_kwargs: dict[str, Any]) -> None:
+    def __init__(
+        self, client: Renderer, run_kwargs: dict[str, Any], images: StoredImages | None = None
+    ) -> None:
         self._client = client
         self._run_kwargs = run_kwargs
+        self._images = images
 
     def start(self, planned: PlannedChunk) -> PromptedChunk:
         ids: Future[PromptIds] = Future()
@@ -111,13 +118,25 @@ class ServerRendering:
     def render(self, records: list[PromptRecord]) -> PromptIds:
         kwargs = self._run_kwargs
         out: PromptIds = [list(r.input_ids or []) for r in records]
-        chat = [(i, r) for i, r in enumerate(records) if r.messages is not None]
-        rendered = self._client.render_many(
-            [
-                prompt_request(r.messages or [], row_kwargs(kwargs, r) or kwargs, tools=r.tools)
-                for _, r in chat
-            ]
-        )
+        chat: list[tuple[int, PromptRecord]] = []
+        requests: list[RenderRequest] = []
+        for i, r in enumerate(records):
+            if r.messages is None:
+                continue
+            messages = r.messages
+            if r.images:
+                if self._images is None:
+                    raise ValueError("a record with images needs ServerRendering's images")
+                try:
+                    messages = self._images.for_server(messages)
+                except InputError as exc:
+                    out[i] = InputError(exc.reason, r.line)
+                    continue
+            chat.append((i, r))
+            requests.append(
+                prompt_request(messages, row_kwargs(kwargs, r) or kwargs, tools=r.tools)
+            )
+        rendered = self._client.render_many(requests)
         for (i, r), ids in zip(chat, rendered, strict=True):
             out[i] = (
                 InputError(f"the render server refused the prompt: {ids}", r.line)
@@ -129,8 +148,9 @@ class ServerRendering:
 
 class ItemBuilder:
     """The build stage: a chunk's prompt ids become its ledger items (one per sample, and the
-    waiting later turns of `--turns all`); an empty prompt, or one at or over the model's
-    context length, is refused with its line."""
+    waiting later turns of `--turns all`), each with its images in prompt order; an empty
+    prompt, one at or over the model's context length, and an image prompt whose ids do not
+    hold one placeholder per image (or hold two adjacent) are refused with their line."""
 
     def __init__(
         self,
@@ -139,11 +159,16 @@ class ItemBuilder:
         samples_per_prompt: int,
         context_length: int | None,
         reporter: Reporter,
+        image_pins: ImagePins | None = None,
+        no_pins: str = "",
     ) -> None:
         self._run_kwargs = run_kwargs
         self._samples = samples_per_prompt
         self._context = context_length
         self._reporter = reporter
+        self._pins = image_pins
+        # why the tokenizer has no pins: what an image row is refused with
+        self._no_pins = no_pins
 
     def items(self, chunk: PromptedChunk) -> list[ledger.NewItem]:
         """Waits for the chunk's prompt ids, then builds its items."""
@@ -152,17 +177,46 @@ class ItemBuilder:
         built = chunk.ids.result()
         for position, (record, ids) in enumerate(zip(planned.records, built, strict=True)):
             turn = None if planned.turn_of is None else planned.turn_of[position]
-            if not self._accepted(record, ids, "" if turn is None else f"turn {turn}: "):
+            where = "" if turn is None else f"turn {turn}: "
+            if not self._accepted(record, ids, where):
                 continue
             assert not isinstance(ids, InputError)
+            images = images_of(record.messages, record)
+            if (images or record.input_ids is not None) and not self._images_accepted(
+                record, ids, images, where
+            ):
+                continue
             merged = row_kwargs(self._run_kwargs, record)
             if turn is not None:
-                new_items.extend(self._boundary_items(record, ids, turn, merged))
+                new_items.extend(self._boundary_items(record, ids, turn, merged, images))
                 continue
             new_items.extend(
                 turns.chain_items(record, ids, self._samples, planned.plans.get(record.key), merged)
             )
         return new_items
+
+    def _images_accepted(
+        self, record: PromptRecord, ids: list[int], images: list[ImageRef], where: str
+    ) -> bool:
+        """Whether an image prompt's ids hold one placeholder per image (none adjacent), and a
+        pre-tokenized prompt none (its row has no images to fill one)."""
+        try:
+            if record.input_ids is not None:
+                if self._pins is not None and self._pins.placeholder_id in ids:
+                    at = ids.index(self._pins.placeholder_id)
+                    raise InputError(
+                        f"'input_ids'[{at}] is the image placeholder id "
+                        f"{self._pins.placeholder_id}; pre-tokenized rows are text only (give "
+                        "images as image parts of turns)"
+                    )
+                return True
+            if self._pins is None:
+                raise InputError(self._no_pins)
+            check_image_prompt(ids, len(images), self._pins)
+        except InputError as exc:
+            self._reporter.fail(InputError(where + exc.reason, record.line))
+            return False
+        return True
 
     def _accepted(self, record: PromptRecord, ids: list[int] | InputError, where: str) -> bool:
         """Whether the record's prompt can be stored; if not, its line is refused."""
@@ -185,7 +239,12 @@ class ItemBuilder:
         return True
 
     def _boundary_items(
-        self, record: PromptRecord, ids: list[int], turn: int, merged: dict[str, Any] | None
+        self,
+        record: PromptRecord,
+        ids: list[int],
+        turn: int,
+        merged: dict[str, Any] | None,
+        images: list[ImageRef],
     ) -> list[ledger.NewItem]:
         """`--turns each`: the items (one per sample) of one boundary sample of a row."""
         return [
@@ -200,6 +259,7 @@ class ItemBuilder:
                 chat_template_kwargs=merged,
                 metadata=record.metadata,
                 sampling_params=record.sampling_params,
+                images=refs_json(images),
             )
             for k in cycles.samples_of(record, self._samples)
         ]

@@ -16,6 +16,7 @@ from app.prompts.input_formats import open_table
 from app.prompts.input_records import report_bad_turns
 from app.prompts.inputs import read_prompts
 from workers.intake import cycles, turns
+from workers.intake.images import ImageResolver
 from workers.intake.reporting import Reporter
 
 CHUNK_LINES = 512
@@ -93,7 +94,8 @@ class Reader:
 
 
 class Planner:
-    """The plan stage: drops the records whose key the run already holds, then splits each
+    """The plan stage: drops the records whose key the run already holds, stores the images
+    of the others (a record whose image cannot be used is its line's error), then splits each
     into the items its turns mode makes (last: the record itself; all: turn 0 of a chain;
     each: one record per boundary sample, each on its original history)."""
 
@@ -105,8 +107,10 @@ class Planner:
         reporter: Reporter,
         efforts: Sequence[str | float] = (),
         samples_per_prompt: int = 1,
+        images: ImageResolver | None = None,
     ) -> None:
         self._mode = mode
+        self._images = images
         # `--reasoning-effort a,b,c`: a chat row is templated once per effort, each record
         # holding the samples of its effort
         self._efforts = efforts
@@ -125,6 +129,12 @@ class Planner:
         report_bad_turns(fresh, self._reporter.fail)
         report = self._reporter.report
         report.already_present += len(records) - len(fresh)
+        if self._images is not None:  # a line whose image cannot be used is no prompt
+            stored = self._with_images(fresh)
+            report.prompts -= len(fresh) - len(stored)
+            report.images_read = self._images.reads
+            report.image_bytes_read = self._images.bytes_read
+            fresh = stored
         report.prompts += len(records)
         fresh = cycles.expand_efforts(fresh, self._efforts, self._samples_per_prompt)
         planned = PlannedChunk(fresh, chunk.lines)
@@ -134,3 +144,14 @@ class Planner:
         elif self._mode == "each":  # every boundary now, each on its original history
             planned.records, planned.turn_of = turns.boundary_records(fresh, fail)
         return planned
+
+    def _with_images(self, records: list[PromptRecord]) -> list[PromptRecord]:
+        assert self._images is not None
+        out: list[PromptRecord] = []
+        for record in records:
+            resolved = self._images.resolve(record)
+            if isinstance(resolved, InputError):
+                self._reporter.fail(resolved)
+            else:
+                out.append(resolved)
+        return out

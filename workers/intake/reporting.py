@@ -34,6 +34,9 @@ class EnqueueReport:
     # row metadata (exported with each sample)
     prompt_fields: dict[str, int] = field(default_factory=dict)
     metadata_fields: dict[str, int] = field(default_factory=dict)
+    # the distinct image sources read (each once) and their bytes
+    images_read: int = 0
+    image_bytes_read: int = 0
 
     def count_fields(self, record: PromptRecord) -> None:
         for name in record.prompt_fields:
@@ -56,6 +59,8 @@ class EnqueueReport:
             "skipped": self.skipped,
             "prompt_fields": dict(self.prompt_fields),
             "metadata_fields": dict(self.metadata_fields),
+            "images_read": self.images_read,
+            "image_bytes_read": self.image_bytes_read,
             "errors": [{"line": e.line, "reason": e.reason} for e in self.errors],
         }
 

@@ -11,6 +11,8 @@ from typing import Any
 from sqlalchemy import Engine
 
 from app import ledger
+from app.core.images import ImagePins
+from app.prompts.image_pins import check_run_pins
 from workers.intake import turns
 from workers.intake.reporting import Reporter
 
@@ -91,7 +93,8 @@ class Publisher:
 
 class Store:
     """The store stage: one writer thread inserts each chunk's items in a transaction of its
-    own (linking `--turns all` chains), refreshes planner statistics as the run grows, then
+    own (linking `--turns all` chains; with the first image items, pinning the run's image
+    placeholder), refreshes planner statistics as the run grows, then
     has the publisher send what is pending and reports the progress. One chunk is stored at a
     time: order is kept and memory stays bounded while the next chunks are templated."""
 
@@ -103,9 +106,14 @@ class Store:
         link_chains: bool,
         publisher: Publisher | None,
         reporter: Reporter,
+        image_pins: ImagePins | None = None,
+        run_name: str = "",
     ) -> None:
         self._db = db
         self._run_id = run_id
+        self._image_pins = image_pins
+        self._run_name = run_name
+        self._images_pinned = False
         self._link_chains = link_chains
         self._publisher = publisher
         self._reporter = reporter
@@ -131,6 +139,8 @@ class Store:
     def _store(self, new_items: list[ledger.NewItem], lines: int) -> None:
         report = self._reporter.report
         with self._db.begin() as conn:
+            if not self._images_pinned and any(n.images for n in new_items):
+                self._pin_images(conn)
             report.inserted += ledger.insert_items(conn, self._run_id, new_items)
             if self._link_chains:
                 turns.link_chains(conn, self._run_id, new_items)
@@ -138,6 +148,14 @@ class Store:
         if self._publisher is not None:
             self._publisher.publish_pending()
         self._reporter.progress(lines)
+
+    def _pin_images(self, conn: Any) -> None:
+        """The run pins the image placeholder its image items were built with (a run pinned
+        to another one by a concurrent enqueue refuses them)."""
+        assert self._image_pins is not None  # image items are built only with pins
+        held = ledger.pin_run_images(conn, self._run_id, self._image_pins)
+        check_run_pins(held, self._image_pins, self._run_name)
+        self._images_pinned = True
 
     def _maybe_analyze(self, conn: Any, inserted: int) -> None:
         """Refresh planner statistics each time the run has doubled (at least 20,000 rows)."""

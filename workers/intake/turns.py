@@ -25,7 +25,8 @@ from app.core.errors import GenerationError, InputError, PermanentError, Tokenmi
 from app.core.settings import get_settings
 from app.ledger import NewItem, RunInfo, WaitingTurn
 from app.outputs.export import assistant_turn
-from app.prompts.chat_path import check_version, normalize_messages
+from app.outputs.image_store import image_location
+from app.prompts.chat_path import check_version, image_urls, normalize_messages
 from app.prompts.conversation import (
     TurnPlan,
     next_history,
@@ -33,9 +34,11 @@ from app.prompts.conversation import (
     split_turns,
     tool_turn_position,
 )
+from app.prompts.image_pins import check_image_prompt
 from app.prompts.render import RenderClient, prompt_request, render_client
 from app.prompts.tokenization import ChatTokenizer, load_for_run
 from app.prompts.tokenizer_files import folder_changes
+from workers.intake.images import StoredImages, images_of, refs_json
 
 log = logging.getLogger(__name__)
 
@@ -117,8 +120,15 @@ def chain_items(
 ) -> list[NewItem]:
     """Turn 0 of every sample with its prompt, then each later turn waiting, holding the
     original turns it will need (samples are independent chains). Every item keeps the row's
-    tools, its merged template kwargs (None: the run's) and its metadata."""
+    tools, its merged template kwargs (None: the run's) and its metadata, and its images: a
+    later turn's are those of every turn of the row before its answer (regenerated answers
+    hold none)."""
     later = (plans or [])[1:]
+    history = list(record.messages or [])
+    later_images: list[list[dict[str, Any]] | None] = []
+    for plan in later:
+        history += plan.context
+        later_images.append(refs_json(images_of(history, record)))
     first = NewItem(
         record.key,
         0,
@@ -129,11 +139,12 @@ def chain_items(
         chat_template_kwargs=kwargs,
         metadata=record.metadata,
         sampling_params=record.sampling_params,
+        images=refs_json(images_of(record.messages, record)),
     )
     new: list[NewItem] = []
     for k in record.samples if record.samples is not None else range(samples):
         new.append(replace(first, sample_index=k))
-        for plan in later:
+        for plan, images in zip(later, later_images, strict=True):
             new.append(
                 replace(
                     first,
@@ -142,6 +153,7 @@ def chain_items(
                     prompt_ids=[],
                     turn_index=plan.index,
                     waiting=True,
+                    images=images,
                 )
             )
     return new
@@ -168,6 +180,14 @@ class TokenizerCache:
         self._blocked: dict[int, float] = {}
         self._reported: set[int] = set()
         self._renderers: dict[str, RenderClient] = {}
+        self._stored_images: StoredImages | None = None
+
+    def stored_images(self) -> StoredImages:
+        """The image store as render servers take its images (opened once per process)."""
+        with self._lock:
+            if self._stored_images is None:
+                self._stored_images = StoredImages(lambda: image_location(get_settings()))
+            return self._stored_images
 
     def renderer(self, url: str) -> RenderClient:
         """The render client of a `--render-with` run's server (one per process and URL)."""
@@ -262,6 +282,16 @@ class AdvanceReport:
         return {"started": len(self.started), "failed": self.failed, "blocked": self.blocked}
 
 
+def check_turn_images(tokenizer: ChatTokenizer, history: list[Any], prompt_ids: list[int]) -> None:
+    """InputError unless a later turn's prompt holds one placeholder per image of its history."""
+    images = len(image_urls(history))
+    if not images:
+        return
+    if tokenizer.image_pins is None:
+        raise InputError(tokenizer.no_image_pins)
+    check_image_prompt(prompt_ids, images, tokenizer.image_pins)
+
+
 def _fail_chain(db: Engine, turn: WaitingTurn, reason: str, report: AdvanceReport) -> None:
     with db.begin() as conn:
         n = ledger.fail_waiting_chain(
@@ -301,10 +331,12 @@ def _advance_one(
     try:
         history = normalize_messages(history, tokenizer.content_format)
         if run.render_with is not None:  # built by the run's render server, as at enqueue
-            request = prompt_request(history, kwargs, tools=prev.tools)
+            sent = cache.stored_images().for_server(history) if image_urls(history) else history
+            request = prompt_request(sent, kwargs, tools=prev.tools)
             prompt_ids = cache.renderer(run.render_with).render_patiently(request)
         else:
             prompt_ids = tokenizer.apply(history, kwargs, prev.tools)
+        check_turn_images(tokenizer, history, prompt_ids)
     except (InputError, PermanentError) as exc:
         why = exc.reason if isinstance(exc, InputError) else f"the render server refused it: {exc}"
         reason = f"turn {turn.turn_index}: {why} (on the regenerated history)"
