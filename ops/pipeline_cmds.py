@@ -170,7 +170,8 @@ def enqueue_input(
     )
     if report.images_read:
         console.print(
-            f"{report.images_read} distinct images read ({report.image_bytes_read:,} bytes), "
+            f"{report.images_read} distinct image sources read, each once "
+            f"({report.image_bytes_read:,} bytes), "
             f"stored under {escape(settings.resolved_storage_url())}/images",
             markup=True,
             soft_wrap=True,

@@ -416,6 +416,6 @@ def test_the_cli_reads_relative_images_from_image_root(
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert (report["inserted"], report["images_read"], report["errors"]) == (1, 1, [])
-    assert "1 distinct images read" in proc.stderr
+    assert "1 distinct image sources read, each once" in proc.stderr
     sha = hashlib.sha256(data).hexdigest()
     assert (tmp_path / "data" / "storage" / "images" / f"{sha}.png").read_bytes() == data
