@@ -22,6 +22,8 @@ MEDIA_PAD_ID = 163605  # Kimi-K2.5's <|media_pad|>, config.json media_placeholde
 KIMI_MEDIA_CFG = {"patch_size": 14, "merge_kernel_size": 2, "in_patch_limit": 16384}
 KIMI_MEDIA_CFG["patch_limit_on_one_side"] = 512
 NAVIT_MEMBER = "sglang/srt/multimodal/processors/kimi_k25.py"
+QWEN_MEMBER = "sglang/srt/multimodal/processors/qwen_vl.py"
+QWEN_NAMES = ("smart_resize", "round_by_factor", "ceil_by_factor", "floor_by_factor")
 
 
 def navit_tokens(
@@ -49,17 +51,61 @@ def navit_tokens(
     return math.ceil(new_h / factor) * math.ceil(new_w / factor)
 
 
-@functools.cache
-def _wheel_navit() -> Callable[..., dict[str, Any]]:
+def qwen_tokens(
+    width: int,
+    height: int,
+    *,
+    factor: int = 28,
+    min_pixels: int = 3136,
+    max_pixels: int = 12845056,
+) -> int:
+    """How many tokens Qwen2.5-VL makes of a width x height image (sglang.md, "Qwen2.5-VL /
+    Qwen3-VL": transformers' smart_resize): each side rounded to a multiple of 28, then both
+    scaled into [min_pixels, max_pixels]; one token per 28 x 28 block."""
+    h = max(factor, round(height / factor) * factor)
+    w = max(factor, round(width / factor) * factor)
+    if h * w > max_pixels:
+        beta = math.sqrt(height * width / max_pixels)
+        h = max(factor, math.floor(height / beta / factor) * factor)
+        w = max(factor, math.floor(width / beta / factor) * factor)
+    elif h * w < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h = math.ceil(height * beta / factor) * factor
+        w = math.ceil(width * beta / factor) * factor
+    return (h // factor) * (w // factor)
+
+
+def _wheel_functions(member: str, names: tuple[str, ...], **namespace: Any) -> dict[str, Any]:
+    """The top-level functions `names` of a wheel file, run without the file's imports (they
+    are pure arithmetic: `math` and the given names are all they use)."""
     from tests.support.sglang_chat_path import _member
 
-    tree = ast.parse(_member(NAVIT_MEMBER))
-    node = next(
-        n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "navit_resize_config"
-    )
-    namespace: dict[str, Any] = {"math": math}
-    exec(compile(ast.Module(body=[node], type_ignores=[]), NAVIT_MEMBER, "exec"), namespace)
-    return namespace["navit_resize_config"]  # type: ignore[no-any-return]
+    tree = ast.parse(_member(member))
+    nodes = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in names]
+    assert {n.name for n in nodes} == set(names), f"{member} lacks some of {names}"
+    scope: dict[str, Any] = {"math": math, **namespace}
+    exec(compile(ast.Module(body=nodes, type_ignores=[]), member, "exec"), scope)
+    return scope
+
+
+@functools.cache
+def _wheel_navit() -> Callable[..., dict[str, Any]]:
+    found = _wheel_functions(NAVIT_MEMBER, ("navit_resize_config",))
+    return found["navit_resize_config"]  # type: ignore[no-any-return]
+
+
+@functools.cache
+def _wheel_smart_resize() -> Callable[..., tuple[int, int]]:
+    # the module constants its defaults name (every call here passes both pixel bounds)
+    constants = {"IMAGE_FACTOR": 28, "MAX_RATIO": 200, "MIN_PIXELS": 0, "MAX_PIXELS": 0}
+    return _wheel_functions(QWEN_MEMBER, QWEN_NAMES, **constants)["smart_resize"]  # type: ignore[no-any-return]
+
+
+def wheel_qwen_tokens(width: int, height: int, *, min_pixels: int, max_pixels: int) -> int:
+    """The token count from the wheel's own Qwen-VL `smart_resize` (one token per 28 x 28)."""
+    resize = _wheel_smart_resize()
+    h, w = resize(height, width, min_pixels=min_pixels, max_pixels=max_pixels)
+    return int(h // 28 * (w // 28))
 
 
 def wheel_navit_tokens(width: int, height: int, **cfg: int) -> int:

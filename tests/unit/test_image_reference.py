@@ -1,5 +1,6 @@
 """The image e2e tests' reference holds: the NaViT count written out from sglang.md equals
-the SGLang wheel's own `navit_resize_config` and sglang.md's worked examples, and the fixture
+the SGLang wheel's own `navit_resize_config` and sglang.md's worked examples, the Qwen-VL count
+the wheel's `smart_resize`, and the fixture
 rows are what the tests say they are (60 lines, 3 refused, images of differing counts)."""
 
 from __future__ import annotations
@@ -9,7 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.image_reference import navit_tokens, wheel_navit_tokens
+from tests.support.image_reference import (
+    navit_tokens,
+    qwen_tokens,
+    wheel_navit_tokens,
+    wheel_qwen_tokens,
+)
 from tests.support.image_rows import IMAGE_SIZES, build_image_rows
 
 
@@ -24,6 +30,15 @@ def test_the_formula_is_the_wheels(limit: dict[str, int]) -> None:
     sizes += [(w, h) for w, h, _ in IMAGE_SIZES.values()]
     for w, h in sizes:
         assert navit_tokens(w, h, **limit) == wheel_navit_tokens(w, h, **limit), (w, h, limit)
+
+
+@pytest.mark.parametrize("pixels", [(3136, 12845056), (256 * 28 * 28, 1280 * 28 * 28)])
+def test_the_qwen_count_is_the_wheels(pixels: tuple[int, int]) -> None:
+    low, high = pixels
+    sizes = [(w, h) for w in (28, 29, 300, 1023, 2048, 5000) for h in (28, 480, 1999, 4000)]
+    for w, h in sizes:
+        got = qwen_tokens(w, h, min_pixels=low, max_pixels=high)
+        assert got == wheel_qwen_tokens(w, h, min_pixels=low, max_pixels=high), (w, h, pixels)
 
 
 def test_the_rows(tmp_path: Path) -> None:
