@@ -20,7 +20,7 @@ from tests.support.image_exports import (
     sha256_of,
 )
 from tests.support.image_rows import build_image_rows
-from tests.support.moto_s3 import moto_bucket
+from tests.support.moto_s3 import moto_s3
 from tests.support.procs import service_env, start_server_workers, stop, tokenmill, wait_for
 
 pytestmark = pytest.mark.e2e
@@ -33,7 +33,7 @@ def test_image_rows_through_celery_postgres_redis_and_s3(
     pg_url: str, pg_engine: Engine, redis_url: str, kimi_tokenizer_dir: Path, tmp_path: Path
 ) -> None:
     rows = build_image_rows(tmp_path / "user")  # relative sources against the rows' folder
-    with moto_bucket(BUCKET) as options:
+    with moto_s3(BUCKET) as options:
         base = service_env(
             pg_url, redis_url, tmp_path / "data",
             TOKENMILL_STORAGE_URL=f"s3://{BUCKET}/store",
