@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from sqlalchemy import Engine, select
 from sqlalchemy.exc import OperationalError
@@ -32,6 +33,7 @@ pytestmark = pytest.mark.e2e
 
 QWEN_IMAGE_PAD = 151655
 QWEN_BOS = ("<|endoftext|>", 151643)
+REFUSED = ("fingerprint_mismatch: ", "image_drift: ")
 
 
 def single_image_rows(folder: Path, names: list[str], copies: int) -> tuple[Path, dict[str, Any]]:
@@ -135,13 +137,21 @@ def done_with_both_images(db: Engine, run: str, wanted: int) -> bool:
         return False
 
 
+def refusals(db: Engine, url: str) -> list[str]:
+    """The events that stopped the server at url serving the run: its fingerprint differs
+    from the run's, or what it served drifted."""
+    return [line for line in events_about(db, url) if line.startswith(REFUSED)]
+
+
 def test_a_server_restarted_with_other_image_settings_is_paused(
     tmp_path: Path, kimi_tokenizer_dir: Path
 ) -> None:
-    rows, expected = single_image_rows(tmp_path / "rows", ["square", "photo"], 12)
-    flags = ("--mm", "kimi", "--max-running", "4")
-    cfg = EmulatorConfig(port=free_port(), step_ms=5, median_tokens=30)
-    stays = start_emulator(["--mm", "kimi", "--step-ms", "5", "--median-tokens", "30"])
+    rows, expected = single_image_rows(tmp_path / "rows", ["square", "photo"], 8)
+    # two slots a server, about 1 s an answer: most of the run is left when the restart comes
+    flags = ("--mm", "kimi", "--max-running", "2", "--step-ms", "25", "--median-tokens", "40")
+    flags += ("--sigma", "0")
+    cfg = EmulatorConfig(port=free_port())
+    stays = start_emulator(list(flags))
     restarted = start_emulator_on(cfg, *flags)
     restarted.wait_ready()
     url = restarted.base_url
@@ -150,17 +160,22 @@ def test_a_server_restarted_with_other_image_settings_is_paused(
         [sys.executable, "-m", "ops", "run", str(rows), "--run", "restart", "--tokenizer",
          str(kimi_tokenizer_dir), "--server", stays.url, "--server", url,
          "--max-new-tokens", "40", "--samples-per-prompt", "2", "--seed", "4"],
-        env=clean_env(data), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=clean_env(data, TOKENMILL_INFLIGHT="2"),  # a server holds 2 items: work is left
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     db = ledger_of(data)
     try:
         wait_for(
-            "6 done, both images counted", lambda: done_with_both_images(db, "restart", 6), 120
+            "4 done, both images counted", lambda: done_with_both_images(db, "restart", 4), 120
         )
+        # the other server holds its requests meanwhile: only the restarted one could go on
+        httpx.post(f"{stays.url}/pause_generation", json={"mode": "in_place"}, timeout=10)
         restarted.stop()
         other = '{"image": {"in_patch_limit": 1024}}'
         restarted = start_emulator_on(cfg, *flags, "--mm-process-config", other)
         restarted.wait_ready()
+        wait_for("the restarted server refused", lambda: bool(refusals(db, url)), 120)
+        httpx.post(f"{stays.url}/continue_generation", json={}, timeout=10)
         _, err = runner.communicate(timeout=300)
     finally:
         if runner.poll() is None:
@@ -168,8 +183,8 @@ def test_a_server_restarted_with_other_image_settings_is_paused(
         stays.stop()
         restarted.stop()
     assert runner.returncode == 0, err
-    said = events_about(db, url)
-    assert any("mm_process_config" in line for line in said), said
+    said = refusals(db, url)
+    assert any("in_patch_limit" in line or "drift" in line for line in said), said
     with db.connect() as conn:
         info = ledger.get_run(conn, "restart")
         stored = list(ledger.iter_items(conn, info.id))
