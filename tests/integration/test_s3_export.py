@@ -108,36 +108,3 @@ def test_compaction_to_s3_reads_back(
     assert all(u.startswith(f"s3://{BUCKET}/store/runs/s3c/compacted/items-") for u in uris)
     assert after == before
     assert json.dumps(report.to_json())
-
-
-def test_an_image_export_to_s3_carries_its_images(
-    pg_engine: Engine, s3_options: dict[str, object], tmp_path: Path
-) -> None:
-    import s3fs
-
-    from tests.support.image_runs import make_image_run
-
-    built = make_image_run(pg_engine, tmp_path, "s3-img")
-    url = f"s3://{BUCKET}/exports/s3-img"
-    report = export_parquet(
-        pg_engine,
-        built.run,
-        url,
-        storage_options=s3_options,
-        image_store=built.store,
-        with_images=True,
-    )
-    assert report.images == 3
-    fs = s3fs.S3FileSystem(**s3_options)
-    for ref in built.refs:
-        assert (
-            fs.cat_file(f"{BUCKET}/exports/s3-img/{ref.key}")
-            == Path(built.store.path(ref.key)).read_bytes()
-        )
-    with pg_engine.connect() as conn:
-        assert check_export(conn, built.run.id, url, s3_options).problems == []
-    gone = built.refs[1]
-    fs.rm_file(f"{BUCKET}/exports/s3-img/{gone.key}")
-    with pg_engine.connect() as conn:
-        problems = check_export(conn, built.run.id, url, s3_options).problems
-    assert any(f"image 1: {gone.key} does not resolve" in p for p in problems)
