@@ -19,13 +19,60 @@ from ops.options import build_sampling, err_console, get_settings, handle_errors
 if TYPE_CHECKING:
     from app.core.settings import Settings
 
+PLACEHOLDER_ID = 163605  # the fixture's <|media_pad|>, as on Kimi-K2.5
+
 
 def demo_prompts_path() -> Path:
     return Path(str(resources.files("app") / "data" / "demo_prompts.jsonl"))
 
 
+def demo_image_prompts_path() -> Path:
+    return Path(str(resources.files("app") / "data" / "demo_image_prompts.jsonl"))
+
+
+def write_demo_images(folder: Path) -> None:
+    """The images the demo's image rows show, drawn with Pillow: a bar chart, the same chart
+    on a dashboard with an error-rate line, a receipt (sizes differ, so do their token counts)."""
+    from PIL import Image, ImageDraw
+
+    folder.mkdir(parents=True, exist_ok=True)
+    chart = Image.new("RGB", (480, 320), "white")
+    draw = ImageDraw.Draw(chart)
+    for i, height in enumerate((120, 210, 90, 260, 170)):
+        draw.rectangle((40 + 85 * i, 300 - height, 100 + 85 * i, 300), fill=(40, 90 + 30 * i, 200))
+    draw.line((30, 300, 460, 300), fill="black", width=2)
+    chart.save(folder / "chart.png")
+    dashboard = Image.new("RGB", (800, 450), (245, 245, 245))
+    dashboard.paste(chart, (20, 60))
+    draw = ImageDraw.Draw(dashboard)
+    draw.rectangle((0, 0, 800, 40), fill=(30, 30, 60))
+    draw.text((12, 12), "errors / minute", fill="white")
+    draw.line([(520, 380), (580, 350), (640, 360), (700, 280), (780, 200)], fill="red", width=4)
+    dashboard.save(folder / "dashboard.png")
+    receipt = Image.new("RGB", (300, 640), "white")
+    draw = ImageDraw.Draw(receipt)
+    for i, (item, price) in enumerate((("coffee", "3.20"), ("bagel", "2.80"), ("juice", "4.10"))):
+        draw.text((20, 60 + 40 * i), item, fill="black")
+        draw.text((220, 60 + 40 * i), price, fill="black")
+    draw.line((20, 200, 280, 200), fill="black")
+    draw.text((20, 215), "TOTAL", fill="black")
+    draw.text((220, 215), "10.10", fill="black")
+    receipt.save(folder / "receipt.jpg", quality=90)
+
+
+def demo_input(folder: Path) -> Path:
+    """The demo's input in folder: the bundled text prompts, then the image rows, whose
+    relative image paths name the images written beside it (demo_images/)."""
+    write_demo_images(folder / "demo_images")
+    path = folder / "demo_prompts.jsonl"
+    path.write_bytes(demo_prompts_path().read_bytes() + demo_image_prompts_path().read_bytes())
+    return path
+
+
 def check_export(path: Path, tokenizer_dir: Path, prompts: Path) -> tuple[int, int]:
-    """Re-derive every exported prompt from the input turns; count rows and mismatches."""
+    """Re-derive every exported prompt from the input turns (each image placeholder repeated
+    as many times as the sample says its image took); count rows and mismatches."""
+    from app.core.images import expand_placeholders
     from app.prompts.chat_path import merge_template_kwargs
     from app.prompts.inputs import read_prompts
     from app.prompts.tokenization import load_tokenizer
@@ -51,6 +98,8 @@ def check_export(path: Path, tokenizer_dir: Path, prompts: Path) -> tuple[int, i
             row = json.loads(line)
             rows += 1
             prompt = expected[row["id"]]
+            if row.get("image_token_counts"):
+                prompt = expand_placeholders(prompt, PLACEHOLDER_ID, row["image_token_counts"])
             n = len(prompt)
             ok = row["input_ids"][:n] == prompt and row["loss_mask"] == [0] * n + [1] * (
                 len(row["input_ids"]) - n
@@ -72,16 +121,22 @@ def demo_settings(base: Settings) -> tuple[Settings, dict[str, str]]:
 
     With no database configured the run goes to the default embedded ledger, where `status`,
     `report`, `verify` and `export` look anyway. A configured database may be shared, so it
-    gets no demo run: the demo keeps a SQLite ledger of its own and its commands name it.
+    gets no demo run: the demo keeps a SQLite ledger of its own and its commands name it. The
+    demo's images stay in its own folder's store too, which the commands name when it is not
+    the configured one.
     """
     from app.core.settings import Settings
 
     overrides: dict[str, Any] = {"inflight": 32, "broker_url": None, "storage_url": None}
+    env: dict[str, str] = {}
     if base.database_url is None:
-        return Settings(data_dir=base.data_dir, database_url=None, **overrides), {}
-    own = Settings(data_dir=base.data_dir / "demo", database_url=None, **overrides)
-    ledger_path = own.data_dir / "ledger.sqlite3"
-    return own, {"TOKENMILL_DATABASE_URL": f"sqlite:///{shown(ledger_path)}"}
+        own = Settings(data_dir=base.data_dir, database_url=None, **overrides)
+    else:
+        own = Settings(data_dir=base.data_dir / "demo", database_url=None, **overrides)
+        env["TOKENMILL_DATABASE_URL"] = f"sqlite:///{shown(own.data_dir / 'ledger.sqlite3')}"
+    if own.resolved_storage_url() != base.resolved_storage_url():
+        env["TOKENMILL_STORAGE_URL"] = shown(own.data_dir / "storage")
+    return own, env
 
 
 def inspect_commands(run_name: str, env: dict[str, str], out_dir: Path) -> list[str]:
@@ -141,10 +196,10 @@ def demo_cmd(samples_per_prompt: int, max_new_tokens: int) -> None:
     console.print(f"demo ledger: {shown(ledger_path)} (SQLite, no services)")
     tokenizer_dir = ensure_kimi_tokenizer(base.data_dir / "tokenizers")
     tokenizer = load_tokenizer(tokenizer_dir)
-    prompts = demo_prompts_path()
+    prompts = demo_input(settings.data_dir / "input")
     # the emulator renders with the same folder, so the runner's parity preflight has a server
     # rendering to compare the prompts with
-    flags = ["--max-running", "32", "--median-tokens", "160", "--step-ms", "4"]
+    flags = ["--max-running", "32", "--median-tokens", "160", "--step-ms", "4", "--mm", "kimi"]
     emulator = start_emulator([*flags, "--tokenizer", str(tokenizer_dir)])
     console.print(f"SGLang emulator at {emulator.url}")
     try:
@@ -167,6 +222,7 @@ def demo_cmd(samples_per_prompt: int, max_new_tokens: int) -> None:
                 samples_per_prompt=samples_per_prompt,
             ),
             publish=None,
+            settings=settings,  # the demo's own image store, where its runner reads them
         )
         console.print(f"enqueued {report.inserted} items from {report.prompts} prompts")
         with db.connect() as conn:

@@ -50,7 +50,7 @@ def check_printed_commands(stdout: str, env: dict[str, str], cwd: Path) -> list[
     status, report, _verify, export = argvs
     assert status[1] in done[0].stdout  # the run's row
     assert (cwd / report[report.index("--out") + 1] / "index.html").is_file()
-    assert "wrote 122 samples" in done[3].stderr
+    assert "wrote 130 samples" in done[3].stderr  # 61 text and 4 image prompts, 2 samples
     assert (cwd / export[export.index("--out") + 1] / ".manifest.json").is_file()
     return [result.stderr for result in done]
 
@@ -93,6 +93,7 @@ def test_demo_runs_on_embedded_defaults(tmp_path: Path) -> None:
     path = Path(exported[0].split()[1])
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert rows and all(len(r["input_ids"]) == len(r["loss_mask"]) for r in rows)
+    assert sum(1 for r in rows if r.get("image_token_counts")) == 8  # its 4 image rows
     # its commands name the demo's own ledger, and work as printed with these settings
     commands = printed_commands(result.stdout)
     assert all(line.startswith("TOKENMILL_DATABASE_URL=sqlite:///") for line in commands)

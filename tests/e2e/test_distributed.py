@@ -18,7 +18,7 @@ from app.emulator.model import generate_output
 from app.ledger import counters
 from app.prompts.tokenization import load_tokenizer
 from ops.emulator_proc import EmulatorProcess, start_emulator
-from tests.support.procs import ROOT, service_env, start_worker, stop, tokenmill
+from tests.support.procs import ROOT, service_env, start_server_workers, stop, tokenmill
 
 pytestmark = pytest.mark.e2e
 
@@ -86,14 +86,7 @@ def test_two_workers_two_servers_exact_and_exactly_once(
         run = ledger.get_run(conn, "e2e")
         assert ledger.run_counts(conn, run).queued == EXPECTED
 
-    workers = [
-        start_worker(
-            base | {"TOKENMILL_SGLANG_URL": emu.url, "TOKENMILL_SERVER_NAME": f"gpu-{i}"},
-            f"w{i}",
-            tmp_path / f"worker{i}.log",
-        )
-        for i, emu in enumerate(emulators)
-    ]
+    workers = start_server_workers(base, [emu.url for emu in emulators], tmp_path)
     try:
         counts = wait_finished(pg_engine, "e2e", 180)
         # a second enqueue adds nothing and publishes nothing

@@ -74,6 +74,20 @@ def start_worker(env: dict[str, str], name: str, log: Path) -> subprocess.Popen[
     )
 
 
+def start_server_workers(
+    env: dict[str, str], urls: list[str], folder: Path
+) -> list[subprocess.Popen[bytes]]:
+    """One worker per server URL: worker wI serves urls[I] as gpu-I, its log folder/workerI.log."""
+    return [
+        start_worker(
+            env | {"TOKENMILL_SGLANG_URL": url, "TOKENMILL_SERVER_NAME": f"gpu-{i}"},
+            f"w{i}",
+            folder / f"worker{i}.log",
+        )
+        for i, url in enumerate(urls)
+    ]
+
+
 def stop(procs: list[subprocess.Popen[bytes]], timeout_s: float = 60) -> None:
     """SIGTERM (a warm shutdown), then SIGKILL whatever is still there."""
     for p in procs:
