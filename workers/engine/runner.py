@@ -141,6 +141,9 @@ class EmbeddedRunner:
             client.close()
         if probe.ok:
             contact.found_up()
+            # back from being down: it may have restarted with other weights or image
+            # settings, so its fingerprint is read again before it takes work
+            rt.forget_run(self.run.id)
             return True
         contact.found_down(probe.error or f"HTTP {probe.status_code}")
         return False

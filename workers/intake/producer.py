@@ -145,8 +145,12 @@ def enqueue(
     renderer: RenderClient | None = None,
     on_error: Callable[[InputError], None] = lambda e: None,
     on_progress: Callable[[int], None] = lambda n: None,
+    settings: Settings | None = None,
 ) -> EnqueueReport:
-    """Stream options.input_path into the ledger; publish new ids when publish is given."""
+    """Stream options.input_path into the ledger; publish new ids when publish is given.
+
+    settings: where the image store is (default: the configured settings), so a caller with
+    its own (the demo) stores images where its workers read them."""
     report = EnqueueReport(run=options.run)
     # Read the first line before writing anything: a file that is missing, unreadable or
     # empty is refused with no run created.
@@ -173,7 +177,7 @@ def enqueue(
         with db.connect() as conn:
             return ledger.existing_keys(conn, run.id, keys)
 
-    settings = get_settings()
+    settings = settings or get_settings()
     planner = Planner(
         options.turns,
         existing_keys=None if report.run_created else existing_keys,
