@@ -30,7 +30,7 @@ FLAGS = ["--max-running", "8", "--step-ms", "10", "--median-tokens", "30", "--si
 CONFIG = EmulatorConfig(max_running=8, step_ms=10, median_tokens=30, sigma=0.8)
 PROMPTS = 300
 # the issue's acceptance run uses a 30 s load: TOKENMILL_TEST_LOAD_DELAY_S=30 pytest ...
-LOAD_DELAY_S = os.environ.get("TOKENMILL_TEST_LOAD_DELAY_S", "4")
+LOAD_DELAY_S = os.environ.get("TOKENMILL_TEST_LOAD_DELAY_S", "2")
 
 
 def emulator_cmd(port: int, *extra: str) -> list[str]:
@@ -179,10 +179,10 @@ def test_killed_server_comes_back_and_nothing_fails(
         wait_for("gpu-a's consumer cancelled", lambda: "generate" not in consumed(), 15)
         assert "tokenmill.control" in consumed()
 
-        # back after a load with the port closed (4 s here), then 3 s of loading 503s
+        # back after a load with the port closed (2 s here), then 2 s of loading 503s
         procs.append(
             subprocess.Popen(
-                emulator_cmd(port, "--startup-delay-s", LOAD_DELAY_S, "--loading-s", "3"),
+                emulator_cmd(port, "--startup-delay-s", LOAD_DELAY_S, "--loading-s", "2"),
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
             )
@@ -239,7 +239,7 @@ def test_restart_command_relaunches_and_changed_fingerprint_stays_paused(
         "#!/bin/sh\n"
         f"pkill -f '{pattern}'\n"
         f"while pgrep -f '{pattern}' >/dev/null; do sleep 0.1; done\n"
-        f"nohup {' '.join(emulator_cmd(port))} --startup-delay-s 2 --loading-s 2 "
+        f"nohup {' '.join(emulator_cmd(port))} --startup-delay-s 1 --loading-s 1 "
         f'"$@" >{tmp}/relaunch.log 2>&1 &\n'
     )
     script.chmod(0o755)
