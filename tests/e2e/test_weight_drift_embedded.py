@@ -24,15 +24,18 @@ from tests.support.procs import ROOT, clean_env, tokenmill
 pytestmark = pytest.mark.e2e
 
 ITEMS = 200
-FLAGS = ["--step-ms", "4", "--median-tokens", "40", "--weight-version", "step-100"]
-CONFIG = EmulatorConfig(step_ms=4, median_tokens=40, weight_version="step-100")
+FLAGS = ["--step-ms", "8", "--median-tokens", "40", "--weight-version", "step-100"]
+CONFIG = EmulatorConfig(step_ms=8, median_tokens=40, weight_version="step-100")
+# 4 requests in flight per server: the run lasts some 8 s, so the update lands with most of it
+# still to send however loaded the machine is (at 64 the run could end before it did)
+INFLIGHT = "4"
 
 
 def test_one_server_updated_in_place_under_tokenmill_run(
     tmp_path: Path, kimi_tokenizer_dir: Path
 ) -> None:
     data = tmp_path / "data"
-    env = clean_env(data)
+    env = clean_env(data, TOKENMILL_INFLIGHT=INFLIGHT)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(
         "".join(json.dumps({"id": f"q{i}", "prompt": f"question {i}"}) + "\n" for i in range(ITEMS))
