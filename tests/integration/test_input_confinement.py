@@ -1,9 +1,11 @@
 """Inputs cannot make tokenmill read files outside the paths it was given.
 
 A prompt file's lines, ids and `--chat-template-kwargs` are data: a path, a `file://` URL or a
-Jinja `{% include %}` in them is tokenized as text, never opened or rendered; content parts
-that point at files are refused; a tokenizer folder's custom code is never imported unless
-`--trust-remote-code` is given. Every `open` of the process is watched with an audit hook.
+Jinja `{% include %}` in them is tokenized as text, never opened or rendered. An image part's
+reference is read, as an image only: a file that does not decode as one is refused and nothing
+of it is stored or shown; other content parts that point at files are refused unread. A
+tokenizer folder's custom code is never imported unless `--trust-remote-code` is given. Every
+`open` of the process is watched with an audit hook.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from sqlalchemy import Engine
 from app import ledger
 from app.core.contracts import SamplingParams
 from app.core.errors import ConfigurationError
+from app.core.settings import Settings
 from app.prompts.tokenization import load_tokenizer
 from workers.intake.producer import EnqueueOptions, enqueue
 
@@ -95,13 +98,19 @@ def test_paths_urls_and_templates_in_a_prompt_file_are_only_text(
         chat_template_kwargs={"note": include, "path": str(secret)},
     )
 
-    report = enqueue(pg_engine, tokenizer, options, publish=None)
+    store = tmp_path / "store"
+    settings = Settings(storage_url=store.as_uri())
+    report = enqueue(pg_engine, tokenizer, options, publish=None, settings=settings)
 
-    assert touched(watching_opens, secret.parent) == []
+    # the image part's file, once, as an image; nothing else outside the given paths
+    assert touched(watching_opens, secret.parent) == [str(secret)]
     assert str(prompts) in watching_opens, "the audit hook saw no open at all"
     assert sorted(e.line for e in report.errors) == [5, 6, 7]
     messages = {e.line: e.reason for e in report.errors}
-    assert "image_url" in messages[5] and "file" in messages[6]
+    assert "content[0]" in messages[5] and "is not a usable image" in messages[5]
+    assert "TOP-SECRET" not in messages[5]
+    assert not store.exists() or not any(p.is_file() for p in store.rglob("*"))
+    assert "file" in messages[6]
     with pg_engine.connect() as conn:
         run = ledger.get_run(conn, "confined")
         stored = {i.item_key: i for i in ledger.iter_items(conn, run.id, statuses=("pending",))}
