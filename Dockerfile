@@ -20,6 +20,7 @@ COPY pyproject.toml README.md /tmp/tokenmill/
 COPY app /tmp/tokenmill/app
 COPY workers /tmp/tokenmill/workers
 COPY ops /tmp/tokenmill/ops
+COPY emulator /tmp/tokenmill/emulator
 COPY migrations /tmp/tokenmill/migrations
 RUN pip install /tmp/tokenmill \
     && rm -rf /tmp/tokenmill

@@ -1,6 +1,6 @@
 """Enqueue of agentic rows (tools, tool calls, reasoning, ShareGPT tool turns) into Postgres.
 
-Writes N rows of `app.fixtures.agentic_rows` (every case of issue 12, cycled) to JSONL, then
+Writes N rows of `emulator.fixtures.agentic_rows` (every case of issue 12, cycled) to JSONL, then
 enqueues them with `workers.intake.producer.enqueue(..., publish=None)` into a fresh Postgres
 database, once per tokenizer:
 
@@ -50,11 +50,11 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     from app.core.contracts import SamplingParams
-    from app.fixtures.agentic_rows import agentic_rows
-    from app.fixtures.kimi import ensure_kimi_tokenizer
-    from app.fixtures.kimi_custom import ensure_agentic_tokenizer
     from app.prompts.template_pool import default_processes
     from app.prompts.tokenization import load_tokenizer
+    from emulator.fixtures.agentic_rows import agentic_rows
+    from emulator.fixtures.kimi import ensure_kimi_tokenizer
+    from emulator.fixtures.kimi_custom import ensure_agentic_tokenizer
     from workers.intake.producer import EnqueueOptions, enqueue
 
     print(machine_note())
@@ -112,10 +112,10 @@ def main() -> None:
 
 def bare_templating(folder: Path, count: int) -> str:
     """The slow tokenizer's templating alone: serial, then in a warmed-up pool."""
-    from app.fixtures.agentic_rows import agentic_rows
     from app.prompts.chat_path import ChatInputs, parse_tools
     from app.prompts.template_pool import Templater
     from app.prompts.tokenization import load_tokenizer
+    from emulator.fixtures.agentic_rows import agentic_rows
     from workers.intake.reading import CHUNK_LINES
 
     batch = [

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from app.sglang import SGLangClient
+from app.sglang.client import SGLangClient
 
 SHAPES = ("client-per-thread", "shared-pool")
 WARMUP_REQUESTS_PER_THREAD = 3

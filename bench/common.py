@@ -156,7 +156,7 @@ def stop_process(proc: subprocess.Popen[Any], timeout_s: float = 60) -> None:
 
 @contextlib.contextmanager
 def emulator(args: Sequence[str]) -> Iterator[Any]:
-    """A fresh `python -m app.emulator --port 0 ARGS` process, stopped afterwards."""
+    """A fresh `python -m emulator --port 0 ARGS` process, stopped afterwards."""
     from ops.emulator_proc import start_emulator
 
     proc = start_emulator(list(args))
@@ -235,7 +235,7 @@ class StatsSampler:
 
 def fixture_tokenizer_dir() -> Path:
     """The bundled Kimi-K2.5-shaped fixture tokenizer (built once into a temp cache)."""
-    from app.fixtures.kimi import ensure_kimi_tokenizer
+    from emulator.fixtures.kimi import ensure_kimi_tokenizer
 
     return ensure_kimi_tokenizer(CACHE_DIR / "tokenizers")
 

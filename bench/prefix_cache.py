@@ -263,7 +263,7 @@ def ideal_cached(rows: list[Any], turns: str) -> int:
     """Prompt tokens one server with an unbounded radix cache finds, serving the items one
     after another: conversation by conversation, each shortest history first; every prompt
     cached once prefilled, and with its output once finished (as the emulator does)."""
-    from app.emulator.prefix_cache import RadixCache
+    from emulator.prefix_cache import RadixCache
 
     cache = RadixCache(None)
     order: dict[str, list[Any]] = {}

@@ -23,11 +23,11 @@ PLACEHOLDER_ID = 163605  # the fixture's <|media_pad|>, as on Kimi-K2.5
 
 
 def demo_prompts_path() -> Path:
-    return Path(str(resources.files("app") / "data" / "demo_prompts.jsonl"))
+    return Path(str(resources.files("emulator") / "data" / "demo_prompts.jsonl"))
 
 
 def demo_image_prompts_path() -> Path:
-    return Path(str(resources.files("app") / "data" / "demo_image_prompts.jsonl"))
+    return Path(str(resources.files("emulator") / "data" / "demo_image_prompts.jsonl"))
 
 
 def write_demo_images(folder: Path) -> None:
@@ -177,11 +177,11 @@ def inspect_commands(run_name: str, env: dict[str, str], out_dir: Path) -> list[
 def demo_cmd(samples_per_prompt: int, max_new_tokens: int) -> None:
     """Run the whole pipeline locally: fixture tokenizer, emulator, run, export, verify."""
     from app import ledger
-    from app.fixtures.kimi import ensure_kimi_tokenizer
     from app.ledger.database import get_engine
     from app.ledger.migrate import ensure_schema
     from app.outputs.export import export_run
     from app.prompts.tokenization import load_tokenizer
+    from emulator.fixtures.kimi import ensure_kimi_tokenizer
     from ops.emulator_proc import start_emulator
     from workers.engine.runner import EmbeddedRunner
     from workers.intake.producer import EnqueueOptions, enqueue

@@ -1,8 +1,8 @@
-"""The `tokenmill emulator` command: runs the SGLang emulator (defined in app.emulator.cli).
+"""The `tokenmill emulator` command: runs the SGLang emulator (defined in emulator.cli).
 
 Re-exported here so the operator CLI group can register it beside the other commands.
 """
 
-from app.emulator.cli import emulator
+from emulator.cli import emulator
 
 __all__ = ["emulator"]

@@ -36,8 +36,8 @@ class EmulatorProcess:
 
 
 def start_emulator(args: Sequence[str], *, ready_timeout_s: float = 60.0) -> EmulatorProcess:
-    """Run `python -m app.emulator --port 0 ARGS`, wait until it answers /ready."""
-    cmd = [sys.executable, "-m", "app.emulator", "--port", "0", *args]
+    """Run `python -m emulator --port 0 ARGS`, wait until it answers /ready."""
+    cmd = [sys.executable, "-m", "emulator", "--port", "0", *args]
     process = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1
     )

@@ -75,7 +75,7 @@ def db(request: pytest.FixtureRequest) -> Engine:
 
 @pytest.fixture(scope="session")
 def kimi_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from app.fixtures.kimi import ensure_kimi_tokenizer
+    from emulator.fixtures.kimi import ensure_kimi_tokenizer
 
     return ensure_kimi_tokenizer(tmp_path_factory.mktemp("tokenizers"))
 

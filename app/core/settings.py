@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 ENV_PREFIX = "TOKENMILL_"
 # TOKENMILL_* names that are not settings of this object: the emulator's flags
-# (app/emulator/cli.py), the test suite's and benchmarks' services, docker-compose's bucket
+# (emulator/cli.py), the test suite's and benchmarks' services, docker-compose's bucket
 OTHER_ENV_PREFIXES = ("TOKENMILL_EMULATOR_", "TOKENMILL_TEST_", "TOKENMILL_BENCH_")
 OTHER_ENV_NAMES = ("TOKENMILL_BUCKET",)
 

@@ -1,9 +1,9 @@
 """A row's own `sampling_params` and the run's cycles: checked as SGLang 0.5.23 checks a
 request's (its JSON contract, then SamplingParams.verify on the merged values of each sample).
 
-The checks are the ones the emulator's /generate gate runs (app.emulator.schema and
-app.emulator.protocol, both held to the wheel by the conformance tests), so a row the server
-would refuse is refused at enqueue with its line number, before any GPU time is spent.
+The checks are SGLang's request rules (app.sglang.schema and app.sglang.rules, both held to the
+wheel by the conformance tests), so a row the server would refuse is refused at enqueue with its
+line number, before any GPU time is spent.
 """
 
 from __future__ import annotations
@@ -13,13 +13,9 @@ from typing import Any
 
 from app.core.contracts import SamplingParams
 from app.core.errors import InputError
-from app.emulator.config import EmulatorConfig
-from app.emulator.protocol import InvalidRequest, verify_sampling
-from app.emulator.schema import SchemaViolation, check_sampling_params
 from app.prompts.chat_path import check_reasoning_effort
-
-# the vocabulary SGLang checks logit_bias keys against when the tokenizer does not say
-DEFAULT_VOCAB = EmulatorConfig().vocab_size
+from app.sglang.rules import InvalidRequest, verify_sampling
+from app.sglang.schema import SchemaViolation, check_sampling_params
 
 
 def parse_row_sampling(value: Any) -> dict[str, Any] | None:
@@ -46,11 +42,11 @@ def check_samples(
     samples: int,
     vocab_size: int | None = None,
 ) -> None:
-    """SamplingParams.verify on what every sample of a row will send; InputError otherwise."""
-    cfg = EmulatorConfig(vocab_size=vocab_size or DEFAULT_VOCAB)
+    """SamplingParams.verify on what every sample of a row will send; InputError otherwise.
+    Without vocab_size, logit_bias keys are left for the server to check against its vocabulary."""
     for k in range(samples if row else 0):
         try:
-            verify_sampling(run.for_sample(k, row), cfg)
+            verify_sampling(run.for_sample(k, row), vocab_size)
         except InvalidRequest as exc:
             raise InputError(f"'sampling_params' (sample {k}): {exc}") from None
 

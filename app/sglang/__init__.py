@@ -1,20 +1,6 @@
-"""The HTTP client of one SGLang server: native `POST /generate` with pre-tokenized input_ids.
+"""The SGLang side: every HTTP client of an SGLang server and SGLang's own request rules.
 
-The client is `client`, the one mapping of HTTP/transport failures to `app.core.errors` is
-`errors` (`map_http_error`), and the checks of a /generate answer are `responses`.
+`client` is the native `POST /generate` client and its probes, `errors` the one mapping of
+HTTP/transport failures to `app.core.errors` (`map_http_error`), `responses` the checks of a
+/generate answer, `schema` and `rules` SGLang's request gate (the emulator imports them too).
 """
-
-from app.sglang.client import ProbeResult, SGLangClient, image_data_uri
-from app.sglang.errors import ERROR_MESSAGE_MAX_CHARS, map_abort, map_http_error, server_message
-from app.sglang.responses import parse_generate_response
-
-__all__ = [
-    "ERROR_MESSAGE_MAX_CHARS",
-    "ProbeResult",
-    "SGLangClient",
-    "image_data_uri",
-    "map_abort",
-    "map_http_error",
-    "parse_generate_response",
-    "server_message",
-]

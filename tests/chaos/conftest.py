@@ -25,9 +25,9 @@ import pytest
 from sqlalchemy import Engine, text
 
 from app import ledger
-from app.emulator.config import EmulatorConfig
-from app.emulator.model import generate_output
 from app.ledger import counters, registry
+from emulator.config import EmulatorConfig
+from emulator.model import generate_output
 from tests.support.emulator import free_port
 from tests.support.procs import ROOT, service_env, start_celery, start_worker, tokenmill, wait_for
 
@@ -192,7 +192,7 @@ class Deployment:
     def emulator(self, extra: dict[str, str] | None = None, port: int | None = None) -> Emulator:
         flags = BASE_FLAGS | (extra or {})
         port = port or free_port()
-        argv = [sys.executable, "-m", "app.emulator", "--port", str(port), "--log-level", "warning"]
+        argv = [sys.executable, "-m", "emulator", "--port", str(port), "--log-level", "warning"]
         for flag, value in flags.items():
             argv += [flag, value]
         log = (self.tmp / f"emulator-{port}.log").open("ab")

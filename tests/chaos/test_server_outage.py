@@ -17,9 +17,9 @@ from celery import Celery
 from sqlalchemy import Engine, select
 
 from app import ledger
-from app.emulator.config import EmulatorConfig
-from app.emulator.model import generate_output
 from app.ledger import items, registry
+from emulator.config import EmulatorConfig
+from emulator.model import generate_output
 from ops.emulator_proc import start_emulator
 from tests.support.emulator import free_port
 from tests.support.procs import service_env, start_celery, start_worker, stop, tokenmill, wait_for
@@ -34,7 +34,7 @@ LOAD_DELAY_S = os.environ.get("TOKENMILL_TEST_LOAD_DELAY_S", "2")
 
 
 def emulator_cmd(port: int, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "app.emulator", "--port", str(port), *FLAGS, *extra]
+    return [sys.executable, "-m", "emulator", "--port", str(port), *FLAGS, *extra]
 
 
 def unfinished(db: Engine) -> str:
@@ -233,7 +233,7 @@ def test_restart_command_relaunches_and_changed_fingerprint_stays_paused(
     wait_for("work under way", lambda: counts(pg_engine).done > 20, 60)
 
     # a restart script: stop the running server, start a new one in the background, exit
-    pattern = f"app.emulator --port {port} "
+    pattern = f"emulator --port {port} "
     script = tmp / "restart.sh"
     script.write_text(
         "#!/bin/sh\n"

@@ -19,9 +19,9 @@ import pytest
 from sqlalchemy import text
 
 from app import ledger
-from app.emulator.config import EmulatorConfig
-from app.emulator.model import generate_output
 from app.ledger import registry
+from emulator.config import EmulatorConfig
+from emulator.model import generate_output
 from tests.chaos.conftest import RUN, Deployment
 from tests.support.procs import tokenmill
 

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
-from app.fixtures.agentic_rows import agentic_rows
-from app.fixtures.kimi_custom import ensure_agentic_tokenizer
 from app.prompts.input_turns import SHAREGPT_ROLES, sharegpt_tool_turns, sharegpt_tools
+from emulator.fixtures.agentic_rows import agentic_rows
+from emulator.fixtures.kimi_custom import ensure_agentic_tokenizer
 from ops.emulator_proc import start_emulator
 from tests.support import sglang_chat_path as sglang
 from tests.support.procs import clean_env, tokenmill

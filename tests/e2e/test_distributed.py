@@ -13,16 +13,16 @@ import pytest
 from sqlalchemy import Engine
 
 from app import ledger
-from app.emulator.config import EmulatorConfig
-from app.emulator.model import generate_output
 from app.ledger import counters
 from app.prompts.tokenization import load_tokenizer
+from emulator.config import EmulatorConfig
+from emulator.model import generate_output
 from ops.emulator_proc import EmulatorProcess, start_emulator
 from tests.support.procs import ROOT, service_env, start_server_workers, stop, tokenmill
 
 pytestmark = pytest.mark.e2e
 
-PROMPTS = ROOT / "app" / "data" / "demo_prompts.jsonl"
+PROMPTS = ROOT / "emulator" / "data" / "demo_prompts.jsonl"
 EMULATOR_FLAGS = [
     "--max-running",
     "16",

@@ -20,8 +20,8 @@ from sqlalchemy.exc import OperationalError
 from app import ledger
 from app.core.errors import NotFound
 from app.core.models import run_image_tokens
-from app.emulator.config import EmulatorConfig
 from app.ledger.database import make_engine
+from emulator.config import EmulatorConfig
 from ops.emulator_proc import start_emulator
 from tests.support.emulator import free_port
 from tests.support.emulator import start_emulator as start_emulator_on
@@ -89,7 +89,7 @@ def events_about(db: Engine, url: str) -> list[str]:
 def test_a_server_that_drifts_is_paused_and_nothing_it_served_is_written(
     tmp_path: Path, kimi_tokenizer_dir: Path
 ) -> None:
-    from app.fixtures.qwen_vl import ensure_qwen_vl_tokenizer
+    from emulator.fixtures.qwen_vl import ensure_qwen_vl_tokenizer
 
     qwen = ensure_qwen_vl_tokenizer(tmp_path / "tokenizers")
     drifting_tokenizer = bos_on_retokenize(qwen, tmp_path / "server-tokenizer")

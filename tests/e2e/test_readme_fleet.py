@@ -17,9 +17,9 @@ import pytest
 from sqlalchemy import Engine
 
 from app import ledger
-from app.emulator.config import EmulatorConfig
-from app.emulator.model import generate_output
 from app.ledger import counters, registry
+from emulator.config import EmulatorConfig
+from emulator.model import generate_output
 from tests.support.procs import ROOT, wait_for
 from tests.support.readme_fleet import (
     Command,

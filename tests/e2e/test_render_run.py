@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from app.emulator.config import EmulatorConfig
+from emulator.config import EmulatorConfig
 from tests.support.emulator import EmulatorProcess, running_emulator
 from tests.support.procs import clean_env, tokenmill
 from tests.support.rows import agentic_rows, chat_rows, write_rows

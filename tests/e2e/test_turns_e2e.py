@@ -16,11 +16,11 @@ import pytest
 from sqlalchemy import Engine
 
 from app import ledger
-from app.emulator.config import EmulatorConfig
-from app.emulator.model import generate_output
 from app.outputs.export import assistant_turn
 from app.prompts.conversation import check_specforge_row
 from app.prompts.tokenization import load_tokenizer
+from emulator.config import EmulatorConfig
+from emulator.model import generate_output
 from ops.emulator_proc import EmulatorProcess, start_emulator
 from tests.support.procs import service_env, start_worker, stop, tokenmill
 

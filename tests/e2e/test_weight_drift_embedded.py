@@ -15,9 +15,9 @@ import pytest
 from sqlalchemy import select
 
 from app import ledger
-from app.emulator.config import EmulatorConfig
-from app.emulator.model import generate_output
 from app.ledger.database import make_engine
+from emulator.config import EmulatorConfig
+from emulator.model import generate_output
 from ops.emulator_proc import start_emulator
 from tests.support.procs import ROOT, clean_env, tokenmill
 

@@ -14,7 +14,8 @@ import pytest
 
 from app.core.contracts import SamplingParams
 from app.core.errors import GenerationError, PermanentError, RetryableError, ServerUnavailable
-from app.sglang import SGLangClient, server_message
+from app.sglang.client import SGLangClient
+from app.sglang.errors import server_message
 from tests.support.sglang_contract import load_contract
 
 PROMPT = [163587, 872, 163601, 3, 4, 5, 163586, 163588, 163601, 163606]

@@ -17,8 +17,8 @@ from typing import Any
 import httpx
 import pytest
 
-from app.emulator.config import KIMI_IM_END_ID, EmulatorConfig
-from app.emulator.schema import SAMPLING_FIELDS, SchemaViolation, check_generate_request
+from app.sglang.schema import SAMPLING_FIELDS, SchemaViolation, check_generate_request
+from emulator.config import KIMI_IM_END_ID, EmulatorConfig
 from tests.support.emulator import EmulatorProcess, running_emulator
 from tests.support.sglang_contract import decode_response, load_contract, validate_request
 

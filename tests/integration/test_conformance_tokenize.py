@@ -24,9 +24,9 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
-from app.emulator.config import EmulatorConfig
 from app.prompts.render import prompt_request
 from app.prompts.tokenization import ChatTokenizer, load_tokenizer
+from emulator.config import EmulatorConfig
 from tests.support.emulator import REPO_ROOT, EmulatorProcess, running_emulator
 from tests.support.sglang_contract import load_protocol
 
@@ -316,7 +316,7 @@ def test_a_custom_code_tokenizer_needs_trust_remote_code(
     kimi_tokenizer_dir: Path, tmp_path: Path
 ) -> None:
     folder = custom_code_folder(kimi_tokenizer_dir, tmp_path / "custom")
-    command = [sys.executable, "-m", "app.emulator", "--port", "0", "--tokenizer", str(folder)]
+    command = [sys.executable, "-m", "emulator", "--port", "0", "--tokenizer", str(folder)]
     refused = subprocess.run(
         command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, check=False
     )

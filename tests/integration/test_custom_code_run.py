@@ -14,9 +14,9 @@ from sqlalchemy import Engine
 from app import ledger
 from app.core.contracts import GenerateResult, SamplingParams
 from app.core.errors import RunMismatch
-from app.fixtures.agentic_rows import agentic_rows
-from app.fixtures.kimi_custom import HELPER_MODULE, ensure_agentic_tokenizer
 from app.prompts.tokenization import load_tokenizer
+from emulator.fixtures.agentic_rows import agentic_rows
+from emulator.fixtures.kimi_custom import HELPER_MODULE, ensure_agentic_tokenizer
 from tests.support.procs import clean_env, tokenmill
 from workers.intake.producer import EnqueueOptions, enqueue
 

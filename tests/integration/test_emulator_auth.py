@@ -12,7 +12,7 @@ import pytest
 
 from app.core.errors import ServerUnavailable
 from app.core.settings import Settings
-from app.emulator.config import EmulatorConfig
+from emulator.config import EmulatorConfig
 from tests.support.emulator import running_emulator
 from workers.engine.runtime import client_for
 
@@ -55,7 +55,7 @@ def test_the_worker_client_sends_the_configured_key() -> None:
 @pytest.mark.parametrize("host", ["0.0.0.0", "::"])
 def test_the_emulator_refuses_to_listen_beyond_loopback_without_a_key(host: str) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "app.emulator", "--host", host, "--port", "0"],
+        [sys.executable, "-m", "emulator", "--host", host, "--port", "0"],
         capture_output=True,
         text=True,
         timeout=60,

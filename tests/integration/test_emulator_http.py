@@ -1,6 +1,6 @@
 """The SGLang emulator over HTTP as a client sees it: routes, errors, batching, faults, startup.
 
-Each emulator runs as `python -m app.emulator --port 0` in a subprocess (tests/support/emulator.py).
+Each emulator runs as `python -m emulator --port 0` in a subprocess (tests/support/emulator.py).
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import httpx
 import pytest
 from click.testing import CliRunner
 
-from app.emulator.config import KIMI_IM_END_ID, EmulatorConfig
-from app.emulator.model import generate_output
-from app.emulator.server import EmulatorServer
+from emulator.config import KIMI_IM_END_ID, EmulatorConfig
+from emulator.model import generate_output
+from emulator.server import EmulatorServer
 from tests.support.emulator import EmulatorProcess, free_port, running_emulator
 from tests.support.sglang_contract import validate_request
 
@@ -599,7 +599,7 @@ def test_a_taken_port_exits_1() -> None:
         taken.listen()
         port = taken.getsockname()[1]
         result = subprocess.run(
-            [sys.executable, "-m", "app.emulator", "--port", str(port)],
+            [sys.executable, "-m", "emulator", "--port", str(port)],
             capture_output=True,
             text=True,
             timeout=30,

@@ -2,7 +2,7 @@
 on /generate"): Kimi and Qwen modes, the text-only default, errors, cache and outputs.
 
 Counts are checked against SGLang's and transformers' own code (tests.support.vision_reference);
-every image is made here with Pillow; each emulator is `python -m app.emulator` in a subprocess.
+every image is made here with Pillow; each emulator is `python -m emulator` in a subprocess.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import httpx
 import pytest
 
 from app.core.images import ImageDrift, expand_placeholders, served_counts
-from app.emulator.config import EmulatorConfig
-from app.fixtures.qwen_vl import SPECIAL_TOKENS_BY_NAME, ensure_qwen_vl_tokenizer
+from emulator.config import EmulatorConfig
+from emulator.fixtures.qwen_vl import SPECIAL_TOKENS_BY_NAME, ensure_qwen_vl_tokenizer
 from tests.support.emulator import EmulatorProcess, running_emulator
 from tests.support.sglang_contract import decode_response, validate_request
 from tests.support.vision_reference import (
@@ -296,7 +296,7 @@ def test_qwens_re_tokenize_fallback_drifts(qwen_drift: EmulatorProcess, qwen_fol
     image = data_uri(png(640, 480))
     count = qwen_reference_count(640, 480)
     expanded = expand_placeholders(ids, IMAGE_PAD, [count])
-    # the fixture's tokenizer adds <|endoftext|> when it re-tokenizes (app.fixtures.qwen_vl)
+    # the fixture's tokenizer adds <|endoftext|> when it re-tokenizes (emulator.fixtures.qwen_vl)
     drifted = generate(qwen_drift, body(ids, [image]))
     assert drifted["prompt_token_ids"] == [ENDOFTEXT, *expanded]
     assert drifted["meta_info"]["prompt_tokens"] == len(expanded) + 1

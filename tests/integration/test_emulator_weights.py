@@ -12,9 +12,9 @@ from typing import Any
 
 import httpx
 
-from app.emulator.config import EmulatorConfig
-from app.emulator.model import generate_output
-from app.emulator.server import EmulatorServer
+from emulator.config import EmulatorConfig
+from emulator.model import generate_output
+from emulator.server import EmulatorServer
 from tests.support.emulator import running_emulator
 from tests.support.sglang_contract import decode_response, load_contract
 
@@ -155,7 +155,7 @@ def _request_fields(member: str, cls: str) -> dict[str, bool]:
 
 
 def test_the_update_bodies_take_the_fields_sglangs_request_models_declare() -> None:
-    from app.emulator.weights import DISK_FIELDS, VERSION_FIELDS
+    from emulator.weights import DISK_FIELDS, VERSION_FIELDS
 
     io_struct = "sglang/srt/managers/io_struct.py"
     disk = _request_fields(io_struct, "UpdateWeightFromDiskReqInput")

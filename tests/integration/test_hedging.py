@@ -19,9 +19,9 @@ from app import ledger
 from app.core.constants import EVENT_FINGERPRINT_MISMATCH
 from app.core.contracts import GenerateResult, SamplingParams
 from app.core.settings import Settings
-from app.emulator.config import KIMI_IM_END_ID, EmulatorConfig
-from app.emulator.model import generate_output
 from app.ledger import Done, Failed, Released, events, items
+from emulator.config import KIMI_IM_END_ID, EmulatorConfig
+from emulator.model import generate_output
 from tests.support import runs as support_runs
 from tests.support.emulator import EmulatorProcess, running_emulator
 from tests.support.procs import wait_for

@@ -34,7 +34,7 @@ from app.ledger.image_tokens import note_image_tokens, pin_image_settings
 from app.ledger.migrate import upgrade
 from app.outputs.image_store import put_image
 from app.outputs.shards import open_location
-from app.sglang import ProbeResult
+from app.sglang.client import ProbeResult
 from ops.emulator_proc import start_emulator
 from tests.support.procs import clean_env, tokenmill
 from tests.support.runs import make_run

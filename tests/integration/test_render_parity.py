@@ -22,7 +22,6 @@ from app.core.constants import EVENT_ENQUEUE_STOPPED, EVENT_PARITY
 from app.core.contracts import SamplingParams
 from app.core.errors import RetryableError, RunMismatch
 from app.core.settings import Settings, get_settings
-from app.emulator.config import EmulatorConfig
 from app.ledger import items, registry
 from app.prompts.render import (
     RenderClient,
@@ -32,6 +31,7 @@ from app.prompts.render import (
     prompt_request,
 )
 from app.prompts.tokenization import ChatTokenizer, load_tokenizer
+from emulator.config import EmulatorConfig
 from ops.cli import cli
 from tests.support.emulator import EmulatorProcess, free_port, running_emulator, start_emulator
 from tests.support.procs import clean_env, tokenmill

@@ -162,7 +162,7 @@ def _body(row: Json, messages: list[Json]) -> Json:
 
 @pytest.fixture(scope="module")
 def custom_kimi_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from app.fixtures.kimi_custom import ensure_agentic_tokenizer
+    from emulator.fixtures.kimi_custom import ensure_agentic_tokenizer
 
     return ensure_agentic_tokenizer(tmp_path_factory.mktemp("custom-kimi"))
 

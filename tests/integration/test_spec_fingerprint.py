@@ -11,8 +11,8 @@ from sqlalchemy import Engine
 from app import ledger
 from app.core.contracts import SamplingParams
 from app.core.settings import Settings
-from app.emulator.config import EmulatorConfig
 from app.ledger import registry
+from emulator.config import EmulatorConfig
 from tests.support.emulator import free_port, running_emulator
 from workers.control.watchdog import HttpProber, run_watchdog
 from workers.engine.runtime import client_for

@@ -1,4 +1,4 @@
-"""Run the SGLang emulator for a test: `python -m app.emulator` in a subprocess, killed afterwards.
+"""Run the SGLang emulator for a test: `python -m emulator` in a subprocess, killed afterwards.
 
 `running_emulator(cfg)` yields an `EmulatorProcess` (base_url, popen, captured output) once ready;
 `config_flags(cfg)` turns an EmulatorConfig into the matching command-line flags.
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 
-from app.emulator.config import EmulatorConfig
+from emulator.config import EmulatorConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LISTENING_PREFIX = "listening on "
@@ -31,7 +31,7 @@ _NOT_FLAGS = {"model_type", "architectures", "vocab_size"}
 
 
 def config_flags(cfg: EmulatorConfig) -> list[str]:
-    """The flags that make `python -m app.emulator` run with this config (non-defaults only)."""
+    """The flags that make `python -m emulator` run with this config (non-defaults only)."""
     flags: list[str] = []
     for field in dataclasses.fields(EmulatorConfig):
         name = field.name
@@ -53,7 +53,7 @@ def free_port() -> int:
 
 
 class EmulatorProcess:
-    """A running `python -m app.emulator`; stdout and stderr lines are collected as they come."""
+    """A running `python -m emulator`; stdout and stderr lines are collected as they come."""
 
     def __init__(
         self, popen: subprocess.Popen[str], host: str, port: int | None, api_key: str | None = None
@@ -142,9 +142,9 @@ def start_emulator(
     *extra_flags: str,
     env: Mapping[str, str] | None = None,
 ) -> EmulatorProcess:
-    """Start `python -m app.emulator` (port 0 unless the config names one); does not wait."""
+    """Start `python -m emulator` (port 0 unless the config names one); does not wait."""
     cfg = cfg or EmulatorConfig(port=0)
-    command = [sys.executable, "-m", "app.emulator", *config_flags(cfg), *extra_flags]
+    command = [sys.executable, "-m", "emulator", *config_flags(cfg), *extra_flags]
     port: int | None = cfg.port or None
     if cfg.port == _DEFAULTS.port and "--port" not in extra_flags:
         command += ["--port", "0"]  # never the real default port in a test

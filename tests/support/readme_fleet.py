@@ -228,7 +228,7 @@ class Fleet:
                 "argv": [
                     sys.executable,
                     "-m",
-                    "app.emulator",
+                    "emulator",
                     "--port",
                     str(port),
                     *self.emulator_flags,

@@ -11,7 +11,6 @@ from typing import Any
 import pytest
 
 from app.core.errors import ConfigurationError, InputError
-from app.fixtures.kimi import CHAT_TEMPLATE
 from app.prompts.chat_path import (
     NORMALIZATION_VERSION,
     bare_function_tools,
@@ -25,6 +24,7 @@ from app.prompts.chat_path import (
     resolve_reasoning_aliases,
     tools_hash,
 )
+from emulator.fixtures.kimi import CHAT_TEMPLATE
 from tests.support import sglang_chat_path as sglang
 
 # --- content format -------------------------------------------------------------------------

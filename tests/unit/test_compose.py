@@ -337,7 +337,7 @@ def test_project_services_run_one_image_built_from_the_dockerfile() -> None:
 
 def test_project_services_share_the_tokenmill_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     from app.core.settings import Settings
-    from app.emulator.cli import emulator as emulator_command
+    from emulator.cli import emulator as emulator_command
 
     shared = {str(k): str(v) for k, v in compose()[SHARED_ENV_ANCHOR].items()}
     assert {"TOKENMILL_DATABASE_URL", "TOKENMILL_BROKER_URL", "TOKENMILL_STORAGE_URL"} <= set(

@@ -9,8 +9,8 @@ import statistics
 
 import pytest
 
-from app.emulator.config import KIMI_IM_END_ID, KIMI_THINK_END_ID, EmulatorConfig
-from app.emulator.model import (
+from emulator.config import KIMI_IM_END_ID, KIMI_THINK_END_ID, EmulatorConfig
+from emulator.model import (
     generate_output,
     generation_seed,
     reasoning_token_count,

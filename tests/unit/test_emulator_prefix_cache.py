@@ -7,11 +7,11 @@ import asyncio
 
 import pytest
 
-from app.emulator.config import EmulatorConfig
-from app.emulator.model import generate_output
-from app.emulator.prefix_cache import RadixCache
-from app.emulator.protocol import ItemRequest
-from app.emulator.scheduler import Job, Scheduler, new_job
+from emulator.config import EmulatorConfig
+from emulator.model import generate_output
+from emulator.prefix_cache import RadixCache
+from emulator.protocol import ItemRequest
+from emulator.scheduler import Job, Scheduler, new_job
 
 
 def test_a_repeated_prompt_is_cached_but_its_last_token() -> None:

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from app.emulator.config import EmulatorConfig
-from app.emulator.model import generate_output
-from app.emulator.speculative import (
+from emulator.config import EmulatorConfig
+from emulator.model import generate_output
+from emulator.speculative import (
     SpecSettings,
     acceptance_probability,
     draw_steps,

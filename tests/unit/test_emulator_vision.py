@@ -12,15 +12,15 @@ from typing import ClassVar
 
 import pytest
 
-from app.emulator.image_data import (
+from emulator.image_data import (
     BATCH_LENGTH,
     ImageInputError,
     ImageServerError,
     images_per_prompt,
     load_image,
 )
-from app.emulator.image_prompt import ImageProcessor, TextCodec
-from app.emulator.vision import (
+from emulator.image_prompt import ImageProcessor, TextCodec
+from emulator.vision import (
     KIMI_PLACEHOLDER_ID,
     AspectRatioError,
     VisionConfigError,
@@ -340,8 +340,8 @@ def test_a_tokenizer_folder_without_the_placeholder_id_is_refused(tmp_path: Path
 
 def test_server_info_reports_every_image_setting_flat() -> None:
     from app.core.images import IMAGE_SETTINGS, image_settings
-    from app.emulator.config import EmulatorConfig
-    from app.emulator.info import model_info, server_info
+    from emulator.config import EmulatorConfig
+    from emulator.info import model_info, server_info
 
     config = json.dumps({"image": {"in_patch_limit": 4096}})
     cfg = EmulatorConfig(mm="kimi", mm_process_config=config)
@@ -368,7 +368,7 @@ def test_server_info_reports_every_image_setting_flat() -> None:
 def test_the_cli_refuses_image_flags_that_cannot_work(flags: list[str], message: str) -> None:
     from click.testing import CliRunner
 
-    from app.emulator.cli import emulator
+    from emulator.cli import emulator
 
     result = CliRunner().invoke(emulator, flags)
     assert result.exit_code == 2

@@ -13,18 +13,18 @@ import pytest
 
 from app.core.contracts import SamplingParams
 from app.core.errors import TokenizerError, TokenmillError
-from app.fixtures.agentic_rows import CASES, WEATHER_TOOL, agentic_rows
-from app.fixtures.kimi import SPECIAL_TOKENS_BY_NAME
-from app.fixtures.kimi_custom import (
+from app.ledger import RunInfo
+from app.prompts.chat_path import NORMALIZATION_VERSION, ChatInputs
+from app.prompts.template_pool import Templater
+from app.prompts.tokenization import ChatTokenizer, load_tokenizer
+from emulator.fixtures.agentic_rows import CASES, WEATHER_TOOL, agentic_rows
+from emulator.fixtures.kimi import SPECIAL_TOKENS_BY_NAME
+from emulator.fixtures.kimi_custom import (
     HELPER_MODULE,
     TOKENIZER_MODULE,
     chat_template,
     ensure_agentic_tokenizer,
 )
-from app.ledger import RunInfo
-from app.prompts.chat_path import NORMALIZATION_VERSION, ChatInputs
-from app.prompts.template_pool import Templater
-from app.prompts.tokenization import ChatTokenizer, load_tokenizer
 from workers.intake.turns import TokenizerCache
 
 THINK, IM_END = SPECIAL_TOKENS_BY_NAME["<think>"], SPECIAL_TOKENS_BY_NAME["<|im_end|>"]

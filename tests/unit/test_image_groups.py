@@ -17,7 +17,7 @@ from app import ledger
 from app.core.contracts import GenerateResult, SamplingParams
 from app.core.images import ImageRef
 from app.ledger import items
-from app.sglang import ProbeResult
+from app.sglang.client import ProbeResult
 from workers.engine.window import InflightWindow, WindowConfig
 from workers.engine.window_types import Checked
 

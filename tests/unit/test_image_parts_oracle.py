@@ -12,7 +12,6 @@ from typing import Any
 import pytest
 
 from app.core.errors import InputError
-from app.fixtures.kimi import CHAT_TEMPLATE
 from app.prompts.chat_path import (
     detect_content_format,
     image_urls,
@@ -20,6 +19,7 @@ from app.prompts.chat_path import (
     template_view,
 )
 from app.prompts.tokenization import load_tokenizer
+from emulator.fixtures.kimi import CHAT_TEMPLATE
 from tests.support import sglang_chat_path as sglang
 
 DATA_URI = "data:image/png;base64,iVBORw0KGgo="

@@ -532,7 +532,7 @@ def test_reading_is_lazy(tmp_path: Path) -> None:
 def test_demo_prompts_are_all_valid() -> None:
     from importlib import resources
 
-    path = Path(str(resources.files("app") / "data" / "demo_prompts.jsonl"))
+    path = Path(str(resources.files("emulator") / "data" / "demo_prompts.jsonl"))
     entries = list(read_prompts(path))
     assert len(entries) >= 55
     assert all(isinstance(e, PromptRecord) for e in entries), [

@@ -10,8 +10,8 @@ import pytest
 
 from app.core.contracts import PromptRecord, SamplingParams
 from app.core.errors import InputError
-from app.emulator.weights import VersionEvent, version_spans
 from app.prompts.row_sampling import check_samples, parse_cycle, parse_efforts, parse_row_sampling
+from emulator.weights import VersionEvent, version_spans
 from tests.support.sglang_contract import load_contract, wheel_module
 from workers.intake.cycles import expand_efforts, samples_of
 

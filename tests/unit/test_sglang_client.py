@@ -18,14 +18,8 @@ import pytest
 
 from app.core.contracts import SamplingParams
 from app.core.errors import GenerationError, PermanentError, RetryableError, ServerUnavailable
-from app.sglang import (
-    ERROR_MESSAGE_MAX_CHARS,
-    ProbeResult,
-    SGLangClient,
-    map_abort,
-    map_http_error,
-    server_message,
-)
+from app.sglang.client import ProbeResult, SGLangClient
+from app.sglang.errors import ERROR_MESSAGE_MAX_CHARS, map_abort, map_http_error, server_message
 
 BASE_URL = "http://sglang.test:30000"
 RID = "run1-item7-s0-a1"

@@ -16,7 +16,7 @@ import pytest
 
 from app.core.contracts import ServerFingerprint
 from app.core.errors import PermanentError
-from app.sglang import SGLangClient, image_data_uri
+from app.sglang.client import SGLangClient, image_data_uri
 
 PAD = 163605
 PROMPT = [163587, 163602, 11, 163603, PAD, 163604, 5, PAD, 6]

@@ -15,7 +15,10 @@ from typing import Any
 import pytest
 
 from app.core.errors import InputError, TokenizerError
-from app.fixtures.kimi import (
+from app.prompts.inputs import read_prompts
+from app.prompts.tokenization import ChatTokenizer, load_tokenizer, split_reasoning
+from app.prompts.tokenizer_files import folder_changes
+from emulator.fixtures.kimi import (
     CHAT_TEMPLATE,
     FIXTURE_NAME,
     ORDINARY_VOCAB_SIZE,
@@ -23,9 +26,6 @@ from app.fixtures.kimi import (
     ensure_kimi_tokenizer,
     fixture_version,
 )
-from app.prompts.inputs import read_prompts
-from app.prompts.tokenization import ChatTokenizer, load_tokenizer, split_reasoning
-from app.prompts.tokenizer_files import folder_changes
 
 KIMI_IDS = {
     "[BOS]": 163584,
@@ -65,7 +65,7 @@ def edit_config(folder: Path, **changes: Any) -> None:
 
 
 def demo_conversations() -> list[list[dict[str, Any]]]:
-    path = Path(str(resources.files("app") / "data" / "demo_prompts.jsonl"))
+    path = Path(str(resources.files("emulator") / "data" / "demo_prompts.jsonl"))
     return [r.messages for r in read_prompts(path) if not isinstance(r, Exception) and r.messages]
 
 
@@ -168,7 +168,8 @@ def test_decode_round_trip(kimi: ChatTokenizer) -> None:
 def test_fixture_build_is_deterministic_and_small(tmp_path: Path) -> None:
     first = build_kimi_tokenizer(tmp_path / "a")
     script = (
-        "import sys; from pathlib import Path; from app.fixtures.kimi import build_kimi_tokenizer; "
+        "import sys; from pathlib import Path; "
+        "from emulator.fixtures.kimi import build_kimi_tokenizer; "
         "build_kimi_tokenizer(Path(sys.argv[1]))"
     )
     subprocess.run([sys.executable, "-c", script, str(tmp_path / "b")], check=True)
@@ -364,7 +365,7 @@ def test_eos_ids_include_generation_config(kimi_copy: Path) -> None:
 
 
 def test_import_is_cheap() -> None:
-    code = "import sys, app.prompts.tokenization, app.prompts.inputs, app.fixtures.kimi; "
+    code = "import sys, app.prompts.tokenization, app.prompts.inputs, emulator.fixtures.kimi; "
     code += "print(sorted(m for m in "
     code += "('transformers', 'tokenizers', 'jinja2') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -13,7 +13,7 @@ from sqlalchemy import Engine
 from app import ledger
 from app.core.contracts import GenerateResult, SamplingParams
 from app.core.errors import PermanentError, RetryableError, ServerUnavailable
-from app.sglang import ProbeResult
+from app.sglang.client import ProbeResult
 from workers.engine.window import InflightWindow, WindowConfig
 
 Behaviour = Callable[[list[int], int], float | Exception]

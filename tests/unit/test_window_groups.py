@@ -13,7 +13,7 @@ from sqlalchemy import Engine
 
 from app import ledger
 from app.core.contracts import GenerateResult, SamplingParams
-from app.sglang import ProbeResult
+from app.sglang.client import ProbeResult
 from workers.engine.groups import Conversations
 from workers.engine.window import InflightWindow, WindowConfig
 

@@ -16,7 +16,7 @@ from sqlalchemy import Engine, select
 from app import ledger
 from app.core.contracts import GenerateResult, SamplingParams
 from app.core.errors import RetryableError
-from app.sglang import ProbeResult
+from app.sglang.client import ProbeResult
 from workers.engine.window import InflightWindow, WindowConfig
 
 BLOCK = -1.0  # the script's answer for "run until aborted"

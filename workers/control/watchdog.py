@@ -28,7 +28,7 @@ from app.ledger.registry import (
     PAUSED_BY_WEIGHTS,
     ServerInfo,
 )
-from app.sglang import SGLangClient
+from app.sglang.client import SGLangClient
 from workers.control.health import Health, Thresholds, Verdict, step
 from workers.control.parity import ParityGate
 from workers.control.pausing import WorkerControl, pause_server, resume_server

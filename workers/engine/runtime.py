@@ -33,7 +33,7 @@ from app.ledger.database import limit_periodic
 from app.ledger.image_tokens import pin_image_settings
 from app.ledger.registry import PAUSED_BY_IMAGES
 from app.outputs.image_store import image_location
-from app.sglang import SGLangClient
+from app.sglang.client import SGLangClient
 from workers.control.pausing import CeleryControl, pause_server
 from workers.control.weights import note_weights
 from workers.engine.identity import server_name_for

@@ -10,7 +10,7 @@ from typing import Protocol
 
 from app.core.contracts import GenerateResult, SamplingParams
 from app.ledger import ClaimedItem
-from app.sglang import ProbeResult
+from app.sglang.client import ProbeResult
 
 
 class GenerateClient(Protocol):

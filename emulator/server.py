@@ -1,7 +1,7 @@
 """The emulator's HTTP server: SGLang's native routes on aiohttp, startup phases, faults, shutdown.
 
 `serve(cfg)` runs one emulated server until SIGINT/SIGTERM; `EmulatorServer` runs it in-process.
-Its `/generate` route is `app.emulator.generate_route`.
+Its `/generate` route is `emulator.generate_route`.
 """
 
 from __future__ import annotations
@@ -21,16 +21,17 @@ from typing import Any
 from aiohttp import web
 
 from app.core.errors import TokenizerError
-from app.emulator.config import EmulatorConfig
-from app.emulator.generate_route import GenerateRoute, Phase, empty_reply, json_reply
-from app.emulator.image_prompt import ImageProcessor, TextCodec
-from app.emulator.info import model_info, models_list, server_info, stats_json
-from app.emulator.protocol import error_object
-from app.emulator.scheduler import Counters, Scheduler
-from app.emulator.speculative import RequestLog
-from app.emulator.tokenize import TokenizeAnswer, answer_raw
-from app.emulator.vision import VisionConfigError, vision_settings
-from app.emulator.weights import (
+from app.prompts.tokenization import ChatTokenizer, load_tokenizer
+from emulator.config import EmulatorConfig
+from emulator.generate_route import GenerateRoute, Phase, empty_reply, json_reply
+from emulator.image_prompt import ImageProcessor, TextCodec
+from emulator.info import model_info, models_list, server_info, stats_json
+from emulator.protocol import error_object
+from emulator.scheduler import Counters, Scheduler
+from emulator.speculative import RequestLog
+from emulator.tokenize import TokenizeAnswer, answer_raw
+from emulator.vision import VisionConfigError, vision_settings
+from emulator.weights import (
     DISK_FIELDS,
     FLUSH_REFUSED,
     UPDATED,
@@ -39,7 +40,6 @@ from app.emulator.weights import (
     check_body,
     load_error,
 )
-from app.prompts.tokenization import ChatTokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -54,7 +54,7 @@ PAUSE_MODES = ("abort", "retract", "in_place")
 DRAIN_POLL_S = 0.01
 
 
-# /generate, the route with the most to it, is its own mixin (app.emulator.generate_route)
+# /generate, the route with the most to it, is its own mixin (emulator.generate_route)
 class EmulatorServer(GenerateRoute):
     """One emulated SGLang server: routes, phases (loading → ready → draining) and faults."""
 
@@ -320,7 +320,7 @@ class EmulatorServer(GenerateRoute):
             return web.Response(text=FLUSH_OK)
         return web.Response(text=FLUSH_FAILED, status=400)
 
-    # --- weight updates (app.emulator.weights) -------------------------------------------
+    # --- weight updates (emulator.weights) -------------------------------------------
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
         """Load new weights in place: wait for the requests in flight (or abort them), hold

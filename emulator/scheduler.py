@@ -13,11 +13,11 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from app.emulator.config import EmulatorConfig
-from app.emulator.model import FinishReason, generate_output
-from app.emulator.prefix_cache import RadixCache
-from app.emulator.protocol import ItemRequest, running_abort, waiting_abort
-from app.emulator.weights import VersionEvent, version_spans
+from emulator.config import EmulatorConfig
+from emulator.model import FinishReason, generate_output
+from emulator.prefix_cache import RadixCache
+from emulator.protocol import ItemRequest, running_abort, waiting_abort
+from emulator.weights import VersionEvent, version_spans
 
 logger = logging.getLogger(__name__)
 

@@ -13,14 +13,14 @@ from typing import Any
 
 from aiohttp import web
 
-from app.emulator.config import EmulatorConfig
-from app.emulator.image_data import ImageInputError, ImageServerError
-from app.emulator.image_prompt import ImageProcessor
-from app.emulator.model import generate_output, generation_seed
-from app.emulator.protocol import (
-    QUEUE_FULL,
+from app.sglang.rules import QUEUE_FULL, InvalidRequest
+from app.sglang.schema import SchemaViolation
+from emulator.config import EmulatorConfig
+from emulator.image_data import ImageInputError, ImageServerError
+from emulator.image_prompt import ImageProcessor
+from emulator.model import generate_output, generation_seed
+from emulator.protocol import (
     GenerateCall,
-    InvalidRequest,
     ItemRequest,
     dumps,
     error_object,
@@ -28,10 +28,9 @@ from app.emulator.protocol import (
     parse_generate,
     waiting_abort_response,
 )
-from app.emulator.scheduler import Counters, Job, Scheduler, new_job
-from app.emulator.schema import SchemaViolation
-from app.emulator.speculative import RequestLog, draw_steps, expected_step_tokens, meta_fields
-from app.emulator.weights import Weights, version_spans
+from emulator.scheduler import Counters, Job, Scheduler, new_job
+from emulator.speculative import RequestLog, draw_steps, expected_step_tokens, meta_fields
+from emulator.weights import Weights, version_spans
 
 logger = logging.getLogger(__name__)
 

@@ -6,34 +6,18 @@ Mirrors SGLang 0.5.23's normalization (single vs batch, rid expansion, n) and it
 from __future__ import annotations
 
 import json
-import math
 import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from app.emulator.config import EmulatorConfig
-from app.emulator.image_data import images_per_prompt
-from app.emulator.image_prompt import ImageProcessor, ServedPrompt, text_prompt
-from app.emulator.model import (
-    GREEDY_TEMPERATURE,
-    FinishReason,
-    reasoning_token_count,
-    render_text,
-)
-from app.emulator.schema import check_generate_request
-
-TEXT_UNSUPPORTED = (
-    "The engine initialized with skip_tokenizer_init=True cannot accept text prompts. "
-    "Please provide input_ids or re-initialize the engine with skip_tokenizer_init=False."
-)
-QUEUE_FULL = "The request queue is full."
-TOP_K_ALL = 1 << 30  # SGLang's top_k for "the whole vocabulary"
-
-
-class InvalidRequest(ValueError):
-    """SGLang rejects the request after its schema gate: HTTP 400 `{"error": {"message": ...}}`."""
+from app.sglang.rules import TEXT_UNSUPPORTED, InvalidRequest, validate_item
+from app.sglang.schema import check_generate_request
+from emulator.config import EmulatorConfig
+from emulator.image_data import images_per_prompt
+from emulator.image_prompt import ImageProcessor, ServedPrompt, text_prompt
+from emulator.model import FinishReason, reasoning_token_count, render_text
 
 
 def waiting_abort() -> FinishReason:
@@ -119,7 +103,7 @@ def parse_generate(
     served = _served_prompts(body, prompts, images)
     items = []
     for index, (prompt, sampling) in enumerate(zip(served, samplings, strict=True)):
-        validate_item(prompt.ids, sampling, cfg)
+        validate_item(prompt.ids, sampling, cfg.context_length, cfg.vocab_size)
         with_images = bool(prompt.spans)
         for sample in range(n):
             rid = rids[index * n + sample]
@@ -193,112 +177,6 @@ def _rids(value: Any, batch_size: int, is_single: bool, n: int) -> list[str]:
             "The specified rids length mismatch with the batch_size for batch processing."
         )
     return list(value)
-
-
-def validate_item(input_ids: list[int], sampling: Mapping[str, Any], cfg: EmulatorConfig) -> None:
-    """The per-prompt checks SGLang runs after tokenization: context length, then sampling."""
-    if not input_ids:
-        raise InvalidRequest("input_ids cannot be empty.")
-    input_len, context = len(input_ids), cfg.context_length
-    if input_len >= context:
-        raise InvalidRequest(
-            f"The input ({input_len} tokens) is longer than the model's context length "
-            f"({context} tokens)."
-        )
-    max_new_tokens = sampling.get("max_new_tokens")
-    if max_new_tokens is not None and max_new_tokens + input_len > context:
-        raise InvalidRequest(
-            f"Requested token count exceeds the model's maximum context length of {context} "
-            f"tokens. You requested a total of {max_new_tokens + input_len} tokens: {input_len} "
-            f"tokens from the input messages and {max_new_tokens} tokens for the completion. "
-            "Please reduce the number of tokens in the input messages or the completion to fit "
-            "within the limit."
-        )
-    verify_sampling(sampling, cfg)
-
-
-def _value(sampling: Mapping[str, Any], key: str, default: Any) -> Any:
-    value = sampling.get(key)
-    return default if value is None else value
-
-
-def verify_sampling(sampling: Mapping[str, Any], cfg: EmulatorConfig) -> None:
-    """SGLang's SamplingParams.verify, with its texts (after its own defaulting)."""
-    temperature = _value(sampling, "temperature", 1.0)
-    top_k = _value(sampling, "top_k", -1)
-    if 0 <= temperature < GREEDY_TEMPERATURE:
-        temperature, top_k = 1.0, 1
-    if top_k == -1:
-        top_k = TOP_K_ALL
-    top_p = _value(sampling, "top_p", 1.0)
-    min_p = _value(sampling, "min_p", 0.0)
-    frequency_penalty = _value(sampling, "frequency_penalty", 0.0)
-    presence_penalty = _value(sampling, "presence_penalty", 0.0)
-    repetition_penalty = _value(sampling, "repetition_penalty", 1.0)
-    min_new_tokens = _value(sampling, "min_new_tokens", 0)
-    max_new_tokens = sampling.get("max_new_tokens", 128)
-    beam_width = sampling.get("beam_width")
-
-    problems = [
-        (
-            beam_width is not None and beam_width < 1,
-            f"beam_width must be at least 1, got {beam_width}.",
-        ),
-        (
-            not math.isfinite(temperature) or temperature < 0.0,
-            f"temperature must be a non-negative finite number, got {temperature}.",
-        ),
-        (not 0.0 < top_p <= 1.0, f"top_p must be in (0, 1], got {top_p}."),
-        (not 0.0 <= min_p <= 1.0, f"min_p must be in [0, 1], got {min_p}."),
-        (top_k < 1, f"top_k must be -1 (disable) or at least 1, got {top_k}."),
-        (
-            not -2.0 <= frequency_penalty <= 2.0,
-            f"frequency_penalty must be in [-2, 2], got {frequency_penalty}.",
-        ),
-        (
-            not -2.0 <= presence_penalty <= 2.0,
-            f"presence_penalty must be in [-2, 2], got {presence_penalty}.",
-        ),
-        (
-            not 0.0 < repetition_penalty <= 2.0,
-            f"repetition_penalty must be in (0, 2] (1.0 = no penalty), got {repetition_penalty}.",
-        ),
-        (
-            min_new_tokens < 0,
-            f"min_new_tokens must be in [0, max_new_tokens], got {min_new_tokens}.",
-        ),
-    ]
-    if max_new_tokens is not None:
-        problems += [
-            (max_new_tokens < 0, f"max_new_tokens must be at least 0, got {max_new_tokens}."),
-            (
-                min_new_tokens > max_new_tokens,
-                f"min_new_tokens must be in [0, max_new_tokens({max_new_tokens})], got "
-                f"{min_new_tokens}.",
-            ),
-        ]
-    for failed, message in problems:
-        if failed:
-            raise InvalidRequest(message)
-    _verify_extras(sampling, cfg)
-
-
-def _verify_extras(sampling: Mapping[str, Any], cfg: EmulatorConfig) -> None:
-    for token_id in sampling.get("logit_bias") or {}:
-        try:
-            in_vocab = 0 <= int(token_id) < cfg.vocab_size
-        except ValueError as exc:
-            raise InvalidRequest(str(exc)) from exc
-        if not in_vocab:
-            raise InvalidRequest(
-                f"logit_bias must has keys in [0, {cfg.vocab_size - 1}], got {token_id}."
-            )
-    seed = sampling.get("sampling_seed")
-    if seed is not None and not -(2**63) <= seed <= 2**63 - 1:
-        raise InvalidRequest(f"sampling_seed must be in [-2**63, 2**63 - 1], got {seed}.")
-    grammars = ("json_schema", "regex", "ebnf", "structural_tag")
-    if sum(bool(sampling.get(key)) for key in grammars) > 1:
-        raise InvalidRequest("Only one of json_schema, regex, ebnf, or structural_tag can be set.")
 
 
 # --- responses ------------------------------------------------------------------------

@@ -8,9 +8,9 @@ from __future__ import annotations
 import shlex
 from typing import Any
 
-from app.emulator.config import EmulatorConfig
-from app.emulator.scheduler import Counters, Scheduler
-from app.emulator.weights import Weights
+from emulator.config import EmulatorConfig
+from emulator.scheduler import Counters, Scheduler
+from emulator.weights import Weights
 
 
 def model_info(cfg: EmulatorConfig, weights: Weights | None = None) -> dict[str, Any]:

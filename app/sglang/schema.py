@@ -1,7 +1,9 @@
-"""The /generate schema gate of the emulator: the same accept/reject verdict and 400 text as SGLang.
+"""SGLang 0.5.23's /generate schema gate: the accept/reject verdict and 400 text of its published
+JSON contract, for the client (a row's sampling_params at enqueue) and the emulator alike.
 
-SGLang checks every body against its published JSON contract before anything else (unknown keys in
-sampling_params rejected, wrong types rejected, serde-style messages); this mirrors those checks.
+SGLang checks every body against that contract before anything else (unknown keys in
+sampling_params rejected, wrong types rejected, serde-style messages); this mirrors those checks,
+and the conformance tests hold it to the wheel's `sglang/api/v1/api_types.py`.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 images (--mm): `vision` the token counts, `image_data` loading, `image_prompt` the expansion.
 """
 
-from app.emulator.config import EmulatorConfig
-from app.emulator.model import generate_output
+from emulator.config import EmulatorConfig
+from emulator.model import generate_output
 
 __all__ = ["EmulatorConfig", "generate_output"]

@@ -1,6 +1,6 @@
 """The `emulator` command: flags (each also a TOKENMILL_EMULATOR_* variable) → config → server.
 
-`tokenmill emulator` (via ops.emulator_cmd) and `python -m app.emulator` both run this command.
+`tokenmill emulator` (via ops.emulator_cmd) and `python -m emulator` both run this command.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 import click
 
 from app.core.network import is_loopback
-from app.emulator.config import (
+from emulator.config import (
     DEFAULT_MODEL_PATH,
     DEFAULT_SGLANG_VERSION,
     DEFAULT_WEIGHT_VERSION,
@@ -342,6 +342,6 @@ def emulator(sglang_version: str, log_level: str, **flags: Any) -> None:
         format="[%(asctime)s] %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    from app.emulator.server import run  # aiohttp only once the command really runs
+    from emulator.server import run  # aiohttp only once the command really runs
 
     sys.exit(run(cfg))

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.core.images import FAMILIES, expand_placeholders, placeholder_count
-from app.emulator.image_data import ImageInputError, LoadedImage, load_image
-from app.emulator.vision import AspectRatioError, VisionSettings
+from emulator.image_data import ImageInputError, LoadedImage, load_image
+from emulator.vision import AspectRatioError, VisionSettings
 
 logger = logging.getLogger(__name__)
 

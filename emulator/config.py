@@ -10,8 +10,8 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from app.emulator.speculative import SpecSettings, resolve_settings
-from app.emulator.vision import FAMILY_MODELS, check_process_config
+from emulator.speculative import SpecSettings, resolve_settings
+from emulator.vision import FAMILY_MODELS, check_process_config
 
 KIMI_IM_END_ID = 163586
 KIMI_THINK_END_ID = 163607
@@ -47,7 +47,7 @@ class EmulatorConfig:
     tokenizer: str | None = None
     trust_remote_code: bool = False
 
-    # deterministic generation (see app.emulator.model)
+    # deterministic generation (see emulator.model)
     median_tokens: float = 256.0
     sigma: float = 1.0
     token_min: int = 300
@@ -55,7 +55,7 @@ class EmulatorConfig:
     eos_id: int = KIMI_IM_END_ID
     think_end_id: int | None = KIMI_THINK_END_ID
 
-    # continuous batching (see app.emulator.scheduler)
+    # continuous batching (see emulator.scheduler)
     max_running: int = 64
     step_ms: float = 5.0
     prefill_ms_per_1k_tokens: float = 2.0
@@ -63,7 +63,7 @@ class EmulatorConfig:
     # recently used; None: the KV pool's size (max_running x context_length), 0: no cache
     prefix_cache_tokens: int | None = None
 
-    # startup, health and faults (see app.emulator.server)
+    # startup, health and faults (see emulator.server)
     startup_delay_s: float = 0.0
     loading_s: float = 0.0
     hang_after_s: float | None = None
@@ -82,7 +82,7 @@ class EmulatorConfig:
     # sampling_params, the weight version it ran under): what the server was sent
     prompt_log: str | None = None
 
-    # speculative decoding (see app.emulator.speculative): SGLang's --speculative-* flags and
+    # speculative decoding (see emulator.speculative): SGLang's --speculative-* flags and
     # the draft's base acceptance; off without an algorithm
     speculative_algorithm: str | None = None
     speculative_draft_model_path: str | None = None
@@ -93,7 +93,7 @@ class EmulatorConfig:
     # a JSONL file with one line per finished request (None: no log)
     request_log: str | None = None
 
-    # images on /generate (see app.emulator.vision): the multimodal family ("kimi", "qwen"; None:
+    # images on /generate (see emulator.vision): the multimodal family ("kimi", "qwen"; None:
     # a text-only model that ignores image_data), SGLang's --mm-process-config as JSON text,
     # Qwen's decode + re-tokenize fallback (SGLANG_MM_AVOID_RETOKENIZE off), and the vision
     # encoder's cost, added to the prefill of the image tokens it computes

@@ -13,15 +13,14 @@ from array import array
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from app.emulator.config import DEFAULT_MAX_NEW_TOKENS, DEFAULT_WEIGHT_VERSION, EmulatorConfig
+from app.sglang.rules import GREEDY_TEMPERATURE
+from emulator.config import DEFAULT_MAX_NEW_TOKENS, DEFAULT_WEIGHT_VERSION, EmulatorConfig
 
 FinishReason = dict[str, Any]
 
 # Part of every seed: changing how outputs are drawn must change this, so outputs stored by an
 # older emulator fail their checks loudly instead of matching by accident.
 GENERATION_VERSION = b"tokenmill-emulator/1"
-# SGLang treats temperatures below this as greedy (top_k = 1).
-GREEDY_TEMPERATURE = 1e-6
 # Where `</think>` falls inside a stopped output, as a share of the tokens before EOS.
 REASONING_SHARE_MIN = 0.55
 REASONING_SHARE_SPAN = 0.40
