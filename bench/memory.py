@@ -337,13 +337,16 @@ def build_done_run(db: Any, run: str, items: int, tokens: int, seed: int) -> Non
 
 def export_formats() -> list[str]:
     """The JSONL formats, and parquet when this build has the Parquet export
-    (app/outputs/storage.py)."""
+    (app/outputs/parquet_export.py)."""
     import importlib.util
 
     from app.outputs.export import FORMATS
 
     formats: list[str] = list(FORMATS)
-    if "parquet" not in formats and importlib.util.find_spec("app.outputs.storage") is not None:
+    if (
+        "parquet" not in formats
+        and importlib.util.find_spec("app.outputs.parquet_export") is not None
+    ):
         formats.append("parquet")  # --out is a folder of shards and a manifest
     return formats
 

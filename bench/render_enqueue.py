@@ -48,7 +48,7 @@ def parse_args() -> argparse.Namespace:
 
 def enqueue_run(db: Any, tokenizer: Any, path: Path, run: str, url: str | None, window: int) -> Any:
     from app.core.contracts import SamplingParams
-    from app.prompts.render import RenderClient, RenderPolicy
+    from app.sglang.render import RenderClient, RenderPolicy
     from workers.intake.producer import EnqueueOptions, enqueue
 
     options = EnqueueOptions(
@@ -75,8 +75,8 @@ def main() -> None:
     args = parse_args()
     print(f"render-with enqueue benchmark — {machine_note()}")
     from app import ledger
-    from app.prompts.render import RenderClient, RenderPolicy
     from app.prompts.tokenization import load_tokenizer
+    from app.sglang.render import RenderClient, RenderPolicy
     from workers.control.parity import check_run
 
     folder = fixture_tokenizer_dir()

@@ -8,8 +8,8 @@ Ledgers are built by bench/scale_build.py (one database `tokenmill_scale_<size>`
 --keep reuses one built at the current schema revision and keeps it afterwards). Commands are
 timed as `python -m ops ...` subprocesses, start-up included (wall, median of --repeat, and
 CPU); periodic queries and claim/write call app.ledger, app.ledger.registry,
-app.ledger.metrics_queries, ops.metrics, workers.control.reconcile in this process, each in its own
-pooled connection as the workers do. --slowlog (bench/scale_slowlog.py) checks Postgres'
+app.ledger.metrics_queries, ops.views.metrics, workers.control.reconcile in this process, each in
+its own pooled connection as the workers do. --slowlog (bench/scale_slowlog.py) checks Postgres'
 slow-statement log instead.
 """
 
@@ -316,7 +316,7 @@ def time_queries(
 
 
 def _time_scrape(db: Engine, repeat: int) -> float:
-    from ops.metrics import make_metrics_server
+    from ops.views.metrics import make_metrics_server
 
     server = make_metrics_server(
         engine=db, broker_url=REDIS_URL, host="127.0.0.1", port=0, credentials=None, cache_s=0

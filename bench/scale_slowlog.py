@@ -206,7 +206,7 @@ def _lease_to_the_dead_worker(db: Any, built: build.Ledger) -> None:
 
 
 def _scrape_metrics(db: Any, redis_url: str, stop: threading.Event) -> None:
-    from ops.metrics import make_metrics_server
+    from ops.views.metrics import make_metrics_server
 
     server = make_metrics_server(
         engine=db, broker_url=redis_url, host="127.0.0.1", port=0, credentials=None, cache_s=0

@@ -1,71 +1,28 @@
 """`tokenmill accept RUN [RUN_B]`: a draft's acceptance from a run's stored speculative counters,
 per group with bootstrap intervals, or two runs compared pair by pair; tables or --json.
 
-The ledger is read here (rows with their counters); `ops.acceptance` and `ops.accept_pairs`
-compute.
+`app.outputs.accept_rows` reads the rows with their counters; `app.outputs.acceptance` and
+`app.outputs.accept_pairs` compute.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import click
 
 from ops.options import handle_errors, open_db, print_json
 
 if TYPE_CHECKING:
-    from sqlalchemy import Engine
-
-    from app.ledger import RunInfo
-    from ops.accept_pairs import PairedGroup, PairedReport
-    from ops.acceptance import AcceptReport, AcceptRow, GroupStats
-
-
-def load_rows(db: Engine, run: RunInfo) -> list[AcceptRow]:
-    """The run's done items with their speculative counters (zeros for an item without)."""
-    from app import ledger
-    from ops.acceptance import AcceptRow, output_digest
-
-    with db.connect() as conn:
-        stats = ledger.run_spec_stats(conn, run.id)
-        rows = []
-        for item in ledger.iter_items(conn, run.id):
-            spec = stats.get(item.id)
-            rows.append(
-                AcceptRow(
-                    key=item.item_key,
-                    sample=item.sample_index,
-                    turn=item.turn_index,
-                    metadata=dict(item.metadata or {}),
-                    completion_tokens=(
-                        item.completion_tokens
-                        if item.completion_tokens is not None
-                        else len(item.output_ids or ())
-                    ),
-                    verify_ct=spec.verify_ct if spec else 0,
-                    correct=spec.num_correct_drafts if spec else 0,
-                    proposed=spec.num_proposed_drafts if spec else 0,
-                    histogram=spec.histogram if spec else (),
-                    output_digest=output_digest(item.output_ids),
-                )
-            )
-    return rows
-
-
-def speculative_of(run: RunInfo) -> dict[str, Any] | None:
-    spec = (run.fingerprint or {}).get("speculative")
-    return dict(spec) if isinstance(spec, dict) else None
-
-
-def is_greedy(run: RunInfo) -> bool:
-    return run.sampling.temperature < 1e-6 or run.sampling.top_k == 1
+    from app.outputs.accept_pairs import PairedGroup, PairedReport
+    from app.outputs.acceptance import AcceptReport, GroupStats
 
 
 def print_table(title: str, header: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
-    """A titled table whose values are never cut (ops.text_table): the first column left, the
+    """A titled table whose values are never cut (ops.views.text_table): the first column left, the
     figures right."""
-    from ops.text_table import Column, render
+    from ops.views.text_table import Column, render
 
     columns = [Column(name, right=index > 0) for index, name in enumerate(header)]
     lines, _ = render(columns, rows)
@@ -73,7 +30,7 @@ def print_table(title: str, header: Sequence[str], rows: Sequence[Sequence[str]]
 
 
 def _stats_table(title: str, groups: Sequence[GroupStats]) -> None:
-    from ops.acceptance import STATS_HEADER, stats_cells
+    from app.outputs.acceptance import STATS_HEADER, stats_cells
 
     print_table(title, STATS_HEADER, [stats_cells(g) for g in groups])
 
@@ -97,7 +54,7 @@ def print_accept(report: AcceptReport) -> None:
 
 
 def _paired_table(title: str, groups: Sequence[PairedGroup]) -> None:
-    from ops.accept_pairs import PAIRED_HEADER, paired_cells
+    from app.outputs.accept_pairs import PAIRED_HEADER, paired_cells
 
     print_table(title, PAIRED_HEADER, [paired_cells(g) for g in groups])
 
@@ -182,8 +139,9 @@ def accept_cmd(
     where B is worse, and whether their outputs differ (a red flag under greedy sampling).
     """
     from app import ledger
-    from ops.accept_pairs import Side, paired_report
-    from ops.acceptance import accept_report, default_fields
+    from app.outputs.accept_pairs import Side, paired_report
+    from app.outputs.accept_rows import is_greedy, load_rows, speculative_of
+    from app.outputs.acceptance import accept_report, default_fields
 
     db = open_db()
     with db.connect() as conn:

@@ -30,7 +30,7 @@ def delete_cmd(run_name: str, force: bool, as_json: bool) -> None:
 
     from app import ledger
     from app.core.errors import ConfigurationError
-    from app.outputs.shards import StorageError
+    from app.storage.shards import StorageError
     from workers.control.compaction import remove_run_shards
 
     settings = get_settings()

@@ -1,6 +1,6 @@
-"""The `tokenmill metrics` command: serves the Prometheus metrics of ops.metrics over HTTP.
+"""The `tokenmill metrics` command: serves the Prometheus metrics of ops.views.metrics over HTTP.
 
-Kept apart from ops.metrics so that the CLI loads prometheus_client and SQLAlchemy only
+Kept apart from ops.views.metrics so that the CLI loads prometheus_client and SQLAlchemy only
 when this command runs.
 """
 
@@ -31,7 +31,7 @@ from ops.options import err_console, get_settings, handle_errors, open_db, setti
 @handle_errors
 def metrics_cmd(host: str | None, port: int | None) -> None:
     """Serve Prometheus metrics of the whole fleet, computed from the ledger and broker."""
-    from ops.metrics import check_exposure, credentials_from, make_metrics_server
+    from ops.views.metrics import check_exposure, credentials_from, make_metrics_server
 
     settings = get_settings()
     host = settings.metrics_host if host is None else host

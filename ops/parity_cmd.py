@@ -52,7 +52,7 @@ def parity_cmd(run_name: str, server: str, sample: int | None, seed: int, as_jso
     """
     from app import ledger
     from app.ledger import registry
-    from app.prompts.render import render_client
+    from app.sglang.render import render_client
     from workers.control.parity import check_run
 
     settings = get_settings()

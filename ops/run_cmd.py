@@ -25,7 +25,7 @@ from ops.options import (
     render_options,
     sampling_options,
 )
-from ops.pipeline_cmds import enqueue_input
+from ops.pipeline_cmd import enqueue_input
 
 if TYPE_CHECKING:
     from rich.table import Table

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import click
 
 from ops.options import err_console, get_settings, handle_errors, ledger_name, open_db, print_json
-from ops.text_table import Column, left_out_note, render
+from ops.views.text_table import Column, left_out_note, render
 
 if TYPE_CHECKING:
     from sqlalchemy import Connection
@@ -43,7 +43,7 @@ def status_cmd(run_name: str | None, as_json: bool, watch: bool, interval_s: flo
     if watch:
         if as_json:
             raise click.UsageError("--watch is for a terminal; use --json without it")
-        from ops.dashboard import watch as watch_dashboard
+        from ops.views.dashboard import watch as watch_dashboard
 
         watch_dashboard(db, run_name=run_name, interval_s=interval_s, console=err_console())
         return

@@ -87,8 +87,8 @@ def verify_cmd(
     if run_name is None:
         raise click.UsageError("missing argument RUN_NAME")
     from app import ledger
-    from app.outputs.image_store import image_location
     from app.outputs.verify import verify_run
+    from app.storage.image_store import image_location
 
     settings = get_settings()
     db = open_db(settings)
@@ -155,7 +155,7 @@ def _tokenizer(
     finding (nothing can vouch for the prompts), a bad --tokenizer a usage error. The run's
     pinned --trust-remote-code holds for both."""
     from app.prompts.tokenization import load_for_run
-    from ops.pipeline_cmds import pinned_folder_changes
+    from ops.pipeline_cmd import pinned_folder_changes
 
     explicit = trust_remote_code
     trust_remote_code = trust_remote_code or run.trust_remote_code

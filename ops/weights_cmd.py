@@ -1,4 +1,4 @@
-"""The `update-weights` command: a thin shell over ops.weights_update."""
+"""The `update-weights` command: a thin shell over workers.control.weights_update."""
 
 from __future__ import annotations
 
@@ -37,8 +37,8 @@ def update_weights_cmd(
     /update_weights_from_disk, check /model_info, resume it for the runs that take them."""
     from rich.markup import escape
 
-    from ops.weights_update import update_weights
     from workers.control.pausing import CeleryControl
+    from workers.control.weights_update import update_weights
 
     settings = get_settings()
     console = err_console()

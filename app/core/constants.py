@@ -17,6 +17,11 @@ CONTROL_QUEUE = "tokenmill.control"
 
 REDIS_PREFIX = "tokenmill:"
 
+# The message-normalization rules of app.prompts.chat_path, as every run pins them. Bump the
+# suffix when a rule changes, so a run keeps the rules it was created with (or is refused)
+# instead of mixing two.
+NORMALIZATION_VERSION = "sglang-0.5.23.3"
+
 # the JSONL formats of `tokenmill export` (app.outputs.export), named on the command line
 EXPORT_FORMATS: tuple[Literal["specforge", "conversations"], ...] = ("specforge", "conversations")
 

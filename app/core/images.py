@@ -6,7 +6,7 @@ counts[i] >= 1 times and keeps every other id (sglang.md, "Images on /generate")
 served prompt is fully described by the request ids and the counts: `expand_placeholders`
 rebuilds it, `served_counts` reads the counts off a served prompt and refuses anything else
 (the re-tokenize fallback, another processor) as drift, naming the first difference.
-No I/O here: reading, checking and storing images is `app.outputs.image_store`.
+No I/O here: reading, checking and storing images is `app.storage.image_store`.
 """
 
 from __future__ import annotations

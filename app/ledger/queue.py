@@ -3,6 +3,7 @@ keys a producer publishes, pending → queued, and the queued items the reconcil
 
 from __future__ import annotations
 
+import hashlib
 import json
 import zlib
 from collections.abc import Iterable, Sequence
@@ -23,7 +24,6 @@ from app.ledger.common import (
     utcnow,
 )
 from app.ledger.database import pin_index_plans
-from app.prompts.chat_path import tools_hash
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,13 @@ class NewItem:
     sampling_params: dict[str, Any] | None = None
     # the prompt's images in prompt order (ImageRef.to_json); None: a text item
     images: list[dict[str, Any]] | None = None
+
+
+def tools_hash(tools: Sequence[dict[str, Any]]) -> str:
+    """sha256 of the tools' JSON in their own key order (the order a template renders them
+    in, so two lists that differ only in key order are two lists)."""
+    text = json.dumps(list(tools), ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 def _insert_ignoring_conflicts(conn: Connection) -> Any:

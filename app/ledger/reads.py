@@ -39,7 +39,7 @@ from app.ledger.image_tokens import run_image_pins
 from app.ledger.run_queries import RunInfo
 
 if TYPE_CHECKING:  # pyarrow loads when items are streamed (export, verify), not with every command
-    from app.outputs.shards import ShardCache
+    from app.storage.shards import ShardCache
 
 
 @dataclass(frozen=True)
@@ -306,7 +306,7 @@ def iter_items(
     storage_options, default the configured ones); one row group of a shard is held at a time.
     final_turns_only: only items no later turn follows (the last turn of each chain).
     """
-    from app.outputs.shards import ShardCache
+    from app.storage.shards import ShardCache
 
     shards = ShardCache(storage_options)
     try:
@@ -468,7 +468,7 @@ def stored_prompts(
     conn: Connection, ids: Sequence[int], storage_options: dict[str, Any] | None = None
 ) -> list[StoredItem]:
     """These items with their real prompt ids (read back from shards once compacted)."""
-    from app.outputs.shards import ShardCache
+    from app.storage.shards import ShardCache
 
     shards = ShardCache(storage_options)
     try:

@@ -3,15 +3,17 @@ that a later enqueue pins the same settings, its server fingerprint and whether 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 from sqlalchemy import Connection, insert, select, update
 
+from app.core.constants import NORMALIZATION_VERSION
 from app.core.contracts import SamplingParams
 from app.core.errors import NotFound, RunArchived, RunMismatch
 from app.ledger.common import as_utc, runs, utcnow
+from app.ledger.pin_checks import file_changes, pin_differences
 
 
 @dataclass(frozen=True)
@@ -39,20 +41,13 @@ class RunSpec:
     tokenizer_files: dict[str, str] | None = None
     legacy_tokenizer_hash: str | None = None
     # the message-normalization rules the prompts are built with (app.prompts.chat_path)
-    normalization_version: str = field(default_factory=lambda: _current_rules())
+    normalization_version: str = NORMALIZATION_VERSION
     # template choice, transformers versions, --pass-turn-fields (app.prompts.chat_pins)
     chat_pins: dict[str, Any] | None = None
     # `--weight-version V`: only servers reporting V serve the run
     weight_version: str | None = None
     # `--reasoning-effort a,b,c`: sample k is templated with the k-th effort (modulo)
     reasoning_efforts: tuple[str | float, ...] = ()
-
-
-def _current_rules() -> str:
-    # the chat path loads with a spec (an enqueue), not with every command that reads runs
-    from app.prompts.chat_path import NORMALIZATION_VERSION
-
-    return NORMALIZATION_VERSION
 
 
 @dataclass(frozen=True)
@@ -127,8 +122,6 @@ def run_differences(existing: RunInfo, spec: RunSpec) -> list[str]:
                 f"{spec.tokenizer_path} (hash {spec.tokenizer_hash[:12]})"
             )
     else:
-        from app.prompts.tokenizer_files import file_changes
-
         diffs += file_changes(
             existing.tokenizer_hash,
             existing.tokenizer_files,
@@ -160,8 +153,6 @@ def run_differences(existing: RunInfo, spec: RunSpec) -> list[str]:
     if existing.require_parity != spec.require_parity:
         diffs.append(f"require parity: {existing.require_parity} → {spec.require_parity}")
     if spec.chat_pins is not None:
-        from app.prompts.chat_pins import pin_differences
-
         diffs += pin_differences(existing.chat_pins, spec.chat_pins)
     if existing.weight_version != spec.weight_version:
         diffs.append(f"weight version: {existing.weight_version} → {spec.weight_version}")

@@ -1,2 +1,2 @@
-"""Results out of the ledger: SpecForge and conversations exports, Parquet shards and
-object storage, and `tokenmill verify`'s checks."""
+"""Results out of the ledger: SpecForge, conversations and Parquet exports, `tokenmill verify`'s
+checks, and the numbers reports and acceptance are made of (pure functions of the rows)."""

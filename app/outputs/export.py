@@ -28,10 +28,10 @@ from app.outputs.image_rows import (
     item_label,
 )
 from app.outputs.provenance import provenance, weight_filter
-from app.outputs.shards import Location, open_location
 from app.outputs.split import Selection, eval_path, manifest_path
 from app.prompts.conversation import check_specforge_row, template_encoder, whole_conversation_mask
 from app.prompts.tokenization import ChatTokenizer, split_reasoning
+from app.storage.shards import Location, open_location
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Checking the image references of an export: each uri resolves, its bytes hash to the sha256
 the row gives, and the row's images and image_token_counts are the ledger's.
 
-Used by `verify --export` for Parquet exports (app.outputs.storage.check_export) and JSONL
+Used by `verify --export` for Parquet exports (app.outputs.parquet_export.check_export) and JSONL
 exports (app.outputs.verify). Each distinct uri is read once, however many rows refer to it.
 """
 
@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from app.ledger import StoredItem
-from app.outputs.shards import Location, open_location, read_object, split_uri
+from app.storage.shards import Location, open_location, read_object, split_uri
 
 
 class ImageRefs:

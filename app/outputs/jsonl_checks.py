@@ -19,9 +19,9 @@ from sqlalchemy import Connection
 from app import ledger
 from app.ledger import StoredItem
 from app.outputs.image_checks import ImageRefs, listed_image_problems, row_image_problems
-from app.outputs.shards import open_location
+from app.outputs.parquet_export import MAX_PROBLEMS, ExportCheck
 from app.outputs.split import manifest_path
-from app.outputs.storage import MAX_PROBLEMS, ExportCheck
+from app.storage.shards import open_location
 
 JSONL_SUFFIXES = (".jsonl",)
 

@@ -21,12 +21,12 @@ from app.core.images import ImagePins
 from app.ledger import RunInfo, StoredItem
 from app.ledger.image_tokens import run_image_pins
 from app.outputs.image_rows import count_problem, served_prompt
-from app.outputs.image_store import ImageError, get_image, image_location
 from app.outputs.jsonl_checks import check_jsonl_images, is_jsonl_export
-from app.outputs.shards import Location
-from app.outputs.storage import check_export
+from app.outputs.parquet_export import check_export
 from app.prompts.chat_path import ChatInputs, check_version
 from app.prompts.tokenization import ChatTokenizer
+from app.storage.image_store import ImageError, get_image, image_location
+from app.storage.shards import Location
 
 log = logging.getLogger(__name__)
 

@@ -53,13 +53,13 @@ The rules carry NORMALIZATION_VERSION; a run pins the version it was created wit
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from app.core.constants import NORMALIZATION_VERSION
 from app.core.contracts import Message
 from app.core.errors import ConfigurationError, InputError
 from app.prompts.request_json import as_sglang_reads as as_sglang_reads
@@ -71,9 +71,6 @@ logger = logging.getLogger(__name__)
 
 ContentFormat = Literal["string", "openai"]
 
-# The message-normalization rules of this module. Bump the suffix when a rule changes, so a
-# run keeps the rules it was created with (or is refused) instead of mixing two.
-NORMALIZATION_VERSION = "sglang-0.5.23.3"
 # .3 adds image parts; text-only turns normalize as under .2, so runs pinned to it go on
 KNOWN_VERSIONS = frozenset({"sglang-0.5.23.2", NORMALIZATION_VERSION})
 
@@ -550,13 +547,6 @@ def bare_function_tools(tools: Sequence[dict[str, Any]] | None) -> list[dict[str
     if not tools:
         return None
     return [tool.get("function", tool) for tool in tools]
-
-
-def tools_hash(tools: Sequence[dict[str, Any]]) -> str:
-    """sha256 of the tools' JSON in their own key order (the order a template renders them
-    in, so two lists that differ only in key order are two lists)."""
-    text = json.dumps(list(tools), ensure_ascii=False, separators=(",", ":"))
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 # --- template kwargs ----------------------------------------------------------------------------

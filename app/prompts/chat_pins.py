@@ -14,10 +14,6 @@ from typing import Any
 from app.core.errors import TokenizerError
 from app.prompts.template_choice import ChosenTemplate, TemplateChoice
 
-# the pins a later enqueue must match (the client's own transformers version may change, as
-# long as it renders as the same server version)
-_COMPARED = ("renders_as", "chat_template_name", "chat_template_file_hash", "pass_turn_fields")
-
 
 def pins_of(
     template: ChosenTemplate, pass_turn_fields: bool, transformers: Mapping[str, str] | None
@@ -59,16 +55,3 @@ def check_file_unchanged(pins: Mapping[str, Any] | None, template: ChosenTemplat
             f"the chat template file {template.file} changed since the run pinned it (sha256 "
             f"{str(pinned)[:12]} → {str(template.file_hash)[:12]})"
         )
-
-
-def pin_differences(existing: Mapping[str, Any] | None, new: Mapping[str, Any]) -> list[str]:
-    """Lines naming each compared pin that differs (a run without pins had the defaults)."""
-    old = dict(existing or {})
-    old.setdefault("pass_turn_fields", False)
-    diffs = []
-    for key in _COMPARED:
-        if key == "renders_as" and (old.get(key) is None or new.get(key) is None):
-            continue  # a run rendered on the server, or created before the pin
-        if old.get(key) != new.get(key):
-            diffs.append(f"{key.replace('_', ' ')}: {old.get(key)} → {new.get(key)}")
-    return diffs

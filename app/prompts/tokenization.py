@@ -16,6 +16,7 @@ from app.core.contracts import Message
 from app.core.errors import InputError, TokenizerError
 from app.core.images import ImagePins
 from app.core.logs import quiet_transformers
+from app.ledger.pin_checks import file_changes
 from app.prompts.chat_path import (
     ChatInputs,
     ContentFormat,
@@ -37,7 +38,6 @@ from app.prompts.tokenizer_config import (
     single_token_id,
 )
 from app.prompts.tokenizer_files import (
-    file_changes,
     legacy_tokenizer_files_hash,
     manifest_hash,
     tokenizer_files_manifest,

@@ -7,6 +7,8 @@ import hashlib
 from collections.abc import Mapping
 from pathlib import Path
 
+from app.ledger.pin_checks import file_changes
+
 # Every file of a tokenizer folder can decide the prompt ids (the tokenizer's own code, a
 # helper module it imports, the vocabulary, the template), so all are hashed except weights,
 # which are large and never read by a tokenizer. Hidden files and folders (a builder's stamp,
@@ -103,34 +105,3 @@ def folder_changes(
     return file_changes(
         pinned_hash, pinned_files, manifest_hash(files), files, legacy_tokenizer_files_hash(folder)
     )
-
-
-def file_changes(
-    pinned_hash: str,
-    pinned_files: Mapping[str, str] | None,
-    hash_now: str,
-    files_now: Mapping[str, str],
-    legacy_hash_now: str,
-) -> list[str]:
-    """Lines naming each tokenizer file that is changed, new or removed since a run pinned it.
-
-    A run that pinned no manifest (created before it existed) is compared by its hash alone.
-    """
-    if pinned_files is None:
-        if pinned_hash in (hash_now, legacy_hash_now):
-            return []
-        return [f"tokenizer files: hash {pinned_hash[:12]} pinned, {legacy_hash_now[:12]} now"]
-    lines: list[str] = []
-    for name in sorted(set(pinned_files) | set(files_now)):
-        old, new = pinned_files.get(name), files_now.get(name)
-        if old == new:
-            continue
-        if old is None:
-            lines.append(f"tokenizer file {name!r} is new")
-        elif new is None:
-            lines.append(f"tokenizer file {name!r} was removed")
-        else:
-            lines.append(f"tokenizer file {name!r} changed (sha256 {old[:12]} → {new[:12]})")
-    if not lines and pinned_hash != hash_now:
-        lines.append(f"tokenizer files: hash {pinned_hash[:12]} pinned, {hash_now[:12]} now")
-    return lines

@@ -83,6 +83,34 @@ def shared_ssl_context() -> ssl.SSLContext:
         return _ssl_context
 
 
+def http_client(
+    base_url: str,
+    timeout: httpx.Timeout,
+    *,
+    max_connections: int,
+    api_key: str | None,
+    transport: httpx.BaseTransport | None = None,
+) -> httpx.Client:
+    """The one way tokenmill opens HTTP to an SGLang server (/generate, probes, /v1/tokenize):
+    a pool of max_connections kept alive, no proxies or certificates from the environment, no
+    redirects, the process's TLS context, and SGLang's --api-key as a bearer token."""
+    return httpx.Client(
+        base_url=base_url,
+        timeout=timeout,
+        limits=httpx.Limits(
+            max_connections=max_connections,
+            max_keepalive_connections=max_connections,
+            keepalive_expiry=KEEPALIVE_EXPIRY_S,
+        ),
+        transport=transport,
+        trust_env=False,
+        follow_redirects=False,
+        verify=shared_ssl_context(),
+        # httpx keeps the key out of repr() and our logs never print headers
+        headers={"Authorization": f"Bearer {api_key}"} if api_key else None,
+    )
+
+
 class SGLangClient:
     """A client of one SGLang server over ONE `httpx.Client`, meant for one thread.
 
@@ -121,20 +149,12 @@ class SGLangClient:
         self._generate_timeout = httpx.Timeout(generate_timeout_s, connect=connect_timeout_s)
         self._info_timeout = httpx.Timeout(info_timeout_s, connect=connect_timeout_s)
         self._probe_timeout = httpx.Timeout(probe_timeout_s, connect=connect_timeout_s)
-        self._client = httpx.Client(
-            base_url=self.base_url,
-            timeout=self._info_timeout,
-            limits=httpx.Limits(
-                max_connections=max_connections,
-                max_keepalive_connections=max_connections,
-                keepalive_expiry=KEEPALIVE_EXPIRY_S,
-            ),
+        self._client = http_client(
+            self.base_url,
+            self._info_timeout,
+            max_connections=max_connections,
+            api_key=api_key,
             transport=transport,
-            trust_env=False,
-            follow_redirects=False,
-            verify=shared_ssl_context(),
-            # SGLang's --api-key; httpx keeps it out of repr() and our logs never print headers
-            headers={"Authorization": f"Bearer {api_key}"} if api_key else None,
         )
         # Absolute URLs built once: httpx would otherwise parse and join base + path per call.
         self._urls: dict[str, httpx.URL] = {}

@@ -17,9 +17,9 @@ from app.core.settings import Settings
 from app.ledger import archive, items, items_archive, runs
 from app.ledger.dashboard_queries import failure_reasons, item_ranges, iter_item_stats
 from app.outputs.export import export_run
-from app.outputs.storage import export_parquet
+from app.outputs.parquet_export import export_parquet
 from app.outputs.verify import verify_run
-from ops.report import build_report
+from ops.views.report_page import build_report
 from tests.support.done_runs import make_done_run, spec
 from tests.support.procs import clean_env, tokenmill
 from workers.control.compaction import compact_ids, compact_run, compaction_location

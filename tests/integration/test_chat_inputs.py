@@ -13,13 +13,13 @@ import pytest
 from sqlalchemy import Engine, func, select, update
 
 from app import ledger
+from app.core.constants import NORMALIZATION_VERSION
 from app.core.contracts import GenerateResult, SamplingParams
 from app.core.errors import ConfigurationError
 from app.ledger import items, runs, tool_sets
 from app.outputs.export import export_run
-from app.outputs.storage import export_parquet
+from app.outputs.parquet_export import export_parquet
 from app.outputs.verify import CHECK_TEMPLATE, verify_run
-from app.prompts.chat_path import NORMALIZATION_VERSION
 from app.prompts.tokenization import ChatTokenizer, load_tokenizer
 from app.prompts.transformers_pin import as_server_renders
 from tests.support import sglang_chat_path as sglang

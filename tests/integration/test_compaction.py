@@ -16,7 +16,7 @@ from app.core.settings import Settings
 from app.ledger import compaction as ledger_compaction
 from app.ledger import items
 from app.outputs.export import export_run
-from app.outputs.storage import check_export, export_parquet
+from app.outputs.parquet_export import check_export, export_parquet
 from tests.support.done_runs import make_done_run
 from tests.support.procs import clean_env, tokenmill
 from workers.control.compaction import compact_due, compact_run, compaction_location

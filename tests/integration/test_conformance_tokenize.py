@@ -24,8 +24,8 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
-from app.prompts.render import prompt_request
 from app.prompts.tokenization import ChatTokenizer, load_tokenizer
+from app.sglang.render import prompt_request
 from emulator.config import EmulatorConfig
 from tests.support.emulator import REPO_ROOT, EmulatorProcess, running_emulator
 from tests.support.sglang_contract import load_protocol

@@ -11,7 +11,7 @@ from sqlalchemy import Engine
 
 from app.core.errors import NotFound
 from app.ledger import dashboard_queries as dq
-from ops.dashboard import duration, render_dashboard, watch
+from ops.views.dashboard import duration, render_dashboard, watch
 from tests.support.runs import seed_fleet
 
 T = datetime(2031, 5, 4, 12, 0, 0, tzinfo=UTC)

@@ -17,10 +17,10 @@ from app.core.settings import Settings
 from app.outputs import image_rows
 from app.outputs.export import export_run
 from app.outputs.image_rows import ImageExportError
-from app.outputs.image_store import image_uri
-from app.outputs.storage import check_export, export_parquet
+from app.outputs.parquet_export import check_export, export_parquet
 from app.outputs.verify import CHECK_PROMPT, verify_run
 from app.prompts.tokenization import ChatTokenizer, load_tokenizer
+from app.storage.image_store import image_uri
 from tests.support.image_runs import PAD, count_image_reads, make_image_run, served
 from workers.control.compaction import compact_run
 

@@ -32,9 +32,9 @@ from app.ledger.claims import claimable_image_items, text_items_left
 from app.ledger.database import make_engine
 from app.ledger.image_tokens import note_image_tokens, pin_image_settings
 from app.ledger.migrate import upgrade
-from app.outputs.image_store import put_image
-from app.outputs.shards import open_location
 from app.sglang.client import ProbeResult
+from app.storage.image_store import put_image
+from app.storage.shards import open_location
 from ops.emulator_proc import start_emulator
 from tests.support.procs import clean_env, tokenmill
 from tests.support.runs import make_run

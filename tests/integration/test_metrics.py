@@ -24,7 +24,7 @@ from app.core.contracts import GenerateResult, SamplingParams
 from app.core.errors import ConfigurationError
 from app.core.settings import Settings
 from app.ledger import Done, Failed, registry
-from ops.metrics import (
+from ops.views.metrics import (
     Credentials,
     LedgerCollector,
     MetricsServer,

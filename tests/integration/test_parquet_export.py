@@ -13,8 +13,8 @@ import pytest
 from sqlalchemy import Engine
 
 from app import ledger
-from app.outputs import storage
-from app.outputs.storage import check_export, export_parquet, read_manifest
+from app.outputs import parquet_export as storage
+from app.outputs.parquet_export import check_export, export_parquet, read_manifest
 from tests.support.done_runs import make_done_run
 from tests.support.procs import clean_env, tokenmill
 

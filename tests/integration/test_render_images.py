@@ -18,8 +18,8 @@ from app import ledger
 from app.core.contracts import SamplingParams
 from app.core.errors import PermanentError
 from app.core.settings import get_settings
-from app.prompts.render import RenderClient, RenderPolicy, RenderRequest
 from app.prompts.tokenization import ChatTokenizer, load_tokenizer
+from app.sglang.render import RenderClient, RenderPolicy, RenderRequest
 from emulator.config import EmulatorConfig
 from tests.support.emulator import EmulatorProcess, running_emulator
 from workers.control.parity import check_run

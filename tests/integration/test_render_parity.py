@@ -23,14 +23,14 @@ from app.core.contracts import SamplingParams
 from app.core.errors import RetryableError, RunMismatch
 from app.core.settings import Settings, get_settings
 from app.ledger import items, registry
-from app.prompts.render import (
+from app.prompts.tokenization import ChatTokenizer, load_tokenizer
+from app.sglang.render import (
     RenderClient,
     RenderPolicy,
     RenderRequest,
     RenderServerUnavailable,
     prompt_request,
 )
-from app.prompts.tokenization import ChatTokenizer, load_tokenizer
 from emulator.config import EmulatorConfig
 from ops.cli import cli
 from tests.support.emulator import EmulatorProcess, free_port, running_emulator, start_emulator

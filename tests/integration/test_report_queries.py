@@ -10,7 +10,7 @@ from sqlalchemy import Engine
 
 from app import ledger
 from app.ledger import dashboard_queries as dq
-from ops.report import build_report
+from ops.views.report_page import build_report
 from tests.support.runs import add_event, add_item, make_run, seed_report_run
 
 T = datetime(2031, 5, 4, 12, 0, 0, tzinfo=UTC)

@@ -15,7 +15,7 @@ from app.core.contracts import ServerFingerprint
 from app.core.settings import Settings
 from app.ledger import registry
 from app.ledger.registry import ServerInfo
-from ops.restart import parse_command, restart_server
+from workers.control.restart import parse_command, restart_server
 from workers.control.watchdog import Probe
 
 NAME = "gpu-$(touch pwned-by-name)"

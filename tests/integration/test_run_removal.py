@@ -113,7 +113,7 @@ def test_a_broker_that_fails_mid_enqueue_is_named_with_what_waitsunpublished_err
 
     from app.core.errors import BrokerUnavailable
     from app.core.settings import Settings
-    from ops.pipeline_cmds import unpublished_error
+    from ops.pipeline_cmd import unpublished_error
 
     with sqlite_engine.begin() as conn:
         run = make_run(conn, "r")

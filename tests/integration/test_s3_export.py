@@ -13,7 +13,7 @@ from sqlalchemy import Engine
 
 from app import ledger
 from app.core.settings import Settings
-from app.outputs.storage import check_export, export_parquet, read_manifest
+from app.outputs.parquet_export import check_export, export_parquet, read_manifest
 from tests.support.done_runs import make_done_run
 from tests.support.moto_s3 import moto_s3
 from workers.control.compaction import compact_run

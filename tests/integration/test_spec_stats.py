@@ -7,8 +7,8 @@ from sqlalchemy import Engine, delete
 
 from app import ledger
 from app.core.contracts import GenerateResult, SpecStats
-from ops.accept_cmd import load_rows
-from ops.acceptance import accept_report
+from app.outputs.accept_rows import load_rows
+from app.outputs.acceptance import accept_report
 from tests.support.done_runs import make_done_run
 from tests.support.spec_runs import CATEGORIES, make_spec_run
 

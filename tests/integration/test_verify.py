@@ -182,7 +182,7 @@ def test_cli_exit_codes(
 def test_export_is_checked_against_the_ledger(
     pg_engine: Engine, tokenizer: ChatTokenizer, tmp_path: Path
 ) -> None:
-    from app.outputs.storage import export_parquet
+    from app.outputs.parquet_export import export_parquet
 
     run = build_run(pg_engine, tokenizer, tmp_path, "v4")
     out = tmp_path / "export"

@@ -18,7 +18,7 @@ from app.core.errors import ConfigurationError
 from app.core.settings import Settings
 from app.ledger import items, registry
 from app.outputs.export import export_run
-from app.outputs.storage import check_export, export_parquet
+from app.outputs.parquet_export import check_export, export_parquet
 from app.outputs.verify import verify_run
 from workers.control.watchdog import Probe, run_watchdog
 

@@ -20,8 +20,8 @@ from sqlalchemy import Engine, update
 from app import ledger
 from app.core.contracts import GenerateResult
 from app.core.images import FAMILIES, ImagePins, ImageRef
-from app.outputs.image_store import put_image
-from app.outputs.shards import Location, open_location
+from app.storage.image_store import put_image
+from app.storage.shards import Location, open_location
 from tests.support.done_runs import EOS
 from tests.support.done_runs import spec as done_run_spec
 

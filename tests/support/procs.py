@@ -114,7 +114,7 @@ def wait_for(
 def report_command(url: str, tmp: Path, *args: str) -> subprocess.CompletedProcess[str]:
     """The `report` click command in a real process, on the ledger at url."""
     return subprocess.run(
-        [sys.executable, "-c", "from ops.report import report_cmd; report_cmd()", *args],
+        [sys.executable, "-c", "from ops.report_cmd import report_cmd; report_cmd()", *args],
         env=clean_env(tmp / "data", TOKENMILL_DATABASE_URL=url),
         cwd=ROOT,
         capture_output=True,

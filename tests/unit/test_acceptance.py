@@ -8,8 +8,8 @@ from dataclasses import replace
 
 import pytest
 
-from ops.accept_pairs import Side, paired_report
-from ops.acceptance import (
+from app.outputs.accept_pairs import Side, paired_report
+from app.outputs.acceptance import (
     LENGTH_FIELD,
     TURN_FIELD,
     AcceptRow,

@@ -63,6 +63,47 @@ def test_imports_only_point_down_the_layers() -> None:
     assert wrong == []
 
 
+# app's parts, lowest first: a part imports only parts below it (two parts on one level are
+# strangers); the package's __init__ and the Celery app sit on top
+APP_PARTS = {
+    "app.core": 0,
+    "app.storage": 1,
+    "app.sglang": 1,
+    "app.ledger": 2,
+    "app.prompts": 3,
+    "app.outputs": 4,
+    "app.celery_app": 5,
+    "app": 6,
+}
+
+
+def app_part(module: str) -> str:
+    parts = module.split(".")
+    return ".".join(parts[:2]) if ".".join(parts[:2]) in APP_PARTS else "app"
+
+
+def test_app_parts_import_only_parts_below_them() -> None:
+    wrong = [
+        f"{mod} imports {dep}"
+        for mod, deps in graph().items()
+        if mod.split(".")[0] == "app"
+        for dep in deps
+        # `from app import ledger` names the package too: only its parts count
+        if dep.split(".")[0] == "app"
+        and dep != "app"
+        and app_part(dep) != app_part(mod)
+        and APP_PARTS[app_part(dep)] >= APP_PARTS[app_part(mod)]
+    ]
+    assert wrong == []
+
+
+def test_the_app_layering_check_sees_a_part_import_upward() -> None:
+    """Guards the check above against passing vacuously (every module mapped to one part)."""
+    assert app_part("app.ledger.reads") == "app.ledger"
+    assert app_part("app.celery_app") == "app.celery_app"
+    assert "app.storage.shards" in graph()["app.ledger.reads"]
+
+
 def test_the_product_and_the_emulator_meet_only_in_app() -> None:
     """The product never imports its test double; the emulator takes nothing but app."""
     sides = {"workers": "emulator", "emulator": "workers"}

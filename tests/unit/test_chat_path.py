@@ -10,9 +10,10 @@ from typing import Any
 
 import pytest
 
+from app.core.constants import NORMALIZATION_VERSION
 from app.core.errors import ConfigurationError, InputError
+from app.ledger.queue import tools_hash
 from app.prompts.chat_path import (
-    NORMALIZATION_VERSION,
     bare_function_tools,
     check_reasoning_effort,
     check_version,
@@ -22,7 +23,6 @@ from app.prompts.chat_path import (
     normalize_messages,
     parse_tools,
     resolve_reasoning_aliases,
-    tools_hash,
 )
 from emulator.fixtures.kimi import CHAT_TEMPLATE
 from tests.support import sglang_chat_path as sglang

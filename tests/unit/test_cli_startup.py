@@ -107,8 +107,8 @@ def test_a_command_loads_only_its_own_module(tmp_path: Path) -> None:
     """
     assert "alembic" in loaded_after(status)  # the first one creates the ledger
     check = """
-        others = [m for m in ("ops.demo", "ops.pipeline_cmds", "ops.report", "ops.fleet_cmds",
-                              "app.prompts.chat_path", "app.prompts.tokenization",
+        others = [m for m in ("ops.demo_cmd", "ops.pipeline_cmd", "ops.views.report_page",
+                              "ops.fleet_cmd", "app.prompts.chat_path", "app.prompts.tokenization",
                               "app.ledger.outcomes", "sqlalchemy.orm") if m in sys.modules]
         assert others == [], others
     """

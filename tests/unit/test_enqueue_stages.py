@@ -14,9 +14,9 @@ from sqlalchemy import Engine
 from app import ledger
 from app.core.contracts import PromptRecord
 from app.core.errors import InputError, PermanentError
-from app.prompts.render import RenderRequest
 from app.prompts.template_pool import Templater
 from app.prompts.tokenization import ChatTokenizer, load_tokenizer
+from app.sglang.render import RenderRequest
 from workers.intake.prompting import (
     ItemBuilder,
     LocalTemplating,

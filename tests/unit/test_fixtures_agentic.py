@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from app.core.constants import NORMALIZATION_VERSION
 from app.core.contracts import SamplingParams
 from app.core.errors import TokenizerError, TokenmillError
 from app.ledger import RunInfo
-from app.prompts.chat_path import NORMALIZATION_VERSION, ChatInputs
+from app.prompts.chat_path import ChatInputs
 from app.prompts.template_pool import Templater
 from app.prompts.tokenization import ChatTokenizer, load_tokenizer
 from emulator.fixtures.agentic_rows import CASES, WEATHER_TOOL, agentic_rows

@@ -12,8 +12,8 @@ import pytest
 from PIL import Image
 
 from app.core.images import ImageRef
-from app.outputs.image_store import ImageError, put_image
-from app.outputs.shards import Location, open_location
+from app.storage.image_store import ImageError, put_image
+from app.storage.shards import Location, open_location
 from workers.engine.image_data import ImageData
 
 

@@ -16,9 +16,9 @@ import pytest
 from app.core.contracts import PromptRecord
 from app.core.errors import InputError
 from app.core.images import ImagePins
-from app.outputs.shards import open_location
 from app.prompts.chat_path import check_tool_result_order, normalize_messages
 from app.prompts.image_pins import check_image_prompt, placeholder_id_of, read_image_pins
+from app.storage.shards import open_location
 from workers.intake.images import (
     ImageResolver,
     ImageSources,

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from app.core.errors import PermanentError, RetryableError
-from app.prompts.render import (
+from app.sglang.render import (
     RenderClient,
     RenderPolicy,
     RenderServerUnavailable,

@@ -9,8 +9,7 @@ from itertools import pairwise
 import pytest
 
 from app.ledger.dashboard_queries import ItemRanges, ItemStats, ServerEvent
-from ops.report import warnings_for
-from ops.report_stats import (
+from app.outputs.report_stats import (
     Histogram,
     ReportData,
     Reservoir,
@@ -20,6 +19,7 @@ from ops.report_stats import (
     nice_bin_width_s,
     pause_periods,
 )
+from ops.views.report_page import warnings_for
 from tests.support.runs import make_counts
 
 T0 = datetime(2031, 1, 1, tzinfo=UTC)

@@ -11,7 +11,7 @@ import pytest
 
 from app.core.errors import NotFound
 from app.core.settings import redact_options
-from app.outputs.shards import (
+from app.storage.shards import (
     SHARD_SCHEMA,
     ShardCache,
     ShardRow,

@@ -1,9 +1,9 @@
-"""Tables fitted to a terminal (ops.text_table): nothing is cut, headers and word columns fold,
-columns go in their stated order, and a table that cannot fit is printed whole."""
+"""Tables fitted to a terminal (ops.views.text_table): nothing is cut, headers and word columns
+fold, columns go in their stated order, and a table that cannot fit is printed whole."""
 
 from __future__ import annotations
 
-from ops.text_table import Column, fit, left_out_note, render
+from ops.views.text_table import Column, fit, left_out_note, render
 
 NAME = "localhost:30000-gpu-node-a"
 URL = "http://gpu-node-a.cluster.example:30000"

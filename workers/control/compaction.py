@@ -3,7 +3,7 @@ shards under `<storage_url>/runs/<run name>/compacted/`, leaving a (shard, row) 
 
 Order and crash safety. For each batch of at most `shard_rows` compactable items (done, arrays
 still in the ledger, no unfinished later turn reading them), in id order:
-1. the shard `items-<first id>-<last id>.parquet` is written atomically (app.outputs.shards);
+1. the shard `items-<first id>-<last id>.parquet` is written atomically (app.storage.shards);
 2. one transaction points the items at it and empties their arrays, only where
    `shard_uri IS NULL`.
 A crash before 2 leaves the items untouched and a shard nobody points at. The next compaction
@@ -31,15 +31,15 @@ from app.ledger import RunInfo
 from app.ledger.database import SCAN_TIMEOUT_S, limit_periodic
 from app.ledger.image_tokens import run_image_pins
 from app.outputs.image_rows import ImageRows
-from app.outputs.image_store import image_location
-from app.outputs.shards import (
+from app.outputs.parquet_export import shard_row
+from app.storage.image_store import image_location
+from app.storage.shards import (
     Location,
     ShardWriter,
     list_names,
     open_location,
     remove_objects,
 )
-from app.outputs.storage import shard_row
 
 log = logging.getLogger(__name__)
 

@@ -17,9 +17,9 @@ from app.core.constants import EVENT_PARITY
 from app.core.errors import GenerationError, InputError, PermanentError
 from app.core.settings import Settings, get_settings
 from app.ledger import RunInfo, StoredItem, registry
-from app.outputs.image_store import image_location
-from app.prompts.render import RenderClient, RenderRequest, prompt_request, render_client
 from app.prompts.transformers_pin import SERVER_TRANSFORMERS, client_version
+from app.sglang.render import RenderClient, RenderRequest, prompt_request, render_client
+from app.storage.image_store import image_location
 from workers.intake.images import StoredImages
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ from app.core.errors import PermanentError
 from app.core.images import ImageDrift, ImagePins, placeholder_count, served_counts
 from app.ledger import ClaimedItem
 from app.ledger.image_tokens import ImageCount, note_image_tokens, run_image_pins
-from app.outputs.image_store import ImageError
+from app.storage.image_store import ImageError
 from workers.engine.image_data import ImageData
 
 

@@ -14,9 +14,9 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 from app.core.images import ImageRef
-from app.outputs.image_store import get_image
-from app.outputs.shards import Location
 from app.sglang.client import image_data_uri
+from app.storage.image_store import get_image
+from app.storage.shards import Location
 
 # the encoded URIs a worker keeps (a 2048x2048 PNG photo is some 8 MB as base64)
 DEFAULT_CACHE_BYTES = 64 * 1024 * 1024

@@ -32,8 +32,8 @@ from app.ledger import registry
 from app.ledger.database import limit_periodic
 from app.ledger.image_tokens import pin_image_settings
 from app.ledger.registry import PAUSED_BY_IMAGES
-from app.outputs.image_store import image_location
 from app.sglang.client import SGLangClient
+from app.storage.image_store import image_location
 from workers.control.pausing import CeleryControl, pause_server
 from workers.control.weights import note_weights
 from workers.engine.identity import server_name_for

@@ -24,9 +24,9 @@ from urllib.parse import unquote, unquote_to_bytes, urlparse
 from app.core.contracts import Message, PromptRecord
 from app.core.errors import InputError
 from app.core.images import ImageRef
-from app.outputs.image_store import ImageError, get_image, put_image
-from app.outputs.shards import Location
 from app.prompts.chat_path import image_urls, is_image_part, with_image_urls
+from app.storage.image_store import ImageError, get_image, put_image
+from app.storage.shards import Location
 
 log = logging.getLogger(__name__)
 

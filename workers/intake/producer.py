@@ -23,13 +23,13 @@ from app.core.contracts import SamplingParams
 from app.core.errors import InputError
 from app.core.images import ImagePins
 from app.core.settings import Settings, get_settings
-from app.outputs.image_store import image_location
 from app.prompts.chat_path import check_version
 from app.prompts.chat_pins import run_pins
 from app.prompts.image_pins import check_run_pins
-from app.prompts.render import RenderClient, RenderServerUnavailable
 from app.prompts.template_pool import Templater
 from app.prompts.tokenization import ChatTokenizer, check_template_kwargs
+from app.sglang.render import RenderClient, RenderServerUnavailable
+from app.storage.image_store import image_location
 from workers.intake import cycles
 from workers.intake.images import ImageResolver, ImageSources, StoredImages
 from workers.intake.prompting import (

@@ -14,8 +14,8 @@ from app.core.errors import InputError, PermanentError
 from app.core.images import ImagePins, ImageRef
 from app.prompts.chat_path import ChatInputs, merge_template_kwargs
 from app.prompts.image_pins import check_image_prompt
-from app.prompts.render import RenderRequest, prompt_request
 from app.prompts.template_pool import Templater
+from app.sglang.render import RenderRequest, prompt_request
 from workers.intake import cycles, turns
 from workers.intake.images import StoredImages, images_of, refs_json
 from workers.intake.reading import PlannedChunk
@@ -90,7 +90,7 @@ class LocalTemplating:
 
 
 class Renderer(Protocol):
-    """What ServerRendering asks of app.prompts.render.RenderClient."""
+    """What ServerRendering asks of app.sglang.render.RenderClient."""
 
     def render_many(
         self, requests: Sequence[RenderRequest]

@@ -14,7 +14,7 @@ from app import ledger
 from app.core.constants import EVENT_ENQUEUE_STOPPED, EVENT_ENQUEUED
 from app.core.contracts import PromptRecord
 from app.core.errors import InputError
-from app.prompts.render import RenderServerUnavailable
+from app.sglang.render import RenderServerUnavailable
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,6 @@ from app.core.errors import GenerationError, InputError, PermanentError, Tokenmi
 from app.core.settings import get_settings
 from app.ledger import NewItem, RunInfo, WaitingTurn
 from app.outputs.export import assistant_turn
-from app.outputs.image_store import image_location
 from app.prompts.chat_path import check_version, image_urls, normalize_messages
 from app.prompts.conversation import (
     TurnPlan,
@@ -35,9 +34,10 @@ from app.prompts.conversation import (
     tool_turn_position,
 )
 from app.prompts.image_pins import check_image_prompt
-from app.prompts.render import RenderClient, prompt_request, render_client
 from app.prompts.tokenization import ChatTokenizer, load_for_run
 from app.prompts.tokenizer_files import folder_changes
+from app.sglang.render import RenderClient, prompt_request, render_client
+from app.storage.image_store import image_location
 from workers.intake.images import StoredImages, images_of, refs_json
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """The acceptance figures of `tokenmill report`: acceptance length per group with its intervals,
 the accepted-drafts histogram, acceptance against output length, and a paired comparison.
 
-Each takes a computed report (`ops.acceptance`, `ops.accept_pairs`), never items.
+Each takes a computed report (`app.outputs.acceptance`, `app.outputs.accept_pairs`), never items.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from ops.accept_pairs import PairedGroup
-from ops.acceptance import GroupStats
-from ops.report_plots import DPI, SIZE_IN, STOP_COLOR, TRUNCATED_COLOR
+from app.outputs.accept_pairs import PairedGroup
+from app.outputs.acceptance import GroupStats
+from ops.views.report_plots import DPI, SIZE_IN, STOP_COLOR, TRUNCATED_COLOR
 
 BETTER_COLOR = "#2ca02c"
 WORSE_COLOR = "#C44E52"

@@ -1,4 +1,4 @@
-"""`tokenmill report RUN --out DIR`: one HTML page with PNG plots to judge a run's data.
+"""The page of `tokenmill report RUN --out DIR`: one HTML page with PNG plots to judge a run's data.
 
 Items are streamed a page at a time into fixed-size accumulators; plots are drawn from those.
 """
@@ -12,15 +12,11 @@ from html import escape
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import click
-
-from ops.options import err_console, handle_errors, open_db
-
 if TYPE_CHECKING:
     from sqlalchemy import Engine
 
     from app.ledger import RunCounts, RunInfo
-    from ops.report_stats import PausePeriod, ReportData
+    from app.outputs.report_stats import PausePeriod, ReportData
 
 TRUNCATION_WARN = 0.05
 FAILURE_WARN = 0.01
@@ -89,9 +85,9 @@ def build_report(db: Engine, run_name: str, out_dir: Path) -> ReportResult:
         iter_item_stats,
         server_events,
     )
-    from ops import report_plots  # matplotlib loads only when a report is made
-    from ops.report_accept import acceptance_report_for, acceptance_section, draw_acceptance
-    from ops.report_stats import accumulate, pause_periods
+    from app.outputs.report_stats import accumulate, pause_periods
+    from ops.views import report_plots  # matplotlib loads only when a report is made
+    from ops.views.report_accept import acceptance_report_for, acceptance_section, draw_acceptance
     from workers.control.pausing import EVENT_PAUSED, EVENT_RESUMED
 
     with db.connect() as conn:
@@ -301,40 +297,4 @@ def render_page(
         f"<h2>Servers</h2>{servers}<h2>Pauses</h2>{pause_table}"
         f"<h2>Failure reasons</h2>{failure_table}<h2>Run settings</h2>{config}"
         "</body></html>\n"
-    )
-
-
-@click.command("report")
-@click.argument("run_name")
-@click.option(
-    "--out",
-    "out_dir",
-    type=click.Path(path_type=Path, file_okay=False),
-    required=True,
-    help="Folder for index.html and its PNG plots (created if missing).",
-)
-@click.option(
-    "--compare",
-    "run_b",
-    default=None,
-    metavar="RUN_B",
-    help="Instead: the page comparing two drafts (RUN_NAME = A, RUN_B = B) pair by pair, as "
-    "`tokenmill accept RUN_NAME RUN_B` does.",
-)
-@handle_errors
-def report_cmd(run_name: str, out_dir: Path, run_b: str | None) -> None:
-    """Write an HTML report of RUN_NAME (lengths, finish reasons, throughput, latency, and the
-    draft's acceptance when the servers speculated) to --out."""
-    if run_b is not None:
-        from ops.report_accept import build_compare_report
-
-        index = build_compare_report(open_db(), run_name, run_b, out_dir, STYLE)
-        err_console().print(f"wrote {index}", highlight=False, markup=False, soft_wrap=True)
-        return
-    result = build_report(open_db(), run_name, out_dir)
-    err_console().print(
-        f"wrote {result.index} ({len(result.images)} plots, {result.items:,} finished items)",
-        highlight=False,
-        markup=False,
-        soft_wrap=True,
     )

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from ops.acceptance import (
+from app.outputs.acceptance import (
     DEFAULT_RESAMPLES,
     AcceptRow,
     PairKey,

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from app.core.errors import NotFound
 from app.core.images import FORMAT_EXTENSIONS, ImageRef, store_key
 from app.core.settings import Settings
-from app.outputs.shards import Location, StorageError, open_location, read_object, write_object
+from app.storage.shards import Location, StorageError, open_location, read_object, write_object
 
 
 class ImageError(ValueError):

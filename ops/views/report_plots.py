@@ -12,7 +12,7 @@ from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from ops.report_stats import FAILED, Histogram, PausePeriod, ReportData, Throughput
+from app.outputs.report_stats import FAILED, Histogram, PausePeriod, ReportData, Throughput
 
 STOP_COLOR = "#4C72B0"
 TRUNCATED_COLOR = "#DD8452"

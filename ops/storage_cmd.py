@@ -1,7 +1,7 @@
 """The object-storage commands: `compact`, `archive`, and the Parquet path of `export`.
 
-Thin: settings and the ledger in, workers.control.compaction / app.outputs.storage do the work,
-counts out.
+Thin: settings and the ledger in, workers.control.compaction / app.outputs.parquet_export do the
+work, counts out.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ def export_to_storage(
     from rich.markup import escape
 
     from app import ledger
-    from app.outputs.image_store import image_location
-    from app.outputs.shards import StorageError
-    from app.outputs.storage import export_parquet
+    from app.outputs.parquet_export import export_parquet
+    from app.storage.image_store import image_location
+    from app.storage.shards import StorageError
 
     settings = get_settings()
     db = open_db(settings)
@@ -73,7 +73,7 @@ def compact_cmd(run_name: str, force: bool, as_json: bool) -> None:
     from rich.markup import escape
 
     from app import ledger
-    from app.outputs.shards import StorageError
+    from app.storage.shards import StorageError
     from workers.control.compaction import compact_run
 
     settings = get_settings()
@@ -116,7 +116,7 @@ def archive_cmd(run_name: str, as_json: bool) -> None:
     from app import ledger
     from app.core.errors import ArchiveRefused
     from app.ledger import archive
-    from app.outputs.shards import StorageError
+    from app.storage.shards import StorageError
     from workers.control.compaction import compact_run
 
     settings = get_settings()

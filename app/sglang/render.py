@@ -20,7 +20,7 @@ import httpx
 from app.core.contracts import Message
 from app.core.errors import GenerationError, PermanentError, RetryableError, ServerUnavailable
 from app.core.settings import Settings
-from app.sglang.client import KEEPALIVE_EXPIRY_S, shared_ssl_context
+from app.sglang.client import http_client
 from app.sglang.errors import map_http_error
 
 logger = logging.getLogger(__name__)
@@ -111,19 +111,12 @@ class RenderClient:
         self.window = window
         self.policy = policy or RenderPolicy()
         self._sleep = sleep
-        self._client = httpx.Client(
-            base_url=self.base_url,
-            timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
-            limits=httpx.Limits(
-                max_connections=window,
-                max_keepalive_connections=window,
-                keepalive_expiry=KEEPALIVE_EXPIRY_S,
-            ),
+        self._client = http_client(
+            self.base_url,
+            httpx.Timeout(timeout_s, connect=connect_timeout_s),
+            max_connections=window,
+            api_key=api_key,
             transport=transport,
-            trust_env=False,
-            follow_redirects=False,
-            verify=shared_ssl_context(),
-            headers={"Authorization": f"Bearer {api_key}"} if api_key else None,
         )
         self._pool = ThreadPoolExecutor(max_workers=window, thread_name_prefix="tm-render")
         self._outage_lock = threading.Lock()

@@ -8,15 +8,15 @@ from html import escape
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ops.accept_pairs import PAIRED_HEADER, paired_cells
-from ops.acceptance import LENGTH_FIELD, STATS_HEADER, stats_cells
+from app.outputs.accept_pairs import PAIRED_HEADER, paired_cells
+from app.outputs.acceptance import LENGTH_FIELD, STATS_HEADER, stats_cells
 
 if TYPE_CHECKING:
     from sqlalchemy import Engine
 
     from app.ledger import RunInfo
-    from ops.accept_pairs import PairedReport
-    from ops.acceptance import AcceptReport
+    from app.outputs.accept_pairs import PairedReport
+    from app.outputs.acceptance import AcceptReport
 
 ACCEPT_FIGURES = (
     (
@@ -44,8 +44,8 @@ ACCEPT_FIGURES = (
 def acceptance_report_for(db: Engine, run: RunInfo) -> AcceptReport | None:
     """The acceptance of a run whose results carry speculative counters, else None."""
     from app import ledger
-    from ops.accept_cmd import load_rows, speculative_of
-    from ops.acceptance import accept_report, default_fields
+    from app.outputs.accept_rows import load_rows, speculative_of
+    from app.outputs.acceptance import accept_report, default_fields
 
     with db.connect() as conn:
         if not ledger.run_has_spec_stats(conn, run.id):
@@ -63,7 +63,7 @@ def _group_field(report: AcceptReport) -> str:
 
 
 def draw_acceptance(report: AcceptReport, out_dir: Path) -> list[Path]:
-    from ops import report_accept_plots as plots
+    from ops.views import report_accept_plots as plots
 
     assert report.overall is not None
     field = _group_field(report)
@@ -154,10 +154,10 @@ def build_compare_report(db: Engine, run_a: str, run_b: str, out_dir: Path, styl
     """`tokenmill report A --compare B --out DIR`: DIR/index.html (styled like the run
     report) and its plots."""
     from app import ledger
-    from ops import report_accept_plots as plots
-    from ops.accept_cmd import is_greedy, load_rows, speculative_of
-    from ops.accept_pairs import Side, paired_report
-    from ops.acceptance import default_fields
+    from app.outputs.accept_pairs import Side, paired_report
+    from app.outputs.accept_rows import is_greedy, load_rows, speculative_of
+    from app.outputs.acceptance import default_fields
+    from ops.views import report_accept_plots as plots
 
     with db.connect() as conn:
         a = ledger.get_run(conn, run_a)

@@ -1,8 +1,8 @@
 """Parquet shards in object storage: fsspec filesystems from a URL, atomic object writes, the
 shard schema, streaming shard writers and readers, and hydrating compacted token arrays.
 
-Knows nothing of the ledger (app.ledger reads compacted rows through it; app.outputs.storage builds
-exports on top of it).
+Knows nothing of the ledger (app.ledger reads compacted rows through it;
+app.outputs.parquet_export builds exports on top of it).
 """
 
 from __future__ import annotations

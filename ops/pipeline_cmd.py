@@ -66,8 +66,8 @@ def enqueue_input(
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from app.prompts.inputs import parse_chat_template_kwargs
-    from app.prompts.render import render_client
     from app.prompts.tokenization import load_tokenizer
+    from app.sglang.render import render_client
     from workers.intake.producer import EnqueueOptions, enqueue
 
     console = err_console()
@@ -378,7 +378,7 @@ def export_cmd(
             "--split and --exclude apply to the specforge and conversations exports"
         )
     if fmt == "parquet":
-        from ops.storage_cmds import export_to_storage
+        from ops.storage_cmd import export_to_storage
 
         export_to_storage(run_name, out, weight_version, allow_mixed_weights, with_images)
         return

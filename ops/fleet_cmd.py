@@ -20,13 +20,13 @@ from ops.options import (
     print_json,
     setting_option,
 )
-from ops.text_table import Column, left_out_note, render
+from ops.views.text_table import Column, left_out_note, render
 
 if TYPE_CHECKING:
     from rich.table import Table
 
     from app.ledger import registry
-    from ops.restart import RestartProgress
+    from workers.control.restart import RestartProgress
 
 
 def _ago(at: datetime | None) -> str:
@@ -152,7 +152,7 @@ def _rendering(server: registry.ServerInfo) -> str:
 def servers_add(name: str, url: str, restart_command: str | None) -> None:
     """Register (or update) server NAME at URL."""
     from app.ledger import registry
-    from ops.restart import parse_command
+    from workers.control.restart import parse_command
 
     if not url.startswith(("http://", "https://")):
         raise ConfigurationError(f"URL must start with http:// or https://, got {url!r}")
@@ -245,8 +245,8 @@ def restart_cmd(name: str, command: str | None, timeout_s: float | None, poll_s:
     from rich.live import Live
     from rich.table import Table
 
-    from ops.restart import parse_command, restart_server
     from workers.control.pausing import CeleryControl
+    from workers.control.restart import parse_command, restart_server
 
     settings = get_settings()
     db = open_db(settings)

@@ -21,8 +21,8 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from app.ledger.dashboard_queries import Dashboard, RunProgress, ServerRow, gather_dashboard
-from ops.fleet_cmds import current_error
-from ops.text_table import Column, fit
+from ops.fleet_cmd import current_error
+from ops.views.text_table import Column, fit
 
 log = logging.getLogger(__name__)
 

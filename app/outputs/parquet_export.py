@@ -1,7 +1,7 @@
 """Parquet exports of a run in object storage: shards streamed from the ledger, .manifest.json,
 and check_export, which compares an export with the ledger row by row.
 
-The shard format, filesystems and atomic writes live in app.outputs.shards; this module adds
+The shard format, filesystems and atomic writes live in app.storage.shards; this module adds
 the run.
 """
 
@@ -26,7 +26,7 @@ from app.ledger.image_tokens import run_image_pins
 from app.outputs.image_checks import ImageRefs, listed_image_problems, row_image_problems
 from app.outputs.image_rows import ImageRows, count_problem, served_prompt
 from app.outputs.provenance import ProvenanceCounts, weight_filter
-from app.outputs.shards import (
+from app.storage.shards import (
     Location,
     ShardInfo,
     ShardRow,
@@ -164,7 +164,7 @@ def export_parquet(
 ) -> ParquetExport:
     """Write every done sample of run as Parquet shards and a .manifest.json under url.
 
-    Shards appear only complete (app.outputs.shards writes them under a temporary name) and are
+    Shards appear only complete (app.storage.shards writes them under a temporary name) and are
     named `part-NNNNN-<export id>.parquet`, new names every export: shards of an earlier export at
     the same url stay untouched until the new manifest has replaced the old one, so a crash at
     any point leaves the previous export whole and no manifest listing a partial or foreign
