@@ -66,11 +66,11 @@ CLAIM_THEN_WAIT = """
 import celery.signals
 
 def _claim_then_wait(rt, item_ids, *, requeue):
-    from app import ledger
+    from app.ledger import claims
     from workers.engine.generate import _release
     ids = [int(i) for i in item_ids]
     with rt.db.begin() as conn:
-        claimed = ledger.claim_items(
+        claimed = claims.claim_items(
             conn, ids, owner=rt.owner, server=rt.server_name, lease_s=rt.settings.lease_s
         )
     if claimed and not rt.window.wait_for_room(len(claimed)):
@@ -161,15 +161,15 @@ class LeaseSampler:
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
     def _loop(self) -> None:
-        from app import ledger
+        from app.ledger import common, run_queries
 
-        t = ledger.items
+        t = common.items
         run_id = None
         while not self._stop.is_set():
             try:
                 with self.db.connect() as conn:
                     if run_id is None:
-                        run_id = ledger.get_run(conn, self.run).id
+                        run_id = run_queries.get_run(conn, self.run).id
                     rows = conn.execute(
                         select(t.c.server, func.count())
                         .where(t.c.run_id == run_id, t.c.status == "leased")
@@ -214,7 +214,7 @@ class LeaseSampler:
 def one_round(
     args: argparse.Namespace, pg_url: str, tmp: Path, prompts: Path, run: str, mode: str
 ) -> Any:
-    from app import ledger
+    from app.ledger import common, run_queries
 
     db = engine_for(pg_url)
     flush_redis()
@@ -264,9 +264,9 @@ def one_round(
         finally:
             for w in workers.values():
                 stop_process(w)
-    t = ledger.items
+    t = common.items
     with db.connect() as conn:
-        run_id = ledger.get_run(conn, run).id
+        run_id = run_queries.get_run(conn, run).id
         rows = conn.execute(
             select(
                 t.c.server,

@@ -319,11 +319,11 @@ class LedgerItem:
 
 def run_items(db: Engine, run_name: str) -> tuple[list[LedgerItem], Any]:
     """The run's items in id order and its SamplingParams: what the workers would send."""
-    from app import ledger
+    from app.ledger import common, run_queries
 
     with db.connect() as conn:
-        run = ledger.get_run(conn, run_name)
-        t = ledger.items
+        run = run_queries.get_run(conn, run_name)
+        t = common.items
         rows = conn.execute(
             select(t.c.id, t.c.sample_index, t.c.prompt_ids)
             .where(t.c.run_id == run.id)
@@ -341,12 +341,12 @@ def wait_run_finished(
     alive: Any = None,
 ) -> Any:
     """Poll `ledger.run_counts` until nothing is pending, queued or leased; the counts."""
-    from app import ledger
+    from app.ledger import reads, run_queries
 
     deadline = time.monotonic() + timeout_s
     while True:
         with db.connect() as conn:
-            counts = ledger.run_counts(conn, ledger.get_run(conn, run_name))
+            counts = reads.run_counts(conn, run_queries.get_run(conn, run_name))
         if counts.total and counts.finished:
             return counts
         if alive is not None and not alive():
@@ -358,12 +358,12 @@ def wait_run_finished(
 
 def wait_first_claim(db: Engine, run_name: str, *, timeout_s: float = 120) -> None:
     """Poll until a worker has claimed (or finished) an item of the run."""
-    from app import ledger
+    from app.ledger import reads, run_queries
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         with db.connect() as conn:
-            counts = ledger.run_counts(conn, ledger.get_run(conn, run_name))
+            counts = reads.run_counts(conn, run_queries.get_run(conn, run_name))
         if counts.leased or counts.done or counts.failed:
             return
         time.sleep(0.05)
@@ -372,11 +372,11 @@ def wait_first_claim(db: Engine, run_name: str, *, timeout_s: float = 120) -> No
 
 def run_span(db: Engine, run_name: str) -> tuple[datetime, datetime]:
     """(first claim, last result written) of a run, from the ledger's timestamps."""
-    from app import ledger
+    from app.ledger import common, run_queries
 
     with db.connect() as conn:
-        run = ledger.get_run(conn, run_name)
-        t = ledger.items
+        run = run_queries.get_run(conn, run_name)
+        t = common.items
         first, last = conn.execute(
             select(func.min(t.c.started_at), func.max(t.c.finished_at)).where(t.c.run_id == run.id)
         ).one()

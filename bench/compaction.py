@@ -16,17 +16,18 @@ from pathlib import Path
 from common import bench_database, engine_for, machine_note
 from sqlalchemy import Engine, text
 
-from app import ledger
 from app.core.contracts import GenerateResult, SamplingParams
 from app.core.settings import Settings
+from app.ledger import outcomes as ledger_outcomes
+from app.ledger import queue, run_queries
 from workers.control.compaction import compact_run
 
 VOCAB = 160_000
 
 
-def build_run(db: Engine, items: int, rng: random.Random) -> tuple[ledger.RunInfo, int]:
+def build_run(db: Engine, items: int, rng: random.Random) -> tuple[run_queries.RunInfo, int]:
     """A run of `items` done items: prompts of 50-600 ids, outputs log-normal (median ~900)."""
-    spec = ledger.RunSpec(
+    spec = run_queries.RunSpec(
         name="compaction-bench",
         tokenizer_path="/models/bench",
         tokenizer_hash="a" * 64,
@@ -38,9 +39,9 @@ def build_run(db: Engine, items: int, rng: random.Random) -> tuple[ledger.RunInf
         eos_token_ids=[2],
     )
     with db.begin() as conn:
-        run, _ = ledger.get_or_create_run(conn, spec)
+        run, _ = run_queries.get_or_create_run(conn, spec)
         new = [
-            ledger.NewItem(
+            queue.NewItem(
                 f"p{i}",
                 0,
                 i,
@@ -49,8 +50,8 @@ def build_run(db: Engine, items: int, rng: random.Random) -> tuple[ledger.RunInf
             )
             for i in range(items)
         ]
-        ledger.insert_items(conn, run.id, new)
-        ids = ledger.pending_ids(conn, run.id, limit=items)
+        queue.insert_items(conn, run.id, new)
+        ids = queue.pending_ids(conn, run.id, limit=items)
     tokens = 0
     for start in range(0, len(ids), 1000):
         outcomes = []
@@ -58,9 +59,9 @@ def build_run(db: Engine, items: int, rng: random.Random) -> tuple[ledger.RunInf
             out = [rng.randrange(VOCAB) for _ in range(int(rng.lognormvariate(6.8, 0.8)))]
             tokens += len(out)
             result = GenerateResult("bench", out, "stop", None, 0, len(out), 0, 1.0)
-            outcomes.append(ledger.Done(item_id, result))
+            outcomes.append(ledger_outcomes.Done(item_id, result))
         with db.begin() as conn:
-            ledger.record_outcomes(conn, outcomes, owner="bench", lease_s=60)
+            ledger_outcomes.record_outcomes(conn, outcomes, owner="bench", lease_s=60)
     return run, tokens
 
 

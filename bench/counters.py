@@ -21,9 +21,9 @@ from typing import Any
 from common import bench_database, engine_for, machine_note, table
 from sqlalchemy import Connection, Engine, text
 
-from app import ledger
 from app.core.contracts import GenerateResult, SamplingParams
-from app.ledger import counters
+from app.ledger import claims, counters, queue, reads, run_queries
+from app.ledger import outcomes as ledger_outcomes
 from app.ledger.metrics_queries import read_snapshot
 
 SERVERS = ("gpu-a", "gpu-b", "gpu-c")
@@ -48,8 +48,8 @@ FROM generate_series(1, :n) AS g
 """
 
 
-def make_run(conn: Connection, name: str) -> ledger.RunInfo:
-    spec = ledger.RunSpec(
+def make_run(conn: Connection, name: str) -> run_queries.RunInfo:
+    spec = run_queries.RunSpec(
         name=name,
         tokenizer_path="/models/bench",
         tokenizer_hash="a" * 64,
@@ -60,7 +60,7 @@ def make_run(conn: Connection, name: str) -> ledger.RunInfo:
         think_end_id=None,
         eos_token_ids=[2],
     )
-    run, _ = ledger.get_or_create_run(conn, spec)
+    run, _ = run_queries.get_or_create_run(conn, spec)
     return run
 
 
@@ -73,7 +73,7 @@ def median_ms(fn: Callable[[], Any], repeat: int) -> float:
     return statistics.median(times)
 
 
-def read_costs(db: Engine, runs: list[ledger.RunInfo], repeat: int) -> list[tuple[str, float]]:
+def read_costs(db: Engine, runs: list[run_queries.RunInfo], repeat: int) -> list[tuple[str, float]]:
     """Median ms of each view's reads from the counters, and of the full counts they replace."""
 
     def on_conn(fn: Callable[[Connection], Any]) -> Callable[[], Any]:
@@ -87,7 +87,7 @@ def read_costs(db: Engine, runs: list[ledger.RunInfo], repeat: int) -> list[tupl
         (
             "status: run_counts of both runs",
             True,
-            on_conn(lambda c: [ledger.run_counts(c, r) for r in runs]),
+            on_conn(lambda c: [reads.run_counts(c, r) for r in runs]),
         ),
         ("servers: leased per server", True, on_conn(counters.leased_by_server)),
         ("/metrics: the whole ledger snapshot", True, lambda: read_snapshot(db)),
@@ -112,22 +112,22 @@ def write_costs(db: Engine, rounds: int, batch: int) -> dict[bool, tuple[float, 
         on = i % 2 == 0
         with db.begin() as conn:
             conn.execute(text(f"ALTER TABLE items {'ENABLE' if on else 'DISABLE'} TRIGGER USER"))
-        new = [ledger.NewItem(f"h{i}-{j}", 0, j, None, list(range(300))) for j in range(batch)]
+        new = [queue.NewItem(f"h{i}-{j}", 0, j, None, list(range(300))) for j in range(batch)]
         t0 = time.perf_counter()
         with db.begin() as conn:
-            ledger.insert_items(conn, run.id, new)
-            ids = ledger.pending_ids(conn, run.id, limit=batch)
-            ledger.mark_queued(conn, ids)
+            queue.insert_items(conn, run.id, new)
+            ids = queue.pending_ids(conn, run.id, limit=batch)
+            queue.mark_queued(conn, ids)
         t1 = time.perf_counter()
         with db.begin() as conn:
-            claimed = ledger.claim_items(conn, ids, owner="w", server="gpu-a", lease_s=600)
+            claimed = claims.claim_items(conn, ids, owner="w", server="gpu-a", lease_s=600)
         t2 = time.perf_counter()
-        outcomes: list[ledger.Outcome] = [
-            ledger.Done(c.id, GenerateResult("b", [5] * 64, "stop", 2, 300, 64, 0, 1.5))
+        outcomes: list[ledger_outcomes.Outcome] = [
+            ledger_outcomes.Done(c.id, GenerateResult("b", [5] * 64, "stop", 2, 300, 64, 0, 1.5))
             for c in claimed
         ]
         with db.begin() as conn:
-            ledger.record_outcomes(conn, outcomes, owner="w", lease_s=600)
+            ledger_outcomes.record_outcomes(conn, outcomes, owner="w", lease_s=600)
         t3 = time.perf_counter()
         timings[on].append(((t1 - t0) * 1000, (t2 - t1) * 1000, (t3 - t2) * 1000))
     with db.begin() as conn:

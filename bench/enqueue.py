@@ -99,9 +99,9 @@ def analyze_as_it_grows(db: Any) -> None:
     existing_keys lookup of chunks 2, 8, 32 and 128."""
     from sqlalchemy import text
 
-    from app import ledger as ledger_mod
+    from app.ledger import queue
 
-    lookup = ledger_mod.existing_keys
+    lookup = queue.existing_keys
     calls = [0]
 
     def existing_keys(conn: Any, run_id: int, keys: Any) -> Any:
@@ -112,7 +112,7 @@ def analyze_as_it_grows(db: Any) -> None:
                 other.commit()
         return lookup(conn, run_id, keys)
 
-    ledger_mod.existing_keys = existing_keys
+    queue.existing_keys = existing_keys  # type: ignore[assignment]
 
 
 WRITER_STEPS = ("insert_items",)  # the step of the writer thread
@@ -122,7 +122,7 @@ def instrument() -> dict[str, float]:
     """Wall time the producer spends in each step, accumulated by wrapping (in this process
     only) the functions `workers.intake.producer.enqueue` calls; cheap enough to leave on."""
     import workers.intake.reading as reading
-    from app import ledger
+    from app.ledger import queue
     from workers.intake.prompting import LocalTemplating
 
     spent: dict[str, float] = defaultdict(float)
@@ -140,8 +140,8 @@ def instrument() -> dict[str, float]:
         setattr(owner, name, timed)
 
     wrap(LocalTemplating, "submit", "chat template + tokenize (LocalTemplating.submit)")
-    wrap(ledger, "insert_items", "insert_items (writer thread: COPY + INSERT … SELECT)")
-    wrap(ledger, "existing_keys", "existing_keys (SELECT per chunk)")
+    wrap(queue, "insert_items", "insert_items (writer thread: COPY + INSERT … SELECT)")
+    wrap(queue, "existing_keys", "existing_keys (SELECT per chunk)")
     read = reading.read_prompts
 
     def timed_read(*args: Any, **kwargs: Any) -> Iterator[Any]:

@@ -205,11 +205,12 @@ def write_text_items(path: Path, lengths: list[int], seed: int) -> Path:
 def served_lengths(db: Any, run: str) -> list[int]:
     """The served prompt length of each item: its ids, each placeholder counted as the
     number of tokens its image took."""
-    from app import ledger
+    from app.ledger import reads as ledger_reads
+    from app.ledger import run_queries
 
     with db.connect() as conn:
-        info = ledger.get_run(conn, run)
-        items = list(ledger.iter_items(conn, info.id))
+        info = run_queries.get_run(conn, run)
+        items = list(ledger_reads.iter_items(conn, info.id))
     counts = [item.image_token_counts or [] for item in items]
     return [len(item.prompt_ids) - len(c) + sum(c) for item, c in zip(items, counts, strict=True)]
 
@@ -219,12 +220,12 @@ def generate_run(
 ) -> tuple[float, float]:
     """Enqueue path as run, work it with the embedded runner: wall seconds of the work, and
     CPU seconds of this process (the runner's) meanwhile."""
-    from app import ledger
+    from app.ledger import run_queries
     from workers.engine.runner import EmbeddedRunner
 
     enqueue_rows(db, tokenizer, path, run)
     with db.connect() as conn:
-        info = ledger.get_run(conn, run)
+        info = run_queries.get_run(conn, run)
     runner = EmbeddedRunner(db, settings, info, [url])
     started, cpu = time.perf_counter(), time.process_time()
     runner.start()

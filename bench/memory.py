@@ -138,9 +138,9 @@ def tree_rss_mb(pid: int) -> float:
 def done_count(db: Any, run_id: int) -> int:
     from sqlalchemy import func, select
 
-    from app import ledger
+    from app.ledger import common
 
-    t = ledger.items
+    t = common.items
     with db.connect() as conn:
         stmt = select(func.count()).where(t.c.run_id == run_id, t.c.status == "done")
         return int(conn.execute(stmt).scalar_one())
@@ -148,11 +148,11 @@ def done_count(db: Any, run_id: int) -> int:
 
 def build_id_run(db: Any, run: str, items: int, tokens: int, seed: int) -> int:
     """A run of `items` pre-tokenized prompts inserted straight into the ledger; its id."""
-    from app import ledger
     from app.core.contracts import SamplingParams
+    from app.ledger import run_queries
 
     rng = random.Random(seed)
-    spec = ledger.RunSpec(
+    spec = run_queries.RunSpec(
         name=run,
         tokenizer_path=str(fixture_tokenizer_dir()),
         tokenizer_hash="bench",
@@ -164,7 +164,7 @@ def build_id_run(db: Any, run: str, items: int, tokens: int, seed: int) -> int:
         eos_token_ids=[163586],
     )
     with db.begin() as conn:
-        run_info, _ = ledger.get_or_create_run(conn, spec)
+        run_info, _ = run_queries.get_or_create_run(conn, spec)
     insert_random_items(db, run_info.id, items, tokens, rng, chat=False)
     return int(run_info.id)
 
@@ -174,7 +174,7 @@ def insert_random_items(
 ) -> None:
     """`items` prompts of about `tokens` random ids each, inserted 5,000 at a time; with chat,
     a short user message and a line number each (what an export writes out)."""
-    from app import ledger
+    from app.ledger import queue
 
     chunk: list[Any] = []
     for i in range(items):
@@ -182,28 +182,28 @@ def insert_random_items(
         ids = [rng.randrange(300, 1500) for _ in range(n)]
         if chat:
             messages = [{"role": "user", "content": f"question {i}: " + "word " * 40}]
-            chunk.append(ledger.NewItem(f"x{i:07d}", 0, i + 1, messages, ids))
+            chunk.append(queue.NewItem(f"x{i:07d}", 0, i + 1, messages, ids))
         else:
-            chunk.append(ledger.NewItem(f"m{i:07d}", 0, None, None, ids))
+            chunk.append(queue.NewItem(f"m{i:07d}", 0, None, None, ids))
         if len(chunk) == 5000 or i == items - 1:
             with db.begin() as conn:
-                ledger.insert_items(conn, run_id, chunk)
+                queue.insert_items(conn, run_id, chunk)
             chunk = []
 
 
 def publish_all(db: Any, run_id: int, batch: int) -> None:
-    from app import ledger
+    from app.ledger import queue
     from workers.intake.publish import publish_items
 
     after = 0
     while True:
         with db.connect() as conn:
-            ids = ledger.pending_ids(conn, run_id, after_id=after)
+            ids = queue.pending_ids(conn, run_id, after_id=after)
         if not ids:
             return
         publish_items(ids, batch_size=batch)
         with db.begin() as conn:
-            ledger.mark_queued(conn, ids)
+            queue.mark_queued(conn, ids)
         after = ids[-1]
 
 
@@ -302,12 +302,12 @@ def build_done_run(db: Any, run: str, items: int, tokens: int, seed: int) -> Non
     chat, inserted in bulk and then marked done in one UPDATE."""
     from sqlalchemy import text
 
-    from app import ledger
     from app.core.contracts import SamplingParams
+    from app.ledger import queue, run_queries
     from app.prompts.tokenization import load_tokenizer
 
     tok = load_tokenizer(fixture_tokenizer_dir())
-    spec = ledger.RunSpec(
+    spec = run_queries.RunSpec(
         name=run,
         tokenizer_path=str(tok.path),
         tokenizer_hash=tok.tokenizer_hash,
@@ -320,7 +320,7 @@ def build_done_run(db: Any, run: str, items: int, tokens: int, seed: int) -> Non
     )
     rng = random.Random(seed)
     with db.begin() as conn:
-        run_info, _ = ledger.get_or_create_run(conn, spec)
+        run_info, _ = run_queries.get_or_create_run(conn, spec)
     insert_random_items(db, run_info.id, items, tokens, rng, chat=True)
     with db.begin() as conn:
         # the output: the prompt's ids reversed is as good as any (a few hundred tokens)
@@ -332,7 +332,7 @@ def build_done_run(db: Any, run: str, items: int, tokens: int, seed: int) -> Non
             ),
             {"r": run_info.id},
         )
-        ledger.refresh_statistics(conn)
+        queue.refresh_statistics(conn)
 
 
 def export_formats() -> list[str]:

@@ -162,21 +162,21 @@ def enqueue_run(
 def publish_run(db: Any, run: str, batch: int) -> float:
     """Publish the run's pending ids in messages of `batch` ids and mark them queued, as the
     producer does; only now, so no other config's worker can take them."""
-    from app import ledger
+    from app.ledger import queue, run_queries
     from workers.intake.publish import publish_items
 
     t0 = time.perf_counter()
     with db.connect() as conn:
-        run_id = ledger.get_run(conn, run).id
+        run_id = run_queries.get_run(conn, run).id
     after = 0
     while True:
         with db.connect() as conn:
-            ids = ledger.pending_ids(conn, run_id, after_id=after)
+            ids = queue.pending_ids(conn, run_id, after_id=after)
         if not ids:
             return time.perf_counter() - t0
         publish_items(ids, batch_size=batch)
         with db.begin() as conn:
-            ledger.mark_queued(conn, ids)
+            queue.mark_queued(conn, ids)
         after = ids[-1]
 
 
@@ -187,11 +187,11 @@ def explain(db: Any, run: str, when: str) -> None:
 
     from sqlalchemy import select, update
 
-    from app import ledger
+    from app.ledger import claims, common, run_queries
 
-    t = ledger.items
+    t = common.items
     with db.connect() as conn:
-        run_id = ledger.get_run(conn, run).id
+        run_id = run_queries.get_run(conn, run).id
         ids = list(
             conn.execute(
                 select(t.c.id).where(t.c.run_id == run_id).order_by(t.c.id.desc()).limit(512)
@@ -200,7 +200,7 @@ def explain(db: Any, run: str, when: str) -> None:
         keys = list(conn.execute(select(t.c.item_key).where(t.c.id.in_(ids))).scalars())
         claim = (
             update(t)
-            .where(t.c.id.in_(ids[:8]), ledger._claimable(datetime.now(UTC)))
+            .where(t.c.id.in_(ids[:8]), claims._claimable(datetime.now(UTC)))
             .values(status="leased")
             .returning(t.c.id)
         )

@@ -161,7 +161,7 @@ def wait_workers(env: dict[str, str], names: list[str], timeout_s: float = 120) 
 def one_round(
     args: argparse.Namespace, pg_url: str, tmp: Path, prompts: Path, run: str, turns: str
 ) -> tuple[list[Any], dict[str, dict[str, Any]], float]:
-    from app import ledger
+    from app.ledger import common, run_queries
 
     db = engine_for(pg_url)
     flush_redis()
@@ -230,9 +230,9 @@ def one_round(
         finally:
             for w in workers.values():
                 stop_process(w)
-    t = ledger.items
+    t = common.items
     with db.connect() as conn:
-        run_id = ledger.get_run(conn, run).id
+        run_id = run_queries.get_run(conn, run).id
         rows = conn.execute(
             select(
                 t.c.id,

@@ -63,18 +63,18 @@ def enqueue_run(db: Any, tokenizer: Any, path: Path, run: str, url: str | None, 
 
 
 def prompts_of(db: Any, run: str) -> dict[str, list[int]]:
-    from app import ledger
+    from app.ledger import reads, run_queries
 
     with db.connect() as conn:
-        info = ledger.get_run(conn, run)
-        stored = ledger.stored_prompts(conn, ledger.prompt_item_ids(conn, info.id))
+        info = run_queries.get_run(conn, run)
+        stored = reads.stored_prompts(conn, reads.prompt_item_ids(conn, info.id))
     return {item.item_key: item.prompt_ids for item in stored}
 
 
 def main() -> None:
     args = parse_args()
     print(f"render-with enqueue benchmark — {machine_note()}")
-    from app import ledger
+    from app.ledger import run_queries
     from app.prompts.tokenization import load_tokenizer
     from app.sglang.render import RenderClient, RenderPolicy
     from workers.control.parity import check_run
@@ -109,7 +109,7 @@ def main() -> None:
             if window:
                 assert prompts_of(db, label) == reference, f"{label} differs from local"
         with db.connect() as conn:
-            run_info = ledger.get_run(conn, f"render-w{args.windows[0]}")
+            run_info = run_queries.get_run(conn, f"render-w{args.windows[0]}")
         policy = RenderPolicy(wait_s=60)
         with RenderClient(
             server.url, window=args.windows[0], connect_timeout_s=5, timeout_s=120, policy=policy

@@ -43,10 +43,11 @@ from scale_broker import REDIS_URL, fill_broker, queued_ids
 from scale_table import RESULTS, report, save
 from sqlalchemy import Engine, text
 
-from app import ledger
 from app.core.contracts import GenerateResult
 from app.core.settings import Settings
-from app.ledger import registry
+from app.ledger import claims as ledger_claims
+from app.ledger import compaction, reads, registry, run_queries
+from app.ledger import outcomes as ledger_outcomes
 
 PARTS = ("commands", "queries", "claims", "export", "preflight")
 CLAIM_BATCH = 32
@@ -143,7 +144,7 @@ def _restore_dead_leases(db: Engine, built: build.Ledger) -> None:
                 {"run": built.run_a.id, "n": build.DEAD_LEASES},
             ).scalars()
         )
-        ledger.claim_items(conn, ids, owner=build.DEAD_WORKER, server="s2", lease_s=-3600)
+        ledger_claims.claim_items(conn, ids, owner=build.DEAD_WORKER, server="s2", lease_s=-3600)
 
 
 # --- operator commands: subprocess wall time, start-up included ------------------------------
@@ -272,35 +273,37 @@ def time_queries(
         reconcile(db, settings, run=None, publish=publish)
 
     def status_all(conn: Any) -> Any:
-        return [ledger.run_counts(conn, r) for r in ledger.list_runs(conn)]
+        return [reads.run_counts(conn, r) for r in run_queries.list_runs(conn)]
 
     queries: dict[str, Callable[[], Any]] = {
         "hedge search (end of run A, B queued)": _read(
-            db, lambda c: ledger.hedge_candidates(c, server="s3", limit=32)
+            db, lambda c: ledger_claims.hedge_candidates(c, server="s3", limit=32)
         ),
         # the hedge search's probe of a run that still has work (run B: all queued), as a
         # second worker's leases on run B make it ask
         "hedge search: claimable_left(run B)": _read(
-            db, lambda c: ledger.claimable_left(c, built.run_b.id)
+            db, lambda c: ledger_claims.claimable_left(c, built.run_b.id)
         ),
-        "finished_among(64 in flight)": _read(db, lambda c: ledger.finished_among(c, in_flight)),
+        "finished_among(64 in flight)": _read(
+            db, lambda c: ledger_claims.finished_among(c, in_flight)
+        ),
         "heartbeat: extend_leases(128)": _write(
             db,
-            lambda c: ledger.extend_leases(c, owner=build.LIVE_WORKERS[0], lease_s=300),
+            lambda c: ledger_claims.extend_leases(c, owner=build.LIVE_WORKERS[0], lease_s=300),
         ),
         "watchdog: server_load(s1)": _read(db, lambda c: registry.server_load(c, "s1")),
         "watchdog: active_run_fingerprints": _read(db, registry.active_run_fingerprints),
-        "counts: run_counts(run A)": _read(db, lambda c: ledger.run_counts(c, run_a)),
+        "counts: run_counts(run A)": _read(db, lambda c: reads.run_counts(c, run_a)),
         "counts: every run (status)": _read(db, status_all),
         "dashboard tick (status --watch)": _read(db, gather_dashboard),
         "metrics: read_snapshot": lambda: read_snapshot(db),
         "compaction scan: runs_with_compactable": _read(
-            db, lambda c: ledger.runs_with_compactable(c, settings.compact_min_items)
+            db, lambda c: compaction.runs_with_compactable(c, settings.compact_min_items)
         ),
         # as the periodic compaction asks it: "are there compact_min_items?"
         "compaction scan: count_uncompacted(A, up to compact_min_items)": _read(
             db,
-            lambda c: ledger.count_uncompacted(c, run_a.id, at_most=settings.compact_min_items),
+            lambda c: compaction.count_uncompacted(c, run_a.id, at_most=settings.compact_min_items),
         ),
         "events: list_events(200)": _read(db, lambda c: registry.list_events(c, limit=200)),
         "reconcile pass": reconcile_pass,
@@ -339,13 +342,13 @@ def time_preflight(db: Engine, built: build.Ledger, repeat: int) -> dict[str, fl
     sample = Settings().parity_sample
     calls: dict[str, Callable[[], Any]] = {
         f"parity preflight: sample_prompt_item_ids(run A, {sample})": _read(
-            db, lambda c: ledger.sample_prompt_item_ids(c, built.run_a.id, sample, seed=0)
+            db, lambda c: reads.sample_prompt_item_ids(c, built.run_a.id, sample, seed=0)
         ),
         f"parity preflight: sample_prompt_item_ids(run B, pre-tokenized, {sample})": _read(
-            db, lambda c: ledger.sample_prompt_item_ids(c, built.run_b.id, sample, seed=0)
+            db, lambda c: reads.sample_prompt_item_ids(c, built.run_b.id, sample, seed=0)
         ),
         "parity, every prompt id: prompt_item_ids(run A)": _read(
-            db, lambda c: ledger.prompt_item_ids(c, built.run_a.id)
+            db, lambda c: reads.prompt_item_ids(c, built.run_a.id)
         ),
     }
     found = len(calls[next(iter(calls))]())
@@ -369,14 +372,14 @@ def time_claims(db: Engine, built: build.Ledger) -> dict[str, float]:
         ids = queued_ids(db, built, 0, CLAIM_BATCH)
         started = time.perf_counter()
         with db.begin() as conn:
-            claimed = ledger.claim_items(conn, ids, owner=owner, server="s3", lease_s=300)
+            claimed = ledger_claims.claim_items(conn, ids, owner=owner, server="s3", lease_s=300)
         claims.append(time.perf_counter() - started)
-        outcomes: list[ledger.Outcome] = [
-            ledger.Done(item.id, _result(item.id)) for item in claimed
+        outcomes: list[ledger_outcomes.Outcome] = [
+            ledger_outcomes.Done(item.id, _result(item.id)) for item in claimed
         ]
         started = time.perf_counter()
         with db.begin() as conn:
-            ledger.record_outcomes(conn, outcomes, owner=owner, lease_s=300)
+            ledger_outcomes.record_outcomes(conn, outcomes, owner=owner, lease_s=300)
         writes.append(time.perf_counter() - started)
     out = {
         f"claim of {CLAIM_BATCH} ids, ms": 1000 * statistics.median(claims),
@@ -430,13 +433,13 @@ def _stream_run_a(db: Engine, built: build.Ledger) -> dict[str, float]:
     rate of its first and its last tenth, and of all of it (a page at row 8M costs what a
     page at row 0 does)."""
     with db.connect() as conn:
-        total = ledger.run_counts(conn, built.run_a).done
-        next(ledger.iter_items(conn, built.run_a.id))  # warm-up: imports, the first plan
+        total = reads.run_counts(conn, built.run_a).done
+        next(reads.iter_items(conn, built.run_a.id))  # warm-up: imports, the first plan
     tenth = max(1, total // 10)
     marks: list[float] = [time.perf_counter()]
     streamed = 0
     with db.connect() as conn:
-        for _ in ledger.iter_items(conn, built.run_a.id):
+        for _ in reads.iter_items(conn, built.run_a.id):
             streamed += 1
             if streamed % tenth == 0:
                 marks.append(time.perf_counter())

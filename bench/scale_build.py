@@ -23,11 +23,11 @@ from datetime import datetime
 from common import PG_ADMIN_URL, engine_for
 from sqlalchemy import Connection, Engine, create_engine, text
 
-from app import ledger
 from app.core.contracts import SamplingParams
 from app.core.settings import normalize_database_url
-from app.ledger import RunInfo, RunSpec, registry
+from app.ledger import common, event_log, queue, registry, run_queries
 from app.ledger.migrate import declared_head, upgrade
+from app.ledger.run_queries import RunInfo, RunSpec
 
 RUN_A, RUN_B, RUN_C = "scale-a", "scale-b", "scale-c"
 EXPORT_ITEMS = 10_000
@@ -111,7 +111,7 @@ def _open(size: int) -> Ledger:
     db = engine_for(database_url(size))
     try:
         with db.connect() as conn:
-            runs = {name: ledger.get_run(conn, name) for name in (RUN_A, RUN_B, RUN_C)}
+            runs = {name: run_queries.get_run(conn, name) for name in (RUN_A, RUN_B, RUN_C)}
     finally:
         db.dispose()
     return Ledger(size, database_url(size), runs[RUN_A], runs[RUN_B], runs[RUN_C])
@@ -130,7 +130,7 @@ def build(size: int, tokenizer_dir: str, tokenizer_hash: str, template_hash: str
     db = engine_for(database_url(size))
     try:
         upgrade(db)
-        now = ledger.utcnow()
+        now = common.utcnow()
         with db.begin() as conn:
             runs = [
                 _create_run(conn, name, tokenizer_dir, tokenizer_hash, template_hash)
@@ -141,7 +141,7 @@ def build(size: int, tokenizer_dir: str, tokenizer_hash: str, template_hash: str
             for name, worker in zip(SERVERS, LIVE_WORKERS, strict=False):
                 registry.set_workers(conn, name, [worker])
             for i in range(EVENTS):
-                ledger.record_event(
+                event_log.record_event(
                     conn, "probe", f"synthetic event {i}", server=SERVERS[i % len(SERVERS)]
                 )
         a_items = round(size * 0.8)
@@ -159,7 +159,7 @@ def build(size: int, tokenizer_dir: str, tokenizer_hash: str, template_hash: str
         with db.connect() as conn:
             conn.execution_options(isolation_level="AUTOCOMMIT").execute(text("VACUUM items"))
         with db.begin() as conn:
-            ledger.refresh_statistics(conn)
+            queue.refresh_statistics(conn)
             comment = _marker(size).replace("'", "''")
             conn.execute(text(f"COMMENT ON DATABASE \"{database_name(size)}\" IS '{comment}'"))
     finally:
@@ -182,9 +182,9 @@ def _create_run(
         think_end_id=None,
         eos_token_ids=[EOS_ID],
     )
-    run, _ = ledger.get_or_create_run(conn, spec)
+    run, _ = run_queries.get_or_create_run(conn, spec)
     fingerprint = {"model_path": "synthetic/model", "weight_version": "1", "version": "0.0"}
-    ledger.pin_fingerprint(conn, run.id, fingerprint)
+    run_queries.pin_fingerprint(conn, run.id, fingerprint)
     return run
 
 

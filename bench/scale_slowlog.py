@@ -41,9 +41,8 @@ from common import (
 )
 from sqlalchemy import create_engine, text
 
-from app import ledger
 from app.core.settings import Settings, normalize_database_url
-from app.ledger import registry
+from app.ledger import claims, reads, registry
 
 SIZE = 1_000_000
 SLOWLOG_SECONDS = 240
@@ -75,7 +74,7 @@ def main(*, keep: bool, workers: int = 2) -> None:
     try:
         fill_broker(db, built)
         with db.connect() as conn:
-            before = ledger.run_counts(conn, built.run_b)
+            before = reads.run_counts(conn, built.run_b)
         emu_args = ["--step-ms", "5", "--median-tokens", "16", "--sigma", "0.5"]
         emu_args += ["--max-running", "64", "--log-level", "warning"]
         with contextlib.ExitStack() as stack:
@@ -85,7 +84,7 @@ def main(*, keep: bool, workers: int = 2) -> None:
             with tempfile.TemporaryDirectory(prefix="tokenmill-slowlog-") as tmp:
                 _run_fleet(built, servers, Path(tmp), REDIS_URL, db)
         with db.connect() as conn:
-            after = ledger.run_counts(conn, built.run_b)
+            after = reads.run_counts(conn, built.run_b)
         processed = after.done + after.failed - before.done - before.failed
     finally:
         _set_slow_log(None)
@@ -202,7 +201,7 @@ def _lease_to_the_dead_worker(db: Any, built: build.Ledger) -> None:
                 {"run": built.run_b.id, "n": build.DEAD_LEASES},
             ).scalars()
         )
-        ledger.claim_items(conn, ids, owner=build.DEAD_WORKER, server="s2", lease_s=-3600)
+        claims.claim_items(conn, ids, owner=build.DEAD_WORKER, server="s2", lease_s=-3600)
 
 
 def _scrape_metrics(db: Any, redis_url: str, stop: threading.Event) -> None:

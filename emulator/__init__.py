@@ -3,8 +3,3 @@
 `config` holds the flags, `model` the deterministic outputs, `scheduler` batching, `server` HTTP;
 images (--mm): `vision` the token counts, `image_data` loading, `image_prompt` the expansion.
 """
-
-from emulator.config import EmulatorConfig
-from emulator.model import generate_output
-
-__all__ = ["EmulatorConfig", "generate_output"]

@@ -138,15 +138,15 @@ def accept_cmd(
     With RUN_B: the two runs paired by (key, sample, turn), B minus A per group, the groups
     where B is worse, and whether their outputs differ (a red flag under greedy sampling).
     """
-    from app import ledger
+    from app.ledger import run_queries
     from app.outputs.accept_pairs import Side, paired_report
     from app.outputs.accept_rows import is_greedy, load_rows, speculative_of
     from app.outputs.acceptance import accept_report, default_fields
 
     db = open_db()
     with db.connect() as conn:
-        run = ledger.get_run(conn, run_name)
-        other = ledger.get_run(conn, run_b) if run_b else None
+        run = run_queries.get_run(conn, run_name)
+        other = run_queries.get_run(conn, run_b) if run_b else None
     rows = load_rows(db, run)
     chosen = list(fields) or default_fields(rows, run.turns)
     if other is None:

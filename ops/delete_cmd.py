@@ -28,16 +28,16 @@ def delete_cmd(run_name: str, force: bool, as_json: bool) -> None:
     """
     from rich.markup import escape
 
-    from app import ledger
     from app.core.errors import ConfigurationError
+    from app.ledger import reads, removal, run_queries
     from app.storage.shards import StorageError
     from workers.control.compaction import remove_run_shards
 
     settings = get_settings()
     db = open_db(settings)
     with db.connect() as conn:
-        run = ledger.get_run(conn, run_name)
-        counts = ledger.run_counts(conn, run)
+        run = run_queries.get_run(conn, run_name)
+        counts = reads.run_counts(conn, run)
     if (counts.leased or counts.queued) and not force:
         raise ConfigurationError(
             f"run {run.name!r} has work in flight ({counts.leased} items leased, "
@@ -47,12 +47,12 @@ def delete_cmd(run_name: str, force: bool, as_json: bool) -> None:
     deleted = 0
     while True:
         with db.begin() as conn:
-            page = ledger.delete_items_page(conn, run.id)
+            page = removal.delete_items_page(conn, run.id)
         if not page:
             break
         deleted += page
     with db.begin() as conn:
-        ledger.delete_run_row(conn, run.id, run.name)
+        removal.delete_run_row(conn, run.id, run.name)
     try:
         shards = remove_run_shards(settings, run.name)
     except OSError as exc:

@@ -176,7 +176,7 @@ def inspect_commands(run_name: str, env: dict[str, str], out_dir: Path) -> list[
 @handle_errors
 def demo_cmd(samples_per_prompt: int, max_new_tokens: int) -> None:
     """Run the whole pipeline locally: fixture tokenizer, emulator, run, export, verify."""
-    from app import ledger
+    from app.ledger import reads, run_queries
     from app.ledger.database import get_engine
     from app.ledger.migrate import ensure_schema
     from app.outputs.export import export_run
@@ -226,14 +226,14 @@ def demo_cmd(samples_per_prompt: int, max_new_tokens: int) -> None:
         )
         console.print(f"enqueued {report.inserted} items from {report.prompts} prompts")
         with db.connect() as conn:
-            run = ledger.get_run(conn, run_name)
+            run = run_queries.get_run(conn, run_name)
         runner = EmbeddedRunner(db, settings, run, [emulator.url])
         started = time.monotonic()
         runner.start()
         try:
             last = [0.0]
 
-            def tick(c: ledger.RunCounts) -> None:
+            def tick(c: reads.RunCounts) -> None:
                 if time.monotonic() - last[0] > 2:
                     last[0] = time.monotonic()
                     console.print(

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 
 def _ago(at: datetime | None) -> str:
-    from app.ledger import utcnow
+    from app.ledger.common import utcnow
 
     if at is None:
         return "—"
@@ -290,12 +290,11 @@ def restart_cmd(name: str, command: str | None, timeout_s: float | None, poll_s:
 @handle_errors
 def events_cmd(run_name: str | None, server: str | None, limit: int, as_json: bool) -> None:
     """The timeline: state changes, pauses, resumes, restarts, fingerprint mismatches."""
-    from app import ledger
-    from app.ledger import registry
+    from app.ledger import registry, run_queries
 
     db = open_db()
     with db.connect() as conn:
-        run_id = ledger.get_run(conn, run_name).id if run_name else None
+        run_id = run_queries.get_run(conn, run_name).id if run_name else None
         rows = registry.list_events(conn, run_id=run_id, server=server, limit=limit)
     if as_json:
         print_json([e.to_json() for e in rows])

@@ -50,15 +50,14 @@ def parity_cmd(run_name: str, server: str, sample: int | None, seed: int, as_jso
     and the server's versions (transformers, SGLang). Only a real SGLang server is proof: the
     emulator renders with tokenmill's own code.
     """
-    from app import ledger
-    from app.ledger import registry
+    from app.ledger import registry, run_queries
     from app.sglang.render import render_client
     from workers.control.parity import check_run
 
     settings = get_settings()
     db = open_db(settings)
     with db.connect() as conn:
-        run = ledger.get_run(conn, run_name)
+        run = run_queries.get_run(conn, run_name)
         if server.startswith(("http://", "https://")):
             name, url = server.rstrip("/"), server.rstrip("/")
         else:

@@ -38,7 +38,7 @@ from ops.options import (
 
 if TYPE_CHECKING:
     from app.core.settings import Settings
-    from app.ledger import RunInfo
+    from app.ledger.run_queries import RunInfo
     from app.outputs.export import ExportFormat
     from app.prompts.tokenization import ChatTokenizer
     from workers.intake.producer import EnqueueReport
@@ -201,13 +201,13 @@ def unpublished_error(exc: Exception, db: Any, run: str, settings: Settings) -> 
 
     if not isinstance(exc, OperationalError):
         return exc
-    from app import ledger
+    from app.ledger import reads
 
     waiting = 0
     info = _existing_run(db, run)
     if info is not None:
         with db.connect() as conn:
-            waiting = ledger.run_counts(conn, info).pending
+            waiting = reads.run_counts(conn, info).pending
     return BrokerUnavailable(
         f"the broker {broker_name(settings)} failed: {str(exc).strip().splitlines()[0]}; "
         f"{waiting} items of run {run} are in the ledger but not queued: "
@@ -224,11 +224,11 @@ def _render_url(url: str | None) -> str | None:
 
 
 def _existing_run(db: Any, run: str) -> RunInfo | None:
-    from app import ledger
+    from app.ledger import run_queries
 
     with db.connect() as conn:
         try:
-            return ledger.get_run(conn, run)
+            return run_queries.get_run(conn, run)
         except NotFound:
             return None
 
@@ -384,7 +384,7 @@ def export_cmd(
         return
     from rich.markup import escape
 
-    from app import ledger
+    from app.ledger import run_queries
     from app.outputs.export import export_run
     from app.outputs.split import manifest_path
     from app.prompts.tokenization import load_for_run
@@ -392,7 +392,7 @@ def export_cmd(
     console = err_console()
     db = open_db()
     with db.connect() as conn:
-        run = ledger.get_run(conn, run_name)
+        run = run_queries.get_run(conn, run_name)
     tokenizer: ChatTokenizer | None = None
     if whole_conversation or fmt == "conversations" or exclude_file:
         # the run's pinned --trust-remote-code covers the code it was made with, not changed code

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from rich.table import Table
 
     from app.core.settings import Settings
-    from app.ledger import RunCounts
+    from app.ledger.reads import RunCounts
     from workers.engine.runner import EmbeddedRunner
 
 
@@ -124,7 +124,7 @@ def run_pipeline(
     from rich.live import Live
     from rich.markup import escape
 
-    from app import ledger
+    from app.ledger import run_queries
     from workers.engine.runner import EmbeddedRunner
 
     console = err_console()
@@ -139,7 +139,7 @@ def run_pipeline(
         )
         raise SystemExit(130) from None
     with db.connect() as conn:
-        run = ledger.get_run(conn, run_name)
+        run = run_queries.get_run(conn, run_name)
 
     def notice(message: str) -> None:
         console.print(f"[yellow]{escape(message)}[/yellow]", markup=True, soft_wrap=True)

@@ -14,8 +14,7 @@ from ops.views.text_table import Column, left_out_note, render
 if TYPE_CHECKING:
     from sqlalchemy import Connection
 
-    from app import ledger
-    from app.ledger import registry
+    from app.ledger import reads, registry, run_queries
 
 
 @click.command("status")
@@ -36,8 +35,7 @@ def status_cmd(run_name: str | None, as_json: bool, watch: bool, interval_s: flo
     Names and numbers are never cut: in a narrow terminal the columns queued, leased, pend,
     wait, trunc and out tokens are left out, in that order (--json has every count).
     """
-    from app import ledger
-    from app.ledger import registry
+    from app.ledger import reads, registry, run_queries
 
     db = open_db()
     if watch:
@@ -48,8 +46,8 @@ def status_cmd(run_name: str | None, as_json: bool, watch: bool, interval_s: flo
         watch_dashboard(db, run_name=run_name, interval_s=interval_s, console=err_console())
         return
     with db.connect() as conn:
-        runs = [ledger.get_run(conn, run_name)] if run_name else ledger.list_runs(conn)
-        counts = [ledger.run_counts(conn, r) for r in runs]
+        runs = [run_queries.get_run(conn, run_name)] if run_name else run_queries.list_runs(conn)
+        counts = [reads.run_counts(conn, r) for r in runs]
         servers = registry.list_servers(conn)
         differing = _differing_servers(servers)
         stopped = registry.stopped_enqueues(conn, [r.id for r in runs])
@@ -98,8 +96,8 @@ def status_cmd(run_name: str | None, as_json: bool, watch: bool, interval_s: flo
 def _unserved_images(
     conn: Connection,
     servers: list[registry.ServerInfo],
-    runs: list[ledger.RunInfo],
-    counts: list[ledger.RunCounts],
+    runs: list[run_queries.RunInfo],
+    counts: list[reads.RunCounts],
 ) -> list[str]:
     """The runs with image items to claim while every registered server whose fingerprint is
     known understands no images (such servers never take them); none when one does."""
@@ -113,7 +111,7 @@ def _unserved_images(
 
 
 def _print_warnings(
-    counts: list[ledger.RunCounts], stopped_names: set[str], differing: dict[str, list[str]]
+    counts: list[reads.RunCounts], stopped_names: set[str], differing: dict[str, list[str]]
 ) -> None:
     """Runs whose last enqueue stopped early and servers that render a run differently."""
     from rich.markup import escape

@@ -21,7 +21,7 @@ def export_to_storage(
     """`tokenmill export RUN --format parquet --out URL`: shards and .manifest.json under URL."""
     from rich.markup import escape
 
-    from app import ledger
+    from app.ledger import run_queries
     from app.outputs.parquet_export import export_parquet
     from app.storage.image_store import image_location
     from app.storage.shards import StorageError
@@ -29,7 +29,7 @@ def export_to_storage(
     settings = get_settings()
     db = open_db(settings)
     with db.connect() as conn:
-        run = ledger.get_run(conn, run_name)
+        run = run_queries.get_run(conn, run_name)
     try:
         report = export_parquet(
             db,
@@ -72,14 +72,14 @@ def compact_cmd(run_name: str, force: bool, as_json: bool) -> None:
     """
     from rich.markup import escape
 
-    from app import ledger
+    from app.ledger import run_queries
     from app.storage.shards import StorageError
     from workers.control.compaction import compact_run
 
     settings = get_settings()
     db = open_db(settings)
     with db.connect() as conn:
-        run = ledger.get_run(conn, run_name)
+        run = run_queries.get_run(conn, run_name)
     try:
         report = compact_run(db, settings, run, force=force)
     except OSError as exc:
@@ -113,16 +113,15 @@ def archive_cmd(run_name: str, as_json: bool) -> None:
     """
     from rich.markup import escape
 
-    from app import ledger
     from app.core.errors import ArchiveRefused
-    from app.ledger import archive
+    from app.ledger import archive, run_queries
     from app.storage.shards import StorageError
     from workers.control.compaction import compact_run
 
     settings = get_settings()
     db = open_db(settings)
     with db.connect() as conn:
-        run = ledger.get_run(conn, run_name)
+        run = run_queries.get_run(conn, run_name)
         blockers = archive.archive_blockers(conn, run.id)
     if blockers and not any("compact" in b for b in blockers):
         raise ArchiveRefused(f"run {run.name!r} cannot be archived: " + "; ".join(blockers))

@@ -13,7 +13,7 @@ from app.core.errors import TokenizerError
 from ops.options import get_settings, handle_errors, open_db, print_json
 
 if TYPE_CHECKING:
-    from app.ledger import RunInfo
+    from app.ledger.run_queries import RunInfo
     from app.outputs.verify import VerifyReport
     from app.prompts.tokenization import ChatTokenizer
 
@@ -86,14 +86,14 @@ def verify_cmd(
         return
     if run_name is None:
         raise click.UsageError("missing argument RUN_NAME")
-    from app import ledger
+    from app.ledger import run_queries
     from app.outputs.verify import verify_run
     from app.storage.image_store import image_location
 
     settings = get_settings()
     db = open_db(settings)
     with db.connect() as conn:
-        run = ledger.get_run(conn, run_name)
+        run = run_queries.get_run(conn, run_name)
     tokenizer, problem = _tokenizer(run, tokenizer_path, trust_remote_code)
     report = verify_run(
         db,
@@ -116,13 +116,12 @@ def _verify_counts(run_name: str | None, *, repair: bool, as_json: bool) -> None
     from rich.console import Console
     from rich.markup import escape
 
-    from app import ledger
-    from app.ledger import counters
+    from app.ledger import counters, run_queries
 
     out = Console(highlight=False, soft_wrap=True)
     db = open_db()
     with db.connect() as conn:
-        run_id = ledger.get_run(conn, run_name).id if run_name is not None else None
+        run_id = run_queries.get_run(conn, run_name).id if run_name is not None else None
     drift = counters.check(db, run_id, repair_drift=repair)
     scope = f"run {run_name}" if run_name is not None else "every run"
     if as_json:

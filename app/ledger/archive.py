@@ -22,13 +22,14 @@ from typing import Any
 from sqlalchemy import Connection, Engine, delete, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 
-from app import ledger
 from app.core.errors import ArchiveRefused
 from app.core.locks import exclusive
 from app.core.models import UNFINISHED, ItemStatus
 from app.core.settings import Settings
-from app.ledger import RunInfo, items, items_archive, runs
+from app.ledger import claims, common, event_log, queue, reads
+from app.ledger.common import items, items_archive, runs
 from app.ledger.database import pin_index_plans
+from app.ledger.run_queries import RunInfo
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ class ArchiveReport:
 def archive_blockers(conn: Connection, run_id: int) -> list[str]:
     """Why the run cannot be archived yet (empty when it can): indexed probes only."""
     found = []
-    if ledger.run_has_items(conn, run_id, [s.value for s in UNFINISHED]):
+    if claims.run_has_items(conn, run_id, [s.value for s in UNFINISHED]):
         found.append("it still has unfinished items")
     uncompacted = select(items.c.id).where(
         items.c.run_id == run_id,
@@ -74,7 +75,7 @@ def mark_archived(conn: Connection, run_id: int) -> None:
     conn.execute(
         update(runs)
         .where(runs.c.id == run_id, runs.c.archived_at.is_(None))
-        .values(archived_at=ledger.utcnow())
+        .values(archived_at=common.utcnow())
     )
 
 
@@ -84,8 +85,8 @@ def _page(conn: Connection, run_id: int, status: str, after: int) -> list[int]:
     pin_index_plans(conn)
     stmt = (
         select(items.c.id)
-        .where(ledger.run_status_range(conn, items, run_id, status, after))
-        .order_by(*ledger.run_status_order(items))
+        .where(common.run_status_range(conn, items, run_id, status, after))
+        .order_by(*common.run_status_order(items))
         .limit(PAGE_ITEMS)
     )
     return list(conn.execute(stmt).scalars())
@@ -136,10 +137,10 @@ def archive_run(db: Engine, settings: Settings, run: RunInfo) -> ArchiveReport:
                 after = ids[-1]
         with db.begin() as conn:
             # counted once, now that every row is in the archive: status reads these from now on
-            kept = ledger.scanned_run_counts(conn, run).tallies()
+            kept = reads.scanned_run_counts(conn, run).tallies()
             conn.execute(update(runs).where(runs.c.id == run.id).values(archived_counts=kept))
-            ledger.refresh_statistics(conn)
-            ledger.record_event(
+            queue.refresh_statistics(conn)
+            event_log.record_event(
                 conn,
                 EVENT_ARCHIVED,
                 f"run {run.name} archived: {report.deleted} items left the hot table",

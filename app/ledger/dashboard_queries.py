@@ -13,21 +13,13 @@ from typing import Any
 
 from sqlalchemy import Connection, Table, and_, func, or_, select
 
-from app import ledger
 from app.core.models import ItemStatus
-from app.ledger import (
-    RunCounts,
-    RunInfo,
-    as_utc,
-    counters,
-    events,
-    items,
-    items_archive,
-    registry,
-    utcnow,
-)
+from app.ledger import common, counters, reads, registry, run_queries
+from app.ledger.common import as_utc, events, items, items_archive, utcnow
 from app.ledger.database import pin_index_plans
+from app.ledger.reads import RunCounts
 from app.ledger.registry import EventInfo, ServerInfo
+from app.ledger.run_queries import RunInfo
 
 RATE_WINDOW_S = 60.0
 LATENCY_SAMPLE = 200  # the latest completions per server behind p50/p95
@@ -184,10 +176,10 @@ def gather_dashboard(
     `max_runs` runs), every server (registered, or seen on work), the latest events."""
     now = now or utcnow()
     if run_name is not None:
-        shown: list[RunInfo] = [ledger.get_run(conn, run_name)]
+        shown: list[RunInfo] = [run_queries.get_run(conn, run_name)]
         hidden = 0
     else:
-        every = ledger.list_runs(conn)
+        every = run_queries.list_runs(conn)
         shown = every[-max_runs:] if max_runs > 0 else []
         hidden = len(every) - len(shown)
     since = now - timedelta(seconds=window_s)
@@ -200,7 +192,7 @@ def gather_dashboard(
         if r.server is not None:
             by_server[r.server] = by_server.get(r.server, 0) + r.output_tokens
     runs = [
-        RunProgress(ledger.run_counts(conn, run), *by_run.get(run.id, (0, 0)), window_s)
+        RunProgress(reads.run_counts(conn, run), *by_run.get(run.id, (0, 0)), window_s)
         for run in shown
     ]
     inflight = inflight_by_server(conn)
@@ -257,7 +249,7 @@ def iter_item_stats(
         for table in (items, items_archive)
         for status in dict.fromkeys(statuses)
     ]
-    for page in ledger.merged_pages(streams, page_size):
+    for page in reads.merged_pages(streams, page_size):
         yield from page
 
 
@@ -270,8 +262,8 @@ def _stat_pages(
     while True:
         stmt = (
             select(*(table.c[name] for name in ItemStats.__dataclass_fields__))
-            .where(ledger.run_status_range(conn, table, run_id, status, after))
-            .order_by(*ledger.run_status_order(table))
+            .where(common.run_status_range(conn, table, run_id, status, after))
+            .order_by(*common.run_status_order(table))
             .limit(page_size)
         )
         page = [

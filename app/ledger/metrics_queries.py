@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 from sqlalchemy import Connection, Engine, select
 
-from app.ledger import counters, runs
+from app.ledger import counters
+from app.ledger.common import runs
 from app.ledger.counters import LATENCY_BUCKETS_S as LATENCY_BUCKETS_S
 from app.ledger.database import limit_periodic
 from app.ledger.registry import ServerInfo, list_servers

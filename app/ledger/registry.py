@@ -15,7 +15,8 @@ from sqlalchemy import Connection, func, insert, select, update
 from app.core.constants import EVENT_ENQUEUE_STOPPED, EVENT_ENQUEUED
 from app.core.errors import NotFound
 from app.core.models import ItemStatus
-from app.ledger import as_utc, events, items, run_has_items, runs, servers, utcnow
+from app.ledger.claims import run_has_items
+from app.ledger.common import as_utc, events, items, runs, servers, utcnow
 from app.ledger.database import pin_index_plans
 
 MAX_WORKERS_LISTED = 32

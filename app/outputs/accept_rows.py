@@ -10,19 +10,19 @@ from app.sglang.rules import GREEDY_TEMPERATURE
 if TYPE_CHECKING:
     from sqlalchemy import Engine
 
-    from app.ledger import RunInfo
+    from app.ledger.run_queries import RunInfo
     from app.outputs.acceptance import AcceptRow
 
 
 def load_rows(db: Engine, run: RunInfo) -> list[AcceptRow]:
     """The run's done items with their speculative counters (zeros for an item without)."""
-    from app import ledger
+    from app.ledger import reads, spec_stats
     from app.outputs.acceptance import AcceptRow, output_digest
 
     with db.connect() as conn:
-        stats = ledger.run_spec_stats(conn, run.id)
+        stats = spec_stats.run_spec_stats(conn, run.id)
         rows = []
-        for item in ledger.iter_items(conn, run.id):
+        for item in reads.iter_items(conn, run.id):
             spec = stats.get(item.id)
             rows.append(
                 AcceptRow(

@@ -16,10 +16,11 @@ from typing import Any, Literal
 
 from sqlalchemy import Engine
 
-from app import ledger
 from app.core.constants import EXPORT_FORMATS
 from app.core.errors import ConfigurationError
-from app.ledger import RunInfo, StoredItem
+from app.ledger import common, reads
+from app.ledger.reads import StoredItem
+from app.ledger.run_queries import RunInfo
 from app.outputs.image_rows import (
     ImageExportError,
     ImageRows,
@@ -201,7 +202,7 @@ def iter_rows(
 ) -> Iterator[tuple[StoredItem, dict[str, Any]]]:
     with db.connect() as conn:
         keep = weight_filter(conn, run, weight_version, allow_mixed_weights)
-        for item in ledger.iter_items(conn, run.id, final_turns_only=whole):
+        for item in reads.iter_items(conn, run.id, final_turns_only=whole):
             if not keep(item):
                 continue
             if fmt == "specforge" and whole:
@@ -303,7 +304,7 @@ def export_run(
     report = ExportReport(path=out, format=fmt)
     if selection is not None and selection.exclusion is not None:
         with db.connect() as conn:
-            selection.find_excluded(ledger.iter_items(conn, run.id))
+            selection.find_excluded(reads.iter_items(conn, run.id))
     with db.connect() as conn:
         copy_to = open_location(str(out.parent)) if with_images else None
         images = ImageRows.for_run(conn, run.id, image_store, copy_to)
@@ -364,7 +365,7 @@ def _write_manifest(
         manifest.update(selection.to_json())
     if images is not None:
         manifest["images"] = images
-    manifest["created_at"] = ledger.utcnow().isoformat()
+    manifest["created_at"] = common.utcnow().isoformat()
     target = manifest_path(files["train"].out)
     tmp = target.with_name(f".{target.name}.tmp")
     tmp.write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")

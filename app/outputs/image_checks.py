@@ -11,7 +11,7 @@ import hashlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from app.ledger import StoredItem
+from app.ledger.reads import StoredItem
 from app.storage.shards import Location, open_location, read_object, split_uri
 
 

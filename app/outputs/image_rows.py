@@ -31,8 +31,8 @@ from sqlalchemy import Connection
 
 from app.core.errors import TokenmillError
 from app.core.images import ImagePins, ImageRef, expand_placeholders, placeholder_count
-from app.ledger import StoredItem
 from app.ledger.image_tokens import run_image_pins
+from app.ledger.reads import StoredItem
 from app.storage.image_store import ImageError, get_image, image_location, image_uri
 from app.storage.shards import Location, write_object
 

@@ -16,8 +16,8 @@ from typing import Any
 
 from sqlalchemy import Connection
 
-from app import ledger
-from app.ledger import StoredItem
+from app.ledger import reads
+from app.ledger.reads import StoredItem
 from app.outputs.image_checks import ImageRefs, listed_image_problems, row_image_problems
 from app.outputs.parquet_export import MAX_PROBLEMS, ExportCheck
 from app.outputs.split import manifest_path
@@ -35,7 +35,7 @@ def _image_items(conn: Connection, run_id: int) -> dict[tuple[str, int], dict[in
     """The run's done image items by (id, sample), then turn; without their turns and token
     arrays, which the check does not read (memory: the image fields of the image items)."""
     found: dict[tuple[str, int], dict[int, StoredItem]] = {}
-    for item in ledger.iter_items(conn, run_id):
+    for item in reads.iter_items(conn, run_id):
         if item.image_refs:
             slim = replace(item, messages=None, prompt_ids=[], output_ids=None, tools=None)
             found.setdefault((item.item_key, item.sample_index), {})[item.turn_index] = slim

@@ -18,11 +18,12 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine
 
-from app import ledger
 from app.core.errors import ConfigurationError, NotFound
 from app.core.models import ItemStatus
-from app.ledger import RunInfo, StoredItem, counters, registry
+from app.ledger import common, counters, reads, registry, run_queries
 from app.ledger.image_tokens import run_image_pins
+from app.ledger.reads import StoredItem
+from app.ledger.run_queries import RunInfo
 from app.outputs.image_checks import ImageRefs, listed_image_problems, row_image_problems
 from app.outputs.image_rows import ImageRows, count_problem, served_prompt
 from app.outputs.provenance import ProvenanceCounts, weight_filter
@@ -190,7 +191,7 @@ def export_parquet(
         images = ImageRows.for_run(conn, run.id, image_store, loc if with_images else None)
         writer: ShardWriter | None = None
         try:
-            for item in ledger.iter_items(conn, run.id):
+            for item in reads.iter_items(conn, run.id):
                 if not keep(item):
                     continue
                 made.add(item)
@@ -211,7 +212,7 @@ def export_parquet(
         finally:
             if writer is not None:
                 writer.abort()
-        counts = ledger.run_counts(conn, run)
+        counts = reads.run_counts(conn, run)
         fingerprints = server_fingerprints(conn, run, servers)
     manifest = {
         "format": MANIFEST_FORMAT,
@@ -227,7 +228,7 @@ def export_parquet(
         },
         "provenance": made.to_json() | {"weight_version": weight_version},
         "shards": [s.to_json() for s in report.shards],
-        "created_at": ledger.utcnow().isoformat(),
+        "created_at": common.utcnow().isoformat(),
     }
     if with_images:
         manifest["images"] = images.manifest()
@@ -313,7 +314,7 @@ def check_export(
     shards = manifest.get("shards") or []
     check.shards = len(shards)
     check.rows = sum(int(s.get("rows", 0)) for s in shards)
-    run = ledger.get_run_by_id(conn, run_id)
+    run = run_queries.get_run_by_id(conn, run_id)
     listed_run = (manifest.get("run") or {}).get("id")
     if listed_run != run_id:
         problems.append(f"the manifest is of run id {listed_run}, not {run_id} ({run.name})")
@@ -328,7 +329,7 @@ def check_export(
     done = sum(t.items for k, t in scanned.items() if k.status == ItemStatus.DONE.value)
     picked = (manifest.get("provenance") or {}).get("weight_version")
     if picked is not None:  # an export of one weight version (`--weight-version`)
-        done = ledger.done_weight_versions(conn, run.id).get(picked, 0)
+        done = reads.done_weight_versions(conn, run.id).get(picked, 0)
     if check.rows != done:
         problems.append(f"the manifest lists {check.rows} rows; the ledger has {done} done items")
     counted = (manifest.get("counts") or {}).get("rows")
@@ -391,7 +392,7 @@ def _compare_rows(
     position = 0
     stored_items = (
         item
-        for item in ledger.iter_items(conn, run_id)
+        for item in reads.iter_items(conn, run_id)
         if weight_version is None or item.weight_version == weight_version
     )
     try:

@@ -11,9 +11,10 @@ from typing import Any
 
 from sqlalchemy import Connection
 
-from app import ledger
 from app.core.errors import ConfigurationError
-from app.ledger import RunInfo, StoredItem
+from app.ledger import reads
+from app.ledger.reads import StoredItem
+from app.ledger.run_queries import RunInfo
 
 
 def provenance(item: StoredItem) -> dict[str, Any]:
@@ -27,7 +28,7 @@ def weight_filter(
     """Which done samples an export takes: those of weight_version when it is given; else all,
     refused (ConfigurationError) when they come from several versions and mixing is not
     allowed: a draft trained on two targets' outputs is the failure exports must not hide."""
-    versions = ledger.done_weight_versions(conn, run.id)
+    versions = reads.done_weight_versions(conn, run.id)
     if weight_version is not None:
         if weight_version not in versions:
             raise ConfigurationError(

@@ -13,7 +13,8 @@ from typing import Any, Literal
 
 from app.core.errors import ConfigurationError, InputError
 from app.core.models import pack_ids
-from app.ledger import RunInfo, StoredItem
+from app.ledger.reads import StoredItem
+from app.ledger.run_queries import RunInfo
 from app.prompts.chat_path import ChatInputs, merge_template_kwargs
 from app.prompts.inputs import read_prompts
 from app.prompts.tokenization import ChatTokenizer

@@ -15,11 +15,12 @@ from typing import Any
 
 from sqlalchemy import Engine
 
-from app import ledger
 from app.core.errors import ConfigurationError
 from app.core.images import ImagePins
-from app.ledger import RunInfo, StoredItem
+from app.ledger import reads
 from app.ledger.image_tokens import run_image_pins
+from app.ledger.reads import StoredItem
+from app.ledger.run_queries import RunInfo
 from app.outputs.image_rows import count_problem, served_prompt
 from app.outputs.jsonl_checks import check_jsonl_images, is_jsonl_export
 from app.outputs.parquet_export import check_export
@@ -211,7 +212,7 @@ def verify_run(
     pending: list[StoredItem] = []
     with db.connect() as conn:
         images = StoredImages(report, run_image_pins(conn, run.id), image_store)
-        for item in ledger.iter_items(conn, run.id, storage_options=storage_options):
+        for item in reads.iter_items(conn, run.id, storage_options=storage_options):
             report.items += 1
             sent = run.sampling.for_sample(item.sample_index, item.row_sampling_params)
             mine = stops | set(sent.get("stop_token_ids") or [])

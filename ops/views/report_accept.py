@@ -14,7 +14,7 @@ from app.outputs.acceptance import LENGTH_FIELD, STATS_HEADER, stats_cells
 if TYPE_CHECKING:
     from sqlalchemy import Engine
 
-    from app.ledger import RunInfo
+    from app.ledger.run_queries import RunInfo
     from app.outputs.accept_pairs import PairedReport
     from app.outputs.acceptance import AcceptReport
 
@@ -43,12 +43,12 @@ ACCEPT_FIGURES = (
 
 def acceptance_report_for(db: Engine, run: RunInfo) -> AcceptReport | None:
     """The acceptance of a run whose results carry speculative counters, else None."""
-    from app import ledger
+    from app.ledger import spec_stats
     from app.outputs.accept_rows import load_rows, speculative_of
     from app.outputs.acceptance import accept_report, default_fields
 
     with db.connect() as conn:
-        if not ledger.run_has_spec_stats(conn, run.id):
+        if not spec_stats.run_has_spec_stats(conn, run.id):
             return None
     rows = load_rows(db, run)
     return accept_report(run.name, speculative_of(run), rows, default_fields(rows, run.turns))
@@ -153,15 +153,15 @@ def compare_page(report: PairedReport, images: Sequence[str], style: str) -> str
 def build_compare_report(db: Engine, run_a: str, run_b: str, out_dir: Path, style: str) -> Path:
     """`tokenmill report A --compare B --out DIR`: DIR/index.html (styled like the run
     report) and its plots."""
-    from app import ledger
+    from app.ledger import run_queries
     from app.outputs.accept_pairs import Side, paired_report
     from app.outputs.accept_rows import is_greedy, load_rows, speculative_of
     from app.outputs.acceptance import default_fields
     from ops.views import report_accept_plots as plots
 
     with db.connect() as conn:
-        a = ledger.get_run(conn, run_a)
-        b = ledger.get_run(conn, run_b)
+        a = run_queries.get_run(conn, run_a)
+        b = run_queries.get_run(conn, run_b)
     rows_a = load_rows(db, a)
     report = paired_report(
         Side(a.name, speculative_of(a), rows_a),

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from sqlalchemy import Engine
 
-    from app.ledger import RunCounts, RunInfo
+    from app.ledger.reads import RunCounts
+    from app.ledger.run_queries import RunInfo
     from app.outputs.report_stats import PausePeriod, ReportData
 
 TRUNCATION_WARN = 0.05
@@ -78,7 +79,7 @@ class ReportResult:
 
 def build_report(db: Engine, run_name: str, out_dir: Path) -> ReportResult:
     """Stream the run's finished items once, draw the figures, write out_dir/index.html."""
-    from app import ledger
+    from app.ledger import common, reads, run_queries
     from app.ledger.dashboard_queries import (
         failure_reasons,
         item_ranges,
@@ -91,8 +92,8 @@ def build_report(db: Engine, run_name: str, out_dir: Path) -> ReportResult:
     from workers.control.pausing import EVENT_PAUSED, EVENT_RESUMED
 
     with db.connect() as conn:
-        run = ledger.get_run(conn, run_name)
-        counts = ledger.run_counts(conn, run)
+        run = run_queries.get_run(conn, run_name)
+        counts = reads.run_counts(conn, run)
         ranges = item_ranges(conn, run.id)
         data = accumulate(
             iter_item_stats(conn, run.id), ranges, max_new_tokens=run.sampling.max_new_tokens
@@ -127,7 +128,7 @@ def build_report(db: Engine, run_name: str, out_dir: Path) -> ReportResult:
         extra = acceptance_section(accept)
     index = out_dir / "index.html"
     page = render_page(
-        run, counts, data, failures, pauses, generated_at=ledger.utcnow(), extra_sections=extra
+        run, counts, data, failures, pauses, generated_at=common.utcnow(), extra_sections=extra
     )
     tmp = index.with_suffix(".html.tmp")
     tmp.write_text(page, encoding="utf-8")

@@ -24,8 +24,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import Engine, text
 
-from app import ledger
-from app.ledger import counters, registry
+from app.ledger import counters, reads, registry, run_queries
 from emulator.config import EmulatorConfig
 from emulator.model import generate_output
 from tests.support.emulator import free_port
@@ -282,9 +281,9 @@ class Deployment:
             self.items = n
         assert self.counts(run).total == n
 
-    def counts(self, run: str = RUN) -> ledger.RunCounts:
+    def counts(self, run: str = RUN) -> reads.RunCounts:
         with self.db.connect() as conn:
-            return ledger.run_counts(conn, ledger.get_run(conn, run))
+            return reads.run_counts(conn, run_queries.get_run(conn, run))
 
     def server(self, name: str) -> registry.ServerInfo:
         with self.db.connect() as conn:
@@ -363,12 +362,12 @@ class Deployment:
 
     # --- the audit ------------------------------------------------------------------------
 
-    def audit(self, configs: dict[str, EmulatorConfig]) -> list[ledger.StoredItem]:
+    def audit(self, configs: dict[str, EmulatorConfig]) -> list[reads.StoredItem]:
         """Every item done or failed with a reason, once; every output what its server's
         emulator generates. `configs` maps server name → that emulator's configuration."""
         with self.db.connect() as conn:
-            run = ledger.get_run(conn, RUN)
-            stored = list(ledger.iter_items(conn, run.id, statuses=("done", "failed")))
+            run = run_queries.get_run(conn, RUN)
+            stored = list(reads.iter_items(conn, run.id, statuses=("done", "failed")))
             rows = int(
                 conn.execute(
                     text("SELECT count(*) FROM items WHERE run_id = :r"), {"r": run.id}
@@ -406,7 +405,7 @@ class Deployment:
         print("\n" + line, flush=True)
         return line
 
-    def summary(self, scenario: str, stored: list[ledger.StoredItem], recover_s: float) -> str:
+    def summary(self, scenario: str, stored: list[reads.StoredItem], recover_s: float) -> str:
         done = sum(s.status == "done" for s in stored)
         failed = sum(s.status == "failed" for s in stored)
         dupes = len(stored) - len({(s.item_key, s.sample_index) for s in stored})

@@ -16,8 +16,8 @@ import pytest
 from celery import Celery
 from sqlalchemy import Engine, select
 
-from app import ledger
-from app.ledger import items, registry
+from app.ledger import reads, registry, run_queries
+from app.ledger.common import items
 from emulator.config import EmulatorConfig
 from emulator.model import generate_output
 from ops.emulator_proc import start_emulator
@@ -40,8 +40,8 @@ def emulator_cmd(port: int, *extra: str) -> list[str]:
 def unfinished(db: Engine) -> str:
     """What is left, for the message of a run that did not finish."""
     with db.connect() as conn:
-        run = ledger.get_run(conn, "outage")
-        left = list(ledger.iter_items(conn, run.id, statuses=("pending", "queued", "leased")))
+        run = run_queries.get_run(conn, "outage")
+        left = list(reads.iter_items(conn, run.id, statuses=("pending", "queued", "leased")))
         rows = conn.execute(
             select(
                 items.c.id,
@@ -76,9 +76,9 @@ def write_prompts(path: Path, n: int) -> Path:
     return path
 
 
-def counts(db: Engine, run: str = "outage") -> ledger.RunCounts:
+def counts(db: Engine, run: str = "outage") -> reads.RunCounts:
     with db.connect() as conn:
-        return ledger.run_counts(conn, ledger.get_run(conn, run))
+        return reads.run_counts(conn, run_queries.get_run(conn, run))
 
 
 def server(db: Engine, name: str) -> registry.ServerInfo:
@@ -92,10 +92,10 @@ def state(db: Engine, name: str) -> str | None:
     return known.get(name)
 
 
-def assert_exact_and_once(db: Engine, run_name: str) -> list[ledger.StoredItem]:
+def assert_exact_and_once(db: Engine, run_name: str) -> list[reads.StoredItem]:
     with db.connect() as conn:
-        run = ledger.get_run(conn, run_name)
-        stored = list(ledger.iter_items(conn, run.id, statuses=("done", "failed")))
+        run = run_queries.get_run(conn, run_name)
+        stored = list(reads.iter_items(conn, run.id, statuses=("done", "failed")))
     assert len({(s.item_key, s.sample_index) for s in stored}) == len(stored) == PROMPTS
     assert [s for s in stored if s.status != "done"] == []
     assert {s.attempts for s in stored} == {1}, "an outage spent attempts"

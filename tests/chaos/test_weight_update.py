@@ -18,8 +18,7 @@ import httpx
 import pytest
 from sqlalchemy import text
 
-from app import ledger
-from app.ledger import registry
+from app.ledger import reads, registry, run_queries
 from emulator.config import EmulatorConfig
 from emulator.model import generate_output
 from tests.chaos.conftest import RUN, Deployment
@@ -50,11 +49,11 @@ def start_fleet(
 
 def check_outputs(
     deployment: Deployment, run_name: str, configs: dict[str, EmulatorConfig], version: str
-) -> list[ledger.StoredItem]:
+) -> list[reads.StoredItem]:
     """Every item of the run done once, of `version`, with the output those weights give."""
     with deployment.db.connect() as conn:
-        run = ledger.get_run(conn, run_name)
-        stored = list(ledger.iter_items(conn, run.id, statuses=("done", "failed")))
+        run = run_queries.get_run(conn, run_name)
+        stored = list(reads.iter_items(conn, run.id, statuses=("done", "failed")))
     assert all(s.status == "done" for s in stored), [s.error for s in stored if s.error][:3]
     assert len({(s.item_key, s.sample_index) for s in stored}) == len(stored)
     for s in stored:

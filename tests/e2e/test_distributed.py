@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import Engine
 
-from app import ledger
-from app.ledger import counters
+from app.ledger import counters, reads, run_queries
 from app.prompts.tokenization import load_tokenizer
 from emulator.config import EmulatorConfig
 from emulator.model import generate_output
@@ -60,11 +59,11 @@ def emulators() -> Iterator[list[EmulatorProcess]]:
         p.stop()
 
 
-def wait_finished(db: Engine, run_name: str, timeout_s: float) -> ledger.RunCounts:
+def wait_finished(db: Engine, run_name: str, timeout_s: float) -> reads.RunCounts:
     deadline = time.monotonic() + timeout_s
     while True:
         with db.connect() as conn:
-            counts = ledger.run_counts(conn, ledger.get_run(conn, run_name))
+            counts = reads.run_counts(conn, run_queries.get_run(conn, run_name))
         if counts.total and counts.finished:
             return counts
         assert time.monotonic() < deadline, f"run did not finish: {counts}"
@@ -83,8 +82,8 @@ def test_two_workers_two_servers_exact_and_exactly_once(
     enqueue = tokenmill([*ENQUEUE, "--tokenizer", str(kimi_tokenizer_dir)], base)
     assert enqueue.returncode == 0, enqueue.stderr
     with pg_engine.connect() as conn:
-        run = ledger.get_run(conn, "e2e")
-        assert ledger.run_counts(conn, run).queued == EXPECTED
+        run = run_queries.get_run(conn, "e2e")
+        assert reads.run_counts(conn, run).queued == EXPECTED
 
     workers = start_server_workers(base, [emu.url for emu in emulators], tmp_path)
     try:
@@ -117,7 +116,7 @@ def test_two_workers_two_servers_exact_and_exactly_once(
 
     tokenizer = load_tokenizer(kimi_tokenizer_dir)
     with pg_engine.connect() as conn:
-        stored = list(ledger.iter_items(conn, run.id))
+        stored = list(reads.iter_items(conn, run.id))
     assert len(stored) == EXPECTED
     assert len({(s.item_key, s.sample_index) for s in stored}) == EXPECTED
     servers = {s.server for s in stored}
@@ -137,7 +136,7 @@ def test_two_workers_two_servers_exact_and_exactly_once(
         by_key.setdefault(s.item_key, set()).add(tuple(s.output_ids or []))
     assert all(len(v) == SAMPLES for v in by_key.values())
     with pg_engine.connect() as conn:
-        assert ledger.get_run(conn, "e2e").fingerprint == {
+        assert run_queries.get_run(conn, "e2e").fingerprint == {
             "model_path": "moonshotai/Kimi-K2.5",
             "weight_version": "default",
             "reasoning_parser": None,

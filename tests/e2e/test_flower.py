@@ -19,7 +19,7 @@ import httpx
 import pytest
 from sqlalchemy import Engine
 
-from app import ledger
+from app.ledger import reads, run_queries
 from ops.emulator_proc import EmulatorProcess, start_emulator
 from tests.support.procs import ROOT, clean_env, service_env, stop, tokenmill
 
@@ -212,5 +212,5 @@ def test_flower_shows_readable_tasks_and_the_worker_logs_json(
 
 def run_finished(db: Engine, run_name: str) -> bool:
     with db.connect() as conn:
-        counts = ledger.run_counts(conn, ledger.get_run(conn, run_name))
+        counts = reads.run_counts(conn, run_queries.get_run(conn, run_name))
     return bool(counts.total and counts.finished)

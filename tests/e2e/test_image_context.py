@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from app import ledger
+from app.ledger import reads, run_queries
 from ops.emulator_proc import start_emulator
 from tests.e2e.test_image_drift import events_about, ledger_of, single_image_rows
 from tests.support.image_reference import image_counts, image_size
@@ -40,9 +40,9 @@ def test_a_prompt_over_the_context_once_expanded_fails_at_once_with_the_servers_
         server.stop()
     db = ledger_of(tmp_path / "data")
     with db.connect() as conn:
-        run_id = ledger.get_run(conn, "ctx").id
+        run_id = run_queries.get_run(conn, "ctx").id
         stored = {
-            s.item_key: s for s in ledger.iter_items(conn, run_id, statuses=("done", "failed"))
+            s.item_key: s for s in reads.iter_items(conn, run_id, statuses=("done", "failed"))
         }
     said = events_about(db, server.url)
     db.dispose()

@@ -17,9 +17,10 @@ import pytest
 from sqlalchemy import Engine, select
 from sqlalchemy.exc import OperationalError
 
-from app import ledger
 from app.core.errors import NotFound
 from app.core.models import run_image_tokens
+from app.ledger import common as ledger_common
+from app.ledger import reads, run_queries
 from app.ledger.database import make_engine
 from emulator.config import EmulatorConfig
 from ops.emulator_proc import start_emulator
@@ -81,7 +82,11 @@ def events_about(db: Engine, url: str) -> list[str]:
     name = url.removeprefix("http://")
     with db.connect() as conn:
         rows = conn.execute(
-            select(ledger.events.c.kind, ledger.events.c.server, ledger.events.c.message)
+            select(
+                ledger_common.events.c.kind,
+                ledger_common.events.c.server,
+                ledger_common.events.c.message,
+            )
         ).all()
     return [f"{kind}: {message}" for kind, server, message in rows if name in f"{server} {message}"]
 
@@ -112,8 +117,8 @@ def test_a_server_that_drifts_is_paused_and_nothing_it_served_is_written(
     said = events_about(db, drifting.url)
     assert any("drift" in line and "position 0" in line for line in said), said
     with db.connect() as conn:
-        info = ledger.get_run(conn, "drift")
-        stored = list(ledger.iter_items(conn, info.id))
+        info = run_queries.get_run(conn, "drift")
+        stored = list(reads.iter_items(conn, info.id))
     db.dispose()
     assert len(stored) == len(expected) and {s.status for s in stored} == {"done"}
     drifting_name = drifting.url.removeprefix("http://")
@@ -128,11 +133,11 @@ def done_with_both_images(db: Engine, run: str, wanted: int) -> bool:
     """Whether the run has wanted done items and a recorded count for each of its images."""
     try:
         with db.connect() as conn:
-            info = ledger.get_run(conn, run)
+            info = run_queries.get_run(conn, run)
             recorded = conn.execute(
                 select(run_image_tokens.c.sha256).where(run_image_tokens.c.run_id == info.id)
             ).all()
-            return ledger.run_counts(conn, info).done >= wanted and len(recorded) >= 2
+            return reads.run_counts(conn, info).done >= wanted and len(recorded) >= 2
     except (OperationalError, NotFound):  # the ledger or the run is not there yet
         return False
 
@@ -186,8 +191,8 @@ def test_a_server_restarted_with_other_image_settings_is_paused(
     said = refusals(db, url)
     assert any("in_patch_limit" in line or "drift" in line for line in said), said
     with db.connect() as conn:
-        info = ledger.get_run(conn, "restart")
-        stored = list(ledger.iter_items(conn, info.id))
+        info = run_queries.get_run(conn, "restart")
+        stored = list(reads.iter_items(conn, info.id))
     db.dispose()
     assert len(stored) == 2 * len(expected) and {s.status for s in stored} == {"done"}
     for s in stored:  # K2.5's default settings: the restarted server's counts are never kept

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import Engine
 
-from app import ledger
+from app.ledger import reads, run_queries
 from ops.emulator_proc import start_emulator
 from tests.support.image_exports import (
     check_copied_images,
@@ -60,7 +60,7 @@ def test_image_rows_through_celery_postgres_redis_and_s3(
 
             def finished() -> bool:
                 with pg_engine.connect() as conn:
-                    counts = ledger.run_counts(conn, ledger.get_run(conn, "img-d"))
+                    counts = reads.run_counts(conn, run_queries.get_run(conn, "img-d"))
                 return bool(counts.total and counts.finished)
 
             wait_for("run img-d finished", finished, 240, lambda: _logs(tmp_path))
@@ -69,7 +69,7 @@ def test_image_rows_through_celery_postgres_redis_and_s3(
             for emu in emulators:
                 emu.stop()
         with pg_engine.connect() as conn:
-            counts = ledger.run_counts(conn, ledger.get_run(conn, "img-d"))
+            counts = reads.run_counts(conn, run_queries.get_run(conn, "img-d"))
         assert counts.done == len(rows.expected) and counts.failed == 0, counts
 
         out = tmp_path / "export"

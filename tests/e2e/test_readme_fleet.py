@@ -16,8 +16,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import Engine
 
-from app import ledger
-from app.ledger import counters, registry
+from app.ledger import counters, reads, registry, run_queries
 from emulator.config import EmulatorConfig
 from emulator.model import generate_output
 from tests.support.procs import ROOT, wait_for
@@ -177,14 +176,14 @@ def check_fleet(
 
     def finished() -> bool:
         with db.connect() as conn:
-            counts = ledger.run_counts(conn, ledger.get_run(conn, "r1"))
+            counts = reads.run_counts(conn, run_queries.get_run(conn, "r1"))
         return bool(counts.total and counts.finished)
 
     wait_for("run r1 to finish", finished, 600, fleet.log_tail)
     with db.connect() as conn:
-        run = ledger.get_run(conn, "r1")
-        counts = ledger.run_counts(conn, run)
-        stored = list(ledger.iter_items(conn, run.id))
+        run = run_queries.get_run(conn, "r1")
+        counts = reads.run_counts(conn, run)
+        stored = list(reads.iter_items(conn, run.id))
     assert counts.done == len(stored) == PROMPTS and counts.failed == 0
     assert len({(s.item_key, s.sample_index) for s in stored}) == PROMPTS
     assert {s.server for s in stored} == set(servers.values())

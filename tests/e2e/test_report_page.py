@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from matplotlib.image import imread
 
-from app import ledger
+from app.ledger import common
 from app.ledger.database import make_engine
 from app.ledger.migrate import upgrade
 from tests.support.chromium import CHROMIUM, chromium, loaded_images
@@ -42,7 +42,7 @@ def report_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     engine = make_engine(url)
     upgrade(engine)
     with engine.begin() as conn:
-        seed_report_run(conn, ledger.utcnow() - timedelta(hours=2))
+        seed_report_run(conn, common.utcnow() - timedelta(hours=2))
     engine.dispose()
     out = tmp / "report"
     done = report_command(url, tmp, "rep", "--out", str(out))

@@ -16,7 +16,7 @@ import pytest
 from sqlalchemy import create_engine, func, select
 from sqlalchemy.exc import OperationalError
 
-from app import ledger
+from app.ledger import common
 from ops.emulator_proc import start_emulator
 from tests.support.emulator import free_port
 from tests.support.procs import clean_env, run_args, tokenmill
@@ -59,7 +59,7 @@ def leased(data_dir: Path) -> int:
     engine = create_engine(f"sqlite:///{path}")
     try:
         with engine.connect() as conn:
-            stmt = select(func.count()).where(ledger.items.c.status == "leased")
+            stmt = select(func.count()).where(common.items.c.status == "leased")
             return int(conn.execute(stmt).scalar_one())
     except OperationalError:  # its tables are still being made
         return 0

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import Engine, update
 
-from app import ledger
+from app.ledger import common
 from app.ledger.database import make_engine
 from app.ledger.migrate import upgrade
 from tests.support.procs import ROOT, clean_env, tokenmill
@@ -55,7 +55,7 @@ def seeded(tmp_path: Path) -> tuple[Engine, dict[str, str]]:
     engine = make_engine(url)
     upgrade(engine)
     with engine.begin() as conn:
-        seed_fleet(conn, ledger.utcnow())
+        seed_fleet(conn, common.utcnow())
     return engine, clean_env(tmp_path / "data", TOKENMILL_DATABASE_URL=url)
 
 
@@ -119,15 +119,15 @@ def test_watch_draws_follows_the_ledger_and_exits_0_on_ctrl_c(
 
     with engine.begin() as conn:  # one more item finishes: the next tick shows it
         conn.execute(
-            update(ledger.items)
-            .where(ledger.items.c.item_key == "l1")
+            update(common.items)
+            .where(common.items.c.item_key == "l1")
             .values(
                 status="done",
                 completion_tokens=64,
                 output_ids=[2] * 64,
                 finish_reason="stop",
                 latency_s=1.5,
-                finished_at=ledger.utcnow(),
+                finished_at=common.utcnow(),
             )
         )
     later = wait_for(showing("7/10"), "the next refresh")

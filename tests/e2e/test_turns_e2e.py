@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import Engine
 
-from app import ledger
+from app.ledger import reads, run_queries
 from app.outputs.export import assistant_turn
 from app.prompts.conversation import check_specforge_row
 from app.prompts.tokenization import load_tokenizer
@@ -56,9 +56,9 @@ def emulator() -> Iterator[EmulatorProcess]:
     proc.stop()
 
 
-def counts_of(db: Engine) -> ledger.RunCounts:
+def counts_of(db: Engine) -> reads.RunCounts:
     with db.connect() as conn:
-        return ledger.run_counts(conn, ledger.get_run(conn, "mt"))
+        return reads.run_counts(conn, run_queries.get_run(conn, "mt"))
 
 
 def test_turns_all_survive_a_killed_worker(
@@ -132,8 +132,8 @@ def test_turns_all_survive_a_killed_worker(
 
     tokenizer = load_tokenizer(tok_dir)
     with pg_engine.connect() as conn:
-        run = ledger.get_run(conn, "mt")
-        stored = list(ledger.iter_items(conn, run.id))
+        run = run_queries.get_run(conn, "mt")
+        stored = list(reads.iter_items(conn, run.id))
     by_turn = {(s.item_key, s.sample_index, s.turn_index): s for s in stored}
     assert len(by_turn) == EXPECTED  # each turn of each chain exactly once
     for s in stored:

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from sqlalchemy import create_engine, select
 
-from app import ledger
+from app.ledger import common
 from ops.emulator_proc import start_emulator
 from tests.support.procs import clean_env, tokenmill
 
@@ -70,7 +70,7 @@ def test_a_conversation_runs_on_one_server_shortest_first_and_finds_its_history_
     assert run.returncode == 0, run.stderr
 
     db = create_engine(f"sqlite:///{tmp_path / 'data' / 'ledger.sqlite3'}")
-    t = ledger.items
+    t = common.items
     with db.connect() as conn:
         rows = conn.execute(
             select(

@@ -14,7 +14,7 @@ import httpx
 import pytest
 from sqlalchemy import select
 
-from app import ledger
+from app.ledger import common, reads, run_queries
 from app.ledger.database import make_engine
 from emulator.config import EmulatorConfig
 from emulator.model import generate_output
@@ -53,7 +53,7 @@ def test_one_server_updated_in_place_under_tokenmill_run(
         while True:
             try:
                 with db.connect() as conn:
-                    if ledger.run_counts(conn, ledger.get_run(conn, "r")).done >= 20:
+                    if reads.run_counts(conn, run_queries.get_run(conn, "r")).done >= 20:
                         break
             except Exception:  # the run or the ledger does not exist yet
                 pass
@@ -73,9 +73,9 @@ def test_one_server_updated_in_place_under_tokenmill_run(
             emu.stop()
     assert runner.returncode == 0, err
     with db.connect() as conn:
-        run = ledger.get_run(conn, "r")
-        stored = list(ledger.iter_items(conn, run.id, statuses=("done", "failed")))
-        events = conn.execute(select(ledger.events.c.kind, ledger.events.c.message)).all()
+        run = run_queries.get_run(conn, "r")
+        stored = list(reads.iter_items(conn, run.id, statuses=("done", "failed")))
+        events = conn.execute(select(common.events.c.kind, common.events.c.message)).all()
     db.dispose()
     assert len(stored) == ITEMS and all(s.status == "done" for s in stored)
     assert len({s.item_key for s in stored}) == ITEMS

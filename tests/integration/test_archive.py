@@ -11,10 +11,10 @@ import pyarrow.parquet as pq
 import pytest
 from sqlalchemy import Engine, func, select
 
-from app import ledger
 from app.core.errors import ArchiveRefused, RunArchived
 from app.core.settings import Settings
-from app.ledger import archive, items, items_archive, runs
+from app.ledger import archive, outcomes, queue, reads, run_queries
+from app.ledger.common import items, items_archive, runs
 from app.ledger.dashboard_queries import failure_reasons, item_ranges, iter_item_stats
 from app.outputs.export import export_run
 from app.outputs.parquet_export import export_parquet
@@ -36,9 +36,9 @@ def settings_for(tmp_path: Path) -> Settings:
     )
 
 
-def stored(db: Engine, run: ledger.RunInfo, page_size: int) -> list[ledger.StoredItem]:
+def stored(db: Engine, run: run_queries.RunInfo, page_size: int) -> list[reads.StoredItem]:
     with db.connect() as conn:
-        return list(ledger.iter_items(conn, run.id, statuses=FINAL, page_size=page_size))
+        return list(reads.iter_items(conn, run.id, statuses=FINAL, page_size=page_size))
 
 
 def test_keyset_pages_cross_compacted_and_uncompacted_rows(db: Engine, tmp_path: Path) -> None:
@@ -70,11 +70,11 @@ def test_merged_pages_take_a_row_in_both_tables_once() -> None:
     def pages(*ids: list[int]) -> object:
         return iter([[Row(i) for i in page] for page in ids])
 
-    merged = ledger.merged_pages([pages([1, 4], [6]), pages([2, 4, 5]), pages()], 2)  # type: ignore[list-item]
+    merged = reads.merged_pages([pages([1, 4], [6]), pages([2, 4, 5]), pages()], 2)  # type: ignore[list-item]
     assert [[r.id for r in page] for page in merged] == [[1, 2], [4, 5], [6]]
 
 
-def everything(db: Engine, run: ledger.RunInfo, out: Path) -> dict[str, object]:
+def everything(db: Engine, run: run_queries.RunInfo, out: Path) -> dict[str, object]:
     """What export, verify and report make of the run."""
     jsonl = out / "sf.jsonl"
     out.mkdir(parents=True)
@@ -83,12 +83,12 @@ def everything(db: Engine, run: ledger.RunInfo, out: Path) -> dict[str, object]:
     verified = verify_run(db, run, None).to_json()
     report = build_report(db, run.name, out / "report")
     with db.connect() as conn:
-        counts = ledger.run_counts(conn, run).to_json()
+        counts = reads.run_counts(conn, run).to_json()
         stats = list(iter_item_stats(conn, run.id))
         ranges = item_ranges(conn, run.id)
         reasons = failure_reasons(conn, run.id)
         # what `tokenmill parity` re-renders
-        prompts = ledger.stored_prompts(conn, ledger.prompt_item_ids(conn, run.id))
+        prompts = reads.stored_prompts(conn, reads.prompt_item_ids(conn, run.id))
     assert prompts, "the run has rendered prompts to check"
     return {
         "prompts": [(i.id, i.prompt_ids, i.messages) for i in prompts],
@@ -103,7 +103,7 @@ def everything(db: Engine, run: ledger.RunInfo, out: Path) -> dict[str, object]:
     }
 
 
-def rows_in(db: Engine, run: ledger.RunInfo) -> tuple[int, int]:
+def rows_in(db: Engine, run: run_queries.RunInfo) -> tuple[int, int]:
     with db.connect() as conn:
         hot = conn.execute(select(func.count()).where(items.c.run_id == run.id)).scalar_one()
         cold = conn.execute(
@@ -119,8 +119,8 @@ def test_archive_round_trip(db: Engine, tmp_path: Path) -> None:
     with pytest.raises(ArchiveRefused, match="unfinished"):
         archive.archive_run(db, settings, run)
     with db.begin() as conn:
-        (pending,) = ledger.pending_ids(conn, run.id)
-        ledger.record_outcomes(conn, [ledger.Failed(pending, "HTTP 400")], owner="t", lease_s=1)
+        (pending,) = queue.pending_ids(conn, run.id)
+        outcomes.record_outcomes(conn, [outcomes.Failed(pending, "HTTP 400")], owner="t", lease_s=1)
     with pytest.raises(ArchiveRefused, match="not compacted"):
         archive.archive_run(db, settings, run)
     assert compact_run(db, settings, run, force=True).compacted == 24
@@ -142,7 +142,7 @@ def test_archive_round_trip(db: Engine, tmp_path: Path) -> None:
     assert again.skipped == "the run is archived" and again.orphans_removed == []
     assert everything(db, run, tmp_path / "again") == before
     with db.begin() as conn, pytest.raises(RunArchived, match="new --run name"):
-        ledger.get_or_create_run(conn, spec("arc"))
+        run_queries.get_or_create_run(conn, spec("arc"))
 
 
 def test_an_interrupted_archive_reads_each_row_once_and_finishes(
@@ -157,7 +157,7 @@ def test_an_interrupted_archive_reads_each_row_once_and_finishes(
         ids = [i.id for i in before]
         assert archive.copy_items(conn, ids) == 20
         assert archive.delete_archived(conn, ids[:5]) == 5
-        assert ledger.run_counts(conn, run).done == 20
+        assert reads.run_counts(conn, run).done == 20
     assert rows_in(db, run) == (15, 20)
     assert [(i.id, i.output_ids) for i in stored(db, run, 3)] == [
         (i.id, i.output_ids) for i in before
@@ -176,4 +176,4 @@ def test_archive_command(pg_url: str, pg_engine: Engine, tmp_path: Path) -> None
     assert '"deleted": 10' in done.stdout and '"compacted": 10' in done.stdout
     assert rows_in(pg_engine, run) == (0, 10)
     with pg_engine.begin() as conn:
-        assert ledger.run_archived(conn, run.id)
+        assert run_queries.run_archived(conn, run.id)

@@ -23,7 +23,7 @@ from typing import BinaryIO
 import pytest
 from sqlalchemy import Engine, func, select
 
-from app import ledger
+from app.ledger import common, reads, run_queries
 from app.prompts.inputs import DEFAULT_MAX_LINE_BYTES
 from tests.support.procs import clean_env, service_env, tokenmill
 
@@ -228,9 +228,9 @@ def test_bad_lines_are_skipped_by_number_and_every_good_line_is_enqueued(
     assert report["inserted"] == report["published"] == (len(good_keys) + 1) * SAMPLES
 
     with pg_engine.connect() as conn:
-        run = ledger.get_run(conn, RUN)
-        rows = list(ledger.iter_items(conn, run.id, statuses=("pending", "queued")))
-        counts = ledger.run_counts(conn, run)
+        run = run_queries.get_run(conn, RUN)
+        rows = list(reads.iter_items(conn, run.id, statuses=("pending", "queued")))
+        counts = reads.run_counts(conn, run)
     keys = {(row.item_key, row.sample_index) for row in rows}
     explicit = {(key, k) for key in good_keys for k in range(SAMPLES)}
     assert explicit <= keys and len(keys) == len(rows) == (len(good_keys) + 1) * SAMPLES
@@ -329,8 +329,8 @@ def test_bad_arguments_exit_2_with_one_line_and_write_nothing(
     assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
     assert all(part in lines[0] for part in case.says), lines[0]
     with pg_engine.connect() as conn:
-        assert ledger.list_runs(conn) == []
-        assert conn.execute(select(func.count()).select_from(ledger.items)).scalar_one() == 0
+        assert run_queries.list_runs(conn) == []
+        assert conn.execute(select(func.count()).select_from(common.items)).scalar_one() == 0
 
 
 def test_a_truncated_gzip_file_is_a_clear_error(
@@ -346,7 +346,7 @@ def test_a_truncated_gzip_file_is_a_clear_error(
     assert len(lines) == 1 and "cannot read the prompts file" in lines[0], proc.stderr
     assert "after line" in lines[0]
     with pg_engine.connect() as conn:
-        assert conn.execute(select(func.count()).select_from(ledger.items)).scalar_one() == 0
+        assert conn.execute(select(func.count()).select_from(common.items)).scalar_one() == 0
 
 
 SECRET = "secretpw"

@@ -12,11 +12,12 @@ import pyarrow.parquet as pq
 import pytest
 from sqlalchemy import Engine, func, select, update
 
-from app import ledger
 from app.core.constants import NORMALIZATION_VERSION
 from app.core.contracts import GenerateResult, SamplingParams
 from app.core.errors import ConfigurationError
-from app.ledger import items, runs, tool_sets
+from app.ledger import claims, reads, run_queries
+from app.ledger import outcomes as ledger_outcomes
+from app.ledger.common import items, runs, tool_sets
 from app.outputs.export import export_run
 from app.outputs.parquet_export import export_parquet
 from app.outputs.verify import CHECK_TEMPLATE, verify_run
@@ -124,19 +125,19 @@ def enqueue_rows(db: Engine, tok: ChatTokenizer, tmp_path: Path, name: str) -> A
     return enqueue(db, tok, options, publish=None)
 
 
-def stored(db: Engine, name: str, status: str = "pending") -> dict[str, ledger.StoredItem]:
+def stored(db: Engine, name: str, status: str = "pending") -> dict[str, reads.StoredItem]:
     with db.connect() as conn:
-        run = ledger.get_run(conn, name)
-        return {i.item_key: i for i in ledger.iter_items(conn, run.id, statuses=(status,))}
+        run = run_queries.get_run(conn, name)
+        return {i.item_key: i for i in reads.iter_items(conn, run.id, statuses=(status,))}
 
 
-def finish_all(db: Engine, tok: ChatTokenizer, name: str) -> ledger.RunInfo:
+def finish_all(db: Engine, tok: ChatTokenizer, name: str) -> run_queries.RunInfo:
     eos = tok.eos_token_ids[0]
     with db.begin() as conn:
-        run = ledger.get_run(conn, name)
-        claimed = ledger.claim_next(conn, owner="w", server="gpu-a", lease_s=60, limit=100)
-        outcomes: list[ledger.Outcome] = [
-            ledger.Done(
+        run = run_queries.get_run(conn, name)
+        claimed = claims.claim_next(conn, owner="w", server="gpu-a", lease_s=60, limit=100)
+        outcomes: list[ledger_outcomes.Outcome] = [
+            ledger_outcomes.Done(
                 c.id,
                 GenerateResult(
                     rid=f"r{c.id}",
@@ -151,7 +152,7 @@ def finish_all(db: Engine, tok: ChatTokenizer, name: str) -> ledger.RunInfo:
             )
             for c in claimed
         ]
-        ledger.record_outcomes(conn, outcomes, owner="w", lease_s=60)
+        ledger_outcomes.record_outcomes(conn, outcomes, owner="w", lease_s=60)
     return run
 
 
@@ -199,7 +200,7 @@ def test_every_template_input_reaches_the_prompt(
     assert found["alias"].metadata is None
 
     with db.connect() as conn:
-        run = ledger.get_run(conn, "agentic")
+        run = run_queries.get_run(conn, "agentic")
         assert run.normalization_version == NORMALIZATION_VERSION
         count = select(func.count()).select_from(tool_sets).where(tool_sets.c.run_id == run.id)
         assert conn.execute(count).scalar_one() == 1  # one tools list, stored once
@@ -237,7 +238,7 @@ def test_unknown_normalization_rules_are_refused(
     run = finish_all(db, agent, "pinned")
     with db.begin() as conn:
         conn.execute(update(runs).where(runs.c.id == run.id).values(normalization_version="v0"))
-        run = ledger.get_run(conn, "pinned")
+        run = run_queries.get_run(conn, "pinned")
     report = verify_run(db, run, agent)
     assert not report.clean
     assert any("'v0', which this tokenmill does not have" in f for f in report.findings)

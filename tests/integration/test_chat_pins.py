@@ -14,9 +14,9 @@ import transformers
 from click.testing import CliRunner, Result
 from sqlalchemy import Engine
 
-from app import ledger
 from app.core.errors import TokenizerError
 from app.core.settings import get_settings
+from app.ledger import run_queries
 from app.prompts.tokenization import load_for_run
 from ops.cli import cli
 from tests.support.oracle_families import family_folder
@@ -47,7 +47,7 @@ def test_a_run_pins_its_template_choice_and_versions(
     first = _enqueue(prompts, "pinned", folder)
     assert first.exit_code == 0, first.output
     with pg_engine.connect() as conn:
-        run = ledger.get_run(conn, "pinned")
+        run = run_queries.get_run(conn, "pinned")
     assert run.chat_pins == {
         "chat_template_name": "default",
         "chat_template_file": None,
@@ -81,7 +81,7 @@ def test_a_chat_template_file_is_pinned_by_its_hash(
     done = _enqueue(prompts, "filed", folder, "--chat-template", str(template))
     assert done.exit_code == 0, done.output
     with pg_engine.connect() as conn:
-        run = ledger.get_run(conn, "filed")
+        run = run_queries.get_run(conn, "filed")
     assert run.chat_pins is not None and run.chat_pins["chat_template_file"] == str(template)
     tokenizer = load_for_run(folder, trust_remote_code=False, chat_pins=run.chat_pins)
     assert tokenizer.chat_template_hash == run.chat_template_hash

@@ -10,11 +10,11 @@ import pyarrow.parquet as pq
 import pytest
 from sqlalchemy import Engine, func, insert, select, update
 
-from app import ledger
 from app.core.locks import exclusive
 from app.core.settings import Settings
+from app.ledger import common, compaction, reads, run_queries
 from app.ledger import compaction as ledger_compaction
-from app.ledger import items
+from app.ledger.common import items
 from app.outputs.export import export_run
 from app.outputs.parquet_export import check_export, export_parquet
 from tests.support.done_runs import make_done_run
@@ -33,7 +33,7 @@ def settings_for(tmp_path: Path, **extra: object) -> Settings:
     return Settings(**values)  # type: ignore[arg-type]
 
 
-def exports(db: Engine, run: ledger.RunInfo, folder: Path) -> tuple[bytes, list[object]]:
+def exports(db: Engine, run: run_queries.RunInfo, folder: Path) -> tuple[bytes, list[object]]:
     """SpecForge JSONL bytes and the Parquet rows (without the shard names) of run."""
     folder.mkdir(parents=True, exist_ok=True)
     jsonl = folder / "sf.jsonl"
@@ -52,7 +52,7 @@ def test_compaction_moves_arrays_and_readers_do_not_notice(
     run = make_done_run(pg_engine, "cmp", 30)
     before = exports(pg_engine, run, tmp_path / "before")
     with pg_engine.connect() as conn:
-        stored_before = list(ledger.iter_items(conn, run.id))
+        stored_before = list(reads.iter_items(conn, run.id))
 
     report = compact_run(pg_engine, settings, run)
     assert report.compacted == 60 and report.skipped is None
@@ -74,7 +74,7 @@ def test_compaction_moves_arrays_and_readers_do_not_notice(
     assert all(r.shard_uri is None for r in rows if r.status != "done")
 
     with pg_engine.connect() as conn:
-        stored_after = list(ledger.iter_items(conn, run.id))
+        stored_after = list(reads.iter_items(conn, run.id))
     assert [(i.id, i.prompt_ids, i.output_ids) for i in stored_after] == [
         (i.id, i.prompt_ids, i.output_ids) for i in stored_before
     ]
@@ -113,14 +113,14 @@ def test_a_crash_between_shard_and_ledger_heals(
     def crash(*_: object, **__: object) -> int:
         raise ConnectionError("database went away")
 
-    monkeypatch.setattr(ledger, "mark_compacted", crash)
+    monkeypatch.setattr(compaction, "mark_compacted", crash)
     with pytest.raises(ConnectionError):
         compact_run(pg_engine, settings, run)
     monkeypatch.undo()
     written = sorted(p.name for p in folder.iterdir())
     assert len(written) == 1  # the first shard made it, the ledger never heard of it
     with pg_engine.connect() as conn:
-        assert ledger.compacted_count(conn, run.id) == 0
+        assert compaction.compacted_count(conn, run.id) == 0
 
     # other batch boundaries now: the crashed shard is an orphan and goes
     healed = compact_run(pg_engine, settings, run, shard_rows=15)
@@ -128,7 +128,7 @@ def test_a_crash_between_shard_and_ledger_heals(
     assert healed.compacted == 40
     assert sorted(p.name for p in folder.iterdir()) == sorted(healed.shards)
     with pg_engine.connect() as conn:
-        assert ledger.shard_uris(conn, run.id) == {
+        assert compaction.shard_uris(conn, run.id) == {
             compaction_location(settings, "heal").uri(n) for n in healed.shards
         }
     assert exports(pg_engine, run, tmp_path / "after") == before
@@ -140,7 +140,7 @@ def test_a_crash_then_the_same_batch_rewrites_the_same_key(
     settings = settings_for(tmp_path)
     run = make_done_run(pg_engine, "same", 10, extra=False)
     folder = tmp_path / "storage/runs/same/compacted"
-    monkeypatch.setattr(ledger, "mark_compacted", lambda *a, **k: 1 / 0)
+    monkeypatch.setattr(compaction, "mark_compacted", lambda *a, **k: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         compact_run(pg_engine, settings, run)
     monkeypatch.undo()
@@ -154,7 +154,7 @@ def test_unfinished_chains_and_small_runs_wait(pg_engine: Engine, tmp_path: Path
     settings = settings_for(tmp_path, compact_min_items=100)
     run = make_done_run(pg_engine, "chain", 5, extra=False)
     with pg_engine.begin() as conn:
-        first, second = ledger.compactable_ids(conn, run.id, limit=2)
+        first, second = compaction.compactable_ids(conn, run.id, limit=2)
         for prev, status in ((first, "waiting"), (second, "failed")):
             conn.execute(
                 insert(items).values(
@@ -167,7 +167,7 @@ def test_unfinished_chains_and_small_runs_wait(pg_engine: Engine, tmp_path: Path
                     prompt_tokens=0,
                     status=status,
                     attempts=0,
-                    created_at=ledger.utcnow(),
+                    created_at=common.utcnow(),
                 )
             )
     small = compact_run(pg_engine, settings, run)
@@ -217,4 +217,4 @@ def test_compact_command(pg_engine: Engine, pg_url: str, tmp_path: Path) -> None
     assert done.returncode == 0, done.stderr
     assert '"compacted": 12' in done.stdout
     with pg_engine.connect() as conn:
-        assert ledger.compacted_count(conn, run.id) == 12
+        assert compaction.compacted_count(conn, run.id) == 12

@@ -19,14 +19,16 @@ from alembic import command
 from click.testing import CliRunner
 from sqlalchemy import Connection, Engine, create_engine, delete, func, insert, select, text, update
 
-from app import ledger
 from app.core.contracts import GenerateResult, SamplingParams
 from app.core.settings import get_settings
-from app.ledger import Done, Failed, Released, RetryLater, counters, items, runs
+from app.ledger import claims, common, compaction, counters, queue, reads, run_queries, turns
+from app.ledger import outcomes as ledger_outcomes
+from app.ledger.common import items, runs
 from app.ledger.counters import GroupKey, LatencyKey, Tally
 from app.ledger.database import make_engine
 from app.ledger.metrics_queries import latency_histograms
 from app.ledger.migrate import alembic_config, upgrade
+from app.ledger.outcomes import Done, Failed, Released, RetryLater
 from ops.cli import cli
 from tests.conftest import PG_ADMIN_URL
 from tests.support import runs as support_runs
@@ -42,8 +44,8 @@ def assert_exact(conn: Connection) -> None:
     assert counters.find_drift(conn) == []
 
 
-def new_items(run: ledger.RunInfo, n: int, *, prefix: str = "k") -> list[ledger.NewItem]:
-    return [ledger.NewItem(f"{prefix}{i}", 0, i + 1, None, [1, 2, 3, 4]) for i in range(n)]
+def new_items(run: run_queries.RunInfo, n: int, *, prefix: str = "k") -> list[queue.NewItem]:
+    return [queue.NewItem(f"{prefix}{i}", 0, i + 1, None, [1, 2, 3, 4]) for i in range(n)]
 
 
 # --- every state change, on both databases ----------------------------------------------------
@@ -52,15 +54,15 @@ def new_items(run: ledger.RunInfo, n: int, *, prefix: str = "k") -> list[ledger.
 def test_every_state_change_keeps_the_counters_exact(db: Engine) -> None:
     with db.begin() as conn:
         run = support_runs.make_run(conn, "c1")
-        assert ledger.insert_items(conn, run.id, new_items(run, 10)) == 10
+        assert queue.insert_items(conn, run.id, new_items(run, 10)) == 10
         # a second enqueue of the same keys inserts nothing and counts nothing
-        assert ledger.insert_items(conn, run.id, new_items(run, 10)) == 0
+        assert queue.insert_items(conn, run.id, new_items(run, 10)) == 0
         # a `--turns all` chain: a later turn inserted waiting, then linked
-        waiting = ledger.NewItem("k0", 0, 1, None, [], turn_index=1, waiting=True)
-        assert ledger.insert_items(conn, run.id, [waiting]) == 1
-        ledger.link_turns(conn, run.id, ["k0"])
+        waiting = queue.NewItem("k0", 0, 1, None, [], turn_index=1, waiting=True)
+        assert queue.insert_items(conn, run.id, [waiting]) == 1
+        turns.link_turns(conn, run.id, ["k0"])
         assert_exact(conn)
-        counts = ledger.run_counts(conn, run)
+        counts = reads.run_counts(conn, run)
         assert (counts.total, counts.pending, counts.waiting, counts.prompt_tokens) == (
             11,
             10,
@@ -68,25 +70,25 @@ def test_every_state_change_keeps_the_counters_exact(db: Engine) -> None:
             40,
         )
 
-        ids = ledger.pending_ids(conn, run.id)
-        assert ledger.mark_queued(conn, ids[:8]) == 8
+        ids = queue.pending_ids(conn, run.id)
+        assert queue.mark_queued(conn, ids[:8]) == 8
         assert_exact(conn)
-        a = ledger.claim_items(conn, ids[:4], owner="wa", server="gpu-a", lease_s=600)
-        b = ledger.claim_next(conn, owner="wb", server="gpu-b", lease_s=600, limit=3)
+        a = claims.claim_items(conn, ids[:4], owner="wa", server="gpu-a", lease_s=600)
+        b = claims.claim_next(conn, owner="wb", server="gpu-b", lease_s=600, limit=3)
         assert len(a) == 4 and len(b) == 3
         # a redelivered message claims nothing and counts nothing
-        assert ledger.claim_items(conn, ids[:4], owner="wc", server="gpu-c", lease_s=600) == []
-        ledger.extend_leases(conn, owner="wa", lease_s=900)  # heartbeat: no counted change
-        ledger.touch_queued(conn, ids)
+        assert claims.claim_items(conn, ids[:4], owner="wc", server="gpu-c", lease_s=600) == []
+        claims.extend_leases(conn, owner="wa", lease_s=900)  # heartbeat: no counted change
+        queue.touch_queued(conn, ids)
         assert_exact(conn)
         assert counters.leased_by_server(conn) == {"gpu-a": 4, "gpu-b": 3}
 
         # gpu-b hedges one of gpu-a's items and its copy wins; one hedge mark is taken back
-        hedged = ledger.mark_hedged(conn, [ids[0], ids[1]], owner="wb")
+        hedged = claims.mark_hedged(conn, [ids[0], ids[1]], owner="wb")
         assert len(hedged) == 2
-        ledger.unmark_hedged(conn, [ids[1]], owner="wb")
+        claims.unmark_hedged(conn, [ids[1]], owner="wb")
         assert_exact(conn)
-        ledger.record_outcomes(
+        ledger_outcomes.record_outcomes(
             conn,
             [
                 Done(ids[0], result(7, latency_s=0.5), server="gpu-b"),
@@ -98,39 +100,39 @@ def test_every_state_change_keeps_the_counters_exact(db: Engine) -> None:
             lease_s=600,
         )
         # the losing copy of the hedge writes too: the first result stays
-        ledger.record_outcomes(
+        ledger_outcomes.record_outcomes(
             conn, [Done(ids[0], result(11), server="gpu-a")], owner="wa", lease_s=600
         )
         assert_exact(conn)
-        released = ledger.record_outcomes(
+        released = ledger_outcomes.record_outcomes(
             conn, [Released(ids[3], "server paused")], owner="wa", lease_s=600
         )
         assert released == [ids[3]]
-        assert sorted(ledger.release_owner(conn, "wb")) == sorted(c.id for c in b)
+        assert sorted(ledger_outcomes.release_owner(conn, "wb")) == sorted(c.id for c in b)
         assert_exact(conn)
 
         # a dead worker's lease expires and reconcile re-queues it
-        ledger.claim_items(conn, [ids[3]], owner="dead", server="gpu-c", lease_s=600)
+        claims.claim_items(conn, [ids[3]], owner="dead", server="gpu-c", lease_s=600)
         conn.execute(
             update(items)
             .where(items.c.id == ids[3])
-            .values(lease_expires_at=ledger.utcnow() - timedelta(seconds=5))
+            .values(lease_expires_at=common.utcnow() - timedelta(seconds=5))
         )
-        assert ledger.requeue_expired(conn, run_id=run.id) == [ids[3]]
+        assert ledger_outcomes.requeue_expired(conn, run_id=run.id) == [ids[3]]
         assert_exact(conn)
 
         # the waiting turn starts once its previous turn is done, with a longer prompt
-        ready = ledger.ready_turns(conn, run_id=run.id)
+        ready = turns.ready_turns(conn, run_id=run.id)
         assert [t.prev.id for t in ready] == [ids[0]]
-        assert ledger.start_turn(conn, ready[0].id, [{"role": "user", "content": "x"}], [5] * 9)
+        assert turns.start_turn(conn, ready[0].id, [{"role": "user", "content": "x"}], [5] * 9)
         assert_exact(conn)
-        counts = ledger.run_counts(conn, run)
+        counts = reads.run_counts(conn, run)
         assert (counts.done, counts.failed, counts.truncated, counts.output_tokens) == (2, 1, 1, 16)
         # ten prompts of 4 (the two results report 4 too) and the started turn's 9
         assert counts.prompt_tokens == 10 * 4 + 9
 
         # compaction moves arrays, not counted values
-        ledger.mark_compacted(conn, "file:///shard-0.parquet", [(ids[0], 0), (ids[1], 1)])
+        compaction.mark_compacted(conn, "file:///shard-0.parquet", [(ids[0], 0), (ids[1], 1)])
         assert_exact(conn)
 
     # hedge and latency groups as /metrics reads them
@@ -148,17 +150,17 @@ def test_every_state_change_keeps_the_counters_exact(db: Engine) -> None:
     # a whole chain fails; a run is deleted (its items and counters go with it)
     with db.begin() as conn:
         other = support_runs.make_run(conn, "c2")
-        ledger.insert_items(conn, other.id, new_items(other, 3, prefix="o"))
-        chain = [ledger.NewItem("w", 0, 1, None, [], turn_index=t, waiting=True) for t in (1, 2, 3)]
-        ledger.insert_items(conn, other.id, chain)
-        assert ledger.fail_waiting_chain(conn, other.id, "w", 0, 2, "turn 1 failed") == 2
+        queue.insert_items(conn, other.id, new_items(other, 3, prefix="o"))
+        chain = [queue.NewItem("w", 0, 1, None, [], turn_index=t, waiting=True) for t in (1, 2, 3)]
+        queue.insert_items(conn, other.id, chain)
+        assert turns.fail_waiting_chain(conn, other.id, "w", 0, 2, "turn 1 failed") == 2
         assert_exact(conn)
         conn.execute(delete(items).where(items.c.id == ids[9]))
         assert_exact(conn)
         conn.execute(delete(runs).where(runs.c.id == run.id))
         assert_exact(conn)
         assert counters.counted_groups(conn, run.id) == {}
-        assert ledger.run_counts(conn, other).total == 6
+        assert reads.run_counts(conn, other).total == 6
 
 
 # --- concurrent writers on Postgres -----------------------------------------------------------
@@ -169,8 +171,8 @@ def test_concurrent_workers_keep_the_counters_exact(pg_engine: Engine) -> None:
     on their own connections while a seventh folds the shards; then counters == full count."""
     with pg_engine.begin() as conn:
         run = support_runs.make_run(conn, "busy")
-        ledger.insert_items(conn, run.id, new_items(run, 600))
-        ledger.mark_queued(conn, ledger.pending_ids(conn, run.id))
+        queue.insert_items(conn, run.id, new_items(run, 600))
+        queue.mark_queued(conn, queue.pending_ids(conn, run.id))
     errors: list[BaseException] = []
     stop = threading.Event()
     released_once: set[int] = set()
@@ -187,12 +189,12 @@ def test_concurrent_workers_keep_the_counters_exact(pg_engine: Engine) -> None:
         try:
             while True:
                 with pg_engine.begin() as conn:
-                    claimed = ledger.claim_next(
+                    claimed = claims.claim_next(
                         conn, owner=owner, server=server, lease_s=600, limit=8
                     )
                 if not claimed:
                     return
-                outcomes: list[ledger.Outcome] = []
+                outcomes: list[ledger_outcomes.Outcome] = []
                 for c in claimed:
                     kind = c.id % 5
                     if kind == 0:
@@ -206,11 +208,11 @@ def test_concurrent_workers_keep_the_counters_exact(pg_engine: Engine) -> None:
                         latency = 0.1 * (c.id % 40)
                         outcomes.append(Done(c.id, result(1 + c.id % 13, latency_s=latency)))
                 with pg_engine.begin() as conn:
-                    ledger.record_outcomes(conn, outcomes, owner=owner, lease_s=600)
+                    ledger_outcomes.record_outcomes(conn, outcomes, owner=owner, lease_s=600)
                 # a hedged duplicate from another server arrives late: it must not count
                 done = [o for o in outcomes if isinstance(o, Done)]
                 with pg_engine.begin() as conn:
-                    ledger.record_outcomes(
+                    ledger_outcomes.record_outcomes(
                         conn,
                         [Done(o.item_id, result(50), server="gpu-x") for o in done],
                         owner=owner,
@@ -239,7 +241,7 @@ def test_concurrent_workers_keep_the_counters_exact(pg_engine: Engine) -> None:
     assert errors == []
     with pg_engine.connect() as conn:
         assert_exact(conn)
-        counts = ledger.run_counts(conn, run)
+        counts = reads.run_counts(conn, run)
         assert counts.total == 600 and counts.finished
         assert counts.failed == 120  # every id ≡ 0 (mod 5)
         assert counts.done == 480
@@ -255,7 +257,7 @@ def test_writers_use_their_own_shards_and_a_fold_sums_them(pg_engine: Engine) ->
         try:
             for i, conn in enumerate(conns):
                 with conn.begin():
-                    ledger.insert_items(conn, run.id, new_items(run, 5, prefix=f"b{batch}c{i}-"))
+                    queue.insert_items(conn, run.id, new_items(run, 5, prefix=f"b{batch}c{i}-"))
         finally:
             for conn in conns:
                 conn.close()
@@ -273,7 +275,7 @@ def test_writers_use_their_own_shards_and_a_fold_sums_them(pg_engine: Engine) ->
 def test_truncating_items_empties_the_counters(pg_engine: Engine) -> None:
     with pg_engine.begin() as conn:
         run = support_runs.make_run(conn, "t")
-        ledger.insert_items(conn, run.id, new_items(run, 4))
+        queue.insert_items(conn, run.id, new_items(run, 4))
         conn.execute(text("TRUNCATE items CASCADE"))
         assert counters.counted_groups(conn) == {}
         assert_exact(conn)
@@ -309,14 +311,14 @@ def test_the_migration_backfills_existing_items(
     with engine.begin() as conn:
         # the columns that revision has (today's models also read later ones)
         run_id = conn.execute(
-            insert(ledger.runs)
+            insert(common.runs)
             .values(
                 name="old", tokenizer_path="/t", tokenizer_hash="a" * 64,
                 chat_template_hash="b" * 64, chat_template_kwargs={},
                 sampling_params=SamplingParams().to_json(), samples_per_prompt=1,
-                eos_token_ids=[2], created_at=ledger.utcnow(),
+                eos_token_ids=[2], created_at=common.utcnow(),
             )
-            .returning(ledger.runs.c.id)
+            .returning(common.runs.c.id)
         ).scalar_one()  # fmt: skip
         for i, status in enumerate(["pending", "queued", "leased", "done", "done", "failed"]):
             support_runs.add_item(
@@ -331,8 +333,8 @@ def test_the_migration_backfills_existing_items(
     upgrade(engine)
     with engine.connect() as conn:
         assert_exact(conn)
-        run = ledger.get_run(conn, "old")
-        counts = ledger.run_counts(conn, run)
+        run = run_queries.get_run(conn, "old")
+        counts = reads.run_counts(conn, run)
         assert (counts.total, counts.done, counts.truncated, counts.output_tokens) == (6, 2, 1, 70)
     # and the downgrade removes the triggers with the tables
     config = alembic_config(engine.url.render_as_string(hide_password=False))
@@ -401,7 +403,7 @@ def test_verify_counts_finds_injected_drift_and_repairs_it(
         assert scoped.exit_code == 1
         assert "server gpu-z" in scoped.stdout and "status leased" not in scoped.stdout
         with pg_engine.connect() as conn:
-            assert ledger.run_counts(conn, run).leased == 2  # what status would show
+            assert reads.run_counts(conn, run).leased == 2  # what status would show
 
         repaired = CliRunner().invoke(cli, ["verify", "--counts", "--repair"])
         assert repaired.exit_code == 0, repaired.output
@@ -409,7 +411,7 @@ def test_verify_counts_finds_injected_drift_and_repairs_it(
         again = CliRunner().invoke(cli, ["verify", "--counts"])
         assert again.exit_code == 0, again.output
         with pg_engine.connect() as conn:
-            assert ledger.run_counts(conn, run).leased == 1
+            assert reads.run_counts(conn, run).leased == 1
 
         usage = CliRunner().invoke(cli, ["verify", "--repair", "v"])
         assert usage.exit_code == 2
@@ -430,10 +432,10 @@ def test_repair_on_sqlite(sqlite_engine: Engine) -> None:
 def test_a_batch_of_results_is_one_write_and_the_first_result_of_an_item_wins(db: Engine) -> None:
     with db.begin() as conn:
         run = support_runs.make_run(conn, "batch")
-        ledger.insert_items(conn, run.id, new_items(run, 3))
-        ids = ledger.pending_ids(conn, run.id)
-        ledger.claim_items(conn, ids, owner="w", server="gpu-a", lease_s=600)
-        ledger.record_outcomes(
+        queue.insert_items(conn, run.id, new_items(run, 3))
+        ids = queue.pending_ids(conn, run.id)
+        claims.claim_items(conn, ids, owner="w", server="gpu-a", lease_s=600)
+        ledger_outcomes.record_outcomes(
             conn,
             [
                 Done(ids[0], result(5, latency_s=1.0)),
@@ -453,7 +455,7 @@ def test_a_batch_of_results_is_one_write_and_the_first_result_of_an_item_wins(db
         assert (rows[ids[1]].completion_tokens, rows[ids[1]].status) == (6, "done")
         assert rows[ids[2]].status == "leased"
         assert_exact(conn)
-        assert ledger.run_counts(conn, run).output_tokens == 11
+        assert reads.run_counts(conn, run).output_tokens == 11
 
 
 def test_the_triggers_bucket_latencies_by_the_bounds_the_readers_use() -> None:

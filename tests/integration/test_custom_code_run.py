@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 from sqlalchemy import Engine
 
-from app import ledger
 from app.core.contracts import GenerateResult, SamplingParams
 from app.core.errors import RunMismatch
+from app.ledger import claims, reads, run_queries
+from app.ledger import outcomes as ledger_outcomes
 from app.prompts.tokenization import load_tokenizer
 from emulator.fixtures.agentic_rows import agentic_rows
 from emulator.fixtures.kimi_custom import HELPER_MODULE, ensure_agentic_tokenizer
@@ -23,10 +24,10 @@ from workers.intake.producer import EnqueueOptions, enqueue
 ROWS = 40
 
 
-def finish_every_item(db: Engine, run: ledger.RunInfo, eos: int) -> None:
+def finish_every_item(db: Engine, run: run_queries.RunInfo, eos: int) -> None:
     with db.begin() as conn:
-        claimed = ledger.claim_next(conn, owner="w", server="gpu-a", lease_s=60, limit=1000)
-        outcomes: list[ledger.Outcome] = []
+        claimed = claims.claim_next(conn, owner="w", server="gpu-a", lease_s=60, limit=1000)
+        outcomes: list[ledger_outcomes.Outcome] = []
         for c in claimed:
             output = [500, 501, eos]
             result = GenerateResult(
@@ -39,8 +40,8 @@ def finish_every_item(db: Engine, run: ledger.RunInfo, eos: int) -> None:
                 cached_tokens=0,
                 e2e_latency_s=0.1,
             )
-            outcomes.append(ledger.Done(c.id, result))
-        ledger.record_outcomes(conn, outcomes, owner="w", lease_s=60)
+            outcomes.append(ledger_outcomes.Done(c.id, result))
+        ledger_outcomes.record_outcomes(conn, outcomes, owner="w", lease_s=60)
 
 
 def test_a_custom_code_run_is_pinned(
@@ -59,12 +60,12 @@ def test_a_custom_code_run_is_pinned(
     report = enqueue(pg_engine, tokenizer, options, publish=None)
     assert (report.inserted, report.skipped) == (ROWS, 0), report.to_json()
     with pg_engine.connect() as conn:
-        run = ledger.get_run(conn, "agentic")
+        run = run_queries.get_run(conn, "agentic")
     assert run.tokenizer_path == str(folder.resolve())
     assert run.trust_remote_code
     assert run.tokenizer_files is not None and HELPER_MODULE in run.tokenizer_files
     with pg_engine.connect() as conn:
-        pending = ledger.iter_items(conn, run.id, statuses=("pending",))
+        pending = reads.iter_items(conn, run.id, statuses=("pending",))
         prompts = {i.item_key: i.prompt_ids for i in pending}
     # the row's tools reached the template through the folder's helper module
     assert "namespace functions {\n// Current weather of a city.\ntype get_weather" in (

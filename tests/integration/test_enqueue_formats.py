@@ -12,9 +12,9 @@ import pyarrow.parquet as pq
 import pytest
 from sqlalchemy import Engine
 
-from app import ledger
 from app.core.contracts import SamplingParams
 from app.core.errors import InputError
+from app.ledger import reads, run_queries
 from app.prompts.tokenization import ChatTokenizer, load_tokenizer
 from workers.intake.producer import EnqueueOptions, enqueue
 
@@ -40,10 +40,10 @@ def tokenizer(kimi_tokenizer_dir: Path) -> ChatTokenizer:
 
 def stored(db: Engine, run_name: str) -> list[tuple[Any, ...]]:
     with db.connect() as conn:
-        run = ledger.get_run(conn, run_name)
+        run = run_queries.get_run(conn, run_name)
         return [
             (i.item_key, i.sample_index, i.messages, i.prompt_ids)
-            for i in ledger.iter_items(conn, run.id, statuses=("pending",))
+            for i in reads.iter_items(conn, run.id, statuses=("pending",))
         ]
 
 
@@ -100,7 +100,7 @@ def test_field_bad_rows_and_a_missing_column(
     assert "no column 'messages'" in str(caught.value)
     assert "(columns: 'id', 'dialogue')" in str(caught.value)
     with pg_engine.connect() as conn:
-        assert [r.name for r in ledger.list_runs(conn)] == ["f"]
+        assert [r.name for r in run_queries.list_runs(conn)] == ["f"]
 
 
 def test_a_template_failure_on_a_row_says_row(

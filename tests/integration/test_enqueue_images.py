@@ -17,12 +17,12 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine, select
 
-from app import ledger
 from app.core.contracts import SamplingParams
 from app.core.errors import ConfigurationError, InputError
 from app.core.images import ImagePins
 from app.core.models import items, runs
 from app.core.settings import get_settings
+from app.ledger import claims, outcomes, reads, run_queries
 from app.prompts.tokenization import ChatTokenizer, load_tokenizer
 from workers.intake.producer import EnqueueOptions, enqueue
 
@@ -80,7 +80,7 @@ def run_enqueue(
 
 def stored_items(db: Engine, run: str) -> list[Any]:
     with db.connect() as conn:
-        run_id = ledger.get_run(conn, run).id
+        run_id = run_queries.get_run(conn, run).id
         query = (
             select(items.c.item_key, items.c.turn_index, items.c.messages, items.c.prompt_ids)
             .add_columns(items.c.images, items.c.status)
@@ -312,7 +312,7 @@ def test_a_chain_advances_with_the_images_of_its_history(
     pg_engine: Engine, tokenizer: ChatTokenizer, tmp_path: Path, store: Path
 ) -> None:
     from app.core.contracts import GenerateResult
-    from app.ledger import Done
+    from app.ledger.outcomes import Done
     from workers.intake import turns
 
     (tmp_path / "a.png").write_bytes(png(10, 10))
@@ -326,17 +326,17 @@ def test_a_chain_advances_with_the_images_of_its_history(
     path = write_rows(tmp_path / "conv.jsonl", [{"id": "c", "messages": conversation}])
     run_enqueue(pg_engine, tokenizer, path, "chain", turns="all")
     with pg_engine.connect() as conn:
-        run_id = ledger.get_run(conn, "chain").id
+        run_id = run_queries.get_run(conn, "chain").id
         first_id, later_id = [
-            i.id for i in ledger.iter_items(conn, run_id, statuses=("pending", "waiting"))
+            i.id for i in reads.iter_items(conn, run_id, statuses=("pending", "waiting"))
         ]
     encode = tokenizer.hf_tokenizer.encode
     output = [*encode("hmm", add_special_tokens=False), tokenizer.think_end_id]
     output += [*encode("A dot.", add_special_tokens=False), tokenizer.eos_token_ids[0]]
     result = GenerateResult("r", output, "stop", None, 10, len(output), 0, 0.1)  # type: ignore[arg-type]
     with pg_engine.begin() as conn:
-        ledger.claim_items(conn, [first_id], owner="w", server="s", lease_s=60)
-        ledger.record_outcomes(conn, [Done(first_id, result)], owner="w", lease_s=60)
+        claims.claim_items(conn, [first_id], owner="w", server="s", lease_s=60)
+        outcomes.record_outcomes(conn, [Done(first_id, result)], owner="w", lease_s=60)
     report = turns.advance(pg_engine, turns.TokenizerCache(), prev_ids=[first_id])
     assert report.started == [later_id]
     later = stored_items(pg_engine, "chain")[1]

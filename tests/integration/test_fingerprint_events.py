@@ -9,9 +9,9 @@ from collections.abc import Iterator
 import pytest
 from sqlalchemy import Engine, select
 
-from app import ledger
 from app.core.constants import EVENT_FINGERPRINT_PINNED
 from app.core.settings import Settings
+from app.ledger import common, run_queries
 from ops.emulator_proc import EmulatorProcess, start_emulator
 from tests.support.done_runs import spec
 from workers.engine.runtime import WorkerRuntime
@@ -37,8 +37,8 @@ def runtime(db: Engine, emulator: EmulatorProcess, name: str) -> WorkerRuntime:
 def pinned_events(db: Engine) -> list[tuple[int | None, str | None]]:
     with db.connect() as conn:
         rows = conn.execute(
-            select(ledger.events.c.run_id, ledger.events.c.server).where(
-                ledger.events.c.kind == EVENT_FINGERPRINT_PINNED
+            select(common.events.c.run_id, common.events.c.server).where(
+                common.events.c.kind == EVENT_FINGERPRINT_PINNED
             )
         )
         return [(r.run_id, r.server) for r in rows]
@@ -46,8 +46,8 @@ def pinned_events(db: Engine) -> list[tuple[int | None, str | None]]:
 
 def test_one_event_per_run_and_server(db: Engine, emulator: EmulatorProcess) -> None:
     with db.begin() as conn:
-        run, _ = ledger.get_or_create_run(conn, spec("fp"))
-        other, _ = ledger.get_or_create_run(conn, spec("fp2"))
+        run, _ = run_queries.get_or_create_run(conn, spec("fp"))
+        other, _ = run_queries.get_or_create_run(conn, spec("fp2"))
     first = runtime(db, emulator, "gpu-a")
     answers: list[bool] = []
     threads = [

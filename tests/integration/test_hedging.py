@@ -15,11 +15,13 @@ from typing import Any
 import httpx
 from sqlalchemy import Connection, Engine, select, update
 
-from app import ledger
 from app.core.constants import EVENT_FINGERPRINT_MISMATCH
 from app.core.contracts import GenerateResult, SamplingParams
 from app.core.settings import Settings
-from app.ledger import Done, Failed, Released, events, items
+from app.ledger import claims, common, outcomes, reads, run_queries
+from app.ledger import queue as ledger_queue
+from app.ledger.common import events, items
+from app.ledger.outcomes import Done, Failed, Released
 from emulator.config import KIMI_IM_END_ID, EmulatorConfig
 from emulator.model import generate_output
 from tests.support import runs as support_runs
@@ -40,22 +42,27 @@ OUTPUT_TOKENS = 31
 # --- ledger helpers ---------------------------------------------------------------------------
 
 
-def make_run(conn: Connection, name: str) -> ledger.RunInfo:
+def make_run(conn: Connection, name: str) -> run_queries.RunInfo:
     return support_runs.make_run(conn, name, max_new_tokens=SAMPLING.max_new_tokens)
 
 
-def add_items(conn: Connection, run: ledger.RunInfo, n: int, *, queue: bool = True) -> list[int]:
+def add_items(
+    conn: Connection, run: run_queries.RunInfo, n: int, *, queue: bool = True
+) -> list[int]:
     """n single-sample items of run, queued (as a producer leaves them) unless queue=False."""
-    new = [ledger.NewItem(f"{run.name}-{i}", 0, i + 1, None, [1, 2, 3, 100 + i]) for i in range(n)]
-    assert ledger.insert_items(conn, run.id, new) == n
-    ids = ledger.pending_ids(conn, run.id)
+    new = [
+        ledger_queue.NewItem(f"{run.name}-{i}", 0, i + 1, None, [1, 2, 3, 100 + i])
+        for i in range(n)
+    ]
+    assert ledger_queue.insert_items(conn, run.id, new) == n
+    ids = ledger_queue.pending_ids(conn, run.id)
     if queue:
-        assert ledger.mark_queued(conn, ids) == n
+        assert ledger_queue.mark_queued(conn, ids) == n
     return ids
 
 
 def lease(conn: Connection, ids: list[int], server: str) -> None:
-    claimed = ledger.claim_items(conn, ids, owner=f"{server}-worker", server=server, lease_s=600)
+    claimed = claims.claim_items(conn, ids, owner=f"{server}-worker", server=server, lease_s=600)
     assert [c.id for c in claimed] == sorted(ids)
 
 
@@ -80,29 +87,29 @@ def test_hedge_candidates_are_live_unhedged_leases_elsewhere_in_runs_at_their_en
         f = add_items(conn, fresh, 2, queue=False)
         lease(conn, [e[0], e[1], e[3], e[4], e[5]], "a")
         lease(conn, [e[2]], "b")  # already on the hedging server
-        ledger.record_outcomes(conn, [Done(e[5], result([7, EOS]))], owner="a-worker", lease_s=60)
-        past = ledger.utcnow() - timedelta(seconds=1)
+        outcomes.record_outcomes(conn, [Done(e[5], result([7, EOS]))], owner="a-worker", lease_s=60)
+        past = common.utcnow() - timedelta(seconds=1)
         conn.execute(update(items).where(items.c.id == e[3]).values(lease_expires_at=past))
-        assert [c.id for c in ledger.mark_hedged(conn, [e[4]], owner="h0")] == [e[4]]
+        assert [c.id for c in claims.mark_hedged(conn, [e[4]], owner="h0")] == [e[4]]
         # started_at, not id, sets the order: the longest-running item comes first
-        now = ledger.utcnow()
+        now = common.utcnow()
         for item_id, age_s in ((e[0], 10), (e[1], 60)):
             started = now - timedelta(seconds=age_s)
             conn.execute(update(items).where(items.c.id == item_id).values(started_at=started))
         lease(conn, [b[0]], "a")  # b[1] is still queued
         lease(conn, [f[0]], "a")  # f[1] is still pending
     with db.connect() as conn:
-        assert ledger.hedge_candidates(conn, server="b", limit=10) == [
+        assert claims.hedge_candidates(conn, server="b", limit=10) == [
             (e[1], end.id),
             (e[0], end.id),
         ]
-        assert ledger.hedge_candidates(conn, server="b", limit=1) == [(e[1], end.id)]
-        assert ledger.hedge_candidates(conn, server="b", limit=0) == []
-        assert ledger.hedge_candidates(conn, server="a", limit=10) == [(e[2], end.id)]
+        assert claims.hedge_candidates(conn, server="b", limit=1) == [(e[1], end.id)]
+        assert claims.hedge_candidates(conn, server="b", limit=0) == []
+        assert claims.hedge_candidates(conn, server="a", limit=10) == [(e[2], end.id)]
     with db.begin() as conn:
         lease(conn, [b[1]], "a")  # busy has nothing left to claim now
     with db.connect() as conn:
-        assert ledger.hedge_candidates(conn, server="b", limit=10) == [
+        assert claims.hedge_candidates(conn, server="b", limit=10) == [
             (e[1], end.id),
             (e[0], end.id),
             (b[0], busy.id),
@@ -115,24 +122,24 @@ def test_mark_hedged_marks_once_and_skips_items_no_longer_leased(db: Engine) -> 
         run = make_run(conn, "end")
         ids = add_items(conn, run, 5)
         lease(conn, ids, "a")
-        ledger.record_outcomes(
+        outcomes.record_outcomes(
             conn,
             [Released(ids[3], "server went away"), Done(ids[4], result([7, EOS]))],
             owner="a-worker",
             lease_s=60,
         )
-        hedged = ledger.mark_hedged(conn, [ids[2], ids[0]], owner="h1")
+        hedged = claims.mark_hedged(conn, [ids[2], ids[0]], owner="h1")
         assert [c.id for c in hedged] == [ids[2], ids[0]]  # in the order asked for
         assert hedged[0].prompt_ids == [1, 2, 3, 102] and hedged[0].run_id == run.id
         assert hedged[0].attempts == 0
         # a second hedger racing for the same items gets only the one nobody marked
-        again = ledger.mark_hedged(conn, [ids[0], ids[1], ids[2], ids[3], ids[4]], owner="h2")
+        again = claims.mark_hedged(conn, [ids[0], ids[1], ids[2], ids[3], ids[4]], owner="h2")
         assert [c.id for c in again] == [ids[1]]
-        assert ledger.mark_hedged(conn, ids, owner="h3") == []
-        assert ledger.mark_hedged(conn, [], owner="h3") == []
+        assert claims.mark_hedged(conn, ids, owner="h3") == []
+        assert claims.mark_hedged(conn, [], owner="h3") == []
     with db.connect() as conn:
         owners = [row(conn, i).hedge_owner for i in ids]
-        assert ledger.hedge_candidates(conn, server="b", limit=10) == []
+        assert claims.hedge_candidates(conn, server="b", limit=10) == []
         # the lease stays with its holder
         assert {row(conn, i).lease_owner for i in ids[:3]} == {"a-worker"}
     assert owners == ["h1", "h2", "h1", None, None]
@@ -143,18 +150,18 @@ def test_a_new_claim_clears_the_hedge_mark(db: Engine) -> None:
         run = make_run(conn, "end")
         (item_id,) = add_items(conn, run, 1)
         lease(conn, [item_id], "a")
-        assert ledger.mark_hedged(conn, [item_id], owner="hb")
+        assert claims.mark_hedged(conn, [item_id], owner="hb")
         # its holder died: the lease expires and the item goes back to the queue
-        past = ledger.utcnow() - timedelta(seconds=1)
+        past = common.utcnow() - timedelta(seconds=1)
         conn.execute(update(items).where(items.c.id == item_id).values(lease_expires_at=past))
-        assert ledger.requeue_expired(conn, run_id=run.id) == [item_id]
+        assert outcomes.requeue_expired(conn, run_id=run.id) == [item_id]
         assert row(conn, item_id).hedge_owner == "hb"  # requeueing alone keeps it
         lease(conn, [item_id], "c")
         claimed = row(conn, item_id)
         assert (claimed.hedge_owner, claimed.server, claimed.status) == (None, "c", "leased")
         # the new lease may be hedged once more
-        assert ledger.hedge_candidates(conn, server="b", limit=5) == [(item_id, run.id)]
-        assert [c.id for c in ledger.mark_hedged(conn, [item_id], owner="hb2")] == [item_id]
+        assert claims.hedge_candidates(conn, server="b", limit=5) == [(item_id, run.id)]
+        assert [c.id for c in claims.mark_hedged(conn, [item_id], owner="hb2")] == [item_id]
 
 
 def test_the_hedgers_result_wins_and_the_holders_later_answer_changes_nothing(
@@ -164,15 +171,15 @@ def test_the_hedgers_result_wins_and_the_holders_later_answer_changes_nothing(
         run = make_run(conn, "end")
         hedged_id, plain_id = add_items(conn, run, 2)
         lease(conn, [hedged_id, plain_id], "a")
-        assert ledger.mark_hedged(conn, [hedged_id], owner="b-worker")
+        assert claims.mark_hedged(conn, [hedged_id], owner="b-worker")
     with db.begin() as conn:
-        ledger.record_outcomes(
+        outcomes.record_outcomes(
             conn, [Done(hedged_id, result([7, 8, EOS]), server="b")], owner="b-worker", lease_s=60
         )
     with db.begin() as conn:
         # the holder's copy answers after all, then is reported aborted, then failed
         assert (
-            ledger.record_outcomes(
+            outcomes.record_outcomes(
                 conn,
                 [Done(hedged_id, result([9] * 5, "length"), server="a")],
                 owner="a-worker",
@@ -180,19 +187,19 @@ def test_the_hedgers_result_wins_and_the_holders_later_answer_changes_nothing(
             )
             == []
         )
-        released = ledger.record_outcomes(
+        released = outcomes.record_outcomes(
             conn, [Released(hedged_id, "finished on another server")], owner="a-worker", lease_s=60
         )
         assert released == []
-        ledger.record_outcomes(conn, [Failed(hedged_id, "late")], owner="a-worker", lease_s=60)
+        outcomes.record_outcomes(conn, [Failed(hedged_id, "late")], owner="a-worker", lease_s=60)
         # a result without a server keeps the claimer's
-        ledger.record_outcomes(
+        outcomes.record_outcomes(
             conn, [Done(plain_id, result([5, EOS]))], owner="a-worker", lease_s=60
         )
     with db.connect() as conn:
-        hedged, plain = ledger.stored_items(conn, [hedged_id, plain_id])
+        hedged, plain = reads.stored_items(conn, [hedged_id, plain_id])
         raw = row(conn, hedged_id)
-        counts = ledger.run_counts(conn, run)
+        counts = reads.run_counts(conn, run)
     assert hedged.status == "done" and hedged.output_ids == [7, 8, EOS]
     assert (hedged.finish_reason, hedged.completion_tokens, hedged.server) == ("stop", 3, "b")
     assert hedged.attempts == 1 and hedged.error is None
@@ -205,9 +212,9 @@ def test_finished_among_names_exactly_the_done_and_failed_items(db: Engine) -> N
     with db.begin() as conn:
         run = make_run(conn, "mixed")
         pending, queued, leased, done, failed = add_items(conn, run, 5, queue=False)
-        ledger.mark_queued(conn, [queued, leased, done, failed])
+        ledger_queue.mark_queued(conn, [queued, leased, done, failed])
         lease(conn, [leased, done, failed], "a")
-        ledger.record_outcomes(
+        outcomes.record_outcomes(
             conn,
             [Done(done, result([7, EOS])), Failed(failed, "permanent: bad prompt")],
             owner="a-worker",
@@ -215,9 +222,9 @@ def test_finished_among_names_exactly_the_done_and_failed_items(db: Engine) -> N
         )
     with db.connect() as conn:
         every = [pending, queued, leased, done, failed, failed + 1000]
-        assert ledger.finished_among(conn, every) == {done, failed}
-        assert ledger.finished_among(conn, [pending, leased]) == set()
-        assert ledger.finished_among(conn, []) == set()
+        assert claims.finished_among(conn, every) == {done, failed}
+        assert claims.finished_among(conn, [pending, leased]) == set()
+        assert claims.finished_among(conn, []) == set()
 
 
 # --- two real emulators, two worker runtimes, Postgres -----------------------------------------
@@ -283,12 +290,12 @@ def start(stack: contextlib.ExitStack, worker: Worker) -> None:
     stack.callback(worker.rt.stop)
 
 
-def hold(db: Engine, holder: Worker, run: ledger.RunInfo, ids: list[int]) -> None:
+def hold(db: Engine, holder: Worker, run: run_queries.RunInfo, ids: list[int]) -> None:
     """The holder claims every item and sends them; back once all run on its server."""
     assert holder.rt.run_matches_server(run.id)  # pins the run's fingerprint, as a claim does
     rt = holder.rt
     with db.begin() as conn:
-        claimed = ledger.claim_items(
+        claimed = claims.claim_items(
             conn, ids, owner=rt.owner, server=rt.server_name, lease_s=rt.settings.lease_s
         )
     assert [c.id for c in claimed] == ids
@@ -301,10 +308,10 @@ def hold(db: Engine, holder: Worker, run: ledger.RunInfo, ids: list[int]) -> Non
     )
 
 
-def finished(db: Engine, run: ledger.RunInfo) -> Callable[[], bool]:
+def finished(db: Engine, run: run_queries.RunInfo) -> Callable[[], bool]:
     def check() -> bool:
         with db.connect() as conn:
-            return ledger.run_counts(conn, run).finished
+            return reads.run_counts(conn, run).finished
 
     return check
 
@@ -328,7 +335,7 @@ def hedged_run(
     n: int,
     holder: tuple[str, EmulatorConfig, Settings],
     hedger: tuple[str, EmulatorConfig, Settings],
-) -> tuple[Worker, Worker, ledger.RunInfo, list[int]]:
+) -> tuple[Worker, Worker, run_queries.RunInfo, list[int]]:
     """The holder's worker claims and sends all n items of a new run; once they all run on its
     emulator the hedger's worker starts, idle, with nothing left to claim. Back when the run
     has finished and both windows and emulators have settled."""
@@ -363,8 +370,8 @@ def test_a_fast_server_hedges_the_slow_servers_last_items_and_wins(pg_engine: En
         slow_stats, fast_stats = slow.rt.window.stats, fast.rt.window.stats
         stored = rows(pg_engine, ids)
         with pg_engine.connect() as conn:
-            outputs = ledger.stored_items(conn, ids)
-            counts = ledger.run_counts(conn, run)
+            outputs = reads.stored_items(conn, ids)
+            counts = reads.run_counts(conn, run)
 
     assert (counts.done, counts.failed, counts.total) == (6, 0, 6)
     for r in stored:
@@ -457,7 +464,7 @@ def test_a_refused_run_does_not_keep_the_hedger_from_other_runs(pg_engine: Engin
         start(stack, slow)
         hold(pg_engine, slow, theirs, their_ids)
         with pg_engine.begin() as conn:  # the slow window runs it without a fingerprint check
-            claimed = ledger.claim_items(
+            claimed = claims.claim_items(
                 conn, my_ids, owner=slow.rt.owner, server="slow", lease_s=60
             )
         slow.rt.window.submit(claimed)

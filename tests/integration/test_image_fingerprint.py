@@ -10,10 +10,9 @@ from pathlib import Path
 import pytest
 from sqlalchemy import Engine
 
-from app import ledger
 from app.core.contracts import SamplingParams, ServerFingerprint
 from app.core.settings import Settings
-from app.ledger import registry
+from app.ledger import queue, registry, run_queries
 from workers.control.pausing import pause_server
 from workers.control.watchdog import Probe, run_watchdog
 
@@ -45,10 +44,12 @@ class NoControl:
 def fleet(db: Engine, tmp_path: Path) -> tuple[Engine, Settings]:
     with db.begin() as conn:
         registry.upsert_server(conn, "gpu-a", "http://a:30000")
-        spec = ledger.RunSpec("r", "/t", "a" * 64, "b" * 64, {}, SamplingParams(), 1, None, [2])
-        run, _ = ledger.get_or_create_run(conn, spec)
-        ledger.pin_fingerprint(conn, run.id, PINNED.to_json())
-        ledger.insert_items(conn, run.id, [ledger.NewItem("k", 0, 1, None, [1])])
+        spec = run_queries.RunSpec(
+            "r", "/t", "a" * 64, "b" * 64, {}, SamplingParams(), 1, None, [2]
+        )
+        run, _ = run_queries.get_or_create_run(conn, spec)
+        run_queries.pin_fingerprint(conn, run.id, PINNED.to_json())
+        queue.insert_items(conn, run.id, [queue.NewItem("k", 0, 1, None, [1])])
     return db, Settings(data_dir=tmp_path, stall_s=60)
 
 

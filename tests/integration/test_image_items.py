@@ -20,18 +20,20 @@ import pytest
 from PIL import Image
 from sqlalchemy import Engine, select, update
 
-from app import ledger
 from app.core.constants import EVENT_IMAGE_DRIFT
 from app.core.contracts import GenerateResult, ServerFingerprint
 from app.core.errors import ConfigurationError
 from app.core.images import FAMILIES, ImagePins, ImageRef, expand_placeholders
 from app.core.models import run_image_tokens
 from app.core.settings import Settings
-from app.ledger import Done, items, registry, runs
+from app.ledger import claims, queue, registry, run_queries
+from app.ledger import outcomes as ledger_outcomes
 from app.ledger.claims import claimable_image_items, text_items_left
+from app.ledger.common import items, runs
 from app.ledger.database import make_engine
 from app.ledger.image_tokens import note_image_tokens, pin_image_settings
 from app.ledger.migrate import upgrade
+from app.ledger.outcomes import Done
 from app.sglang.client import ProbeResult
 from app.storage.image_store import put_image
 from app.storage.shards import open_location
@@ -69,7 +71,7 @@ def pictures(store: str) -> list[ImageRef]:
     ]
 
 
-def image_run(db: Engine, name: str = "img") -> ledger.RunInfo:
+def image_run(db: Engine, name: str = "img") -> run_queries.RunInfo:
     with db.begin() as conn:
         run = make_run(conn, name)
         conn.execute(update(runs).where(runs.c.id == run.id).values(images=PINS.to_json()))
@@ -78,7 +80,7 @@ def image_run(db: Engine, name: str = "img") -> ledger.RunInfo:
 
 def add(
     db: Engine,
-    run: ledger.RunInfo,
+    run: run_queries.RunInfo,
     key: str,
     ids: list[int],
     refs: list[ImageRef],
@@ -87,7 +89,7 @@ def add(
 ) -> int:
     mine = (items.c.run_id == run.id, items.c.item_key == key, items.c.sample_index == sample)
     with db.begin() as conn:
-        ledger.insert_items(conn, run.id, [ledger.NewItem(key, sample, 1, None, ids)])
+        queue.insert_items(conn, run.id, [queue.NewItem(key, sample, 1, None, ids)])
         if refs:
             conn.execute(update(items).where(*mine).values(images=[r.to_json() for r in refs]))
         item_id = conn.execute(select(items.c.id).where(*mine)).scalar_one()
@@ -109,19 +111,19 @@ def test_claims_carry_the_images_and_a_text_only_server_passes_image_items_over(
     text = add(db, run, "t", [1, 2, 3], [])
     pictured = add(db, run, "p", [1, PAD, 3, PAD], pictures)
     with db.begin() as conn:
-        claimed = ledger.claim_items(
+        claimed = claims.claim_items(
             conn, [text, pictured], owner=OWNER, server="s", lease_s=60, text_only=True
         )
         assert [c.id for c in claimed] == [text]
         assert claimed[0].images == ()
         assert claimable_image_items(conn, [text, pictured]) == [pictured]
-        both = ledger.claim_items(conn, [text, pictured], owner=OWNER, server="s", lease_s=60)
+        both = claims.claim_items(conn, [text, pictured], owner=OWNER, server="s", lease_s=60)
     assert [c.id for c in both] == [pictured]  # the text item is leased already
     assert both[0].images == tuple(pictures)
     with db.connect() as conn:  # nothing left to claim: other servers may hedge, text only
-        hedges = ledger.hedge_candidates(conn, server="t", limit=10, text_only=True)
+        hedges = claims.hedge_candidates(conn, server="t", limit=10, text_only=True)
         assert hedges == [(text, run.id)]
-        assert len(ledger.hedge_candidates(conn, server="t", limit=10)) == 2
+        assert len(claims.hedge_candidates(conn, server="t", limit=10)) == 2
     assert row(db, pictured).status == "leased"
 
 
@@ -133,12 +135,12 @@ def test_a_text_only_feed_leaves_image_items_and_image_conversations_queued(
     add(db, run, "pic", [1, PAD], pictures[:1])
     with db.begin() as conn:
         # a conversation with an image in a later turn waits, whole, for a server that reads
-        ledger.insert_items(
+        queue.insert_items(
             conn,
             run.id,
             [
-                ledger.NewItem("conv", 0, 1, None, [4, 5], 0),
-                ledger.NewItem("conv", 0, 1, None, [4, 5, PAD], 1),
+                queue.NewItem("conv", 0, 1, None, [4, 5], 0),
+                queue.NewItem("conv", 0, 1, None, [4, 5, PAD], 1),
             ],
         )
         conn.execute(
@@ -146,17 +148,17 @@ def test_a_text_only_feed_leaves_image_items_and_image_conversations_queued(
             .where(items.c.item_key == "conv", items.c.turn_index == 1)
             .values(images=[pictures[0].to_json()])
         )
-        groups = ledger.claim_next_groups(
+        groups = claims.claim_next_groups(
             conn, owner=OWNER, server="s", lease_s=60, limit=10, run_id=run.id, text_only=True
         )
         assert sorted(c.item_key for c in groups) == ["text"]
         assert text_items_left(conn, run.id)  # the conversation's first turn
-        singles = ledger.claim_next(
+        singles = claims.claim_next(
             conn, owner=OWNER, server="s", lease_s=60, limit=10, run_id=run.id, text_only=True
         )
         assert [c.item_key for c in singles] == ["conv"]  # its text-only first turn
         assert not text_items_left(conn, run.id)
-        rest = ledger.claim_next(conn, owner=OWNER, server="s", lease_s=60, limit=10, run_id=run.id)
+        rest = claims.claim_next(conn, owner=OWNER, server="s", lease_s=60, limit=10, run_id=run.id)
     assert sorted(c.item_key for c in rest) == ["conv", "pic"]
 
 
@@ -172,7 +174,7 @@ def test_done_writes_the_image_token_counts_and_leaves_text_items_null(
     text = add(db, run, "t", [1, 2], [])
     for batch in ([ids[0]], [ids[1], text]):  # one row alone, then a batch (one UPDATE on PG)
         with db.begin() as conn:
-            ledger.claim_items(conn, batch, owner=OWNER, server="s", lease_s=60)
+            claims.claim_items(conn, batch, owner=OWNER, server="s", lease_s=60)
             outcomes = [
                 Done(
                     i,
@@ -181,7 +183,7 @@ def test_done_writes_the_image_token_counts_and_leaves_text_items_null(
                 )
                 for i in batch
             ]
-            ledger.record_outcomes(conn, outcomes, owner=OWNER, lease_s=60)
+            ledger_outcomes.record_outcomes(conn, outcomes, owner=OWNER, lease_s=60)
     assert [row(db, i).image_token_counts for i in ids] == [[2], [2]]
     assert row(db, ids[0]).prompt_tokens == 3
     with db.connect() as conn:
@@ -206,7 +208,7 @@ def test_the_first_servers_count_of_an_image_is_the_runs(db: Engine) -> None:
 def test_image_settings_join_a_fingerprint_pinned_by_a_text_only_server(db: Engine) -> None:
     run = image_run(db)
     with db.begin() as conn:
-        ledger.pin_fingerprint(conn, run.id, {"model_path": "m", "version": "0.5.23"})
+        run_queries.pin_fingerprint(conn, run.id, {"model_path": "m", "version": "0.5.23"})
         joined = pin_image_settings(conn, run.id, {"mm_process_config": {"x": 1}})
         kept = pin_image_settings(conn, run.id, {"mm_process_config": {"x": 2}})
     assert (
@@ -316,7 +318,7 @@ def start(
 
 def send(db: Engine, rt: WorkerRuntime, ids: list[int]) -> None:
     with db.begin() as conn:
-        claimed = ledger.claim_items(conn, ids, owner=rt.owner, server=rt.server_name, lease_s=60)
+        claimed = claims.claim_items(conn, ids, owner=rt.owner, server=rt.server_name, lease_s=60)
     assert all(rt.run_matches_server(c.run_id) for c in claimed)
     rt.window.submit(claimed)
     deadline = time.monotonic() + 30
@@ -390,7 +392,7 @@ def test_an_image_counted_differently_on_a_second_server_is_drift(
     with db.begin() as conn:  # a run pinned without them (by a text-only server first, say)
         conn.execute(update(runs).where(runs.c.id == run.id).values(fingerprint=text_only))
     with db.begin() as conn:
-        claimed = ledger.claim_items(conn, [b], owner=other.owner, server="gpu-b", lease_s=60)
+        claimed = claims.claim_items(conn, [b], owner=other.owner, server="gpu-b", lease_s=60)
     assert other.run_matches_server(run.id)
     other.window.submit(claimed)
     deadline = time.monotonic() + 30
@@ -482,7 +484,7 @@ def test_tokenmill_run_with_only_text_only_servers_says_why_its_image_items_wait
     assert row(sqlite_engine, ledger_id(sqlite_engine, run)).status in ("pending", "queued")
 
 
-def ledger_id(db: Engine, run: ledger.RunInfo) -> int:
+def ledger_id(db: Engine, run: run_queries.RunInfo) -> int:
     with db.connect() as conn:
         return int(conn.execute(select(items.c.id).where(items.c.run_id == run.id)).scalar_one())
 

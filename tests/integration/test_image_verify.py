@@ -11,8 +11,8 @@ import pytest
 from click.testing import CliRunner
 from sqlalchemy import Engine, update
 
-from app import ledger
 from app.core.settings import get_settings
+from app.ledger import common
 from app.outputs import verify as verify_module
 from app.outputs.export import export_run
 from app.outputs.verify import (
@@ -41,8 +41,8 @@ def verify(db: Engine, built: ImageRun, export: Path | None = None) -> VerifyRep
 def set_item(db: Engine, built: ImageRun, key: str, **values: object) -> None:
     with db.begin() as conn:
         conn.execute(
-            update(ledger.items)
-            .where(ledger.items.c.run_id == built.run.id, ledger.items.c.item_key == key)
+            update(common.items)
+            .where(common.items.c.run_id == built.run.id, common.items.c.item_key == key)
             .values(**values)
         )
 

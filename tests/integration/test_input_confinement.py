@@ -20,10 +20,10 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine
 
-from app import ledger
 from app.core.contracts import SamplingParams
 from app.core.errors import ConfigurationError
 from app.core.settings import Settings
+from app.ledger import reads, run_queries
 from app.prompts.tokenization import load_tokenizer
 from workers.intake.producer import EnqueueOptions, enqueue
 
@@ -112,8 +112,8 @@ def test_paths_urls_and_templates_in_a_prompt_file_are_only_text(
     assert not store.exists() or not any(p.is_file() for p in store.rglob("*"))
     assert "file" in messages[6]
     with pg_engine.connect() as conn:
-        run = ledger.get_run(conn, "confined")
-        stored = {i.item_key: i for i in ledger.iter_items(conn, run.id, statuses=("pending",))}
+        run = run_queries.get_run(conn, "confined")
+        stored = {i.item_key: i for i in reads.iter_items(conn, run.id, statuses=("pending",))}
     assert set(stored) == {"path", "url", "jinja", str(secret)}
     decoded = {key: tokenizer.decode(item.prompt_ids) for key, item in stored.items()}
     assert all("TOP-SECRET" not in text for text in decoded.values())

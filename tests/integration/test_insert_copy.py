@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from sqlalchemy import Engine, select
 
-from app import ledger
-from app.ledger import items
+from app.ledger import queue
+from app.ledger.common import items
 from tests.support.runs import make_run
 
 # text COPY escapes tabs, newlines and backslashes; JSON adds its own escapes on top
@@ -17,23 +17,23 @@ def test_bulk_insert_counts_new_rows_exactly_and_keeps_order(db: Engine) -> None
     with db.begin() as conn:
         run = make_run(conn, "copy")
     first = [
-        ledger.NewItem(f"key\t{i}\\", 0, i + 1, [{"role": "user", "content": AWKWARD}], [i, 7])
+        queue.NewItem(f"key\t{i}\\", 0, i + 1, [{"role": "user", "content": AWKWARD}], [i, 7])
         for i in range(5)
     ]
     # a duplicate inside one call, rows already present, a waiting later turn, no messages
     second = [
         first[1],
-        ledger.NewItem("new", 0, None, None, [163_839, 0, 1]),
-        ledger.NewItem("new", 0, None, None, [9]),
-        ledger.NewItem("new", 0, None, None, [], turn_index=1, waiting=True),
+        queue.NewItem("new", 0, None, None, [163_839, 0, 1]),
+        queue.NewItem("new", 0, None, None, [9]),
+        queue.NewItem("new", 0, None, None, [], turn_index=1, waiting=True),
         first[4],
     ]
     with db.begin() as conn:
-        assert ledger.insert_items(conn, run.id, first) == 5
+        assert queue.insert_items(conn, run.id, first) == 5
         # a second call in the same transaction sees none of the first call's load rows
-        assert ledger.insert_items(conn, run.id, second) == 2
+        assert queue.insert_items(conn, run.id, second) == 2
     with db.begin() as conn:
-        assert ledger.insert_items(conn, run.id, second) == 0
+        assert queue.insert_items(conn, run.id, second) == 0
     with db.connect() as conn:
         rows = conn.execute(
             select(

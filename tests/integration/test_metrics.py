@@ -18,12 +18,13 @@ from celery import Celery
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import Engine
 
-from app import ledger
 from app.core.constants import GENERATE_TASK, WORK_QUEUE
 from app.core.contracts import GenerateResult, SamplingParams
 from app.core.errors import ConfigurationError
 from app.core.settings import Settings
-from app.ledger import Done, Failed, registry
+from app.ledger import claims, queue, registry, run_queries
+from app.ledger import outcomes as ledger_outcomes
+from app.ledger.outcomes import Done, Failed
 from ops.views.metrics import (
     Credentials,
     LedgerCollector,
@@ -38,8 +39,8 @@ COMMAND = "from ops.metrics_cmd import metrics_cmd; metrics_cmd()"
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
-def spec(name: str) -> ledger.RunSpec:
-    return ledger.RunSpec(
+def spec(name: str) -> run_queries.RunSpec:
+    return run_queries.RunSpec(
         name=name,
         tokenizer_path="/tok",
         tokenizer_hash="a" * 64,
@@ -55,14 +56,14 @@ def spec(name: str) -> ledger.RunSpec:
 def make_run(engine: Engine, name: str, prompts: int) -> list[int]:
     """A run with prompts × 2 samples, all pending; their ids in order."""
     with engine.begin() as conn:
-        run, _ = ledger.get_or_create_run(conn, spec(name))
+        run, _ = run_queries.get_or_create_run(conn, spec(name))
         new = [
-            ledger.NewItem(f"{name}-k{i}", s, i + 1, None, [1, 2, 3])
+            queue.NewItem(f"{name}-k{i}", s, i + 1, None, [1, 2, 3])
             for i in range(prompts)
             for s in range(2)
         ]
-        ledger.insert_items(conn, run.id, new)
-        return ledger.pending_ids(conn, run.id)
+        queue.insert_items(conn, run.id, new)
+        return queue.pending_ids(conn, run.id)
 
 
 def done(item_id: int, tokens: int, latency_s: float, finish: str = "stop") -> Done:
@@ -79,13 +80,15 @@ def done(item_id: int, tokens: int, latency_s: float, finish: str = "stop") -> D
     return Done(item_id, result)
 
 
-def finish(engine: Engine, server: str, ids: list[int], outcomes: list[ledger.Outcome]) -> None:
+def finish(
+    engine: Engine, server: str, ids: list[int], outcomes: list[ledger_outcomes.Outcome]
+) -> None:
     owner = f"worker-{server}"
     with engine.begin() as conn:
-        assert len(ledger.claim_items(conn, ids, owner=owner, server=server, lease_s=60)) == len(
+        assert len(claims.claim_items(conn, ids, owner=owner, server=server, lease_s=60)) == len(
             ids
         )
-        ledger.record_outcomes(conn, outcomes, owner=owner, lease_s=60)
+        ledger_outcomes.record_outcomes(conn, outcomes, owner=owner, lease_s=60)
 
 
 @contextmanager
@@ -160,7 +163,7 @@ def build_fleet(engine: Engine) -> Engine:
     r1 = make_run(engine, "r1", 3)  # 6 items
     r2 = make_run(engine, "r2", 2)  # 4 items
     with engine.begin() as conn:
-        ledger.mark_queued(conn, r1 + r2[:2])
+        queue.mark_queued(conn, r1 + r2[:2])
     finish(
         engine,
         "gpu-a",
@@ -169,7 +172,7 @@ def build_fleet(engine: Engine) -> Engine:
     )
     finish(engine, "gpu-b", r1[3:5], [done(r1[3], 7, 45.0)])  # r1[4] stays leased
     with engine.begin() as conn:  # and gpu-a runs a second copy of it
-        assert [c.id for c in ledger.mark_hedged(conn, [r1[4]], owner="worker-gpu-a")] == [r1[4]]
+        assert [c.id for c in claims.mark_hedged(conn, [r1[4]], owner="worker-gpu-a")] == [r1[4]]
     finish(engine, "gpu-a", r2[:1], [done(r2[0], 5, 700.0)])
     finish(engine, "gpu-b", r2[1:2], [])  # leased; r1[5] queued, r2[2:] pending
     return engine
@@ -271,7 +274,7 @@ def test_a_scrape_is_cached_for_the_configured_period(fleet: Engine) -> None:
     assert tokens() == 42
     more = make_run(fleet, "r3", 1)
     with fleet.begin() as conn:
-        ledger.mark_queued(conn, more)
+        queue.mark_queued(conn, more)
     finish(fleet, "gpu-a", more[:1], [done(more[0], 8, 1.0)])
     now[0] += 1.9
     assert tokens() == 42  # served from the cache
@@ -383,8 +386,8 @@ def test_a_broker_outage_is_reported_and_the_ledger_figures_remain(fleet: Engine
 
 WORKER = """
 import json, sys, time
-from app import ledger
 from app.core.contracts import GenerateResult
+from app.ledger import claims, outcomes as ledger_outcomes
 from app.ledger.database import make_engine
 
 url, server = sys.argv[1:]
@@ -395,7 +398,7 @@ sys.stdin.readline()
 finished = tokens = 0
 while True:
     with engine.begin() as conn:
-        claimed = ledger.claim_next(conn, owner=owner, server=server, lease_s=60, limit=2)
+        claimed = claims.claim_next(conn, owner=owner, server=server, lease_s=60, limit=2)
     if not claimed:
         break
     time.sleep(0.02)  # the generation
@@ -403,9 +406,9 @@ while True:
     for c in claimed:
         n = c.id % 7 + 1
         result = GenerateResult(f"r{c.id}", [5] * n, "stop", None, 3, n, 0, 0.1 * n)
-        outcomes.append(ledger.Done(c.id, result))
+        outcomes.append(ledger_outcomes.Done(c.id, result))
     with engine.begin() as conn:
-        ledger.record_outcomes(conn, outcomes, owner=owner, lease_s=60)
+        ledger_outcomes.record_outcomes(conn, outcomes, owner=owner, lease_s=60)
     finished += len(claimed)
     tokens += sum(c.id % 7 + 1 for c in claimed)
 print(json.dumps({"finished": finished, "tokens": tokens}), flush=True)
@@ -415,7 +418,7 @@ print(json.dumps({"finished": finished, "tokens": tokens}), flush=True)
 def test_totals_are_the_sum_over_worker_processes(pg_engine: Engine, pg_url: str) -> None:
     ids = make_run(pg_engine, "r1", 30)  # 60 items
     with pg_engine.begin() as conn:
-        ledger.mark_queued(conn, ids)
+        queue.mark_queued(conn, ids)
     procs = {
         server: subprocess.Popen(
             [sys.executable, "-c", WORKER, pg_url, server],

@@ -6,7 +6,7 @@ from __future__ import annotations
 from alembic import command
 from sqlalchemy import Engine, text
 
-from app import ledger
+from app.ledger import run_queries
 from app.ledger.migrate import alembic_config, upgrade
 
 
@@ -34,7 +34,7 @@ def test_the_pinned_flag_moves_to_its_column_and_back(sqlite_engine: Engine) -> 
     _insert_run(sqlite_engine, "plain", '{"max_new_tokens": 8}')
     upgrade(sqlite_engine)
     with sqlite_engine.connect() as conn:
-        trusted, plain = ledger.get_run(conn, "trusted"), ledger.get_run(conn, "plain")
+        trusted, plain = run_queries.get_run(conn, "trusted"), run_queries.get_run(conn, "plain")
         stored = conn.execute(text("SELECT sampling_params FROM runs WHERE name = 'trusted'"))
         assert "trust_remote_code" not in stored.scalar_one()
     assert (trusted.trust_remote_code, trusted.turns) == (True, "all")

@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 from sqlalchemy import Engine
 
-from app import ledger
+from app.ledger import reads
 from app.outputs import parquet_export as storage
 from app.outputs.parquet_export import check_export, export_parquet, read_manifest
 from tests.support.done_runs import make_done_run
@@ -50,7 +50,7 @@ def test_export_round_trip(pg_engine: Engine, tmp_path: Path) -> None:
     first = pq.ParquetFile(shard_paths(out)[0])
     assert first.metadata.row_group(0).column(3).compression == "ZSTD"
     with pg_engine.connect() as conn:
-        stored = list(ledger.iter_items(conn, run.id))
+        stored = list(reads.iter_items(conn, run.id))
     assert table.column("item_id").to_pylist() == [i.id for i in stored]
     assert table.column("id").to_pylist() == [i.item_key for i in stored]
     assert table.column("prompt_ids").to_pylist() == [i.prompt_ids for i in stored]
@@ -73,7 +73,7 @@ def test_readers_open_the_export_folder_as_is(pg_engine: Engine, tmp_path: Path)
     out = tmp_path / "export"
     export_parquet(pg_engine, run, out.as_uri(), shard_rows=15)
     with pg_engine.connect() as conn:
-        stored = list(ledger.iter_items(conn, run.id))
+        stored = list(reads.iter_items(conn, run.id))
     by_item = {i.id: i for i in stored}
 
     table = ds.dataset(out).to_table()
@@ -154,13 +154,13 @@ def test_a_crash_mid_shard_keeps_the_previous_export(
     run = make_done_run(pg_engine, "crash", 30)
     out = tmp_path / "export"
     with pg_engine.connect() as conn:
-        done = list(ledger.iter_items(conn, run.id))
+        done = list(reads.iter_items(conn, run.id))
 
     def dying_after(n: int) -> object:
         real = storage.shard_row
         seen = 0
 
-        def shard_row(item: ledger.StoredItem, images: object = None) -> object:
+        def shard_row(item: reads.StoredItem, images: object = None) -> object:
             nonlocal seen
             seen += 1
             if seen > n:

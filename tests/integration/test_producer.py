@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from sqlalchemy import Engine
 
-from app import ledger
 from app.core.contracts import SamplingParams
 from app.core.errors import RunMismatch
+from app.ledger import reads, run_queries
 from app.prompts.tokenization import ChatTokenizer, load_tokenizer
 from workers.intake.producer import EnqueueOptions, enqueue
 
@@ -49,11 +49,11 @@ def test_enqueue_counts_publishes_and_reruns_add_nothing(
     assert [e.line for e in report.errors] == [2, 4]
     assert all(isinstance(i, int) for batch in published for i in batch)
     with pg_engine.connect() as conn:
-        run = ledger.get_run(conn, "p1")
-        counts = ledger.run_counts(conn, run)
+        run = run_queries.get_run(conn, "p1")
+        counts = reads.run_counts(conn, run)
         rows = {
             (i.item_key, i.sample_index): i
-            for i in ledger.iter_items(conn, run.id, statuses=("queued",))
+            for i in reads.iter_items(conn, run.id, statuses=("queued",))
         }
     assert counts.queued == 6
     assert rows[("a", 1)].prompt_ids == tokenizer.apply(

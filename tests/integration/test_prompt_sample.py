@@ -8,9 +8,8 @@ from pathlib import Path
 
 from sqlalchemy import Engine
 
-from app import ledger
 from app.core.settings import Settings
-from app.ledger import archive
+from app.ledger import archive, queue, reads, run_queries
 from app.ledger.reads import SAMPLE_SCAN_IDS
 from tests.integration.test_query_plans import assert_indexed, plans_of
 from tests.support.done_runs import make_done_run, spec
@@ -19,16 +18,16 @@ from workers.control.compaction import compact_run
 BIG = 3 * SAMPLE_SCAN_IDS  # sampled through the indexes, not read whole
 
 
-def make_run(db: Engine, name: str, rows: int, *, every_prompt: int = 1) -> ledger.RunInfo:
+def make_run(db: Engine, name: str, rows: int, *, every_prompt: int = 1) -> run_queries.RunInfo:
     """A run of `rows` items; every `every_prompt`th is rendered from messages, the rest are
     pre-tokenized, and every 10th of those a later turn still waiting."""
     with db.begin() as conn:
-        run, _ = ledger.get_or_create_run(conn, spec(name))
-        ledger.insert_items(
+        run, _ = run_queries.get_or_create_run(conn, spec(name))
+        queue.insert_items(
             conn,
             run.id,
             [
-                ledger.NewItem(
+                queue.NewItem(
                     f"k{i}",
                     0,
                     i + 1,
@@ -46,34 +45,34 @@ def make_run(db: Engine, name: str, rows: int, *, every_prompt: int = 1) -> ledg
 def test_a_large_run_is_sampled_with_the_seed(db: Engine) -> None:
     run = make_run(db, "big", BIG, every_prompt=3)
     with db.connect() as conn:
-        every = set(ledger.prompt_item_ids(conn, run.id))
-        drawn = ledger.sample_prompt_item_ids(conn, run.id, 8, seed=7)
+        every = set(reads.prompt_item_ids(conn, run.id))
+        drawn = reads.sample_prompt_item_ids(conn, run.id, 8, seed=7)
         assert len(drawn) == 8 and drawn == sorted(set(drawn)) and set(drawn) <= every
-        assert ledger.sample_prompt_item_ids(conn, run.id, 8, seed=7) == drawn
-        others = [ledger.sample_prompt_item_ids(conn, run.id, 8, seed=s) for s in range(6)]
+        assert reads.sample_prompt_item_ids(conn, run.id, 8, seed=7) == drawn
+        others = [reads.sample_prompt_item_ids(conn, run.id, 8, seed=s) for s in range(6)]
         assert any(o != drawn for o in others)
-        assert len(ledger.sample_prompt_item_ids(conn, run.id, 200, seed=1)) == 200
-        assert ledger.sample_prompt_item_ids(conn, run.id, 0, seed=1) == []
+        assert len(reads.sample_prompt_item_ids(conn, run.id, 200, seed=1)) == 200
+        assert reads.sample_prompt_item_ids(conn, run.id, 0, seed=1) == []
 
 
 def test_a_small_run_is_read_whole(db: Engine) -> None:
     run = make_run(db, "small", 40, every_prompt=2)
     with db.connect() as conn:
-        every = ledger.prompt_item_ids(conn, run.id)
+        every = reads.prompt_item_ids(conn, run.id)
         assert len(every) == 20
-        assert ledger.sample_prompt_item_ids(conn, run.id, 50, seed=0) == every
-        drawn = ledger.sample_prompt_item_ids(conn, run.id, 5, seed=3)
+        assert reads.sample_prompt_item_ids(conn, run.id, 50, seed=0) == every
+        drawn = reads.sample_prompt_item_ids(conn, run.id, 5, seed=3)
         assert len(drawn) == 5 and set(drawn) <= set(every)
-        assert ledger.sample_prompt_item_ids(conn, run.id, 5, seed=3) == drawn
+        assert reads.sample_prompt_item_ids(conn, run.id, 5, seed=3) == drawn
 
 
 def test_a_pre_tokenized_run_gives_nothing_and_a_missing_run_nothing(db: Engine) -> None:
     run = make_run(db, "ids", BIG, every_prompt=BIG + 1)  # only item 0 has messages
     with db.connect() as conn:
-        assert ledger.prompt_item_ids(conn, run.id) != []
-        drawn = ledger.sample_prompt_item_ids(conn, run.id, 8, seed=1)
-        assert set(drawn) <= set(ledger.prompt_item_ids(conn, run.id))
-        assert ledger.sample_prompt_item_ids(conn, 10**9, 8, seed=1) == []
+        assert reads.prompt_item_ids(conn, run.id) != []
+        drawn = reads.sample_prompt_item_ids(conn, run.id, 8, seed=1)
+        assert set(drawn) <= set(reads.prompt_item_ids(conn, run.id))
+        assert reads.sample_prompt_item_ids(conn, 10**9, 8, seed=1) == []
 
 
 def test_an_archived_run_is_sampled_from_the_archive(db: Engine, tmp_path: Path) -> None:
@@ -84,18 +83,18 @@ def test_an_archived_run_is_sampled_from_the_archive(db: Engine, tmp_path: Path)
         compact_min_items=1,
     )
     with db.connect() as conn:
-        before = ledger.sample_prompt_item_ids(conn, run.id, 8, seed=5)
+        before = reads.sample_prompt_item_ids(conn, run.id, 8, seed=5)
     compact_run(db, settings, run, force=True)
     archive.archive_run(db, settings, run)
     with db.connect() as conn:
-        assert ledger.run_archived(conn, run.id)
-        assert ledger.sample_prompt_item_ids(conn, run.id, 8, seed=5) == before
+        assert run_queries.run_archived(conn, run.id)
+        assert reads.sample_prompt_item_ids(conn, run.id, 8, seed=5) == before
         assert len(before) == 8
 
 
 def test_the_sample_reads_indexes_only(pg_engine: Engine) -> None:
     run = make_run(pg_engine, "plans", BIG, every_prompt=3)
     with pg_engine.connect() as conn:
-        plans = plans_of(conn, lambda c: ledger.sample_prompt_item_ids(c, run.id, 8, seed=2))
+        plans = plans_of(conn, lambda c: reads.sample_prompt_item_ids(c, run.id, 8, seed=2))
     assert len(plans) <= 1 + 4  # the id range, then one statement a round
     assert_indexed(plans, "ix_items_run_status_id", "items_pkey")

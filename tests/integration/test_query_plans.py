@@ -17,8 +17,9 @@ from typing import Any
 import pytest
 from sqlalchemy import Connection, Engine, event, select, text
 
-from app import ledger
-from app.ledger import archive, items, registry
+from app.core import contracts
+from app.ledger import archive, claims, common, compaction, outcomes, queue, reads, registry
+from app.ledger.common import items
 from app.ledger.dashboard_queries import iter_item_stats
 from tests.support import synthetic
 from tests.support.procs import wait_for
@@ -103,29 +104,31 @@ def assert_indexed(plans: list[list[dict[str, Any]]], *expected: str, sorts: boo
 
 def test_hedge_search_reads_leases_and_probes_runs(pg_engine: Engine, filled: Any) -> None:
     with pg_engine.connect() as conn:
-        found = ledger.hedge_candidates(conn, server="gpu-c", limit=8)
+        found = claims.hedge_candidates(conn, server="gpu-c", limit=8)
         assert len(found) == 8 and {run for _, run in found} == {filled.ending.id}
-        plans = plans_of(conn, lambda c: ledger.hedge_candidates(c, server="gpu-c", limit=8))
+        plans = plans_of(conn, lambda c: claims.hedge_candidates(c, server="gpu-c", limit=8))
         assert_indexed(plans, "ix_items_run_status_id")
         assert indexes_used(plans) & {"ix_items_leased_started", "ix_items_status_lease"}
-        assert ledger.claimable_left(conn, filled.queued.id)
-        assert not ledger.claimable_left(conn, filled.ending.id)
+        assert claims.claimable_left(conn, filled.queued.id)
+        assert not claims.claimable_left(conn, filled.ending.id)
 
 
 def test_worker_and_watchdog_lookups(pg_engine: Engine, filled: Any) -> None:
     with pg_engine.connect() as conn:
         some = list(conn.execute(select(items.c.id).limit(50).order_by(items.c.id)).scalars())
-        assert_indexed(plans_of(conn, lambda c: ledger.finished_among(c, some)), "items_pkey")
+        assert_indexed(plans_of(conn, lambda c: claims.finished_among(c, some)), "items_pkey")
         load = registry.server_load(conn, "gpu-a")
         assert load.leased == filled.leased // 2 and load.last_finished_at is not None
         watchdog = plans_of(conn, lambda c: registry.server_load(c, "gpu-a"))
         assert_indexed(watchdog)
         assert indexes_used(watchdog) & {"ix_items_done_finished", "ix_items_server_finished"}
         assert_indexed(
-            plans_of(conn, lambda c: ledger.extend_leases(c, owner="worker-a", lease_s=60)),
+            plans_of(conn, lambda c: claims.extend_leases(c, owner="worker-a", lease_s=60)),
         )
         assert_indexed(plans_of(conn, registry.active_run_fingerprints))
-        assert_indexed(plans_of(conn, lambda c: ledger.requeue_expired(c)), "ix_items_status_lease")
+        assert_indexed(
+            plans_of(conn, lambda c: outcomes.requeue_expired(c)), "ix_items_status_lease"
+        )
 
 
 def test_keyset_pages_read_one_index_range_in_order(pg_engine: Engine, filled: Any) -> None:
@@ -139,11 +142,11 @@ def test_keyset_pages_read_one_index_range_in_order(pg_engine: Engine, filled: A
 
         assert_indexed(plans_of(conn, stats), "ix_items_run_status_id", sorts=False)
         failed = plans_of(
-            conn, lambda c: list(ledger.iter_items(c, run, statuses=("failed",), page_size=100))
+            conn, lambda c: list(reads.iter_items(c, run, statuses=("failed",), page_size=100))
         )
         assert_indexed(failed, "ix_items_run_status_id", sorts=False)
         assert_indexed(
-            plans_of(conn, lambda c: ledger.pending_ids(c, filled.queued.id)),
+            plans_of(conn, lambda c: queue.pending_ids(c, filled.queued.id)),
             "ix_items_run_status_id",
             sorts=False,
         )
@@ -153,7 +156,7 @@ def test_the_embedded_runners_claims_read_what_they_take(pg_engine: Engine, fill
     """The ending run's rows are mostly done: a claim reads the (run_id, status, id) ranges
     of its claimable statuses, never the primary key past the done rows."""
     run = filled.ending.id
-    for claim in (ledger.claim_next, ledger.claim_next_groups):
+    for claim in (claims.claim_next, claims.claim_next_groups):
         with pg_engine.connect() as conn:
             plans = plans_of(
                 conn,
@@ -168,21 +171,21 @@ def test_the_embedded_runners_claims_read_what_they_take(pg_engine: Engine, fill
 def test_compaction_and_reconcile_scans(pg_engine: Engine, filled: Any) -> None:
     run = filled.ending.id
     with pg_engine.connect() as conn:
-        assert ledger.count_compactable(conn, run) == synthetic.UNCOMPACTED
-        assert ledger.count_uncompacted(conn, run, at_most=10) == 10
-        assert ledger.count_uncompacted(conn, run, at_most=10**6) == synthetic.UNCOMPACTED
+        assert compaction.count_compactable(conn, run) == synthetic.UNCOMPACTED
+        assert compaction.count_uncompacted(conn, run, at_most=10) == 10
+        assert compaction.count_uncompacted(conn, run, at_most=10**6) == synthetic.UNCOMPACTED
         for call in (
-            lambda c: ledger.count_compactable(c, run),
-            lambda c: ledger.count_uncompacted(c, run, at_most=10),
-            lambda c: ledger.compactable_ids(c, run, after_id=0, limit=100),
-            lambda c: ledger.runs_with_compactable(c, 10),
+            lambda c: compaction.count_compactable(c, run),
+            lambda c: compaction.count_uncompacted(c, run, at_most=10),
+            lambda c: compaction.compactable_ids(c, run, after_id=0, limit=100),
+            lambda c: compaction.runs_with_compactable(c, 10),
         ):
             assert_indexed(plans_of(conn, call), "ix_items_uncompacted")
-        cutoff = ledger.utcnow()
-        oldest = ledger.oldest_queued(conn, cutoff, limit=100)
+        cutoff = common.utcnow()
+        oldest = queue.oldest_queued(conn, cutoff, limit=100)
         assert len(oldest) == 100
         assert_indexed(
-            plans_of(conn, lambda c: ledger.oldest_queued(c, cutoff, limit=100)),
+            plans_of(conn, lambda c: queue.oldest_queued(c, cutoff, limit=100)),
             "ix_items_queued_at",
             sorts=False,
         )
@@ -195,26 +198,26 @@ def test_a_heartbeat_skips_rows_a_result_write_holds(pg_engine: Engine) -> None:
     it) nor keep the writer from finishing once it commits."""
     with pg_engine.begin() as conn:
         run = make_run(conn, "beat")
-        new = [ledger.NewItem(f"k{i}", 0, i, None, [1, 2, 3]) for i in range(2)]
-        ledger.insert_items(conn, run.id, new)
-        a, b = ledger.pending_ids(conn, run.id)
-        ledger.claim_items(conn, [a, b], owner="w", server="s", lease_s=60)
-    result = ledger.GenerateResult("r", [5, 6], "stop", 6, 3, 2, 0, 0.1)
+        new = [queue.NewItem(f"k{i}", 0, i, None, [1, 2, 3]) for i in range(2)]
+        queue.insert_items(conn, run.id, new)
+        a, b = queue.pending_ids(conn, run.id)
+        claims.claim_items(conn, [a, b], owner="w", server="s", lease_s=60)
+    result = contracts.GenerateResult("r", [5, 6], "stop", 6, 3, 2, 0, 0.1)
     writer = pg_engine.connect()
     heartbeat = pg_engine.connect()
     errors: list[BaseException] = []
     try:
         writer.begin()
-        ledger.record_outcomes(writer, [ledger.Done(b, result)], owner="w", lease_s=60)
+        outcomes.record_outcomes(writer, [outcomes.Done(b, result)], owner="w", lease_s=60)
         writer_pid = writer.exec_driver_sql("SELECT pg_backend_pid()").scalar_one()
         heartbeat.begin()
         # the old heartbeat waited here for B while holding A; fail instead of hanging
         heartbeat.exec_driver_sql("SET LOCAL lock_timeout = '20s'")
-        assert ledger.extend_leases(heartbeat, owner="w", lease_s=60) == 1
+        assert claims.extend_leases(heartbeat, owner="w", lease_s=60) == 1
 
         def write_a() -> None:
             try:
-                ledger.record_outcomes(writer, [ledger.Done(a, result)], owner="w", lease_s=60)
+                outcomes.record_outcomes(writer, [outcomes.Done(a, result)], owner="w", lease_s=60)
                 writer.commit()
             except BaseException as exc:
                 errors.append(exc)

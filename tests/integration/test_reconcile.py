@@ -11,12 +11,12 @@ import redis
 from celery import Celery
 from sqlalchemy import Engine, update
 
-from app import ledger
 from app.celery_app import celery_config
 from app.core.constants import GENERATE_TASK, WORK_QUEUE
 from app.core.contracts import SamplingParams
 from app.core.settings import Settings
-from app.ledger import items
+from app.ledger import claims, common, queue, reads, run_queries
+from app.ledger.common import items
 from workers.control.broker_scan import broker_holds, broker_item_ids
 from workers.control.reconcile import reconcile
 from workers.intake.publish import chunks
@@ -42,24 +42,24 @@ def test_reconcile_brings_back_lost_expired_and_unpublished(
         data_dir=tmp_path, database_url=pg_url, broker_url=redis_url, reconcile_grace_s=30
     )
     publish, sent = publisher(settings)
-    spec = ledger.RunSpec("r", "/t", "a" * 64, "b" * 64, {}, SamplingParams(), 1, None, [2])
+    spec = run_queries.RunSpec("r", "/t", "a" * 64, "b" * 64, {}, SamplingParams(), 1, None, [2])
     with pg_engine.begin() as conn:
-        run, _ = ledger.get_or_create_run(conn, spec)
-        ledger.insert_items(
-            conn, run.id, [ledger.NewItem(f"k{i}", 0, i, None, [1, i]) for i in range(30)]
+        run, _ = run_queries.get_or_create_run(conn, spec)
+        queue.insert_items(
+            conn, run.id, [queue.NewItem(f"k{i}", 0, i, None, [1, i]) for i in range(30)]
         )
-        ids = ledger.pending_ids(conn, run.id)
+        ids = queue.pending_ids(conn, run.id)
     # 10 published and then lost with Redis, 10 leased by a worker that died, 10 never sent
     publish(ids[:10], 0)
     with pg_engine.begin() as conn:
-        ledger.mark_queued(conn, ids[:20])
-        ledger.claim_items(conn, ids[10:20], owner="dead", server="s", lease_s=1)
+        queue.mark_queued(conn, ids[:20])
+        claims.claim_items(conn, ids[10:20], owner="dead", server="s", lease_s=1)
         conn.execute(
             update(items)
             .where(items.c.id.in_(ids[:20]))
             .values(
-                queued_at=ledger.utcnow() - timedelta(seconds=60),
-                lease_expires_at=ledger.utcnow() - timedelta(seconds=5),
+                queued_at=common.utcnow() - timedelta(seconds=60),
+                lease_expires_at=common.utcnow() - timedelta(seconds=5),
             )
         )
     assert broker_item_ids(redis_url) == set(ids[:10])
@@ -78,7 +78,7 @@ def test_reconcile_brings_back_lost_expired_and_unpublished(
     assert sorted(sent) == ids
     assert broker_item_ids(redis_url) == set(ids)
     with pg_engine.connect() as conn:
-        assert ledger.run_counts(conn, run).queued == 30
+        assert reads.run_counts(conn, run).queued == 30
 
     sent.clear()
     second = reconcile(pg_engine, settings, run="r", publish=publish)
@@ -112,18 +112,18 @@ def test_reconcile_waits_for_a_long_queue_before_calling_items_lost(
         data_dir=tmp_path, database_url=pg_url, broker_url=redis_url, reconcile_grace_s=30
     )
     publish, sent = publisher(settings)
-    spec = ledger.RunSpec("long", "/t", "a" * 64, "b" * 64, {}, SamplingParams(), 1, None, [2])
+    spec = run_queries.RunSpec("long", "/t", "a" * 64, "b" * 64, {}, SamplingParams(), 1, None, [2])
     with pg_engine.begin() as conn:
-        run, _ = ledger.get_or_create_run(conn, spec)
-        ledger.insert_items(
-            conn, run.id, [ledger.NewItem(f"k{i}", 0, i, None, [1, i]) for i in range(40)]
+        run, _ = run_queries.get_or_create_run(conn, spec)
+        queue.insert_items(
+            conn, run.id, [queue.NewItem(f"k{i}", 0, i, None, [1, i]) for i in range(40)]
         )
-        ids = ledger.pending_ids(conn, run.id)
-        ledger.mark_queued(conn, ids)
+        ids = queue.pending_ids(conn, run.id)
+        queue.mark_queued(conn, ids)
         conn.execute(
             update(items)
             .where(items.c.id.in_(ids))
-            .values(queued_at=ledger.utcnow() - timedelta(seconds=60))
+            .values(queued_at=common.utcnow() - timedelta(seconds=60))
         )
     publish(ids[20:], 0)  # the first 20 were lost; 5 messages carry the other 20
     sent.clear()

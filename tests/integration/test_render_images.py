@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine
 
-from app import ledger
 from app.core.contracts import SamplingParams
 from app.core.errors import PermanentError
 from app.core.settings import get_settings
+from app.ledger import reads, run_queries
 from app.prompts.tokenization import ChatTokenizer, load_tokenizer
 from app.sglang.render import RenderClient, RenderPolicy, RenderRequest
 from emulator.config import EmulatorConfig
@@ -85,9 +85,9 @@ def image_rows(folder: Path) -> Path:
 
 def prompts(db: Engine, run: str) -> list[list[int]]:
     with db.connect() as conn:
-        info = ledger.get_run(conn, run)
+        info = run_queries.get_run(conn, run)
         return [
-            i.prompt_ids for i in ledger.stored_prompts(conn, ledger.prompt_item_ids(conn, info.id))
+            i.prompt_ids for i in reads.stored_prompts(conn, reads.prompt_item_ids(conn, info.id))
         ]
 
 
@@ -126,7 +126,7 @@ def test_render_with_sends_data_uris_and_parity_is_equal(
         assert sent[1] == {"type": "image_url", "image_url": {"url": expected}}
 
         with pg_engine.connect() as conn:
-            run = ledger.get_run(conn, "local")
+            run = run_queries.get_run(conn, "local")
         parity = check_run(pg_engine, run, client, server=server.base_url)
     assert (parity.checked, parity.equal) == (3, 3)
     get_settings.cache_clear()

@@ -17,12 +17,12 @@ import pytest
 from click.testing import CliRunner
 from sqlalchemy import Engine, func, select
 
-from app import ledger
 from app.core.constants import EVENT_ENQUEUE_STOPPED, EVENT_PARITY
 from app.core.contracts import SamplingParams
 from app.core.errors import RetryableError, RunMismatch
 from app.core.settings import Settings, get_settings
-from app.ledger import items, registry
+from app.ledger import reads, registry, run_queries
+from app.ledger.common import items
 from app.prompts.tokenization import ChatTokenizer, load_tokenizer
 from app.sglang.render import (
     RenderClient,
@@ -85,10 +85,10 @@ def options(path: Path, run: str, render_with: str | None, **extra: Any) -> prod
     )
 
 
-def stored(db: Engine, run: str) -> list[ledger.StoredItem]:
+def stored(db: Engine, run: str) -> list[reads.StoredItem]:
     with db.connect() as conn:
-        info = ledger.get_run(conn, run)
-        return ledger.stored_prompts(conn, ledger.prompt_item_ids(conn, info.id))
+        info = run_queries.get_run(conn, run)
+        return reads.stored_prompts(conn, reads.prompt_item_ids(conn, info.id))
 
 
 # --- --render-with --------------------------------------------------------------------------
@@ -111,7 +111,7 @@ def test_render_with_stores_the_servers_rendering(
             # the same tokenizer folder on both sides: the client's own templating agrees
             assert item.prompt_ids == tokenizer.apply(item.messages or [])
     with db.connect() as conn:
-        assert ledger.get_run(conn, "rw").render_with == same.base_url
+        assert run_queries.get_run(conn, "rw").render_with == same.base_url
     # pinned: enqueueing into the run with local templating is refused
     with pytest.raises(RunMismatch, match="render with"):
         producer.enqueue(db, tokenizer, options(path, "rw", None), publish=None)
@@ -134,7 +134,7 @@ def test_render_with_through_a_different_template_stores_that_template(
 
 def _count(db: Engine, run: str) -> tuple[int, int]:
     with db.connect() as conn:
-        run_id = ledger.get_run(conn, run).id
+        run_id = run_queries.get_run(conn, run).id
         total = conn.execute(select(func.count()).where(items.c.run_id == run_id)).scalar_one()
         keys = conn.execute(
             select(func.count(func.distinct(items.c.item_key))).where(items.c.run_id == run_id)
@@ -208,7 +208,7 @@ def test_an_outage_longer_than_the_wait_stops_and_a_rerun_completes(
         assert f"{stored} items were stored; nothing from line {stored + 1} on" in str(err.value)
         assert _count(db, "outage") == (stored, stored)
         with db.connect() as conn:
-            run_id = ledger.get_run(conn, "outage").id
+            run_id = run_queries.get_run(conn, "outage").id
             kinds = [e.kind for e in registry.list_events(conn, run_id=run_id)]
             assert registry.stopped_enqueues(conn, [run_id]) == {run_id}  # status says so
         assert EVENT_ENQUEUE_STOPPED in kinds
@@ -222,7 +222,7 @@ def test_an_outage_longer_than_the_wait_stops_and_a_rerun_completes(
             assert report.inserted == lines - stored
             assert _count(db, "outage") == (lines, lines)
             with db.connect() as conn:
-                run = ledger.get_run(conn, "outage")
+                run = run_queries.get_run(conn, "outage")
                 assert registry.stopped_enqueues(conn, [run.id]) == set()
             parity = check_run(db, run, again, server=url)
         assert (parity.checked, parity.equal) == (lines, lines)
@@ -259,7 +259,7 @@ def test_an_agentic_enqueue_waits_out_an_outage_and_loses_and_duplicates_nothing
             assert renderer.refused > 0 and len(servers) == 2  # it did wait
             assert report.inserted == 3 * rows
             with db.connect() as conn:
-                run = ledger.get_run(conn, "blip")
+                run = run_queries.get_run(conn, "blip")
                 keys = conn.execute(
                     select(items.c.item_key, items.c.turn_index).where(items.c.run_id == run.id)
                 ).all()
@@ -391,7 +391,7 @@ def test_the_watchdog_preflight_records_parity_and_pauses_when_required(
             "gpu-same": "healthy",
         }
     with db.connect() as conn:
-        run_id = ledger.get_run(conn, "pre").id
+        run_id = run_queries.get_run(conn, "pre").id
         events = [e for e in registry.list_events(conn, run_id=run_id) if e.kind == EVENT_PARITY]
         same_info = registry.get_server(conn, "gpu-same")
         off_info = registry.get_server(conn, "gpu-off")

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from sqlalchemy import Engine
 
-from app import ledger
 from app.ledger import dashboard_queries as dq
+from app.ledger import run_queries
 from ops.views.report_page import build_report
 from tests.support.runs import add_event, add_item, make_run, seed_report_run
 
@@ -78,7 +78,7 @@ def seed(db: Engine) -> None:
 def test_item_stats_stream_in_pages_without_token_arrays(db: Engine) -> None:
     seed(db)
     with db.connect() as conn:
-        run = ledger.get_run(conn, "r")
+        run = run_queries.get_run(conn, "r")
         stream = list(dq.iter_item_stats(conn, run.id, page_size=2))
         pending = list(dq.iter_item_stats(conn, run.id, statuses=("pending", "leased")))
     assert [s.id for s in stream] == [1, 2, 3, 4, 5, 6]
@@ -104,7 +104,7 @@ def test_item_stats_stream_in_pages_without_token_arrays(db: Engine) -> None:
 def test_ranges_and_failure_reasons(db: Engine) -> None:
     seed(db)
     with db.connect() as conn:
-        run = ledger.get_run(conn, "r")
+        run = run_queries.get_run(conn, "r")
         ranges = dq.item_ranges(conn, run.id)
         reasons = dq.failure_reasons(conn, run.id, chars=20)
         nothing = dq.item_ranges(conn, 999)

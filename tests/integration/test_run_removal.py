@@ -11,8 +11,7 @@ import sys
 
 from sqlalchemy import Connection, Engine, Table, func, insert, select, update
 
-from app import ledger
-from app.ledger import counters, registry
+from app.ledger import common, counters, event_log, reads, registry, removal, run_queries
 from tests.support.runs import add_item, add_server, make_run
 from workers.engine.orphans import EMBEDDED_OWNER_PREFIX, take_back
 
@@ -29,30 +28,30 @@ def test_a_deleted_run_leaves_nothing_and_touches_no_other_run(db: Engine) -> No
         for i in range(12):
             add_item(conn, gone.id, f"g{i}", completion_tokens=3)
         add_item(conn, kept.id, "k0", completion_tokens=3)
-        conn.execute(insert(ledger.tool_sets).values(run_id=gone.id, tools_hash="t" * 64, tools=[]))
-        ledger.record_event(conn, "enqueued", "twelve items", run_id=gone.id)
-        ledger.record_event(conn, "enqueued", "one item", run_id=kept.id)
+        conn.execute(insert(common.tool_sets).values(run_id=gone.id, tools_hash="t" * 64, tools=[]))
+        event_log.record_event(conn, "enqueued", "twelve items", run_id=gone.id)
+        event_log.record_event(conn, "enqueued", "one item", run_id=kept.id)
         add_server(conn, "gpu-a")
         registry.record_parity(conn, "gpu-a", "gone", {"status": "equal"})
         registry.record_parity(conn, "gpu-a", "kept", {"status": "differs"})
     deleted = 0
     while True:
         with db.begin() as conn:
-            page = ledger.delete_items_page(conn, gone.id, limit=5)  # pages of 5, 5, 2
+            page = removal.delete_items_page(conn, gone.id, limit=5)  # pages of 5, 5, 2
         if not page:
             break
         deleted += page
     with db.begin() as conn:
-        ledger.delete_run_row(conn, gone.id, gone.name)
+        removal.delete_run_row(conn, gone.id, gone.name)
     assert deleted == 12
     with db.connect() as conn:
-        assert [r.name for r in ledger.list_runs(conn)] == ["kept"]
-        for table in (ledger.items, ledger.events, ledger.tool_sets, counters.item_counts):
+        assert [r.name for r in run_queries.list_runs(conn)] == ["kept"]
+        for table in (common.items, common.events, common.tool_sets, counters.item_counts):
             assert _count(conn, table, gone.id) == 0, table
-        assert _count(conn, ledger.items, kept.id) == 1
-        assert _count(conn, ledger.events, kept.id) == 1
-        assert ledger.run_counts(conn, kept).done == 1
-        parity = conn.execute(select(ledger.servers.c.parity)).scalar_one()
+        assert _count(conn, common.items, kept.id) == 1
+        assert _count(conn, common.events, kept.id) == 1
+        assert reads.run_counts(conn, kept).done == 1
+        parity = conn.execute(select(common.servers.c.parity)).scalar_one()
         assert parity == {"kept": {"status": "differs"}}
 
 
@@ -66,8 +65,8 @@ def test_a_rerun_takes_back_only_its_dead_predecessor_s_leases(db: Engine) -> No
         for i, owner in enumerate([dead, dead, alive, worker]):
             add_item(conn, run.id, f"k{i}", status="leased")
             conn.execute(
-                update(ledger.items)
-                .where(ledger.items.c.item_key == f"k{i}")
+                update(common.items)
+                .where(common.items.c.item_key == f"k{i}")
                 .values(lease_owner=owner, hedge_owner=dead if i == 2 else None)
             )
     taken = take_back(db, run.id)
@@ -75,14 +74,14 @@ def test_a_rerun_takes_back_only_its_dead_predecessor_s_leases(db: Engine) -> No
     with db.connect() as conn:
         rows = conn.execute(
             select(
-                ledger.items.c.item_key,
-                ledger.items.c.status,
-                ledger.items.c.lease_owner,
-                ledger.items.c.hedge_owner,
-                ledger.items.c.attempts,
-            ).order_by(ledger.items.c.item_key)
+                common.items.c.item_key,
+                common.items.c.status,
+                common.items.c.lease_owner,
+                common.items.c.hedge_owner,
+                common.items.c.attempts,
+            ).order_by(common.items.c.item_key)
         ).all()
-        counts = ledger.run_counts(conn, run)
+        counts = reads.run_counts(conn, run)
     assert [(r.item_key, r.status, r.lease_owner) for r in rows] == [
         ("k0", "queued", None),
         ("k1", "queued", None),

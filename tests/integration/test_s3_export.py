@@ -11,8 +11,8 @@ import pyarrow.parquet as pq
 import pytest
 from sqlalchemy import Engine
 
-from app import ledger
 from app.core.settings import Settings
+from app.ledger import compaction, reads
 from app.outputs.parquet_export import check_export, export_parquet, read_manifest
 from tests.support.done_runs import make_done_run
 from tests.support.moto_s3 import moto_s3
@@ -46,7 +46,7 @@ def test_export_to_s3_round_trip_and_corruption(
     with fs.open(f"{BUCKET}/exports/s3/{report.shards[0].path}", "rb") as fh:
         table = pq.read_table(fh)
     with pg_engine.connect() as conn:
-        stored = list(ledger.iter_items(conn, run.id))
+        stored = list(reads.iter_items(conn, run.id))
     assert table.column("output_ids").to_pylist() == [i.output_ids for i in stored[:12]]
     with pg_engine.connect() as conn:
         assert check_export(conn, run.id, url, s3_options).problems == []
@@ -76,14 +76,14 @@ def test_compaction_to_s3_reads_back(
         shard_rows=8,
     )
     with pg_engine.connect() as conn:
-        before = [(i.id, i.prompt_ids, i.output_ids) for i in ledger.iter_items(conn, run.id)]
+        before = [(i.id, i.prompt_ids, i.output_ids) for i in reads.iter_items(conn, run.id)]
     report = compact_run(pg_engine, settings, run, force=True)
     assert report.compacted == 20 and len(report.shards) == 3
     with pg_engine.connect() as conn:
-        uris = ledger.shard_uris(conn, run.id)
+        uris = compaction.shard_uris(conn, run.id)
         after = [
             (i.id, i.prompt_ids, i.output_ids)
-            for i in ledger.iter_items(conn, run.id, storage_options=s3_options)
+            for i in reads.iter_items(conn, run.id, storage_options=s3_options)
         ]
     assert all(u.startswith(f"s3://{BUCKET}/store/runs/s3c/compacted/items-") for u in uris)
     assert after == before

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine
 
-from app import ledger
 from app.core.contracts import SamplingParams
+from app.ledger import reads, run_queries
 from app.prompts.template_choice import TemplateChoice
 from app.prompts.tokenization import load_tokenizer
 from app.prompts.transformers_pin import client_version
@@ -200,8 +200,8 @@ def test_every_boundary_is_sglangs(
     )
     report = enqueue(sqlite_engine, tokenizer, options, publish=None)
     with sqlite_engine.connect() as conn:
-        run = ledger.get_run(conn, options.run)
-        items = list(ledger.iter_items(conn, run.id, statuses=("pending",)))
+        run = run_queries.get_run(conn, options.run)
+        items = list(reads.iter_items(conn, run.id, statuses=("pending",)))
     ours: dict[str, dict[int, list[int]]] = {}
     for item in items:
         ours.setdefault(item.item_key, {})[item.turn_index] = item.prompt_ids

@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine
 
-from app import ledger
 from app.core.contracts import SamplingParams
 from app.core.errors import InputError
 from app.core.settings import get_settings
+from app.ledger import reads, run_queries
 from app.prompts.tokenization import load_tokenizer
 from tests.support.sglang_server import tokenize_as_deployed
 from workers.intake.producer import EnqueueOptions, enqueue
@@ -109,8 +109,8 @@ def test_every_image_boundary_is_sglangs(
     enqueue(pg_engine, tokenizer, options, publish=None, on_error=errors.append)
     assert errors == []
     with pg_engine.connect() as conn:
-        run = ledger.get_run(conn, "oracle-img")
-        stored = ledger.stored_prompts(conn, ledger.prompt_item_ids(conn, run.id))
+        run = run_queries.get_run(conn, "oracle-img")
+        stored = reads.stored_prompts(conn, reads.prompt_item_ids(conn, run.id))
     # each boundary's turns as the row gave them: its prefix of the row's turns
     by_key = {f"r{i}": row["messages"] for i, row in enumerate(ROWS)}
     bodies = [

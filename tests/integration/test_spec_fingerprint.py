@@ -8,10 +8,9 @@ from pathlib import Path
 
 from sqlalchemy import Engine
 
-from app import ledger
 from app.core.contracts import SamplingParams
 from app.core.settings import Settings
-from app.ledger import registry
+from app.ledger import queue, registry, run_queries
 from emulator.config import EmulatorConfig
 from tests.support.emulator import free_port, running_emulator
 from workers.control.watchdog import HttpProber, run_watchdog
@@ -53,10 +52,12 @@ def test_another_draft_keeps_the_server_paused(pg_engine: Engine, tmp_path: Path
     }
     with db.begin() as conn:
         registry.upsert_server(conn, "gpu-a", url)
-        spec = ledger.RunSpec("r", "/t", "a" * 64, "b" * 64, {}, SamplingParams(), 1, None, [2])
-        run, _ = ledger.get_or_create_run(conn, spec)
-        ledger.pin_fingerprint(conn, run.id, pinned)
-        ledger.insert_items(conn, run.id, [ledger.NewItem("k", 0, 1, None, [1])])
+        spec = run_queries.RunSpec(
+            "r", "/t", "a" * 64, "b" * 64, {}, SamplingParams(), 1, None, [2]
+        )
+        run, _ = run_queries.get_or_create_run(conn, spec)
+        run_queries.pin_fingerprint(conn, run.id, pinned)
+        queue.insert_items(conn, run.id, [queue.NewItem("k", 0, 1, None, [1])])
     with running_emulator(draft(port, "/drafts/b")):
         for _ in range(3):
             run_watchdog(db, settings, NoControl(), HttpProber(settings))

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from sqlalchemy import Engine, delete
 
-from app import ledger
 from app.core.contracts import GenerateResult, SpecStats
+from app.ledger import common, outcomes, queue, spec_stats
 from app.outputs.accept_rows import load_rows
 from app.outputs.acceptance import accept_report
 from tests.support.done_runs import make_done_run
@@ -30,39 +30,39 @@ def result(item_id: int, stats: SpecStats | None) -> GenerateResult:
 def test_the_first_result_keeps_its_counters(db: Engine) -> None:
     run = make_done_run(db, "plain", 2, extra=True)  # the pending "bad" sample is left
     with db.connect() as conn:
-        assert not ledger.run_has_spec_stats(conn, run.id)
-        pending = ledger.pending_ids(conn, run.id, limit=10)
+        assert not spec_stats.run_has_spec_stats(conn, run.id)
+        pending = queue.pending_ids(conn, run.id, limit=10)
     item_id = pending[0]
     first = SpecStats(4, 4, 12, 2.25, 1 / 3, (1, 2, 1))
     later = SpecStats(2, 6, 6, 4.5, 1.0, (0, 0, 0, 2))
     with db.begin() as conn:  # a hedge's two results in one write: the first wins
-        ledger.record_outcomes(
+        outcomes.record_outcomes(
             conn,
             [
-                ledger.Done(item_id, result(item_id, first)),
-                ledger.Done(item_id, result(item_id, later)),
+                outcomes.Done(item_id, result(item_id, first)),
+                outcomes.Done(item_id, result(item_id, later)),
             ],
             owner="t",
             lease_s=60,
         )
     with db.begin() as conn:  # and a copy finishing later changes nothing
-        ledger.record_outcomes(
-            conn, [ledger.Done(item_id, result(item_id, later))], owner="t", lease_s=60
+        outcomes.record_outcomes(
+            conn, [outcomes.Done(item_id, result(item_id, later))], owner="t", lease_s=60
         )
     with db.connect() as conn:
-        assert ledger.run_spec_stats(conn, run.id) == {item_id: first}
-        assert ledger.run_has_spec_stats(conn, run.id)
+        assert spec_stats.run_spec_stats(conn, run.id) == {item_id: first}
+        assert spec_stats.run_has_spec_stats(conn, run.id)
     with db.begin() as conn:
-        conn.execute(delete(ledger.runs).where(ledger.runs.c.id == run.id))
+        conn.execute(delete(common.runs).where(common.runs.c.id == run.id))
     with db.connect() as conn:
-        assert ledger.run_spec_stats(conn, run.id) == {}
+        assert spec_stats.run_spec_stats(conn, run.id) == {}
 
 
 def test_accept_reads_the_stored_counters(db: Engine) -> None:
     run = make_spec_run(db, "draft-a", prompts=60)
     rows = load_rows(db, run)
     with db.connect() as conn:
-        stored = ledger.run_spec_stats(conn, run.id)
+        stored = spec_stats.run_spec_stats(conn, run.id)
     assert len(rows) == len(stored) == 60
     report = accept_report(run.name, None, rows, ["category"], resamples=200)
     assert report.overall is not None and report.without_stats == 0

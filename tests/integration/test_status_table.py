@@ -9,8 +9,8 @@ from pathlib import Path
 
 from sqlalchemy import update
 
-from app import ledger
-from app.ledger import items, registry
+from app.ledger import event_log, registry
+from app.ledger.common import items
 from app.ledger.database import make_engine
 from app.ledger.migrate import upgrade
 from tests.support.procs import clean_env, tokenmill
@@ -82,7 +82,7 @@ def test_servers_keep_names_and_urls_whole_and_show_only_a_current_error(tmp_pat
         )
         registry.record_probe(conn, NAME, state="healthy", ok=True, error=None, **probe)
         registry.record_probe(conn, "gpu-b", state="down", ok=False, error="timed out", **probe)
-        ledger.record_event(conn, "down", "a message long enough to fold " * 4, server="gpu-b")
+        event_log.record_event(conn, "down", "a message long enough to fold " * 4, server="gpu-b")
     lines, err = run_tokenmill(tmp_path, "servers")
     assert all(len(line) <= 80 for line in lines), lines
     text = "\n".join(lines)

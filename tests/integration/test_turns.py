@@ -11,10 +11,12 @@ from pathlib import Path
 import pytest
 from sqlalchemy import Engine, select
 
-from app import ledger
 from app.core.contracts import GenerateResult, SamplingParams
 from app.core.errors import RunMismatch
-from app.ledger import Done, Failed, items
+from app.ledger import claims, common, reads, run_queries
+from app.ledger import outcomes as ledger_outcomes
+from app.ledger.common import items
+from app.ledger.outcomes import Done, Failed
 from app.outputs.export import export_run
 from app.prompts.conversation import WholeConversationError
 from app.prompts.tokenization import ChatTokenizer, load_tokenizer
@@ -67,10 +69,10 @@ def enqueue_all(
     return enqueue(db, tokenizer, options, publish=None)
 
 
-def rows(db: Engine, run_id: int) -> dict[tuple[str, int, int], ledger.StoredItem]:
+def rows(db: Engine, run_id: int) -> dict[tuple[str, int, int], reads.StoredItem]:
     statuses = ("waiting", "pending", "queued", "leased", "done", "failed")
     with db.connect() as conn:
-        found = ledger.iter_items(conn, run_id, statuses=statuses)
+        found = reads.iter_items(conn, run_id, statuses=statuses)
         return {(i.item_key, i.sample_index, i.turn_index): i for i in found}
 
 
@@ -87,8 +89,8 @@ def answer(tokenizer: ChatTokenizer, text: str, finish: str = "stop") -> Generat
 def finish(db: Engine, outcomes: list[Done | Failed]) -> None:
     with db.begin() as conn:
         ids = [o.item_id for o in outcomes]
-        ledger.claim_items(conn, ids, owner="w", server="s", lease_s=60)
-        ledger.record_outcomes(conn, outcomes, owner="w", lease_s=60)
+        claims.claim_items(conn, ids, owner="w", server="s", lease_s=60)
+        ledger_outcomes.record_outcomes(conn, outcomes, owner="w", lease_s=60)
 
 
 def contains(whole: list[int], part: list[int]) -> bool:
@@ -101,8 +103,8 @@ def test_chains_advance_from_the_regenerated_history(
     report = enqueue_all(pg_engine, tokenizer, tmp_path)
     assert report.inserted == 2 * (3 + 2 + 1)
     with pg_engine.connect() as conn:
-        run = ledger.get_run(conn, "mt")
-        counts = ledger.run_counts(conn, run)
+        run = run_queries.get_run(conn, "mt")
+        counts = reads.run_counts(conn, run)
     assert run.turns == "all"
     assert (counts.pending, counts.waiting) == (6, 6) and not counts.finished
     items_by = rows(pg_engine, run.id)
@@ -168,7 +170,7 @@ def test_chains_advance_from_the_regenerated_history(
             break
         finish(pg_engine, [Done(i, answer(tokenizer, f"REGEN {i}")) for i in step.started])
     with pg_engine.connect() as conn:
-        counts = ledger.run_counts(conn, run)
+        counts = reads.run_counts(conn, run)
     assert counts.finished and (counts.done, counts.failed, counts.waiting) == (9, 3, 0)
 
     per_turn = export_run(pg_engine, run, "specforge", tmp_path / "turns.jsonl", per_turn=True)
@@ -205,7 +207,7 @@ def test_a_changed_tokenizer_leaves_turns_waiting(
 ) -> None:
     enqueue_all(pg_engine, tokenizer, tmp_path)
     with pg_engine.connect() as conn:
-        run = ledger.get_run(conn, "mt")
+        run = run_queries.get_run(conn, "mt")
     first = rows(pg_engine, run.id)[("c2", 0, 0)]
     finish(pg_engine, [Done(first.id, answer(tokenizer, "fine"))])
     config = tokenizer_dir / "tokenizer_config.json"
@@ -214,5 +216,5 @@ def test_a_changed_tokenizer_leaves_turns_waiting(
     assert report.to_json() == {"started": 0, "failed": 0, "blocked": 1}
     assert rows(pg_engine, run.id)[("c2", 0, 1)].status == "waiting"
     with pg_engine.connect() as conn:
-        kinds = [e.kind for e in conn.execute(select(ledger.events.c.kind))]
+        kinds = [e.kind for e in conn.execute(select(common.events.c.kind))]
     assert "turns_blocked" in kinds

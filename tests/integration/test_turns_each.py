@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine
 
-from app import ledger
 from app.core.contracts import GenerateResult, SamplingParams
 from app.core.errors import ConfigurationError
-from app.ledger import Done
+from app.ledger import claims, outcomes, reads, run_queries
+from app.ledger.outcomes import Done
 from app.outputs.export import export_run
 from app.prompts.chat_path import normalize_messages, normalize_tools
 from app.prompts.tokenization import ChatTokenizer, load_tokenizer
@@ -106,17 +106,17 @@ def enqueue_each(
     return enqueue(db, tokenizer, options, publish=publish)
 
 
-def enqueued_run(db: Engine, tokenizer: ChatTokenizer, tmp_path: Path) -> ledger.RunInfo:
+def enqueued_run(db: Engine, tokenizer: ChatTokenizer, tmp_path: Path) -> run_queries.RunInfo:
     """The run of LINES, enqueued with --turns each."""
     enqueue_each(db, tokenizer, write_lines(tmp_path, LINES))
     with db.connect() as conn:
-        return ledger.get_run(conn, "agentic")
+        return run_queries.get_run(conn, "agentic")
 
 
-def all_items(db: Engine, run_id: int) -> list[ledger.StoredItem]:
+def all_items(db: Engine, run_id: int) -> list[reads.StoredItem]:
     statuses = ("waiting", "pending", "queued", "leased", "done", "failed")
     with db.connect() as conn:
-        return list(ledger.iter_items(conn, run_id, statuses=statuses))
+        return list(reads.iter_items(conn, run_id, statuses=statuses))
 
 
 def test_each_boundary_is_an_item_on_its_original_history(
@@ -127,7 +127,7 @@ def test_each_boundary_is_an_item_on_its_original_history(
     assert report.errors == []
     assert report.inserted == 2 * (3 + 2 + 1)
     with db.connect() as conn:
-        run = ledger.get_run(conn, "agentic")
+        run = run_queries.get_run(conn, "agentic")
     assert run.turns == "each"
     found = all_items(db, run.id)
     keys = sorted((i.item_key, i.sample_index, i.turn_index) for i in found)
@@ -164,7 +164,7 @@ def test_a_conversation_is_published_in_one_message(
     report = enqueue_each(db, tokenizer, path, published=published, batch_size=4)
     assert report.published == 12
     with db.connect() as conn:
-        run = ledger.get_run(conn, "agentic")
+        run = run_queries.get_run(conn, "agentic")
     key_of = {i.id: i.item_key for i in all_items(db, run.id)}
     # the agent's 6 items exceed batch_size 4 and still share one message; the chat's 4 and
     # the single prompt's 2 do not fit together in 4
@@ -196,8 +196,8 @@ def test_exports_carry_the_regenerated_turn(
     answer.append(tokenizer.eos_token_ids[0])
     result = GenerateResult("r", answer, "stop", None, 10, len(answer), 0, 0.1)
     with db.begin() as conn:
-        ledger.claim_items(conn, [i.id for i in found], owner="w", server="s", lease_s=60)
-        ledger.record_outcomes(conn, [Done(i.id, result) for i in found], owner="w", lease_s=60)
+        claims.claim_items(conn, [i.id for i in found], owner="w", server="s", lease_s=60)
+        outcomes.record_outcomes(conn, [Done(i.id, result) for i in found], owner="w", lease_s=60)
 
     out = tmp_path / "sf.jsonl"
     export_run(db, run, "specforge", out)
@@ -241,17 +241,17 @@ def test_the_runner_claims_whole_conversations(
 ) -> None:
     run = enqueued_run(db, tokenizer, tmp_path)
     with db.begin() as conn:
-        first = ledger.claim_next_groups(
+        first = claims.claim_next_groups(
             conn, owner="a", server="gpu-a", lease_s=60, limit=1, run_id=run.id
         )
     # the first key in id order, every sample and turn of it
     assert {c.item_key for c in first} == {"agent"} and len(first) == 6
     assert sorted(c.turn_index for c in first) == [0, 0, 1, 1, 2, 2]
     with db.begin() as conn:
-        rest = ledger.claim_next_groups(
+        rest = claims.claim_next_groups(
             conn, owner="b", server="gpu-b", lease_s=60, limit=5, run_id=run.id
         )
-        nothing = ledger.claim_next_groups(
+        nothing = claims.claim_next_groups(
             conn, owner="c", server="gpu-c", lease_s=60, limit=5, run_id=run.id
         )
     assert sorted({c.item_key for c in rest}) == ["chat", "single"] and len(rest) == 6

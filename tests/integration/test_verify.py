@@ -10,10 +10,11 @@ import pytest
 from click.testing import CliRunner
 from sqlalchemy import Engine, update
 
-from app import ledger
 from app.core.contracts import GenerateResult, SamplingParams
 from app.core.settings import get_settings
-from app.ledger import items
+from app.ledger import claims, common, reads, run_queries
+from app.ledger import outcomes as ledger_outcomes
+from app.ledger.common import items
 from app.outputs.verify import (
     CHECK_COMPLETION,
     CHECK_LENGTH,
@@ -50,7 +51,9 @@ def tokenizer(kimi_tokenizer_dir: Path) -> ChatTokenizer:
     return load_tokenizer(kimi_tokenizer_dir)
 
 
-def build_run(db: Engine, tokenizer: ChatTokenizer, tmp_path: Path, name: str) -> ledger.RunInfo:
+def build_run(
+    db: Engine, tokenizer: ChatTokenizer, tmp_path: Path, name: str
+) -> run_queries.RunInfo:
     """Enqueue LINES with the real producer, then finish every item through the ledger: "e"
     truncated at max_new_tokens, the others stopped on EOS."""
     path = tmp_path / "in.jsonl"
@@ -60,10 +63,10 @@ def build_run(db: Engine, tokenizer: ChatTokenizer, tmp_path: Path, name: str) -
     assert report.inserted == len(LINES)
     eos = tokenizer.eos_token_ids[0]
     with db.begin() as conn:
-        run = ledger.get_run(conn, name)
-        claimed = ledger.claim_next(conn, owner="w", server="gpu-a", lease_s=60, limit=100)
-        keys = {i.id: i.item_key for i in ledger.iter_items(conn, run.id, statuses=("leased",))}
-        outcomes: list[ledger.Outcome] = []
+        run = run_queries.get_run(conn, name)
+        claimed = claims.claim_next(conn, owner="w", server="gpu-a", lease_s=60, limit=100)
+        keys = {i.id: i.item_key for i in reads.iter_items(conn, run.id, statuses=("leased",))}
+        outcomes: list[ledger_outcomes.Outcome] = []
         for c in claimed:
             truncated = keys[c.id] == "e"
             output = [500 + k for k in range(MAX_NEW)] if truncated else [500, 501, eos]
@@ -77,17 +80,17 @@ def build_run(db: Engine, tokenizer: ChatTokenizer, tmp_path: Path, name: str) -
                 cached_tokens=0,
                 e2e_latency_s=0.1,
             )
-            outcomes.append(ledger.Done(c.id, result))
-        ledger.record_outcomes(conn, outcomes, owner="w", lease_s=60)
+            outcomes.append(ledger_outcomes.Done(c.id, result))
+        ledger_outcomes.record_outcomes(conn, outcomes, owner="w", lease_s=60)
     return run
 
 
-def item_id(db: Engine, run: ledger.RunInfo, key: str) -> int:
+def item_id(db: Engine, run: run_queries.RunInfo, key: str) -> int:
     with db.connect() as conn:
-        return next(i.id for i in ledger.iter_items(conn, run.id) if i.item_key == key)
+        return next(i.id for i in reads.iter_items(conn, run.id) if i.item_key == key)
 
 
-def tamper(db: Engine, run: ledger.RunInfo, key: str, **values: object) -> int:
+def tamper(db: Engine, run: run_queries.RunInfo, key: str, **values: object) -> int:
     target = item_id(db, run, key)
     with db.begin() as conn:
         conn.execute(update(items).where(items.c.id == target).values(**values))
@@ -107,7 +110,7 @@ def test_clean_run_then_each_tampering_is_named(
     assert checks[CHECK_COMPLETION].checked == checks[CHECK_PROMPT].checked == 5
 
     with pg_engine.connect() as conn:
-        stored = {i.item_key: i for i in ledger.iter_items(conn, run.id)}
+        stored = {i.item_key: i for i in reads.iter_items(conn, run.id)}
     changed_prompt = list(stored["a"].prompt_ids)
     changed_prompt[2] += 1
     a = tamper(pg_engine, run, "a", prompt_ids=changed_prompt)
@@ -138,9 +141,9 @@ def test_a_changed_tokenizer_is_a_finding(
     run = build_run(pg_engine, tokenizer, tmp_path, "v2")
     with pg_engine.begin() as conn:
         conn.execute(
-            update(ledger.runs).where(ledger.runs.c.id == run.id).values(tokenizer_hash="f" * 64)
+            update(common.runs).where(common.runs.c.id == run.id).values(tokenizer_hash="f" * 64)
         )
-        run = ledger.get_run(conn, "v2")
+        run = run_queries.get_run(conn, "v2")
     report = verify_run(pg_engine, run, tokenizer)
     assert not report.clean
     assert len(report.findings) == 1

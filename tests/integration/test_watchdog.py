@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from sqlalchemy import Engine, update
 
-from app import ledger
 from app.core.contracts import SamplingParams, ServerFingerprint
 from app.core.settings import Settings
-from app.ledger import items, registry
+from app.ledger import claims, common, queue, registry, run_queries
+from app.ledger.common import items
 from workers.control.pausing import pause_server
 from workers.control.watchdog import Probe, run_watchdog
 
@@ -50,11 +50,13 @@ def fleet(db: Engine, tmp_path: Path) -> tuple[Engine, Settings, ScriptedProber,
         registry.upsert_server(conn, "gpu-a", "http://a:30000")
         registry.add_worker(conn, "gpu-a", "w1@host")
         registry.upsert_server(conn, "gpu-b", "http://b:30000")
-        spec = ledger.RunSpec("r", "/t", "a" * 64, "b" * 64, {}, SamplingParams(), 1, None, [2])
-        run, _ = ledger.get_or_create_run(conn, spec)
-        ledger.pin_fingerprint(conn, run.id, PINNED.to_json())
-        ledger.insert_items(
-            conn, run.id, [ledger.NewItem(f"k{i}", 0, i, None, [1]) for i in range(4)]
+        spec = run_queries.RunSpec(
+            "r", "/t", "a" * 64, "b" * 64, {}, SamplingParams(), 1, None, [2]
+        )
+        run, _ = run_queries.get_or_create_run(conn, spec)
+        run_queries.pin_fingerprint(conn, run.id, PINNED.to_json())
+        queue.insert_items(
+            conn, run.id, [queue.NewItem(f"k{i}", 0, i, None, [1]) for i in range(4)]
         )
     settings = Settings(data_dir=tmp_path, stall_s=60)
     return db, settings, ScriptedProber(), RecordingControl()
@@ -125,10 +127,10 @@ def test_stall_is_caught_when_the_health_route_lies(
 ) -> None:
     db, settings, prober, control = fleet
     with db.begin() as conn:
-        run = ledger.get_run(conn, "r")
-        ids = ledger.pending_ids(conn, run.id)
-        ledger.claim_items(conn, ids, owner="w", server="gpu-a", lease_s=600)
-        conn.execute(update(items).values(started_at=ledger.utcnow() - timedelta(seconds=61)))
+        run = run_queries.get_run(conn, "r")
+        ids = queue.pending_ids(conn, run.id)
+        claims.claim_items(conn, ids, owner="w", server="gpu-a", lease_s=600)
+        conn.execute(update(items).values(started_at=common.utcnow() - timedelta(seconds=61)))
     assert run_watchdog(db, settings, control, prober)["gpu-a"] == "down"
     a = server(db, "gpu-a")
     assert a.paused and "stalled: 4 requests in flight" in (a.last_error or "")

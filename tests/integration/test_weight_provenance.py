@@ -12,11 +12,12 @@ import pyarrow.parquet as pq
 import pytest
 from sqlalchemy import Engine, update
 
-from app import ledger
 from app.core.contracts import GenerateResult, SamplingParams, ServerFingerprint
 from app.core.errors import ConfigurationError
 from app.core.settings import Settings
-from app.ledger import items, registry
+from app.ledger import outcomes as ledger_outcomes
+from app.ledger import queue, reads, registry, run_queries
+from app.ledger.common import items
 from app.outputs.export import export_run
 from app.outputs.parquet_export import check_export, export_parquet
 from app.outputs.verify import verify_run
@@ -28,18 +29,20 @@ PINNED = ServerFingerprint("m", "v1", None, "0.5.23")
 
 def make_run(
     db: Engine, name: str = "prov", versions: tuple[str, ...] = ("v1", "v1", "v2")
-) -> ledger.RunInfo:
+) -> run_queries.RunInfo:
     """One prompt x len(versions) samples, sample k done under versions[k] with what the run
     sends for it; sample 0 of a second prompt with a row sampling override."""
-    spec = ledger.RunSpec(name, "/t", "a" * 64, "b" * 64, {}, SAMPLING, len(versions), None, [9])
+    spec = run_queries.RunSpec(
+        name, "/t", "a" * 64, "b" * 64, {}, SAMPLING, len(versions), None, [9]
+    )
     with db.begin() as conn:
-        run, _ = ledger.get_or_create_run(conn, spec)
-        ledger.pin_fingerprint(conn, run.id, PINNED.to_json())
-        new = [ledger.NewItem("p", k, 1, None, [1, 2]) for k in range(len(versions))]
-        new.append(ledger.NewItem("q", 0, 2, None, [3], sampling_params={"top_k": 4}))
-        ledger.insert_items(conn, run.id, new)
-        ids = ledger.pending_ids(conn, run.id, limit=100)
-    outcomes: list[ledger.Outcome] = []
+        run, _ = run_queries.get_or_create_run(conn, spec)
+        run_queries.pin_fingerprint(conn, run.id, PINNED.to_json())
+        new = [queue.NewItem("p", k, 1, None, [1, 2]) for k in range(len(versions))]
+        new.append(queue.NewItem("q", 0, 2, None, [3], sampling_params={"top_k": 4}))
+        queue.insert_items(conn, run.id, new)
+        ids = queue.pending_ids(conn, run.id, limit=100)
+    outcomes: list[ledger_outcomes.Outcome] = []
     for item_id, (key, k, row) in zip(
         ids, [*(("p", k, None) for k in range(len(versions))), ("q", 0, {"top_k": 4})], strict=True
     ):
@@ -50,17 +53,17 @@ def make_run(
             e2e_latency_s=0.1, weight_version=version,
             sampling_params=SAMPLING.for_sample(k, row),
         )  # fmt: skip
-        outcomes.append(ledger.Done(item_id, result))
+        outcomes.append(ledger_outcomes.Done(item_id, result))
     with db.begin() as conn:
-        ledger.record_outcomes(conn, outcomes, owner="t", lease_s=60)
+        ledger_outcomes.record_outcomes(conn, outcomes, owner="t", lease_s=60)
         conn.execute(update(items).where(items.c.run_id == run.id).values(server="gpu-a"))
-        return ledger.get_run(conn, name)
+        return run_queries.get_run(conn, name)
 
 
 def test_results_keep_their_weights_and_sampling(db: Engine) -> None:
     run = make_run(db)
     with db.connect() as conn:
-        stored = {(s.item_key, s.sample_index): s for s in ledger.iter_items(conn, run.id)}
+        stored = {(s.item_key, s.sample_index): s for s in reads.iter_items(conn, run.id)}
     assert stored[("p", 2)].weight_version == "v2"
     assert stored[("p", 1)].sampling_params == SAMPLING.for_sample(1)
     assert stored[("p", 1)].sampling_params["temperature"] == 1.0
@@ -140,12 +143,12 @@ class Control:
 
 
 def test_the_watchdog_sees_new_weights_on_an_idle_server(db: Engine, tmp_path: Path) -> None:
-    spec = ledger.RunSpec("r", "/t", "a" * 64, "b" * 64, {}, SamplingParams(), 1, None, [2])
+    spec = run_queries.RunSpec("r", "/t", "a" * 64, "b" * 64, {}, SamplingParams(), 1, None, [2])
     with db.begin() as conn:
         registry.upsert_server(conn, "gpu-a", "http://a:30000")
-        run, _ = ledger.get_or_create_run(conn, spec)
-        ledger.pin_fingerprint(conn, run.id, PINNED.to_json())
-        ledger.insert_items(conn, run.id, [ledger.NewItem("k", 0, 1, None, [1])])
+        run, _ = run_queries.get_or_create_run(conn, spec)
+        run_queries.pin_fingerprint(conn, run.id, PINNED.to_json())
+        queue.insert_items(conn, run.id, [queue.NewItem("k", 0, 1, None, [1])])
     settings, prober = Settings(data_dir=tmp_path), Prober()
     for _ in range(3):
         run_watchdog(db, settings, Control(), prober)
@@ -158,11 +161,11 @@ def test_the_watchdog_sees_new_weights_on_an_idle_server(db: Engine, tmp_path: P
     assert server.pause_reason == "weights changed: weight_version: v1 → v2"
     assert any(e.kind == "weights_changed" and "refused by run r" in e.message for e in events)
     # a run pinned to the new weights takes the server back; the old run's items it skips
-    v2 = ledger.RunSpec("r2", "/t", "a" * 64, "b" * 64, {}, SamplingParams(), 1, None, [2],
+    v2 = run_queries.RunSpec("r2", "/t", "a" * 64, "b" * 64, {}, SamplingParams(), 1, None, [2],
                         weight_version="v2")  # fmt: skip
     with db.begin() as conn:
-        run2, _ = ledger.get_or_create_run(conn, v2)
-        ledger.insert_items(conn, run2.id, [ledger.NewItem("k", 0, 1, None, [1])])
+        run2, _ = run_queries.get_or_create_run(conn, v2)
+        queue.insert_items(conn, run2.id, [queue.NewItem("k", 0, 1, None, [1])])
     run_watchdog(db, settings, Control(), prober)
     with db.connect() as conn:
         assert not registry.get_server(conn, "gpu-a").paused

@@ -7,14 +7,15 @@ import random
 
 from sqlalchemy import Engine, update
 
-from app import ledger
 from app.core.contracts import GenerateResult, SamplingParams
+from app.ledger import common, queue, run_queries
+from app.ledger import outcomes as ledger_outcomes
 
 EOS = 163586
 
 
-def spec(name: str) -> ledger.RunSpec:
-    return ledger.RunSpec(
+def spec(name: str) -> run_queries.RunSpec:
+    return run_queries.RunSpec(
         name=name,
         tokenizer_path="/models/fixture",
         tokenizer_hash="a" * 64,
@@ -29,14 +30,14 @@ def spec(name: str) -> ledger.RunSpec:
 
 def make_done_run(
     db: Engine, name: str, prompts: int, *, seed: int = 1, max_len: int = 60, extra: bool = True
-) -> ledger.RunInfo:
+) -> run_queries.RunInfo:
     """A run of `prompts` prompts x 2 samples, all done (every 7th truncated); with extra, one
     more prompt whose first sample failed and second is still pending."""
     rng = random.Random(seed)
     with db.begin() as conn:
-        run, _ = ledger.get_or_create_run(conn, spec(name))
+        run, _ = run_queries.get_or_create_run(conn, spec(name))
         new = [
-            ledger.NewItem(
+            queue.NewItem(
                 f"p{i}",
                 s,
                 i + 1,
@@ -47,10 +48,10 @@ def make_done_run(
             for s in range(2)
         ]
         if extra:
-            new += [ledger.NewItem("bad", s, prompts + 1, None, [1, 2, 3]) for s in range(2)]
-        ledger.insert_items(conn, run.id, new)
-        ids = ledger.pending_ids(conn, run.id, limit=10**7)
-    outcomes: list[ledger.Outcome] = []
+            new += [queue.NewItem("bad", s, prompts + 1, None, [1, 2, 3]) for s in range(2)]
+        queue.insert_items(conn, run.id, new)
+        ids = queue.pending_ids(conn, run.id, limit=10**7)
+    outcomes: list[ledger_outcomes.Outcome] = []
     for n, item_id in enumerate(ids[: 2 * prompts]):
         truncated = n % 7 == 3
         length = 64 if truncated else rng.randint(1, 63)
@@ -66,16 +67,18 @@ def make_done_run(
             cached_tokens=n % 5,
             e2e_latency_s=0.25 + n / 1000,
         )
-        outcomes.append(ledger.Done(item_id, result))
+        outcomes.append(ledger_outcomes.Done(item_id, result))
     if extra:
-        outcomes.append(ledger.Failed(ids[2 * prompts], "HTTP 400: prompt too long"))
+        outcomes.append(ledger_outcomes.Failed(ids[2 * prompts], "HTTP 400: prompt too long"))
     with db.begin() as conn:
         for start in range(0, len(outcomes), 2000):
-            ledger.record_outcomes(conn, outcomes[start : start + 2000], owner="t", lease_s=60)
+            ledger_outcomes.record_outcomes(
+                conn, outcomes[start : start + 2000], owner="t", lease_s=60
+            )
         # a server name on the done rows, as a worker's claim would have set
         conn.execute(
-            update(ledger.items)
-            .where(ledger.items.c.run_id == run.id, ledger.items.c.status == "done")
+            update(common.items)
+            .where(common.items.c.run_id == run.id, common.items.c.status == "done")
             .values(server="gpu-a")
         )
     return run

@@ -17,9 +17,10 @@ import pytest
 from PIL import Image
 from sqlalchemy import Engine, update
 
-from app import ledger
 from app.core.contracts import GenerateResult
 from app.core.images import FAMILIES, ImagePins, ImageRef
+from app.ledger import common, queue, run_queries
+from app.ledger import outcomes as ledger_outcomes
 from app.storage.image_store import put_image
 from app.storage.shards import Location, open_location
 from tests.support.done_runs import EOS
@@ -51,7 +52,7 @@ def image_part(ref: ImageRef) -> dict[str, object]:
 
 @dataclass
 class ImageRun:
-    run: ledger.RunInfo
+    run: run_queries.RunInfo
     store: Location
     refs: list[ImageRef]
     # item key -> (prompt ids as sent, image refs, counts, output ids)
@@ -101,28 +102,28 @@ def make_image_run(db: Engine, tmp_path: Path, name: str) -> ImageRun:
     }
     spec = replace(done_run_spec(name), samples_per_prompt=1, chat_template_kwargs={})
     with db.begin() as conn:
-        run, _ = ledger.get_or_create_run(conn, spec)
+        run, _ = run_queries.get_or_create_run(conn, spec)
         conn.execute(
-            update(ledger.runs).where(ledger.runs.c.id == run.id).values(images=PINS.to_json())
+            update(common.runs).where(common.runs.c.id == run.id).values(images=PINS.to_json())
         )
-        ledger.insert_items(
+        queue.insert_items(
             conn,
             run.id,
             [
-                ledger.NewItem(key, 0, n + 1, messages, prompt)
+                queue.NewItem(key, 0, n + 1, messages, prompt)
                 for n, (key, (prompt, _, _, messages)) in enumerate(rows.items())
             ],
         )
         for key, (_, item_refs, _, _) in rows.items():
             if item_refs:
                 conn.execute(
-                    update(ledger.items)
-                    .where(ledger.items.c.run_id == run.id, ledger.items.c.item_key == key)
+                    update(common.items)
+                    .where(common.items.c.run_id == run.id, common.items.c.item_key == key)
                     .values(images=[r.to_json() for r in item_refs])
                 )
-        ids = ledger.pending_ids(conn, run.id, limit=100)  # in id order: the order of rows
+        ids = queue.pending_ids(conn, run.id, limit=100)  # in id order: the order of rows
     built: dict[str, tuple[list[int], list[ImageRef], list[int] | None, list[int]]] = {}
-    outcomes: list[ledger.Outcome] = []
+    outcomes: list[ledger_outcomes.Outcome] = []
     for n, (item_id, (key, (prompt, item_refs, counts, _))) in enumerate(
         zip(ids, rows.items(), strict=True)
     ):
@@ -138,16 +139,16 @@ def make_image_run(db: Engine, tmp_path: Path, name: str) -> ImageRun:
             cached_tokens=0,
             e2e_latency_s=0.5,
         )
-        outcomes.append(ledger.Done(item_id, result))
+        outcomes.append(ledger_outcomes.Done(item_id, result))
     with db.begin() as conn:
-        ledger.record_outcomes(conn, outcomes, owner="t", lease_s=60)
+        ledger_outcomes.record_outcomes(conn, outcomes, owner="t", lease_s=60)
         for item_id, (key, (_, _, counts, _)) in zip(ids, rows.items(), strict=True):
             conn.execute(
-                update(ledger.items)
-                .where(ledger.items.c.id == item_id)
+                update(common.items)
+                .where(common.items.c.id == item_id)
                 .values(image_token_counts=counts, prompt_tokens=built_prompt_tokens(built[key]))
             )
-        run = ledger.get_run_by_id(conn, run.id)
+        run = run_queries.get_run_by_id(conn, run.id)
     return ImageRun(run=run, store=store, refs=refs, items=built)
 
 

@@ -9,15 +9,15 @@ from typing import Any
 
 from sqlalchemy import Connection, insert, update
 
-from app import ledger
 from app.core.contracts import SamplingParams
-from app.ledger import events, items, registry
+from app.ledger import common, reads, registry, run_queries
+from app.ledger.common import events, items
 
 
-def make_run(conn: Connection, name: str, *, max_new_tokens: int = 512) -> ledger.RunInfo:
-    info, _ = ledger.get_or_create_run(
+def make_run(conn: Connection, name: str, *, max_new_tokens: int = 512) -> run_queries.RunInfo:
+    info, _ = run_queries.get_or_create_run(
         conn,
-        ledger.RunSpec(
+        run_queries.RunSpec(
             name=name,
             tokenizer_path="/models/fixture",
             tokenizer_hash="a" * 64,
@@ -58,14 +58,14 @@ def add_item(
         "status": status,
         "attempts": 1 if status in ("done", "failed", "leased") else 0,
         "server": server if status != "pending" else None,
-        "created_at": (started_at or finished_at or ledger.utcnow()) - timedelta(seconds=1),
+        "created_at": (started_at or finished_at or common.utcnow()) - timedelta(seconds=1),
         "started_at": started_at,
         "finished_at": finished_at,
         "error": error,
     }
     if status == "leased":
         values["lease_owner"] = f"{server}-worker"
-        values["lease_expires_at"] = ledger.utcnow() + timedelta(hours=1)
+        values["lease_expires_at"] = common.utcnow() + timedelta(hours=1)
     if done:
         values["output_ids"] = [2] * (completion_tokens or 0)
         values["completion_tokens"] = completion_tokens or 0
@@ -103,8 +103,8 @@ def add_server(
         )
         if probe_at is not None:
             conn.execute(
-                update(ledger.servers)
-                .where(ledger.servers.c.name == name)
+                update(common.servers)
+                .where(common.servers.c.name == name)
                 .values(last_probe_at=probe_at)
             )
 
@@ -242,8 +242,8 @@ def seed_report_run(conn: Connection, start: datetime, *, items_per_server: int 
     add_event(conn, "paused", "gpu-a", start + timedelta(seconds=18 * 60))
 
 
-def make_counts(**counts: int) -> ledger.RunCounts:
+def make_counts(**counts: int) -> reads.RunCounts:
     """RunCounts of run "r" with the given numbers and zero elsewhere."""
     fields = ("total", "pending", "queued", "leased", "done", "failed", "truncated")
     values = {name: counts.get(name, 0) for name in fields}
-    return ledger.RunCounts(run="r", output_tokens=0, prompt_tokens=0, **values)
+    return reads.RunCounts(run="r", output_tokens=0, prompt_tokens=0, **values)

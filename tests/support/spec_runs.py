@@ -8,8 +8,9 @@ from dataclasses import replace
 
 from sqlalchemy import Engine
 
-from app import ledger
 from app.core.contracts import GenerateResult, SamplingParams, SpecStats
+from app.ledger import outcomes as ledger_outcomes
+from app.ledger import queue, run_queries
 from tests.support.done_runs import EOS, spec
 
 CATEGORIES = {"code": 0.8, "math": 0.65, "chat": 0.45}
@@ -35,21 +36,21 @@ def draw_counters(rng: random.Random, tokens: int, accept: float) -> SpecStats:
 
 def make_spec_run(
     db: Engine, name: str, *, prompts: int = 90, shift: float = 0.0, seed: int = 1
-) -> ledger.RunInfo:
+) -> run_queries.RunInfo:
     """A greedy run of `prompts` prompts (categories in turn), every result with counters;
     `shift` moves every category's acceptance chance (another draft)."""
     rng = random.Random(seed)
     names = list(CATEGORIES)
     with db.begin() as conn:
         greedy = SamplingParams(max_new_tokens=512, temperature=0.0)
-        run, _ = ledger.get_or_create_run(
+        run, _ = run_queries.get_or_create_run(
             conn, replace(spec(name), samples_per_prompt=1, sampling=greedy)
         )
-        ledger.insert_items(
+        queue.insert_items(
             conn,
             run.id,
             [
-                ledger.NewItem(
+                queue.NewItem(
                     f"p{i}",
                     0,
                     i + 1,
@@ -60,8 +61,8 @@ def make_spec_run(
                 for i in range(prompts)
             ],
         )
-        ids = ledger.pending_ids(conn, run.id, limit=prompts)
-    outcomes: list[ledger.Outcome] = []
+        ids = queue.pending_ids(conn, run.id, limit=prompts)
+    outcomes: list[ledger_outcomes.Outcome] = []
     lengths = random.Random(99)  # the same outputs for every draft: greedy is lossless
     for n, item_id in enumerate(ids):
         tokens = lengths.randint(40, 400)
@@ -78,9 +79,9 @@ def make_spec_run(
             e2e_latency_s=0.5,
             spec=draw_counters(rng, tokens, accept),
         )
-        outcomes.append(ledger.Done(item_id, result))
+        outcomes.append(ledger_outcomes.Done(item_id, result))
     with db.begin() as conn:
-        ledger.record_outcomes(conn, outcomes, owner="t", lease_s=60)
+        ledger_outcomes.record_outcomes(conn, outcomes, owner="t", lease_s=60)
         fingerprint = {"model_path": "m", "speculative": {"draft_model_path": f"/drafts/{name}"}}
-        ledger.pin_fingerprint(conn, run.id, fingerprint)
-        return ledger.get_run(conn, name)
+        run_queries.pin_fingerprint(conn, run.id, fingerprint)
+        return run_queries.get_run(conn, name)

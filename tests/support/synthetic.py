@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from sqlalchemy import Connection, text
 
-from app import ledger
+from app.ledger import run_queries
 from tests.support.runs import make_run
 
 LEASED = 1000
@@ -17,8 +17,8 @@ UNCOMPACTED = 2000
 
 @dataclass(frozen=True)
 class Ledger:
-    ending: ledger.RunInfo  # done (mostly compacted), failed, leased: nothing left to claim
-    queued: ledger.RunInfo  # every item queued long ago
+    ending: run_queries.RunInfo  # done (mostly compacted), failed, leased: nothing left to claim
+    queued: run_queries.RunInfo  # every item queued long ago
     leased: int
 
 

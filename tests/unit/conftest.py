@@ -5,16 +5,16 @@ from __future__ import annotations
 import pytest
 from sqlalchemy import Engine
 
-from app import ledger
 from app.core.contracts import SamplingParams
+from app.ledger import run_queries
 
 
 @pytest.fixture
-def run(sqlite_engine: Engine) -> ledger.RunInfo:
+def run(sqlite_engine: Engine) -> run_queries.RunInfo:
     """A run on the SQLite ledger (sampling seed 1, EOS <|im_end|>)."""
-    spec = ledger.RunSpec(
+    spec = run_queries.RunSpec(
         "r", "/t", "a" * 64, "b" * 64, {}, SamplingParams(seed=1), 1, None, [163586]
     )
     with sqlite_engine.begin() as conn:
-        info, _ = ledger.get_or_create_run(conn, spec)
+        info, _ = run_queries.get_or_create_run(conn, spec)
     return info

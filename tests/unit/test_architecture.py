@@ -168,6 +168,19 @@ def test_only_settings_reads_the_environment() -> None:
     assert readers == []
 
 
+def test_no_package_re_exports_names() -> None:
+    """A package's __init__ is its docstring: callers import the module that owns a name (a
+    façade is one more way to reach it). `app` alone resolves `celery -A app`'s app lazily."""
+    wrong = []
+    for name, path in modules().items():
+        if path.name != "__init__.py" or name == "app":
+            continue
+        body = ast.parse(path.read_text()).body
+        if any(isinstance(node, ast.Import | ast.ImportFrom) for node in body):
+            wrong.append(name)
+    assert wrong == []
+
+
 def test_the_graph_sees_bench_scripts_import_each_other() -> None:
     """The bench/ rules above would pass vacuously if its bare imports were not resolved."""
     assert "bench.common" in graph()["bench.scale"]

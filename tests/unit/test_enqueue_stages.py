@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from sqlalchemy import Engine
 
-from app import ledger
 from app.core.contracts import PromptRecord
 from app.core.errors import InputError, PermanentError
+from app.ledger import queue, run_queries
 from app.prompts.template_pool import Templater
 from app.prompts.tokenization import ChatTokenizer, load_tokenizer
 from app.sglang.render import RenderRequest
@@ -204,12 +204,12 @@ def test_builder_makes_boundary_items_and_names_their_turn() -> None:
 # --- store and publish -------------------------------------------------------------------------
 
 
-def new_items(keys: str) -> list[ledger.NewItem]:
-    return [ledger.NewItem(k, 0, n + 1, None, [1, 2, 3]) for n, k in enumerate(keys)]
+def new_items(keys: str) -> list[queue.NewItem]:
+    return [queue.NewItem(k, 0, n + 1, None, [1, 2, 3]) for n, k in enumerate(keys)]
 
 
 def test_store_inserts_in_order_publishes_and_reports_progress(
-    sqlite_engine: Engine, run: ledger.RunInfo
+    sqlite_engine: Engine, run: run_queries.RunInfo
 ) -> None:
     rep, _, progress = reporter()
     published: list[list[int]] = []
@@ -230,12 +230,12 @@ def test_store_inserts_in_order_publishes_and_reports_progress(
 
 
 def test_publisher_keeps_a_conversation_in_one_message(
-    sqlite_engine: Engine, run: ledger.RunInfo
+    sqlite_engine: Engine, run: run_queries.RunInfo
 ) -> None:
     rep, _, _ = reporter()
-    items = [ledger.NewItem(k, 0, 1, None, [1], t) for k in "ab" for t in range(3)]
+    items = [queue.NewItem(k, 0, 1, None, [1], t) for k in "ab" for t in range(3)]
     with sqlite_engine.begin() as conn:
-        ledger.insert_items(conn, run.id, items)
+        queue.insert_items(conn, run.id, items)
     published: list[list[int]] = []
     Publisher(sqlite_engine, run.id, published.append, rep, group_size=4).publish_pending()
     assert [len(m) for m in published] == [3, 3]

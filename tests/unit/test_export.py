@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 from sqlalchemy import Engine
 
-from app import ledger
 from app.core.contracts import GenerateResult, SamplingParams
 from app.core.errors import ConfigurationError
-from app.ledger import RunInfo, StoredItem
+from app.ledger import claims, outcomes, queue, run_queries
+from app.ledger.reads import StoredItem
+from app.ledger.run_queries import RunInfo
 from app.outputs.export import assistant_turn, current_umask, export_run, specforge_row
 from app.prompts.tokenization import ChatTokenizer, load_tokenizer
 
@@ -85,20 +86,20 @@ def test_truncated_inside_reasoning_is_all_reasoning(tokenizer: ChatTokenizer) -
 def test_export_file_is_complete_and_atomic(
     sqlite_engine: Engine, tokenizer: ChatTokenizer, tmp_path: Path
 ) -> None:
-    spec = ledger.RunSpec(
+    spec = run_queries.RunSpec(
         "r", "/t", "a" * 64, "b" * 64, {}, SamplingParams(), 1, END_THINK, [IM_END]
     )
     with sqlite_engine.begin() as conn:
-        run, _ = ledger.get_or_create_run(conn, spec)
-        ledger.insert_items(
-            conn, run.id, [ledger.NewItem(f"k{i}", 0, i, None, [1, THINK]) for i in range(2500)]
+        run, _ = run_queries.get_or_create_run(conn, spec)
+        queue.insert_items(
+            conn, run.id, [queue.NewItem(f"k{i}", 0, i, None, [1, THINK]) for i in range(2500)]
         )
-        ids = ledger.pending_ids(conn, run.id)
-        ledger.claim_items(conn, ids, owner="w", server="s", lease_s=60)
-        ledger.record_outcomes(
+        ids = queue.pending_ids(conn, run.id)
+        claims.claim_items(conn, ids, owner="w", server="s", lease_s=60)
+        outcomes.record_outcomes(
             conn,
             [
-                ledger.Done(
+                outcomes.Done(
                     i,
                     GenerateResult(
                         "r", [400, END_THINK, 401, IM_END], "stop", IM_END, 2, 4, 0, 0.1
@@ -106,7 +107,7 @@ def test_export_file_is_complete_and_atomic(
                 )
                 for i in ids[:-1]
             ]
-            + [ledger.Failed(ids[-1], "bad")],
+            + [outcomes.Failed(ids[-1], "bad")],
             owner="w",
             lease_s=60,
         )

@@ -10,8 +10,9 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine
 
-from app import ledger
 from app.core.contracts import GenerateResult, SamplingParams
+from app.ledger import claims, run_queries
+from app.ledger import outcomes as ledger_outcomes
 from app.outputs.export import export_run
 from app.outputs.specforge_checks import file_problems, row_problems
 from app.prompts.tokenization import load_tokenizer
@@ -34,9 +35,9 @@ def test_specforge_export_of_a_run_passes_specforge_checks(
     enqueue(sqlite_engine, tokenizer, options, publish=None)
     eos = tokenizer.eos_token_ids[0]
     with sqlite_engine.begin() as conn:
-        run = ledger.get_run(conn, "sf")
-        claimed = ledger.claim_next(conn, owner="w", server="s", lease_s=60, limit=100)
-        outcomes: list[ledger.Outcome] = []
+        run = run_queries.get_run(conn, "sf")
+        claimed = claims.claim_next(conn, owner="w", server="s", lease_s=60, limit=100)
+        outcomes: list[ledger_outcomes.Outcome] = []
         for n, c in enumerate(claimed):
             output = [700, 701, 702, 703] if n % 2 else [700, eos]
             result = GenerateResult(
@@ -49,8 +50,8 @@ def test_specforge_export_of_a_run_passes_specforge_checks(
                 cached_tokens=0,
                 e2e_latency_s=0.1,
             )
-            outcomes.append(ledger.Done(c.id, result))
-        ledger.record_outcomes(conn, outcomes, owner="w", lease_s=60)
+            outcomes.append(ledger_outcomes.Done(c.id, result))
+        ledger_outcomes.record_outcomes(conn, outcomes, owner="w", lease_s=60)
 
     out = tmp_path / "sf.jsonl"
     report = export_run(sqlite_engine, run, "specforge", out)

@@ -14,7 +14,7 @@ import pytest
 from app.core.constants import NORMALIZATION_VERSION
 from app.core.contracts import SamplingParams
 from app.core.errors import TokenizerError, TokenmillError
-from app.ledger import RunInfo
+from app.ledger.run_queries import RunInfo
 from app.prompts.chat_path import ChatInputs
 from app.prompts.template_pool import Templater
 from app.prompts.tokenization import ChatTokenizer, load_tokenizer

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 from sqlalchemy import Engine
 
-from app import ledger
 from app.core.contracts import SamplingParams
+from app.ledger import claims, common, queue, run_queries
 from workers.engine.generate import handle_message
 from workers.engine.window import InflightWindow, WindowConfig
 
@@ -42,13 +42,13 @@ class FakeRuntime:
 
 
 def setup(db: Engine, n: int) -> tuple[FakeRuntime, list[int]]:
-    spec = ledger.RunSpec("r", "/t", "a" * 64, "b" * 64, {}, SamplingParams(), 1, None, [2])
+    spec = run_queries.RunSpec("r", "/t", "a" * 64, "b" * 64, {}, SamplingParams(), 1, None, [2])
     with db.begin() as conn:
-        info, _ = ledger.get_or_create_run(conn, spec)
-        ledger.insert_items(
-            conn, info.id, [ledger.NewItem(f"k{i}", 0, i, None, [1, i]) for i in range(n)]
+        info, _ = run_queries.get_or_create_run(conn, spec)
+        queue.insert_items(
+            conn, info.id, [queue.NewItem(f"k{i}", 0, i, None, [1, i]) for i in range(n)]
         )
-        ids = ledger.pending_ids(conn, info.id)
+        ids = queue.pending_ids(conn, info.id)
     window = InflightWindow(
         WindowConfig(
             "fake",
@@ -72,7 +72,7 @@ def setup(db: Engine, n: int) -> tuple[FakeRuntime, list[int]]:
 
 def leased(db: Engine) -> set[int]:
     with db.connect() as conn:
-        rows = conn.execute(ledger.items.select().where(ledger.items.c.status == "leased")).all()
+        rows = conn.execute(common.items.select().where(common.items.c.status == "leased")).all()
     return {r.id for r in rows}
 
 
@@ -93,7 +93,7 @@ def test_claims_what_fits_and_sends_the_rest_back_unclaimed(sqlite_engine: Engin
 def test_ids_already_taken_give_their_room_back(sqlite_engine: Engine) -> None:
     rt, ids = setup(sqlite_engine, 4)
     with sqlite_engine.begin() as conn:
-        ledger.claim_items(conn, ids[:3], owner="someone-else", server="other", lease_s=60)
+        claims.claim_items(conn, ids[:3], owner="someone-else", server="other", lease_s=60)
     out = handle_message(rt, ids, requeue=lambda b, s: None)  # type: ignore[arg-type]
     assert out["claimed"] == 1 and out["skipped"] == 3
     assert rt.window.outstanding == 1
@@ -110,14 +110,14 @@ def test_a_paused_server_claims_nothing(sqlite_engine: Engine) -> None:
 
 def test_a_conversation_is_one_unit_of_room_and_never_split(sqlite_engine: Engine) -> None:
     rt, ids = setup(sqlite_engine, 0)
-    spec = ledger.RunSpec("r", "/t", "a" * 64, "b" * 64, {}, SamplingParams(), 1, None, [2])
+    spec = run_queries.RunSpec("r", "/t", "a" * 64, "b" * 64, {}, SamplingParams(), 1, None, [2])
     with sqlite_engine.begin() as conn:
-        info, _ = ledger.get_or_create_run(conn, spec)
+        info, _ = run_queries.get_or_create_run(conn, spec)
         # two conversations of 5 boundaries each, then 2 single items
-        new = [ledger.NewItem(f"c{c}", 0, c, None, [1, t], t) for c in range(2) for t in range(5)]
-        new += [ledger.NewItem(f"s{i}", 0, 9, None, [2, i]) for i in range(2)]
-        ledger.insert_items(conn, info.id, new)
-        ids = ledger.pending_ids(conn, info.id)
+        new = [queue.NewItem(f"c{c}", 0, c, None, [1, t], t) for c in range(2) for t in range(5)]
+        new += [queue.NewItem(f"s{i}", 0, 9, None, [2, i]) for i in range(2)]
+        queue.insert_items(conn, info.id, new)
+        ids = queue.pending_ids(conn, info.id)
     rt.window.group_of = lambda run_id, key: (run_id, key) if key.startswith("c") else None
     sent_back: list[tuple[list[int], float]] = []
     out = handle_message(rt, ids, requeue=lambda b, s: sent_back.append((b, s)))  # type: ignore[arg-type]
@@ -127,10 +127,10 @@ def test_a_conversation_is_one_unit_of_room_and_never_split(sqlite_engine: Engin
     assert rt.window.serves_conversations
     # a window with one unit of room left: a conversation is claimed whole, never in part
     with sqlite_engine.begin() as conn:
-        more = [ledger.NewItem("c9", 0, 1, None, [3, t], t) for t in range(3)]
-        more += [ledger.NewItem(f"t{i}", 0, 9, None, [4, i]) for i in range(2)]
-        ledger.insert_items(conn, info.id, more)
-        extra = ledger.pending_ids(conn, info.id)
+        more = [queue.NewItem("c9", 0, 1, None, [3, t], t) for t in range(3)]
+        more += [queue.NewItem(f"t{i}", 0, 9, None, [4, i]) for i in range(2)]
+        queue.insert_items(conn, info.id, more)
+        extra = queue.pending_ids(conn, info.id)
     out = handle_message(rt, extra, requeue=lambda b, s: sent_back.append((b, s)))  # type: ignore[arg-type]
     # the one unit of room left takes the whole conversation; the singles go back unclaimed
     assert out["claimed"] == 3

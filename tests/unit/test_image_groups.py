@@ -13,10 +13,10 @@ from collections.abc import Hashable, Iterator
 import pytest
 from sqlalchemy import Engine, update
 
-from app import ledger
 from app.core.contracts import GenerateResult, SamplingParams
 from app.core.images import ImageRef
-from app.ledger import items
+from app.ledger import claims, queue, reads, run_queries
+from app.ledger.common import items
 from app.sglang.client import ProbeResult
 from workers.engine.window import InflightWindow, WindowConfig
 from workers.engine.window_types import Checked
@@ -68,7 +68,7 @@ def windows() -> Iterator[list[InflightWindow]]:
         window.stop(drain_timeout_s=1)
 
 
-def with_images(engine: Engine, run: ledger.RunInfo, key: str, turns: list[int]) -> None:
+def with_images(engine: Engine, run: run_queries.RunInfo, key: str, turns: list[int]) -> None:
     with engine.begin() as conn:
         conn.execute(
             update(items)
@@ -78,7 +78,7 @@ def with_images(engine: Engine, run: ledger.RunInfo, key: str, turns: list[int])
 
 
 def test_a_conversation_with_images_goes_out_one_at_a_time_with_its_images(
-    sqlite_engine: Engine, run: ledger.RunInfo, windows: list[InflightWindow]
+    sqlite_engine: Engine, run: run_queries.RunInfo, windows: list[InflightWindow]
 ) -> None:
     log: list[tuple[str, int, object]] = []
     lock = threading.Lock()
@@ -99,17 +99,17 @@ def test_a_conversation_with_images_goes_out_one_at_a_time_with_its_images(
     window.start()
     # history grows turn by turn; the image is in the first user turn, so every turn has it
     new = [
-        ledger.NewItem("conv-a", 0, 1, None, [1000 + turn, PAD] + [7] * (10 * turn), turn)
+        queue.NewItem("conv-a", 0, 1, None, [1000 + turn, PAD] + [7] * (10 * turn), turn)
         for turn in (2, 0, 1)
     ]
-    new += [ledger.NewItem("single", s, 2, None, [2000 + s, PAD], 0) for s in range(2)]
+    new += [queue.NewItem("single", s, 2, None, [2000 + s, PAD], 0) for s in range(2)]
     with sqlite_engine.begin() as conn:
-        ledger.insert_items(conn, run.id, new)
+        queue.insert_items(conn, run.id, new)
     with_images(sqlite_engine, run, "conv-a", [0, 1, 2])
     with_images(sqlite_engine, run, "single", [0])
     with sqlite_engine.begin() as conn:
-        ids = ledger.pending_ids(conn, run.id)
-        claimed = ledger.claim_items(conn, ids, owner="owner-1", server="fake", lease_s=60)
+        ids = queue.pending_ids(conn, run.id)
+        claimed = claims.claim_items(conn, ids, owner="owner-1", server="fake", lease_s=60)
     assert all(c.images == (PICTURE,) for c in claimed)
     assert window.units(claimed) == 3  # the conversation is one unit, as a text one is
     window.submit(claimed)
@@ -124,22 +124,22 @@ def test_a_conversation_with_images_goes_out_one_at_a_time_with_its_images(
         images == ["data:image/png;base64,cccc"] for what, _, images in log if what == "sent"
     )
     with sqlite_engine.connect() as conn:
-        stored = list(ledger.iter_items(conn, run.id))
+        stored = list(reads.iter_items(conn, run.id))
     assert len(stored) == 5
 
 
 def test_an_image_conversation_is_claimed_whole_or_not_at_all(
-    sqlite_engine: Engine, run: ledger.RunInfo
+    sqlite_engine: Engine, run: run_queries.RunInfo
 ) -> None:
-    new = [ledger.NewItem("conv-a", 0, 1, None, [1, 2] + [3] * turn, turn) for turn in range(3)]
+    new = [queue.NewItem("conv-a", 0, 1, None, [1, 2] + [3] * turn, turn) for turn in range(3)]
     with sqlite_engine.begin() as conn:
-        ledger.insert_items(conn, run.id, new)
+        queue.insert_items(conn, run.id, new)
     with_images(sqlite_engine, run, "conv-a", [2])  # an image in its last user turn only
     with sqlite_engine.begin() as conn:
-        nothing = ledger.claim_next_groups(
+        nothing = claims.claim_next_groups(
             conn, owner="text", server="t", lease_s=60, limit=4, run_id=run.id, text_only=True
         )
-        whole = ledger.claim_next_groups(
+        whole = claims.claim_next_groups(
             conn, owner="mm", server="m", lease_s=60, limit=4, run_id=run.id
         )
     assert nothing == []  # its text turns wait with it: one server caches its history

@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 
 from app.core.images import ImageRef
-from app.ledger import StoredItem
-from app.ledger.reads import request_ids
+from app.ledger.reads import StoredItem, request_ids
 from app.outputs.image_rows import (
     ImageExportError,
     count_problem,

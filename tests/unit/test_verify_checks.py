@@ -9,10 +9,10 @@ from typing import Any, cast
 
 from sqlalchemy import Engine, insert
 
-from app import ledger
 from app.core.contracts import Message
 from app.core.errors import InputError
-from app.ledger import items
+from app.ledger import common, run_queries
+from app.ledger.common import items
 from app.outputs.verify import (
     CHECK_STOP,
     CHECK_TEMPLATE,
@@ -73,14 +73,14 @@ def add(engine: Engine, run_id: int, key: str, **values: Any) -> None:
         "completion_tokens": 2,
         "finish_reason": "stop",
         "matched_stop": str(EOS),
-        "created_at": ledger.utcnow(),
+        "created_at": common.utcnow(),
     }
     row.update(values)
     with engine.begin() as conn:
         conn.execute(insert(items).values(**row))
 
 
-def run_with(engine: Engine) -> ledger.RunInfo:
+def run_with(engine: Engine) -> run_queries.RunInfo:
     with engine.begin() as conn:
         return make_run(conn, "u")
 

@@ -10,9 +10,9 @@ from collections.abc import Callable, Iterator
 import pytest
 from sqlalchemy import Engine
 
-from app import ledger
 from app.core.contracts import GenerateResult, SamplingParams
 from app.core.errors import PermanentError, RetryableError, ServerUnavailable
+from app.ledger import claims, queue, reads, run_queries
 from app.sglang.client import ProbeResult
 from workers.engine.window import InflightWindow, WindowConfig
 
@@ -97,17 +97,17 @@ def make_window(
     return window, shared
 
 
-def feed(db: Engine, window: InflightWindow, run: ledger.RunInfo, n: int) -> list[int]:
+def feed(db: Engine, window: InflightWindow, run: run_queries.RunInfo, n: int) -> list[int]:
     with db.begin() as conn:
-        ledger.insert_items(
-            conn, run.id, [ledger.NewItem(f"k{i}", 0, i, None, [1, i]) for i in range(n)]
+        queue.insert_items(
+            conn, run.id, [queue.NewItem(f"k{i}", 0, i, None, [1, i]) for i in range(n)]
         )
-        ids = ledger.pending_ids(conn, run.id)
+        ids = queue.pending_ids(conn, run.id)
     for start in range(0, n, 4):
         assert window.wait_for_room(4, timeout_s=30)
         with db.begin() as conn:
             window.submit(
-                ledger.claim_items(
+                claims.claim_items(
                     conn, ids[start : start + 4], owner=window.owner, server="fake", lease_s=60
                 )
             )
@@ -121,11 +121,11 @@ def wait_idle(window: InflightWindow, timeout_s: float = 30) -> None:
         time.sleep(0.01)
 
 
-def statuses(db: Engine, run: ledger.RunInfo) -> dict[int, ledger.StoredItem]:
+def statuses(db: Engine, run: run_queries.RunInfo) -> dict[int, reads.StoredItem]:
     with db.connect() as conn:
         return {
             i.id: i
-            for i in ledger.iter_items(
+            for i in reads.iter_items(
                 conn, run.id, statuses=("pending", "queued", "leased", "done", "failed")
             )
         }
@@ -140,7 +140,7 @@ def started() -> Iterator[list[InflightWindow]]:
 
 
 def test_window_keeps_exactly_n_in_flight_with_heavy_tail(
-    sqlite_engine: Engine, run: ledger.RunInfo, started: list[InflightWindow]
+    sqlite_engine: Engine, run: run_queries.RunInfo, started: list[InflightWindow]
 ) -> None:
     # one prompt in ten takes 20x longer: a batch-and-wait client would idle on it
     window, shared = make_window(
@@ -157,7 +157,7 @@ def test_window_keeps_exactly_n_in_flight_with_heavy_tail(
 
 
 def test_retryable_errors_spend_attempts_then_succeed(
-    sqlite_engine: Engine, run: ledger.RunInfo, started: list[InflightWindow]
+    sqlite_engine: Engine, run: run_queries.RunInfo, started: list[InflightWindow]
 ) -> None:
     failures: dict[int, int] = {}
 
@@ -178,7 +178,7 @@ def test_retryable_errors_spend_attempts_then_succeed(
 
 
 def test_retries_stop_at_the_attempt_budget(
-    sqlite_engine: Engine, run: ledger.RunInfo, started: list[InflightWindow]
+    sqlite_engine: Engine, run: run_queries.RunInfo, started: list[InflightWindow]
 ) -> None:
     window, _ = make_window(
         sqlite_engine, lambda ids, call: RetryableError("timeout"), max_attempts=3
@@ -193,7 +193,7 @@ def test_retries_stop_at_the_attempt_budget(
 
 
 def test_permanent_error_fails_at_once_with_the_server_message(
-    sqlite_engine: Engine, run: ledger.RunInfo, started: list[InflightWindow]
+    sqlite_engine: Engine, run: run_queries.RunInfo, started: list[InflightWindow]
 ) -> None:
     msg = "The input (9000 tokens) is longer than the model's context length (8192 tokens)."
     window, shared = make_window(
@@ -211,7 +211,7 @@ def test_permanent_error_fails_at_once_with_the_server_message(
 
 
 def test_unavailable_server_releases_items_without_spending_attempts(
-    sqlite_engine: Engine, run: ledger.RunInfo, started: list[InflightWindow]
+    sqlite_engine: Engine, run: run_queries.RunInfo, started: list[InflightWindow]
 ) -> None:
     released: list[int] = []
     window, _ = make_window(
@@ -226,7 +226,7 @@ def test_unavailable_server_releases_items_without_spending_attempts(
     assert {(r.status, r.attempts) for r in rows.values()} == {("queued", 0)}
 
 
-def test_stop_gives_back_unsent_work(sqlite_engine: Engine, run: ledger.RunInfo) -> None:
+def test_stop_gives_back_unsent_work(sqlite_engine: Engine, run: run_queries.RunInfo) -> None:
     released: list[int] = []
     window, _ = make_window(sqlite_engine, lambda ids, call: 0.3, inflight=2, released=released)
     window.start()
@@ -239,7 +239,7 @@ def test_stop_gives_back_unsent_work(sqlite_engine: Engine, run: ledger.RunInfo)
 
 
 def test_reset_by_a_dying_server_costs_no_attempt(
-    sqlite_engine: Engine, run: ledger.RunInfo, started: list[InflightWindow]
+    sqlite_engine: Engine, run: run_queries.RunInfo, started: list[InflightWindow]
 ) -> None:
     released: list[int] = []
     window, _ = make_window(
@@ -276,19 +276,19 @@ def test_reserve_holds_only_the_room_there_is(sqlite_engine: Engine) -> None:
 
 
 def test_submit_of_reserved_items_does_not_count_them_twice(
-    sqlite_engine: Engine, run: ledger.RunInfo, started: list[InflightWindow]
+    sqlite_engine: Engine, run: run_queries.RunInfo, started: list[InflightWindow]
 ) -> None:
     window, shared = make_window(sqlite_engine, lambda ids, call: 0.0, inflight=2)
     started.append(window)
     window.start()
     with sqlite_engine.begin() as conn:
-        ledger.insert_items(
-            conn, run.id, [ledger.NewItem(f"k{i}", 0, i, None, [1, i]) for i in range(3)]
+        queue.insert_items(
+            conn, run.id, [queue.NewItem(f"k{i}", 0, i, None, [1, i]) for i in range(3)]
         )
-        ids = ledger.pending_ids(conn, run.id)
+        ids = queue.pending_ids(conn, run.id)
     assert window.reserve(3, timeout_s=0.01) == 3
     with sqlite_engine.begin() as conn:
-        claimed = ledger.claim_items(conn, ids, owner=window.owner, server="fake", lease_s=60)
+        claimed = claims.claim_items(conn, ids, owner=window.owner, server="fake", lease_s=60)
     window.submit(claimed, reserved=True)
     wait_idle(window)
     assert window.outstanding == 0 and shared["calls"] == 3
@@ -296,7 +296,7 @@ def test_submit_of_reserved_items_does_not_count_them_twice(
 
 
 def test_backlog_shrinks_to_what_the_server_finishes_in_backlog_s(
-    sqlite_engine: Engine, run: ledger.RunInfo, started: list[InflightWindow]
+    sqlite_engine: Engine, run: run_queries.RunInfo, started: list[InflightWindow]
 ) -> None:
     """A slow server keeps fewer claimed items waiting: with backlog_s the backlog is its
     recent completion rate times backlog_s (1 to `backlog`), the full backlog until the rate
@@ -328,11 +328,11 @@ def test_backlog_shrinks_to_what_the_server_finishes_in_backlog_s(
     assert window.capacity() == 12  # no completions yet: the full backlog
     window.start()
     with sqlite_engine.begin() as conn:
-        ledger.insert_items(
-            conn, run.id, [ledger.NewItem(f"k{i}", 0, i, None, [1, i]) for i in range(12)]
+        queue.insert_items(
+            conn, run.id, [queue.NewItem(f"k{i}", 0, i, None, [1, i]) for i in range(12)]
         )
-        ids = ledger.pending_ids(conn, run.id)
-        claimed = ledger.claim_items(conn, ids, owner=window.owner, server="fake", lease_s=60)
+        ids = queue.pending_ids(conn, run.id)
+        claimed = claims.claim_items(conn, ids, owner=window.owner, server="fake", lease_s=60)
     window.submit(claimed)
     wait_idle(window)
     now[0] = 1000.5  # 12 finished in the last 0.5 s: 24/s, 2.4 items in 0.1 s

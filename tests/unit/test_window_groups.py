@@ -11,8 +11,8 @@ from collections.abc import Hashable, Iterator
 import pytest
 from sqlalchemy import Engine
 
-from app import ledger
 from app.core.contracts import GenerateResult, SamplingParams
+from app.ledger import claims, queue, reads, run_queries
 from app.sglang.client import ProbeResult
 from workers.engine.groups import Conversations
 from workers.engine.window import InflightWindow, WindowConfig
@@ -91,21 +91,21 @@ def make_window(
     return window
 
 
-def insert(db: Engine, run: ledger.RunInfo, new: list[ledger.NewItem]) -> list[int]:
+def insert(db: Engine, run: run_queries.RunInfo, new: list[queue.NewItem]) -> list[int]:
     with db.begin() as conn:
-        ledger.insert_items(conn, run.id, new)
-        return ledger.pending_ids(conn, run.id)
+        queue.insert_items(conn, run.id, new)
+        return queue.pending_ids(conn, run.id)
 
 
-def claim(db: Engine, ids: list[int]) -> list[ledger.ClaimedItem]:
+def claim(db: Engine, ids: list[int]) -> list[claims.ClaimedItem]:
     with db.begin() as conn:
-        return ledger.claim_items(conn, ids, owner="owner-1", server="fake", lease_s=60)
+        return claims.claim_items(conn, ids, owner="owner-1", server="fake", lease_s=60)
 
 
-def conversation(key: str, marker: int, lengths: list[int]) -> list[ledger.NewItem]:
+def conversation(key: str, marker: int, lengths: list[int]) -> list[queue.NewItem]:
     """Boundary items of one conversation, inserted longest first (the window reorders)."""
     return [
-        ledger.NewItem(key, 0, 1, None, [marker + turn] + [7] * (length - 1), turn)
+        queue.NewItem(key, 0, 1, None, [marker + turn] + [7] * (length - 1), turn)
         for turn, length in sorted(enumerate(lengths), key=lambda p: -p[1])
     ]
 
@@ -118,12 +118,12 @@ def wait_idle(window: InflightWindow) -> None:
 
 
 def test_a_conversation_goes_out_one_at_a_time_shortest_first(
-    sqlite_engine: Engine, run: ledger.RunInfo, windows: list[InflightWindow]
+    sqlite_engine: Engine, run: run_queries.RunInfo, windows: list[InflightWindow]
 ) -> None:
     log: list[tuple[str, int, float]] = []
     window = make_window(sqlite_engine, windows, log, inflight=4, delay_s=0.05)
     new = conversation("conv-a", 1000, [10, 40, 20, 30])
-    new += [ledger.NewItem(f"single-{i}", 0, 2, None, [2000 + i, 1], 0) for i in range(3)]
+    new += [queue.NewItem(f"single-{i}", 0, 2, None, [2000 + i, 1], 0) for i in range(3)]
     ids = insert(sqlite_engine, run, new)
     claimed = claim(sqlite_engine, ids)
     assert window.units(claimed) == 4  # one conversation and three single items
@@ -141,12 +141,12 @@ def test_a_conversation_goes_out_one_at_a_time_shortest_first(
     singles_sent = [at for what, marker, at in log if what == "sent" and marker >= 2000]
     assert len(singles_sent) == 3 and max(singles_sent) < first_done
     with sqlite_engine.connect() as conn:
-        done = list(ledger.iter_items(conn, run.id))
+        done = list(reads.iter_items(conn, run.id))
     assert len(done) == len(new)
 
 
 def test_a_conversation_arriving_in_two_parts_still_goes_one_at_a_time(
-    sqlite_engine: Engine, run: ledger.RunInfo, windows: list[InflightWindow]
+    sqlite_engine: Engine, run: run_queries.RunInfo, windows: list[InflightWindow]
 ) -> None:
     log: list[tuple[str, int, float]] = []
     window = make_window(sqlite_engine, windows, log, inflight=4, delay_s=0.05)
@@ -159,7 +159,7 @@ def test_a_conversation_arriving_in_two_parts_still_goes_one_at_a_time(
 
 
 def test_an_idle_slot_takes_the_next_item_once_the_one_before_is_past_prefill(
-    sqlite_engine: Engine, run: ledger.RunInfo, windows: list[InflightWindow]
+    sqlite_engine: Engine, run: run_queries.RunInfo, windows: list[InflightWindow]
 ) -> None:
     log: list[tuple[str, int, float]] = []
     # each answer takes 1.5 s; after 0.1 s out, the next item may take a free slot
@@ -175,7 +175,7 @@ def test_an_idle_slot_takes_the_next_item_once_the_one_before_is_past_prefill(
 
 
 def test_stopping_gives_held_items_back(
-    sqlite_engine: Engine, run: ledger.RunInfo, windows: list[InflightWindow]
+    sqlite_engine: Engine, run: run_queries.RunInfo, windows: list[InflightWindow]
 ) -> None:
     log: list[tuple[str, int, float]] = []
     window = make_window(sqlite_engine, windows, log, inflight=2, delay_s=0.3)
@@ -189,7 +189,7 @@ def test_stopping_gives_held_items_back(
     with sqlite_engine.connect() as conn:
         found = {
             i.turn_index: i.status
-            for i in ledger.iter_items(conn, run.id, statuses=("queued", "leased", "done"))
+            for i in reads.iter_items(conn, run.id, statuses=("queued", "leased", "done"))
         }
     # the first finished while draining; the two held ones went back to the queue unsent
     assert found == {0: "done", 1: "queued", 2: "queued"}
@@ -212,7 +212,7 @@ def test_conversations_order_hold_and_release() -> None:
 
 
 def test_a_window_serving_conversations_holds_one_waiting_at_most(
-    sqlite_engine: Engine, run: ledger.RunInfo, windows: list[InflightWindow]
+    sqlite_engine: Engine, run: run_queries.RunInfo, windows: list[InflightWindow]
 ) -> None:
     log: list[tuple[str, int, float]] = []
     window = make_window(sqlite_engine, windows, log, inflight=2, delay_s=0.05)

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine, select
 
-from app import ledger
 from app.core.contracts import GenerateResult, SamplingParams
 from app.core.errors import RetryableError
+from app.ledger import claims, common, outcomes, queue, run_queries
 from app.sglang.client import ProbeResult
 from workers.engine.window import InflightWindow, WindowConfig
 
@@ -86,14 +86,14 @@ def windows() -> Iterator[list[InflightWindow]]:
         window.stop(drain_timeout_s=1)
 
 
-def hedge_source(db: Engine, owner: str, server: str) -> Callable[[int], list[ledger.ClaimedItem]]:
+def hedge_source(db: Engine, owner: str, server: str) -> Callable[[int], list[claims.ClaimedItem]]:
     """What WorkerRuntime.find_hedges does, for a server that may serve every run."""
 
-    def find(limit: int) -> list[ledger.ClaimedItem]:
+    def find(limit: int) -> list[claims.ClaimedItem]:
         with db.connect() as conn:
-            picked = [i for i, _ in ledger.hedge_candidates(conn, server=server, limit=limit)]
+            picked = [i for i, _ in claims.hedge_candidates(conn, server=server, limit=limit)]
         with db.begin() as conn:
-            return ledger.mark_hedged(conn, picked, owner=owner)
+            return claims.mark_hedged(conn, picked, owner=owner)
 
     return find
 
@@ -106,7 +106,7 @@ def make_window(
     name: str = "fast",
     inflight: int = 4,
     hedge: bool = True,
-    search: Callable[[Callable[[int], list[ledger.ClaimedItem]]], Any] = lambda find: find,
+    search: Callable[[Callable[[int], list[claims.ClaimedItem]]], Any] = lambda find: find,
 ) -> InflightWindow:
     """A started window of server `name` (owner `owner-<name>`); search wraps its hedge source."""
     owner = f"owner-{name}"
@@ -136,23 +136,23 @@ def make_window(
     return window
 
 
-def add_items(db: Engine, run: ledger.RunInfo, n: int, start: int = 0) -> list[int]:
+def add_items(db: Engine, run: run_queries.RunInfo, n: int, start: int = 0) -> list[int]:
     with db.begin() as conn:
-        ledger.insert_items(
+        queue.insert_items(
             conn,
             run.id,
-            [ledger.NewItem(f"k{i}", 0, i, None, [1, i]) for i in range(start, start + n)],
+            [queue.NewItem(f"k{i}", 0, i, None, [1, i]) for i in range(start, start + n)],
         )
-        return ledger.pending_ids(conn, run.id)[-n:]
+        return queue.pending_ids(conn, run.id)[-n:]
 
 
-def lease_to(db: Engine, ids: list[int], owner: str, server: str) -> list[ledger.ClaimedItem]:
+def lease_to(db: Engine, ids: list[int], owner: str, server: str) -> list[claims.ClaimedItem]:
     with db.begin() as conn:
-        return ledger.claim_items(conn, ids, owner=owner, server=server, lease_s=60)
+        return claims.claim_items(conn, ids, owner=owner, server=server, lease_s=60)
 
 
 def rows(db: Engine, ids: list[int]) -> dict[int, Any]:
-    t = ledger.items
+    t = common.items
     with db.connect() as conn:
         found = conn.execute(select(t).where(t.c.id.in_(ids))).all()
     return {r.id: r for r in found}
@@ -166,7 +166,7 @@ def wait_for(check: Callable[[], bool], what: str, timeout_s: float = 20.0) -> N
 
 
 def test_an_idle_window_hedges_items_running_elsewhere_and_its_result_wins(
-    sqlite_engine: Engine, run: ledger.RunInfo, windows: list[InflightWindow]
+    sqlite_engine: Engine, run: run_queries.RunInfo, windows: list[InflightWindow]
 ) -> None:
     ids = add_items(sqlite_engine, run, 3)
     lease_to(sqlite_engine, ids, "owner-slow", "slow")  # the slow server is still at it
@@ -187,8 +187,8 @@ def test_an_idle_window_hedges_items_running_elsewhere_and_its_result_wins(
     # the slow server's answer comes later: the first result stays
     late = GenerateResult("late", [7, 7, 7], "length", None, 2, 3, 0, 9.0)
     with sqlite_engine.begin() as conn:
-        ledger.record_outcomes(
-            conn, [ledger.Done(i, late) for i in ids], owner="owner-slow", lease_s=60
+        outcomes.record_outcomes(
+            conn, [outcomes.Done(i, late) for i in ids], owner="owner-slow", lease_s=60
         )
     after = rows(sqlite_engine, ids)
     assert {(r.server, tuple(r.output_ids), r.attempts) for r in after.values()} == {
@@ -197,13 +197,13 @@ def test_an_idle_window_hedges_items_running_elsewhere_and_its_result_wins(
 
 
 def test_no_hedges_while_the_run_still_has_work_to_claim(
-    sqlite_engine: Engine, run: ledger.RunInfo, windows: list[InflightWindow]
+    sqlite_engine: Engine, run: run_queries.RunInfo, windows: list[InflightWindow]
 ) -> None:
     leased = add_items(sqlite_engine, run, 2)
     lease_to(sqlite_engine, leased, "owner-slow", "slow")
     queued = add_items(sqlite_engine, run, 1, start=2)
     with sqlite_engine.begin() as conn:
-        ledger.mark_queued(conn, queued)
+        queue.mark_queued(conn, queued)
     server = Server(lambda prompt: 0.01)
     fast = make_window(sqlite_engine, windows, server)
     time.sleep(0.3)  # fifteen hedge rounds
@@ -216,7 +216,7 @@ def test_no_hedges_while_the_run_still_has_work_to_claim(
 
 
 def test_a_failed_hedge_changes_nothing_and_is_not_repeated(
-    sqlite_engine: Engine, run: ledger.RunInfo, windows: list[InflightWindow]
+    sqlite_engine: Engine, run: run_queries.RunInfo, windows: list[InflightWindow]
 ) -> None:
     ids = add_items(sqlite_engine, run, 1)
     before = rows(sqlite_engine, ids)[ids[0]]
@@ -237,7 +237,7 @@ def test_a_failed_hedge_changes_nothing_and_is_not_repeated(
 
 
 def holding_two(
-    db: Engine, run: ledger.RunInfo, windows: list[InflightWindow]
+    db: Engine, run: run_queries.RunInfo, windows: list[InflightWindow]
 ) -> tuple[list[int], Server, InflightWindow]:
     """A window of server "slow" (no hedging) with two items of its own running until aborted."""
     ids = add_items(db, run, 2)
@@ -252,13 +252,13 @@ def finish_elsewhere(db: Engine, item_id: int) -> None:
     """Server "fast"'s copy of the item is written first."""
     won = GenerateResult("h", [5, 163586], "stop", 163586, 2, 2, 0, 0.1)
     with db.begin() as conn:
-        ledger.record_outcomes(
-            conn, [ledger.Done(item_id, won, server="fast")], owner="owner-fast", lease_s=60
+        outcomes.record_outcomes(
+            conn, [outcomes.Done(item_id, won, server="fast")], owner="owner-fast", lease_s=60
         )
 
 
 def test_a_copy_is_aborted_when_its_item_finishes_elsewhere(
-    sqlite_engine: Engine, run: ledger.RunInfo, windows: list[InflightWindow]
+    sqlite_engine: Engine, run: run_queries.RunInfo, windows: list[InflightWindow]
 ) -> None:
     ids, server, slow = holding_two(sqlite_engine, run, windows)
     finish_elsewhere(sqlite_engine, ids[0])
@@ -277,7 +277,7 @@ def test_a_copy_is_aborted_when_its_item_finishes_elsewhere(
 
 
 def test_a_hanging_abort_does_not_hold_up_the_timer(
-    sqlite_engine: Engine, run: ledger.RunInfo, windows: list[InflightWindow]
+    sqlite_engine: Engine, run: run_queries.RunInfo, windows: list[InflightWindow]
 ) -> None:
     ids, server, slow = holding_two(sqlite_engine, run, windows)
     server.hung.set()  # from now on an abort waits until released
@@ -295,7 +295,7 @@ def test_a_hanging_abort_does_not_hold_up_the_timer(
 
 
 def test_hedges_give_their_slots_to_real_work(
-    sqlite_engine: Engine, run: ledger.RunInfo, windows: list[InflightWindow]
+    sqlite_engine: Engine, run: run_queries.RunInfo, windows: list[InflightWindow]
 ) -> None:
     elsewhere = add_items(sqlite_engine, run, 2)
     lease_to(sqlite_engine, elsewhere, "owner-slow", "slow")
@@ -317,7 +317,7 @@ def test_hedges_give_their_slots_to_real_work(
 
 
 def test_an_abort_that_is_lost_is_sent_again(
-    sqlite_engine: Engine, run: ledger.RunInfo, windows: list[InflightWindow]
+    sqlite_engine: Engine, run: run_queries.RunInfo, windows: list[InflightWindow]
 ) -> None:
     elsewhere = add_items(sqlite_engine, run, 1)
     lease_to(sqlite_engine, elsewhere, "owner-slow", "slow")
@@ -335,7 +335,7 @@ def test_an_abort_that_is_lost_is_sent_again(
 
 
 def test_hedges_stay_while_free_slots_are_enough_for_the_work(
-    sqlite_engine: Engine, run: ledger.RunInfo, windows: list[InflightWindow]
+    sqlite_engine: Engine, run: run_queries.RunInfo, windows: list[InflightWindow]
 ) -> None:
     elsewhere = add_items(sqlite_engine, run, 1)
     lease_to(sqlite_engine, elsewhere, "owner-slow", "slow")
@@ -351,7 +351,7 @@ def test_hedges_stay_while_free_slots_are_enough_for_the_work(
 
 
 def test_stop_aborts_hedges_instead_of_waiting_for_them(
-    sqlite_engine: Engine, run: ledger.RunInfo, windows: list[InflightWindow]
+    sqlite_engine: Engine, run: run_queries.RunInfo, windows: list[InflightWindow]
 ) -> None:
     ids = add_items(sqlite_engine, run, 1)
     lease_to(sqlite_engine, ids, "owner-slow", "slow")
@@ -366,7 +366,7 @@ def test_stop_aborts_hedges_instead_of_waiting_for_them(
 
 
 def test_stop_during_a_hedge_search_sends_nothing_and_takes_the_marks_back(
-    sqlite_engine: Engine, run: ledger.RunInfo
+    sqlite_engine: Engine, run: run_queries.RunInfo
 ) -> None:
     ids = add_items(sqlite_engine, run, 2)
     lease_to(sqlite_engine, ids, "owner-slow", "slow")
@@ -392,11 +392,11 @@ def test_stop_during_a_hedge_search_sends_nothing_and_takes_the_marks_back(
 
 
 def slow_search(
-    find: Callable[[int], list[ledger.ClaimedItem]],
+    find: Callable[[int], list[claims.ClaimedItem]],
     searching: threading.Event,
     resume: threading.Event,
-) -> Callable[[int], list[ledger.ClaimedItem]]:
-    def search(limit: int) -> list[ledger.ClaimedItem]:
+) -> Callable[[int], list[claims.ClaimedItem]]:
+    def search(limit: int) -> list[claims.ClaimedItem]:
         searching.set()
         assert resume.wait(10)
         return find(limit)
@@ -406,4 +406,4 @@ def slow_search(
 
 def unmark(db: Engine, ids: list[int], owner: str) -> None:
     with db.begin() as conn:
-        ledger.unmark_hedged(conn, ids, owner=owner)
+        claims.unmark_hedged(conn, ids, owner=owner)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 
 from app.core.contracts import SamplingParams
-from app.ledger import ClaimedItem
+from app.ledger.claims import ClaimedItem
 from workers.engine.backlog import Backlog
 from workers.engine.hedging import ABORT_AGAIN_S, Hedges
 from workers.engine.room import RATE_WINDOW_S, InFlight, Room

@@ -24,12 +24,12 @@ from typing import Any
 
 from sqlalchemy import Engine
 
-from app import ledger
 from app.core.locks import exclusive
 from app.core.settings import Settings
-from app.ledger import RunInfo
+from app.ledger import compaction, queue, reads, run_queries
 from app.ledger.database import SCAN_TIMEOUT_S, limit_periodic
 from app.ledger.image_tokens import run_image_pins
+from app.ledger.run_queries import RunInfo
 from app.outputs.image_rows import ImageRows
 from app.outputs.parquet_export import shard_row
 from app.storage.image_store import image_location
@@ -112,7 +112,7 @@ def _compact_locked(
 ) -> None:
     loc = compaction_location(settings, run.name)
     with db.connect() as conn:
-        archived = ledger.run_archived(conn, run.id)
+        archived = run_queries.run_archived(conn, run.id)
     if archived:
         # its shards are referenced from the archive, and it has nothing left to compact
         report.skipped = "the run is archived"
@@ -122,9 +122,9 @@ def _compact_locked(
         limit_periodic(conn, timeout_s=SCAN_TIMEOUT_S)
         # without --all, only "are there compact_min_items?" matters: counted up to that many
         report.compactable = (
-            ledger.count_compactable(conn, run.id)
+            compaction.count_compactable(conn, run.id)
             if force
-            else ledger.count_uncompacted(conn, run.id, at_most=settings.compact_min_items)
+            else compaction.count_uncompacted(conn, run.id, at_most=settings.compact_min_items)
         )
     if report.compactable == 0:
         report.skipped = "nothing to compact"
@@ -147,7 +147,7 @@ def _compact_locked(
             break
         with db.connect() as conn:
             limit_periodic(conn, timeout_s=SCAN_TIMEOUT_S)
-            ids = ledger.compactable_ids(conn, run.id, after_id=after, limit=shard_rows)
+            ids = compaction.compactable_ids(conn, run.id, after_id=after, limit=shard_rows)
         if not ids:
             break
         report.compacted += compact_ids(db, loc, ids, images)
@@ -155,7 +155,7 @@ def _compact_locked(
         after = ids[-1]
     if report.compacted >= ANALYZE_AFTER_ITEMS:
         with db.begin() as conn:  # emptied arrays and moved rows: the planner should know
-            ledger.refresh_statistics(conn)
+            queue.refresh_statistics(conn)
     log.info(
         "compacted %d items of run %s into %d shards under %s",
         report.compacted,
@@ -187,13 +187,13 @@ def compact_ids(db: Engine, loc: Location, ids: list[int], images: ImageRows | N
     with ShardWriter(loc, name) as writer:
         for page in _pages(ids, READ_PAGE_ITEMS):
             with db.connect() as conn:
-                stored = ledger.stored_items(conn, page)
+                stored = reads.stored_items(conn, page)
             rows = [shard_row(item, images) for item in stored if item.shard_uri is None]
             written += [(row.item_id, len(written) + i) for i, row in enumerate(rows)]
             writer.write(rows)
         writer.commit()
     with db.begin() as conn:
-        moved = ledger.mark_compacted(conn, loc.uri(name), written)
+        moved = compaction.mark_compacted(conn, loc.uri(name), written)
     log.info("compacted %d items into %s", moved, loc.uri(name))
     return moved
 
@@ -212,7 +212,7 @@ def remove_orphans(db: Engine, run: RunInfo, loc: Location) -> list[str]:
         limit_periodic(conn, timeout_s=SCAN_TIMEOUT_S)
         for name in names:
             ids = shard_ids(name)
-            if ids is not None and not ledger.shard_referenced(conn, run.id, name, *ids):
+            if ids is not None and not compaction.shard_referenced(conn, run.id, name, *ids):
                 orphans.append(name)
     if loc.local:
         orphans += list_names(loc, prefix=f".{SHARD_PREFIX}", suffix=".tmp")
@@ -227,7 +227,7 @@ def compact_due(db: Engine, settings: Settings) -> list[CompactionReport]:
     items still in the ledger."""
     with db.connect() as conn:
         limit_periodic(conn, timeout_s=SCAN_TIMEOUT_S)
-        due = ledger.runs_with_compactable(conn, settings.compact_min_items)
+        due = compaction.runs_with_compactable(conn, settings.compact_min_items)
     return [compact_run(db, settings, run) for run in due]
 
 

@@ -12,11 +12,12 @@ from typing import Any
 
 from sqlalchemy import Engine
 
-from app import ledger
 from app.core.constants import EVENT_PARITY
 from app.core.errors import GenerationError, InputError, PermanentError
 from app.core.settings import Settings, get_settings
-from app.ledger import RunInfo, StoredItem, registry
+from app.ledger import common, event_log, reads, registry, run_queries
+from app.ledger.reads import StoredItem
+from app.ledger.run_queries import RunInfo
 from app.prompts.transformers_pin import SERVER_TRANSFORMERS, client_version
 from app.sglang.render import RenderClient, RenderRequest, prompt_request, render_client
 from app.storage.image_store import image_location
@@ -170,15 +171,15 @@ def check_run(
         images = StoredImages(lambda: image_location(get_settings()))
     with db.connect() as conn:
         if sample is None:
-            ids = ledger.prompt_item_ids(conn, run.id)
+            ids = reads.prompt_item_ids(conn, run.id)
         else:  # through the indexes: a preflight of a 10M-item run reads what it samples
-            ids = ledger.sample_prompt_item_ids(conn, run.id, sample, seed)
+            ids = reads.sample_prompt_item_ids(conn, run.id, sample, seed)
     report = ParityReport(
         run=run.name, server=server, versions=versions_of(run, client.server_version())
     )
     for start in range(0, len(ids), page):
         with db.connect() as conn:
-            page_items = ledger.stored_prompts(conn, ids[start : start + page])
+            page_items = reads.stored_prompts(conn, ids[start : start + page])
         stored = [i for i in page_items if i.messages is not None]
         prepared = _requests(stored, run, images)
         rendered = iter(client.render_many([r for r in prepared if isinstance(r, RenderRequest)]))
@@ -260,7 +261,7 @@ def preflight(
         "status": report.status,
         "checked": report.checked,
         "mismatched": report.mismatched,
-        "at": ledger.utcnow().isoformat(),
+        "at": common.utcnow().isoformat(),
     }
     if not report.checked:  # nothing rendered from messages: nothing to compare
         with db.begin() as conn:
@@ -287,7 +288,7 @@ def preflight(
         before = registry.parity_status(conn, server, run.name)
         registry.record_parity(conn, server, run.name, result)
         if before != report.status:  # a re-check with the same outcome is not news
-            ledger.record_event(
+            event_log.record_event(
                 conn,
                 EVENT_PARITY,
                 message,
@@ -317,7 +318,7 @@ class ParityGate:
             status = (known.get(name) or {}).get("status")
             if again or status is None:
                 with db.connect() as conn:
-                    run = ledger.get_run_by_id(conn, run_id)
+                    run = run_queries.get_run_by_id(conn, run_id)
                 report = preflight(db, self.settings, run, server.name, server.url)
                 if report is not None:
                     status = report.status

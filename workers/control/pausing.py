@@ -11,9 +11,8 @@ from typing import Protocol
 
 from sqlalchemy import Engine
 
-from app import ledger
 from app.core.constants import WORK_QUEUE
-from app.ledger import registry
+from app.ledger import event_log, registry
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +58,7 @@ def set_server_paused(
         )
         workers = registry.get_server(conn, name).workers
         if changed:
-            ledger.record_event(
+            event_log.record_event(
                 conn,
                 kind,
                 f"{name} {kind} by {by}: {reason}",

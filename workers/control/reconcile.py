@@ -14,10 +14,9 @@ from typing import Any
 
 from sqlalchemy import Engine
 
-from app import ledger
 from app.core.constants import EVENT_RECONCILED
 from app.core.settings import Settings
-from app.ledger import counters
+from app.ledger import common, counters, event_log, outcomes, queue, run_queries
 from app.ledger.database import SCAN_TIMEOUT_S, limit_periodic
 from workers.control.broker_scan import broker_holds
 
@@ -65,14 +64,16 @@ def reconcile(
     report = ReconcileReport()
     fold_counters(db)
     with db.begin() as conn:
-        run_id = ledger.get_run(conn, run).id if run else None
+        run_id = run_queries.get_run(conn, run).id if run else None
         limit_periodic(conn, timeout_s=SCAN_TIMEOUT_S)
-        expired = ledger.requeue_expired(conn, run_id=run_id)
+        expired = outcomes.requeue_expired(conn, run_id=run_id)
         publish(expired, 0.0)
     report.expired = len(expired)
     runs = [run] if run else None
     with db.connect() as conn:
-        run_infos = [ledger.get_run(conn, r) for r in runs] if runs else ledger.list_runs(conn)
+        run_infos = (
+            [run_queries.get_run(conn, r) for r in runs] if runs else run_queries.list_runs(conn)
+        )
     for info in run_infos:
         if info.turns == "all":  # started turns are pending: the loop below publishes them
             # imported here: it brings the templating and the render client, which a
@@ -87,18 +88,18 @@ def reconcile(
         while True:
             with db.connect() as conn:
                 limit_periodic(conn, timeout_s=SCAN_TIMEOUT_S)
-                ids = ledger.pending_ids(conn, info.id, after_id=after)
+                ids = queue.pending_ids(conn, info.id, after_id=after)
             if not ids:
                 break
             publish(ids, 0.0)
             with db.begin() as conn:
-                ledger.mark_queued(conn, ids)
+                queue.mark_queued(conn, ids)
             report.unpublished += len(ids)
             after = ids[-1]
     report.lost = _requeue_lost(db, settings, run_id, publish, report)
     if report.requeued >= ANALYZE_AFTER_ITEMS:
         with db.begin() as conn:
-            ledger.refresh_statistics(conn)
+            queue.refresh_statistics(conn)
     if report.requeued:
         log.info(
             "reconcile re-queued %d expired, %d unpublished and %d lost items",
@@ -107,7 +108,7 @@ def reconcile(
             report.lost,
         )
         with db.begin() as conn:
-            ledger.record_event(
+            event_log.record_event(
                 conn,
                 EVENT_RECONCILED,
                 f"reconcile re-queued {report.expired} "
@@ -140,10 +141,10 @@ def _requeue_lost(
     from. An item is judged lost only when the whole queue was read (a long queue is judged
     once it drains that far); re-sent items go to the back of the order (queued_at = now),
     so the next pass checks the next ones."""
-    cutoff = ledger.utcnow() - timedelta(seconds=settings.reconcile_grace_s)
+    cutoff = common.utcnow() - timedelta(seconds=settings.reconcile_grace_s)
     with db.connect() as conn:
         limit_periodic(conn, timeout_s=SCAN_TIMEOUT_S)
-        candidates = ledger.oldest_queued(conn, cutoff, limit=CHECK_ITEMS, run_id=run_id)
+        candidates = queue.oldest_queued(conn, cutoff, limit=CHECK_ITEMS, run_id=run_id)
     check = broker_holds(
         settings.resolved_broker_url(),
         candidates,
@@ -163,6 +164,6 @@ def _requeue_lost(
     lost = [i for i in candidates if i not in check.found]
     if lost:
         with db.begin() as conn:
-            ledger.touch_queued(conn, lost)
+            queue.touch_queued(conn, lost)
         publish(lost, 0.0)
     return len(lost)

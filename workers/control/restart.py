@@ -17,10 +17,9 @@ from urllib.parse import urlsplit
 
 from sqlalchemy import Engine
 
-from app import ledger
 from app.core.errors import ConfigurationError, GenerationError
 from app.core.settings import Settings
-from app.ledger import registry
+from app.ledger import event_log, registry
 from app.ledger.registry import PAUSED_BY_RESTART, ServerInfo
 from workers.control.pausing import WorkerControl, pause_server, resume_server
 from workers.control.watchdog import HttpProber, Prober, fingerprint_conflicts
@@ -123,7 +122,7 @@ def restart_server(
     was_paused_by = server.paused_by if server.paused else None
     pause_server(db, control, name, by=PAUSED_BY_RESTART, reason="restart in progress")
     with db.begin() as conn:
-        ledger.record_event(
+        event_log.record_event(
             conn,
             EVENT_RESTART,
             f"{name}: restart started: {shlex.join(argv)}",
@@ -192,7 +191,7 @@ def restart_server(
         resume_server(db, control, name, by="restart", reason=f"ready after {elapsed:.0f}s")
         message = f"{name} restarted and resumed after {elapsed:.0f}s"
     with db.begin() as conn:
-        ledger.record_event(conn, EVENT_RESTART, message, server=name)
+        event_log.record_event(conn, EVENT_RESTART, message, server=name)
     return RestartResult(True, message, elapsed)
 
 
@@ -203,5 +202,5 @@ def _give_up(db: Engine, name: str, started: float, why: str) -> RestartResult:
         f"or `tokenmill restart {name}` again"
     )
     with db.begin() as conn:
-        ledger.record_event(conn, EVENT_RESTART, message, server=name)
+        event_log.record_event(conn, EVENT_RESTART, message, server=name)
     return RestartResult(False, message, elapsed)

@@ -14,12 +14,11 @@ from typing import Any, Protocol
 
 from sqlalchemy import Engine
 
-from app import ledger
 from app.core.constants import EVENT_FINGERPRINT_MISMATCH
 from app.core.contracts import ServerFingerprint
 from app.core.errors import GenerationError
 from app.core.settings import Settings
-from app.ledger import registry
+from app.ledger import common, event_log, registry
 from app.ledger.database import limit_periodic
 from app.ledger.registry import (
     PAUSED_BY_FINGERPRINT,
@@ -119,7 +118,7 @@ def check_server(
     with db.connect() as conn:
         limit_periodic(conn)
         load = registry.server_load(conn, server.name)
-    stalled = probe.ok and registry.is_stalled(load, now=ledger.utcnow(), stall_s=stall_s)
+    stalled = probe.ok and registry.is_stalled(load, now=common.utcnow(), stall_s=stall_s)
     previous = Verdict(
         Health(server.state), server.consecutive_failures, server.consecutive_successes
     )
@@ -145,7 +144,7 @@ def check_server(
             message = f"{server.name}: {previous.state.value} → {verdict.state.value}"
             if error and verdict.state in (Health.SUSPECT, Health.DOWN):
                 message += f" ({error})"
-            ledger.record_event(
+            event_log.record_event(
                 conn,
                 EVENT_STATE,
                 message,
@@ -236,7 +235,7 @@ def _admit(
         reason = "fingerprint differs from the pinned one: " + " | ".join(conflicts)
         if pause_server(db, control, server.name, by=PAUSED_BY_FINGERPRINT, reason=reason):
             with db.begin() as conn:
-                ledger.record_event(
+                event_log.record_event(
                     conn,
                     EVENT_FINGERPRINT_MISMATCH,
                     f"{server.name} stays paused: {reason}",

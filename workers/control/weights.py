@@ -12,11 +12,10 @@ from dataclasses import dataclass, field
 
 from sqlalchemy import Engine
 
-from app import ledger
 from app.core.constants import EVENT_WEIGHTS_CHANGED
 from app.core.contracts import ServerFingerprint
 from app.core.errors import NotFound
-from app.ledger import registry
+from app.ledger import event_log, registry
 from app.ledger.database import limit_periodic
 from app.ledger.registry import PAUSED_BY_WEIGHTS
 from workers.control.pausing import WorkerControl, pause_server
@@ -112,7 +111,7 @@ def note_weights(
     if verdict.refusing:
         message += f"; refused by {verdict.refusals()}"
     with db.begin() as conn:
-        ledger.record_event(
+        event_log.record_event(
             conn,
             EVENT_WEIGHTS_CHANGED,
             message,

@@ -14,11 +14,10 @@ from dataclasses import dataclass
 
 from sqlalchemy import Engine
 
-from app import ledger
 from app.core.constants import EVENT_WEIGHTS_UPDATE
 from app.core.errors import GenerationError
 from app.core.settings import Settings
-from app.ledger import registry
+from app.ledger import event_log, registry
 from app.ledger.registry import PAUSED_BY_UPDATE, PAUSED_BY_WEIGHTS
 from workers.control.pausing import WorkerControl, pause_server, resume_server
 from workers.control.weights import RunsVerdict, judge
@@ -142,4 +141,4 @@ def _give_up(db: Engine, name: str, why: str) -> UpdateResult:
 
 def _event(db: Engine, name: str, message: str) -> None:
     with db.begin() as conn:
-        ledger.record_event(conn, EVENT_WEIGHTS_UPDATE, message, server=name)
+        event_log.record_event(conn, EVENT_WEIGHTS_UPDATE, message, server=name)

@@ -11,9 +11,9 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
-from app import ledger
-from app.ledger import Released
+from app.ledger import claims, outcomes
 from app.ledger.claims import claimable_image_items
+from app.ledger.outcomes import Released
 from workers.engine.runtime import WorkerRuntime
 
 log = logging.getLogger(__name__)
@@ -21,12 +21,12 @@ log = logging.getLogger(__name__)
 Requeue = Callable[[list[int], float], None]
 
 
-def _release(rt: WorkerRuntime, claimed: Sequence[ledger.ClaimedItem], reason: str) -> list[int]:
+def _release(rt: WorkerRuntime, claimed: Sequence[claims.ClaimedItem], reason: str) -> list[int]:
     """Give claimed items back to the queue without spending an attempt."""
     if not claimed:
         return []
     with rt.db.begin() as conn:
-        return ledger.record_outcomes(
+        return outcomes.record_outcomes(
             conn,
             [Released(c.id, reason) for c in claimed],
             owner=rt.owner,
@@ -38,7 +38,7 @@ def _units(rt: WorkerRuntime, ids: list[int]) -> list[list[int]]:
     """The message's ids in units of room: a conversation's items together (the window sends
     them one at a time), every other item on its own; in message order."""
     with rt.db.connect() as conn:
-        keys = ledger.item_keys(conn, ids)
+        keys = claims.item_keys(conn, ids)
     units: list[list[int]] = []
     index: dict[object, int] = {}
     for item_id in ids:
@@ -70,8 +70,8 @@ def handle_message(
     # what fits, a share at a time, and send the rest back to the queue unclaimed. Claimed
     # items waiting for room would sit here while a faster or idle server could run them.
     deadline = time.monotonic() + rt.settings.room_wait_s
-    accepted: list[ledger.ClaimedItem] = []
-    refused: list[ledger.ClaimedItem] = []
+    accepted: list[claims.ClaimedItem] = []
+    refused: list[claims.ClaimedItem] = []
     skipped = passed = 0
     units = _units(rt, ids)  # a conversation of boundary samples is one unit: one server
     # a server that reads no images claims text items only; image items go back to the queue
@@ -87,7 +87,7 @@ def handle_message(
         units = units[held:]
         try:
             with rt.db.begin() as conn:
-                claimed = ledger.claim_items(
+                claimed = claims.claim_items(
                     conn,
                     take,
                     owner=rt.owner,

@@ -9,7 +9,7 @@ import threading
 
 from sqlalchemy import Connection, Engine
 
-from app import ledger
+from app.ledger import claims
 from app.ledger.database import limit_periodic
 from workers.engine.window_types import WindowConfig
 
@@ -29,7 +29,7 @@ def renew_leases(db: Engine, owner: str, config: WindowConfig, stopping: threadi
                     conn = db.connect()
                 with conn.begin():
                     limit_periodic(conn, timeout_s=max(1.0, config.heartbeat_s))
-                    ledger.extend_leases(conn, owner=owner, lease_s=config.lease_s)
+                    claims.extend_leases(conn, owner=owner, lease_s=config.lease_s)
             except Exception as exc:
                 log.warning("lease heartbeat failed (%s); retrying next beat", exc)
                 if conn is not None:

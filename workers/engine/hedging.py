@@ -15,9 +15,9 @@ from typing import Protocol
 
 from sqlalchemy import Engine
 
-from app import ledger
 from app.core.contracts import SamplingParams
-from app.ledger import ClaimedItem
+from app.ledger import claims
+from app.ledger.claims import ClaimedItem
 from app.ledger.database import limit_periodic
 from workers.engine.window_types import GenerateClient, Job, WindowStats
 
@@ -175,7 +175,7 @@ class HedgeRound:
         if jobs:
             with self._db.connect() as conn:
                 limit_periodic(conn)
-                final = ledger.finished_among(conn, [j.item.id for j in jobs])
+                final = claims.finished_among(conn, [j.item.id for j in jobs])
             w.cancel_finished(jobs, final)
         w.abort_stale()
         if self._find_hedges is None or not w.can_hedge():

@@ -17,7 +17,7 @@ from sqlalchemy import Engine
 from app.core.contracts import GenerateResult
 from app.core.errors import PermanentError
 from app.core.images import ImageDrift, ImagePins, placeholder_count, served_counts
-from app.ledger import ClaimedItem
+from app.ledger.claims import ClaimedItem
 from app.ledger.image_tokens import ImageCount, note_image_tokens, run_image_pins
 from app.storage.image_store import ImageError
 from workers.engine.image_data import ImageData

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from sqlalchemy import Engine
 
-from app import ledger
+from app.ledger import claims, outcomes
 
 log = logging.getLogger(__name__)
 
@@ -57,14 +57,14 @@ def take_back(db: Engine, run_id: int) -> TakenBack:
     attempt spent."""
     taken = TakenBack()
     with db.connect() as conn:
-        owners = ledger.lease_owners(conn, run_id)
+        owners = claims.lease_owners(conn, run_id)
     for owner in owners:
         pid = embedded_owner_pid(owner)
         if pid is None or pid == os.getpid() or not process_gone(pid):
             continue
         with db.begin() as conn:
-            released = ledger.release_owner(conn, owner)
-            ledger.drop_hedge_marks(conn, run_id, owner)
+            released = outcomes.release_owner(conn, owner)
+            claims.drop_hedge_marks(conn, run_id, owner)
         if released:
             taken.items += len(released)
             taken.pids.append(pid)

@@ -15,11 +15,12 @@ from dataclasses import dataclass
 
 from sqlalchemy import Engine
 
-from app import ledger
 from app.core.errors import ConfigurationError
 from app.core.settings import Settings
-from app.ledger import RunCounts, RunInfo
+from app.ledger import claims, outcomes, reads
 from app.ledger.claims import text_items_left
+from app.ledger.reads import RunCounts
+from app.ledger.run_queries import RunInfo
 from workers.control.parity import preflight
 from workers.engine.contact import ServerContact
 from workers.engine.orphans import EMBEDDED_OWNER_PREFIX, take_back
@@ -204,13 +205,13 @@ class EmbeddedRunner:
             else:
                 self._stop.wait(self.poll_s)
 
-    def _claim(self, rt: WorkerRuntime, room: int) -> list[ledger.ClaimedItem]:
+    def _claim(self, rt: WorkerRuntime, room: int) -> list[claims.ClaimedItem]:
         """Up to room items, or (boundary samples) every item of up to room conversations;
         text items only for a server that reads no images."""
         text_only = not rt.reads_images()
         if self.run.turns != "each":
             with self.db.begin() as conn:
-                return ledger.claim_next(
+                return claims.claim_next(
                     conn,
                     owner=rt.owner,
                     server=rt.server_name,
@@ -220,7 +221,7 @@ class EmbeddedRunner:
                     text_only=text_only,
                 )
         with self._claim_lock, self.db.begin() as conn:
-            return ledger.claim_next_groups(
+            return claims.claim_next_groups(
                 conn,
                 owner=rt.owner,
                 server=rt.server_name,
@@ -232,7 +233,7 @@ class EmbeddedRunner:
 
     def counts(self) -> RunCounts:
         with self.db.connect() as conn:
-            return ledger.run_counts(conn, self.run)
+            return reads.run_counts(conn, self.run)
 
     def servers(self) -> list[ServerView]:
         views = []
@@ -289,7 +290,7 @@ class EmbeddedRunner:
             if time.monotonic() - last_sweep > self.settings.heartbeat_s:
                 last_sweep = time.monotonic()
                 with self.db.begin() as conn:
-                    ledger.requeue_expired(conn, run_id=self.run.id)
+                    outcomes.requeue_expired(conn, run_id=self.run.id)
             time.sleep(tick_s)
 
     def _stuck(self, counts: RunCounts) -> str | None:

@@ -18,7 +18,6 @@ from typing import Any
 from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import SQLAlchemyError
 
-from app import ledger
 from app.core.constants import (
     EVENT_FINGERPRINT_MISMATCH,
     EVENT_FINGERPRINT_PINNED,
@@ -28,7 +27,7 @@ from app.core.contracts import GenerateResult, SamplingParams, ServerFingerprint
 from app.core.errors import GenerationError
 from app.core.images import ImageDrift
 from app.core.settings import Settings
-from app.ledger import registry
+from app.ledger import claims, event_log, registry, run_queries
 from app.ledger.database import limit_periodic
 from app.ledger.image_tokens import pin_image_settings
 from app.ledger.registry import PAUSED_BY_IMAGES
@@ -86,7 +85,7 @@ class WorkerRuntime:
         self.owner = make_owner(owner_prefix + self.server_name)
         self._lock = threading.Lock()
         self._pin_lock = threading.Lock()
-        self._runs: dict[int, ledger.RunInfo] = {}
+        self._runs: dict[int, run_queries.RunInfo] = {}
         self._run_ok: dict[int, bool] = {}
         self._pause_cache: tuple[float, bool, str | None] = (-1e9, False, None)
         self._fingerprint: ServerFingerprint | None = None
@@ -144,7 +143,7 @@ class WorkerRuntime:
         self.window.stop(self.settings.drain_timeout_s)
         self.turns.stop()
 
-    def find_hedges(self, limit: int) -> list[ledger.ClaimedItem]:
+    def find_hedges(self, limit: int) -> list[claims.ClaimedItem]:
         """Up to limit items running on other servers, in runs with nothing left to claim,
         that this server may serve (not boundary samples); marked as hedged by this worker."""
         with self._lock:
@@ -153,7 +152,7 @@ class WorkerRuntime:
         text_only = not self.reads_images()
         with self.db.connect() as conn:
             limit_periodic(conn)
-            candidates = ledger.hedge_candidates(
+            candidates = claims.hedge_candidates(
                 conn, server=self.server_name, limit=limit, skip_runs=refused, text_only=text_only
             )
         # checked outside the transaction: a first use pins the run's fingerprint (a write).
@@ -167,23 +166,23 @@ class WorkerRuntime:
         if not ids:
             return []
         with self.db.begin() as conn:
-            return ledger.mark_hedged(conn, ids, owner=self.owner)
+            return claims.mark_hedged(conn, ids, owner=self.owner)
 
     def unmark_hedges(self, ids: list[int]) -> None:
         """Hedges marked but never sent (the worker is stopping): others may take them."""
         with self.db.begin() as conn:
-            ledger.unmark_hedged(conn, ids, owner=self.owner)
+            claims.unmark_hedged(conn, ids, owner=self.owner)
 
     # --- per-run configuration --------------------------------------------------------------
 
-    def run_info(self, run_id: int) -> ledger.RunInfo:
+    def run_info(self, run_id: int) -> run_queries.RunInfo:
         """The run's pinned configuration, read once per process."""
         with self._lock:
             cached = self._runs.get(run_id)
         if cached is not None:
             return cached
         with self.db.connect() as conn:
-            info = ledger.get_run_by_id(conn, run_id)
+            info = run_queries.get_run_by_id(conn, run_id)
         with self._lock:
             self._runs[run_id] = info
         return info
@@ -293,17 +292,17 @@ class WorkerRuntime:
             return self._refuse_version(run_id, required, fingerprint)
         image_run = self.images.pins(run_id) is not None
         with self.db.begin() as conn:
-            pinned = ledger.pin_fingerprint(conn, run_id, mine)
+            pinned = run_queries.pin_fingerprint(conn, run_id, mine)
             if fingerprint.images is not None and image_run:
                 # a run of images pins the image settings of the first server that reads them
                 pinned = pin_image_settings(conn, run_id, fingerprint.images)
             ok = not ServerFingerprint(**pinned).differences(fingerprint)
             # once per run and server: not again from its other workers, or after a resume
-            if ok and not ledger.has_event(
+            if ok and not event_log.has_event(
                 conn, EVENT_FINGERPRINT_PINNED, run_id=run_id, server=self.server_name
             ):
                 log.info("run %d uses server %s fingerprint %s", run_id, self.server_name, mine)
-                ledger.record_event(
+                event_log.record_event(
                     conn,
                     EVENT_FINGERPRINT_PINNED,
                     f"{self.server_name} serves run with {mine}",
@@ -348,7 +347,7 @@ class WorkerRuntime:
         self, conn: Connection, run_id: int, message: str, details: dict[str, Any]
     ) -> None:
         """The timeline's entry for a run this server does not serve."""
-        ledger.record_event(
+        event_log.record_event(
             conn,
             EVENT_FINGERPRINT_MISMATCH,
             message,
@@ -357,7 +356,7 @@ class WorkerRuntime:
             details=details,
         )
 
-    def check_result(self, item: ledger.ClaimedItem, result: GenerateResult) -> Checked:
+    def check_result(self, item: claims.ClaimedItem, result: GenerateResult) -> Checked:
         """Whether this result may be written: not if it was made (in part) under other
         weights than the run pinned, nor, for an image item, if its served prompt is not the
         request expanded (token drift: the server is paused); its image token counts if so."""
@@ -375,7 +374,7 @@ class WorkerRuntime:
             return Checked(refusal=f"image counts not checked (ledger error: {exc})")
         return Checked(image_token_counts=counts)
 
-    def _image_drift(self, item: ledger.ClaimedItem, difference: str) -> str:
+    def _image_drift(self, item: claims.ClaimedItem, difference: str) -> str:
         """Once until the server is resumed: record the drift and pause the server (in the
         registry, or on its own when the registry has no such server); the refusal."""
         refusal = f"token drift: {difference}"
@@ -389,7 +388,7 @@ class WorkerRuntime:
         log.warning("server %s: %s", self.server_name, reason)
         try:
             with self.db.begin() as conn:
-                ledger.record_event(
+                event_log.record_event(
                     conn,
                     EVENT_IMAGE_DRIFT,
                     f"{self.server_name}: {reason}",
@@ -410,7 +409,7 @@ class WorkerRuntime:
         self._pause_cache = (-1e9, False, None)  # read the flag again at once
         return refusal
 
-    def _weights_refusal(self, item: ledger.ClaimedItem, result: GenerateResult) -> str | None:
+    def _weights_refusal(self, item: claims.ClaimedItem, result: GenerateResult) -> str | None:
         """The change ("weight_version: A → B") when result was made (in part) under other
         weights than the run pinned; None when it is the run's."""
         with self._lock:

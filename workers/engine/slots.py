@@ -15,7 +15,8 @@ from typing import Protocol
 
 from app.core.contracts import GenerateResult
 from app.core.errors import GenerationError, PermanentError, RetryableError, ServerUnavailable
-from app.ledger import ClaimedItem, Done, Failed, Outcome, Released
+from app.ledger.claims import ClaimedItem
+from app.ledger.outcomes import Done, Failed, Outcome, Released
 from workers.engine.window_types import Checked, GenerateClient, Job, WindowConfig
 
 log = logging.getLogger(__name__)

@@ -7,7 +7,7 @@ import logging
 import threading
 from collections.abc import Callable
 
-from app.ledger import Outcome, Released
+from app.ledger.outcomes import Outcome, Released
 from workers.engine.backlog import Backlog
 from workers.engine.window_types import Job, WindowConfig
 

@@ -24,10 +24,11 @@ from collections.abc import Callable, Hashable
 
 from sqlalchemy import Engine
 
-from app import ledger
 from app.core.contracts import GenerateResult, SamplingParams
 from app.core.errors import PermanentError
-from app.ledger import ClaimedItem, Done, Failed, Outcome, Released, RetryLater
+from app.ledger import outcomes
+from app.ledger.claims import ClaimedItem
+from app.ledger.outcomes import Done, Failed, Outcome, Released, RetryLater
 from workers.engine.backlog import Backlog
 from workers.engine.groups import Conversations
 from workers.engine.heartbeat import renew_leases
@@ -177,7 +178,7 @@ class InflightWindow:
                 thread.join(timeout=max(5.0, deadline - self._clock()))
         try:
             with self._db.begin() as conn:
-                leftover = ledger.release_owner(conn, self.owner)
+                leftover = outcomes.release_owner(conn, self.owner)
             if leftover:
                 log.info("window stop released %d unfinished items", len(leftover))
                 self._on_released(leftover, 0.0)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from app.core.contracts import GenerateResult, SamplingParams
-from app.ledger import ClaimedItem
+from app.ledger.claims import ClaimedItem
 from app.sglang.client import ProbeResult
 
 

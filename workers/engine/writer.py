@@ -11,8 +11,8 @@ from collections.abc import Callable
 from sqlalchemy import Engine
 from sqlalchemy.exc import InterfaceError, OperationalError
 
-from app import ledger
-from app.ledger import Outcome
+from app.ledger import outcomes
+from app.ledger.outcomes import Outcome
 from workers.engine.window_types import WindowConfig
 
 log = logging.getLogger(__name__)
@@ -74,7 +74,7 @@ class ResultWriter:
         while True:
             try:
                 with self._db.begin() as conn:
-                    released = ledger.record_outcomes(
+                    released = outcomes.record_outcomes(
                         conn, batch, owner=self._owner, lease_s=self._config.lease_s
                     )
                 break

@@ -17,12 +17,12 @@ from typing import Any
 
 from sqlalchemy import Engine
 
-from app import ledger
 from app.core.constants import EVENT_RUN_CREATED
 from app.core.contracts import SamplingParams
 from app.core.errors import InputError
 from app.core.images import ImagePins
 from app.core.settings import Settings, get_settings
+from app.ledger import event_log, image_tokens, queue, removal, run_queries
 from app.prompts.chat_path import check_version
 from app.prompts.chat_pins import run_pins
 from app.prompts.image_pins import check_run_pins
@@ -77,9 +77,9 @@ class EnqueueOptions:
     image_root: Path | None = None
 
 
-def run_spec(tokenizer: ChatTokenizer, options: EnqueueOptions) -> ledger.RunSpec:
+def run_spec(tokenizer: ChatTokenizer, options: EnqueueOptions) -> run_queries.RunSpec:
     """What the run pins: the tokenizer and its template, the sampling, the turns mode."""
-    return ledger.RunSpec(
+    return run_queries.RunSpec(
         name=options.run,
         tokenizer_path=str(tokenizer.path),
         tokenizer_hash=tokenizer.tokenizer_hash,
@@ -102,19 +102,22 @@ def run_spec(tokenizer: ChatTokenizer, options: EnqueueOptions) -> ledger.RunSpe
 
 
 def open_run(
-    db: Engine, spec: ledger.RunSpec, report: EnqueueReport, image_pins: ImagePins | None = None
-) -> ledger.RunInfo:
+    db: Engine,
+    spec: run_queries.RunSpec,
+    report: EnqueueReport,
+    image_pins: ImagePins | None = None,
+) -> run_queries.RunInfo:
     """The run, created (and its creation recorded) if new; an existing run must match spec,
     be pinned to chat-path rules this tokenmill has and to the tokenizer's image placeholder."""
     with db.begin() as conn:
-        run, created = ledger.get_or_create_run(conn, spec)
+        run, created = run_queries.get_or_create_run(conn, spec)
         # later enqueues build prompts with the rules the run pinned (or are refused)
         check_version(run.normalization_version, run=run.name)
         if not created:
-            check_run_pins(ledger.run_image_pins(conn, run.id), image_pins, run.name)
+            check_run_pins(image_tokens.run_image_pins(conn, run.id), image_pins, run.name)
         report.run_created = created
         if created:
-            ledger.record_event(
+            event_log.record_event(
                 conn,
                 EVENT_RUN_CREATED,
                 f"run {run.name} created: tokenizer {spec.tokenizer_path}, "
@@ -175,7 +178,7 @@ def enqueue(
 
     def existing_keys(keys: Any) -> set[str]:
         with db.connect() as conn:
-            return ledger.existing_keys(conn, run.id, keys)
+            return queue.existing_keys(conn, run.id, keys)
 
     settings = settings or get_settings()
     planner = Planner(
@@ -239,14 +242,14 @@ def enqueue(
 
 
 def nothing_usable(
-    db: Engine, run: ledger.RunInfo, report: EnqueueReport, path: Path, unit: str
+    db: Engine, run: run_queries.RunInfo, report: EnqueueReport, path: Path, unit: str
 ) -> InputError:
     """The error of an input with no usable prompt (a binary file, say); a run this enqueue
     created is deleted again, so nothing is left behind that holds no work."""
     first = f"; the first: {report.errors[0]}" if report.errors else ""
     if report.run_created:
         with db.begin() as conn:
-            ledger.delete_run_row(conn, run.id, run.name)
+            removal.delete_run_row(conn, run.id, run.name)
         outcome = f"run {run.name} was not created"
     else:
         outcome = f"run {run.name} is unchanged"

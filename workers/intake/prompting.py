@@ -8,10 +8,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from app import ledger
 from app.core.contracts import PromptRecord
 from app.core.errors import InputError, PermanentError
 from app.core.images import ImagePins, ImageRef
+from app.ledger import queue
 from app.prompts.chat_path import ChatInputs, merge_template_kwargs
 from app.prompts.image_pins import check_image_prompt
 from app.prompts.template_pool import Templater
@@ -170,10 +170,10 @@ class ItemBuilder:
         # why the tokenizer has no pins: what an image row is refused with
         self._no_pins = no_pins
 
-    def items(self, chunk: PromptedChunk) -> list[ledger.NewItem]:
+    def items(self, chunk: PromptedChunk) -> list[queue.NewItem]:
         """Waits for the chunk's prompt ids, then builds its items."""
         planned = chunk.planned
-        new_items: list[ledger.NewItem] = []
+        new_items: list[queue.NewItem] = []
         built = chunk.ids.result()
         for position, (record, ids) in enumerate(zip(planned.records, built, strict=True)):
             turn = None if planned.turn_of is None else planned.turn_of[position]
@@ -245,10 +245,10 @@ class ItemBuilder:
         turn: int,
         merged: dict[str, Any] | None,
         images: list[ImageRef],
-    ) -> list[ledger.NewItem]:
+    ) -> list[queue.NewItem]:
         """`--turns each`: the items (one per sample) of one boundary sample of a row."""
         return [
-            ledger.NewItem(
+            queue.NewItem(
                 record.key,
                 k,
                 record.line,

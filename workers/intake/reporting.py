@@ -10,10 +10,10 @@ from typing import Any
 
 from sqlalchemy import Engine
 
-from app import ledger
 from app.core.constants import EVENT_ENQUEUE_STOPPED, EVENT_ENQUEUED
 from app.core.contracts import PromptRecord
 from app.core.errors import InputError
+from app.ledger import event_log, queue
 from app.sglang.render import RenderServerUnavailable
 
 log = logging.getLogger(__name__)
@@ -102,8 +102,8 @@ class Reporter:
         report = self.report
         with db.begin() as conn:
             if report.inserted:
-                ledger.refresh_statistics(conn)
-            ledger.record_event(
+                queue.refresh_statistics(conn)
+            event_log.record_event(
                 conn,
                 EVENT_ENQUEUED,
                 f"{report.inserted} items inserted, {report.published} published, "
@@ -126,7 +126,7 @@ class Reporter:
             "run (stored prompts are skipped, none is duplicated)."
         )
         with db.begin() as conn:
-            ledger.record_event(
+            event_log.record_event(
                 conn, EVENT_ENQUEUE_STOPPED, message, run_id=run_id, details=report.counts()
             )
         log.error(message)

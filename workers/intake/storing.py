@@ -10,8 +10,8 @@ from typing import Any
 
 from sqlalchemy import Engine
 
-from app import ledger
 from app.core.images import ImagePins
+from app.ledger import image_tokens, queue
 from app.prompts.image_pins import check_run_pins
 from workers.intake import turns
 from workers.intake.reporting import Reporter
@@ -65,7 +65,7 @@ class Publisher:
             return
         while True:
             with self._db.connect() as conn:
-                ids = ledger.pending_ids(conn, self._run_id, after_id=self._after_id)
+                ids = queue.pending_ids(conn, self._run_id, after_id=self._after_id)
             if not ids:
                 return
             self._send(ids)
@@ -74,7 +74,7 @@ class Publisher:
     def _publish_groups(self, size: int) -> None:
         while True:
             with self._db.connect() as conn:
-                rows = ledger.pending_keys(conn, self._run_id, after_id=self._after_id)
+                rows = queue.pending_keys(conn, self._run_id, after_id=self._after_id)
             if not rows:
                 return
             groups = [[i for i, _ in g] for _, g in itertools.groupby(rows, key=lambda r: r[1])]
@@ -87,7 +87,7 @@ class Publisher:
     def _send(self, ids: list[int]) -> None:
         self._publish(ids)
         with self._db.begin() as conn:
-            ledger.mark_queued(conn, ids)
+            queue.mark_queued(conn, ids)
         self._reporter.report.published += len(ids)
 
 
@@ -121,7 +121,7 @@ class Store:
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tm-enqueue-writer")
         self._pending: Future[None] | None = None
 
-    def submit(self, new_items: list[ledger.NewItem], lines: int) -> None:
+    def submit(self, new_items: list[queue.NewItem], lines: int) -> None:
         """Store a chunk's items on the writer thread, once the chunk before is stored (its
         error, if any, is raised here)."""
         self.flush()
@@ -136,12 +136,12 @@ class Store:
     def close(self) -> None:
         self._writer.shutdown(wait=True)
 
-    def _store(self, new_items: list[ledger.NewItem], lines: int) -> None:
+    def _store(self, new_items: list[queue.NewItem], lines: int) -> None:
         report = self._reporter.report
         with self._db.begin() as conn:
             if not self._images_pinned and any(n.images for n in new_items):
                 self._pin_images(conn)
-            report.inserted += ledger.insert_items(conn, self._run_id, new_items)
+            report.inserted += queue.insert_items(conn, self._run_id, new_items)
             if self._link_chains:
                 turns.link_chains(conn, self._run_id, new_items)
             self._maybe_analyze(conn, report.inserted)
@@ -153,12 +153,12 @@ class Store:
         """The run pins the image placeholder its image items were built with (a run pinned
         to another one by a concurrent enqueue refuses them)."""
         assert self._image_pins is not None  # image items are built only with pins
-        held = ledger.pin_run_images(conn, self._run_id, self._image_pins)
+        held = image_tokens.pin_run_images(conn, self._run_id, self._image_pins)
         check_run_pins(held, self._image_pins, self._run_name)
         self._images_pinned = True
 
     def _maybe_analyze(self, conn: Any, inserted: int) -> None:
         """Refresh planner statistics each time the run has doubled (at least 20,000 rows)."""
         if inserted >= max(ANALYZE_MIN_ROWS, 2 * self._analyzed_at):
-            ledger.refresh_statistics(conn)
+            queue.refresh_statistics(conn)
             self._analyzed_at = inserted

@@ -18,12 +18,15 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine
 
-from app import ledger
 from app.core.constants import EVENT_TURNS_BLOCKED
 from app.core.contracts import PromptRecord
 from app.core.errors import GenerationError, InputError, PermanentError, TokenmillError
 from app.core.settings import get_settings
-from app.ledger import NewItem, RunInfo, WaitingTurn
+from app.ledger import event_log, run_queries, turns
+from app.ledger import queue as ledger_queue
+from app.ledger.queue import NewItem
+from app.ledger.run_queries import RunInfo
+from app.ledger.turns import WaitingTurn
 from app.outputs.export import assistant_turn
 from app.prompts.chat_path import check_version, image_urls, normalize_messages
 from app.prompts.conversation import (
@@ -163,7 +166,7 @@ def link_chains(conn: Connection, run_id: int, new_items: Sequence[NewItem]) -> 
     """Point the later turns just inserted at the item of the turn before them."""
     keys = sorted({n.item_key for n in new_items if n.turn_index > 0})
     if keys:
-        ledger.link_turns(conn, run_id, keys)
+        turns.link_turns(conn, run_id, keys)
 
 
 # --- advancing ---------------------------------------------------------------------------------
@@ -202,7 +205,7 @@ class TokenizerCache:
             cached = self._runs.get(run_id)
         if cached is None:
             with db.connect() as conn:
-                cached = ledger.get_run_by_id(conn, run_id)
+                cached = run_queries.get_run_by_id(conn, run_id)
             with self._lock:
                 self._runs[run_id] = cached
         return cached
@@ -259,7 +262,7 @@ class TokenizerCache:
         if first:
             try:
                 with db.begin() as conn:
-                    ledger.record_event(conn, EVENT_TURNS_BLOCKED, message, run_id=run.id)
+                    event_log.record_event(conn, EVENT_TURNS_BLOCKED, message, run_id=run.id)
             except Exception as exc:
                 log.warning("could not record the event (%s)", exc)
 
@@ -294,7 +297,7 @@ def check_turn_images(tokenizer: ChatTokenizer, history: list[Any], prompt_ids: 
 
 def _fail_chain(db: Engine, turn: WaitingTurn, reason: str, report: AdvanceReport) -> None:
     with db.begin() as conn:
-        n = ledger.fail_waiting_chain(
+        n = turns.fail_waiting_chain(
             conn, turn.run_id, turn.item_key, turn.sample_index, turn.turn_index, reason
         )
     report.failed += n
@@ -357,7 +360,7 @@ def _advance_one(
         _fail_chain(db, turn, reason, report)
         return
     with db.begin() as conn:
-        started = ledger.start_turn(conn, turn.id, history, prompt_ids)
+        started = turns.start_turn(conn, turn.id, history, prompt_ids)
     if started:
         report.started.append(turn.id)
         log.info(
@@ -385,14 +388,14 @@ def advance(
         for i in range(0, len(ids), ADVANCE_PAGE):
             chunk = ids[i : i + ADVANCE_PAGE]
             with db.connect() as conn:
-                ready = ledger.ready_turns(conn, prev_ids=chunk, limit=len(chunk))
+                ready = turns.ready_turns(conn, prev_ids=chunk, limit=len(chunk))
             for turn in ready:
                 _advance_one(db, cache, turn, report)
         return report
     after = 0
     while True:
         with db.connect() as conn:
-            ready = ledger.ready_turns(conn, run_id=run_id, after_id=after, limit=ADVANCE_PAGE)
+            ready = turns.ready_turns(conn, run_id=run_id, after_id=after, limit=ADVANCE_PAGE)
         if not ready:
             return report
         for turn in ready:
@@ -406,7 +409,7 @@ def publish_started(db: Engine, ids: list[int], publish: Callable[[list[int]], N
         return
     publish(ids)
     with db.begin() as conn:
-        ledger.mark_queued(conn, ids)
+        ledger_queue.mark_queued(conn, ids)
 
 
 class TurnAdvancer:
