@@ -20,20 +20,22 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
 
+from app.core.errors import TokenmillError
+
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".gif")
 REQUEST_TIMEOUT_S = 3.0
 BATCH_LENGTH = "The length of image_data should be equal to the batch size."
 
 
-class ImageInputError(ValueError):
+class ImageInputError(TokenmillError, ValueError):
     """SGLang answers 400 `{"error": {"message": ...}}` (a ValueError while processing)."""
 
 
-class ImageServerError(Exception):
+class ImageServerError(TokenmillError):
     """SGLang answers a plain-text 500 (any other exception while processing)."""
 
 
-class _ClientMediaError(Exception):
+class _ClientMediaError(TokenmillError):
     """What SGLang counts as the client's fault (CLIENT_MEDIA_EXCEPTIONS): bad base64, an
     unreachable URL, bytes that do not decode."""
 

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from app.core.errors import ConfigurationError, InputError
+from app.core.errors import ConfigurationError, InputError, TokenmillError
 from app.prompts.chat_path import (
     ChatInputs,
     bare_function_tools,
@@ -39,7 +39,7 @@ NO_TOKENIZER = (
 )
 
 
-class TokenizeFailure(ValueError):
+class TokenizeFailure(TokenmillError, ValueError):
     """A request SGLang answers with an error object: (status, message, type)."""
 
     def __init__(self, message: str, status: int = 400, err_type: str = "BadRequestError") -> None:

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from app.core.errors import TokenmillError
+
 # the model_type and architectures /model_info reports per family
 FAMILY_MODELS: dict[str, tuple[str, tuple[str, ...]]] = {
     "kimi": ("kimi_k25", ("KimiK25ForConditionalGeneration",)),
@@ -61,7 +63,7 @@ def kimi_token_count(
     return math.ceil(new_height / factor) * math.ceil(new_width / factor)
 
 
-class AspectRatioError(ValueError):
+class AspectRatioError(TokenmillError, ValueError):
     """Qwen-VL refuses images more than 200 times longer than wide (or the other way)."""
 
 
@@ -120,7 +122,7 @@ def check_process_config(config: Mapping[str, Any], family: str | None) -> None:
             raise ValueError(f"image {key} must be a positive integer, got {value!r}")
 
 
-class VisionConfigError(ValueError):
+class VisionConfigError(TokenmillError, ValueError):
     """The tokenizer folder cannot serve the --mm family (no placeholder id, bad JSON)."""
 
 

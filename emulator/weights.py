@@ -16,6 +16,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from app.core.errors import TokenmillError
+
 # the update body's fields and their types (io_struct.UpdateWeightFromDiskReqInput)
 DISK_FIELDS: dict[str, tuple[type, ...]] = {
     "model_path": (str,),
@@ -43,7 +45,7 @@ FLUSH_REFUSED = (
 )
 
 
-class BadBody(ValueError):
+class BadBody(TokenmillError, ValueError):
     """The body does not validate (FastAPI's 400 with SGLang's ErrorResponse shape)."""
 
 

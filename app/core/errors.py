@@ -48,10 +48,6 @@ class ServerUnavailable(GenerationError):
         self.status_code = status_code
 
 
-class ServerPaused(ServerUnavailable):
-    """The server is paused by the watchdog or an operator; nothing is sent to it."""
-
-
 # --- configuration and input ----------------------------------------------------------
 
 

@@ -15,6 +15,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from app.core.errors import TokenmillError
+
 # the Pillow format names tokenmill stores, and the extension of their store key
 FORMAT_EXTENSIONS: dict[str, str] = {
     "PNG": "png",
@@ -97,7 +99,7 @@ FAMILIES: dict[str, tuple[str, str]] = {
 }
 
 
-class ImageDrift(Exception):
+class ImageDrift(TokenmillError):
     """The served prompt ids are not the request ids with each placeholder repeated."""
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.core.contracts import Message
-from app.core.errors import InputError
+from app.core.errors import InputError, TokenmillError
 from app.prompts.chat_path import content_part, json_type, resolve_reasoning_aliases
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
@@ -30,15 +30,10 @@ SHAREGPT_ROLES: dict[str, str] = {
 
 
 # Defined here, the lowest of the input modules, so that turns, records and lines raise one kind.
-class BadRow(Exception):
+class BadRow(TokenmillError):
     """A reason a line cannot be used (turned into an InputError with its line number)."""
 
 
-def parse_turns(value: Any, field: str) -> list[Message]:
-    turns, bad = parse_turns_until_bad(value, field)
-    if bad is not None:
-        raise BadRow(bad.reason)
-    return turns
 
 
 @dataclass(frozen=True)

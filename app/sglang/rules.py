@@ -11,6 +11,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from app.core.errors import TokenmillError
+
 TEXT_UNSUPPORTED = (
     "The engine initialized with skip_tokenizer_init=True cannot accept text prompts. "
     "Please provide input_ids or re-initialize the engine with skip_tokenizer_init=False."
@@ -21,7 +23,7 @@ TOP_K_ALL = 1 << 30  # SGLang's top_k for "the whole vocabulary"
 GREEDY_TEMPERATURE = 1e-6
 
 
-class InvalidRequest(ValueError):
+class InvalidRequest(TokenmillError, ValueError):
     """SGLang rejects the request after its schema gate: HTTP 400 `{"error": {"message": ...}}`."""
 
 

@@ -11,10 +11,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from app.core.errors import TokenmillError
+
 Check = Callable[[Any], None]
 
 
-class SchemaViolation(ValueError):
+class SchemaViolation(TokenmillError, ValueError):
     """The body breaks the JSON contract: HTTP 400 `{"error": "<text>"}`."""
 
 

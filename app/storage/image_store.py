@@ -15,13 +15,13 @@ import io
 import warnings
 from dataclasses import dataclass
 
-from app.core.errors import NotFound
+from app.core.errors import NotFound, TokenmillError
 from app.core.images import FORMAT_EXTENSIONS, ImageRef, store_key
 from app.core.settings import Settings
 from app.storage.shards import Location, StorageError, open_location, read_object, write_object
 
 
-class ImageError(ValueError):
+class ImageError(TokenmillError, ValueError):
     """Bytes that are not a usable image, or a stored image that is missing or changed."""
 
 

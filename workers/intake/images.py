@@ -22,7 +22,7 @@ from typing import Any
 from urllib.parse import unquote, unquote_to_bytes, urlparse
 
 from app.core.contracts import Message, PromptRecord
-from app.core.errors import InputError
+from app.core.errors import InputError, TokenmillError
 from app.core.images import ImageRef
 from app.prompts.chat_path import image_urls, is_image_part, with_image_urls
 from app.storage.image_store import ImageError, get_image, put_image
@@ -37,7 +37,7 @@ DATA_URI_CACHE = 64
 MIME_TYPES = {"jpg": "jpeg", "tiff": "tiff", "png": "png", "webp": "webp", "gif": "gif"}
 
 
-class ImageUnreadable(Exception):
+class ImageUnreadable(TokenmillError):
     """An image source that cannot be read or is not a usable image (the message says why)."""
 
 
