@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import click
 
+from app.core.constants import PAUSED_BY_OPERATOR
 from app.core.errors import ConfigurationError
 from ops.options import (
     err_console,
@@ -191,14 +192,11 @@ def _targets(server: tuple[str, ...], all_servers: bool) -> list[str]:
 @handle_errors
 def pause_cmd(server: tuple[str, ...], all_servers: bool, reason: str) -> None:
     """Stop the workers of these servers from taking work; the watchdog never lifts this."""
-    from app.ledger import registry
     from workers.control.pausing import CeleryControl, pause_server
 
     db = open_db()
     for name in _targets(server, all_servers):
-        changed = pause_server(
-            db, CeleryControl(), name, by=registry.PAUSED_BY_OPERATOR, reason=reason
-        )
+        changed = pause_server(db, CeleryControl(), name, by=PAUSED_BY_OPERATOR, reason=reason)
         err_console().print(f"{name}: {'paused' if changed else 'already paused'}")
 
 

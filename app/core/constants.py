@@ -5,7 +5,7 @@ Task names are explicit strings and never renamed: queued messages refer to them
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Final, Literal
 
 GENERATE_TASK = "tokenmill.generate"
 RECONCILE_TASK = "tokenmill.reconcile"
@@ -28,22 +28,71 @@ EXPORT_FORMATS: tuple[Literal["specforge", "conversations"], ...] = ("specforge"
 # the levels `--log-level` and TOKENMILL_LOG_LEVEL take (logging's own names)
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
-# events recorded in the ledger timeline
-EVENT_RUN_CREATED = "run_created"
-EVENT_ENQUEUED = "enqueued"
-EVENT_RECONCILED = "reconciled"
-EVENT_FINGERPRINT_PINNED = "fingerprint_pinned"
-EVENT_FINGERPRINT_MISMATCH = "fingerprint_mismatch"
+# Events recorded in the ledger timeline (`events.kind`). Each constant is Final, so its type is
+# its Literal and `record_event(kind: EventKind)` fails mypy on a kind that is not listed here.
+EVENT_RUN_CREATED: Final = "run_created"
+EVENT_ENQUEUED: Final = "enqueued"
+EVENT_RECONCILED: Final = "reconciled"
+EVENT_FINGERPRINT_PINNED: Final = "fingerprint_pinned"
+EVENT_FINGERPRINT_MISMATCH: Final = "fingerprint_mismatch"
 # a later turn cannot be templated: the run's tokenizer changed or cannot be loaded
-EVENT_TURNS_BLOCKED = "turns_blocked"
+EVENT_TURNS_BLOCKED: Final = "turns_blocked"
 # an enqueue stopped before its end (its render server stayed down); a rerun completes it
-EVENT_ENQUEUE_STOPPED = "enqueue_stopped"
+EVENT_ENQUEUE_STOPPED: Final = "enqueue_stopped"
 # a server re-rendered a sample of a run's stored prompts (the parity preflight)
-EVENT_PARITY = "parity"
+EVENT_PARITY: Final = "parity"
 # a server's weights changed in place (its weight_version or model path), and an
 # `update-weights` call on it
-EVENT_WEIGHTS_CHANGED = "weights_changed"
-EVENT_WEIGHTS_UPDATE = "weights_update"
+EVENT_WEIGHTS_CHANGED: Final = "weights_changed"
+EVENT_WEIGHTS_UPDATE: Final = "weights_update"
 # a server's served prompt ids were not the request's with each image placeholder repeated,
 # or it expanded an image of a run to another count than the run's other servers
-EVENT_IMAGE_DRIFT = "image_drift"
+EVENT_IMAGE_DRIFT: Final = "image_drift"
+# a finished, compacted run's rows moved to items_archive (app.ledger.archive)
+EVENT_ARCHIVED: Final = "archived"
+# a server's health state changed (the watchdog: healthy, suspect, down, recovering)
+EVENT_STATE: Final = "state"
+# a server's workers were paused or resumed (the durable flag and remote control)
+EVENT_PAUSED: Final = "paused"
+EVENT_RESUMED: Final = "resumed"
+# `tokenmill restart`: begun, the server back, or the restart failed
+EVENT_RESTART: Final = "restart"
+
+EventKind = Literal[
+    "run_created",
+    "enqueued",
+    "reconciled",
+    "fingerprint_pinned",
+    "fingerprint_mismatch",
+    "turns_blocked",
+    "enqueue_stopped",
+    "parity",
+    "weights_changed",
+    "weights_update",
+    "image_drift",
+    "archived",
+    "state",
+    "paused",
+    "resumed",
+    "restart",
+]
+
+# Who paused a server (`servers.paused_by`): an operator's pause is never lifted by the watchdog.
+PAUSED_BY_OPERATOR: Final = "operator"
+PAUSED_BY_WATCHDOG: Final = "watchdog"
+PAUSED_BY_FINGERPRINT: Final = "fingerprint"
+PAUSED_BY_RESTART: Final = "restart"
+# its rendering of a `--require-parity` run's prompts differs from the stored ones
+PAUSED_BY_PARITY: Final = "parity"
+# its weights changed under the runs it served (an in-place update), or `update-weights`
+PAUSED_BY_WEIGHTS: Final = "weights"
+# `tokenmill update-weights` at work (the watchdog leaves it to the command)
+PAUSED_BY_UPDATE: Final = "update"
+# token drift on image items: the served prompt ids were not the request's with each image's
+# placeholder repeated, or an image expanded to another count than on the run's other
+# servers; the operator's to lift (`tokenmill resume`) once the server is fixed
+PAUSED_BY_IMAGES: Final = "images"
+
+PauseReason = Literal[
+    "operator", "watchdog", "fingerprint", "restart", "parity", "weights", "update", "images"
+]

@@ -22,6 +22,7 @@ from typing import Any
 from sqlalchemy import Connection, Engine, delete, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 
+from app.core.constants import EVENT_ARCHIVED
 from app.core.errors import ArchiveRefused
 from app.core.locks import exclusive
 from app.core.models import UNFINISHED, ItemStatus
@@ -33,7 +34,6 @@ from app.ledger.run_queries import RunInfo
 
 log = logging.getLogger(__name__)
 
-EVENT_ARCHIVED = "archived"
 PAGE_ITEMS = 5000
 # the compaction lock of the run: an archive never runs beside a compaction of the same run
 LOCK_TTL_S = 3600.0

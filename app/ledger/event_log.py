@@ -7,12 +7,13 @@ from typing import Any
 
 from sqlalchemy import Connection, insert, select
 
+from app.core.constants import EventKind
 from app.ledger.common import events, utcnow
 
 
 def record_event(
     conn: Connection,
-    kind: str,
+    kind: EventKind,
     message: str,
     *,
     run_id: int | None = None,
@@ -26,7 +27,7 @@ def record_event(
     )
 
 
-def has_event(conn: Connection, kind: str, *, run_id: int, server: str) -> bool:
+def has_event(conn: Connection, kind: EventKind, *, run_id: int, server: str) -> bool:
     """Whether an event of this kind was recorded for this run and server."""
     stmt = select(events.c.id).where(
         events.c.kind == kind, events.c.run_id == run_id, events.c.server == server

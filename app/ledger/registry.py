@@ -12,7 +12,7 @@ from typing import Any
 
 from sqlalchemy import Connection, func, insert, select, update
 
-from app.core.constants import EVENT_ENQUEUE_STOPPED, EVENT_ENQUEUED
+from app.core.constants import EVENT_ENQUEUE_STOPPED, EVENT_ENQUEUED, PauseReason
 from app.core.errors import NotFound
 from app.core.models import ItemStatus
 from app.ledger.claims import run_has_items
@@ -20,22 +20,6 @@ from app.ledger.common import as_utc, events, items, runs, servers, utcnow
 from app.ledger.database import pin_index_plans
 
 MAX_WORKERS_LISTED = 32
-
-# who paused a server: an operator's pause is never lifted by the watchdog
-PAUSED_BY_OPERATOR = "operator"
-PAUSED_BY_WATCHDOG = "watchdog"
-PAUSED_BY_FINGERPRINT = "fingerprint"
-PAUSED_BY_RESTART = "restart"
-# its rendering of a `--require-parity` run's prompts differs from the stored ones
-PAUSED_BY_PARITY = "parity"
-# its weights changed under the runs it served (an in-place update), or `update-weights`
-PAUSED_BY_WEIGHTS = "weights"
-# `tokenmill update-weights` at work (the watchdog leaves it to the command)
-PAUSED_BY_UPDATE = "update"
-# token drift on image items: the served prompt ids were not the request's with each image's
-# placeholder repeated, or an image expanded to another count than on the run's other
-# servers; the operator's to lift (`tokenmill resume`) once the server is fixed
-PAUSED_BY_IMAGES = "images"
 
 
 @dataclass(frozen=True)
@@ -45,7 +29,7 @@ class ServerInfo:
     state: str
     state_since: datetime | None
     paused: bool
-    paused_by: str | None
+    paused_by: PauseReason | None
     pause_reason: str | None
     consecutive_failures: int
     consecutive_successes: int
@@ -215,7 +199,7 @@ def remove_worker(conn: Connection, name: str, worker: str) -> None:
 
 
 def set_paused(
-    conn: Connection, name: str, paused: bool, *, by: str | None, reason: str | None
+    conn: Connection, name: str, paused: bool, *, by: PauseReason | None, reason: str | None
 ) -> bool:
     """Set the durable pause flag; return True when it changed."""
     before = get_server(conn, name)

@@ -79,6 +79,7 @@ class ReportResult:
 
 def build_report(db: Engine, run_name: str, out_dir: Path) -> ReportResult:
     """Stream the run's finished items once, draw the figures, write out_dir/index.html."""
+    from app.core.constants import EVENT_PAUSED, EVENT_RESUMED
     from app.ledger import common, reads, run_queries
     from app.ledger.dashboard_queries import (
         failure_reasons,
@@ -89,7 +90,6 @@ def build_report(db: Engine, run_name: str, out_dir: Path) -> ReportResult:
     from app.outputs.report_stats import accumulate, pause_periods
     from ops.views import report_plots  # matplotlib loads only when a report is made
     from ops.views.report_accept import acceptance_report_for, acceptance_section, draw_acceptance
-    from workers.control.pausing import EVENT_PAUSED, EVENT_RESUMED
 
     with db.connect() as conn:
         run = run_queries.get_run(conn, run_name)

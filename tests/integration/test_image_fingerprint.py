@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import Engine
 
+from app.core.constants import PAUSED_BY_IMAGES
 from app.core.contracts import SamplingParams, ServerFingerprint
 from app.core.settings import Settings
 from app.ledger import queue, registry, run_queries
@@ -89,7 +90,7 @@ def test_a_restart_with_another_image_setting_stays_paused_naming_it(
 def test_a_token_drift_pause_is_the_operators_to_lift(fleet: tuple[Engine, Settings]) -> None:
     db, settings = fleet
     control = NoControl()
-    pause_server(db, control, "gpu-a", by=registry.PAUSED_BY_IMAGES, reason="token drift: ...")
+    pause_server(db, control, "gpu-a", by=PAUSED_BY_IMAGES, reason="token drift: ...")
     prober = ScriptedProber()
     prober.ok = False
     for _ in range(3):  # down and back: a restart does not lift it either

@@ -20,7 +20,7 @@ import pytest
 from PIL import Image
 from sqlalchemy import Engine, select, update
 
-from app.core.constants import EVENT_IMAGE_DRIFT
+from app.core.constants import EVENT_IMAGE_DRIFT, PAUSED_BY_IMAGES
 from app.core.contracts import GenerateResult, ServerFingerprint
 from app.core.errors import ConfigurationError
 from app.core.images import FAMILIES, ImagePins, ImageRef, expand_placeholders
@@ -369,7 +369,7 @@ def test_a_retokenized_prompt_is_drift_nothing_written_and_the_server_paused(
     with db.connect() as conn:
         server = registry.get_server(conn, "gpu-a")
         events = [e for e in registry.list_events(conn) if e.kind == EVENT_IMAGE_DRIFT]
-    assert server.paused and server.paused_by == registry.PAUSED_BY_IMAGES
+    assert server.paused and server.paused_by == PAUSED_BY_IMAGES
     assert "request position 0 (id 1)" in (server.pause_reason or "")
     assert len(events) == 1 and f"item {item}" in events[0].message
     assert rt.paused()

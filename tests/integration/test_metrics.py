@@ -18,7 +18,7 @@ from celery import Celery
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import Engine
 
-from app.core.constants import GENERATE_TASK, WORK_QUEUE
+from app.core.constants import GENERATE_TASK, PAUSED_BY_WATCHDOG, WORK_QUEUE
 from app.core.contracts import GenerateResult, SamplingParams
 from app.core.errors import ConfigurationError
 from app.core.settings import Settings
@@ -159,7 +159,7 @@ def build_fleet(engine: Engine) -> Engine:
             latency_s=None,
             error="connection refused",
         )
-        registry.set_paused(conn, "gpu-b", True, by=registry.PAUSED_BY_WATCHDOG, reason="down")
+        registry.set_paused(conn, "gpu-b", True, by=PAUSED_BY_WATCHDOG, reason="down")
     r1 = make_run(engine, "r1", 3)  # 6 items
     r2 = make_run(engine, "r2", 2)  # 4 items
     with engine.begin() as conn:

@@ -17,7 +17,7 @@ import pytest
 from click.testing import CliRunner
 from sqlalchemy import Engine, func, select
 
-from app.core.constants import EVENT_ENQUEUE_STOPPED, EVENT_PARITY
+from app.core.constants import EVENT_ENQUEUE_STOPPED, EVENT_PARITY, PAUSED_BY_PARITY
 from app.core.contracts import SamplingParams
 from app.core.errors import RetryableError, RunMismatch
 from app.core.settings import Settings, get_settings
@@ -403,7 +403,7 @@ def test_the_watchdog_preflight_records_parity_and_pauses_when_required(
     assert not same_info.paused
     assert off_info.paused is require_parity
     if require_parity:
-        assert off_info.paused_by == registry.PAUSED_BY_PARITY
+        assert off_info.paused_by == PAUSED_BY_PARITY
         assert "pre" in (off_info.pause_reason or "")
 
     # servers and status name the differing server

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from sqlalchemy import Engine
 
+from app.core.constants import PAUSED_BY_FINGERPRINT
 from app.core.contracts import SamplingParams
 from app.core.settings import Settings
 from app.ledger import queue, registry, run_queries
@@ -63,6 +64,6 @@ def test_another_draft_keeps_the_server_paused(pg_engine: Engine, tmp_path: Path
             run_watchdog(db, settings, NoControl(), HttpProber(settings))
     with db.connect() as conn:
         gpu = registry.get_server(conn, "gpu-a")
-    assert gpu.paused and gpu.paused_by == registry.PAUSED_BY_FINGERPRINT
+    assert gpu.paused and gpu.paused_by == PAUSED_BY_FINGERPRINT
     assert "'draft_model_path': '/drafts/a'" in (gpu.pause_reason or "")
     assert "'draft_model_path': '/drafts/b'" in (gpu.pause_reason or "")

@@ -11,13 +11,18 @@ from typing import Protocol
 
 from sqlalchemy import Engine
 
-from app.core.constants import WORK_QUEUE
+from app.core.constants import (
+    EVENT_PAUSED,
+    EVENT_RESUMED,
+    PAUSED_BY_OPERATOR,
+    PAUSED_BY_RESTART,
+    WORK_QUEUE,
+    EventKind,
+    PauseReason,
+)
 from app.ledger import event_log, registry
 
 log = logging.getLogger(__name__)
-
-EVENT_PAUSED = "paused"
-EVENT_RESUMED = "resumed"
 
 
 class WorkerControl(Protocol):
@@ -48,10 +53,10 @@ class CeleryControl:
 
 
 def set_server_paused(
-    db: Engine, control: WorkerControl, name: str, paused: bool, *, by: str, reason: str
+    db: Engine, control: WorkerControl, name: str, paused: bool, *, by: PauseReason, reason: str
 ) -> bool:
     """Pause (or resume) a server's workers; return True if the flag changed."""
-    kind = EVENT_PAUSED if paused else EVENT_RESUMED
+    kind: EventKind = EVENT_PAUSED if paused else EVENT_RESUMED
     with db.begin() as conn:
         changed = registry.set_paused(
             conn, name, paused, by=by if paused else None, reason=reason if paused else None
@@ -72,15 +77,19 @@ def set_server_paused(
     if changed:
         # what the watchdog, a parity or a fingerprint check decides is news in a worker's log;
         # an operator's pause or resume, and a restart's, are printed by their own command
-        asked = by in (registry.PAUSED_BY_OPERATOR, registry.PAUSED_BY_RESTART)
+        asked = by in (PAUSED_BY_OPERATOR, PAUSED_BY_RESTART)
         level = logging.WARNING if paused and not asked else logging.INFO
         log.log(level, "server %s %s by %s: %s", name, kind, by, reason)
     return changed
 
 
-def pause_server(db: Engine, control: WorkerControl, name: str, *, by: str, reason: str) -> bool:
+def pause_server(
+    db: Engine, control: WorkerControl, name: str, *, by: PauseReason, reason: str
+) -> bool:
     return set_server_paused(db, control, name, True, by=by, reason=reason)
 
 
-def resume_server(db: Engine, control: WorkerControl, name: str, *, by: str, reason: str) -> bool:
+def resume_server(
+    db: Engine, control: WorkerControl, name: str, *, by: PauseReason, reason: str
+) -> bool:
     return set_server_paused(db, control, name, False, by=by, reason=reason)

@@ -17,15 +17,15 @@ from urllib.parse import urlsplit
 
 from sqlalchemy import Engine
 
+from app.core.constants import EVENT_RESTART, PAUSED_BY_RESTART
 from app.core.errors import ConfigurationError, GenerationError
 from app.core.settings import Settings
 from app.ledger import event_log, registry
-from app.ledger.registry import PAUSED_BY_RESTART, ServerInfo
+from app.ledger.registry import ServerInfo
 from workers.control.pausing import WorkerControl, pause_server, resume_server
 from workers.control.watchdog import HttpProber, Prober, fingerprint_conflicts
 
 PLACEHOLDERS = frozenset({"name", "url", "host", "port"})
-EVENT_RESTART = "restart"
 
 
 def parse_command(text: str) -> list[str]:
@@ -188,7 +188,7 @@ def restart_server(
         pause_server(db, control, name, by=was_paused_by, reason="paused before the restart")
         message = f"{name} restarted in {elapsed:.0f}s; still paused as before ({was_paused_by})"
     else:
-        resume_server(db, control, name, by="restart", reason=f"ready after {elapsed:.0f}s")
+        resume_server(db, control, name, by=PAUSED_BY_RESTART, reason=f"ready after {elapsed:.0f}s")
         message = f"{name} restarted and resumed after {elapsed:.0f}s"
     with db.begin() as conn:
         event_log.record_event(conn, EVENT_RESTART, message, server=name)

@@ -14,19 +14,20 @@ from typing import Any, Protocol
 
 from sqlalchemy import Engine
 
-from app.core.constants import EVENT_FINGERPRINT_MISMATCH
+from app.core.constants import (
+    EVENT_FINGERPRINT_MISMATCH,
+    EVENT_STATE,
+    PAUSED_BY_FINGERPRINT,
+    PAUSED_BY_PARITY,
+    PAUSED_BY_WATCHDOG,
+    PAUSED_BY_WEIGHTS,
+)
 from app.core.contracts import ServerFingerprint
 from app.core.errors import GenerationError
 from app.core.settings import Settings
 from app.ledger import common, event_log, registry
 from app.ledger.database import limit_periodic
-from app.ledger.registry import (
-    PAUSED_BY_FINGERPRINT,
-    PAUSED_BY_PARITY,
-    PAUSED_BY_WATCHDOG,
-    PAUSED_BY_WEIGHTS,
-    ServerInfo,
-)
+from app.ledger.registry import ServerInfo
 from app.sglang.client import SGLangClient
 from workers.control.health import Health, Thresholds, Verdict, step
 from workers.control.parity import ParityGate
@@ -35,8 +36,6 @@ from workers.control.weights import judge, note_weights
 from workers.engine.runtime import client_for
 
 log = logging.getLogger(__name__)
-
-EVENT_STATE = "state"
 
 
 @dataclass(frozen=True)

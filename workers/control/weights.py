@@ -12,12 +12,11 @@ from dataclasses import dataclass, field
 
 from sqlalchemy import Engine
 
-from app.core.constants import EVENT_WEIGHTS_CHANGED
+from app.core.constants import EVENT_WEIGHTS_CHANGED, PAUSED_BY_WEIGHTS
 from app.core.contracts import ServerFingerprint
 from app.core.errors import NotFound
 from app.ledger import event_log, registry
 from app.ledger.database import limit_periodic
-from app.ledger.registry import PAUSED_BY_WEIGHTS
 from workers.control.pausing import WorkerControl, pause_server
 
 log = logging.getLogger(__name__)

@@ -14,11 +14,15 @@ from dataclasses import dataclass
 
 from sqlalchemy import Engine
 
-from app.core.constants import EVENT_WEIGHTS_UPDATE
+from app.core.constants import (
+    EVENT_WEIGHTS_UPDATE,
+    PAUSED_BY_UPDATE,
+    PAUSED_BY_WEIGHTS,
+    PauseReason,
+)
 from app.core.errors import GenerationError
 from app.core.settings import Settings
 from app.ledger import event_log, registry
-from app.ledger.registry import PAUSED_BY_UPDATE, PAUSED_BY_WEIGHTS
 from workers.control.pausing import WorkerControl, pause_server, resume_server
 from workers.control.weights import RunsVerdict, judge
 from workers.engine.runtime import client_for
@@ -105,7 +109,7 @@ def _finish(
     name: str,
     version: str | None,
     verdict: RunsVerdict,
-    earlier_pause: str | None,
+    earlier_pause: PauseReason | None,
 ) -> UpdateResult:
     taking = ", ".join(verdict.accepting) or "none"
     message = f"{name} serves weight_version {version}; runs that take it: {taking}"
@@ -123,7 +127,7 @@ def _finish(
         message += "; it stays paused until a run takes these weights"
     else:
         resumed = resume_server(
-            db, control, name, by="update-weights", reason=f"weight_version {version} loaded"
+            db, control, name, by=PAUSED_BY_UPDATE, reason=f"weight_version {version} loaded"
         )
         message += "; resumed"
     _event(db, name, message)

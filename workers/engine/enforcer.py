@@ -11,7 +11,7 @@ import logging
 import threading
 from collections.abc import Callable
 
-from app.ledger.registry import PAUSED_BY_WATCHDOG
+from app.core.constants import PAUSED_BY_WATCHDOG
 from workers.control.pausing import WorkerControl
 from workers.engine.runtime import WorkerRuntime
 

@@ -22,6 +22,7 @@ from app.core.constants import (
     EVENT_FINGERPRINT_MISMATCH,
     EVENT_FINGERPRINT_PINNED,
     EVENT_IMAGE_DRIFT,
+    PAUSED_BY_IMAGES,
 )
 from app.core.contracts import GenerateResult, SamplingParams, ServerFingerprint
 from app.core.errors import GenerationError
@@ -30,7 +31,6 @@ from app.core.settings import Settings
 from app.ledger import claims, event_log, registry, run_queries
 from app.ledger.database import limit_periodic
 from app.ledger.image_tokens import pin_image_settings
-from app.ledger.registry import PAUSED_BY_IMAGES
 from app.sglang.client import SGLangClient
 from app.storage.image_store import image_location
 from workers.control.pausing import CeleryControl, pause_server
