@@ -10,7 +10,6 @@ import fcntl
 import logging
 import os
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
@@ -19,12 +18,6 @@ from app.core.constants import REDIS_PREFIX
 from app.core.settings import Settings
 
 log = logging.getLogger(__name__)
-
-_RELEASE = """
-if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end
-return 0
-"""
-
 
 @contextlib.contextmanager
 def exclusive(settings: Settings, name: str, ttl_s: float) -> Iterator[bool]:
@@ -43,14 +36,17 @@ def _redis_lock(url: str, name: str, ttl_s: float) -> Iterator[bool]:
     import redis
 
     client = redis.Redis.from_url(url, socket_timeout=10, socket_connect_timeout=5)
-    key, token = f"{REDIS_PREFIX}lock:{name}", uuid.uuid4().hex
+    # redis-py's Lock: SET NX PX with a random token, released only by its holder (a script
+    # compares the token), so a lock that expired and was taken by another is never deleted
+    lock = client.lock(f"{REDIS_PREFIX}lock:{name}", timeout=ttl_s, blocking=False)
     try:
-        held = bool(client.set(key, token, nx=True, px=int(ttl_s * 1000)))
+        held = lock.acquire()
         try:
             yield held
         finally:
             if held:
-                client.eval(_RELEASE, 1, key, token)
+                with contextlib.suppress(redis.exceptions.LockError):  # expired meanwhile
+                    lock.release()
     finally:
         client.close()
 

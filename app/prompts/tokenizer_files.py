@@ -72,9 +72,6 @@ def manifest_hash(files: Mapping[str, str]) -> str:
     return digest.hexdigest()
 
 
-def tokenizer_files_hash(folder: Path) -> str:
-    """The hash a run pins for the tokenizer folder: every file but weights (see above)."""
-    return manifest_hash(tokenizer_files_manifest(folder))
 
 
 def legacy_tokenizer_files_hash(folder: Path) -> str:

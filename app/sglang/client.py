@@ -362,12 +362,6 @@ class SGLangClient:
             images=image_settings(server) if model.get("has_image_understanding") is True else None,
         )
 
-    def log_version(self) -> str | None:
-        """Fetch `/server_info` and return its version, logged at INFO once per client."""
-        server = self.server_info()
-        self._log_version(server)
-        return _opt_str(server.get("version"))
-
     def _log_version(self, server: Mapping[str, Any]) -> None:
         if not self._version_logged:
             logger.info("sglang server %s runs version %s", self.base_url, server.get("version"))

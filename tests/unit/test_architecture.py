@@ -168,6 +168,78 @@ def test_only_settings_reads_the_environment() -> None:
     assert readers == []
 
 
+def exception_classes() -> list[type[BaseException]]:
+    """Every exception class defined in the product and the emulator, imported."""
+    import importlib
+
+    found: list[type[BaseException]] = []
+    for name, path in modules().items():
+        defined = {
+            node.name
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.ClassDef)
+        }
+        if not defined:
+            continue
+        module = importlib.import_module(name)
+        for cls_name in sorted(defined):
+            cls = getattr(module, cls_name, None)
+            if isinstance(cls, type) and issubclass(cls, BaseException):
+                found.append(cls)
+    return found
+
+
+def test_every_exception_has_the_one_root() -> None:
+    """`except TokenmillError` catches every error of tokenmill (style.md, rule 5)."""
+    from app.core.errors import TokenmillError
+
+    classes = exception_classes()
+    assert len(classes) > 20  # the walk found the tree, not nothing
+    wrong = [
+        f"{c.__module__}.{c.__qualname__}" for c in classes if not issubclass(c, TokenmillError)
+    ]
+    assert wrong == []
+
+
+def string_constants(path: Path, prefixes: tuple[str, ...]) -> dict[str, str]:
+    """Module-level NAME = "text" (or NAME: Final = "text") whose name starts with a prefix."""
+    found: dict[str, str] = {}
+    for node in ast.parse(path.read_text()).body:
+        target = node.targets[0] if isinstance(node, ast.Assign) else getattr(node, "target", None)
+        value = getattr(node, "value", None)
+        if (
+            isinstance(target, ast.Name)
+            and target.id.startswith(prefixes)
+            and isinstance(value, ast.Constant)
+            and isinstance(value.value, str)
+        ):
+            found[target.id] = value.value
+    return found
+
+
+def test_event_kinds_and_pause_reasons_live_in_constants() -> None:
+    """Every event kind and pause reason is one constant of app.core.constants, and the Literal
+    types that record_event and the pause calls take list exactly those."""
+    from typing import get_args
+
+    from app.core import constants
+
+    prefixes = ("EVENT_", "PAUSED_BY_")
+    elsewhere = [
+        f"{name}.{constant}"
+        for name, path in modules().items()
+        if name != "app.core.constants"
+        for constant in string_constants(path, prefixes)
+    ]
+    assert elsewhere == []
+    own = string_constants(ROOT / "app/core/constants.py", prefixes)
+    events = {v for k, v in own.items() if k.startswith("EVENT_")}
+    reasons = {v for k, v in own.items() if k.startswith("PAUSED_BY_")}
+    assert len(events) == len([k for k in own if k.startswith("EVENT_")]), "two kinds, one text"
+    assert set(get_args(constants.EventKind)) == events
+    assert set(get_args(constants.PauseReason)) == reasons
+
+
 def test_no_package_re_exports_names() -> None:
     """A package's __init__ is its docstring: callers import the module that owns a name (a
     façade is one more way to reach it). `app` alone resolves `celery -A app`'s app lazily."""
