@@ -19,6 +19,7 @@ from app.core.settings import Settings
 
 log = logging.getLogger(__name__)
 
+
 @contextlib.contextmanager
 def exclusive(settings: Settings, name: str, ttl_s: float) -> Iterator[bool]:
     """Yield True if this process holds the lock `name` (expiring after ttl_s), else False."""

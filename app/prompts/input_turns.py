@@ -34,8 +34,6 @@ class BadRow(TokenmillError):
     """A reason a line cannot be used (turned into an InputError with its line number)."""
 
 
-
-
 @dataclass(frozen=True)
 class BadTurn:
     """The first turn of a row that cannot be used: its position and why."""

@@ -72,8 +72,6 @@ def manifest_hash(files: Mapping[str, str]) -> str:
     return digest.hexdigest()
 
 
-
-
 def legacy_tokenizer_files_hash(folder: Path) -> str:
     """The hash of runs created before the manifest: the named tokenizer files only."""
     files = {
