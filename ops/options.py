@@ -95,53 +95,20 @@ log_format_option = setting_option(
 )
 
 
-TEXT_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-
-
 _log_format_option: list[str] = []  # --log-format, when given
 
 
 def setup_logging(level: str, log_format: str | None = None) -> None:
-    """Log to stderr at level, as text or JSON lines (None: TOKENMILL_LOG_FORMAT)."""
+    """Log to stderr at level, as text or JSON lines (None: TOKENMILL_LOG_FORMAT, read at the
+    first record), through app.core.logs' one configuration."""
+    from app.core import logs
+
     _log_format_option[:] = [log_format] if log_format else []
-    handler = logging.StreamHandler(sys.stderr)
     if log_format is None:
-        # decided at the first record or warning: reading the settings loads pydantic, which
-        # `--help` and commands that never log need not pay for
-        handler.setFormatter(_ConfiguredFormatter())
         _capture_warnings_if_json()
     elif log_format.lower() == "json":
-        handler.setFormatter(_formatter("json"))
         logging.captureWarnings(True)  # a bare warning line would break a JSON-lines reader
-    else:
-        handler.setFormatter(_formatter("text"))
-    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), handlers=[handler])
-    for noisy in ("httpx", "httpcore", "alembic.runtime.migration"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-    from app.core.logs import quiet_transformers  # transformers itself loads lazily
-
-    quiet_transformers()
-
-
-def _formatter(log_format: str) -> logging.Formatter:
-    if log_format.lower() == "json":
-        from app.core.logs import JsonFormatter
-
-        return JsonFormatter()
-    return logging.Formatter(TEXT_LOG_FORMAT)
-
-
-class _ConfiguredFormatter(logging.Formatter):
-    """Text or JSON lines as TOKENMILL_LOG_FORMAT says, chosen at the first record."""
-
-    def __init__(self) -> None:
-        super().__init__(TEXT_LOG_FORMAT)
-        self._chosen: logging.Formatter | None = None
-
-    def format(self, record: logging.LogRecord) -> str:
-        if self._chosen is None:
-            self._chosen = _formatter(_configured_log_format())
-        return self._chosen.format(record)
+    logs.apply(logs.log_config(level, log_format or _configured_log_format))
 
 
 def _capture_warnings_if_json() -> None:

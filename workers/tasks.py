@@ -14,15 +14,15 @@ from typing import Any
 
 from celery.app import trace
 from celery.signals import (
-    after_setup_logger,
-    after_setup_task_logger,
     celeryd_init,
+    setup_logging,
     worker_ready,
     worker_shutdown,
 )
 from celery.utils.nodenames import default_nodename
 
 from app.celery_app import celery_app
+from app.core import logs
 from app.core.constants import (
     COMPACT_TASK,
     GENERATE_TASK,
@@ -31,7 +31,6 @@ from app.core.constants import (
     WORK_QUEUE,
 )
 from app.core.locks import exclusive
-from app.core.logs import JsonFormatter, quiet_transformers, use_json
 from app.core.settings import Settings, get_settings
 from app.ledger import registry
 from app.ledger.database import get_engine
@@ -87,6 +86,27 @@ def _alive_workers(names: list[str]) -> set[str]:
     return {name for reply in replies for name in reply}
 
 
+def _configure_logging(loglevel: Any, logfile: str | None) -> None:
+    """The CLI's one logging configuration, at the worker's --loglevel, to its --logfile if
+    given, as TOKENMILL_LOG_FORMAT says."""
+    log_format = get_settings().log_format
+    if log_format == "json":
+        logging.captureWarnings(True)  # a bare warning line would break a JSON-lines reader
+    logs.apply(logs.log_config(loglevel or logging.WARNING, log_format, logfile))
+
+
+@celeryd_init.connect
+def _early_logging(options: dict[str, Any] | None = None, **_: Any) -> None:
+    # the worker logs and warns (its identity, running as root) before its setup_logging
+    _configure_logging((options or {}).get("loglevel"), (options or {}).get("logfile"))
+
+
+@setup_logging.connect
+def _setup_logging(loglevel: Any = None, logfile: str | None = None, **_: Any) -> None:
+    # Celery leaves logging to the receiver of this signal
+    _configure_logging(loglevel, logfile)
+
+
 @celeryd_init.connect
 def _claim_identity(sender: str | None = None, instance: Any = None, **_: Any) -> None:
     """Name this worker by the rule unless `-n` named it, and refuse it (exit 2, one line)
@@ -106,42 +126,6 @@ def _claim_identity(sender: str | None = None, instance: Any = None, **_: Any) -
     except Exception as exc:  # the ledger is down: registered at worker_ready instead
         log.warning("could not register server %s at start (%s)", mine.server_name, exc)
     _identity = mine
-
-
-@after_setup_logger.connect
-def _quiet_http_logs(**_: Any) -> None:
-    # one line per request at INFO would drown the state changes the log is for
-    for name in ("httpx", "httpcore"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-    quiet_transformers()
-
-
-_EARLY_WARNINGS = "tokenmill-early-warnings"
-
-
-@celeryd_init.connect
-def _json_early_warnings(**_: Any) -> None:
-    # the worker warns (e.g. about running as root) before its logging exists: JSON those too
-    if get_settings().log_format == "json":
-        logging.captureWarnings(True)
-        handler = logging.StreamHandler(sys.stderr)
-        handler.set_name(_EARLY_WARNINGS)
-        handler.setFormatter(JsonFormatter())
-        logging.getLogger("py.warnings").addHandler(handler)
-
-
-@after_setup_logger.connect
-@after_setup_task_logger.connect
-def _json_logs(logger: logging.Logger | None = None, **_: Any) -> None:
-    # TOKENMILL_LOG_FORMAT=json: log shippers read one JSON object per line
-    if logger is None or get_settings().log_format != "json":
-        return
-    use_json(logger.handlers)
-    logging.captureWarnings(True)
-    warnings_logger = logging.getLogger("py.warnings")
-    for handler in warnings_logger.handlers[:]:
-        if handler.name == _EARLY_WARNINGS:  # from now on warnings reach Celery's handlers
-            warnings_logger.removeHandler(handler)
 
 
 def _consumes(consumer: Any) -> bool | None:
