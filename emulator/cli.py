@@ -5,13 +5,13 @@
 
 from __future__ import annotations
 
-import logging
 import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import click
 
+from app.core import logs
 from app.core.network import is_loopback
 from emulator.config import (
     DEFAULT_MODEL_PATH,
@@ -337,11 +337,7 @@ def emulator(sglang_version: str, log_level: str, **flags: Any) -> None:
             f"refusing to listen on {cfg.host!r} without an API key: pass --api-key "
             "(or TOKENMILL_EMULATOR_API_KEY), or listen on 127.0.0.1"
         )
-    logging.basicConfig(
-        level=log_level.upper(),
-        format="[%(asctime)s] %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    logs.apply(logs.log_config(log_level, "text"))  # tokenmill's one logging configuration
     from emulator.server import run  # aiohttp only once the command really runs
 
     sys.exit(run(cfg))
