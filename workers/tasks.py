@@ -124,7 +124,12 @@ def _claim_identity(sender: str | None = None, instance: Any = None, **_: Any) -
         sys.stderr.write(f"error: {exc}\n")
         raise SystemExit(2) from None
     except Exception as exc:  # the ledger is down: registered at worker_ready instead
-        log.warning("could not register server %s at start (%s)", mine.server_name, exc)
+        log.warning(
+            "could not register server %s at start (%s)",
+            mine.server_name,
+            exc,
+            extra={"action": "register_failed"},
+        )
     _identity = mine
 
 
@@ -157,6 +162,7 @@ def _on_worker_ready(sender: Any = None, **_: Any) -> None:
         rt.server_url,
         "" if registered == rt.server_url else f"; registered at {registered}",
         rt.window.config.inflight,
+        extra={"action": "worker_started"},
     )
 
 
@@ -201,7 +207,10 @@ def watchdog() -> dict[str, str]:
     settings = get_settings()
     with exclusive(settings, "watchdog", ttl_s=settings.probe_timeout_s * 2 + 30) as held:
         if not held:
-            log.info("another watchdog round is still running; skipping this one")
+            log.info(
+                "another watchdog round is still running; skipping this one",
+                extra={"action": "watchdog_skipped"},
+            )
             return {}
         return run_watchdog(
             get_engine(settings), settings, CeleryControl(), parity=ParityGate(settings)

@@ -251,7 +251,7 @@ def _warn_unknown_env() -> None:
         return
     _env_checked = True
     for line in unknown_env_names(os.environ):
-        log.warning("%s", line)
+        log.warning("%s", line, extra={"action": "unknown_setting"})
 
 
 @functools.cache

@@ -147,7 +147,13 @@ def archive_run(db: Engine, settings: Settings, run: RunInfo) -> ArchiveReport:
                 run_id=run.id,
                 details=report.to_json(),
             )
-    log.info("archived run %s: %d copied, %d deleted", run.name, report.copied, report.deleted)
+    log.info(
+        "archived run %s: %d copied, %d deleted",
+        run.name,
+        report.copied,
+        report.deleted,
+        extra={"action": "archived"},
+    )
     return report
 
 

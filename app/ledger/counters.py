@@ -305,6 +305,7 @@ def repair(conn: Connection, run_id: int | None = None) -> None:
     log.info(
         "item counters of %s replaced by a full count",
         "every run" if run_id is None else f"run {run_id}",
+        extra={"action": "counters_recounted"},
     )
 
 

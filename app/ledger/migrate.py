@@ -62,7 +62,7 @@ def upgrade(engine: Engine, revision: str = "head") -> None:
     with engine.begin() as conn:
         config.attributes["connection"] = conn
         command.upgrade(config, revision)
-    log.info("database upgraded to %s", revision)
+    log.info("database upgraded to %s", revision, extra={"action": "upgraded"})
 
 
 def check_current(engine: Engine) -> None:

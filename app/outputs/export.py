@@ -342,7 +342,14 @@ def export_run(
     if selection is not None or with_images:
         _write_manifest(run, fmt, files, selection, images.manifest() if with_images else None)
     report.images = len(images.copied)
-    log.info("exported %d %s rows of run %s to %s", report.rows, fmt, run.name, out)
+    log.info(
+        "exported %d %s rows of run %s to %s",
+        report.rows,
+        fmt,
+        run.name,
+        out,
+        extra={"action": "exported"},
+    )
     return report
 
 

@@ -247,6 +247,7 @@ def export_parquet(
         loc.url,
         len(report.shards),
         len(stale),
+        extra={"action": "exported"},
     )
     return report
 

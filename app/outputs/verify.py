@@ -242,6 +242,7 @@ def verify_run(
         run.name,
         report.items,
         {name: tally.mismatches for name, tally in report.checks.items()},
+        extra={"action": "verified"},
     )
     return report
 

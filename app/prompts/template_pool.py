@@ -96,6 +96,7 @@ class Templater:
             "templating in %d processes (slow tokenizer %s)",
             self._processes,
             self._tokenizer.path,
+            extra={"action": "template_pool_started"},
         )
         self._pool = ProcessPoolExecutor(
             max_workers=self._processes,

@@ -126,6 +126,7 @@ def load_tokenizer(
         chat.tokenizer_hash[:12],
         chat.chat_template_hash[:12],
         "fast" if chat.is_fast else "slow: templated in parallel processes",
+        extra={"action": "tokenizer_loaded"},
     )
     return chat
 

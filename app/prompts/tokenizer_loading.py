@@ -92,7 +92,13 @@ def _declared_class(folder: Path, kwargs: dict[str, Any]) -> Any:
     try:
         return cls.from_pretrained(str(folder), **kwargs)
     except (OSError, ValueError, TypeError, ImportError) as exc:
-        logger.warning("loading %s as its declared %s failed: %s", folder, name, exc)
+        logger.warning(
+            "loading %s as its declared %s failed: %s",
+            folder,
+            name,
+            exc,
+            extra={"action": "tokenizer_fallback"},
+        )
         return None
 
 
@@ -123,6 +129,7 @@ def restore_declared_components(tokenizer: Any, folder: Path) -> None:
             folder,
             loaded,
             declared,
+            extra={"action": "pre_tokenizer_restored"},
         )
         backend.pre_tokenizer = raw.pre_tokenizer
         backend.decoder = raw.decoder

@@ -271,11 +271,23 @@ class SGLangClient:
                 "POST", "/abort_request", timeout=self._info_timeout, json={"rid": rid}
             )
         except GenerationError as exc:
-            logger.warning("abort of rid %s at %s failed: %s", rid, self.base_url, exc)
+            logger.warning(
+                "abort of rid %s at %s failed: %s",
+                rid,
+                self.base_url,
+                exc,
+                extra={"action": "abort_failed"},
+            )
             return False
         if response.status_code != 200:
             error = map_http_error(response.status_code, response.content)
-            logger.warning("abort of rid %s at %s refused: %s", rid, self.base_url, error)
+            logger.warning(
+                "abort of rid %s at %s refused: %s",
+                rid,
+                self.base_url,
+                error,
+                extra={"action": "abort_refused"},
+            )
             return False
         return True
 
@@ -364,7 +376,12 @@ class SGLangClient:
 
     def _log_version(self, server: Mapping[str, Any]) -> None:
         if not self._version_logged:
-            logger.info("sglang server %s runs version %s", self.base_url, server.get("version"))
+            logger.info(
+                "sglang server %s runs version %s",
+                self.base_url,
+                server.get("version"),
+                extra={"action": "server_version"},
+            )
             self._version_logged = True
 
     def _info(self, path: str, legacy_path: str) -> dict[str, Any]:

@@ -190,9 +190,14 @@ class RenderClient:
                 self.base_url,
                 exc,
                 self.policy.wait_s,
+                extra={"action": "render_server_down"},
             )
         elif ended:
-            logger.info("render server %s answers again", self.base_url)
+            logger.info(
+                "render server %s answers again",
+                self.base_url,
+                extra={"action": "render_server_up"},
+            )
 
     def render_many(self, requests: Sequence[RenderRequest]) -> list[list[int] | PermanentError]:
         """Every prompt (in order) or the PermanentError of the one the server refused.

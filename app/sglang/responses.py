@@ -111,6 +111,7 @@ def parse_generate_response(
             rid,
             completion_tokens,
             len(output_ids),
+            extra={"action": "token_count_mismatch"},
         )
     e2e_latency = meta.get("e2e_latency")
     weight_version = meta.get("weight_version")

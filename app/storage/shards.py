@@ -311,7 +311,13 @@ class ShardWriter:
         digest, size = _sha256_local(self._tmp)
         _commit_local_file(self.loc, self._tmp, self.name)
         self._done = True
-        log.info("wrote shard %s (%d rows, %d bytes)", self.loc.uri(self.name), self.rows, size)
+        log.info(
+            "wrote shard %s (%d rows, %d bytes)",
+            self.loc.uri(self.name),
+            self.rows,
+            size,
+            extra={"action": "shard_written"},
+        )
         return ShardInfo(path=self.name, rows=self.rows, bytes=size, sha256=digest)
 
     def abort(self) -> None:

@@ -254,7 +254,11 @@ class LedgerCollector(Collector):
             families += ledger_families(read_snapshot(self.engine))
             ledger_up = 1
         except Exception as exc:  # a scrape reports the outage instead of failing
-            log.warning("metrics: reading the ledger failed: %s", _first_line(exc))
+            log.warning(
+                "metrics: reading the ledger failed: %s",
+                _first_line(exc),
+                extra={"action": "metrics_failed"},
+            )
             ledger_up = 0
         families.append(_gauge("ledger_up", "1 if the last ledger read succeeded.", ledger_up))
         if self.broker_url is not None:
@@ -272,7 +276,11 @@ class LedgerCollector(Collector):
         try:
             depth = broker_queue_depth(broker_url)
         except Exception as exc:  # e.g. Redis down: report it, keep the ledger figures
-            log.warning("metrics: reading the broker failed: %s", _first_line(exc))
+            log.warning(
+                "metrics: reading the broker failed: %s",
+                _first_line(exc),
+                extra={"action": "metrics_failed"},
+            )
             return [_gauge("broker_up", "1 if the last broker read succeeded.", 0)]
         if depth is None:  # not a broker whose queue can be read
             return []

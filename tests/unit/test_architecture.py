@@ -1,7 +1,8 @@
 """The layout rules of the house style, checked on the source: imports flow bench → ops → workers
 → app, the emulator (a second program) sits beside workers and only ops and bench import it, no
 import cycles (bench included), no module holding a third of the code, a docstring on each, no
-private name read across modules, no function over 100 lines."""
+private name read across modules, no function over 100 lines, an `action` on every log line at
+INFO and above."""
 
 from __future__ import annotations
 
@@ -251,6 +252,54 @@ def test_no_package_re_exports_names() -> None:
         if any(isinstance(node, ast.Import | ast.ImportFrom) for node in body):
             wrong.append(name)
     assert wrong == []
+
+
+LOGGED_LEVELS = {"info", "warning", "error", "exception", "critical"}
+
+
+def log_lines_without_action(source: str) -> list[int]:
+    """Lines of logger calls at INFO and above whose `extra` names no `action`: a dict with an
+    "action" key, or a call given action= (workers' item_fields)."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if not (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in LOGGED_LEVELS
+            and isinstance(node.func.value, ast.Name)
+            and node.func.value.id in {"log", "logger"}
+        ):
+            continue
+        extra = next((k.value for k in node.keywords if k.arg == "extra"), None)
+        named = (
+            isinstance(extra, ast.Dict)
+            and any(isinstance(k, ast.Constant) and k.value == "action" for k in extra.keys)
+        ) or (isinstance(extra, ast.Call) and any(k.arg == "action" for k in extra.keywords))
+        if not named:
+            lines.append(node.lineno)
+    return lines
+
+
+def test_every_log_line_at_info_and_above_names_its_action() -> None:
+    """A state change logged by the product carries `action` in `extra` (a field of each JSON
+    line, what a log query selects on); DEBUG lines are the only ones free of it."""
+    wrong = [
+        f"{path.relative_to(ROOT)}:{line}"
+        for name, path in modules(("app", "workers", "ops")).items()
+        for line in log_lines_without_action(path.read_text())
+    ]
+    assert wrong == []
+
+
+def test_the_action_check_sees_a_line_without_one() -> None:
+    source = (
+        'log.info("a", extra={"action": "done"})\n'
+        "log.warning('b %s', x)\n"
+        'log.info("c", extra=item_fields(item, s, action="failed"))\n'
+        'log.error("d", extra={"run_id": 1})\n'
+        'log.debug("e")\n'
+    )
+    assert log_lines_without_action(source) == [2, 4]
 
 
 def test_the_graph_sees_bench_scripts_import_each_other() -> None:

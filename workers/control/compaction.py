@@ -162,6 +162,7 @@ def _compact_locked(
         run.name,
         len(report.shards),
         loc.url,
+        extra={"action": "compacted"},
     )
 
 
@@ -194,7 +195,7 @@ def compact_ids(db: Engine, loc: Location, ids: list[int], images: ImageRows | N
         writer.commit()
     with db.begin() as conn:
         moved = compaction.mark_compacted(conn, loc.uri(name), written)
-    log.info("compacted %d items into %s", moved, loc.uri(name))
+    log.info("compacted %d items into %s", moved, loc.uri(name), extra={"action": "compacted"})
     return moved
 
 
@@ -217,7 +218,13 @@ def remove_orphans(db: Engine, run: RunInfo, loc: Location) -> list[str]:
     if loc.local:
         orphans += list_names(loc, prefix=f".{SHARD_PREFIX}", suffix=".tmp")
     if orphans:
-        log.info("removing %d unreferenced shards of run %s: %s", len(orphans), run.name, orphans)
+        log.info(
+            "removing %d unreferenced shards of run %s: %s",
+            len(orphans),
+            run.name,
+            orphans,
+            extra={"action": "shards_removed"},
+        )
         remove_objects(loc, orphans)
     return orphans
 

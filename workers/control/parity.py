@@ -219,7 +219,12 @@ def _compare(
             [item.prompt_ids[lo:position], stored_ids, server_ids]
         )
     except GenerationError as exc:  # the ids still say where they differ
-        log.warning("could not decode the difference of item %d (%s)", item.id, exc)
+        log.warning(
+            "could not decode the difference of item %d (%s)",
+            item.id,
+            exc,
+            extra={"action": "parity_undecodable"},
+        )
         before, stored, server = "", "", ""
     return replace(
         where,
@@ -255,7 +260,13 @@ def preflight(
                 images=StoredImages(lambda: image_location(settings)),
             )
     except GenerationError as exc:
-        log.warning("parity preflight of run %s on %s not done: %s", run.name, server, exc)
+        log.warning(
+            "parity preflight of run %s on %s not done: %s",
+            run.name,
+            server,
+            exc,
+            extra={"action": "parity_skipped"},
+        )
         return None
     result = {
         "status": report.status,

@@ -47,9 +47,21 @@ class CeleryControl:
 
         try:
             getattr(celery_app.control, command)(WORK_QUEUE, destination=workers, reply=False)
-            log.info("%s %s sent to %s", command, WORK_QUEUE, ", ".join(workers))
+            log.info(
+                "%s %s sent to %s",
+                command,
+                WORK_QUEUE,
+                ", ".join(workers),
+                extra={"action": "control_sent"},
+            )
         except Exception as exc:  # the flag still pauses them
-            log.warning("%s to %s failed (%s); workers enforce the flag", command, workers, exc)
+            log.warning(
+                "%s to %s failed (%s); workers enforce the flag",
+                command,
+                workers,
+                exc,
+                extra={"action": "control_failed"},
+            )
 
 
 def set_server_paused(

@@ -106,6 +106,7 @@ def reconcile(
             report.expired,
             report.unpublished,
             report.lost,
+            extra={"action": "requeued"},
         )
         with db.begin() as conn:
             event_log.record_event(
@@ -159,6 +160,7 @@ def _requeue_lost(
             "reconcile: the broker holds more than %d messages; lost items are looked for "
             "once it drains",
             BROKER_MESSAGES,
+            extra={"action": "lost_scan_deferred"},
         )
         return 0
     lost = [i for i in candidates if i not in check.found]

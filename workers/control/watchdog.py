@@ -150,7 +150,7 @@ def check_server(
                 server=server.name,
                 details={"from": previous.state.value, "to": verdict.state.value, "error": error},
             )
-            log.warning(message)
+            log.warning(message, extra={"action": "server_state"})
     if verdict.state == Health.HEALTHY and probe.model is not None and server.fingerprint:
         # weights swapped in place (no restart): seen here even on an idle server
         now = _live_fingerprint(probe.model, server.fingerprint)
@@ -216,7 +216,12 @@ def _admit(
     try:
         fingerprint = prober.fingerprint(server)
     except GenerationError as exc:
-        log.warning("fingerprint of %s unavailable (%s); it stays as it is", server.name, exc)
+        log.warning(
+            "fingerprint of %s unavailable (%s); it stays as it is",
+            server.name,
+            exc,
+            extra={"action": "fingerprint_unavailable"},
+        )
         return
     with db.begin() as conn:
         registry.set_fingerprint(conn, server.name, fingerprint.to_json())
@@ -296,7 +301,9 @@ def run_watchdog(
             try:
                 results[name] = future.result().state.value
             except Exception:
-                log.exception("watchdog check of %s failed", name)
+                log.exception(
+                    "watchdog check of %s failed", name, extra={"action": "watchdog_failed"}
+                )
                 results[name] = "error"
     log.debug(
         "watchdog round over %d servers in %.2fs: %s", len(servers), clock() - started, results

@@ -118,7 +118,7 @@ def note_weights(
             details={"change": change, "server": fingerprint.to_json(),
                      "accepting": verdict.accepting, "refusing": verdict.refusing},
         )  # fmt: skip
-    log.warning(message)
+    log.warning(message, extra={"action": "weights_changed"})
     if info is None:
         return verdict
     if verdict.stranded and not (info.paused and info.paused_by != PAUSED_BY_WEIGHTS):

@@ -52,14 +52,21 @@ class PauseEnforcer:
             self.consuming = actual
         if paused and self.consuming is not False:
             log.warning(
-                "server %s is paused (%s): %s stops consuming", self.rt.server_name, by, self.worker
+                "server %s is paused (%s): %s stops consuming",
+                self.rt.server_name,
+                by,
+                self.worker,
+                extra={"action": "consumer_paused"},
             )
             self.control.cancel_consumer([self.worker])
             self.consuming = False
         elif not paused and self.consuming is not True:
             if self.consuming is False:
                 log.warning(
-                    "server %s resumed: %s consumes again", self.rt.server_name, self.worker
+                    "server %s resumed: %s consumes again",
+                    self.rt.server_name,
+                    self.worker,
+                    extra={"action": "consumer_resumed"},
                 )
                 self.control.add_consumer([self.worker])
             self.consuming = True
@@ -74,5 +81,7 @@ class PauseEnforcer:
             try:
                 self.check()
             except Exception:
-                log.exception("pause check failed; trying again")
+                log.exception(
+                    "pause check failed; trying again", extra={"action": "pause_check_failed"}
+                )
             self._stop.wait(self.interval_s)

@@ -125,13 +125,19 @@ def handle_message(
         requeue(rest, wait_s if rt.window.unavailable() or rt.paused() else 0.0)
         log.debug("message of %d items: %d sent back unclaimed (no room)", len(ids), len(rest))
     if skipped:
-        log.info("message of %d items: %d already taken or finished", len(ids), skipped)
+        log.info(
+            "message of %d items: %d already taken or finished",
+            len(ids),
+            skipped,
+            extra={"action": "message_skipped"},
+        )
     if passed:
         log.info(
             "message of %d items: %d image items sent back (%s reads no images)",
             len(ids),
             passed,
             rt.server_name,
+            extra={"action": "images_sent_back"},
         )
     return {
         "claimed": len(accepted),

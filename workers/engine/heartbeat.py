@@ -31,7 +31,11 @@ def renew_leases(db: Engine, owner: str, config: WindowConfig, stopping: threadi
                     limit_periodic(conn, timeout_s=max(1.0, config.heartbeat_s))
                     claims.extend_leases(conn, owner=owner, lease_s=config.lease_s)
             except Exception as exc:
-                log.warning("lease heartbeat failed (%s); retrying next beat", exc)
+                log.warning(
+                    "lease heartbeat failed (%s); retrying next beat",
+                    exc,
+                    extra={"action": "heartbeat_failed"},
+                )
                 if conn is not None:
                     with contextlib.suppress(Exception):
                         conn.close()

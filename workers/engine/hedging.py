@@ -199,4 +199,5 @@ class HedgeRound:
                 "%s has free slots and nothing to claim: hedging %d items running elsewhere",
                 w.server_name,
                 len(found),
+                extra={"action": "hedging"},
             )

@@ -151,7 +151,11 @@ def check_names(identity: WorkerIdentity, server: ServerInfo | None, alive: Aliv
     try:
         up = alive(_unique([identity.worker_name, *theirs]))
     except Exception as exc:  # a broker without remote control: nothing to ask
-        log.warning("could not ask which workers are running (%s); names not checked", exc)
+        log.warning(
+            "could not ask which workers are running (%s); names not checked",
+            exc,
+            extra={"action": "names_unchecked"},
+        )
         return
     if identity.worker_name in up:
         raise IdentityRefused(

@@ -68,5 +68,10 @@ def take_back(db: Engine, run_id: int) -> TakenBack:
         if released:
             taken.items += len(released)
             taken.pids.append(pid)
-            log.info("took back %d items leased by %s (process gone)", len(released), owner)
+            log.info(
+                "took back %d items leased by %s (process gone)",
+                len(released),
+                owner,
+                extra={"action": "orphans_taken_back"},
+            )
     return taken

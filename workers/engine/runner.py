@@ -197,7 +197,11 @@ class EmbeddedRunner:
             try:
                 claimed = self._claim(rt, min(room, 256))
             except Exception as exc:
-                log.warning("claiming from the ledger failed (%s); retrying", exc)
+                log.warning(
+                    "claiming from the ledger failed (%s); retrying",
+                    exc,
+                    extra={"action": "claim_failed"},
+                )
                 self._stop.wait(1.0)
                 continue
             if claimed:

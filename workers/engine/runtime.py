@@ -218,7 +218,12 @@ class WorkerRuntime:
             with self.db.connect() as conn:
                 paused, by = registry.pause_flag(conn, self.server_name)
         except Exception as exc:
-            log.warning("could not read the pause flag of %s (%s)", self.server_name, exc)
+            log.warning(
+                "could not read the pause flag of %s (%s)",
+                self.server_name,
+                exc,
+                extra={"action": "pause_flag_unreadable"},
+            )
         self._pause_cache = (now, paused, by)
         if was_paused and not paused:
             # resumed: its configuration may have changed meanwhile (a restart, new weights)
@@ -242,7 +247,12 @@ class WorkerRuntime:
             with self.db.begin() as conn:
                 registry.remove_worker(conn, self.server_name, worker)
         except Exception as exc:
-            log.warning("could not unregister worker %s (%s)", worker, exc)
+            log.warning(
+                "could not unregister worker %s (%s)",
+                worker,
+                exc,
+                extra={"action": "unregister_failed"},
+            )
 
     def reads_images(self) -> bool:
         """Whether the server understands images (`has_image_understanding`); a server whose
@@ -284,7 +294,12 @@ class WorkerRuntime:
         try:
             fingerprint = self.server_fingerprint()
         except GenerationError as exc:
-            log.info("fingerprint of %s unavailable (%s); deferring", self.server_name, exc)
+            log.info(
+                "fingerprint of %s unavailable (%s); deferring",
+                self.server_name,
+                exc,
+                extra={"action": "fingerprint_deferred"},
+            )
             return False
         mine = fingerprint.to_json()
         required = self.run_info(run_id).weight_version
@@ -301,7 +316,13 @@ class WorkerRuntime:
             if ok and not event_log.has_event(
                 conn, EVENT_FINGERPRINT_PINNED, run_id=run_id, server=self.server_name
             ):
-                log.info("run %d uses server %s fingerprint %s", run_id, self.server_name, mine)
+                log.info(
+                    "run %d uses server %s fingerprint %s",
+                    run_id,
+                    self.server_name,
+                    mine,
+                    extra={"action": "fingerprint_pinned"},
+                )
                 event_log.record_event(
                     conn,
                     EVENT_FINGERPRINT_PINNED,
@@ -316,7 +337,7 @@ class WorkerRuntime:
                     f"server {self.server_name} does not match the run's pinned configuration: "
                     + "; ".join(diff)
                 )
-                log.warning(message)
+                log.warning(message, extra={"action": "run_refused"})
                 self._mismatch(conn, run_id, message, {"pinned": pinned, "server": mine})
         with self._lock:
             self._run_ok[run_id] = ok
@@ -335,7 +356,7 @@ class WorkerRuntime:
             f"server {self.server_name} does not serve run {self.run_info(run_id).name}: "
             f"weight_version: {required} (--weight-version) → {fingerprint.weight_version}"
         )
-        log.info(message)
+        log.info(message, extra={"action": "run_refused"})
         with self.db.begin() as conn:
             details = {"weight_version": required, "server": fingerprint.to_json()}
             self._mismatch(conn, run_id, message, details)
@@ -370,7 +391,12 @@ class WorkerRuntime:
         except ImageDrift as exc:
             return Checked(refusal=self._image_drift(item, str(exc)))
         except SQLAlchemyError as exc:  # the counts could not be compared: not written yet
-            log.warning("could not check the image counts of item %d (%s)", item.id, exc)
+            log.warning(
+                "could not check the image counts of item %d (%s)",
+                item.id,
+                exc,
+                extra={"action": "image_check_failed"},
+            )
             return Checked(refusal=f"image counts not checked (ledger error: {exc})")
         return Checked(image_token_counts=counts)
 
@@ -385,7 +411,7 @@ class WorkerRuntime:
             return refusal
         run = self.run_info(item.run_id).name
         reason = f"token drift on run {run} item {item.id}: {difference}"
-        log.warning("server %s: %s", self.server_name, reason)
+        log.warning("server %s: %s", self.server_name, reason, extra={"action": "token_drift"})
         try:
             with self.db.begin() as conn:
                 event_log.record_event(
@@ -404,7 +430,11 @@ class WorkerRuntime:
             else:
                 self._local_pause = reason
         except Exception:
-            log.exception("could not pause %s for token drift", self.server_name)
+            log.exception(
+                "could not pause %s for token drift",
+                self.server_name,
+                extra={"action": "drift_pause_failed"},
+            )
             self._local_pause = reason  # this worker stops sending at least
         self._pause_cache = (-1e9, False, None)  # read the flag again at once
         return refusal
@@ -436,7 +466,12 @@ class WorkerRuntime:
         try:
             fingerprint = self.server_fingerprint()
         except GenerationError as exc:
-            log.warning("fingerprint of %s unavailable (%s)", self.server_name, exc)
+            log.warning(
+                "fingerprint of %s unavailable (%s)",
+                self.server_name,
+                exc,
+                extra={"action": "fingerprint_unavailable"},
+            )
             fingerprint = ServerFingerprint(weight_version=version)
         if before is not None and fingerprint.weight_version == before.get("weight_version"):
             # the server answers with other weights than /model_info says: what it answered wins
@@ -447,7 +482,11 @@ class WorkerRuntime:
             )
         except Exception:
             # the next result of these weights tries again (a busy SQLite ledger, say)
-            log.exception("could not record the weight change of %s", self.server_name)
+            log.exception(
+                "could not record the weight change of %s",
+                self.server_name,
+                extra={"action": "weights_record_failed"},
+            )
             with self._lock:
                 self._drifts_seen.discard((run_id, version))
                 if before is not None and self._fingerprint is None:

@@ -65,9 +65,10 @@ class SlotHost(Protocol):
     def hedge_ended(self) -> None: ...
 
 
-def item_fields(item: ClaimedItem, server: str) -> dict[str, object]:
-    """The ids an item's log lines carry as fields (JSON logs) besides the message."""
-    return {"run_id": item.run_id, "item_id": item.id, "server": server}
+def item_fields(item: ClaimedItem, server: str, action: str) -> dict[str, object]:
+    """The fields an item's log line carries (JSON logs) besides the message: what happened
+    to it, and its ids."""
+    return {"action": action, "run_id": item.run_id, "item_id": item.id, "server": server}
 
 
 def log_done(item: ClaimedItem, result: GenerateResult, server: str, how: str) -> None:
@@ -79,7 +80,7 @@ def log_done(item: ClaimedItem, result: GenerateResult, server: str, how: str) -
         how,
         result.completion_tokens,
         result.finish_reason,
-        extra=item_fields(item, server),
+        extra=item_fields(item, server, action="done"),
     )
 
 
@@ -123,7 +124,7 @@ class Slot:
                 item.run_id,
                 item.id,
                 self._server,
-                extra=item_fields(item, self._server),
+                extra=item_fields(item, self._server, action="released"),
             )
             w.settle(Released(item.id, "server paused or unavailable"), job)
             return
@@ -137,7 +138,7 @@ class Slot:
                 "could not read the images of run %d item %d",
                 item.run_id,
                 item.id,
-                extra=item_fields(item, self._server),
+                extra=item_fields(item, self._server, action="images_unreadable"),
             )
             w.settle(Released(item.id, f"images not read: {exc!r}"), job)
             return
@@ -163,7 +164,7 @@ class Slot:
                 "unexpected error sending run %d item %d",
                 item.run_id,
                 item.id,
-                extra=item_fields(item, self._server),
+                extra=item_fields(item, self._server, action="send_failed"),
             )
             w.settle(Released(item.id, f"internal error: {exc!r}"), job)
         else:
@@ -182,7 +183,7 @@ class Slot:
                 item.run_id,
                 item.id,
                 self._server,
-                extra=item_fields(item, self._server),
+                extra=item_fields(item, self._server, action="hedge_lost"),
             )
             w.settle(Released(item.id, "finished on another server"), job)
             return
@@ -196,7 +197,7 @@ class Slot:
                 item.id,
                 self._server,
                 checked.refusal,
-                extra=item_fields(item, self._server),
+                extra=item_fields(item, self._server, action="result_refused"),
             )
             w.settle(Released(item.id, checked.refusal), job)
             return
@@ -212,7 +213,7 @@ class Slot:
             item.id,
             self._server,
             exc,
-            extra=item_fields(item, self._server),
+            extra=item_fields(item, self._server, action="failed"),
         )
         self._window.settle(Failed(item.id, f"permanent: {exc}", attempts_used=1), job)
         self._window.note(failed=1, error=str(exc))
@@ -230,7 +231,7 @@ class Slot:
             exc,
             item.run_id,
             item.id,
-            extra=item_fields(item, self._server),
+            extra=item_fields(item, self._server, action="released"),
         )
         self._window.settle(Released(item.id, f"server {how}: {exc}"), job)
         if how == "unavailable":
@@ -251,7 +252,7 @@ class Slot:
                 self._server,
                 attempt,
                 exc,
-                extra=item_fields(item, self._server),
+                extra=item_fields(item, self._server, action="failed"),
             )
             w.settle(
                 Failed(item.id, f"gave up after {attempt} attempts: {exc}", attempts_used=1), job
@@ -269,7 +270,7 @@ class Slot:
                 self._server,
                 exc,
                 delay_s,
-                extra=item_fields(item, self._server),
+                extra=item_fields(item, self._server, action="retrying"),
             )
             w.retry_later(job, str(exc), delay_s)
             w.note(error=str(exc))
@@ -302,7 +303,7 @@ class Slot:
                 item.id,
                 self._server,
                 "aborted" if job.cancelled else exc,
-                extra=item_fields(item, self._server),
+                extra=item_fields(item, self._server, action="hedge_ended"),
             )
             if not job.abandoned:
                 w.hedge_dropped(job)

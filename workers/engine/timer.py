@@ -51,7 +51,11 @@ class Timer:
                 try:
                     self._hedge_round()
                 except Exception as exc:
-                    log.warning("hedge round failed (%s); trying again", exc)
+                    log.warning(
+                        "hedge round failed (%s); trying again",
+                        exc,
+                        extra={"action": "hedge_round_failed"},
+                    )
             self._stopping.wait(TICK_S)
         # shutting down: delayed retries are given back, not sent
         for job in self._backlog.drop_delayed():

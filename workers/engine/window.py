@@ -148,7 +148,11 @@ class InflightWindow:
         if self.config.hedge_interval_s > 0:
             self._spawn(self._hedges.abort_loop, f"tm-abort-{name}")
         log.info(
-            "window started server=%s inflight=%d owner=%s", name, self.config.inflight, self.owner
+            "window started server=%s inflight=%d owner=%s",
+            name,
+            self.config.inflight,
+            self.owner,
+            extra={"action": "window_started"},
         )
 
     def _spawn(self, target: Callable[[], None], name: str) -> None:
@@ -180,15 +184,24 @@ class InflightWindow:
             with self._db.begin() as conn:
                 leftover = outcomes.release_owner(conn, self.owner)
             if leftover:
-                log.info("window stop released %d unfinished items", len(leftover))
+                log.info(
+                    "window stop released %d unfinished items",
+                    len(leftover),
+                    extra={"action": "released"},
+                )
                 self._on_released(leftover, 0.0)
         except Exception:
-            log.exception("could not release leases at shutdown; they expire on their own")
+            log.exception(
+                "could not release leases at shutdown; they expire on their own",
+                extra={"action": "release_failed"},
+            )
         self._hedges.stop_aborts()
         for thread in self._threads:
             if thread.name.startswith("tm-abort"):
                 thread.join(timeout=5.0)  # the hedges' aborts go out before the process ends
-        log.info("window stopped server=%s", self.config.server_name)
+        log.info(
+            "window stopped server=%s", self.config.server_name, extra={"action": "window_stopped"}
+        )
 
     def is_stopping(self) -> bool:
         return self._stopping.is_set()
@@ -356,7 +369,11 @@ class InflightWindow:
             )
         if jobs:
             log.warning(
-                "gave back %d in-flight items of %s: %s", len(jobs), self.config.server_name, reason
+                "gave back %d in-flight items of %s: %s",
+                len(jobs),
+                self.config.server_name,
+                reason,
+                extra={"action": "gave_back"},
             )
         return len(jobs)
 
@@ -523,7 +540,11 @@ class InflightWindow:
             try:
                 self._on_released(released, wait_s)
             except Exception:
-                log.exception("could not re-queue %d released items; reconcile will", len(released))
+                log.exception(
+                    "could not re-queue %d released items; reconcile will",
+                    len(released),
+                    extra={"action": "requeue_failed"},
+                )
         with self._cond:
             self._room.committed(settled, ended)
             self._cond.notify_all()

@@ -81,13 +81,22 @@ class ResultWriter:
             except (OperationalError, InterfaceError) as exc:
                 # the database is down or restarting: hold the results and keep trying
                 log.warning(
-                    "writing %d outcomes failed (%s); retrying in %.1fs", len(batch), exc, delay_s
+                    "writing %d outcomes failed (%s); retrying in %.1fs",
+                    len(batch),
+                    exc,
+                    delay_s,
+                    extra={"action": "write_failed"},
                 )
                 time.sleep(delay_s)
                 delay_s = min(delay_s * 2, 10.0)
             except Exception:
                 # never drop a result; a bug here must be loud
-                log.exception("writing %d outcomes failed; retrying in %.1fs", len(batch), delay_s)
+                log.exception(
+                    "writing %d outcomes failed; retrying in %.1fs",
+                    len(batch),
+                    delay_s,
+                    extra={"action": "write_failed"},
+                )
                 time.sleep(delay_s)
                 delay_s = min(delay_s * 2, 10.0)
         self._on_written(entries, released)

@@ -112,7 +112,7 @@ class Reporter:
                 run_id=run_id,
                 details=report.to_json() | {"errors": report.to_json()["errors"][:50]},
             )
-        log.info("enqueue %s: %s", report.run, report.counts())
+        log.info("enqueue %s: %s", report.run, report.counts(), extra={"action": "enqueued"})
         return report
 
     def stopped(
@@ -129,5 +129,5 @@ class Reporter:
             event_log.record_event(
                 conn, EVENT_ENQUEUE_STOPPED, message, run_id=run_id, details=report.counts()
             )
-        log.error(message)
+        log.error(message, extra={"action": "enqueue_stopped"})
         return RenderServerUnavailable(message)

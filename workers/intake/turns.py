@@ -258,13 +258,15 @@ class TokenizerCache:
             first = run.id not in self._reported
             self._reported.add(run.id)
         message = f"run {run.name}: later turns stay waiting: {reason}"
-        log.error(message)
+        log.error(message, extra={"action": "turns_blocked"})
         if first:
             try:
                 with db.begin() as conn:
                     event_log.record_event(conn, EVENT_TURNS_BLOCKED, message, run_id=run.id)
             except Exception as exc:
-                log.warning("could not record the event (%s)", exc)
+                log.warning(
+                    "could not record the event (%s)", exc, extra={"action": "event_failed"}
+                )
 
 
 _shared_cache = TokenizerCache()
@@ -309,6 +311,7 @@ def _fail_chain(db: Engine, turn: WaitingTurn, reason: str, report: AdvanceRepor
             turn.sample_index,
             n,
             reason,
+            extra={"action": "turns_failed"},
         )
 
 
@@ -347,7 +350,12 @@ def _advance_one(
         return
     except GenerationError as exc:  # the render server stayed down: the turn waits
         log.error(
-            "run %s item %d: turn %d stays waiting: %s", run.name, turn.id, turn.turn_index, exc
+            "run %s item %d: turn %d stays waiting: %s",
+            run.name,
+            turn.id,
+            turn.turn_index,
+            exc,
+            extra={"action": "turn_waiting"},
         )
         report.blocked += 1
         return
@@ -369,6 +377,7 @@ def _advance_one(
             turn.id,
             turn.turn_index,
             len(prompt_ids),
+            extra={"action": "turn_ready"},
         )
 
 
@@ -474,7 +483,9 @@ class TurnAdvancer:
                 publish_started(self._db, report.started, self._publish)
             except Exception:
                 log.exception(
-                    "advancing the turns after %d results failed; reconcile will", len(batch)
+                    "advancing the turns after %d results failed; reconcile will",
+                    len(batch),
+                    extra={"action": "turns_advance_failed"},
                 )
             finally:
                 with self._lock:
