@@ -34,12 +34,13 @@ from app.ledger.database import make_engine
 from app.ledger.image_tokens import note_image_tokens, pin_image_settings
 from app.ledger.migrate import upgrade
 from app.ledger.outcomes import Done
-from app.sglang.client import ProbeResult
 from app.storage.image_store import put_image
 from app.storage.shards import open_location
 from ops.emulator_proc import start_emulator
 from tests.support.procs import clean_env, tokenmill
 from tests.support.runs import make_run
+from workers.engine import fake_client
+from workers.engine.fake_client import FakeGenerateClient
 from workers.engine.generate import handle_message
 from workers.engine.image_checks import ImageChecks
 from workers.engine.image_data import ImageData
@@ -221,15 +222,17 @@ def test_image_settings_join_a_fingerprint_pinned_by_a_text_only_server(db: Engi
 # --- a worker against a fake SGLang -----------------------------------------------------------
 
 
-class FakeServer:
+class FakeServer(FakeGenerateClient):
     """SGLang 0.5.23's /generate for image items, as sglang.md states it: each placeholder
     becomes count(image) copies of itself (by the image's pixel size here), every other id
     kept, prompt_tokens their count; `retokenize` changes an id outside the images (the
-    decode + re-tokenize fallback), `count_scale` another processor setting."""
+    decode + re-tokenize fallback), `count_scale` another processor setting. Health, abort
+    and close are the shared fake's."""
 
     def __init__(
         self, *, reads_images: bool = True, retokenize: bool = False, count_scale: int = 1
     ):
+        super().__init__(fake_client.FakeServer(eos=2))
         self.reads_images = reads_images
         self.retokenize = retokenize
         self.count_scale = count_scale
@@ -264,15 +267,6 @@ class FakeServer:
     def fingerprint(self) -> ServerFingerprint:
         images = {"mm_process_config": {"scale": self.count_scale}} if self.reads_images else None
         return ServerFingerprint(model_path="m", version="0.5.23", images=images)
-
-    def health(self, path: str = "/health") -> ProbeResult:
-        return ProbeResult(ok=True, status_code=200, latency_s=0.0)
-
-    def abort(self, rid: str) -> bool:
-        return False
-
-    def close(self) -> None:
-        pass
 
 
 class FakeRuntime(WorkerRuntime):

@@ -6,54 +6,22 @@ together for one that does."""
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Hashable, Iterator
 
 import pytest
 from sqlalchemy import Engine, update
 
-from app.core.contracts import GenerateResult, SamplingParams
+from app.core.contracts import SamplingParams
 from app.core.images import ImageRef
 from app.ledger import claims, queue, reads, run_queries
 from app.ledger.common import items
-from app.sglang.client import ProbeResult
+from workers.engine.fake_client import FakeServer, LogEntry
 from workers.engine.window import InflightWindow, WindowConfig
 from workers.engine.window_types import Checked
 
 PAD = 163605
 PICTURE = ImageRef("c" * 64, "images/" + "c" * 64 + ".png", 64, 48, "PNG", 100, "cat.png")
-
-
-class RecordingClient:
-    """Answers after a moment; records each request's first id, its images and when."""
-
-    def __init__(self, log: list[tuple[str, int, object]], lock: threading.Lock) -> None:
-        self.log, self.lock = log, lock
-
-    def generate(
-        self,
-        input_ids: list[int],
-        sampling_params: dict[str, object],
-        rid: str,
-        *,
-        image_data: list[str] | None = None,
-    ) -> GenerateResult:
-        with self.lock:
-            self.log.append(("sent", input_ids[0], image_data))
-        time.sleep(0.03)
-        with self.lock:
-            self.log.append(("done", input_ids[0], None))
-        return GenerateResult(rid, [5, 2], "stop", 2, len(input_ids), 2, 0, 0.0)
-
-    def health(self, path: str = "/health") -> ProbeResult:
-        return ProbeResult(ok=True, status_code=200, latency_s=0.0)
-
-    def abort(self, rid: str) -> bool:
-        return False
-
-    def close(self) -> None:
-        pass
 
 
 def grouped(run_id: int, key: str) -> Hashable | None:
@@ -80,13 +48,12 @@ def with_images(engine: Engine, run: run_queries.RunInfo, key: str, turns: list[
 def test_a_conversation_with_images_goes_out_one_at_a_time_with_its_images(
     sqlite_engine: Engine, run: run_queries.RunInfo, windows: list[InflightWindow]
 ) -> None:
-    log: list[tuple[str, int, object]] = []
-    lock = threading.Lock()
+    log: list[LogEntry] = []
     window = InflightWindow(
         WindowConfig("fake", 4, 60, 0.2, 3, 0.01, 0.05, 0.05, backlog=4),
         db=sqlite_engine,
         owner="owner-1",
-        client_factory=lambda: RecordingClient(log, lock),
+        client_factory=FakeServer(lambda ids, call: 0.03, eos=2, log=log).client,
         sampling_for_run=lambda run_id: SamplingParams(seed=1),
         on_released=lambda ids, wait_s: None,
         group_of=grouped,
@@ -117,11 +84,11 @@ def test_a_conversation_with_images_goes_out_one_at_a_time_with_its_images(
     while not window.idle():
         assert time.monotonic() < deadline, "window never settled"
         time.sleep(0.01)
-    conv = [(what, first - 1000, images) for what, first, images in log if first < 2000]
+    conv = [(what, first - 1000, images) for what, first, images, _ in log if first < 2000]
     assert [turn for what, turn, _ in conv if what == "sent"] == [0, 1, 2]
     assert [what for what, _, _ in conv] == ["sent", "done"] * 3
     assert all(
-        images == ["data:image/png;base64,cccc"] for what, _, images in log if what == "sent"
+        images == ["data:image/png;base64,cccc"] for what, _, images, _ in log if what == "sent"
     )
     with sqlite_engine.connect() as conn:
         stored = list(reads.iter_items(conn, run.id))

@@ -3,78 +3,29 @@ retries that spend attempts, outages that do not, permanent failures, clean shut
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 from sqlalchemy import Engine
 
-from app.core.contracts import GenerateResult, SamplingParams
+from app.core.contracts import SamplingParams
 from app.core.errors import PermanentError, RetryableError, ServerUnavailable
 from app.ledger import claims, queue, reads, run_queries
-from app.sglang.client import ProbeResult
+from workers.engine.fake_client import Answer, FakeServer
 from workers.engine.window import InflightWindow, WindowConfig
-
-Behaviour = Callable[[list[int], int], float | Exception]
-
-
-class FakeClient:
-    """Answers after a per-prompt delay, or raises what the script says; counts concurrency."""
-
-    def __init__(self, script: Behaviour, shared: dict[str, int], lock: threading.Lock) -> None:
-        self.script = script
-        self.shared = shared
-        self.lock = lock
-        self.server_up = True
-
-    def generate(
-        self, input_ids: list[int], sampling_params: dict[str, object], rid: str
-    ) -> GenerateResult:
-        with self.lock:
-            self.shared["calls"] += 1
-            call = self.shared["calls"]
-            self.shared["now"] += 1
-            self.shared["peak"] = max(self.shared["peak"], self.shared["now"])
-        try:
-            outcome = self.script(input_ids, call)
-            if isinstance(outcome, Exception):
-                raise outcome
-            time.sleep(outcome)
-            out = [input_ids[-1] % 1000 + 300, 163586]
-            return GenerateResult(rid, out, "stop", 163586, len(input_ids), len(out), 0, outcome)
-        finally:
-            with self.lock:
-                self.shared["now"] -= 1
-
-    def health(self, path: str = "/health") -> ProbeResult:
-        return ProbeResult(
-            ok=self.server_up, status_code=200 if self.server_up else None, latency_s=0.0
-        )
-
-    def abort(self, rid: str) -> bool:
-        return False  # nothing here is ever hedged or finished elsewhere
-
-    def close(self) -> None:
-        pass
 
 
 def make_window(
     db: Engine,
-    script: Behaviour,
+    script: Answer,
     *,
     inflight: int = 4,
     max_attempts: int = 3,
     released: list[int] | None = None,
     server_up: bool = True,
-) -> tuple[InflightWindow, dict[str, int]]:
-    shared = {"calls": 0, "now": 0, "peak": 0}
-    lock = threading.Lock()
-
-    def client() -> FakeClient:
-        made = FakeClient(script, shared, lock)
-        made.server_up = server_up
-        return made
+) -> tuple[InflightWindow, FakeServer]:
+    server = FakeServer(script, up=server_up)
 
     window = InflightWindow(
         WindowConfig(
@@ -90,11 +41,11 @@ def make_window(
         ),
         db=db,
         owner="owner-1",
-        client_factory=client,
+        client_factory=server.client,
         sampling_for_run=lambda run_id: SamplingParams(seed=1),
         on_released=lambda ids, wait_s: (released if released is not None else []).extend(ids),
     )
-    return window, shared
+    return window, server
 
 
 def feed(db: Engine, window: InflightWindow, run: run_queries.RunInfo, n: int) -> list[int]:
@@ -143,7 +94,7 @@ def test_window_keeps_exactly_n_in_flight_with_heavy_tail(
     sqlite_engine: Engine, run: run_queries.RunInfo, started: list[InflightWindow]
 ) -> None:
     # one prompt in ten takes 20x longer: a batch-and-wait client would idle on it
-    window, shared = make_window(
+    window, server = make_window(
         sqlite_engine, lambda ids, call: 0.2 if ids[-1] % 10 == 0 else 0.01, inflight=4
     )
     started.append(window)
@@ -152,7 +103,7 @@ def test_window_keeps_exactly_n_in_flight_with_heavy_tail(
     wait_idle(window)
     rows = statuses(sqlite_engine, run)
     assert {r.status for r in rows.values()} == {"done"}
-    assert shared["peak"] == 4
+    assert server.peak == 4
     assert all(r.attempts == 1 for r in rows.values())
 
 
@@ -196,7 +147,7 @@ def test_permanent_error_fails_at_once_with_the_server_message(
     sqlite_engine: Engine, run: run_queries.RunInfo, started: list[InflightWindow]
 ) -> None:
     msg = "The input (9000 tokens) is longer than the model's context length (8192 tokens)."
-    window, shared = make_window(
+    window, server = make_window(
         sqlite_engine,
         lambda ids, call: PermanentError(msg, status_code=400) if ids[-1] == 1 else 0.0,
     )
@@ -207,7 +158,7 @@ def test_permanent_error_fails_at_once_with_the_server_message(
     rows = sorted(statuses(sqlite_engine, run).values(), key=lambda r: r.id)
     assert [r.status for r in rows] == ["done", "failed", "done"]
     assert rows[1].attempts == 1 and msg in (rows[1].error or "")
-    assert shared["calls"] == 3
+    assert server.calls == 3
 
 
 def test_unavailable_server_releases_items_without_spending_attempts(
@@ -278,7 +229,7 @@ def test_reserve_holds_only_the_room_there_is(sqlite_engine: Engine) -> None:
 def test_submit_of_reserved_items_does_not_count_them_twice(
     sqlite_engine: Engine, run: run_queries.RunInfo, started: list[InflightWindow]
 ) -> None:
-    window, shared = make_window(sqlite_engine, lambda ids, call: 0.0, inflight=2)
+    window, server = make_window(sqlite_engine, lambda ids, call: 0.0, inflight=2)
     started.append(window)
     window.start()
     with sqlite_engine.begin() as conn:
@@ -291,7 +242,7 @@ def test_submit_of_reserved_items_does_not_count_them_twice(
         claimed = claims.claim_items(conn, ids, owner=window.owner, server="fake", lease_s=60)
     window.submit(claimed, reserved=True)
     wait_idle(window)
-    assert window.outstanding == 0 and shared["calls"] == 3
+    assert window.outstanding == 0 and server.calls == 3
     assert {i.status for i in statuses(sqlite_engine, run).values()} == {"done"}
 
 
@@ -302,8 +253,6 @@ def test_backlog_shrinks_to_what_the_server_finishes_in_backlog_s(
     recent completion rate times backlog_s (1 to `backlog`), the full backlog until the rate
     is known."""
     now = [1000.0]
-    lock = threading.Lock()
-    shared = {"calls": 0, "now": 0, "peak": 0}
     window = InflightWindow(
         WindowConfig(
             server_name="fake",
@@ -319,7 +268,7 @@ def test_backlog_shrinks_to_what_the_server_finishes_in_backlog_s(
         ),
         db=sqlite_engine,
         owner="owner-1",
-        client_factory=lambda: FakeClient(lambda ids, call: 0.0, shared, lock),
+        client_factory=FakeServer().client,
         sampling_for_run=lambda run_id: SamplingParams(seed=1),
         on_released=lambda ids, wait_s: None,
         clock=lambda: now[0],

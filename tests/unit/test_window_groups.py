@@ -4,44 +4,17 @@ item early once the one before is past its prefill; a stop gives held items back
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Hashable, Iterator
 
 import pytest
 from sqlalchemy import Engine
 
-from app.core.contracts import GenerateResult, SamplingParams
+from app.core.contracts import SamplingParams
 from app.ledger import claims, queue, reads, run_queries
-from app.sglang.client import ProbeResult
+from workers.engine.fake_client import FakeServer, LogEntry
 from workers.engine.groups import Conversations
 from workers.engine.window import InflightWindow, WindowConfig
-
-
-class RecordingClient:
-    """Answers after `delay_s`; records when each prompt went out and came back."""
-
-    def __init__(self, log: list[tuple[str, int, float]], lock: threading.Lock, delay_s: float):
-        self.log, self.lock, self.delay_s = log, lock, delay_s
-
-    def generate(
-        self, input_ids: list[int], sampling_params: dict[str, object], rid: str
-    ) -> GenerateResult:
-        with self.lock:
-            self.log.append(("sent", input_ids[0], time.monotonic()))
-        time.sleep(self.delay_s)
-        with self.lock:
-            self.log.append(("done", input_ids[0], time.monotonic()))
-        return GenerateResult(rid, [5, 163586], "stop", 163586, len(input_ids), 2, 0, 0.0)
-
-    def health(self, path: str = "/health") -> ProbeResult:
-        return ProbeResult(ok=True, status_code=200, latency_s=0.0)
-
-    def abort(self, rid: str) -> bool:
-        return False
-
-    def close(self) -> None:
-        pass
 
 
 def grouped(run_id: int, key: str) -> Hashable | None:
@@ -59,13 +32,12 @@ def windows() -> Iterator[list[InflightWindow]]:
 def make_window(
     db: Engine,
     made: list[InflightWindow],
-    log: list[tuple[str, int, float]],
+    log: list[LogEntry],
     *,
     inflight: int,
     delay_s: float,
     stagger_s: float = 0.0,
 ) -> InflightWindow:
-    lock = threading.Lock()
     window = InflightWindow(
         WindowConfig(
             server_name="fake",
@@ -81,7 +53,7 @@ def make_window(
         ),
         db=db,
         owner="owner-1",
-        client_factory=lambda: RecordingClient(log, lock, delay_s),
+        client_factory=FakeServer(lambda ids, call: delay_s, log=log).client,
         sampling_for_run=lambda run_id: SamplingParams(seed=1),
         on_released=lambda ids, wait_s: None,
         group_of=grouped,
@@ -120,7 +92,7 @@ def wait_idle(window: InflightWindow) -> None:
 def test_a_conversation_goes_out_one_at_a_time_shortest_first(
     sqlite_engine: Engine, run: run_queries.RunInfo, windows: list[InflightWindow]
 ) -> None:
-    log: list[tuple[str, int, float]] = []
+    log: list[LogEntry] = []
     window = make_window(sqlite_engine, windows, log, inflight=4, delay_s=0.05)
     new = conversation("conv-a", 1000, [10, 40, 20, 30])
     new += [queue.NewItem(f"single-{i}", 0, 2, None, [2000 + i, 1], 0) for i in range(3)]
@@ -130,15 +102,15 @@ def test_a_conversation_goes_out_one_at_a_time_shortest_first(
     window.submit(claimed)
     wait_idle(window)
 
-    conv = [(what, marker - 1000, at) for what, marker, at in log if marker < 2000]
+    conv = [(what, marker - 1000, at) for what, marker, _, at in log if marker < 2000]
     # turns in order of their prompt length: 0 (10), 2 (20), 3 (30), 1 (40)
     assert [m for what, m, _ in conv if what == "sent"] == [0, 2, 3, 1]
     # never two of them out at once: each is sent after the one before came back
     events = [what for what, _, _ in conv]
     assert events == ["sent", "done"] * 4
     # the single items did not wait for the conversation: all three went out at the start
-    first_done = min(at for what, _, at in log if what == "done")
-    singles_sent = [at for what, marker, at in log if what == "sent" and marker >= 2000]
+    first_done = min(at for what, _, _, at in log if what == "done")
+    singles_sent = [at for what, marker, _, at in log if what == "sent" and marker >= 2000]
     assert len(singles_sent) == 3 and max(singles_sent) < first_done
     with sqlite_engine.connect() as conn:
         done = list(reads.iter_items(conn, run.id))
@@ -148,36 +120,36 @@ def test_a_conversation_goes_out_one_at_a_time_shortest_first(
 def test_a_conversation_arriving_in_two_parts_still_goes_one_at_a_time(
     sqlite_engine: Engine, run: run_queries.RunInfo, windows: list[InflightWindow]
 ) -> None:
-    log: list[tuple[str, int, float]] = []
+    log: list[LogEntry] = []
     window = make_window(sqlite_engine, windows, log, inflight=4, delay_s=0.05)
     ids = insert(sqlite_engine, run, conversation("conv-b", 1000, [10, 20, 30, 40]))
     first, second = claim(sqlite_engine, ids[:2]), claim(sqlite_engine, ids[2:])
     window.submit(first)
     window.submit(second)
     wait_idle(window)
-    assert [what for what, _, _ in log] == ["sent", "done"] * 4
+    assert [what for what, *_ in log] == ["sent", "done"] * 4
 
 
 def test_an_idle_slot_takes_the_next_item_once_the_one_before_is_past_prefill(
     sqlite_engine: Engine, run: run_queries.RunInfo, windows: list[InflightWindow]
 ) -> None:
-    log: list[tuple[str, int, float]] = []
+    log: list[LogEntry] = []
     # each answer takes 1.5 s; after 0.1 s out, the next item may take a free slot
     window = make_window(sqlite_engine, windows, log, inflight=4, delay_s=1.5, stagger_s=0.1)
     ids = insert(sqlite_engine, run, conversation("conv-c", 1000, [10, 20, 30]))
     window.submit(claim(sqlite_engine, ids))
     wait_idle(window)
-    sent = [(m - 1000, at) for what, m, at in log if what == "sent"]
+    sent = [(m - 1000, at) for what, m, _, at in log if what == "sent"]
     assert [m for m, _ in sent] == [0, 1, 2]
     # staggered, not waiting for each answer: the third went out before the first came back
-    first_done = min(at for what, _, at in log if what == "done")
+    first_done = min(at for what, _, _, at in log if what == "done")
     assert sent[2][1] < first_done
 
 
 def test_stopping_gives_held_items_back(
     sqlite_engine: Engine, run: run_queries.RunInfo, windows: list[InflightWindow]
 ) -> None:
-    log: list[tuple[str, int, float]] = []
+    log: list[LogEntry] = []
     window = make_window(sqlite_engine, windows, log, inflight=2, delay_s=0.3)
     ids = insert(sqlite_engine, run, conversation("conv-d", 1000, [10, 20, 30]))
     window.submit(claim(sqlite_engine, ids))
@@ -193,7 +165,7 @@ def test_stopping_gives_held_items_back(
         }
     # the first finished while draining; the two held ones went back to the queue unsent
     assert found == {0: "done", 1: "queued", 2: "queued"}
-    assert [what for what, _, _ in log] == ["sent", "done"]
+    assert [what for what, *_ in log] == ["sent", "done"]
 
 
 def test_conversations_order_hold_and_release() -> None:
@@ -214,7 +186,7 @@ def test_conversations_order_hold_and_release() -> None:
 def test_a_window_serving_conversations_holds_one_waiting_at_most(
     sqlite_engine: Engine, run: run_queries.RunInfo, windows: list[InflightWindow]
 ) -> None:
-    log: list[tuple[str, int, float]] = []
+    log: list[LogEntry] = []
     window = make_window(sqlite_engine, windows, log, inflight=2, delay_s=0.05)
     assert window.capacity() == 2 + 2  # the configured backlog
     ids = insert(sqlite_engine, run, conversation("conv-e", 1000, [10, 20]))

@@ -16,66 +16,31 @@ from sqlalchemy import Engine, select
 from app.core.contracts import GenerateResult, SamplingParams
 from app.core.errors import RetryableError
 from app.ledger import claims, common, outcomes, queue, run_queries
-from app.sglang.client import ProbeResult
+from workers.engine.fake_client import UNTIL_ABORTED, FakeServer
 from workers.engine.window import InflightWindow, WindowConfig
 
-BLOCK = -1.0  # the script's answer for "run until aborted"
+BLOCK = UNTIL_ABORTED  # the script's answer for "run until aborted"
 
 
-class Server:
-    """What the fake clients of one window share: calls per prompt, rids sent and aborted."""
+class Server(FakeServer):
+    """An abortable fake server whose aborts can hang (a wedged server) until released, or be
+    lost the first time (an abort that reaches the server before its request)."""
 
     def __init__(self, script: Callable[[list[int]], float | Exception]) -> None:
-        self.script = script
-        self.lock = threading.Lock()
-        self.calls: dict[int, int] = {}  # by the prompt's last id (the item's index)
-        self.sent: dict[int, list[str]] = {}  # rids by the prompt's last id
-        self.aborted: list[str] = []
-        self.hung = threading.Event()  # set: aborts hang (a wedged server) until released
-        self.lose_first_abort = False  # the first abort of each rid is lost (came too early)
+        super().__init__(lambda input_ids, call: script(input_ids), abortable=True)
+        self.hung = threading.Event()  # set: aborts hang until `release` is set
         self.release = threading.Event()
-        self._abort: dict[str, threading.Event] = {}
-
-    def event(self, rid: str) -> threading.Event:
-        with self.lock:
-            return self._abort.setdefault(rid, threading.Event())
-
-
-class AbortableClient:
-    def __init__(self, server: Server) -> None:
-        self.server = server
-
-    def generate(
-        self, input_ids: list[int], sampling_params: dict[str, object], rid: str
-    ) -> GenerateResult:
-        key = input_ids[-1]
-        with self.server.lock:
-            self.server.calls[key] = self.server.calls.get(key, 0) + 1
-            self.server.sent.setdefault(key, []).append(rid)
-        aborted = self.server.event(rid)
-        outcome = self.server.script(input_ids)
-        if isinstance(outcome, Exception):
-            raise outcome
-        if aborted.wait(30.0 if outcome == BLOCK else outcome):
-            raise RetryableError("request aborted")  # SGLang: HTTP 200, finish_reason abort
-        out = [key + 300, 163586]
-        return GenerateResult(rid, out, "stop", 163586, len(input_ids), len(out), 0, 0.01)
+        self.lose_first_abort = False
 
     def abort(self, rid: str) -> bool:
-        if self.server.hung.is_set():
-            self.server.release.wait(30.0)
-        with self.server.lock:
-            self.server.aborted.append(rid)
-            lost = self.server.lose_first_abort and self.server.aborted.count(rid) == 1
+        if self.hung.is_set():
+            self.release.wait(30.0)
+        with self.lock:
+            self.aborted.append(rid)
+            lost = self.lose_first_abort and self.aborted.count(rid) == 1
         if not lost:
-            self.server.event(rid).set()
+            self.end_of(rid).set()
         return True
-
-    def health(self, path: str = "/health") -> ProbeResult:
-        return ProbeResult(ok=True, status_code=200, latency_s=0.0)
-
-    def close(self) -> None:
-        pass
 
 
 @pytest.fixture
@@ -125,7 +90,7 @@ def make_window(
         ),
         db=db,
         owner=owner,
-        client_factory=lambda: AbortableClient(server),
+        client_factory=server.client,
         sampling_for_run=lambda run_id: SamplingParams(seed=1),
         on_released=lambda ids, wait_s: None,
         find_hedges=search(hedge_source(db, owner, name)) if hedge else None,
@@ -207,7 +172,7 @@ def test_no_hedges_while_the_run_still_has_work_to_claim(
     server = Server(lambda prompt: 0.01)
     fast = make_window(sqlite_engine, windows, server)
     time.sleep(0.3)  # fifteen hedge rounds
-    assert fast.stats.hedges == 0 and server.calls == {}
+    assert fast.stats.hedges == 0 and server.calls_by_prompt == {}
     assert {r.hedge_owner for r in rows(sqlite_engine, leased).values()} == {None}
 
     # the last queued item is claimed (by the slow server): now the run is at its end
@@ -233,7 +198,7 @@ def test_a_failed_hedge_changes_nothing_and_is_not_repeated(
         before.attempts,
         None,
     )
-    assert server.calls == {0: 1} and fast.stats.hedges == 1
+    assert server.calls_by_prompt == {0: 1} and fast.stats.hedges == 1
 
 
 def holding_two(
@@ -264,7 +229,7 @@ def test_a_copy_is_aborted_when_its_item_finishes_elsewhere(
     finish_elsewhere(sqlite_engine, ids[0])
     wait_for(lambda: slow.outstanding == 1, "the copy that lost to settle")
     assert server.aborted == server.sent[0]
-    assert server.calls == {0: 1, 1: 1}  # aborted, not retried
+    assert server.calls_by_prompt == {0: 1, 1: 1}  # aborted, not retried
     assert slow.stats.cancelled == 1 and slow.stats.retried == 0
     first, second = (rows(sqlite_engine, ids)[i] for i in ids)
     assert (first.status, first.server, first.output_ids, first.attempts) == (
@@ -385,7 +350,7 @@ def test_stop_during_a_hedge_search_sends_nothing_and_takes_the_marks_back(
     resume.set()  # the search returns the two items, marked, after stop() began
     stopper.join(30)
     assert not stopper.is_alive()
-    assert fast.outstanding == 0 and server.calls == {}
+    assert fast.outstanding == 0 and server.calls_by_prompt == {}
     assert {(r.status, r.hedge_owner) for r in rows(sqlite_engine, ids).values()} == {
         ("leased", None)
     }

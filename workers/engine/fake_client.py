@@ -1,0 +1,125 @@
+"""FakeGenerateClient: the one in-process stand-in for an SGLang server's `/generate`, beside the
+GenerateClient protocol it implements, for tests of the window and its parts (no HTTP, no
+emulator process).
+
+A `FakeServer` holds what the clients of one server share (each slot of a window makes its own
+client): the script that decides how long each request takes or what it raises, whether the
+server is up, and what it saw: calls per prompt, the rids sent and aborted, the peak
+concurrency, and a log of when each request went out and came back. With `abortable`, an
+abort ends a request in flight as SGLang does (HTTP 200, `finish_reason` abort, which the
+client raises as a retryable error).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from app.core.contracts import GenerateResult
+from app.core.errors import RetryableError
+from app.sglang.client import ProbeResult
+
+# (input_ids, the server's call number from 1) → seconds the request takes, or what it raises;
+# a negative time runs until the request is aborted (30 s at most)
+Answer = Callable[[list[int], int], float | Exception]
+UNTIL_ABORTED = -1.0
+KIMI_EOS = 163586
+# ("sent" | "done", the prompt's first id, its image_data when sent, time.monotonic())
+LogEntry = tuple[str, int, list[str] | None, float]
+
+
+def _quick(input_ids: list[int], call: int) -> float:
+    return 0.0
+
+
+@dataclass
+class FakeServer:
+    """One fake SGLang server: its script and what its clients saw, under one lock."""
+
+    answer: Answer = _quick
+    eos: int = KIMI_EOS
+    up: bool = True
+    abortable: bool = False  # abort() ends the request in flight and says it did
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    calls: int = 0
+    in_flight: int = 0
+    peak: int = 0
+    calls_by_prompt: dict[int, int] = field(default_factory=dict)  # by the prompt's last id
+    sent: dict[int, list[str]] = field(default_factory=dict)  # rids by the prompt's last id
+    aborted: list[str] = field(default_factory=list)
+    log: list[LogEntry] = field(default_factory=list)
+    _ends: dict[str, threading.Event] = field(default_factory=dict)
+
+    def client(self) -> FakeGenerateClient:
+        return FakeGenerateClient(self)
+
+    def output(self, input_ids: list[int]) -> list[int]:
+        """The tokens a request generates: one that names its prompt, then EOS."""
+        return [input_ids[-1] % 1000 + 300, self.eos]
+
+    def end_of(self, rid: str) -> threading.Event:
+        """Set when the request `rid` is aborted."""
+        with self.lock:
+            return self._ends.setdefault(rid, threading.Event())
+
+    def abort(self, rid: str) -> bool:
+        """SGLang's `/abort_request`: True when it ended a request (abortable servers only)."""
+        if not self.abortable:
+            return False
+        with self.lock:
+            self.aborted.append(rid)
+        self.end_of(rid).set()
+        return True
+
+
+class FakeGenerateClient:
+    """A GenerateClient that asks its FakeServer's script for every request."""
+
+    def __init__(self, server: FakeServer) -> None:
+        self.server = server
+
+    def generate(
+        self,
+        input_ids: list[int],
+        sampling_params: dict[str, object],
+        rid: str,
+        *,
+        image_data: list[str] | None = None,
+    ) -> GenerateResult:
+        server = self.server
+        with server.lock:
+            server.calls += 1
+            call = server.calls
+            server.in_flight += 1
+            server.peak = max(server.peak, server.in_flight)
+            key = input_ids[-1]
+            server.calls_by_prompt[key] = server.calls_by_prompt.get(key, 0) + 1
+            server.sent.setdefault(key, []).append(rid)
+            server.log.append(("sent", input_ids[0], image_data, time.monotonic()))
+        try:
+            outcome = server.answer(input_ids, call)
+            if isinstance(outcome, Exception):
+                raise outcome
+            if server.end_of(rid).wait(30.0 if outcome < 0 else outcome):
+                raise RetryableError("request aborted")  # SGLang: HTTP 200, finish_reason abort
+            out = server.output(input_ids)
+            with server.lock:
+                server.log.append(("done", input_ids[0], None, time.monotonic()))
+            return GenerateResult(
+                rid, out, "stop", server.eos, len(input_ids), len(out), 0, max(outcome, 0.0)
+            )
+        finally:
+            with server.lock:
+                server.in_flight -= 1
+
+    def health(self, path: str = "/health") -> ProbeResult:
+        up = self.server.up
+        return ProbeResult(ok=up, status_code=200 if up else None, latency_s=0.0)
+
+    def abort(self, rid: str) -> bool:
+        return self.server.abort(rid)
+
+    def close(self) -> None:
+        pass
