@@ -14,6 +14,7 @@ from app.core.errors import PermanentError, RetryableError, ServerUnavailable
 from app.ledger import claims, queue, reads, run_queries
 from workers.engine.fake_client import Answer, FakeServer
 from workers.engine.window import InflightWindow, WindowConfig
+from workers.engine.window_types import Admitted
 
 
 def make_window(
@@ -208,39 +209,79 @@ def test_reset_by_a_dying_server_costs_no_attempt(
     assert {(r.status, r.attempts) for r in rows.values()} == {("queued", 0)}
 
 
-def test_reserve_holds_only_the_room_there_is(sqlite_engine: Engine) -> None:
-    """Room is taken before items are claimed: all of it when it fits, what fits once the wait
-    is over, nothing while the window is stopping; unreserve gives it back."""
+def pending(db: Engine, run: run_queries.RunInfo, n: int) -> list[int]:
+    with db.begin() as conn:
+        queue.insert_items(
+            conn, run.id, [queue.NewItem(f"k{i}", 0, i, None, [1, i]) for i in range(n)]
+        )
+        return queue.pending_ids(conn, run.id)
+
+
+def ledger_down(n: int) -> list[claims.ClaimedItem]:
+    raise RuntimeError("ledger down")
+
+
+def test_admit_holds_only_the_room_there_is(
+    sqlite_engine: Engine, run: run_queries.RunInfo
+) -> None:
+    """Room is held before anything is claimed: all of it when it fits, what fits once the
+    wait is over, none when the window is full (the claim is not asked); the room a claim
+    does not fill, or a claim that raises, is given back; nothing while stopping."""
     window, _ = make_window(sqlite_engine, lambda ids, call: 0.0, inflight=4)  # capacity 8
-    assert window.reserve(6, timeout_s=0.01) == 6
-    assert window.reserve(5, timeout_s=0.01) == 2  # waited, then took the 2 that fit
-    assert window.reserve(1, timeout_s=0.01) == 0
-    assert window.outstanding == 8
-    window.unreserve(3)
-    assert window.room() == 3
-    assert window.reserve(20, timeout_s=0.01) == 3  # never more than the capacity
-    window.unreserve(8)
-    assert window.idle()
+    pool = pending(sqlite_engine, run, 8)
+    asked: list[int] = []
+
+    def claim(n: int) -> list[claims.ClaimedItem]:
+        asked.append(n)
+        take, pool[:] = pool[:n], pool[n:]
+        with sqlite_engine.begin() as conn:
+            return claims.claim_items(conn, take, owner=window.owner, server="fake", lease_s=60)
+
+    assert window.admit(5, lambda n: [], timeout_s=0.01) == Admitted(5, [])
+    assert window.room() == 8  # a claim that found nothing holds no room
+    with pytest.raises(RuntimeError):
+        window.admit(3, ledger_down)
+    assert window.room() == 8
+    first = window.admit(6, claim, timeout_s=0.01)
+    assert first.held == 6 and len(first.items) == 6
+    assert window.admit(5, claim, timeout_s=0.01).held == 2  # waited, then took the 2 that fit
+    assert window.admit(1, claim, timeout_s=0.01) == Admitted(0, [])
+    assert asked == [6, 2] and window.outstanding == 8 and window.room() == 0
     window.start()
+    wait_idle(window)
     window.stop(drain_timeout_s=1)
-    assert window.reserve(1, timeout_s=0.01) == 0
+    assert window.admit(1, claim, timeout_s=0.01) == Admitted(0, [])
+    assert asked == [6, 2]
 
 
-def test_submit_of_reserved_items_does_not_count_them_twice(
+def test_a_claim_may_not_fill_more_room_than_was_held(
+    sqlite_engine: Engine, run: run_queries.RunInfo
+) -> None:
+    window, _ = make_window(sqlite_engine, lambda ids, call: 0.0, inflight=1)  # capacity 2
+    ids = pending(sqlite_engine, run, 3)
+
+    def greedy(n: int) -> list[claims.ClaimedItem]:
+        with sqlite_engine.begin() as conn:
+            return claims.claim_items(conn, ids, owner=window.owner, server="fake", lease_s=60)
+
+    with pytest.raises(ValueError, match="claimed 3 units of room, 2 were held"):
+        window.admit(3, greedy)
+    assert window.room() == 2
+
+
+def test_admitted_items_are_not_counted_twice(
     sqlite_engine: Engine, run: run_queries.RunInfo, started: list[InflightWindow]
 ) -> None:
     window, server = make_window(sqlite_engine, lambda ids, call: 0.0, inflight=2)
     started.append(window)
     window.start()
-    with sqlite_engine.begin() as conn:
-        queue.insert_items(
-            conn, run.id, [queue.NewItem(f"k{i}", 0, i, None, [1, i]) for i in range(3)]
-        )
-        ids = queue.pending_ids(conn, run.id)
-    assert window.reserve(3, timeout_s=0.01) == 3
-    with sqlite_engine.begin() as conn:
-        claimed = claims.claim_items(conn, ids, owner=window.owner, server="fake", lease_s=60)
-    window.submit(claimed, reserved=True)
+    ids = pending(sqlite_engine, run, 3)
+
+    def claim(n: int) -> list[claims.ClaimedItem]:
+        with sqlite_engine.begin() as conn:
+            return claims.claim_items(conn, ids[:n], owner=window.owner, server="fake", lease_s=60)
+
+    assert window.admit(3, claim, timeout_s=0.01).held == 3
     wait_idle(window)
     assert window.outstanding == 0 and server.calls == 3
     assert {i.status for i in statuses(sqlite_engine, run).values()} == {"done"}
@@ -288,7 +329,6 @@ def test_backlog_shrinks_to_what_the_server_finishes_in_backlog_s(
     assert window.capacity() == 4 + 3
     now[0] = 1010.0  # 1.2/s: one waiting item is enough
     assert window.capacity() == 4 + 1
-    assert window.reserve(10, timeout_s=0.0) == 5
-    window.unreserve(5)
+    assert window.admit(10, lambda n: [], timeout_s=0.0).held == 5
     now[0] = 1031.0  # nothing finished for 30 s: the rate is unknown again
     assert window.capacity() == 12

@@ -271,8 +271,10 @@ def test_hedges_give_their_slots_to_real_work(
     assert fast.room() == 2  # the backlog's room only: both slots hold hedges
 
     mine = add_items(sqlite_engine, run, 2, start=2)
-    assert fast.reserve(2, timeout_s=10) == 2
-    fast.submit(lease_to(sqlite_engine, mine, fast.owner, "fast"), reserved=True)
+    admitted = fast.admit(
+        2, lambda n: lease_to(sqlite_engine, mine[:n], fast.owner, "fast"), timeout_s=10
+    )
+    assert admitted.held == 2
     wait_for(lambda: {r.status for r in rows(sqlite_engine, mine).values()} == {"done"}, "work")
     assert sorted(server.aborted) == sorted(server.sent[0] + server.sent[1])
     assert {(r.status, r.lease_owner) for r in rows(sqlite_engine, elsewhere).values()} == {

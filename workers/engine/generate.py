@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 
 from app.ledger import claims, outcomes
 from app.ledger.claims import claimable_image_items
@@ -34,9 +35,10 @@ def _release(rt: WorkerRuntime, claimed: Sequence[claims.ClaimedItem], reason: s
         )
 
 
-def _units(rt: WorkerRuntime, ids: list[int]) -> list[list[int]]:
+def _units(rt: WorkerRuntime, ids: list[int]) -> tuple[list[list[int]], bool]:
     """The message's ids in units of room: a conversation's items together (the window sends
-    them one at a time), every other item on its own; in message order."""
+    them one at a time), every other item on its own; in message order. And whether any unit
+    is a conversation."""
     with rt.db.connect() as conn:
         keys = claims.item_keys(conn, ids)
     units: list[list[int]] = []
@@ -44,8 +46,6 @@ def _units(rt: WorkerRuntime, ids: list[int]) -> list[list[int]]:
     for item_id in ids:
         run_and_key = keys.get(item_id)
         group = None if run_and_key is None else rt.window.group_of(*run_and_key)
-        if group is not None:
-            rt.window.serves_conversations = True
         if group is None:
             units.append([item_id])
         elif group in index:
@@ -53,7 +53,55 @@ def _units(rt: WorkerRuntime, ids: list[int]) -> list[list[int]]:
         else:
             index[group] = len(units)
             units.append([item_id])
-    return units
+    return units, bool(index)
+
+
+class _Intake:
+    """One message's claims, in the room the window holds for each share: what was taken
+    (sent), skipped (taken or finished elsewhere), passed over (image items a server that
+    reads no images leaves) and refused (runs whose fingerprint differs from the server's)."""
+
+    def __init__(self, rt: WorkerRuntime, requeue: Requeue) -> None:
+        self.rt = rt
+        self.requeue = requeue
+        # a server that reads no images claims text items only; image items go back
+        self.text_only = not rt.reads_images()
+        self.accepted: list[claims.ClaimedItem] = []
+        self.refused: list[claims.ClaimedItem] = []
+        self.skipped = 0
+        self.passed = 0
+
+    def claim_first(self, units: list[list[int]], n: int) -> list[claims.ClaimedItem]:
+        """Claim the first n units' items; the ones this server may run, for the window to
+        send (n: the units of room the window holds)."""
+        rt, wait_s = self.rt, self.rt.settings.unavailable_wait_s
+        take = [i for unit in units[:n] for i in unit]
+        with rt.db.begin() as conn:
+            claimed = claims.claim_items(
+                conn,
+                take,
+                owner=rt.owner,
+                server=rt.server_name,
+                lease_s=rt.settings.lease_s,
+                text_only=self.text_only,
+            )
+            mine = {c.id for c in claimed}
+            passed_over = (
+                claimable_image_items(conn, [i for i in take if i not in mine])
+                if self.text_only
+                else []
+            )
+        if passed_over:
+            self.requeue(passed_over, wait_s)
+            self.passed += len(passed_over)
+        self.skipped += len(take) - len(claimed) - len(passed_over)
+        refused = [c for c in claimed if not rt.run_matches_server(c.run_id)]
+        if refused:
+            self.requeue(_release(rt, refused, "server fingerprint differs from the run's"), wait_s)
+            self.refused += refused
+        sent = [c for c in claimed if c not in refused]
+        self.accepted += sent
+        return sent
 
 
 def handle_message(
@@ -66,82 +114,45 @@ def handle_message(
     if rt.window.unavailable() or rt.paused():
         requeue(ids, wait_s)
         return {"claimed": 0, "skipped": 0, "deferred": len(ids), "server": rt.server_name}
-    # backpressure without hoarding: wait (a bounded time) for room BEFORE claiming, claim only
-    # what fits, a share at a time, and send the rest back to the queue unclaimed. Claimed
-    # items waiting for room would sit here while a faster or idle server could run them.
+    # backpressure without hoarding: the window holds room (waiting a bounded time) BEFORE
+    # anything is claimed, only what fits is claimed, a share at a time, and the rest goes
+    # back to the queue unclaimed. Claimed items waiting for room would sit here while a
+    # faster or idle server could run them.
     deadline = time.monotonic() + rt.settings.room_wait_s
-    accepted: list[claims.ClaimedItem] = []
-    refused: list[claims.ClaimedItem] = []
-    skipped = passed = 0
-    units = _units(rt, ids)  # a conversation of boundary samples is one unit: one server
-    # a server that reads no images claims text items only; image items go back to the queue
-    text_only = not rt.reads_images()
+    units, conversations = _units(rt, ids)  # a conversation is one unit: one server
+    intake = _Intake(rt, requeue)
     while units:
-        held = rt.window.reserve(len(units), max(0.0, deadline - time.monotonic()))
-        if not held:
+        admitted = rt.window.admit(
+            len(units),
+            partial(intake.claim_first, units),
+            timeout_s=max(0.0, deadline - time.monotonic()),
+            conversations=conversations,
+        )
+        if not admitted.held:
             break
-        if rt.window.unavailable() or rt.paused():
-            rt.window.unreserve(held)
-            break
-        take = [i for unit in units[:held] for i in unit]
-        units = units[held:]
-        try:
-            with rt.db.begin() as conn:
-                claimed = claims.claim_items(
-                    conn,
-                    take,
-                    owner=rt.owner,
-                    server=rt.server_name,
-                    lease_s=rt.settings.lease_s,
-                    text_only=text_only,
-                )
-                mine = {c.id for c in claimed}
-                passed_over = (
-                    claimable_image_items(conn, [i for i in take if i not in mine])
-                    if text_only
-                    else []
-                )
-        except BaseException:
-            rt.window.unreserve(held)
-            raise
-        if passed_over:
-            requeue(passed_over, wait_s)
-            passed += len(passed_over)
-        skipped += len(take) - len(claimed) - len(passed_over)
-        try:
-            refused_now = [c for c in claimed if not rt.run_matches_server(c.run_id)]
-        except BaseException:
-            rt.window.unreserve(held)  # the leases come back by expiry or reconcile
-            raise
-        if refused_now:
-            requeue(_release(rt, refused_now, "server fingerprint differs from the run's"), wait_s)
-            refused += refused_now
-        now_ok = [c for c in claimed if c not in refused_now]
-        rt.window.unreserve(held - rt.window.units(now_ok))  # taken, finished or refused
-        rt.window.submit(now_ok, reserved=True)
-        accepted += now_ok
+        units = units[admitted.held :]
     rest = [i for unit in units for i in unit]
     if rest:
         requeue(rest, wait_s if rt.window.unavailable() or rt.paused() else 0.0)
         log.debug("message of %d items: %d sent back unclaimed (no room)", len(ids), len(rest))
-    if skipped:
+    if intake.skipped:
         log.info(
             "message of %d items: %d already taken or finished",
             len(ids),
-            skipped,
+            intake.skipped,
             extra={"action": "message_skipped"},
         )
-    if passed:
+    if intake.passed:
         log.info(
             "message of %d items: %d image items sent back (%s reads no images)",
             len(ids),
-            passed,
+            intake.passed,
             rt.server_name,
             extra={"action": "images_sent_back"},
         )
     return {
-        "claimed": len(accepted),
-        "skipped": skipped,
-        "deferred": len(refused) + len(rest) + passed,
+        "claimed": len(intake.accepted),
+        "skipped": intake.skipped,
+        "deferred": len(intake.refused) + len(rest) + intake.passed,
         "server": rt.server_name,
     }

@@ -142,11 +142,7 @@ class HedgeHost(Protocol):
 
     def can_hedge(self) -> bool: ...
 
-    def hold_free_slots(self) -> int: ...
-
-    def unreserve(self, n: int) -> None: ...
-
-    def queue_hedges(self, jobs: list[Job], held: int) -> bool: ...
+    def admit_hedges(self, copies: Callable[[int], list[Job]]) -> list[Job] | None: ...
 
 
 class HedgeRound:
@@ -180,21 +176,21 @@ class HedgeRound:
         w.abort_stale()
         if self._find_hedges is None or not w.can_hedge():
             return
-        free = w.hold_free_slots()  # so that a claim cannot take them while we ask
-        if free <= 0:
-            return
-        try:
-            found = self._find_hedges(free)[:free]
-            copies = [
+        find_hedges = self._find_hedges
+        found: list[ClaimedItem] = []
+
+        def copies(free: int) -> list[Job]:
+            # asked while the window holds its free slots, so that a claim cannot take them
+            found[:] = find_hedges(free)[:free]
+            return [
                 Job(item=c, sampling=self._sampling_for_run(c.run_id), hedge=True) for c in found
             ]
-        except BaseException:
-            w.unreserve(free)
-            raise
-        if not w.queue_hedges(copies, held=free):  # stopping: never sent, let others hedge
+
+        queued = w.admit_hedges(copies)
+        if queued is None:  # stopping: never sent, let others hedge
             self._unmark_hedges([c.id for c in found])
             return
-        if copies:
+        if queued:
             log.info(
                 "%s has free slots and nothing to claim: hedging %d items running elsewhere",
                 w.server_name,

@@ -103,7 +103,6 @@ class EmbeddedRunner:
             list(pool.map(self._reachable, self.runtimes))
         self._preflight_all()
         for rt in self.runtimes:
-            rt.window.serves_conversations = self.run.turns == "each"
             rt.start()
             thread = threading.Thread(
                 target=self._feed, args=(rt,), name=f"tm-feed-{rt.server_name}", daemon=True
@@ -180,8 +179,7 @@ class EmbeddedRunner:
 
     def _feed(self, rt: WorkerRuntime) -> None:
         while not self._stop.is_set():
-            room = rt.window.room()
-            if room <= 0 or not self._reachable(rt) or rt.paused():
+            if rt.window.room() <= 0 or not self._reachable(rt) or rt.paused():
                 self._stop.wait(self.poll_s)
                 continue
             if self._parity_blocks(rt):
@@ -195,7 +193,10 @@ class EmbeddedRunner:
                 continue
             self._refused[rt.server_name] = False
             try:
-                claimed = self._claim(rt, min(room, 256))
+                # the window's one gate: it holds the room, and the claim fills it
+                admitted = rt.window.admit(
+                    256, lambda room: self._claim(rt, room), conversations=self.run.turns == "each"
+                )
             except Exception as exc:
                 log.warning(
                     "claiming from the ledger failed (%s); retrying",
@@ -204,9 +205,7 @@ class EmbeddedRunner:
                 )
                 self._stop.wait(1.0)
                 continue
-            if claimed:
-                rt.window.submit(claimed)
-            else:
+            if not admitted.items:
                 self._stop.wait(self.poll_s)
 
     def _claim(self, rt: WorkerRuntime, room: int) -> list[claims.ClaimedItem]:

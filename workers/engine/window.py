@@ -36,7 +36,7 @@ from workers.engine.hedging import HedgeRound, Hedges
 from workers.engine.room import InFlight, Room
 from workers.engine.slots import Slot
 from workers.engine.timer import Timer
-from workers.engine.window_types import Checked, GenerateClient, Job
+from workers.engine.window_types import Admitted, Checked, GenerateClient, Job
 
 # the window's own records, named here too: callers build and read a window with them
 from workers.engine.window_types import WindowConfig as WindowConfig
@@ -122,13 +122,9 @@ class InflightWindow:
 
     @property
     def serves_conversations(self) -> bool:
-        """Whether this window takes `--turns each` conversations (then it backlogs one)."""
+        """Whether this window takes `--turns each` conversations (then it backlogs one): set
+        by the window itself, when a caller admits conversations or one is submitted."""
         return self._room.serves_conversations
-
-    @serves_conversations.setter
-    def serves_conversations(self, value: bool) -> None:
-        with self._cond:
-            self._room.serves_conversations = value
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -243,12 +239,51 @@ class InflightWindow:
                 self._cond.wait(timeout=0.5 if remaining is None else min(0.5, remaining))
             return True
 
-    def reserve(self, n: int, timeout_s: float) -> int:
+    def admit(
+        self,
+        units: int,
+        claim: Callable[[int], list[ClaimedItem]],
+        *,
+        timeout_s: float = 0.0,
+        conversations: bool = False,
+    ) -> Admitted:
+        """The one way work enters this window, for the Celery push and the embedded pull
+        alike: hold room for up to `units` units (a conversation is one unit; wait up to
+        timeout_s for a worthwhile share, as much as fits after it), ask `claim(held)` for the
+        items to send in that room, submit them and give back the room they do not take.
+
+        Returns the units held and the items sent. Held is 0 when there is no room, the
+        server is paused or unavailable, or the window is stopping: then claim is not called.
+        If claim raises, the room is given back and the error propagates (the leases it may
+        have taken come back by expiry or reconcile). `conversations`: the units are
+        `--turns each` conversations, so the window keeps one waiting in its backlog."""
+        if conversations:
+            with self._cond:
+                self._room.serves_conversations = True
+        held = self._reserve(units, timeout_s)
+        if not held:
+            return Admitted(0, [])
+        if self.unavailable() or self.paused():
+            self._unreserve(held)
+            return Admitted(0, [])
+        try:
+            claimed = claim(held)
+            taken = self.units(claimed)
+            if taken > held:
+                raise ValueError(f"claimed {taken} units of room, {held} were held")
+        except BaseException:
+            self._unreserve(held)
+            raise
+        self._unreserve(held - taken)
+        self._submit(claimed, reserved=True)
+        return Admitted(held, claimed)
+
+    def _reserve(self, n: int, timeout_s: float) -> int:
         """Hold room for up to n items before claiming them: wait up to timeout_s until a
         worthwhile share fits (all n, or a full backlog's worth), then hold what fits; after
         the wait, whatever fits (maybe 0; 0 when stopping). The caller claims that many ids
         and hands the rest back unclaimed, so no claimed item waits here for a slot while
-        another server could run it. Settle with submit(..., reserved=True) or unreserve()."""
+        another server could run it. admit() settles it."""
         deadline = self._clock() + timeout_s
         with self._cond:
             while not self._stopping.is_set():
@@ -264,7 +299,7 @@ class InflightWindow:
             self._room.take(held)
             return held
 
-    def unreserve(self, n: int) -> None:
+    def _unreserve(self, n: int) -> None:
         """Give back room reserved for items that were not submitted after all."""
         if n <= 0:
             return
@@ -282,9 +317,14 @@ class InflightWindow:
         singles = sum(1 for c in claimed if self.group_of(c.run_id, c.item_key) is None)
         return singles + len(groups - {None})
 
-    def submit(self, claimed: list[ClaimedItem], *, reserved: bool = False) -> None:
-        """Queue claimed items for sending; each settles as done, failed or released.
-        reserved=True: their room was taken by reserve() (exactly units(claimed) of it).
+    def submit(self, claimed: list[ClaimedItem]) -> None:
+        """Queue items claimed without admit() (after wait_for_room) for sending; each settles
+        as done, failed or released."""
+        self._submit(claimed, reserved=False)
+
+    def _submit(self, claimed: list[ClaimedItem], *, reserved: bool) -> None:
+        """Queue claimed items for sending. reserved=True: their room was taken by _reserve()
+        (exactly units(claimed) of it).
 
         The items of one conversation go out one at a time, shortest first: the next when
         the one before it settles (see Conversations), so each finds its history cached."""
@@ -498,7 +538,23 @@ class InflightWindow:
             return False
         return self._backlog.empty()
 
-    def hold_free_slots(self) -> int:
+    def admit_hedges(self, copies: Callable[[int], list[Job]]) -> list[Job] | None:
+        """The gate for hedges: hold every slot no item is meant for, ask `copies(free)` for
+        the hedge jobs to run in them, queue those and give back the rest. Returns the jobs
+        queued ([] when no slot is free: copies is not called), or None when the window began
+        stopping meanwhile (nothing queued: the caller unmarks what it found). If copies
+        raises, the slots are given back."""
+        free = self._hold_free_slots()
+        if free <= 0:
+            return []
+        try:
+            jobs = copies(free)[:free]
+        except BaseException:
+            self._unreserve(free)
+            raise
+        return jobs if self._queue_hedges(jobs, held=free) else None
+
+    def _hold_free_slots(self) -> int:
         """Hold every slot no item is meant for; how many (maybe 0: then none is held)."""
         with self._cond:
             free = self._room.free_slots()
@@ -507,7 +563,7 @@ class InflightWindow:
             self._room.take(free)
             return free
 
-    def queue_hedges(self, jobs: list[Job], held: int) -> bool:
+    def _queue_hedges(self, jobs: list[Job], held: int) -> bool:
         """Queue hedge jobs in the held slots, giving back the room of the rest; False (and
         nothing queued) when the window is stopping."""
         with self._cond:

@@ -31,6 +31,15 @@ class GenerateClient(Protocol):
 
 
 @dataclass(frozen=True)
+class Admitted:
+    """What the window's gate let in: the units of room it held for the claim, and the
+    claimed items it sends in them (fewer when the claim found less)."""
+
+    held: int
+    items: list[ClaimedItem]
+
+
+@dataclass(frozen=True)
 class Checked:
     """A result as its run's checks take it: refused, with why (other weights than the run's,
     token drift), or accepted, with an image item's counts (how many times the server
