@@ -404,3 +404,24 @@ def test_no_function_in_workers_or_app_is_over_100_lines() -> None:
         and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES
     ]
     assert long == []
+
+
+def test_the_window_takes_few_parameters_and_owns_its_room() -> None:
+    """InflightWindow asks one RunPolicy about its runs (no bag of callables), and only the
+    window's own modules touch its room: the Celery push and the embedded pull use admit()."""
+    import inspect
+
+    from workers.engine.window import InflightWindow
+
+    params = [p for p in inspect.signature(InflightWindow.__init__).parameters if p != "self"]
+    assert len(params) <= 6, params
+    wrong = [
+        str(path.relative_to(ROOT))
+        for name, path in modules(("workers", "ops", "app")).items()
+        if not path.name.startswith("window")
+        and any(
+            isinstance(node, ast.Attribute) and node.attr in {"_reserve", "_unreserve", "_room"}
+            for node in ast.walk(ast.parse(path.read_text()))
+        )
+    ]
+    assert wrong == []

@@ -9,6 +9,7 @@ from sqlalchemy import Engine
 
 from app.core.contracts import SamplingParams
 from app.ledger import claims, common, queue, run_queries
+from workers.engine.fake_client import FakePolicy
 from workers.engine.generate import handle_message
 from workers.engine.window import InflightWindow, WindowConfig
 
@@ -63,9 +64,7 @@ def setup(db: Engine, n: int) -> tuple[FakeRuntime, list[int]]:
         ),
         db=db,
         owner="owner-1",
-        client_factory=lambda: None,  # type: ignore[arg-type,return-value]
-        sampling_for_run=lambda run_id: SamplingParams(),
-        on_released=lambda ids, wait_s: None,
+        policy=FakePolicy(),
     )
     return FakeRuntime(db, window), ids
 
@@ -118,7 +117,9 @@ def test_a_conversation_is_one_unit_of_room_and_never_split(sqlite_engine: Engin
         new += [queue.NewItem(f"s{i}", 0, 9, None, [2, i]) for i in range(2)]
         queue.insert_items(conn, info.id, new)
         ids = queue.pending_ids(conn, info.id)
-    rt.window.group_of = lambda run_id, key: (run_id, key) if key.startswith("c") else None
+    rt.window.policy = FakePolicy(
+        conversation_of=lambda run_id, key: (run_id, key) if key.startswith("c") else None
+    )
     sent_back: list[tuple[list[int], float]] = []
     out = handle_message(rt, ids, requeue=lambda b, s: sent_back.append((b, s)))  # type: ignore[arg-type]
     # 4 slots + a backlog of one conversation: both conversations and both singles fit

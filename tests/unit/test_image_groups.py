@@ -12,11 +12,10 @@ from collections.abc import Hashable, Iterator
 import pytest
 from sqlalchemy import Engine, update
 
-from app.core.contracts import SamplingParams
 from app.core.images import ImageRef
 from app.ledger import claims, queue, reads, run_queries
 from app.ledger.common import items
-from workers.engine.fake_client import FakeServer, LogEntry
+from workers.engine.fake_client import FakePolicy, FakeServer, LogEntry
 from workers.engine.window import InflightWindow, WindowConfig
 from workers.engine.window_types import Checked
 
@@ -53,13 +52,11 @@ def test_a_conversation_with_images_goes_out_one_at_a_time_with_its_images(
         WindowConfig("fake", 4, 60, 0.2, 3, 0.01, 0.05, 0.05, backlog=4),
         db=sqlite_engine,
         owner="owner-1",
-        client_factory=FakeServer(lambda ids, call: 0.03, eos=2, log=log).client,
-        sampling_for_run=lambda run_id: SamplingParams(seed=1),
-        on_released=lambda ids, wait_s: None,
-        group_of=grouped,
-        image_data=lambda item: [f"data:image/png;base64,{item.images[0].sha256[:4]}"],
-        check_result=lambda item, result: Checked(
-            image_token_counts=(24,) if item.images else None
+        policy=FakePolicy(
+            FakeServer(lambda ids, call: 0.03, eos=2, log=log),
+            conversation_of=grouped,
+            images=lambda item: [f"data:image/png;base64,{item.images[0].sha256[:4]}"],
+            checks=lambda item, result: Checked(image_token_counts=(24,) if item.images else None),
         ),
     )
     windows.append(window)

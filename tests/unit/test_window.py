@@ -9,10 +9,9 @@ from collections.abc import Iterator
 import pytest
 from sqlalchemy import Engine
 
-from app.core.contracts import SamplingParams
 from app.core.errors import PermanentError, RetryableError, ServerUnavailable
 from app.ledger import claims, queue, reads, run_queries
-from workers.engine.fake_client import Answer, FakeServer
+from workers.engine.fake_client import Answer, FakePolicy, FakeServer
 from workers.engine.window import InflightWindow, WindowConfig
 from workers.engine.window_types import Admitted
 
@@ -42,9 +41,10 @@ def make_window(
         ),
         db=db,
         owner="owner-1",
-        client_factory=server.client,
-        sampling_for_run=lambda run_id: SamplingParams(seed=1),
-        on_released=lambda ids, wait_s: (released if released is not None else []).extend(ids),
+        policy=FakePolicy(
+            server,
+            on_released=lambda ids, wait_s: (released if released is not None else []).extend(ids),
+        ),
     )
     return window, server
 
@@ -309,9 +309,7 @@ def test_backlog_shrinks_to_what_the_server_finishes_in_backlog_s(
         ),
         db=sqlite_engine,
         owner="owner-1",
-        client_factory=FakeServer().client,
-        sampling_for_run=lambda run_id: SamplingParams(seed=1),
-        on_released=lambda ids, wait_s: None,
+        policy=FakePolicy(),
         clock=lambda: now[0],
     )
     started.append(window)

@@ -10,9 +10,8 @@ from collections.abc import Hashable, Iterator
 import pytest
 from sqlalchemy import Engine
 
-from app.core.contracts import SamplingParams
 from app.ledger import claims, queue, reads, run_queries
-from workers.engine.fake_client import FakeServer, LogEntry
+from workers.engine.fake_client import FakePolicy, FakeServer, LogEntry
 from workers.engine.groups import Conversations
 from workers.engine.window import InflightWindow, WindowConfig
 
@@ -53,10 +52,7 @@ def make_window(
         ),
         db=db,
         owner="owner-1",
-        client_factory=FakeServer(lambda ids, call: delay_s, log=log).client,
-        sampling_for_run=lambda run_id: SamplingParams(seed=1),
-        on_released=lambda ids, wait_s: None,
-        group_of=grouped,
+        policy=FakePolicy(FakeServer(lambda ids, call: delay_s, log=log), conversation_of=grouped),
     )
     made.append(window)
     window.start()

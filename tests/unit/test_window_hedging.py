@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine, select
 
-from app.core.contracts import GenerateResult, SamplingParams
+from app.core.contracts import GenerateResult
 from app.core.errors import RetryableError
 from app.ledger import claims, common, outcomes, queue, run_queries
-from workers.engine.fake_client import UNTIL_ABORTED, FakeServer
+from workers.engine.fake_client import UNTIL_ABORTED, FakePolicy, FakeServer
 from workers.engine.window import InflightWindow, WindowConfig
 
 BLOCK = UNTIL_ABORTED  # the script's answer for "run until aborted"
@@ -87,14 +87,15 @@ def make_window(
             unavailable_wait_s=0.05,
             backlog=inflight,
             hedge_interval_s=0.02,
+            hedge=hedge,
         ),
         db=db,
         owner=owner,
-        client_factory=server.client,
-        sampling_for_run=lambda run_id: SamplingParams(seed=1),
-        on_released=lambda ids, wait_s: None,
-        find_hedges=search(hedge_source(db, owner, name)) if hedge else None,
-        unmark_hedges=lambda marked: unmark(db, marked, owner),
+        policy=FakePolicy(
+            server,
+            hedges=search(hedge_source(db, owner, name)),
+            unmark=lambda marked: unmark(db, marked, owner),
+        ),
     )
     windows.append(window)
     window.start()

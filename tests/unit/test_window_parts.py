@@ -8,6 +8,7 @@ import threading
 from app.core.contracts import SamplingParams
 from app.ledger.claims import ClaimedItem
 from workers.engine.backlog import Backlog
+from workers.engine.fake_client import FakeServer
 from workers.engine.hedging import ABORT_AGAIN_S, Hedges
 from workers.engine.room import RATE_WINDOW_S, InFlight, Room
 from workers.engine.window_types import Job, WindowConfig, WindowStats
@@ -94,25 +95,11 @@ def test_room_holds_one_conversation_beyond_the_slots() -> None:
     assert (room.capacity(), room.free(), room.free_slots(), room.waiting()) == (5, 0, -1, 1)
 
 
-class AbortRecorder:
-    """A client that only records the aborts asked of it."""
-
-    def __init__(self, sent: list[str]) -> None:
-        self.sent = sent
-
-    def abort(self, rid: str) -> bool:
-        self.sent.append(rid)
-        return True
-
-    def close(self) -> None:
-        pass
-
-
 def hedges_with(stats: WindowStats, clock: Clock, aborted: list[str]) -> Hedges:
     return Hedges(
         stats=stats,
         clock=clock,
-        client_factory=lambda: AbortRecorder(aborted),  # type: ignore[arg-type,return-value]
+        client_factory=FakeServer(abortable=True, aborted=aborted).client,
     )
 
 

@@ -1,6 +1,6 @@
 """FakeGenerateClient: the one in-process stand-in for an SGLang server's `/generate`, beside the
 GenerateClient protocol it implements, for tests of the window and its parts (no HTTP, no
-emulator process).
+emulator process); and FakePolicy, the window's RunPolicy of fixed answers.
 
 A `FakeServer` holds what the clients of one server share (each slot of a window makes its own
 client): the script that decides how long each request takes or what it raises, whether the
@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
-from app.core.contracts import GenerateResult
-from app.core.errors import RetryableError
+from app.core.contracts import GenerateResult, SamplingParams
+from app.core.errors import PermanentError, RetryableError
+from app.ledger.claims import ClaimedItem
 from app.sglang.client import ProbeResult
+from workers.engine.window_types import Checked, GenerateClient
 
 # (input_ids, the server's call number from 1) → seconds the request takes, or what it raises;
 # a negative time runs until the request is aborted (30 s at most)
@@ -123,3 +125,56 @@ class FakeGenerateClient:
 
     def close(self) -> None:
         pass
+
+
+def _no_images(item: ClaimedItem) -> list[str]:
+    raise PermanentError("this worker sends no images")
+
+
+@dataclass
+class FakePolicy:
+    """A RunPolicy of fixed answers, each replaceable: clients of `server` (or of `clients`),
+    every run sampled with `sampling`, nothing paused, no conversations, every result
+    accepted, no images sent, no hedges found; released and finished items dropped."""
+
+    server: FakeServer = field(default_factory=FakeServer)
+    clients: Callable[[], GenerateClient] | None = None
+    sampling: SamplingParams = field(default_factory=lambda: SamplingParams(seed=1))
+    is_paused: Callable[[], bool] = lambda: False
+    conversation_of: Callable[[int, str], Hashable | None] = lambda run_id, key: None
+    checks: Callable[[ClaimedItem, GenerateResult], Checked] = lambda item, result: Checked()
+    images: Callable[[ClaimedItem], list[str]] = _no_images
+    on_released: Callable[[list[int], float], None] = lambda ids, wait_s: None
+    on_finished: Callable[[list[int]], None] = lambda ids: None
+    hedges: Callable[[int], list[ClaimedItem]] = lambda limit: []
+    unmark: Callable[[list[int]], None] = lambda ids: None
+
+    def new_client(self) -> GenerateClient:
+        return (self.clients or self.server.client)()
+
+    def sampling_for_run(self, run_id: int) -> SamplingParams:
+        return self.sampling
+
+    def paused(self) -> bool:
+        return self.is_paused()
+
+    def group_of(self, run_id: int, item_key: str) -> Hashable | None:
+        return self.conversation_of(run_id, item_key)
+
+    def check_result(self, item: ClaimedItem, result: GenerateResult) -> Checked:
+        return self.checks(item, result)
+
+    def image_data(self, item: ClaimedItem) -> list[str]:
+        return self.images(item)
+
+    def released(self, item_ids: list[int], wait_s: float) -> None:
+        self.on_released(item_ids, wait_s)
+
+    def finished(self, item_ids: list[int]) -> None:
+        self.on_finished(item_ids)
+
+    def find_hedges(self, limit: int) -> list[ClaimedItem]:
+        return self.hedges(limit)
+
+    def unmark_hedges(self, item_ids: list[int]) -> None:
+        self.unmark(item_ids)

@@ -45,7 +45,7 @@ def _units(rt: WorkerRuntime, ids: list[int]) -> tuple[list[list[int]], bool]:
     index: dict[object, int] = {}
     for item_id in ids:
         run_and_key = keys.get(item_id)
-        group = None if run_and_key is None else rt.window.group_of(*run_and_key)
+        group = None if run_and_key is None else rt.window.policy.group_of(*run_and_key)
         if group is None:
             units.append([item_id])
         elif group in index:

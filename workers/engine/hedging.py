@@ -15,11 +15,10 @@ from typing import Protocol
 
 from sqlalchemy import Engine
 
-from app.core.contracts import SamplingParams
 from app.ledger import claims
 from app.ledger.claims import ClaimedItem
 from app.ledger.database import limit_periodic
-from workers.engine.window_types import GenerateClient, Job, WindowStats
+from workers.engine.window_types import GenerateClient, Job, RunPolicy, WindowStats
 
 log = logging.getLogger(__name__)
 
@@ -154,16 +153,12 @@ class HedgeRound:
         window: HedgeHost,
         *,
         db: Engine,
-        sampling_for_run: Callable[[int], SamplingParams],
-        find_hedges: Callable[[int], list[ClaimedItem]] | None,
-        unmark_hedges: Callable[[list[int]], None],
+        policy: RunPolicy,
     ) -> None:
         self._window = window
         self._db = db
-        self._sampling_for_run = sampling_for_run
-        # up to n items leased elsewhere, marked as hedged by this window
-        self._find_hedges = find_hedges
-        self._unmark_hedges = unmark_hedges
+        # its find_hedges: up to n items leased elsewhere, marked as hedged by this window
+        self._policy = policy
 
     def run(self) -> None:
         w = self._window
@@ -174,21 +169,21 @@ class HedgeRound:
                 final = claims.finished_among(conn, [j.item.id for j in jobs])
             w.cancel_finished(jobs, final)
         w.abort_stale()
-        if self._find_hedges is None or not w.can_hedge():
+        if not w.can_hedge():
             return
-        find_hedges = self._find_hedges
+        policy = self._policy
         found: list[ClaimedItem] = []
 
         def copies(free: int) -> list[Job]:
             # asked while the window holds its free slots, so that a claim cannot take them
-            found[:] = find_hedges(free)[:free]
+            found[:] = policy.find_hedges(free)[:free]
             return [
-                Job(item=c, sampling=self._sampling_for_run(c.run_id), hedge=True) for c in found
+                Job(item=c, sampling=policy.sampling_for_run(c.run_id), hedge=True) for c in found
             ]
 
         queued = w.admit_hedges(copies)
         if queued is None:  # stopping: never sent, let others hedge
-            self._unmark_hedges([c.id for c in found])
+            policy.unmark_hedges([c.id for c in found])
             return
         if queued:
             log.info(

@@ -100,6 +100,7 @@ class WorkerRuntime:
         self.images = ImageChecks(db, self.server_name, ImageData(lambda: image_location(settings)))
         n = inflight or settings.inflight
         # later turns of `--turns all` chains, started as their previous turn is committed
+        self._on_released = on_released
         self.turns = TurnAdvancer(db, publish=lambda ids: on_released(ids, 0.0))
         self.window = InflightWindow(
             WindowConfig(
@@ -114,22 +115,14 @@ class WorkerRuntime:
                 backlog=backlog if backlog is not None else max(settings.batch_size, n // 4),
                 backlog_s=settings.backlog_s,
                 hedge_interval_s=settings.hedge_interval_s,
+                # without hedging the window still aborts its copies of items finished
+                # elsewhere (another worker's hedge won)
+                hedge=settings.hedge,
                 group_stagger_s=settings.group_stagger_s,
             ),
             db=db,
             owner=self.owner,
-            client_factory=self.new_client,
-            sampling_for_run=self.sampling_for_run,
-            on_released=on_released,
-            is_paused=self.paused,
-            on_finished=self.turns.notify,
-            # without hedging the window still aborts its copies of items finished elsewhere
-            # (another worker's hedge won)
-            find_hedges=self.find_hedges if settings.hedge else None,
-            unmark_hedges=self.unmark_hedges,
-            group_of=self.group_of,
-            check_result=self.check_result,
-            image_data=self.images.image_data,
+            policy=self,  # the window's RunPolicy: this runtime knows the runs and the server
         )
 
     def new_client(self) -> SGLangClient:
@@ -142,6 +135,17 @@ class WorkerRuntime:
     def stop(self) -> None:
         self.window.stop(self.settings.drain_timeout_s)
         self.turns.stop()
+
+    def released(self, item_ids: list[int], wait_s: float) -> None:
+        """Items the window gave back: to the queue again, after wait_s."""
+        self._on_released(item_ids, wait_s)
+
+    def finished(self, item_ids: list[int]) -> None:
+        """Results just committed: the `--turns all` chains among them start their next turn."""
+        self.turns.notify(item_ids)
+
+    def image_data(self, item: claims.ClaimedItem) -> list[str]:
+        return self.images.image_data(item)
 
     def find_hedges(self, limit: int) -> list[claims.ClaimedItem]:
         """Up to limit items running on other servers, in runs with nothing left to claim,

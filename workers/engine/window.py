@@ -24,8 +24,7 @@ from collections.abc import Callable, Hashable
 
 from sqlalchemy import Engine
 
-from app.core.contracts import GenerateResult, SamplingParams
-from app.core.errors import PermanentError
+from app.core.contracts import GenerateResult
 from app.ledger import outcomes
 from app.ledger.claims import ClaimedItem
 from app.ledger.outcomes import Done, Failed, Outcome, Released, RetryLater
@@ -36,7 +35,7 @@ from workers.engine.hedging import HedgeRound, Hedges
 from workers.engine.room import InFlight, Room
 from workers.engine.slots import Slot
 from workers.engine.timer import Timer
-from workers.engine.window_types import Admitted, Checked, GenerateClient, Job
+from workers.engine.window_types import Admitted, Checked, Job, RunPolicy
 
 # the window's own records, named here too: callers build and read a window with them
 from workers.engine.window_types import WindowConfig as WindowConfig
@@ -55,36 +54,17 @@ class InflightWindow:
         *,
         db: Engine,
         owner: str,
-        client_factory: Callable[[], GenerateClient],
-        sampling_for_run: Callable[[int], SamplingParams],
-        on_released: Callable[[list[int], float], None],
-        is_paused: Callable[[], bool] = lambda: False,
-        on_finished: Callable[[list[int]], None] = lambda ids: None,
-        find_hedges: Callable[[int], list[ClaimedItem]] | None = None,
-        unmark_hedges: Callable[[list[int]], None] = lambda ids: None,
-        group_of: Callable[[int, str], Hashable | None] = lambda run_id, key: None,
-        check_result: Callable[[ClaimedItem, GenerateResult], Checked] = lambda i, r: Checked(),
-        image_data: Callable[[ClaimedItem], list[str]] | None = None,
+        policy: RunPolicy,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
         self.owner = owner
         self.stats = WindowStats()
         self._db = db
-        self._client_factory = client_factory
-        self._sampling_for_run = sampling_for_run
-        self._on_released = on_released
-        # told the ids of results just committed (multi-turn chains start their next turn)
-        self._on_finished = on_finished
-        self._is_paused = is_paused
-        # a result made with other weights than its run's, or with token drift on an image
-        # item, is given back, not written
-        self._check_result = check_result
-        # an image item's images as its request carries them (None: this window sends none)
-        self._image_data = image_data
+        # the runs' sampling and conversations, the pause flag, the result checks, the images,
+        # where released and finished items go, the hedges: asked of the policy
+        self.policy = policy
         self._clock = clock
-        # the conversation of an item (run id, item key), or None: sent on its own
-        self.group_of = group_of
         # guards the room, the in-flight map, the conversations, the hedges and the stats
         self._cond = threading.Condition()
         self._room = Room(config, clock)
@@ -94,14 +74,8 @@ class InflightWindow:
         )
         self._backlog = Backlog()
         self._writer = ResultWriter(db, owner=owner, config=config, on_written=self._written)
-        self._hedges = Hedges(stats=self.stats, clock=clock, client_factory=client_factory)
-        self._hedge_round = HedgeRound(
-            self,
-            db=db,
-            sampling_for_run=sampling_for_run,
-            find_hedges=find_hedges,
-            unmark_hedges=unmark_hedges,
-        )
+        self._hedges = Hedges(stats=self.stats, clock=clock, client_factory=policy.new_client)
+        self._hedge_round = HedgeRound(self, db=db, policy=policy)
         self._unavailable_until = 0.0
         self._stopping = threading.Event()
         self._timer = Timer(
@@ -134,7 +108,7 @@ class InflightWindow:
         self._started = True
         name = self.config.server_name
         for i in range(self.config.inflight):
-            self._spawn(Slot(self, self._client_factory).loop, f"tm-slot-{name}-{i}")
+            self._spawn(Slot(self, self.policy.new_client).loop, f"tm-slot-{name}-{i}")
         self._spawn(self._writer.loop, f"tm-writer-{name}")
         self._spawn(self._timer.loop, f"tm-timer-{name}")
         self._spawn(
@@ -185,7 +159,7 @@ class InflightWindow:
                     len(leftover),
                     extra={"action": "released"},
                 )
-                self._on_released(leftover, 0.0)
+                self.policy.released(leftover, 0.0)
         except Exception:
             log.exception(
                 "could not release leases at shutdown; they expire on their own",
@@ -217,7 +191,7 @@ class InflightWindow:
         self._unavailable_until = self._clock() + self.config.unavailable_wait_s
 
     def paused(self) -> bool:
-        return self._is_paused()
+        return self.policy.paused()
 
     def capacity(self) -> int:
         """Items this window takes: the in-flight slots plus the backlog."""
@@ -313,8 +287,8 @@ class InflightWindow:
 
     def units(self, claimed: list[ClaimedItem]) -> int:
         """The room these items take: one per conversation, one per other item."""
-        groups = {self.group_of(c.run_id, c.item_key) for c in claimed}
-        singles = sum(1 for c in claimed if self.group_of(c.run_id, c.item_key) is None)
+        groups = {self.policy.group_of(c.run_id, c.item_key) for c in claimed}
+        singles = sum(1 for c in claimed if self.policy.group_of(c.run_id, c.item_key) is None)
         return singles + len(groups - {None})
 
     def submit(self, claimed: list[ClaimedItem]) -> None:
@@ -333,8 +307,8 @@ class InflightWindow:
         jobs = [
             Job(
                 item=c,
-                sampling=self._sampling_for_run(c.run_id),
-                group=self.group_of(c.run_id, c.item_key),
+                sampling=self.policy.sampling_for_run(c.run_id),
+                group=self.policy.group_of(c.run_id, c.item_key),
             )
             for c in claimed
         ]
@@ -404,7 +378,7 @@ class InflightWindow:
         # fresh slots keep the window whole (they hold items back while the server is paused)
         for job in jobs:
             self._spawn(
-                Slot(self, self._client_factory).loop,
+                Slot(self, self.policy.new_client).loop,
                 f"tm-slot-{self.config.server_name}-r{job.item.id}",
             )
         if jobs:
@@ -478,13 +452,11 @@ class InflightWindow:
     def check_result(self, item: ClaimedItem, result: GenerateResult) -> Checked:
         """Whether result may be written (not if made with other weights than its run's, or
         with token drift on an image item) and, for an image item, its image token counts."""
-        return self._check_result(item, result)
+        return self.policy.check_result(item, result)
 
     def image_data(self, item: ClaimedItem) -> list[str]:
         """The images of an image item's request; PermanentError when they cannot be sent."""
-        if self._image_data is None:
-            raise PermanentError("this worker sends no images")
-        return self._image_data(item)
+        return self.policy.image_data(item)
 
     def hedge_sent(self, job: Job, rid: str) -> bool:
         """Whether the hedge goes out as rid (not if cancelled meanwhile, or stopping)."""
@@ -533,8 +505,13 @@ class InflightWindow:
             self._hedges.abort_again(self._sending.jobs())
 
     def can_hedge(self) -> bool:
-        """Not stopping, the server up and nothing waiting for a slot."""
-        if self._stopping.is_set() or self.unavailable() or self._is_paused():
+        """Hedging on, not stopping, the server up and nothing waiting for a slot."""
+        if (
+            not self.config.hedge
+            or self._stopping.is_set()
+            or self.unavailable()
+            or self.policy.paused()
+        ):
             return False
         return self._backlog.empty()
 
@@ -588,13 +565,13 @@ class InflightWindow:
         ended = sum(1 for o in batch if isinstance(o, Done | Failed))
         finished = [o.item_id for o in batch if isinstance(o, Done | Failed)]
         if finished:
-            self._on_finished(finished)
+            self.policy.finished(finished)
         if released:
             with self._cond:
                 self.stats.released += len(released)
             wait_s = self.config.unavailable_wait_s if self.unavailable() else 0.0
             try:
-                self._on_released(released, wait_s)
+                self.policy.released(released, wait_s)
             except Exception:
                 log.exception(
                     "could not re-queue %d released items; reconcile will",

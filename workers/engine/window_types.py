@@ -1,6 +1,6 @@
 """Records the in-flight window shares with its parts: its config and stats, the job of one
-claimed item, what the checks of a result decide, and the interface of the client a slot
-sends through."""
+claimed item, what the checks of a result decide, what its gate admitted, and the interfaces
+of the client a slot sends through and of the policy the window asks about its runs."""
 
 from __future__ import annotations
 
@@ -28,6 +28,51 @@ class GenerateClient(Protocol):
     def abort(self, rid: str) -> bool: ...
 
     def close(self) -> None: ...
+
+
+class RunPolicy(Protocol):
+    """What a window asks about the runs it serves and tells about their items: a worker's
+    WorkerRuntime answers (it knows the runs' pins, the pause flags and the server); tests
+    use FakePolicy (workers/engine/fake_client.py)."""
+
+    def new_client(self) -> GenerateClient:
+        """A client of the window's server (each slot and the abort thread hold their own)."""
+        ...
+
+    def sampling_for_run(self, run_id: int) -> SamplingParams: ...
+
+    def paused(self) -> bool:
+        """Whether the server is paused (nothing is sent while it is)."""
+        ...
+
+    def group_of(self, run_id: int, item_key: str) -> Hashable | None:
+        """The conversation of an item (its items go out one at a time), or None."""
+        ...
+
+    def check_result(self, item: ClaimedItem, result: GenerateResult) -> Checked:
+        """Whether a result may be written, and an image item's image token counts."""
+        ...
+
+    def image_data(self, item: ClaimedItem) -> list[str]:
+        """An image item's images as its request carries them; PermanentError if it cannot."""
+        ...
+
+    def released(self, item_ids: list[int], wait_s: float) -> None:
+        """Items given back to the queue, to be sent again after wait_s."""
+        ...
+
+    def finished(self, item_ids: list[int]) -> None:
+        """Items whose results were just committed (a `--turns all` chain starts its next)."""
+        ...
+
+    def find_hedges(self, limit: int) -> list[ClaimedItem]:
+        """Up to limit items running elsewhere for this window to hedge, marked as its
+        hedges ([] when it does not hedge: it still aborts its copies finished elsewhere)."""
+        ...
+
+    def unmark_hedges(self, item_ids: list[int]) -> None:
+        """Hedges marked but never sent (the window is stopping): others may take them."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -69,6 +114,7 @@ class WindowConfig:
     # > 0: every this many seconds, abort copies of items that finished elsewhere and (given a
     # hedge source) fill free slots with hedges
     hedge_interval_s: float = 0.0
+    hedge: bool = True  # False: this window sends no hedges (it still aborts finished copies)
     # > 0: a slot that would idle takes the next item of a conversation whose last item has
     # been out this long (past its prefill: its prompt is cached); 0: only once it finished
     group_stagger_s: float = 0.0
