@@ -34,11 +34,9 @@ def _release(rt: WorkerRuntime, claimed: Sequence[claims.ClaimedItem], reason: s
         )
 
 
-def _units(rt: WorkerRuntime, ids: list[int]) -> list[list[int]]:
+def _units(rt: WorkerRuntime, ids: list[int], keys: dict[int, tuple[int, str]]) -> list[list[int]]:
     """The message's ids in units of room: a conversation's items together (the window sends
     them one at a time), every other item on its own; in message order."""
-    with rt.db.connect() as conn:
-        keys = claims.item_keys(conn, ids)
     units: list[list[int]] = []
     index: dict[object, int] = {}
     for item_id in ids:
@@ -54,6 +52,25 @@ def _units(rt: WorkerRuntime, ids: list[int]) -> list[list[int]]:
             index[group] = len(units)
             units.append([item_id])
     return units
+
+
+def _not_served(
+    rt: WorkerRuntime, ids: list[int], keys: dict[int, tuple[int, str]], requeue: Requeue
+) -> set[int]:
+    """The ids of runs this worker does not serve, left unclaimed: a bound run's go back to
+    the queue for the servers it is bound to; a run `tokenmill run` drives takes its items
+    from the ledger itself, so a message of them is dropped (nothing of the ledger changes)."""
+    foreign = [i for i in ids if i in keys and not rt.serves_run(keys[i][0])]
+    bound = [i for i in foreign if rt.run_info(keys[i][0]).fleet_run]
+    if bound:
+        requeue(bound, rt.settings.unavailable_wait_s)
+    if len(bound) < len(foreign):
+        log.info(
+            "message of %d items: %d of runs `tokenmill run` drives dropped",
+            len(ids),
+            len(foreign) - len(bound),
+        )
+    return set(foreign)
 
 
 def handle_message(
@@ -73,7 +90,11 @@ def handle_message(
     accepted: list[claims.ClaimedItem] = []
     refused: list[claims.ClaimedItem] = []
     skipped = passed = 0
-    units = _units(rt, ids)  # a conversation of boundary samples is one unit: one server
+    with rt.db.connect() as conn:
+        keys = claims.item_keys(conn, ids)
+    foreign = _not_served(rt, ids, keys, requeue)
+    ids = [i for i in ids if i not in foreign]
+    units = _units(rt, ids, keys)  # a conversation of boundary samples is one unit: one server
     # a server that reads no images claims text items only; image items go back to the queue
     text_only = not rt.reads_images()
     while units:
@@ -116,6 +137,16 @@ def handle_message(
         if refused_now:
             requeue(_release(rt, refused_now, "server fingerprint differs from the run's"), wait_s)
             refused += refused_now
+        # image items of runs whose storage this worker does not reach (said once per run)
+        unreached = [
+            c
+            for c in claimed
+            if c not in refused_now and c.images and not rt.images.reaches(c.run_id)
+        ]
+        if unreached:
+            requeue(_release(rt, unreached, "the run's storage is not reached here"), wait_s)
+            refused += unreached
+            refused_now = [*refused_now, *unreached]
         now_ok = [c for c in claimed if c not in refused_now]
         rt.window.unreserve(held - rt.window.units(now_ok))  # taken, finished or refused
         rt.window.submit(now_ok, reserved=True)
@@ -136,6 +167,6 @@ def handle_message(
     return {
         "claimed": len(accepted),
         "skipped": skipped,
-        "deferred": len(refused) + len(rest) + passed,
+        "deferred": len(refused) + len(rest) + passed + len(foreign),
         "server": rt.server_name,
     }
