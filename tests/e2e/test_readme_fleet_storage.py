@@ -263,3 +263,27 @@ def _served(db: Engine, run: str) -> int:
             select(func.count()).where(items.c.run_id == info.id, items.c.server == "gpu-0")
         ).scalar()
     return int(n or 0)
+
+
+def test_enqueue_servers_binds_a_run_and_status_shows_it(
+    tmp_path: Path, kimi_tokenizer_dir: Path
+) -> None:
+    from tests.support.procs import clean_env, tokenmill
+
+    env = clean_env(tmp_path / "data")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "q", "prompt": "Q?"}) + "\n")
+    for name in ("gpu-a", "gpu-b"):
+        added = tokenmill(["servers", "add", name, f"http://{name}:30000"], env, tmp_path)
+        assert added.returncode == 0, added.stderr
+    base = ["enqueue", str(prompts), "--tokenizer", str(kimi_tokenizer_dir)]
+    typo = tokenmill([*base, "--run", "t", "--servers", "gpu-a,gpu-c"], env, tmp_path)
+    assert typo.returncode == 2 and "gpu-c is not registered" in typo.stderr, typo.stderr
+    bound = tokenmill([*base, "--run", "b", "--servers", "gpu-a"], env, tmp_path)
+    assert bound.returncode == 0, bound.stderr
+    status = tokenmill(["status", "b"], env, tmp_path)
+    assert "run b: served by gpu-a (enqueue --servers)" in status.stdout, status.stdout
+    shown = json.loads(tokenmill(["status", "b", "--json"], env, tmp_path).stdout)
+    assert shown["served_by"] == {"driver": "fleet", "servers": ["gpu-a"]}
+    other = tokenmill([*base, "--run", "b", "--servers", "gpu-b"], env, tmp_path)
+    assert other.returncode != 0 and "servers: gpu-a → gpu-b" in other.stderr, other.stderr
