@@ -54,11 +54,11 @@ def delete_cmd(run_name: str, force: bool, as_json: bool) -> None:
     with db.begin() as conn:
         removal.delete_run_row(conn, run.id, run.name)
     try:
-        shards = remove_run_shards(settings, run.name)
+        shards = remove_run_shards(settings, run)
     except OSError as exc:
         raise StorageError(
             f"run {run.name!r} left the ledger, but its shards under "
-            f"{settings.resolved_storage_url()} could not be removed: {exc}"
+            f"{run.storage_url or settings.resolved_storage_url()} could not be removed: {exc}"
         ) from exc
     if as_json:
         print_json({"run": run.name, "items": deleted, "shards": len(shards)})

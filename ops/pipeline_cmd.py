@@ -60,8 +60,16 @@ def _template_choice(opts: dict[str, Any], existing: RunInfo | None) -> tuple[An
 
 
 def enqueue_input(
-    input_path: Path, run: str, tokenizer_path: str, publish: bool, opts: dict[str, Any]
+    input_path: Path,
+    run: str,
+    tokenizer_path: str,
+    publish: bool,
+    opts: dict[str, Any],
+    *,
+    driver: str | None = None,
 ) -> EnqueueReport:
+    """Enqueue INPUT_PATH into run (publishing its items when publish); driver: who serves it
+    (run_queries.DRIVER_RUN for `tokenmill run`; None: the fleet)."""
     from rich.markup import escape
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -75,9 +83,14 @@ def enqueue_input(
     if publish:
         check_broker(settings)  # a typo of the scheme, before anything is inserted
         announce_embedded(settings, broker=True)
+    if driver is None:  # before anything is read or written: the fleet must reach the storage
+        from app.storage import run_store
+
+        run_store.check_fleet_storage(settings, run_store.pinned_url(settings))
     db = open_db(settings)
     kwargs = parse_chat_template_kwargs(opts["chat_template_kwargs"])
     existing = _existing_run(db, run)
+    servers = _bound_servers(db, opts.get("servers") or ())
     if existing is not None:
         _check_pinned_files(existing, tokenizer_path)
     # a run created with --trust-remote-code keeps it: a later enqueue need not repeat it
@@ -107,6 +120,8 @@ def enqueue_input(
         weight_version=opts.get("weight_version"),
         reasoning_efforts=build_efforts(opts),
         image_root=opts.get("image_root"),
+        servers=servers,
+        driver=driver,
     )
     publisher = None
     if publish:
@@ -172,7 +187,7 @@ def enqueue_input(
         console.print(
             f"{report.images_read} distinct image sources read, each once "
             f"({report.image_bytes_read:,} bytes), "
-            f"stored under {escape(settings.resolved_storage_url())}/images",
+            f"stored under {escape(_storage_of(db, run, settings))}/images",
             markup=True,
             soft_wrap=True,
         )
@@ -223,6 +238,32 @@ def _render_url(url: str | None) -> str | None:
     return url.rstrip("/")
 
 
+def _bound_servers(db: Any, given: tuple[str, ...]) -> tuple[str, ...] | None:
+    """`--servers`: the names given (repeated or comma-separated), each a registered server;
+    None when none is given (any server of the fleet)."""
+    from app.ledger import registry
+
+    names = [n.strip() for value in given for n in value.split(",") if n.strip()]
+    if not names:
+        return None
+    with db.connect() as conn:
+        known = [s.name for s in registry.list_servers(conn)]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise click.BadParameter(
+            f"{', '.join(unknown)} {'is' if len(unknown) == 1 else 'are'} not registered "
+            f"(registered: {', '.join(known) or 'none'}; `tokenmill servers` lists them)",
+            param_hint="--servers",
+        )
+    return tuple(dict.fromkeys(names))
+
+
+def _storage_of(db: Any, run: str, settings: Settings) -> str:
+    """The storage URL the run pinned (a run older than the pin: TOKENMILL_STORAGE_URL)."""
+    existing = _existing_run(db, run)
+    return (existing.storage_url if existing else None) or settings.resolved_storage_url()
+
+
 def _existing_run(db: Any, run: str) -> RunInfo | None:
     from app.ledger import run_queries
 
@@ -268,6 +309,14 @@ def _unit(report: EnqueueReport) -> str:
     help="Local tokenizer folder with a chat template.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.option(
+    "--servers",
+    "servers",
+    multiple=True,
+    metavar="NAME[,NAME...]",
+    help="Only these registered servers serve the run (repeat or comma-separate; pinned by "
+    "the run; `tokenmill status` shows it). Default: any server of the fleet.",
+)
 @field_option
 @sampling_options
 @render_options

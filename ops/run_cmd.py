@@ -132,7 +132,10 @@ def run_pipeline(
     db = open_db(settings)
     again = "tokenmill " + shlex.join(sys.argv[1:])
     try:
-        enqueue_input(input_path, run_name, tokenizer_path, False, opts)
+        # the run is this process's: the fleet's reconcile and workers leave it alone
+        enqueue_input(
+            input_path, run_name, tokenizer_path, False, opts, driver=run_queries.DRIVER_RUN
+        )
     except KeyboardInterrupt:
         console.print(
             f"interrupted: what was enqueued is kept; `{escape(again)}` continues", soft_wrap=True

@@ -4,7 +4,7 @@ differs, enqueues that stopped early; `--watch` for the live dashboard.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -63,8 +63,9 @@ def status_cmd(run_name: str | None, as_json: bool, watch: bool, interval_s: flo
             | {
                 "rendering_differs": differing.get(c.run, []),
                 "enqueue_stopped": c.run in stopped_names,
+                "served_by": _served_by(r),
             }
-            for c in counts
+            for c, r in zip(counts, runs, strict=True)
         ]
         print_json(found[0] if run_name else found)
         return
@@ -80,6 +81,9 @@ def status_cmd(run_name: str | None, as_json: bool, watch: bool, interval_s: flo
     note = left_out_note(dropped)
     if note:
         click.echo(note, err=True)
+    for r in runs:  # the binding of runs not open to the whole fleet
+        if not r.fleet_run or r.servers is not None:
+            click.echo(f"run {r.name}: served by {r.binding()}")
     if stopped_names or any(differing.get(c.run) for c in counts):
         _print_warnings(counts, stopped_names, differing)
     for name in unserved:
@@ -91,6 +95,12 @@ def status_cmd(run_name: str | None, as_json: bool, watch: bool, interval_s: flo
             markup=True,
             soft_wrap=True,
         )
+
+
+def _served_by(run: run_queries.RunInfo) -> dict[str, Any]:
+    """Who serves the run, for --json: the fleet (any server, or the --servers it is bound
+    to) or the `tokenmill run` that drives it."""
+    return {"driver": "fleet" if run.fleet_run else "run", "servers": run.servers}
 
 
 def _unserved_images(

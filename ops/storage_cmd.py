@@ -39,7 +39,7 @@ def export_to_storage(
             shard_rows=settings.shard_rows,
             weight_version=weight_version,
             allow_mixed_weights=allow_mixed,
-            image_store=image_location(settings),
+            image_store=image_location(settings, run.storage_url),
             with_images=with_images,
         )
     except OSError as exc:  # fsspec/s3fs report storage failures as OSError subclasses

@@ -101,7 +101,7 @@ def verify_cmd(
         tokenizer,
         export_url=export_url,
         storage_options=settings.storage_options,
-        image_store=image_location(settings),
+        image_store=image_location(settings, run.storage_url),
     )
     if problem is not None:
         report.findings.insert(0, problem)

@@ -127,6 +127,13 @@ runs = Table(
     Column("weight_version", String(200), nullable=True),
     # the run's multimodal pins (app.core.images.ImagePins.to_json); null: a text-only run
     Column("images", JSON, nullable=True),
+    # the storage URL its images and compacted shards live in, pinned at creation: readers
+    # resolve the run's keys against it (null: a run older than 0013, read with their own)
+    Column("storage_url", Text, nullable=True),
+    # `enqueue --servers NAME...`: the registered servers that alone serve the run (null: any)
+    Column("servers", JSON, nullable=True),
+    # "run": `tokenmill run` drives it, the fleet leaves it alone (null: a fleet run)
+    Column("driver", String(20), nullable=True),
     # set when the run's items moved to items_archive (`tokenmill archive`); no more enqueues
     _when("archived_at"),
     # the archived run's counts and token sums, taken once its rows left the hot table (the

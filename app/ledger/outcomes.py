@@ -290,9 +290,14 @@ def release_owner(conn: Connection, owner: str) -> list[int]:
 
 
 def requeue_expired(
-    conn: Connection, *, run_id: int | None = None, limit: int = 10000
+    conn: Connection,
+    *,
+    run_id: int | None = None,
+    limit: int = 10000,
+    skip_runs: Sequence[int] = (),
 ) -> list[int]:
-    """Items whose lease expired (their worker died) go back to queued; return their ids."""
+    """Items whose lease expired (their worker died) go back to queued; return their ids.
+    skip_runs: runs left alone (the ones `tokenmill run` drives take their leases back)."""
     pin_index_plans(conn)
     now = utcnow()
     pick = (
@@ -302,6 +307,8 @@ def requeue_expired(
     )
     if run_id is not None:
         pick = pick.where(items.c.run_id == run_id)
+    if skip_runs:
+        pick = pick.where(items.c.run_id.not_in(list(skip_runs)))
     ids = list(conn.execute(pick).scalars())
     if not ids:
         return []

@@ -230,10 +230,15 @@ def mark_queued(conn: Connection, ids: Sequence[int]) -> int:
 
 
 def oldest_queued(
-    conn: Connection, cutoff: datetime, *, limit: int, run_id: int | None = None
+    conn: Connection,
+    cutoff: datetime,
+    *,
+    limit: int,
+    run_id: int | None = None,
+    skip_runs: Sequence[int] = (),
 ) -> list[int]:
     """Ids of up to limit items queued before cutoff, the longest-queued first: an ordered
-    read of the partial index of queued items, however many are queued."""
+    read of the partial index of queued items, however many are queued (but skip_runs')."""
     pin_index_plans(conn)
     stmt = (
         select(items.c.id)
@@ -243,6 +248,8 @@ def oldest_queued(
     )
     if run_id is not None:
         stmt = stmt.where(items.c.run_id == run_id)
+    if skip_runs:
+        stmt = stmt.where(items.c.run_id.not_in(list(skip_runs)))
     return list(conn.execute(stmt).scalars())
 
 

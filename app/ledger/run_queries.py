@@ -1,5 +1,6 @@
 """Runs: what a run pins when it is created (RunSpec), how it reads back (RunInfo), the check
-that a later enqueue pins the same settings, its server fingerprint and whether it is archived."""
+that a later enqueue pins the same settings, its server fingerprint and whether it is archived;
+its storage URL and which servers serve it."""
 
 from __future__ import annotations
 
@@ -48,6 +49,17 @@ class RunSpec:
     weight_version: str | None = None
     # `--reasoning-effort a,b,c`: sample k is templated with the k-th effort (modulo)
     reasoning_efforts: tuple[str | float, ...] = ()
+    # where its images and shards live (app.storage.run_store.pinned_url); a later enqueue
+    # stores into the run's, whatever its own setting
+    storage_url: str | None = None
+    # `enqueue --servers NAME...`: only these registered servers serve the run
+    servers: tuple[str, ...] | None = None
+    # DRIVER_RUN: `tokenmill run` drives it (the fleet leaves it alone); None: the fleet's
+    driver: str | None = None
+
+
+# runs.driver of a run `tokenmill run` drives
+DRIVER_RUN = "run"
 
 
 @dataclass(frozen=True)
@@ -74,6 +86,27 @@ class RunInfo:
     chat_pins: dict[str, Any] | None = None
     weight_version: str | None = None
     reasoning_efforts: tuple[str | float, ...] = ()
+    # None: a run created before its storage was pinned (readers use their own setting)
+    storage_url: str | None = None
+    servers: tuple[str, ...] | None = None
+    driver: str | None = None
+
+    @property
+    def fleet_run(self) -> bool:
+        """Served by the fleet's workers and reconcile (not a run `tokenmill run` drives)."""
+        return self.driver != DRIVER_RUN
+
+    def served_by(self, server: str) -> bool:
+        """Whether a fleet worker of this server may take the run's items."""
+        return self.fleet_run and (self.servers is None or server in self.servers)
+
+    def binding(self) -> str:
+        """Which servers serve the run, as `status` shows it."""
+        if not self.fleet_run:
+            return "`tokenmill run` only (its --server URLs; the fleet leaves it alone)"
+        if self.servers is None:
+            return "any server of the fleet"
+        return ", ".join(self.servers) + " (enqueue --servers)"
 
 
 # The run's turn mode rides in its pinned sampling_params JSON (no column of its own), under
@@ -109,6 +142,9 @@ def _run_info(row: Any) -> RunInfo:
         chat_pins=dict(row.chat_pins) if row.chat_pins is not None else None,
         weight_version=row.weight_version,
         reasoning_efforts=efforts,
+        storage_url=row.storage_url,
+        servers=tuple(row.servers) if row.servers is not None else None,
+        driver=row.driver,
     )
 
 
@@ -159,6 +195,15 @@ def run_differences(existing: RunInfo, spec: RunSpec) -> list[str]:
     if existing.reasoning_efforts != spec.reasoning_efforts:
         old_e, new_e = list(existing.reasoning_efforts), list(spec.reasoning_efforts)
         diffs.append(f"reasoning effort cycle: {old_e} → {new_e}")
+    if existing.driver != spec.driver:
+        drivers = {None: "tokenmill enqueue (the fleet)", DRIVER_RUN: "tokenmill run"}
+        diffs.append(
+            f"driven by: {drivers.get(existing.driver, existing.driver)} → "
+            f"{drivers.get(spec.driver, spec.driver)}"
+        )
+    if spec.servers is not None and existing.servers != spec.servers:
+        old_s = "any" if existing.servers is None else " ".join(existing.servers)
+        diffs.append(f"servers: {old_s} → {' '.join(spec.servers)}")
     return diffs
 
 
@@ -218,6 +263,9 @@ def get_or_create_run(conn: Connection, spec: RunSpec) -> tuple[RunInfo, bool]:
             normalization_version=spec.normalization_version,
             chat_pins=spec.chat_pins,
             weight_version=spec.weight_version,
+            storage_url=spec.storage_url,
+            servers=list(spec.servers) if spec.servers is not None else None,
+            driver=spec.driver,
         )
     )
     return get_run(conn, spec.name), True
@@ -247,3 +295,10 @@ def pin_fingerprint(conn: Connection, run_id: int, fingerprint: dict[str, Any]) 
     )
     pinned = conn.execute(select(runs.c.fingerprint).where(runs.c.id == run_id)).scalar_one()
     return dict(pinned or {})
+
+
+def run_storage_url(conn: Connection, run_id: int) -> str | None:
+    """The storage URL the run pinned (None: a run older than the pin)."""
+    stmt = select(runs.c.storage_url).where(runs.c.id == run_id)
+    url: str | None = conn.execute(stmt).scalar()
+    return url

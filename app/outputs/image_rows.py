@@ -33,7 +33,14 @@ from app.core.errors import TokenmillError
 from app.core.images import ImagePins, ImageRef, expand_placeholders, placeholder_count
 from app.ledger.image_tokens import run_image_pins
 from app.ledger.reads import StoredItem
-from app.storage.image_store import ImageError, get_image, image_location, image_uri
+from app.ledger.run_queries import run_storage_url
+from app.storage.image_store import (
+    ImageError,
+    get_image,
+    image_location,
+    image_uri,
+    stored_image_keys,
+)
 from app.storage.shards import Location, write_object
 
 log = logging.getLogger(__name__)
@@ -112,31 +119,37 @@ class ImageRows:
 
     store: the image store (None for a text-only run, whose rows have no image fields);
     copy_to: the export's folder with --with-images, where each image referenced is copied
-    once (read with get_image, which checks its sha256), and referenced by relative path."""
+    once (read with get_image, which checks its sha256), and referenced by relative path;
+    check_present: a reference to the store is written only once its object is found there
+    (an export never points at a file that does not exist)."""
 
     def __init__(
         self,
         pins: ImagePins | None,
         store: Location | None,
         copy_to: Location | None = None,
+        *,
+        check_present: bool = False,
     ) -> None:
         self.placeholder_id = None if pins is None else pins.placeholder_id
         self.store = store
         self.copy_to = copy_to
         self.copied: dict[str, CopiedImage] = {}
+        self.check_present = check_present
+        self._present: set[str] | None = None  # the store's image keys, listed once
 
     @classmethod
     def for_run(
         cls, conn: Connection, run_id: int, store: Location | None, copy_to: Location | None = None
     ) -> ImageRows:
         """The run's pins read from the ledger; a run with images and no store given points at
-        the configured one (TOKENMILL_STORAGE_URL)."""
+        its pinned storage (a run older than the pin: TOKENMILL_STORAGE_URL)."""
         pins = run_image_pins(conn, run_id)
         if pins is not None and store is None:
             from app.core.settings import get_settings
 
-            store = image_location(get_settings())
-        return cls(pins, store, copy_to)
+            store = image_location(get_settings(), run_storage_url(conn, run_id))
+        return cls(pins, store, copy_to, check_present=True)
 
     def served_prompt(self, item: StoredItem) -> list[int]:
         return served_prompt(item, self.placeholder_id)
@@ -148,10 +161,34 @@ class ImageRows:
                 f"{item_label(item)} image {index} ({ref.key}): no image store to point at"
             )
         if self.copy_to is None:
+            if self.check_present:
+                self._check_present(item, index, ref)
             return image_uri(self.store, ref)
         if ref.sha256 not in self.copied:
             self._copy(item, index, ref)
         return ref.key
+
+    def _check_present(self, item: StoredItem, index: int, ref: ImageRef) -> None:
+        """ImageExportError unless ref's object is in the store (its images/ folder is listed
+        once; a key not listed is looked for on its own, as an enqueue may have added it)."""
+        assert self.store is not None
+        if self._present is None:
+            self._present = stored_image_keys(self.store)
+        if ref.key in self._present:
+            return
+        try:
+            found = self.store.fs.exists(self.store.path(ref.key))
+        except OSError as exc:
+            raise ImageExportError(
+                f"could not look for {ref.key} in {self.store.url}: {exc}"
+            ) from exc
+        if not found:
+            raise ImageExportError(
+                f"{item_label(item)} image {index}: {ref.key} is missing from {self.store.url}, "
+                "so the export would point at a file that does not exist (is this the run's "
+                "storage? `tokenmill verify RUN` checks every image)"
+            )
+        self._present.add(ref.key)
 
     def _copy(self, item: StoredItem, index: int, ref: ImageRef) -> None:
         assert self.store is not None and self.copy_to is not None

@@ -196,7 +196,7 @@ def verify_run(
 
     Image items: the template check re-renders the ids sent (one placeholder per image), the
     counts must rebuild the served prompt (whose length is the server's prompt_tokens), and
-    every image is read back from image_store (default the configured one), each distinct
+    every image is read back from image_store (default the run's pinned storage), each distinct
     image once. export_url: a Parquet export folder, or a JSONL export file (its image
     references are checked)."""
     report = VerifyReport(run=run.name)
@@ -211,7 +211,7 @@ def verify_run(
     stops = set(run.eos_token_ids) | set(run.sampling.stop_token_ids)
     pending: list[StoredItem] = []
     with db.connect() as conn:
-        images = StoredImages(report, run_image_pins(conn, run.id), image_store)
+        images = StoredImages(report, run_image_pins(conn, run.id), image_store, run.storage_url)
         for item in reads.iter_items(conn, run.id, storage_options=storage_options):
             report.items += 1
             sent = run.sampling.for_sample(item.sample_index, item.row_sampling_params)
@@ -384,10 +384,17 @@ class StoredImages:
     """The image checks of verify: each image item's counts, and its images read back from
     the store (each distinct image once; its problem, if any, named for every item using it)."""
 
-    def __init__(self, report: VerifyReport, pins: ImagePins | None, store: Location | None):
+    def __init__(
+        self,
+        report: VerifyReport,
+        pins: ImagePins | None,
+        store: Location | None,
+        storage_url: str | None = None,
+    ):
         self.report = report
         self.placeholder_id = None if pins is None else pins.placeholder_id
         self.store = store
+        self.storage_url = storage_url  # the run's pinned storage, opened when store is None
         self._store_problems: dict[str, str | None] = {}  # sha256 -> why it fails, or None
 
     def check(self, item: StoredItem) -> list[int] | None:
@@ -434,7 +441,7 @@ class StoredImages:
         if self.store is None and self.placeholder_id is not None:
             from app.core.settings import get_settings
 
-            self.store = image_location(get_settings())
+            self.store = image_location(get_settings(), self.storage_url)
         return self.store
 
 

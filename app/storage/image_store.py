@@ -20,6 +20,9 @@ from app.core.images import FORMAT_EXTENSIONS, ImageRef, store_key
 from app.core.settings import Settings
 from app.storage.shards import Location, StorageError, open_location, read_object, write_object
 
+# the folder of the store that holds the images (app.core.images.store_key)
+IMAGES_PREFIX = "images"
+
 
 class ImageError(TokenmillError, ValueError):
     """Bytes that are not a usable image, or a stored image that is missing or changed."""
@@ -59,9 +62,10 @@ def inspect_image(data: bytes) -> ImageInfo:
     return ImageInfo(image_format, width, height)
 
 
-def image_location(settings: Settings) -> Location:
-    """The storage folder that holds the images/ prefix (the root of TOKENMILL_STORAGE_URL)."""
-    return open_location(settings.resolved_storage_url(), settings.storage_options)
+def image_location(settings: Settings, storage_url: str | None = None) -> Location:
+    """The storage folder that holds the images/ prefix: a run's pinned storage_url, else the
+    root of TOKENMILL_STORAGE_URL (a run older than the pin)."""
+    return open_location(storage_url or settings.resolved_storage_url(), settings.storage_options)
 
 
 def _folder(loc: Location, key: str) -> tuple[Location, str]:
@@ -112,3 +116,15 @@ def get_image(loc: Location, ref: ImageRef) -> bytes:
 def image_uri(loc: Location, ref: ImageRef) -> str:
     """The full URL of ref's stored object (what exports point at)."""
     return loc.uri(ref.key)
+
+
+def stored_image_keys(loc: Location) -> set[str]:
+    """The keys (`images/<name>`) of every image in loc, from one listing of its images/
+    folder (empty when there is none)."""
+    try:
+        names = loc.fs.ls(loc.path(IMAGES_PREFIX), detail=False)
+    except FileNotFoundError:
+        return set()
+    except OSError as exc:
+        raise StorageError(f"could not list the images in {loc.url}: {exc}") from exc
+    return {f"{IMAGES_PREFIX}/{str(n).rstrip('/').rpartition('/')[2]}" for n in names}

@@ -73,9 +73,12 @@ class CompactionReport:
         }
 
 
-def compaction_location(settings: Settings, run_name: str) -> Location:
-    """Where the compacted shards of a run live."""
-    base = settings.resolved_storage_url().rstrip("/")
+def compaction_location(
+    settings: Settings, run_name: str, storage_url: str | None = None
+) -> Location:
+    """Where the compacted shards of a run live: under the run's pinned storage URL (a run
+    older than the pin: TOKENMILL_STORAGE_URL)."""
+    base = (storage_url or settings.resolved_storage_url()).rstrip("/")
     return open_location(f"{base}/runs/{run_name}/compacted", settings.storage_options)
 
 
@@ -110,7 +113,7 @@ def _compact_locked(
     force: bool,
     shard_rows: int,
 ) -> None:
-    loc = compaction_location(settings, run.name)
+    loc = compaction_location(settings, run.name, run.storage_url)
     with db.connect() as conn:
         archived = run_queries.run_archived(conn, run.id)
     if archived:
@@ -138,7 +141,9 @@ def _compact_locked(
     with db.connect() as conn:
         pins = run_image_pins(conn, run.id)
     # image rows are written as exports write them: served prompt ids, images, counts
-    images = ImageRows(pins, image_location(settings) if pins is not None else None)
+    images = ImageRows(
+        pins, image_location(settings, run.storage_url) if pins is not None else None
+    )
     started = time.monotonic()
     after = 0
     while True:
@@ -238,10 +243,10 @@ def compact_due(db: Engine, settings: Settings) -> list[CompactionReport]:
     return [compact_run(db, settings, run) for run in due]
 
 
-def remove_run_shards(settings: Settings, run_name: str) -> list[str]:
+def remove_run_shards(settings: Settings, run: RunInfo) -> list[str]:
     """Delete every compacted shard (and a killed writer's temporary file) of a run that is
     being deleted: nothing refers to them any more. Returns the names removed."""
-    loc = compaction_location(settings, run_name)
+    loc = compaction_location(settings, run.name, run.storage_url)
     names = list_names(loc, prefix=SHARD_PREFIX, suffix=SHARD_SUFFIX)
     if loc.local:
         names += list_names(loc, prefix=f".{SHARD_PREFIX}", suffix=".tmp")

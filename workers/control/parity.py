@@ -164,11 +164,10 @@ def check_run(
     images: StoredImages | None = None,
 ) -> ParityReport:
     """Re-render the run's prompts (all, or a seeded sample) and compare each with its stored
-    ids, images sent from the image store (images: the store of TOKENMILL_STORAGE_URL unless
-    given). An outage of the server raises (ServerUnavailable, RetryableError): nothing is
-    known."""
+    ids, images sent from the image store (images: the run's pinned store unless given).
+    An outage of the server raises (ServerUnavailable, RetryableError): nothing is known."""
     if images is None:
-        images = StoredImages(lambda: image_location(get_settings()))
+        images = StoredImages(lambda: image_location(get_settings(), run.storage_url))
     with db.connect() as conn:
         if sample is None:
             ids = reads.prompt_item_ids(conn, run.id)
@@ -257,7 +256,7 @@ def preflight(
                 client,
                 server=server,
                 sample=settings.parity_sample,
-                images=StoredImages(lambda: image_location(settings)),
+                images=StoredImages(lambda: image_location(settings, run.storage_url)),
             )
     except GenerationError as exc:
         log.warning(

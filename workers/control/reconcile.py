@@ -63,18 +63,26 @@ def reconcile(
 ) -> ReconcileReport:
     report = ReconcileReport()
     fold_counters(db)
+    with db.connect() as conn:
+        run_infos = [run_queries.get_run(conn, run)] if run else run_queries.list_runs(conn)
+    run_id = run_infos[0].id if run else None
+    # runs `tokenmill run` drives are left alone: their process takes its items from the ledger
+    skip = [r.id for r in run_infos if not r.fleet_run]
+    if run and skip:
+        log.info(
+            "reconcile: run %s is driven by `tokenmill run`; left alone",
+            run,
+            extra={"action": "run_skipped"},
+        )
+        return report
     with db.begin() as conn:
-        run_id = run_queries.get_run(conn, run).id if run else None
         limit_periodic(conn, timeout_s=SCAN_TIMEOUT_S)
-        expired = outcomes.requeue_expired(conn, run_id=run_id)
+        expired = outcomes.requeue_expired(conn, run_id=run_id, skip_runs=skip)
         publish(expired, 0.0)
     report.expired = len(expired)
-    runs = [run] if run else None
-    with db.connect() as conn:
-        run_infos = (
-            [run_queries.get_run(conn, r) for r in runs] if runs else run_queries.list_runs(conn)
-        )
     for info in run_infos:
+        if not info.fleet_run:
+            continue
         if info.turns == "all":  # started turns are pending: the loop below publishes them
             # imported here: it brings the templating and the render client, which a
             # reconcile of runs without later turns never needs (tokenmill reconcile starts
@@ -96,7 +104,7 @@ def reconcile(
                 queue.mark_queued(conn, ids)
             report.unpublished += len(ids)
             after = ids[-1]
-    report.lost = _requeue_lost(db, settings, run_id, publish, report)
+    report.lost = _requeue_lost(db, settings, run_id, publish, report, skip)
     if report.requeued >= ANALYZE_AFTER_ITEMS:
         with db.begin() as conn:
             queue.refresh_statistics(conn)
@@ -134,6 +142,7 @@ def _requeue_lost(
     run_id: int | None,
     publish: Callable[[list[int], float], None],
     report: ReconcileReport,
+    skip_runs: list[int],
 ) -> int:
     """Items queued in the ledger for a while that no broker message carries any more.
 
@@ -145,7 +154,9 @@ def _requeue_lost(
     cutoff = common.utcnow() - timedelta(seconds=settings.reconcile_grace_s)
     with db.connect() as conn:
         limit_periodic(conn, timeout_s=SCAN_TIMEOUT_S)
-        candidates = queue.oldest_queued(conn, cutoff, limit=CHECK_ITEMS, run_id=run_id)
+        candidates = queue.oldest_queued(
+            conn, cutoff, limit=CHECK_ITEMS, run_id=run_id, skip_runs=skip_runs
+        )
     check = broker_holds(
         settings.resolved_broker_url(),
         candidates,

@@ -35,12 +35,12 @@ def _release(rt: WorkerRuntime, claimed: Sequence[claims.ClaimedItem], reason: s
         )
 
 
-def _units(rt: WorkerRuntime, ids: list[int]) -> tuple[list[list[int]], bool]:
+def _units(
+    rt: WorkerRuntime, ids: list[int], keys: dict[int, tuple[int, str]]
+) -> tuple[list[list[int]], bool]:
     """The message's ids in units of room: a conversation's items together (the window sends
     them one at a time), every other item on its own; in message order. And whether any unit
     is a conversation."""
-    with rt.db.connect() as conn:
-        keys = claims.item_keys(conn, ids)
     units: list[list[int]] = []
     index: dict[object, int] = {}
     for item_id in ids:
@@ -99,9 +99,37 @@ class _Intake:
         if refused:
             self.requeue(_release(rt, refused, "server fingerprint differs from the run's"), wait_s)
             self.refused += refused
+        # image items of runs whose storage this worker does not reach (said once per run)
+        unreached = [
+            c for c in claimed if c not in refused and c.images and not rt.images.reaches(c.run_id)
+        ]
+        if unreached:
+            self.requeue(_release(rt, unreached, "the run's storage is not reached here"), wait_s)
+            self.refused += unreached
+            refused = [*refused, *unreached]
         sent = [c for c in claimed if c not in refused]
         self.accepted += sent
         return sent
+
+
+def _not_served(
+    rt: WorkerRuntime, ids: list[int], keys: dict[int, tuple[int, str]], requeue: Requeue
+) -> set[int]:
+    """The ids of runs this worker does not serve, left unclaimed: a bound run's go back to
+    the queue for the servers it is bound to; a run `tokenmill run` drives takes its items
+    from the ledger itself, so a message of them is dropped (nothing of the ledger changes)."""
+    foreign = [i for i in ids if i in keys and not rt.serves_run(keys[i][0])]
+    bound = [i for i in foreign if rt.run_info(keys[i][0]).fleet_run]
+    if bound:
+        requeue(bound, rt.settings.unavailable_wait_s)
+    if len(bound) < len(foreign):
+        log.info(
+            "message of %d items: %d of runs `tokenmill run` drives dropped",
+            len(ids),
+            len(foreign) - len(bound),
+            extra={"action": "message_dropped"},
+        )
+    return set(foreign)
 
 
 def handle_message(
@@ -119,7 +147,11 @@ def handle_message(
     # back to the queue unclaimed. Claimed items waiting for room would sit here while a
     # faster or idle server could run them.
     deadline = time.monotonic() + rt.settings.room_wait_s
-    units, conversations = _units(rt, ids)  # a conversation is one unit: one server
+    with rt.db.connect() as conn:
+        keys = claims.item_keys(conn, ids)
+    foreign = _not_served(rt, ids, keys, requeue)
+    ids = [i for i in ids if i not in foreign]
+    units, conversations = _units(rt, ids, keys)  # a conversation is one unit: one server
     intake = _Intake(rt, requeue)
     while units:
         admitted = rt.window.admit(
@@ -153,6 +185,6 @@ def handle_message(
     return {
         "claimed": len(intake.accepted),
         "skipped": intake.skipped,
-        "deferred": len(intake.refused) + len(rest) + intake.passed,
+        "deferred": len(intake.refused) + len(rest) + intake.passed + len(foreign),
         "server": rt.server_name,
     }

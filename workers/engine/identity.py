@@ -23,6 +23,7 @@ from app.core.network import is_loopback
 from app.core.settings import Settings
 from app.ledger import registry
 from app.ledger.registry import ServerInfo
+from app.storage import run_store
 
 log = logging.getLogger(__name__)
 
@@ -79,12 +80,8 @@ def one_machine(settings: Settings) -> bool:
     """Ledger and broker are on this machine (loopback or embedded), so every process of the
     fleet is too: a loopback server URL is one the whole fleet reaches."""
     urls = (settings.resolved_database_url(), settings.resolved_broker_url())
-    return all(_local_host(urlsplit(url).hostname) for url in urls)
-
-
-def _local_host(host: str | None) -> bool:
-    # no host: a SQLite file, a Unix socket, the folder broker (`filesystem://localhost/`)
-    return not host or is_loopback(host)
+    # the rule that also refuses a local storage folder for a fleet (app.storage.run_store)
+    return not any(run_store.reachable_elsewhere(url) for url in urls)
 
 
 def host_addresses(host: str) -> list[str]:

@@ -20,17 +20,23 @@ from app.core.images import ImageDrift, ImagePins, placeholder_count, served_cou
 from app.ledger.claims import ClaimedItem
 from app.ledger.image_tokens import ImageCount, note_image_tokens, run_image_pins
 from app.storage.image_store import ImageError
+from app.storage.run_store import StorageUnreachable
 from workers.engine.image_data import ImageData
+from workers.engine.run_stores import RunStores
 
 
 class ImageChecks:
     """Per worker: each run's image pins (read once), the images' agreed counts (each
     confirmed against the ledger once), and the images' data through the worker's cache."""
 
-    def __init__(self, db: Engine, server_name: str, data: ImageData) -> None:
+    def __init__(
+        self, db: Engine, server_name: str, data: ImageData, stores: RunStores | None = None
+    ) -> None:
         self._db = db
         self._server = server_name
         self._data = data
+        # each run's pinned storage (None: every run's images are read from data's store)
+        self._stores = stores
         self._lock = threading.Lock()
         self._pins: dict[int, ImagePins] = {}
         self._agreed: dict[tuple[int, str], ImageCount] = {}
@@ -70,10 +76,21 @@ class ImageChecks:
                 f"the prompt holds {found} {pins.placeholder} placeholder(s) (id "
                 f"{pins.placeholder_id}) for {len(item.images)} image(s)"
             )
+        store = None
+        if self._stores is not None:
+            if not self._stores.reaches(item.run_id):
+                raise StorageUnreachable(
+                    f"this worker does not reach the storage of run {item.run_id}'s images"
+                )
+            store = self._stores.location(item.run_id)
         try:
-            return self._data.uris(item.images)
+            return self._data.uris(item.images, store)
         except ImageError as exc:
             raise PermanentError(str(exc)) from exc
+
+    def reaches(self, run_id: int) -> bool:
+        """Whether this worker reads the run's images (RunStores.reaches; no stores: yes)."""
+        return self._stores is None or self._stores.reaches(run_id)
 
     def accept(self, item: ClaimedItem, result: GenerateResult) -> tuple[int, ...]:
         """How many times the server repeated each image's placeholder; ImageDrift (naming

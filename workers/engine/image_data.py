@@ -41,18 +41,19 @@ class ImageData:
         self._lock = threading.Lock()
         self.reads = 0  # images read from the store (cache misses)
 
-    def uris(self, refs: Sequence[ImageRef]) -> list[str]:
-        """One `data:image/...;base64,` URI per ref, in order. ImageError names the image
-        that is missing from the store or no longer hashes to its sha256."""
-        return [self._uri(ref) for ref in refs]
+    def uris(self, refs: Sequence[ImageRef], store: Location | None = None) -> list[str]:
+        """One `data:image/...;base64,` URI per ref, in order, read from store (default: the
+        one open_store opens). ImageError names the image that is missing from the store or
+        no longer hashes to its sha256."""
+        return [self._uri(ref, store) for ref in refs]
 
-    def _uri(self, ref: ImageRef) -> str:
+    def _uri(self, ref: ImageRef, store: Location | None) -> str:
         with self._lock:
             cached = self._cache.get(ref.sha256)
             if cached is not None:
                 self._cache.move_to_end(ref.sha256)
                 return cached
-            store = self._store
+            store = store or self._store
         if store is None:
             store = self._open_store()
             with self._lock:

@@ -83,6 +83,7 @@ class EmbeddedRunner:
                 server_name=None,
                 on_released=lambda ids, wait_s: None,  # released items are claimed from the ledger
                 owner_prefix=EMBEDDED_OWNER_PREFIX,
+                only_run=run.id,
             )
             for url in server_urls
         ]

@@ -38,6 +38,7 @@ from workers.control.weights import note_weights
 from workers.engine.identity import server_name_for
 from workers.engine.image_checks import ImageChecks
 from workers.engine.image_data import ImageData
+from workers.engine.run_stores import RunStores
 from workers.engine.window import InflightWindow, WindowConfig
 from workers.engine.window_types import Checked
 from workers.intake.turns import TurnAdvancer
@@ -76,6 +77,7 @@ class WorkerRuntime:
         inflight: int | None = None,
         backlog: int | None = None,
         owner_prefix: str = "",
+        only_run: int | None = None,
     ) -> None:
         self.settings = settings
         self.db = db
@@ -97,7 +99,15 @@ class WorkerRuntime:
         # the reason it pauses itself when the registry has no such server (`tokenmill run`)
         self._image_drift_reported = False
         self._local_pause: str | None = None
-        self.images = ImageChecks(db, self.server_name, ImageData(lambda: image_location(settings)))
+        # the embedded runner serves its own run only; a fleet worker the runs bound to it
+        self.only_run = only_run
+        self._refused_runs: set[int] = set()  # runs this worker gave back, said once each
+        self.images = ImageChecks(
+            db,
+            self.server_name,
+            ImageData(lambda: image_location(settings)),
+            RunStores(db, settings, self.server_name),
+        )
         n = inflight or settings.inflight
         # later turns of `--turns all` chains, started as their previous turn is committed
         self._on_released = on_released
@@ -165,7 +175,10 @@ class WorkerRuntime:
         ids = [
             item_id
             for item_id, run_id in candidates
-            if self.run_info(run_id).turns != "each" and self.run_matches_server(run_id)
+            if self.serves_run(run_id)
+            and self.run_info(run_id).turns != "each"
+            and self.run_matches_server(run_id)
+            and self.images.reaches(run_id)
         ]
         if not ids:
             return []
@@ -190,6 +203,28 @@ class WorkerRuntime:
         with self._lock:
             self._runs[run_id] = info
         return info
+
+    def serves_run(self, run_id: int) -> bool:
+        """Whether this worker may take the run's items: the embedded runner its own run only;
+        a fleet worker a fleet run (not one `tokenmill run` drives) bound to no servers or to
+        its own. The first item of a run it does not serve is logged, once."""
+        if self.only_run is not None:
+            return run_id == self.only_run
+        run = self.run_info(run_id)
+        if run.served_by(self.server_name):
+            return True
+        with self._lock:
+            first = run_id not in self._refused_runs
+            self._refused_runs.add(run_id)
+        if first:
+            log.info(
+                "server %s does not serve run %s: served by %s",
+                self.server_name,
+                run.name,
+                run.binding(),
+                extra={"action": "run_not_served", "run": run.name},
+            )
+        return False
 
     def sampling_for_run(self, run_id: int) -> SamplingParams:
         return self.run_info(run_id).sampling

@@ -17,6 +17,7 @@ from app.core.contracts import GenerateResult
 from app.core.errors import GenerationError, PermanentError, RetryableError, ServerUnavailable
 from app.ledger.claims import ClaimedItem
 from app.ledger.outcomes import Done, Failed, Outcome, Released
+from app.storage.run_store import StorageUnreachable
 from workers.engine.window_types import Checked, GenerateClient, Job, WindowConfig
 
 log = logging.getLogger(__name__)
@@ -132,6 +133,9 @@ class Slot:
             images = w.image_data(item) if item.images else None
         except PermanentError as exc:  # an image missing or changed in the store, say
             self._failed_permanently(job, exc)
+            return
+        except StorageUnreachable as exc:  # said once per run (RunStores): given back
+            w.settle(Released(item.id, str(exc)), job)
             return
         except Exception as exc:  # the store cannot be opened: not the item's fault
             log.exception(

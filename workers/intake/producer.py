@@ -29,7 +29,9 @@ from app.prompts.image_pins import check_run_pins
 from app.prompts.template_pool import Templater
 from app.prompts.tokenization import ChatTokenizer, check_template_kwargs
 from app.sglang.render import RenderClient, RenderServerUnavailable
+from app.storage import run_store
 from app.storage.image_store import image_location
+from app.storage.shards import Location
 from workers.intake import cycles
 from workers.intake.images import ImageResolver, ImageSources, StoredImages
 from workers.intake.prompting import (
@@ -75,10 +77,17 @@ class EnqueueOptions:
     # `--image-root PATH`: where relative image paths of the rows are read from (None: the
     # input file's folder)
     image_root: Path | None = None
+    # `--servers NAME...`: only these registered servers serve the run (pinned)
+    servers: tuple[str, ...] | None = None
+    # run_queries.DRIVER_RUN: `tokenmill run` drives the run, the fleet leaves it alone
+    driver: str | None = None
 
 
-def run_spec(tokenizer: ChatTokenizer, options: EnqueueOptions) -> run_queries.RunSpec:
-    """What the run pins: the tokenizer and its template, the sampling, the turns mode."""
+def run_spec(
+    tokenizer: ChatTokenizer, options: EnqueueOptions, storage_url: str | None = None
+) -> run_queries.RunSpec:
+    """What the run pins: the tokenizer and its template, the sampling, the turns mode, where
+    its images are stored, which servers serve it."""
     return run_queries.RunSpec(
         name=options.run,
         tokenizer_path=str(tokenizer.path),
@@ -98,6 +107,9 @@ def run_spec(tokenizer: ChatTokenizer, options: EnqueueOptions) -> run_queries.R
         chat_pins=run_pins(tokenizer, rendered_here=options.render_with is None),
         weight_version=options.weight_version,
         reasoning_efforts=options.reasoning_efforts,
+        storage_url=storage_url,
+        servers=options.servers,
+        driver=options.driver,
     )
 
 
@@ -127,16 +139,30 @@ def open_run(
     return run
 
 
-def image_resolver(options: EnqueueOptions, settings: Settings) -> ImageResolver:
-    """The image stage: the store of TOKENMILL_STORAGE_URL (opened at the first image),
-    relative paths read from `--image-root`, else from the input file's folder."""
+def image_resolver(
+    options: EnqueueOptions, settings: Settings, run: run_queries.RunInfo
+) -> ImageResolver:
+    """The image stage: the run's pinned store (opened at the first image, which records the
+    run's marker there for workers to find), relative paths read from `--image-root`, else
+    from the input file's folder."""
+
+    def open_store() -> Location:
+        loc = image_location(settings, run.storage_url)
+        run_store.write_marker(loc, run.id, run.name)
+        return loc
+
     return ImageResolver(
         ImageSources(
-            lambda: image_location(settings),
+            open_store,
             options.image_root or Path(options.input_path).resolve().parent,
             settings.storage_options,
         )
     )
+
+
+def stored_images(settings: Settings, run: run_queries.RunInfo) -> StoredImages:
+    """The run's stored images as `--render-with` sends them (its pinned storage)."""
+    return StoredImages(lambda: image_location(settings, run.storage_url))
 
 
 def enqueue(
@@ -169,7 +195,8 @@ def enqueue(
             options.sampling, record, options.samples_per_prompt
         ),
     )
-    spec = run_spec(tokenizer, options)
+    settings = settings or get_settings()
+    spec = run_spec(tokenizer, options, run_store.pinned_url(settings))
     if (renderer is None) != (options.render_with is None):
         raise ValueError("a renderer is given exactly when options.render_with is set")
     reporter = Reporter(report, unit=reader.unit, on_error=on_error, on_progress=on_progress)
@@ -180,14 +207,13 @@ def enqueue(
         with db.connect() as conn:
             return queue.existing_keys(conn, run.id, keys)
 
-    settings = settings or get_settings()
     planner = Planner(
         options.turns,
         existing_keys=None if report.run_created else existing_keys,
         reporter=reporter,
         efforts=run.reasoning_efforts,
         samples_per_prompt=options.samples_per_prompt,
-        images=image_resolver(options, settings),
+        images=image_resolver(options, settings, run),
     )
     publisher = (
         None
@@ -215,7 +241,7 @@ def enqueue(
         planner,
         LocalTemplating(templater, kwargs)
         if renderer is None
-        else ServerRendering(renderer, kwargs, StoredImages(lambda: image_location(settings))),
+        else ServerRendering(renderer, kwargs, stored_images(settings, run)),
         ItemBuilder(
             run_kwargs=kwargs,
             samples_per_prompt=options.samples_per_prompt,

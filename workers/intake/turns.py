@@ -183,14 +183,18 @@ class TokenizerCache:
         self._blocked: dict[int, float] = {}
         self._reported: set[int] = set()
         self._renderers: dict[str, RenderClient] = {}
-        self._stored_images: StoredImages | None = None
+        self._stored_images: dict[str | None, StoredImages] = {}
 
-    def stored_images(self) -> StoredImages:
-        """The image store as render servers take its images (opened once per process)."""
+    def stored_images(self, storage_url: str | None) -> StoredImages:
+        """A run's image store (its pinned URL) as render servers take its images (opened
+        once per process and URL)."""
         with self._lock:
-            if self._stored_images is None:
-                self._stored_images = StoredImages(lambda: image_location(get_settings()))
-            return self._stored_images
+            images = self._stored_images.get(storage_url)
+            if images is None:
+                images = self._stored_images[storage_url] = StoredImages(
+                    lambda: image_location(get_settings(), storage_url)
+                )
+            return images
 
     def renderer(self, url: str) -> RenderClient:
         """The render client of a `--render-with` run's server (one per process and URL)."""
@@ -337,7 +341,8 @@ def _advance_one(
     try:
         history = normalize_messages(history, tokenizer.content_format)
         if run.render_with is not None:  # built by the run's render server, as at enqueue
-            sent = cache.stored_images().for_server(history) if image_urls(history) else history
+            images = cache.stored_images(run.storage_url)
+            sent = images.for_server(history) if image_urls(history) else history
             request = prompt_request(sent, kwargs, tools=prev.tools)
             prompt_ids = cache.renderer(run.render_with).render_patiently(request)
         else:
