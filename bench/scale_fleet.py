@@ -48,6 +48,7 @@ REPEAT = 3
 SLOW_MS = 100
 FLEET_MESSAGES = 60_000
 CONNECT_TRIES = 5
+STATEMENT_CHARS = 160  # statements are grouped by their first characters
 RUN_D = "scale-d"
 EMPTY = 0  # the empty ledger's "size" (its database name)
 COMMANDS: tuple[tuple[str, list[str]], ...] = (
@@ -87,8 +88,11 @@ def main(sizes: list[int], tokenizer: tuple[str, str, str], repeat: int = REPEAT
     print(table(["items", "command", "median s", "empty ledger s", "ratio"], rows))
     for size, hits in slow.items():
         print(f"\nstatements of {SLOW_MS} ms or more at {size:,} items: {len(hits)}")
-        for ms, statement in sorted(hits, reverse=True)[:30]:
-            print(f"  {ms:9.1f} ms  {statement[:300]}")
+        groups: dict[str, list[float]] = {}
+        for ms, statement in hits:
+            groups.setdefault(statement[:STATEMENT_CHARS], []).append(ms)
+        for statement, times in sorted(groups.items(), key=lambda g: -max(g[1])):
+            print(f"  {len(times):4d} x, {min(times):7.1f}-{max(times):7.1f} ms  {statement}")
 
 
 def _empty(tokenizer: tuple[str, str, str]) -> build.Ledger:

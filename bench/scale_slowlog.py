@@ -51,6 +51,7 @@ SLOW_MS = 500
 SERVER_LOG = Path("/var/log/postgresql/postgresql-15-main.log")
 OPERATOR_POLL_S = 5.0
 DEAD_LEASES_EVERY_S = 30.0
+LOG_LINE = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d")
 DURATION = re.compile(r"duration: ([0-9.]+) ms\s+(?:statement|execute [^:]*): (.*)")
 
 
@@ -233,14 +234,24 @@ def _scrape_metrics(db: Any, redis_url: str, stop: threading.Event) -> None:
 
 
 def slow_statements(offset: int, name: str = build.database_name(SIZE)) -> list[tuple[float, str]]:
-    """(ms, statement) of every duration line database `name`'s sessions logged past offset."""
+    """(ms, statement) of every duration line database `name`'s sessions logged past offset;
+    a statement of several lines continues on the lines that start without a timestamp."""
     found: list[tuple[float, str]] = []
+    current: list[str] | None = None
     with SERVER_LOG.open(encoding="utf-8", errors="replace") as fh:
         fh.seek(offset)
         for line in fh:
-            if f"@{name} " not in line:
+            if not LOG_LINE.match(line):
+                if current is not None:
+                    current.append(line.strip())
                 continue
-            match = DURATION.search(line)
+            if current is not None:
+                found[-1] = (found[-1][0], " ".join(p for p in current if p))
+                current = None
+            match = DURATION.search(line) if f"@{name} " in line else None
             if match:
-                found.append((float(match.group(1)), match.group(2).strip()))
+                found.append((float(match.group(1)), ""))
+                current = [match.group(2).strip()]
+    if current is not None:
+        found[-1] = (found[-1][0], " ".join(p for p in current if p))
     return found
