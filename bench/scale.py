@@ -3,6 +3,7 @@
 
     python bench/scale.py [--sizes 10000,100000,1000000,10000000] [--keep] [--repeat 5]
                           [--parts commands,queries,claims,export,preflight] [--slowlog]
+    python bench/scale.py --fleet --sizes 1000000[,10000000]
 
 Ledgers are built by bench/scale_build.py (one database `tokenmill_scale_<size>` per size;
 --keep reuses one built at the current schema revision and keeps it afterwards). Commands are
@@ -10,7 +11,8 @@ timed as `python -m ops ...` subprocesses, start-up included (wall, median of --
 CPU); periodic queries and claim/write call app.ledger, app.ledger.registry,
 app.ledger.metrics_queries, ops.views.metrics, workers.control.reconcile in this process, each in
 its own pooled connection as the workers do. --slowlog (bench/scale_slowlog.py) checks Postgres'
-slow-statement log instead.
+slow-statement log instead; --fleet (bench/scale_fleet.py) times the operator's commands
+while a worker and beat work the ledger, against an empty ledger under the same load.
 """
 
 from __future__ import annotations
@@ -62,6 +64,11 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5, help="timings per figure (median)")
     parser.add_argument("--slowlog", action="store_true", help="run the slow-statement check")
     parser.add_argument(
+        "--fleet",
+        action="store_true",
+        help="time the commands while a worker and beat work the ledger, against an empty one",
+    )
+    parser.add_argument(
         "--slowlog-workers", type=int, default=2, help="workers (each with its own emulator)"
     )
     parser.add_argument(
@@ -74,6 +81,11 @@ def main() -> None:
         return
     sizes = [int(s) for s in args.sizes.split(",")]
     parts = [p for p in args.parts.split(",") if p]
+    if args.fleet:
+        import scale_fleet
+
+        scale_fleet.main(sizes, _tokenizer_identity(), repeat=min(args.repeat, 3))
+        return
     if args.slowlog:
         import scale_slowlog
 

@@ -148,9 +148,9 @@ def build(size: int, tokenizer_dir: str, tokenizer_hash: str, template_hash: str
         with db.begin() as conn:
             constraints = _drop_constraints_and_indexes(conn)
         a_row = _finishing_row(a_items, leases=True)
-        _insert_items(db, runs[0].id, a_items, a_row, now, messages=_MESSAGES)
-        _insert_items(db, runs[1].id, size - a_items, _QUEUED_ROW, now)
-        _insert_items(db, runs[2].id, EXPORT_ITEMS, _finishing_row(EXPORT_ITEMS, leases=False), now)
+        insert_items(db, runs[0].id, a_items, a_row, now, messages=_MESSAGES)
+        insert_items(db, runs[1].id, size - a_items, QUEUED_ROW, now)
+        insert_items(db, runs[2].id, EXPORT_ITEMS, _finishing_row(EXPORT_ITEMS, leases=False), now)
         print(f"  {size:,}: rows inserted after {time.monotonic() - started:.0f}s", flush=True)
         with db.begin() as conn:
             for ddl in constraints:
@@ -274,7 +274,7 @@ def _finishing_row(total: int, *, leases: bool) -> str:
     """
 
 
-_QUEUED_ROW = """
+QUEUED_ROW = """
         'queued' AS status, 0 AS attempts, NULL AS lease_owner, NULL::timestamptz AS
         lease_expires_at, NULL AS server, NULL AS error, NULL::bytea AS output_ids,
         NULL AS finish_reason, NULL AS matched_stop, NULL::int AS completion_tokens,
@@ -289,7 +289,7 @@ _QUEUED_ROW = """
 _MESSAGES = """CAST('[{"role": "user", "content": "prompt ' || g || '"}]' AS json)"""
 
 
-def _insert_items(
+def insert_items(
     db: Engine, run_id: int, count: int, row_sql: str, now: datetime, *, messages: str = "NULL"
 ) -> None:
     """count items of run_id, in chunks (one transaction each), ids in g order."""

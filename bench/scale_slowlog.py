@@ -25,6 +25,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,7 @@ SLOW_MS = 500
 SERVER_LOG = Path("/var/log/postgresql/postgresql-15-main.log")
 OPERATOR_POLL_S = 5.0
 DEAD_LEASES_EVERY_S = 30.0
+LOG_LINE = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d")
 DURATION = re.compile(r"duration: ([0-9.]+) ms\s+(?:statement|execute [^:]*): (.*)")
 
 
@@ -69,7 +71,7 @@ def main(*, keep: bool, workers: int = 2) -> None:
         )
     db = engine_for(built.url)
     log_from = SERVER_LOG.stat().st_size
-    _set_slow_log(SLOW_MS)
+    set_slow_log(SLOW_MS)
     processed = 0  # items of run B finished while the fleet ran
     try:
         fill_broker(db, built)
@@ -80,20 +82,20 @@ def main(*, keep: bool, workers: int = 2) -> None:
         with contextlib.ExitStack() as stack:
             emulators = [stack.enter_context(emulator(emu_args)) for _ in range(workers)]
             servers = {f"s{3 + i}": emu.url for i, emu in enumerate(emulators)}
-            _serve_runs_with(db, servers)
+            serve_runs_with(db, servers)
             with tempfile.TemporaryDirectory(prefix="tokenmill-slowlog-") as tmp:
                 _run_fleet(built, servers, Path(tmp), REDIS_URL, db)
         with db.connect() as conn:
             after = reads.run_counts(conn, built.run_b)
         processed = after.done + after.failed - before.done - before.failed
     finally:
-        _set_slow_log(None)
+        set_slow_log(None)
         db.dispose()
         if keep:
             build.forget(SIZE)  # run B moved on: not the built state any more
         else:
             build.drop(SIZE)
-    slow = _slow_statements(log_from)
+    slow = slow_statements(log_from)
     print(
         f"slow-statement log at {SLOW_MS} ms, {SLOWLOG_SECONDS} s of {workers} workers, beat and "
         f"an operator on {SIZE:,} items ({processed:,} items of run B finished meanwhile): "
@@ -103,9 +105,9 @@ def main(*, keep: bool, workers: int = 2) -> None:
         print(f"  {ms:9.1f} ms  {statement[:300]}")
 
 
-def _set_slow_log(ms: int | None) -> None:
+def set_slow_log(ms: int | None, name: str = build.database_name(SIZE)) -> None:
+    """Log every statement of database `name`'s sessions that takes ms or more (None: reset)."""
     admin = create_engine(normalize_database_url(PG_ADMIN_URL), isolation_level="AUTOCOMMIT")
-    name = build.database_name(SIZE)
     setting = f"SET log_min_duration_statement = {ms}" if ms is not None else "RESET ALL"
     try:
         with admin.connect() as conn:
@@ -114,7 +116,7 @@ def _set_slow_log(ms: int | None) -> None:
         admin.dispose()
 
 
-def _serve_runs_with(db: Any, servers: dict[str, str]) -> None:
+def serve_runs_with(db: Any, servers: dict[str, str]) -> None:
     """Point servers s3 and s4 at the emulators and pin the emulators' fingerprint on the
     runs (the built ledger pins a synthetic one), so the workers take their items."""
     from workers.engine.runtime import client_for
@@ -133,11 +135,13 @@ def _serve_runs_with(db: Any, servers: dict[str, str]) -> None:
         )
 
 
-def _run_fleet(
-    built: build.Ledger, servers: dict[str, str], tmp: Path, redis_url: str, db: Any
-) -> None:
+@contextlib.contextmanager
+def fleet(url: str, servers: dict[str, str], tmp: Path, redis_url: str) -> Iterator[dict[str, str]]:
+    """A `celery -A app worker` per server (bound to it) and `celery -A app beat` (reconcile
+    every 30 s, compaction every 60 s) on the ledger at url, stopped on exit; yields their
+    environment."""
     env = service_env(
-        built.url,
+        url,
         redis_url,
         tmp,
         TOKENMILL_RECONCILE_INTERVAL_S="30",
@@ -147,11 +151,11 @@ def _run_fleet(
     env["PYTHONPATH"] = str(ROOT)
     workers = [
         start_worker(
-            env | {"TOKENMILL_SGLANG_URL": url, "TOKENMILL_SERVER_NAME": name},
-            f"slowlog-{name}",
+            env | {"TOKENMILL_SGLANG_URL": server_url, "TOKENMILL_SERVER_NAME": name},
+            f"fleet-{name}",
             tmp / f"worker-{name}.log",
         )
-        for name, url in servers.items()
+        for name, server_url in servers.items()
     ]
     beat = subprocess.Popen(
         [sys.executable, "-m", "celery", "-A", "app", "beat", "--schedule", str(tmp / "beat")],
@@ -160,32 +164,41 @@ def _run_fleet(
         stdout=(tmp / "beat.log").open("wb"),
         stderr=subprocess.STDOUT,
     )
-    stop = threading.Event()
-    scraper = threading.Thread(target=_scrape_metrics, args=(db, redis_url, stop), daemon=True)
-    scraper.start()
     try:
-        started = time.monotonic()
-        deadline = started + SLOWLOG_SECONDS
-        restored_at = started
-        while time.monotonic() < deadline:
-            for argv in (["status"], ["servers"], ["events"]):
-                subprocess.run(
-                    [sys.executable, "-m", "ops", *argv],
-                    env=env,
-                    cwd=ROOT,
-                    capture_output=True,
-                    timeout=120,
-                )
-            if time.monotonic() - restored_at >= DEAD_LEASES_EVERY_S:
-                _lease_to_the_dead_worker(db, built)
-                restored_at = time.monotonic()
-            time.sleep(OPERATOR_POLL_S)
+        yield env
     finally:
-        stop.set()
         stop_process(beat)
         for worker in workers:
             stop_process(worker)
-        scraper.join(timeout=120)
+
+
+def _run_fleet(
+    built: build.Ledger, servers: dict[str, str], tmp: Path, redis_url: str, db: Any
+) -> None:
+    stop = threading.Event()
+    scraper = threading.Thread(target=_scrape_metrics, args=(db, redis_url, stop), daemon=True)
+    with fleet(built.url, servers, tmp, redis_url) as env:
+        scraper.start()
+        try:
+            started = time.monotonic()
+            deadline = started + SLOWLOG_SECONDS
+            restored_at = started
+            while time.monotonic() < deadline:
+                for argv in (["status"], ["servers"], ["events"]):
+                    subprocess.run(
+                        [sys.executable, "-m", "ops", *argv],
+                        env=env,
+                        cwd=ROOT,
+                        capture_output=True,
+                        timeout=120,
+                    )
+                if time.monotonic() - restored_at >= DEAD_LEASES_EVERY_S:
+                    _lease_to_the_dead_worker(db, built)
+                    restored_at = time.monotonic()
+                time.sleep(OPERATOR_POLL_S)
+        finally:
+            stop.set()
+            scraper.join(timeout=120)
 
 
 def _lease_to_the_dead_worker(db: Any, built: build.Ledger) -> None:
@@ -220,16 +233,25 @@ def _scrape_metrics(db: Any, redis_url: str, stop: threading.Event) -> None:
         server.server_close()
 
 
-def _slow_statements(offset: int) -> list[tuple[float, str]]:
-    """(ms, statement) of every duration line the scale database's sessions logged."""
-    name = build.database_name(SIZE)
+def slow_statements(offset: int, name: str = build.database_name(SIZE)) -> list[tuple[float, str]]:
+    """(ms, statement) of every duration line database `name`'s sessions logged past offset;
+    a statement of several lines continues on the lines that start without a timestamp."""
     found: list[tuple[float, str]] = []
+    current: list[str] | None = None
     with SERVER_LOG.open(encoding="utf-8", errors="replace") as fh:
         fh.seek(offset)
         for line in fh:
-            if f"@{name} " not in line:
+            if not LOG_LINE.match(line):
+                if current is not None:
+                    current.append(line.strip())
                 continue
-            match = DURATION.search(line)
+            if current is not None:
+                found[-1] = (found[-1][0], " ".join(p for p in current if p))
+                current = None
+            match = DURATION.search(line) if f"@{name} " in line else None
             if match:
-                found.append((float(match.group(1)), match.group(2).strip()))
+                found.append((float(match.group(1)), ""))
+                current = [match.group(2).strip()]
+    if current is not None:
+        found[-1] = (found[-1][0], " ".join(p for p in current if p))
     return found

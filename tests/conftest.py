@@ -12,6 +12,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -31,21 +32,30 @@ REDIS_URL = os.environ.get("TOKENMILL_TEST_REDIS_URL")
 TABLES = ("events", "items", "servers", "runs")
 
 
-@pytest.fixture(scope="session")
-def pg_url() -> Iterator[str]:
-    """A fresh Postgres database for this test session, migrated to head."""
-    name = f"tokenmill_test_{uuid.uuid4().hex[:10]}"
+@contextmanager
+def private_database(prefix: str = "tokenmill_test") -> Iterator[str]:
+    """A fresh Postgres database migrated to head, dropped afterwards: its URL."""
+    name = f"{prefix}_{uuid.uuid4().hex[:10]}"
     admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
     with admin.connect() as conn:
         conn.execute(text(f'CREATE DATABASE "{name}"'))
     url = PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
-    engine = make_engine(url)
-    upgrade(engine)
-    engine.dispose()
-    yield url
-    with admin.connect() as conn:
-        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-    admin.dispose()
+    try:
+        engine = make_engine(url)
+        upgrade(engine)
+        engine.dispose()
+        yield url
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+@pytest.fixture(scope="session")
+def pg_url() -> Iterator[str]:
+    """A fresh Postgres database for this test session, migrated to head."""
+    with private_database() as url:
+        yield url
 
 
 @pytest.fixture

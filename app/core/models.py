@@ -244,6 +244,24 @@ items = Table(
     _partial("ix_items_queued_at", ("queued_at", "id"), "status = 'queued'"),
     _partial("ix_items_done_finished", ("server", "finished_at"), "status = 'done'"),
     _partial("ix_items_uncompacted", ("run_id", "id"), "status = 'done' AND shard_uri IS NULL"),
+    # the claimable queue of a run by kind: "a text (an image) item to claim?" is one probe;
+    # pending and queued are the statuses from 'pending' to 'queued' (app.ledger.common)
+    _partial(
+        "ix_items_text_claimable",
+        ("run_id", "status", "id"),
+        "images IS NULL AND status >= 'pending' AND status <= 'queued'",
+    ),
+    # later turns still to run, by the turn they build on (what compaction must keep)
+    _partial(
+        "ix_items_prev_unfinished",
+        ("prev_item_id",),
+        "prev_item_id IS NOT NULL AND status <> 'done' AND status <> 'failed'",
+    ),
+    _partial(
+        "ix_items_image_claimable",
+        ("run_id", "status", "id"),
+        "images IS NOT NULL AND status >= 'pending' AND status <= 'queued'",
+    ),
 )
 
 

@@ -37,6 +37,25 @@ def run_status_range(conn: Connection, table: Table, run_id: int, status: str, a
     )
 
 
+# The claimable statuses, pending and queued, are exactly the statuses from CLAIMABLE_FROM to
+# CLAIMABLE_TO in text order: the partial indexes of the claimable queue by kind
+# (ix_items_text_claimable, ix_items_image_claimable; migration 0014) hold that range.
+CLAIMABLE_FROM, CLAIMABLE_TO = "pending", "queued"
+
+
+def claimable_kind_range(conn: Connection, run_id: int, status: str, *, images: bool) -> Any:
+    """WHERE for one claimable status of a run, items with images (images=True) or without:
+    run_status_range plus the bounds that make Postgres see it inside the predicate of
+    ix_items_image_claimable (ix_items_text_claimable), so the probe reads that partial index
+    (the run's claimable items of that kind only) instead of filtering the run's whole queue
+    on `images`. `status >= status` beside `status <= status` keeps the order (status, id),
+    as run_status_range does, while implying the index's `status >= 'pending'`."""
+    kind = items.c.images.is_not(None) if images else items.c.images.is_(None)
+    if conn.dialect.name != "postgresql":
+        return and_(run_status_range(conn, items, run_id, status, 0), kind)
+    return and_(run_status_range(conn, items, run_id, status, 0), items.c.status >= status, kind)
+
+
 def run_status_order(table: Table) -> tuple[Any, ...]:
     return (table.c.run_id, table.c.status, table.c.id)
 

@@ -22,6 +22,9 @@ def _compactable(run_id: int) -> Any:
         select(later.c.id)
         .where(
             later.c.prev_item_id == items.c.id,
+            # the predicate of ix_items_prev_unfinished, the later turns still to run: the
+            # anti-join reads that index, not every item's prev_item_id
+            later.c.prev_item_id.is_not(None),
             later.c.status != ItemStatus.DONE.value,
             later.c.status != ItemStatus.FAILED.value,
         )

@@ -91,7 +91,9 @@ def recent_latencies(conn: Connection, server: str, *, limit: int = LATENCY_SAMP
             items.c.status == ItemStatus.DONE.value,
             items.c.latency_s.is_not(None),
         )
-        .order_by(items.c.finished_at.desc(), items.c.id.desc())
+        # the order of ix_items_done_finished (server, finished_at), so the latest are the
+        # first entries of the server's range; a tie-break on id made it sort all of them
+        .order_by(items.c.finished_at.desc())
         .limit(limit)
     )
     return [float(v) for v in conn.execute(stmt).scalars()]

@@ -1,0 +1,242 @@
+"""`python bench/scale.py --fleet --sizes 1000000[,10000000]`: the operator's commands while
+the fleet works, on a large ledger against an empty one under the same load (issue 32).
+
+For each size, bench/scale_build.py's ledger (run A at its end, run B queued) gets a bulk
+enqueue on top: run D, a fifth of the size more queued items inserted after the statistics
+were taken, with autovacuum off on items, so the planner's statistics stay those of before
+the enqueue for the whole measurement. An empty ledger (the same runs and servers, no item)
+sits beside it. On the large ledger one `celery -A app worker` bound to an emulator works
+run B (FLEET_MESSAGES of its ids are published) and `celery -A app beat` runs the watchdog,
+reconcile and compaction. Meanwhile each command runs as `python -m ops ...` (start-up
+included) against the large ledger and against the empty one in turn, REPEAT times each:
+the table gives the medians and their ratio, measured under the same load in the same run.
+Both databases log every statement of SLOW_MS or more (ALTER DATABASE ... SET
+log_min_duration_statement, reset at the end); every one logged from the end of the enqueue
+to the end of the run is listed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import scale_build as build
+from common import (
+    ROOT,
+    emulator,
+    engine_for,
+    flush_redis,
+    machine_note,
+    service_env,
+    table,
+)
+from scale_broker import REDIS_URL, queued_ids
+from scale_slowlog import SERVER_LOG, fleet, serve_runs_with, set_slow_log, slow_statements
+from sqlalchemy import Engine, text
+
+from app.core.contracts import SamplingParams
+from app.ledger import common, run_queries
+
+REPEAT = 3
+SLOW_MS = 100
+FLEET_MESSAGES = 60_000
+CONNECT_TRIES = 5
+STATEMENT_CHARS = 160  # statements are grouped by their first characters
+RUN_D = "scale-d"
+EMPTY = 0  # the empty ledger's "size" (its database name)
+COMMANDS: tuple[tuple[str, list[str]], ...] = (
+    ("status RUN", ["status", build.RUN_B]),
+    ("status", ["status"]),
+    ("servers", ["servers"]),
+    ("events --run", ["events", "--run", build.RUN_B]),
+    ("reconcile", ["reconcile"]),
+)
+
+
+def main(sizes: list[int], tokenizer: tuple[str, str, str], repeat: int = REPEAT) -> None:
+    print(f"scale --fleet: {machine_note()}", flush=True)
+    print("building the empty ledger", flush=True)
+    empty = _empty(tokenizer)
+    rows: list[list[Any]] = []
+    slow: dict[int, list[tuple[float, str]]] = {}
+    try:
+        for size in sizes:
+            print(f"building {size:,} items", flush=True)
+            built = build.build(size, *tokenizer)
+            try:
+                offset, timings = _measure(built, empty, repeat)
+                slow[size] = [
+                    hit
+                    for name in (build.database_name(size), build.database_name(EMPTY))
+                    for hit in slow_statements(offset, name)
+                ]
+            finally:
+                build.drop(size)
+            for name, (large, none) in timings.items():
+                large_s, empty_s = statistics.median(large), statistics.median(none)
+                rows.append([f"{size:,}", name, large_s, empty_s, f"{large_s / empty_s:.2f}"])
+    finally:
+        build.drop(EMPTY)
+    print()
+    print(table(["items", "command", "median s", "empty ledger s", "ratio"], rows))
+    for size, hits in slow.items():
+        print(f"\nstatements of {SLOW_MS} ms or more at {size:,} items: {len(hits)}")
+        groups: dict[str, list[float]] = {}
+        for ms, statement in hits:
+            groups.setdefault(statement[:STATEMENT_CHARS], []).append(ms)
+        for statement, times in sorted(groups.items(), key=lambda g: -max(g[1])):
+            print(f"  {len(times):4d} x, {min(times):7.1f}-{max(times):7.1f} ms  {statement}")
+
+
+def _empty(tokenizer: tuple[str, str, str]) -> build.Ledger:
+    """The empty ledger: built with no item of runs A and B, then run C's deleted."""
+    empty = build.build(EMPTY, *tokenizer)
+    db = engine_for(empty.url)
+    try:
+        with db.begin() as conn:
+            conn.execute(text("DELETE FROM items"))
+    finally:
+        db.dispose()
+    return empty
+
+
+def _bulk_enqueue(db: Engine, size: int) -> None:
+    """Run D: size // 5 queued items, inserted after the statistics, autovacuum off."""
+    with db.begin() as conn:
+        conn.execute(text("ALTER TABLE items SET (autovacuum_enabled = off)"))
+        spec = run_queries.RunSpec(
+            name=RUN_D,
+            tokenizer_path="/synthetic",
+            tokenizer_hash="d" * 64,
+            chat_template_hash="d" * 64,
+            chat_template_kwargs={},
+            sampling=SamplingParams(max_new_tokens=build.MAX_NEW_TOKENS, seed=1),
+            samples_per_prompt=4,
+            think_end_id=None,
+            eos_token_ids=[build.EOS_ID],
+        )
+        run, _ = run_queries.get_or_create_run(conn, spec)
+    started = time.monotonic()
+    build.insert_items(db, run.id, size // 5, build.QUEUED_ROW, common.utcnow())
+    print(f"  bulk enqueue of {size // 5:,} items in {time.monotonic() - started:.0f}s")
+
+
+def _measure(
+    built: build.Ledger, empty: build.Ledger, repeat: int
+) -> tuple[int, dict[str, tuple[list[float], list[float]]]]:
+    db = engine_for(built.url)
+    names = (build.database_name(built.size), build.database_name(EMPTY))
+    try:
+        with _emulated(db) as servers, tempfile.TemporaryDirectory(prefix="tm-fleet-") as tmp:
+            for name in names:
+                set_slow_log(SLOW_MS, name)
+            offset = SERVER_LOG.stat().st_size
+            _bulk_enqueue(db, built.size)
+            _publish_run_b(db, built)
+            with _fleet(built, servers, Path(tmp)):
+                timings = _time_commands(built, empty, Path(tmp), repeat)
+    finally:
+        for name in names:
+            set_slow_log(None, name)
+        db.dispose()
+    return offset, timings
+
+
+@contextlib.contextmanager
+def _emulated(db: Engine) -> Iterator[dict[str, str]]:
+    emu_args = ["--step-ms", "5", "--median-tokens", "16", "--sigma", "0.5"]
+    emu_args += ["--max-running", "64", "--log-level", "warning"]
+    with emulator(emu_args) as emu:
+        servers = {"s3": emu.url}
+        serve_runs_with(db, servers)
+        yield servers
+
+
+def _publish_run_b(db: Engine, built: build.Ledger) -> None:
+    from workers.intake.publish import publish_items
+
+    flush_redis(REDIS_URL)
+    ids = queued_ids(db, built, 0, FLEET_MESSAGES)
+    publish_items(ids, batch_size=32, run=build.RUN_B)
+
+
+@contextlib.contextmanager
+def _fleet(built: build.Ledger, servers: dict[str, str], tmp: Path) -> Iterator[None]:
+    with fleet(built.url, servers, tmp, REDIS_URL):
+        _wait_working(built)
+        yield
+
+
+def _wait_working(built: build.Ledger, timeout_s: float = 180) -> None:
+    """Until the worker has finished items of run B (the fleet is at work)."""
+    db = engine_for(built.url)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            with db.connect() as conn:
+                done = conn.execute(
+                    text(
+                        "SELECT coalesce(sum(item_count), 0) FROM item_counts "
+                        "WHERE run_id = :r AND status = 'done'"
+                    ),
+                    {"r": built.run_b.id},
+                ).scalar_one()
+            if done > 0:
+                print(f"  the worker is at work ({done} items of run B done)", flush=True)
+                return
+            time.sleep(2)
+    finally:
+        db.dispose()
+    raise RuntimeError("the worker finished no item of run B in time")
+
+
+def _command_env(ledger: build.Ledger, tmp: Path) -> dict[str, str]:
+    env = service_env(ledger.url, REDIS_URL, tmp, TOKENMILL_STORAGE_URL=str(tmp / "storage"))
+    env["PYTHONPATH"] = str(ROOT)
+    return env
+
+
+def _wall(argv: list[str], env: dict[str, str]) -> float:
+    """Wall seconds of `tokenmill ARGV`; a run refused a connection (the shared Postgres at
+    max_connections) is run again, untimed, up to CONNECT_TRIES times."""
+    for _ in range(CONNECT_TRIES):
+        started = time.perf_counter()
+        done = subprocess.run(
+            [sys.executable, "-m", "ops", *argv], env=env, cwd=ROOT, capture_output=True, text=True
+        )
+        wall = time.perf_counter() - started
+        if done.returncode == 0:
+            return wall
+        if "too many clients" not in done.stderr:
+            break
+        time.sleep(5)
+    raise RuntimeError(f"tokenmill {' '.join(argv)} failed:\n{done.stderr[-2000:]}")
+
+
+def _time_commands(
+    built: build.Ledger, empty: build.Ledger, tmp: Path, repeat: int
+) -> dict[str, tuple[list[float], list[float]]]:
+    """Each command on the large and the empty ledger in turn, repeat times."""
+    envs = (_command_env(built, tmp), _command_env(empty, tmp))
+    out: dict[str, tuple[list[float], list[float]]] = {}
+    for name, argv in COMMANDS:
+        large: list[float] = []
+        none: list[float] = []
+        for _ in range(repeat):
+            large.append(_wall(argv, envs[0]))
+            none.append(_wall(argv, envs[1]))
+        out[name] = (large, none)
+        ratio = statistics.median(large) / statistics.median(none)
+        print(
+            f"  {name}: {statistics.median(large):.3f} s, empty {statistics.median(none):.3f} s"
+            f" ({ratio:.2f})",
+            flush=True,
+        )
+    return out
