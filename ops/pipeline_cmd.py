@@ -315,7 +315,7 @@ def _unit(report: EnqueueReport) -> str:
     multiple=True,
     metavar="NAME[,NAME...]",
     help="Only these registered servers serve the run (repeat or comma-separate; pinned by "
-    "the run; `tokenmill status` shows it). Default: any server of the fleet.",
+    "the run; `tokenmill status` shows it); without it, any server of the fleet does.",
 )
 @field_option
 @sampling_options

@@ -13,7 +13,7 @@ reads ix_items_prev_unfinished (the later turns still to run) instead of the pre
 every item (150,000 index entries read for a run of 150,000 single-turn items).
 
 Revision ID: 0014
-Revises: 0011
+Revises: 0013
 Create Date: 2026-12-02 15:00:00.000000
 """
 
@@ -25,7 +25,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision: str = "0014"
-down_revision: str | None = "0011"
+down_revision: str | None = "0013"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

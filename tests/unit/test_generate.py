@@ -38,6 +38,9 @@ class FakeRuntime:
     def run_matches_server(self, run_id: int) -> bool:
         return True
 
+    def serves_run(self, run_id: int) -> bool:
+        return True
+
     def reads_images(self) -> bool:
         return True
 
