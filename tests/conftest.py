@@ -89,12 +89,14 @@ def sglang_server(
     tmp_path_factory: pytest.TempPathFactory, kimi_tokenizer_dir: Path
 ) -> Iterator[SGLangServer]:
     """SGLang 0.5.23's own HTTP server, the fake scheduler as its model, one per session:
-    the fixture tokenizer's folder as the model path, `--context-length 128`."""
+    the fixture tokenizer's folder as the model path, `--context-length 128`, 8 running and
+    64 queued requests at most."""
     from tests.support.sglang_http import harness
 
     folder = tmp_path_factory.mktemp("sglang-server")
     model = harness.model_folder(kimi_tokenizer_dir, folder / "model")
-    flags = ("--context-length", "128")
+    flags = ("--context-length", "128", "--max-running-requests", "8")
+    flags += ("--max-queued-requests", "64")
     with harness.running_sglang_server(model, folder / "server.log", *flags) as server:
         yield server
 

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +16,7 @@ import httpx
 import pytest
 
 from tests.support.procs import clean_env, tokenmill
+from tests.support.sglang_http import harness
 from tests.support.sglang_http.harness import SGLangServer
 
 pytestmark = pytest.mark.e2e
@@ -86,3 +90,81 @@ def test_run_export_parity(
     report = json.loads(parity.stdout)
     assert (report["checked"], report["equal"], report["mismatched"]) == (ROWS + 1, ROWS + 1, 0)
     assert report["versions"]["server_sglang"] == "0.5.23"
+
+
+def test_update_weights_in_place(sglang_server: SGLangServer, tmp_path: Path) -> None:
+    """`tokenmill update-weights` on SGLang's server: /update_weights_from_disk reaches the
+    scheduler, the server reports the new version, new weights draw other tokens; loading
+    the first weights back draws as before."""
+    env = clean_env(tmp_path / "data")
+    url = sglang_server.base_url
+    assert tokenmill(["servers", "add", "gpu-a", url], env, tmp_path).returncode == 0
+    body = {"input_ids": [300, 301, 302], "sampling_params": {"max_new_tokens": 16}}
+    before = _generate(sglang_server, body).json()["output_ids"]
+    first = httpx.get(f"{url}/model_info", timeout=10).json()["model_path"]
+    for path, version in ((str(tmp_path / "ckpt-2"), "v2"), (first, "default")):
+        argv = ["update-weights", "gpu-a", "--model-path", path, "--weight-version", version]
+        update = tokenmill(argv, env, tmp_path)
+        assert update.returncode == 0, update.stderr
+        info = httpx.get(f"{url}/model_info", timeout=10).json()
+        assert (info["model_path"], info["weight_version"]) == (path, version)
+        answer = _generate(sglang_server, body).json()
+        assert answer["meta_info"]["weight_version"] == version
+        assert (answer["output_ids"] == before) == (version == "default")
+
+
+@pytest.fixture(scope="module")
+def one_slot_server(
+    tmp_path_factory: pytest.TempPathFactory, kimi_tokenizer_dir: Path
+) -> Iterator[SGLangServer]:
+    """A server that runs 1 request and queues 1, at 100 ms a token."""
+    folder = tmp_path_factory.mktemp("sglang-one-slot")
+    model = harness.model_folder(kimi_tokenizer_dir, folder / "model")
+    flags = ("--max-running-requests", "1", "--max-queued-requests", "1")
+    env = harness.server_env(HARNESS_STEP_S="0.1")
+    with harness.running_sglang_server(model, folder / "server.log", *flags, env=env) as server:
+        yield server
+
+
+def _loads(server: SGLangServer) -> tuple[int, int]:
+    load = httpx.get(f"{server.base_url}/v1/loads", timeout=10).json()["loads"][0]
+    return load["num_running_reqs"], load["num_waiting_reqs"]
+
+
+def _wait_loads(server: SGLangServer, expected: tuple[int, int]) -> None:
+    for _ in range(200):
+        if _loads(server) == expected:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"/v1/loads never showed {expected}: {_loads(server)}")
+
+
+def test_queue_limit_abort_and_loads(one_slot_server: SGLangServer) -> None:
+    """--max-queued-requests: the request past the queue is SGLang's 503 "The request queue
+    is full."; /v1/loads shows the scheduler's running and waiting requests; /abort_request
+    ends the running one, and the queued one then runs to its end."""
+    long = {"max_new_tokens": 120, "ignore_eos": True}
+    with ThreadPoolExecutor(2) as pool:
+        blocker = pool.submit(
+            _generate,
+            one_slot_server,
+            {"rid": "blocker", "input_ids": [5], "sampling_params": long},
+        )
+        _wait_loads(one_slot_server, (1, 0))
+        queued = pool.submit(
+            _generate, one_slot_server, {"input_ids": [6], "sampling_params": {"max_new_tokens": 4}}
+        )
+        _wait_loads(one_slot_server, (1, 1))
+        full = _generate(one_slot_server, {"input_ids": [7], "sampling_params": long})
+        assert full.status_code == 503
+        assert full.json()["message"] == "The request queue is full."
+        abort = httpx.post(
+            f"{one_slot_server.base_url}/abort_request", json={"rid": "blocker"}, timeout=10
+        )
+        assert abort.status_code == 200
+        ended = blocker.result(timeout=60).json()["meta_info"]["finish_reason"]
+        assert ended["type"] == "abort"
+        answer = queued.result(timeout=60)
+        assert answer.status_code == 200 and 1 <= len(answer.json()["output_ids"]) <= 4
+    flush = httpx.post(f"{one_slot_server.base_url}/flush_cache", timeout=10)
+    assert flush.status_code == 200 and flush.text.startswith("Cache flushed.")

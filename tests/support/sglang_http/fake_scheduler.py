@@ -19,6 +19,7 @@ from typing import Any
 
 STEP_S = float(os.environ.get("HARNESS_STEP_S", "0.005"))
 EOS_RATE = float(os.environ.get("HARNESS_EOS_RATE", "0.05"))
+LOAD_PUBLISH_S = 0.05
 ORDINARY_IDS = int(os.environ.get("HARNESS_ORDINARY_IDS", "2000"))
 
 
@@ -51,7 +52,8 @@ class _Req:
         """One decode step; the finish reason when this token ends the request."""
         k = len(self.out)
         value = _token(self.seed + weight_salt, k)
-        if (value % 10_000) < EOS_RATE * 10_000 and k > 0:
+        eos = (value % 10_000) < EOS_RATE * 10_000 and k > 0
+        if eos and not self.obj.sampling_params.ignore_eos:
             self.out.append(self.eos_id)
             return {"type": "stop", "matched": self.eos_id}
         self.out.append(256 + value % (ORDINARY_IDS - 256))
@@ -76,7 +78,15 @@ def run_fake_scheduler(
     from sglang.srt.arg_groups.overrides import resolving_view
     from sglang.srt.managers import io_struct as io
     from sglang.srt.managers.scheduler_components.ipc_channels import SchedulerIpcChannels
+    from sglang.srt.runtime_context import SpawnRanks, publish, spawn_world_rank
 
+    # the scheduler's runtime context, published as run_scheduler_process does
+    ranks = SpawnRanks(
+        world_rank=spawn_world_rank(server_args, tp_rank=tp_rank, pp_rank=pp_rank),
+        dp_rank=dp_rank,
+        gpu_id=gpu_id,
+    )
+    publish(server_args, role="scheduler", ranks=ranks)
     cfg = resolving_view(server_args)
     config = _model_config(cfg.model_path)
     context_len = cfg.context_length or config.get("max_position_embeddings", 4096)
@@ -100,6 +110,8 @@ def run_fake_scheduler(
             "startup_time": {},
         }
     )
+    loads = _load_writer(port_args)
+    published = 0.0
     running: list[_Req] = []
     waiting: list[_Req] = []
     paused = False
@@ -149,7 +161,11 @@ def run_fake_scheduler(
                     ok = not running and not waiting
                     reply(io.FlushCacheReqOutput(success=ok, rid=one.rid), one)
                 elif isinstance(one, io.PauseGenerationReqInput):
+                    # "abort" is the TokenizerManager's own; "retract" puts the running
+                    # requests back in the queue, "in_place" keeps them
                     paused = True
+                    if one.mode == "retract":
+                        waiting[:0], running[:] = running, []
                 elif isinstance(one, io.ContinueGenerationReqInput):
                     paused = False
                 elif isinstance(one, io.UpdateWeightFromDiskReqInput):
@@ -174,6 +190,9 @@ def run_fake_scheduler(
                     reply(io.GetInternalStateReqOutput(internal_state=state, rid=one.rid), one)
             events.pop(channels.recv_from_tokenizer, None)
             events = dict(poller.poll(0))
+        if time.monotonic() - published > LOAD_PUBLISH_S:
+            published = time.monotonic()
+            _publish_load(loads, running, waiting, max_running, context_len)
         if paused:
             continue
         while waiting and len(running) < max_running:
@@ -189,6 +208,44 @@ def run_fake_scheduler(
             if reason is not None:
                 running.remove(req)
         channels.send_to_detokenizer.send_output(_batch(io, items, weight_version))
+
+
+def _load_writer(port_args: Any) -> Any:
+    """SGLang's own load snapshot writer, which /v1/loads reads (None if it cannot start)."""
+    from sglang.srt.managers.load_snapshot import create_load_snapshot_writer
+
+    try:
+        return create_load_snapshot_writer(port_args, 1, 0, publish_interval=1)
+    except Exception as error:  # as the real scheduler: /v1/loads then answers empty
+        print(f"load snapshot writer init failed: {error}", flush=True)
+        return None
+
+
+def _publish_load(
+    writer: Any, running: list[_Req], waiting: list[_Req], max_running: int, context_len: int
+) -> None:
+    if writer is None:
+        return
+    from sglang.srt.managers.load_snapshot import LoadSnapshot
+
+    used = sum(r.prompt_len + len(r.out) for r in running)
+    pending = sum(r.prompt_len for r in waiting)
+    capacity = max_running * context_len
+    writer.write(
+        LoadSnapshot(
+            timestamp=time.time(),
+            dp_rank=0,
+            num_running_reqs=len(running),
+            num_waiting_reqs=len(waiting),
+            num_used_tokens=used,
+            num_total_tokens=used + pending,
+            num_active_tokens=used + pending,
+            max_total_num_tokens=capacity,
+            max_running_requests=max_running,
+            token_usage=used / capacity,
+            utilization=len(running) / max_running,
+        )
+    )
 
 
 def _abort(message: str, status: int, err_type: str | None) -> dict[str, Any]:
