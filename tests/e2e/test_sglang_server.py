@@ -5,6 +5,7 @@ that speaks SGLang's IPC messages. One server for the session (`sglang_server`).
 from __future__ import annotations
 
 import json
+import signal
 import sqlite3
 import time
 from collections.abc import Iterator
@@ -168,3 +169,29 @@ def test_queue_limit_abort_and_loads(one_slot_server: SGLangServer) -> None:
         assert answer.status_code == 200 and 1 <= len(answer.json()["output_ids"]) <= 4
     flush = httpx.post(f"{one_slot_server.base_url}/flush_cache", timeout=10)
     assert flush.status_code == 200 and flush.text.startswith("Cache flushed.")
+
+
+def test_sigterm_drains_then_exits(one_slot_server: SGLangServer) -> None:
+    """SIGTERM to the server (what `systemctl stop` sends): SGLang answers /health 503 while
+    its in-flight request runs to its end, then the scheduler gets ShutdownReq and all exit.
+    Last in this module: it ends the module's server."""
+    body = {"input_ids": [8], "sampling_params": {"max_new_tokens": 60, "ignore_eos": True}}
+    with ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(_generate, one_slot_server, body)
+        _wait_loads(one_slot_server, (1, 0))
+        one_slot_server.popen.send_signal(signal.SIGTERM)
+        health = _wait_health(one_slot_server, 503)
+        assert health == 503
+        done = answer.result(timeout=60)
+    assert done.status_code == 200 and len(done.json()["output_ids"]) == 60
+    assert one_slot_server.popen.wait(timeout=60) == 0
+
+
+def _wait_health(server: SGLangServer, expected: int) -> int:
+    status = 0
+    for _ in range(100):
+        status = httpx.get(f"{server.base_url}/health", timeout=10).status_code
+        if status == expected:
+            break
+        time.sleep(0.05)
+    return status

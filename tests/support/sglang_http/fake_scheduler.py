@@ -1,12 +1,14 @@
 """The scheduler process of the harness: the scheduler side of SGLang's IPC protocol, no model.
 
-It takes SGLang's own sockets (`SchedulerIpcChannels.create`) and messages (`io_struct`): the ready
-handshake `_launch_subprocesses` waits for, `TokenizedGenerateReqInput` in and `BatchTokenIDOutput`
-out to the DetokenizerManager, `AbortReq`, `FlushCacheReqInput`, pause/continue,
-`UpdateWeightFromDiskReqInput` and `GetInternalStateReq`. Outputs are deterministic: token k of a
-request is a function of its input ids, its sample index (the rid) and k; a step takes STEP_S and
-ends a request with EOS at EOS_RATE per token, or at max_new_tokens. The queue limit
-(`--max-queued-requests`) and the input length check are the real scheduler's.
+It takes SGLang's own sockets (`SchedulerIpcChannels.create`) and messages (`io_struct`): the
+ready handshake `_launch_subprocesses` waits for, `TokenizedGenerateReqInput` in and
+`BatchTokenIDOutput` out to the DetokenizerManager, `AbortReq`, `FlushCacheReqInput`,
+pause/continue, `UpdateWeightFromDiskReqInput`, `GetInternalStateReq` and `ShutdownReq`, and it
+writes SGLang's load snapshot (`/v1/loads`). Outputs are deterministic: token k of a request is
+a function of its prompt ids, its sampling_seed and temperature (unless greedy), k and the
+loaded weights; a step takes STEP_S and ends a request with EOS at EOS_RATE per token (unless
+ignore_eos), or at max_new_tokens. The queue limit (`--max-queued-requests`) and the input
+length check are the real scheduler's.
 """
 
 from __future__ import annotations
@@ -180,6 +182,9 @@ def run_fake_scheduler(
                         ),
                         one,
                     )
+                elif isinstance(one, io.ShutdownReq):
+                    # the TokenizerManager's last word after a SIGTERM drain: leave the loop
+                    return
                 elif isinstance(one, io.GetInternalStateReq):
                     state = {
                         "last_gen_throughput": 0.0,
