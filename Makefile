@@ -2,7 +2,8 @@
 # (the one .ci/run creates), else python3.
 PYTHON ?= $(if $(wildcard .venv/bin/python),.venv/bin/python,python3)
 
-.PHONY: install lint typecheck unit test oracle-519 transformers-519 demo
+.PHONY: install lint typecheck unit test oracle-519 transformers-519 sglang-server-deps \
+	sglang-server-tests demo
 
 # installs the project with its dev extra unless everything it asks for is already there
 install:
@@ -30,7 +31,17 @@ oracle-519: transformers-519
 	PYTHONPATH=$(TRANSFORMERS_519):$(CURDIR) $(PYTHON) -m pytest -q -p no:cacheprovider \
 		tests/integration/test_sglang_oracle.py tests/integration/test_sglang_oracle_images.py
 
-test: lint typecheck transformers-519
+# SGLang 0.5.23's own HTTP server with a fake scheduler (tests/support/sglang_http): the wheel's
+# sglang package extracted, and the server's pure-Python dependencies tokenmill does not install
+# (FastAPI, uvicorn, pyzmq, ...) put into .cache/sglang-server-deps by pip
+sglang-server-deps:
+	$(PYTHON) -c 'from tests.support.sglang_http import harness; harness.server_deps(); harness.sglang_source()'
+
+# the e2e tests on that server (they are in the default pytest run too)
+sglang-server-tests: sglang-server-deps
+	$(PYTHON) -m pytest -q -p no:cacheprovider tests/e2e/test_sglang_server.py
+
+test: lint typecheck transformers-519 sglang-server-deps
 	$(PYTHON) -m pytest -q -p no:cacheprovider --durations=15
 	$(MAKE) oracle-519
 

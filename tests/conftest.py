@@ -14,12 +14,16 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from sqlalchemy import Engine, create_engine, text
 
 from app.ledger.database import make_engine
 from app.ledger.migrate import upgrade
+
+if TYPE_CHECKING:
+    from tests.support.sglang_http.harness import SGLangServer
 
 # Tests run the commands users type (`tokenmill`, `celery -A app worker`) by name: they are the
 # scripts of the Python running the tests (a fresh venv's, which need not be on PATH).
@@ -88,6 +92,23 @@ def kimi_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from emulator.fixtures.kimi import ensure_kimi_tokenizer
 
     return ensure_kimi_tokenizer(tmp_path_factory.mktemp("tokenizers"))
+
+
+@pytest.fixture(scope="session")
+def sglang_server(
+    tmp_path_factory: pytest.TempPathFactory, kimi_tokenizer_dir: Path
+) -> Iterator[SGLangServer]:
+    """SGLang 0.5.23's own HTTP server, the fake scheduler as its model, one per session:
+    the fixture tokenizer's folder as the model path, `--context-length 128`, 8 running and
+    64 queued requests at most."""
+    from tests.support.sglang_http import harness
+
+    folder = tmp_path_factory.mktemp("sglang-server")
+    model = harness.model_folder(kimi_tokenizer_dir, folder / "model")
+    flags = ("--context-length", "128", "--max-running-requests", "8")
+    flags += ("--max-queued-requests", "64")
+    with harness.running_sglang_server(model, folder / "server.log", *flags) as server:
+        yield server
 
 
 @pytest.fixture(scope="session")
