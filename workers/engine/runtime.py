@@ -35,6 +35,7 @@ from app.sglang.client import SGLangClient
 from app.storage.image_store import image_location
 from workers.control.pausing import CeleryControl, pause_server
 from workers.control.weights import note_weights
+from workers.engine import autosize
 from workers.engine.identity import server_name_for
 from workers.engine.image_checks import ImageChecks
 from workers.engine.image_data import ImageData
@@ -98,7 +99,10 @@ class WorkerRuntime:
         self._image_drift_reported = False
         self._local_pause: str | None = None
         self.images = ImageChecks(db, self.server_name, ImageData(lambda: image_location(settings)))
-        n = inflight or settings.inflight
+        if inflight is not None:  # a caller's fixed window wins over the setting
+            settings = settings.model_copy(update={"inflight": inflight})
+            self.settings = settings
+        n = autosize.start_size(settings)
         # later turns of `--turns all` chains, started as their previous turn is committed
         self.turns = TurnAdvancer(db, publish=lambda ids: on_released(ids, 0.0))
         self.window = InflightWindow(
@@ -111,7 +115,7 @@ class WorkerRuntime:
                 retry_backoff_s=settings.retry_backoff_s,
                 retry_backoff_max_s=settings.retry_backoff_max_s,
                 unavailable_wait_s=settings.unavailable_wait_s,
-                backlog=backlog if backlog is not None else max(settings.batch_size, n // 4),
+                backlog=backlog if backlog is not None else autosize.backlog_for(settings, n),
                 backlog_s=settings.backlog_s,
                 hedge_interval_s=settings.hedge_interval_s,
                 group_stagger_s=settings.group_stagger_s,
@@ -131,6 +135,15 @@ class WorkerRuntime:
             check_result=self.check_result,
             image_data=self.images.image_data,
         )
+        # fixed, or auto: sized by the server's capacity and load (its own thread and client)
+        self.sizer = autosize.WindowSizer(
+            settings,
+            self.window,
+            db=db,
+            server_name=self.server_name,
+            owner=self.owner,
+            client_factory=self.new_client,
+        )
 
     def new_client(self) -> SGLangClient:
         return client_for(self.server_url, self.settings)
@@ -138,8 +151,10 @@ class WorkerRuntime:
     def start(self) -> None:
         self.turns.start()
         self.window.start()
+        self.sizer.start()
 
     def stop(self) -> None:
+        self.sizer.stop()
         self.window.stop(self.settings.drain_timeout_s)
         self.turns.stop()
 
@@ -265,6 +280,7 @@ class WorkerRuntime:
                 self._fingerprint = client.fingerprint()
             finally:
                 client.close()
+            self.sizer.reread()  # read anew: the server's capacity may have changed with it
         return self._fingerprint
 
     def run_matches_server(self, run_id: int) -> bool:
