@@ -278,10 +278,15 @@ def main() -> None:
     args = parse_args()
     print(f"saturation benchmark — {machine_note()}")
     emu_args = emulator_args(args)
+    setup = (
+        "the workers with the defaults (no TOKENMILL_INFLIGHT, TOKENMILL_BATCH_SIZE)"
+        if args.defaults
+        else f"emulator: {' '.join(emu_args)}; window {args.inflight}, batch size "
+        f"{args.batch_size}, TOKENMILL_INFLIGHT {args.tokenmill_inflight or args.inflight}"
+    )
     print(
         f"{args.prompts} prompts (~{args.words} words), max_new_tokens {args.max_new_tokens}, "
-        f"emulator: {' '.join(emu_args)}; window {args.inflight}, batch size {args.batch_size}"
-        f", TOKENMILL_INFLIGHT {args.tokenmill_inflight or args.inflight}",
+        + setup,
         flush=True,
     )
     fixture_tokenizer_dir()

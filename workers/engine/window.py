@@ -10,6 +10,8 @@ At the end of a run, free slots send second copies of items still running on oth
 (hedging.py): the first result written wins, the copy that lost is aborted, and hedges give
 their slots back at once when real work arrives.
 
+Its size is set at run time (resize): fixed, or sized by the server by workers/engine/autosize.py.
+
 The window owns the one condition; its parts (Room and InFlight, Conversations, Hedges) are plain
 structures it calls under it, and its threads (slots, the writer, the timer's hedge round) ask it
 through its public methods.
