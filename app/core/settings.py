@@ -229,8 +229,8 @@ def redact_url(url: str) -> str:
 
 
 def fixed_inflight(settings: Settings, auto: int) -> int:
-    """TOKENMILL_INFLIGHT as a number: itself when fixed, else `auto` (what sizes by it before
-    the server's capacity is known, e.g. a connection pool)."""
+    """TOKENMILL_INFLIGHT as a number: itself when fixed, else `auto` (for what is sized once,
+    before the server's capacity is known: the ledger's connection pool)."""
     return auto if settings.inflight == "auto" else settings.inflight
 
 

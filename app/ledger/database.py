@@ -94,6 +94,6 @@ def get_engine(settings: Settings | None = None) -> Engine:
     with _lock:
         engine = _engines.get(key)
         if engine is None:
-            engine = make_engine(url, pool_size=max(4, min(fixed_inflight(settings, 128) // 4, 32)))
+            engine = make_engine(url, pool_size=max(4, min(fixed_inflight(settings, 64) // 4, 32)))
             _engines[key] = engine
         return engine
