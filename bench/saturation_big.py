@@ -142,13 +142,16 @@ def run_auto(
     span_s = (last - first).total_seconds()
     generated, capacity, occupancy = _totals(stats)
     worker_cpu = sum(cpu[name] for name in pids)
+    # the run's own tokens: a fleet's servers also make hedges at the end (second copies)
+    useful = int(counts.output_tokens)
     return {
-        "generated": generated,
+        "generated": useful,
         "span_s": span_s,
-        "util": generated / span_s / capacity,
+        "util": useful / span_s / capacity,
         "occupancy": occupancy,
         "cpu_ms_per_item": 1000 * worker_cpu / max(1, counts.done),
-        "note": f"done {counts.done}, failed {counts.failed}; worker CPU {worker_cpu:.1f} s",
+        "note": f"done {counts.done}, failed {counts.failed}; worker CPU {worker_cpu:.1f} s; "
+        f"the servers made {generated:,} tokens (hedges included)",
     }
 
 
