@@ -10,7 +10,7 @@ import itertools
 import json
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +39,7 @@ class ClientRun:
     @property
     def span_s(self) -> float:
         """First request sent to last answer received."""
-        return max(self.done) - min(self.sent)
+        return max(self.done) - min(s for s in self.sent if s > 0)
 
     @property
     def generated(self) -> int:
@@ -47,18 +47,27 @@ class ClientRun:
 
 
 def bare_client_run(
-    url: str, requests: Sequence[Request], *, window: int, barrier: bool = False
+    url: str,
+    requests: Sequence[Request],
+    *,
+    window: int,
+    barrier: bool = False,
+    counter: Iterator[int] | None = None,
 ) -> ClientRun:
     """Send every request to url from `window` threads, each with its own single-connection
     httpx client. barrier=False keeps exactly `window` requests in flight (a thread takes
     the next request the moment its answer arrives); barrier=True sends `window` requests,
-    waits for all of them, then sends the next `window` ("batch and wait")."""
+    waits for all of them, then sends the next `window` ("batch and wait").
+
+    Several servers as one ideal client: run one per server at once, all with the same
+    `counter` (they take the requests from one shared queue); a run's figures then cover only
+    the requests it sent (the others stay 0)."""
     n = len(requests)
     sent = [0.0] * n
     done = [0.0] * n
     tokens = [0] * n
     errors: list[str] = []
-    counter = itertools.count()
+    counter = counter if counter is not None else itertools.count()
     rounds = (n + window - 1) // window
     gate = threading.Barrier(window) if barrier else None
     ready = threading.Barrier(window + 1)

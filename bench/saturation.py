@@ -20,6 +20,13 @@ durable write (finished_at), so tokenmill's own overhead counts against it.
     python bench/saturation.py                          # all four modes, ~3 minutes
     python bench/saturation.py --order tokenmill,batch,ideal
     python bench/saturation.py --prompts 500 --order tokenmill,batch,ideal   # quicker
+
+--defaults runs the "defaults on a big server" cases instead (bench/saturation_big.py): the
+worker as the README starts it, no TOKENMILL_INFLIGHT, against an ideal client at each
+server's capacity, on servers of 256 and 512 slots, one whose KV pool binds first, and a
+fleet of two sizes:
+
+    python bench/saturation.py --defaults --prompts 3000 --max-new-tokens 1024
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import saturation_big
 from bare_client import Request, bare_client_run
 from common import (
     REDIS_URL,
@@ -44,6 +52,7 @@ from common import (
     machine_note,
     run_items,
     run_span,
+    run_tokenmill,
     service_env,
     start_worker,
     stop_process,
@@ -109,6 +118,28 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--repeat", type=int, default=1, help="rounds of all modes")
     p.add_argument("--ramp", action="store_true", help="print the first 4 s of running counts")
     p.add_argument("--timeout", type=float, default=1800.0, help="per-mode limit, seconds")
+    p.add_argument(
+        "--defaults",
+        action="store_true",
+        help="the 'defaults on a big server' cases instead of the modes (saturation_big.py)",
+    )
+    p.add_argument(
+        "--cases", default=",".join(saturation_big.CASES), help="--defaults: cases to run"
+    )
+    p.add_argument(
+        "--kv-tokens", type=int, default=131072, help="--defaults kv: the KV pool in tokens"
+    )
+    p.add_argument(
+        "--big-step-ms",
+        type=float,
+        default=None,
+        help="--defaults: decode step of every server (default: max_running / 64 ms)",
+    )
+    p.add_argument(
+        "--with-fixed",
+        action="store_true",
+        help="--defaults: also run each case with TOKENMILL_INFLIGHT=64 (the old default)",
+    )
     args = p.parse_args()
     args.modes = [m.strip() for m in args.order.split(",") if m.strip()]
     unknown = set(args.modes) - set(MODES)
@@ -247,10 +278,15 @@ def main() -> None:
     args = parse_args()
     print(f"saturation benchmark — {machine_note()}")
     emu_args = emulator_args(args)
+    setup = (
+        "the workers with the defaults (no TOKENMILL_INFLIGHT, TOKENMILL_BATCH_SIZE)"
+        if args.defaults
+        else f"emulator: {' '.join(emu_args)}; window {args.inflight}, batch size "
+        f"{args.batch_size}, TOKENMILL_INFLIGHT {args.tokenmill_inflight or args.inflight}"
+    )
     print(
         f"{args.prompts} prompts (~{args.words} words), max_new_tokens {args.max_new_tokens}, "
-        f"emulator: {' '.join(emu_args)}; window {args.inflight}, batch size {args.batch_size}"
-        f", TOKENMILL_INFLIGHT {args.tokenmill_inflight or args.inflight}",
+        + setup,
         flush=True,
     )
     fixture_tokenizer_dir()
@@ -277,6 +313,12 @@ def main() -> None:
             ]
             mean_prompt = sum(len(r.input_ids) for r in requests) / len(requests)
             print(f"{len(requests)} items, mean prompt {mean_prompt:.0f} tokens", flush=True)
+            if args.defaults:
+                # that run gave the ideal client its requests: each case enqueues its own
+                flush_redis()
+                run_tokenmill(["delete", f"{RUN}-1", "--force"], env)
+                saturation_big.run_cases(args, pg_url, data_dir, prompts, requests)
+                return
 
             runs = 0
             for rep in range(args.repeat):

@@ -149,6 +149,21 @@ def _option(flag: str, *names: str, **kwargs: Any) -> Callable[[F], F]:
     help="Batch slots (SGLang --max-running-requests).",
 )
 @_option(
+    "--max-total-tokens",
+    type=click.IntRange(min=1),
+    default=None,
+    show_default="max running x context length",
+    help="The KV pool in tokens (SGLang --max-total-tokens): a request waits until its prompt "
+    "and output fit beside the running ones, so long requests queue before --max-running "
+    "binds.",
+)
+@_option(
+    "--chunked-prefill-size",
+    type=click.IntRange(min=1),
+    default=8192,
+    help="SGLang --chunked-prefill-size, as /server_info reports it.",
+)
+@_option(
     "--step-ms",
     type=click.FloatRange(min=0),
     default=5.0,

@@ -57,6 +57,12 @@ class EmulatorConfig:
 
     # continuous batching (see emulator.scheduler)
     max_running: int = 64
+    # the KV pool in tokens (SGLang's max_total_num_tokens); a request is admitted only while
+    # the running batch's prompts and planned outputs fit, so long requests queue before
+    # max_running binds. None: max_running x context_length (never binds first)
+    max_total_tokens: int | None = None
+    # SGLang's chunked_prefill_size, as /server_info reports it
+    chunked_prefill_size: int = 8192
     step_ms: float = 5.0
     prefill_ms_per_1k_tokens: float = 2.0
     # the prefix cache (SGLang's radix cache): tokens it holds before evicting the least
@@ -115,6 +121,10 @@ class EmulatorConfig:
             (self.sigma >= 0 and math.isfinite(self.sigma), "sigma must be >= 0"),
             (0 <= self.token_min < self.token_max, "need 0 <= token_min < token_max"),
             (self.max_running >= 1, "max_running must be at least 1"),
+            (
+                self.max_total_tokens is None or self.max_total_tokens >= 1,
+                "max_total_tokens must be at least 1",
+            ),
             (self.step_ms >= 0, "step_ms must be >= 0"),
             (self.prefill_ms_per_1k_tokens >= 0, "prefill_ms_per_1k_tokens must be >= 0"),
             (
@@ -198,15 +208,17 @@ class EmulatorConfig:
         return self.max_running * 1000.0 / self.step_ms
 
     @property
-    def max_total_tokens(self) -> int:
+    def kv_pool(self) -> int:
         """The KV pool in tokens, as /server_info reports it (max_total_num_tokens)."""
+        if self.max_total_tokens is not None:
+            return self.max_total_tokens
         return self.max_running * self.context_length
 
     @property
     def cache_tokens(self) -> int:
         """Tokens the prefix cache holds at most."""
         if self.prefix_cache_tokens is None:
-            return self.max_total_tokens
+            return self.kv_pool
         return self.prefix_cache_tokens
 
     @property
@@ -235,6 +247,8 @@ class EmulatorConfig:
             "port": self.port if port is None else port,
             "context_length": self.context_length,
             "max_running_requests": self.max_running,
+            "max_total_tokens": self.max_total_tokens,
+            "chunked_prefill_size": self.chunked_prefill_size,
             "max_queued_requests": self.max_queued,
             "reasoning_parser": self.reasoning_parser,
             "tool_call_parser": None,

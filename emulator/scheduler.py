@@ -93,6 +93,11 @@ def uncached_image_tokens(spans: tuple[tuple[int, int], ...], cached_tokens: int
     return sum(max(0, start + count - max(start, cached_tokens)) for start, count in spans)
 
 
+def kv_tokens(job: Job) -> int:
+    """The KV tokens a request takes at most: its prompt and its whole (planned) output."""
+    return len(job.item.key_ids) + len(job.planned_ids)
+
+
 def new_job(
     item: ItemRequest, cfg: EmulatorConfig, arrival_s: float, weight_version: str | None = None
 ) -> Job:
@@ -131,6 +136,8 @@ class Scheduler:
         self._waiting: deque[Job] = deque()
         self._running: list[Job] = []
         self._by_rid: dict[str, Job] = {}
+        # KV tokens the running jobs reserved when admitted (their prompt and planned output)
+        self._kv_reserved = 0
         self._gate = _Gate()
         # the weights' version now (moved by weight updates); jobs plan their output under it
         self.weight_version = cfg.weight_version
@@ -300,7 +307,10 @@ class Scheduler:
         image tokens the vision encoder computes (those past the cached prefix)."""
         prefill_tokens = vision_tokens = 0
         while self._waiting and len(self._running) < self.cfg.max_running:
+            if not self._kv_fits(self._waiting[0]):
+                break  # the KV pool binds first: the head waits (first come, first served)
             job = self._waiting.popleft()
+            self._kv_reserved += kv_tokens(job)
             ids = job.item.key_ids
             # requests admitted in the same step prefill together: none sees the others' prompts
             job.cached_tokens = self.cache.match(ids)
@@ -342,7 +352,25 @@ class Scheduler:
             if not waiter.done():
                 waiter.set_result(None)
 
+    def _kv_fits(self, job: Job) -> bool:
+        """Whether job's prompt and output fit in the KV pool beside the running batch (a
+        request alone always runs: one larger than the pool is the context check's)."""
+        limit = self.cfg.max_total_tokens
+        return limit is None or not self._running or self._kv_reserved + kv_tokens(job) <= limit
+
+    @property
+    def waiting_tokens(self) -> int:
+        """Prompt tokens of the requests waiting to be admitted."""
+        return sum(len(j.item.key_ids) for j in self._waiting)
+
+    @property
+    def kv_used(self) -> int:
+        """KV tokens the running batch holds now (its prompts and output so far)."""
+        return sum(len(j.item.key_ids) + j.produced for j in self._running)
+
     def _finish(self, job: Job, reason: FinishReason, now: float) -> None:
+        if job.started and job.finish_reason is None:  # it leaves the running batch
+            self._kv_reserved -= kv_tokens(job)
         job.finish_reason = reason
         job.final_version = self.weight_version
         job.finished_s = now

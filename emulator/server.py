@@ -25,7 +25,14 @@ from app.prompts.tokenization import ChatTokenizer, load_tokenizer
 from emulator.config import EmulatorConfig
 from emulator.generate_route import GenerateRoute, Phase, empty_reply, json_reply
 from emulator.image_prompt import ImageProcessor, TextCodec
-from emulator.info import model_info, models_list, server_info, stats_json
+from emulator.info import (
+    loads_body,
+    loads_prometheus,
+    model_info,
+    models_list,
+    server_info,
+    stats_json,
+)
 from emulator.protocol import error_object
 from emulator.scheduler import Counters, Scheduler
 from emulator.speculative import RequestLog
@@ -98,6 +105,7 @@ class EmulatorServer(GenerateRoute):
         for path in ("/server_info", "/get_server_info"):
             add("GET", path, self.server_info)
         add("GET", "/v1/models", self.models)
+        add("GET", "/v1/loads", self.loads)
         for path in ("/v1/tokenize", "/tokenize"):
             add("POST", path, self.tokenize)
         for path in ("/v1/detokenize", "/detokenize"):
@@ -284,6 +292,25 @@ class EmulatorServer(GenerateRoute):
         if self.hung:  # internal_states asks the scheduler, which never answers
             await asyncio.get_running_loop().create_future()
         return json_reply(server_info(self.cfg, self.port, self.startup_time))
+
+    async def loads(self, request: web.Request) -> web.Response:
+        """`/v1/loads` (entrypoints/v1_loads.py): per DP rank the running and waiting requests
+        and KV use; `?include=core,memory,queues`, `?dp_rank=N`, `?format=prometheus`."""
+        query = request.query
+        include = query.get("include")
+        sections = {s.strip() for s in include.split(",")} if include else None
+        try:
+            rank = int(query["dp_rank"]) if "dp_rank" in query else None
+            body = loads_body(self.cfg, self.scheduler, sections, rank)
+        except ValueError as exc:
+            return json_reply({"detail": str(exc)}, 400)
+        if query.get("format") == "prometheus":
+            return web.Response(
+                text=loads_prometheus(body["loads"]),
+                content_type="text/plain",
+                charset="utf-8",
+            )
+        return json_reply(body)
 
     async def models(self, request: web.Request) -> web.Response:
         return json_reply(models_list(self.cfg, int(self.startup_time)))

@@ -25,8 +25,9 @@ from ops.views.text_table import Column, left_out_note, render
 
 if TYPE_CHECKING:
     from rich.table import Table
+    from sqlalchemy import Connection
 
-    from app.ledger import registry
+    from app.ledger import registry, windows
     from workers.control.restart import RestartProgress
 
 
@@ -45,11 +46,15 @@ def _ago(at: datetime | None) -> str:
 @handle_errors
 def servers_group(ctx: click.Context, as_json: bool) -> None:
     """List the SGLang servers: URL (and the workers' own URL below it when it differs), state,
-    pause, workers, in flight, last probe and error.
+    pause, workers, in flight, window, last probe and error.
+
+    The window is what the server's workers keep in flight together: `auto: 272 (max_running
+    256)` (sized by the server) or `fixed: 64` (TOKENMILL_INFLIGHT), and below it the server's
+    running and queued requests at the last reading and why the size last changed.
 
     Names and URLs are never cut: in a narrow terminal the columns last probe, workers, in
-    flight, rendering, last error, weights and paused are left out, in that order (--json has
-    all).
+    flight, rendering, last error, weights, paused and window are left out, in that order
+    (--json has all).
     """
     if ctx.invoked_subcommand is not None:
         return
@@ -59,8 +64,14 @@ def servers_group(ctx: click.Context, as_json: bool) -> None:
     with db.connect() as conn:
         in_flight = counters.leased_by_server(conn)
         rows = [(s, in_flight.get(s.name, 0)) for s in registry.list_servers(conn)]
+        sized = _windows(conn, [s.name for s, _ in rows])
     if as_json:
-        print_json([s.to_json() | {"in_flight": leased} for s, leased in rows])
+        print_json(
+            [
+                s.to_json() | {"in_flight": leased, "window": _window_json(sized.get(s.name))}
+                for s, leased in rows
+            ]
+        )
         return
     cells = [
         [
@@ -71,6 +82,7 @@ def servers_group(ctx: click.Context, as_json: bool) -> None:
             str((s.fingerprint or {}).get("weight_version") or "—"),
             str(len(s.workers)),
             str(leased),
+            _window_cell(sized.get(s.name)),
             _ago(s.last_probe_at),
             _rendering(s),
             current_error(s),
@@ -85,8 +97,8 @@ def servers_group(ctx: click.Context, as_json: bool) -> None:
 
 
 # Names and URLs are never cut. A table wider than the terminal folds the rendering and the
-# last error, then leaves out last probe, workers, in flight, rendering, last error, weights
-# and paused, in that order; name, url and state always stay.
+# last error, then leaves out last probe, workers, in flight, rendering, last error, weights,
+# paused and window, in that order; name, url and state always stay.
 SERVER_COLUMNS = (
     Column("name"),
     Column("url"),
@@ -95,10 +107,39 @@ SERVER_COLUMNS = (
     Column("weights", drop=6),
     Column("workers", right=True, drop=2),
     Column("in flight", right=True, drop=3),
+    Column("window", drop=8),
     Column("last probe", drop=1),
     Column("rendering", drop=4, wrap=12),
     Column("last error", drop=5, wrap=16),
 )
+
+
+def _windows(conn: Connection, names: list[str]) -> dict[str, windows.ServerWindow]:
+    """Each server's window as its workers last wrote it (servers without a live worker have
+    none)."""
+    from app.ledger import windows
+
+    rows = windows.windows_by_server(conn, names, fresh_s=windows.FRESH_S)
+    out = {name: windows.server_window(r) for name, r in rows.items()}
+    return {name: w for name, w in out.items() if w is not None}
+
+
+def _window_json(window: windows.ServerWindow | None) -> dict[str, object] | None:
+    return None if window is None else window.to_json()
+
+
+def _window_cell(window: windows.ServerWindow | None) -> str:
+    """`auto: 272 (max_running 256)`, and below it `running 256 · queued 16 · kv-bound`."""
+    if window is None:
+        return "—"
+    facts = []
+    if window.running is not None:
+        facts.append(f"running {window.running}")
+    if window.queued is not None:
+        facts.append(f"queued {window.queued}")
+    if window.reason:
+        facts.append(window.reason)
+    return window.describe() + ("\n" + " · ".join(facts) if facts else "")
 
 
 def _paused(server: registry.ServerInfo) -> str:

@@ -57,6 +57,8 @@ EVENT_PAUSED: Final = "paused"
 EVENT_RESUMED: Final = "resumed"
 # `tokenmill restart`: begun, the server back, or the restart failed
 EVENT_RESTART: Final = "restart"
+# a worker's auto-sized window changed size (the server's capacity, or its load), with why
+EVENT_WINDOW_RESIZED: Final = "window_resized"
 
 EventKind = Literal[
     "run_created",
@@ -75,6 +77,7 @@ EventKind = Literal[
     "paused",
     "resumed",
     "restart",
+    "window_resized",
 ]
 
 # Who paused a server (`servers.paused_by`): an operator's pause is never lifted by the watchdog.

@@ -403,3 +403,22 @@ run_image_tokens = Table(
     Column("token_count", Integer, nullable=False),
     Column("server", String(200), nullable=False),
 )
+
+# Per server and worker (lease owner): the window it keeps in flight, as it last wrote it (every
+# few seconds while it runs). Workers of one server split its capacity among the fresh rows;
+# `tokenmill servers` and /metrics show them.
+server_windows = Table(
+    "server_windows",
+    metadata,
+    Column("server", String(200), primary_key=True),
+    Column("owner", String(300), primary_key=True),
+    Column("mode", String(8), nullable=False),  # "auto" or "fixed"
+    Column("size", Integer, nullable=False),  # requests it keeps in flight
+    Column("max_running", Integer, nullable=True),  # the server's, as it read them
+    Column("max_total_tokens", BigInteger, nullable=True),
+    Column("running", Integer, nullable=True),  # the server's last /v1/loads reading
+    Column("queued", Integer, nullable=True),
+    Column("reason", Text, nullable=True),  # of the last change of size
+    _when("changed_at"),
+    _when("updated_at", nullable=False),
+)

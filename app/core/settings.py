@@ -25,6 +25,7 @@ ENV_PREFIX = "TOKENMILL_"
 # (emulator/cli.py), the test suite's and benchmarks' services, docker-compose's bucket
 OTHER_ENV_PREFIXES = ("TOKENMILL_EMULATOR_", "TOKENMILL_TEST_", "TOKENMILL_BENCH_")
 OTHER_ENV_NAMES = ("TOKENMILL_BUCKET",)
+MAX_INFLIGHT = 4096  # the largest fixed TOKENMILL_INFLIGHT
 
 
 def default_data_dir() -> Path:
@@ -62,8 +63,12 @@ class Settings(BaseSettings):
     # the servers' --api-key (one for the fleet), sent as `Authorization: Bearer ...`
     sglang_api_key: SecretStr | None = None
 
-    # requests a worker keeps in flight to its server
-    inflight: int = Field(default=64, ge=1, le=4096)
+    # requests a worker keeps in flight to its server: "auto" sizes the window from the server's
+    # /server_info (its running batch plus a queue margin, shared among the server's workers)
+    # and keeps it full from /v1/loads (workers/engine/sizing.py); a number is a fixed window
+    inflight: int | Literal["auto"] = "auto"
+    # auto: how often a worker reads its server's /v1/loads (each read is one small GET)
+    autosize_probe_s: float = Field(default=2.0, gt=0)
     # item ids per task message: a message costs ~4-5 ms of worker CPU (bench/overhead.py)
     batch_size: int = Field(default=32, ge=1, le=1000)
     # Celery pool threads taking messages; the window does the sending
@@ -141,6 +146,20 @@ class Settings(BaseSettings):
         # a file:// URL (storage) or is handed to another process
         return value.expanduser().absolute()
 
+    @field_validator("inflight", mode="before")
+    @classmethod
+    def _auto_or_count(cls, value: object) -> object:
+        # one error naming the variable (a union would report each of its arms)
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            return "auto"
+        try:
+            number = int(str(value).strip()) if not isinstance(value, bool) else None
+        except ValueError:
+            number = None
+        if number is None or not 1 <= number <= MAX_INFLIGHT:
+            raise ValueError(f"give 'auto' or a number from 1 to {MAX_INFLIGHT}, not {value!r}")
+        return number
+
     @field_validator("sglang_url")
     @classmethod
     def _strip_slash(cls, value: str) -> str:
@@ -212,6 +231,12 @@ def redact_url(url: str) -> str:
     return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
 
 
+def fixed_inflight(settings: Settings, auto: int) -> int:
+    """TOKENMILL_INFLIGHT as a number: itself when fixed, else `auto` (for what is sized once,
+    before the server's capacity is known: the ledger's connection pool)."""
+    return auto if settings.inflight == "auto" else settings.inflight
+
+
 def setting_env_names() -> list[str]:
     """The environment variable of every setting, e.g. TOKENMILL_INFLIGHT."""
     return [ENV_PREFIX + name.upper() for name in Settings.model_fields]
@@ -269,6 +294,7 @@ __all__ = [
     "SecretStr",
     "Settings",
     "describe_invalid",
+    "fixed_inflight",
     "get_settings",
     "normalize_database_url",
     "redact_options",

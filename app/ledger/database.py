@@ -12,7 +12,7 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine, create_engine, event, text
 
-from app.core.settings import Settings, get_settings
+from app.core.settings import Settings, fixed_inflight, get_settings
 
 _lock = threading.Lock()
 _engines: dict[tuple[int, str], Engine] = {}
@@ -94,6 +94,6 @@ def get_engine(settings: Settings | None = None) -> Engine:
     with _lock:
         engine = _engines.get(key)
         if engine is None:
-            engine = make_engine(url, pool_size=max(4, min(settings.inflight // 4, 32)))
+            engine = make_engine(url, pool_size=max(4, min(fixed_inflight(settings, 64) // 4, 32)))
             _engines[key] = engine
         return engine

@@ -7,15 +7,16 @@ is asked and however many worker processes write results.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from sqlalchemy import Connection, Engine, select
 
-from app.ledger import counters
+from app.ledger import counters, windows
 from app.ledger.common import runs
 from app.ledger.counters import LATENCY_BUCKETS_S as LATENCY_BUCKETS_S
 from app.ledger.database import limit_periodic
 from app.ledger.registry import ServerInfo, list_servers
+from app.ledger.windows import ServerWindow
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,8 @@ class LedgerSnapshot:
     groups: list[ItemGroup]
     latencies: list[LatencyHistogram]
     servers: list[ServerInfo]
+    # each server's window as its live workers keep it (app.ledger.windows)
+    windows: dict[str, ServerWindow] = field(default_factory=dict)
 
 
 def run_names(conn: Connection) -> list[str]:
@@ -108,9 +111,15 @@ def read_snapshot(engine: Engine) -> LedgerSnapshot:
             )
         with conn.begin():
             limit_periodic(conn)  # every scrape: a statement timeout, no JIT, index plans
+            servers = list_servers(conn)
+            rows = windows.windows_by_server(
+                conn, [s.name for s in servers], fresh_s=windows.FRESH_S
+            )
+            sized = {name: windows.server_window(r) for name, r in rows.items()}
             return LedgerSnapshot(
                 run_names=run_names(conn),
                 groups=item_groups(conn),
                 latencies=latency_histograms(conn),
-                servers=list_servers(conn),
+                servers=servers,
+                windows={name: w for name, w in sized.items() if w is not None},
             )

@@ -1,5 +1,6 @@
 """SGLangClient, over one httpx client: the request bodies of /generate and /abort_request, health
-probes, /model_info and /server_info, the fingerprint a run pins, and one shared TLS context."""
+probes, /model_info and /server_info, the fingerprint a run pins, the capacity and load a window
+is sized by, and one shared TLS context."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import httpx
 from app.core.contracts import GenerateResult, ServerFingerprint
 from app.core.errors import GenerationError, PermanentError, RetryableError
 from app.core.images import image_settings
+from app.sglang.capacity import Capacity, Load, capacity_of, load_of
 from app.sglang.errors import map_http_error, server_message
 from app.sglang.responses import parse_generate_response
 
@@ -354,6 +356,24 @@ class SGLangClient:
         """`GET /server_info` (falls back to `/get_server_info`); it can hang with the scheduler,
         so it is bounded by the info timeout."""
         return self._info("/server_info", "/get_server_info")
+
+    def capacity(self) -> Capacity | None:
+        """What the server runs at once, from `/server_info` (None: it does not say)."""
+        return capacity_of(self.server_info())
+
+    def loads(self) -> Load | None:
+        """The server's load now, `GET /v1/loads?include=core` (one small read, bounded by the
+        probe timeout); None when the server has no such route (before 0.5.23)."""
+        response = self._send("GET", "/v1/loads?include=core", timeout=self._probe_timeout)
+        if response.status_code == 404:
+            return None
+        if response.status_code != 200:
+            raise map_http_error(response.status_code, response.content)
+        try:
+            body = json.loads(response.content)
+            return load_of(body if isinstance(body, dict) else {})
+        except ValueError as exc:
+            raise RetryableError(f"/v1/loads answered no loads ({exc})", status_code=200) from exc
 
     def fingerprint(self) -> ServerFingerprint:
         """The configuration a run pins: model_path, weight_version, reasoning_parser from

@@ -153,6 +153,7 @@ def ledger_families(snapshot: LedgerSnapshot) -> list[Metric]:
         latency_family(snapshot, known),
         flight,
         *server_families(snapshot),
+        *window_families(snapshot),
         items,
         hedged_items,
         per_run,
@@ -218,6 +219,41 @@ def server_families(snapshot: LedgerSnapshot) -> list[Metric]:
         if s.last_probe_latency_s is not None:
             probe_latency.add_metric([s.name], s.last_probe_latency_s)
     return [state, paused, probe_at, probe_ok, probe_latency]
+
+
+def window_families(snapshot: LedgerSnapshot) -> list[Metric]:
+    """Each server's window (its live workers' sizes added up), its capacity and its load at
+    the workers' last reading."""
+    size = GaugeMetricFamily(
+        PREFIX + "server_window",
+        "Requests the server's workers keep in flight together, by mode (auto or fixed) and "
+        "the reason of its last change.",
+        labels=["server", "mode", "reason"],
+    )
+    capacity = GaugeMetricFamily(
+        PREFIX + "server_max_running",
+        "The server's running batch (max_running_requests over its DP ranks), as read.",
+        labels=["server"],
+    )
+    running = GaugeMetricFamily(
+        PREFIX + "server_running_requests",
+        "Requests running on the server at its workers' last /v1/loads reading.",
+        labels=["server"],
+    )
+    queued = GaugeMetricFamily(
+        PREFIX + "server_queued_requests",
+        "Requests queued on the server at its workers' last /v1/loads reading.",
+        labels=["server"],
+    )
+    for name, w in sorted(snapshot.windows.items()):
+        size.add_metric([name, w.mode, w.reason or ""], w.size)
+        if w.max_running is not None:
+            capacity.add_metric([name], w.max_running)
+        if w.running is not None:
+            running.add_metric([name], w.running)
+        if w.queued is not None:
+            queued.add_metric([name], w.queued)
+    return [size, capacity, running, queued]
 
 
 class LedgerCollector(Collector):

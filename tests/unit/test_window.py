@@ -49,18 +49,21 @@ def make_window(
     return window, server
 
 
-def feed(db: Engine, window: InflightWindow, run: run_queries.RunInfo, n: int) -> list[int]:
+def feed(
+    db: Engine, window: InflightWindow, run: run_queries.RunInfo, n: int, *, key: str = "k"
+) -> list[int]:
     with db.begin() as conn:
         queue.insert_items(
-            conn, run.id, [queue.NewItem(f"k{i}", 0, i, None, [1, i]) for i in range(n)]
+            conn, run.id, [queue.NewItem(f"{key}{i}", 0, i, None, [1, i]) for i in range(n)]
         )
         ids = queue.pending_ids(conn, run.id)
-    for start in range(0, n, 4):
-        assert window.wait_for_room(4, timeout_s=30)
+    step = min(4, window.capacity())
+    for start in range(0, len(ids), step):
+        assert window.wait_for_room(step, timeout_s=30)
         with db.begin() as conn:
             window.submit(
                 claims.claim_items(
-                    conn, ids[start : start + 4], owner=window.owner, server="fake", lease_s=60
+                    conn, ids[start : start + step], owner=window.owner, server="fake", lease_s=60
                 )
             )
     return ids
@@ -330,3 +333,22 @@ def test_backlog_shrinks_to_what_the_server_finishes_in_backlog_s(
     assert window.admit(10, lambda n: [], timeout_s=0.0).held == 5
     now[0] = 1031.0  # nothing finished for 30 s: the rate is unknown again
     assert window.capacity() == 12
+
+
+def test_a_resize_moves_the_slots_and_the_room_without_a_restart(
+    sqlite_engine: Engine, run: run_queries.RunInfo, started: list[InflightWindow]
+) -> None:
+    window, server = make_window(sqlite_engine, lambda ids, call: 0.05, inflight=2)
+    started.append(window)
+    window.start()
+    assert window.resize(6, backlog=6) == 2
+    assert window.capacity() == 12
+    feed(sqlite_engine, window, run, 36)
+    wait_idle(window)
+    assert server.peak == 6
+    assert window.resize(2, backlog=2) == 6
+    server.peak = 0
+    feed(sqlite_engine, window, run, 12, key="m")
+    wait_idle(window)
+    assert server.peak <= 2
+    assert {r.status for r in statuses(sqlite_engine, run).values()} == {"done"}

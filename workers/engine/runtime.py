@@ -35,6 +35,7 @@ from app.sglang.client import SGLangClient
 from app.storage.image_store import image_location
 from workers.control.pausing import CeleryControl, pause_server
 from workers.control.weights import note_weights
+from workers.engine import autosize
 from workers.engine.identity import server_name_for
 from workers.engine.image_checks import ImageChecks
 from workers.engine.image_data import ImageData
@@ -108,7 +109,10 @@ class WorkerRuntime:
             ImageData(lambda: image_location(settings)),
             RunStores(db, settings, self.server_name),
         )
-        n = inflight or settings.inflight
+        if inflight is not None:  # a caller's fixed window wins over the setting
+            settings = settings.model_copy(update={"inflight": inflight})
+            self.settings = settings
+        n = autosize.start_size(settings)
         # later turns of `--turns all` chains, started as their previous turn is committed
         self._on_released = on_released
         self.turns = TurnAdvancer(db, publish=lambda ids: on_released(ids, 0.0))
@@ -122,7 +126,7 @@ class WorkerRuntime:
                 retry_backoff_s=settings.retry_backoff_s,
                 retry_backoff_max_s=settings.retry_backoff_max_s,
                 unavailable_wait_s=settings.unavailable_wait_s,
-                backlog=backlog if backlog is not None else max(settings.batch_size, n // 4),
+                backlog=backlog if backlog is not None else autosize.backlog_for(settings, n),
                 backlog_s=settings.backlog_s,
                 hedge_interval_s=settings.hedge_interval_s,
                 # without hedging the window still aborts its copies of items finished
@@ -134,6 +138,15 @@ class WorkerRuntime:
             owner=self.owner,
             policy=self,  # the window's RunPolicy: this runtime knows the runs and the server
         )
+        # fixed, or auto: sized by the server's capacity and load (its own thread and client)
+        self.sizer = autosize.WindowSizer(
+            settings,
+            self.window,
+            db=db,
+            server_name=self.server_name,
+            owner=self.owner,
+            client_factory=self.new_client,
+        )
 
     def new_client(self) -> SGLangClient:
         return client_for(self.server_url, self.settings)
@@ -141,8 +154,10 @@ class WorkerRuntime:
     def start(self) -> None:
         self.turns.start()
         self.window.start()
+        self.sizer.start()
 
     def stop(self) -> None:
+        self.sizer.stop()
         self.window.stop(self.settings.drain_timeout_s)
         self.turns.stop()
 
@@ -314,6 +329,7 @@ class WorkerRuntime:
                 self._fingerprint = client.fingerprint()
             finally:
                 client.close()
+            self.sizer.reread()  # read anew: the server's capacity may have changed with it
         return self._fingerprint
 
     def run_matches_server(self, run_id: int) -> bool:

@@ -10,6 +10,8 @@ At the end of a run, free slots send second copies of items still running on oth
 (hedging.py): the first result written wins, the copy that lost is aborted, and hedges give
 their slots back at once when real work arrives.
 
+Its size is set at run time (resize): fixed, or sized by the server by workers/engine/autosize.py.
+
 The window owns the one condition; its parts (Room and InFlight, Conversations, Hedges) are plain
 structures it calls under it, and its threads (slots, the writer, the timer's hedge round) ask it
 through its public methods.
@@ -88,6 +90,7 @@ class InflightWindow:
             settle=self.settle,
         )
         self._threads: list[threading.Thread] = []
+        self._slot_seq = 0
         self._started = False
 
     @property
@@ -107,8 +110,7 @@ class InflightWindow:
             return
         self._started = True
         name = self.config.server_name
-        for i in range(self.config.inflight):
-            self._spawn(Slot(self, self.policy.new_client).loop, f"tm-slot-{name}-{i}")
+        self._add_slots(self.config.inflight)
         self._spawn(self._writer.loop, f"tm-writer-{name}")
         self._spawn(self._timer.loop, f"tm-timer-{name}")
         self._spawn(
@@ -124,6 +126,39 @@ class InflightWindow:
             self.owner,
             extra={"action": "window_started"},
         )
+
+    def _add_slots(self, n: int) -> None:
+        for _ in range(n):
+            self._slot_seq += 1
+            name = f"tm-slot-{self.config.server_name}-{self._slot_seq}"
+            self._spawn(Slot(self, self.policy.new_client).loop, name)
+
+    def resize(self, inflight: int, backlog: int) -> int:
+        """Keep inflight requests in flight from now on (and backlog items beyond them): new
+        slots start at once; surplus slots end as they finish their request (a stop mark
+        each, behind the jobs already waiting). The slots' connections and the room the
+        consumer reserves follow the size; returns the size before."""
+        inflight = max(1, inflight)
+        with self._cond:
+            before = self.config.inflight
+            if self._stopping.is_set() or inflight == before:
+                return before
+            self.config.inflight = inflight
+            self.config.backlog = backlog
+            self._threads = [t for t in self._threads if t.is_alive()]
+            if self._started and inflight < before:
+                self._backlog.stop_slots(before - inflight)
+            self._cond.notify_all()
+        if self._started and inflight > before:
+            self._add_slots(inflight - before)
+        log.info(
+            "window of %s resized %d -> %d",
+            self.config.server_name,
+            before,
+            inflight,
+            extra={"action": "window_resized"},
+        )
+        return before
 
     def _spawn(self, target: Callable[[], None], name: str) -> None:
         thread = threading.Thread(target=target, name=name, daemon=True)
