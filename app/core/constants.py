@@ -57,6 +57,13 @@ EVENT_PAUSED: Final = "paused"
 EVENT_RESUMED: Final = "resumed"
 # `tokenmill restart`: begun, the server back, or the restart failed
 EVENT_RESTART: Final = "restart"
+# items failed for good, summed per run, server and reason over an interval (one event for
+# the first of a reason, then one per interval with the count: never one per item)
+EVENT_ITEM_FAILED: Final = "item_failed"
+# `tokenmill retry`: failed items re-queued with fresh attempts, counted by reason
+EVENT_RETRIED: Final = "retried"
+# `tokenmill servers remove`: a server left the registry
+EVENT_SERVER_REMOVED: Final = "server_removed"
 
 EventKind = Literal[
     "run_created",
@@ -75,6 +82,9 @@ EventKind = Literal[
     "paused",
     "resumed",
     "restart",
+    "item_failed",
+    "retried",
+    "server_removed",
 ]
 
 # Who paused a server (`servers.paused_by`): an operator's pause is never lifted by the watchdog.

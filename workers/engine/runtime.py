@@ -35,6 +35,7 @@ from app.sglang.client import SGLangClient
 from app.storage.image_store import image_location
 from workers.control.pausing import CeleryControl, pause_server
 from workers.control.weights import note_weights
+from workers.engine.failure_digest import FailureDigest
 from workers.engine.identity import server_name_for
 from workers.engine.image_checks import ImageChecks
 from workers.engine.image_data import ImageData
@@ -60,6 +61,20 @@ def client_for(url: str, settings: Settings) -> SGLangClient:
 def make_owner(label: str) -> str:
     """A lease owner id unique to this process and window."""
     return f"{socket.gethostname()}:{os.getpid()}:{label}:{uuid.uuid4().hex[:8]}"
+
+
+def fingerprint_summary(fingerprint: dict[str, Any]) -> str:
+    """A fingerprint on one line, `key=value` for each field that has a value (the event's
+    details keep the whole of it)."""
+    parts = []
+    for key, value in fingerprint.items():
+        if value is None or value == {} or value == []:
+            continue
+        if isinstance(value, dict):
+            value = ", ".join(f"{k}={v}" for k, v in value.items() if v is not None)
+            value = f"{{{value}}}"
+        parts.append(f"{key}={value}")
+    return " ".join(parts)
 
 
 class WorkerRuntime:
@@ -99,6 +114,8 @@ class WorkerRuntime:
         self._local_pause: str | None = None
         self.images = ImageChecks(db, self.server_name, ImageData(lambda: image_location(settings)))
         n = inflight or settings.inflight
+        # permanent failures: a WARNING and an item_failed event per reason and interval
+        self.failures = FailureDigest(db, self.server_name)
         # later turns of `--turns all` chains, started as their previous turn is committed
         self.turns = TurnAdvancer(db, publish=lambda ids: on_released(ids, 0.0))
         self.window = InflightWindow(
@@ -130,6 +147,7 @@ class WorkerRuntime:
             group_of=self.group_of,
             check_result=self.check_result,
             image_data=self.images.image_data,
+            on_failed=self.failures.add,
         )
 
     def new_client(self) -> SGLangClient:
@@ -137,11 +155,13 @@ class WorkerRuntime:
 
     def start(self) -> None:
         self.turns.start()
+        self.failures.start()
         self.window.start()
 
     def stop(self) -> None:
         self.window.stop(self.settings.drain_timeout_s)
         self.turns.stop()
+        self.failures.stop()
 
     def find_hedges(self, limit: int) -> list[claims.ClaimedItem]:
         """Up to limit items running on other servers, in runs with nothing left to claim,
@@ -301,11 +321,13 @@ class WorkerRuntime:
             if ok and not event_log.has_event(
                 conn, EVENT_FINGERPRINT_PINNED, run_id=run_id, server=self.server_name
             ):
-                log.info("run %d uses server %s fingerprint %s", run_id, self.server_name, mine)
+                run_name = self.run_info(run_id).name
+                summary = fingerprint_summary(mine)
+                log.info("run %s uses server %s: %s", run_name, self.server_name, summary)
                 event_log.record_event(
                     conn,
                     EVENT_FINGERPRINT_PINNED,
-                    f"{self.server_name} serves run with {mine}",
+                    f"{self.server_name} serves run {run_name}: {summary}",
                     run_id=run_id,
                     server=self.server_name,
                     details=mine,

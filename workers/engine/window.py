@@ -65,6 +65,7 @@ class InflightWindow:
         group_of: Callable[[int, str], Hashable | None] = lambda run_id, key: None,
         check_result: Callable[[ClaimedItem, GenerateResult], Checked] = lambda i, r: Checked(),
         image_data: Callable[[ClaimedItem], list[str]] | None = None,
+        on_failed: Callable[[int, int, str], None] = lambda run_id, item_id, error: None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
@@ -76,6 +77,8 @@ class InflightWindow:
         self._on_released = on_released
         # told the ids of results just committed (multi-turn chains start their next turn)
         self._on_finished = on_finished
+        # (run id, item id, error) of each item failed for good, as it is settled
+        self._on_failed = on_failed
         self._is_paused = is_paused
         # a result made with other weights than its run's, or with token drift on an image
         # item, is given back, not written
@@ -375,6 +378,8 @@ class InflightWindow:
                     self._writer.put(outcome, False)
                 return
             self._room.handed_to_writer()
+            if isinstance(outcome, Failed) and job is not None:
+                self._on_failed(job.item.run_id, outcome.item_id, outcome.error)
             if job is not None and job.group is not None:
                 successor = self._groups.settled(job.group, job)
                 if successor is not None:
