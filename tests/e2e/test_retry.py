@@ -15,16 +15,19 @@ import pytest
 from sqlalchemy import Engine
 
 from app.ledger import reads, run_queries
+from ops.emulator_proc import start_emulator
 from tests.chaos.conftest import (
     BASE_FLAGS,
     FAST_SETTINGS,
+    MAX_NEW_TOKENS,
     RUN,
     Deployment,
     RedisServer,
     emulator_config,
     free_port,
+    prompt_lines,
 )
-from tests.support.procs import service_env, tokenmill, wait_for
+from tests.support.procs import clean_env, service_env, tokenmill, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -152,3 +155,32 @@ def test_a_worker_at_a_wrong_port_warns_and_takes_its_registration_back(
     worker.wait(timeout=60)
     names = [s["name"] for s in json.loads(tokenmill(["servers", "--json"], dep.env).stdout)]
     assert "gpu-x" not in names, dep.log_tail("wx")
+
+
+def test_a_tokenmill_run_takes_its_retried_items_when_run_again(
+    pg_url: str, pg_engine: Engine, kimi_tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(prompt_lines(12, long_every=3, long_words=40)))
+    env = clean_env(tmp_path / "data", TOKENMILL_DATABASE_URL=pg_url)
+    logs = [tmp_path / "first.jsonl", tmp_path / "second.jsonl"]
+    argv = ["run", str(prompts), "--run", "tr", "--tokenizer", str(kimi_tokenizer_dir)]
+    argv += ["--max-new-tokens", str(MAX_NEW_TOKENS), "--seed", "1", "--json"]
+    results = []
+    for context, log in zip(("200", "4096"), logs, strict=True):
+        emulator = start_emulator(
+            [*("--context-length", context, "--request-log", str(log), "--step-ms", "1")]
+        )
+        try:
+            results.append(tokenmill([*argv, "--server", emulator.url], env, tmp_path))
+        finally:
+            emulator.stop()
+        if context == "200":
+            assert json.loads(results[0].stdout)["failed"] == 4, results[0].stderr
+            retried = tokenmill(["retry", "tr"], env, tmp_path)
+            assert "run tr: re-queued 4 failed items with fresh attempts" in retried.stdout
+    assert results[1].returncode == 0, results[1].stderr
+    final = json.loads(results[1].stdout)
+    assert (final["done"], final["failed"]) == (12, 0)
+    first, second = generated(logs[0]), generated(logs[1])
+    assert len(first) == 8 and len(second) == 4 and not set(first) & set(second)
