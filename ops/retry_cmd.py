@@ -85,6 +85,7 @@ def retry_cmd(
     (the same command again) takes them from the ledger.
     """
     from app.core.constants import EVENT_RETRIED
+    from app.core.errors import RunArchived
     from app.ledger import event_log, retries, run_queries
 
     settings = get_settings()
@@ -97,6 +98,11 @@ def retry_cmd(
     )
     with db.connect() as conn:
         run = run_queries.get_run(conn, run_name)
+        if run_queries.run_archived(conn, run.id):
+            raise RunArchived(
+                f"run {run_name!r} is archived: its items left the ledger, so its failed items "
+                "cannot be retried (a new run regenerates them)"
+            )
         plan = retries.plan_retry(conn, run.id, selection)
     if dry_run or not plan.retried:
         _report(run_name, plan, dry_run=True, as_json=as_json, selection=selection)
