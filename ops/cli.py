@@ -23,6 +23,7 @@ COMMANDS = {
     "status": "ops.status_cmd:status_cmd",
     "export": "ops.pipeline_cmd:export_cmd",
     "reconcile": "ops.pipeline_cmd:reconcile_cmd",
+    "retry": "ops.retry_cmd:retry_cmd",
     "demo": "ops.demo_cmd:demo_cmd",
     "emulator": "ops.emulator_cmd:emulator",
     "servers": "ops.fleet_cmd:servers_group",
@@ -68,7 +69,12 @@ class LazyGroup(click.Group):
 )
 @log_format_option
 def cli(log_level: str, log_format: str | None) -> None:
-    """tokenmill: token-exact training sequences from prompt sets, via SGLang servers."""
+    """tokenmill: token-exact training sequences from prompt sets, via SGLang servers.
+
+    Settings are TOKENMILL_* environment variables: TOKENMILL_DATABASE_URL (the ledger),
+    TOKENMILL_BROKER_URL and TOKENMILL_STORAGE_URL; unset, everything runs embedded on this
+    machine. `tokenmill config` shows the effective configuration.
+    """
     setup_logging(log_level, log_format)
 
 

@@ -6,6 +6,7 @@ the event timeline.
 
 from __future__ import annotations
 
+import shlex
 from datetime import datetime
 from typing import TYPE_CHECKING
 
@@ -202,8 +203,24 @@ def servers_add(name: str, url: str, restart_command: str | None) -> None:
     db = open_db()
     with db.begin() as conn:
         server = registry.upsert_server(conn, name, url.rstrip("/"), restart_command=argv)
-    restart = f", restart: {argv}" if argv else ""
-    err_console().print(f"server {server.name} at {server.url}{restart}")
+    restart = f", restart: {shlex.join(argv)}" if argv else ""
+    err_console().print(f"server {server.name} at {server.url}{restart}", markup=False)
+
+
+@servers_group.command("remove")
+@click.argument("name")
+@handle_errors
+def servers_remove(name: str) -> None:
+    """Drop server NAME from the registry (a typo, a wrong port, a node gone for good).
+
+    Refused while workers serve it or items are leased to it, naming them; its items keep
+    their history.
+    """
+    from workers.control.pausing import alive_workers
+    from workers.control.server_removal import remove_server
+
+    server = remove_server(open_db(), name, alive_workers)
+    err_console().print(f"server {server.name} at {server.url} removed", markup=False)
 
 
 def _targets(server: tuple[str, ...], all_servers: bool) -> list[str]:

@@ -35,7 +35,7 @@ def status_cmd(run_name: str | None, as_json: bool, watch: bool, interval_s: flo
     Names and numbers are never cut: in a narrow terminal the columns queued, leased, pend,
     wait, trunc and out tokens are left out, in that order (--json has every count).
     """
-    from app.ledger import reads, registry, run_queries
+    from app.ledger import reads, registry, retries, run_queries
 
     db = open_db()
     if watch:
@@ -52,6 +52,12 @@ def status_cmd(run_name: str | None, as_json: bool, watch: bool, interval_s: flo
         differing = _differing_servers(servers)
         stopped = registry.stopped_enqueues(conn, [r.id for r in runs])
         unserved = _unserved_images(conn, servers, runs, counts)
+        # read for the runs that have failed items only (their counters say so)
+        failed = {
+            r.name: retries.failed_by_reason(conn, r.id)
+            for r, c in zip(runs, counts, strict=True)
+            if c.failed
+        }
     stopped_names = {r.name for r in runs if r.id in stopped}
     if not runs and not as_json:
         # an empty table would not say where it looked (a forgotten TOKENMILL_DATABASE_URL)
@@ -64,6 +70,7 @@ def status_cmd(run_name: str | None, as_json: bool, watch: bool, interval_s: flo
                 "rendering_differs": differing.get(c.run, []),
                 "enqueue_stopped": c.run in stopped_names,
                 "served_by": _served_by(r),
+                "failed_by_reason": dict(failed.get(c.run, [])),
             }
             for c, r in zip(counts, runs, strict=True)
         ]
@@ -84,6 +91,8 @@ def status_cmd(run_name: str | None, as_json: bool, watch: bool, interval_s: flo
     for r in runs:  # the binding of runs not open to the whole fleet
         if not r.fleet_run or r.servers is not None:
             click.echo(f"run {r.name}: served by {r.binding()}")
+    for name, reasons in failed.items():
+        click.echo("\n".join(failure_lines(name, reasons)))
     if stopped_names or any(differing.get(c.run) for c in counts):
         _print_warnings(counts, stopped_names, differing)
     for name in unserved:
@@ -101,6 +110,19 @@ def _served_by(run: run_queries.RunInfo) -> dict[str, Any]:
     """Who serves the run, for --json: the fleet (any server, or the --servers it is bound
     to) or the `tokenmill run` that drives it."""
     return {"driver": "fleet" if run.fleet_run else "run", "servers": run.servers}
+
+
+def failure_lines(run: str, reasons: list[tuple[str, int]], *, shown: int = 10) -> list[str]:
+    """A run's failed items by reason, the most common first, and the command that retries
+    them."""
+    total = sum(n for _, n in reasons)
+    width = len(str(max((n for _, n in reasons), default=0)))
+    lines = [f"run {run}: {total} failed, by reason (`tokenmill retry {run}` re-queues them):"]
+    lines += [f"  {n:>{width}}  {reason}" for reason, n in reasons[:shown]]
+    if len(reasons) > shown:
+        rest = sum(n for _, n in reasons[shown:])
+        lines.append(f"  {rest:>{width}}  ({len(reasons) - shown} more reasons)")
+    return lines
 
 
 def _unserved_images(

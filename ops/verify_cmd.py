@@ -74,7 +74,8 @@ def verify_cmd(
     outputs end with a stop/EOS id; truncated ones have exactly max_new_tokens ids; the
     stored arrays match the server's prompt_tokens / completion_tokens. Image items: their
     image_token_counts rebuild the served prompt, and every stored image still hashes to
-    its sha256. Exit 0 when clean, 1 on any mismatch, 2 on usage errors.
+    its sha256. Failed items make the run not clean, counted by reason. Exit 0 when clean,
+    1 on any mismatch or failed item, 2 on usage errors.
 
     With --counts: the item counters equal a full count (exit 0), or they drifted (exit 1;
     exit 0 once --repair has replaced them).
@@ -185,6 +186,13 @@ def _tokenizer(
         )
 
 
+def _only_failures(report: VerifyReport) -> bool:
+    """The run is not clean for its failed items alone (what it finished is clean)."""
+    exported_ok = report.export is None or not report.export.problems
+    mismatched = any(t.mismatches for t in report.checks.values())
+    return exported_ok and not report.findings and not mismatched
+
+
 def _print_summary(report: VerifyReport) -> None:
     from rich.console import Console
     from rich.markup import escape
@@ -197,6 +205,15 @@ def _print_summary(report: VerifyReport) -> None:
     out.print(f"run [bold]{escape(report.run)}[/bold]: {report.items} finished items")
     for finding in report.findings:
         out.print(f"[red]finding:[/red] {escape(finding)}", soft_wrap=True)
+    if report.failed:
+        out.print(
+            f"[red]FAIL[/red] {'failed':<18} {report.failed_items} items failed, by reason "
+            f"(`tokenmill retry {escape(report.run)}` re-queues them):",
+            soft_wrap=True,
+        )
+        width = len(str(report.failed[0][1]))
+        for reason, n in report.failed:
+            out.print(f"       {n:>{width}}  {escape(reason)}", soft_wrap=True)
     for tally in report.checks.values():
         if tally.name in IMAGE_CHECKS and not (tally.checked or tally.not_checkable):
             continue  # a run without images
@@ -227,5 +244,10 @@ def _print_summary(report: VerifyReport) -> None:
         )
         for problem in export.problems:
             out.print(f"       {escape(problem)}", soft_wrap=True)
-    verdict = "[green]clean[/green]" if report.clean else "[red]mismatches found[/red]"
+    if report.clean:
+        verdict = "[green]clean[/green]"
+    elif report.failed and report.failed_items and _only_failures(report):
+        verdict = "[red]not clean: failed items[/red]"
+    else:
+        verdict = "[red]mismatches found[/red]"
     out.print(verdict)

@@ -35,13 +35,20 @@ from app.core.settings import Settings, get_settings
 from app.ledger import registry
 from app.ledger.database import get_engine
 from workers.control import reconcile as reconcile_logic
+from workers.control import server_removal
 from workers.control.compaction import compact_due
 from workers.control.parity import ParityGate
-from workers.control.pausing import CeleryControl
+from workers.control.pausing import CeleryControl, alive_workers
 from workers.control.watchdog import run_watchdog
 from workers.engine.enforcer import PauseEnforcer
 from workers.engine.generate import handle_message
-from workers.engine.identity import PING_TIMEOUT_S, IdentityRefused, WorkerIdentity, claim
+from workers.engine.identity import (
+    PING_TIMEOUT_S,
+    IdentityRefused,
+    WorkerIdentity,
+    claim,
+    port_open,
+)
 from workers.engine.runtime import WorkerRuntime
 from workers.intake.publish import publish_items
 
@@ -50,6 +57,9 @@ log = logging.getLogger(__name__)
 _runtime: WorkerRuntime | None = None
 _enforcer: PauseEnforcer | None = None
 _identity: WorkerIdentity | None = None
+# this process registered its server (it was not in the registry): a start that never reached
+# the server takes the registration back as it stops (workers/control/server_removal.py)
+_registered_new = False
 _runtime_lock = threading.Lock()
 
 
@@ -82,8 +92,7 @@ def identity(settings: Settings) -> WorkerIdentity:
 
 
 def _alive_workers(names: list[str]) -> set[str]:
-    replies = celery_app.control.ping(destination=names, timeout=PING_TIMEOUT_S, limit=len(names))
-    return {name for reply in replies for name in reply}
+    return alive_workers(names, timeout_s=PING_TIMEOUT_S)
 
 
 def _configure_logging(loglevel: Any, logfile: str | None) -> None:
@@ -111,7 +120,7 @@ def _setup_logging(loglevel: Any = None, logfile: str | None = None, **_: Any) -
 def _claim_identity(sender: str | None = None, instance: Any = None, **_: Any) -> None:
     """Name this worker by the rule unless `-n` named it, and refuse it (exit 2, one line)
     when its names clash with running workers or its server has no URL the fleet reaches."""
-    global _identity
+    global _identity, _registered_new
     settings = get_settings()
     given = None if sender in (None, default_nodename(None)) else sender
     mine = WorkerIdentity.of(settings, given)
@@ -119,7 +128,10 @@ def _claim_identity(sender: str | None = None, instance: Any = None, **_: Any) -
         instance.hostname = mine.worker_name
         trace.setup_worker_optimizations(instance.app, mine.worker_name)  # tasks' hostname
     try:
+        with get_engine(settings).connect() as conn:
+            known = registry.find_server(conn, mine.server_name) is not None
         claim(settings, get_engine(settings), mine, _alive_workers)
+        _registered_new = not known
     except IdentityRefused as exc:
         sys.stderr.write(f"error: {exc}\n")
         raise SystemExit(2) from None
@@ -164,6 +176,15 @@ def _on_worker_ready(sender: Any = None, **_: Any) -> None:
         rt.window.config.inflight,
         extra={"action": "worker_started"},
     )
+    if not port_open(rt.server_url):
+        log.warning(
+            "server %s: nothing answers at %s; this worker waits for it (a server still "
+            "starting is fine; a wrong TOKENMILL_SGLANG_URL is not: stop this worker, and a "
+            "registration it made goes with it)",
+            rt.server_name,
+            rt.server_url,
+            extra={"action": "server_unanswered"},
+        )
 
 
 @worker_shutdown.connect
@@ -179,6 +200,16 @@ def _on_worker_shutdown(sender: Any = None, **_: Any) -> None:
         hostname = getattr(sender, "hostname", None)
         if hostname:
             rt.unregister(hostname)
+    if _registered_new and _identity is not None:
+        try:
+            server_removal.drop_stray(get_engine(get_settings()), _identity.server_name)
+        except Exception as exc:
+            log.warning(
+                "could not check the registration of %s (%s)",
+                _identity.server_name,
+                exc,
+                extra={"action": "registration_check_failed"},
+            )
 
 
 @celery_app.task(name=GENERATE_TASK, acks_late=True, ignore_result=True)

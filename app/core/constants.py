@@ -59,6 +59,13 @@ EVENT_RESUMED: Final = "resumed"
 EVENT_RESTART: Final = "restart"
 # a worker's auto-sized window changed size (the server's capacity, or its load), with why
 EVENT_WINDOW_RESIZED: Final = "window_resized"
+# items failed for good, summed per run, server and reason over an interval (one event for
+# the first of a reason, then one per interval with the count: never one per item)
+EVENT_ITEM_FAILED: Final = "item_failed"
+# `tokenmill retry`: failed items re-queued with fresh attempts, counted by reason
+EVENT_RETRIED: Final = "retried"
+# `tokenmill servers remove`: a server left the registry
+EVENT_SERVER_REMOVED: Final = "server_removed"
 
 EventKind = Literal[
     "run_created",
@@ -78,6 +85,9 @@ EventKind = Literal[
     "resumed",
     "restart",
     "window_resized",
+    "item_failed",
+    "retried",
+    "server_removed",
 ]
 
 # Who paused a server (`servers.paused_by`): an operator's pause is never lifted by the watchdog.

@@ -93,3 +93,7 @@ class RunArchived(TokenmillError):
 
 class ArchiveRefused(TokenmillError):
     """The run cannot be archived yet: it has unfinished or uncompacted items."""
+
+
+class ServerBusy(TokenmillError):
+    """The server still has workers or leased items; it stays registered."""

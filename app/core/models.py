@@ -197,6 +197,9 @@ def _item_columns() -> list[Column[Any]]:
         # end of a run); cleared by the next claim. The first result written wins.
         Column("hedge_owner", String(200), nullable=True),
         Column("error", Text, nullable=True),
+        # a failed item's reason (app.core.failures.failure_reason): its error without what
+        # differs between items of one cause, so that failures group and match by cause
+        Column("fail_reason", String(160), nullable=True),
         Column("output_ids", TokenArray, nullable=True),
         Column("finish_reason", String(16), nullable=True),
         Column("matched_stop", String(64), nullable=True),
@@ -262,6 +265,8 @@ items = Table(
         ("run_id", "status", "id"),
         "images IS NOT NULL AND status >= 'pending' AND status <= 'queued'",
     ),
+    # failed items by reason: `status`, `verify` and `retry` read only the failed ones
+    _partial("ix_items_failed_reason", ("run_id", "fail_reason"), "status = 'failed'"),
 )
 
 

@@ -12,6 +12,7 @@ from typing import Any
 from sqlalchemy import JSON, Connection, and_, bindparam, func, select, text, update
 
 from app.core.contracts import GenerateResult
+from app.core.failures import failure_reason
 from app.core.models import ItemStatus, pack_ids
 from app.ledger.common import _lock_in_id_order, items, utcnow
 from app.ledger.database import pin_index_plans
@@ -215,6 +216,7 @@ def _record_failed(conn: Connection, failed: Sequence[Failed], now: datetime) ->
         .values(
             status=ItemStatus.FAILED.value,
             error=bindparam("b_error"),
+            fail_reason=bindparam("b_reason"),
             attempts=items.c.attempts + bindparam("b_attempts"),
             lease_owner=None,
             lease_expires_at=None,
@@ -224,7 +226,12 @@ def _record_failed(conn: Connection, failed: Sequence[Failed], now: datetime) ->
     conn.execute(
         stmt,
         [
-            {"b_id": o.item_id, "b_error": _trim(o.error), "b_attempts": o.attempts_used}
+            {
+                "b_id": o.item_id,
+                "b_error": _trim(o.error),
+                "b_reason": failure_reason(o.error),
+                "b_attempts": o.attempts_used,
+            }
             for o in failed
         ],
     )

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Connection, func, insert, select, update
+from sqlalchemy import Connection, delete, func, insert, select, update
 
 from app.core.constants import EVENT_ENQUEUE_STOPPED, EVENT_ENQUEUED, PauseReason
 from app.core.errors import NotFound
@@ -176,6 +176,30 @@ def claim_server(
             values["workers"] = []
     conn.execute(update(servers).where(servers.c.name == name).values(**values))
     return get_server(conn, name)
+
+
+def leases_by_run(conn: Connection, name: str) -> dict[str, int]:
+    """Run name → how many of its items are leased to this server now (the server's index)."""
+    stmt = (
+        select(runs.c.name, func.count())
+        .select_from(items.join(runs, runs.c.id == items.c.run_id))
+        .where(items.c.server == name, items.c.status == ItemStatus.LEASED.value)
+        .group_by(runs.c.name)
+        .order_by(runs.c.name)
+    )
+    return {str(run): int(n) for run, n in conn.execute(stmt)}
+
+
+def has_served(conn: Connection, name: str) -> bool:
+    """Whether any item was ever sent to this server (one probe of the server's index)."""
+    stmt = select(items.c.id).where(items.c.server == name).limit(1)
+    return conn.execute(stmt).first() is not None
+
+
+def delete_server(conn: Connection, name: str) -> bool:
+    """Drop a server from the registry (its items keep their history); False if it was not
+    there."""
+    return bool(conn.execute(delete(servers).where(servers.c.name == name)).rowcount)
 
 
 def set_workers(conn: Connection, name: str, workers: list[str]) -> None:
@@ -406,7 +430,8 @@ class EventInfo:
 def list_events(
     conn: Connection, *, run_id: int | None = None, server: str | None = None, limit: int = 200
 ) -> list[EventInfo]:
-    """The latest events, oldest first; a run's view includes server-wide events."""
+    """The latest events, oldest first; a run's view includes the server-wide events from
+    the run's creation on (not the fleet's history before it)."""
     stmt = (
         select(events, runs.c.name.label("run_name"))
         .select_from(events.outerjoin(runs, events.c.run_id == runs.c.id))
@@ -414,7 +439,9 @@ def list_events(
         .limit(limit)
     )
     if run_id is not None:
-        stmt = stmt.where((events.c.run_id == run_id) | events.c.run_id.is_(None))
+        created = select(runs.c.created_at).where(runs.c.id == run_id).scalar_subquery()
+        fleet_since = events.c.run_id.is_(None) & (events.c.at >= created)
+        stmt = stmt.where((events.c.run_id == run_id) | fleet_since)
     if server is not None:
         stmt = stmt.where(events.c.server == server)
     rows = list(conn.execute(stmt))

@@ -9,6 +9,7 @@ from typing import Any
 
 from sqlalchemy import Connection, select, update
 
+from app.core.failures import failure_reason
 from app.core.models import ItemStatus
 from app.ledger.common import items, utcnow
 from app.ledger.outcomes import _trim
@@ -144,6 +145,11 @@ def fail_waiting_chain(
             items.c.turn_index >= from_turn,
             items.c.status == ItemStatus.WAITING.value,
         )
-        .values(status=ItemStatus.FAILED.value, error=_trim(reason), finished_at=utcnow())
+        .values(
+            status=ItemStatus.FAILED.value,
+            error=_trim(reason),
+            fail_reason=failure_reason(reason),
+            finished_at=utcnow(),
+        )
     )
     return conn.execute(stmt).rowcount

@@ -17,7 +17,7 @@ from sqlalchemy import Engine
 
 from app.core.errors import ConfigurationError
 from app.core.images import ImagePins
-from app.ledger import reads
+from app.ledger import reads, retries
 from app.ledger.image_tokens import run_image_pins
 from app.ledger.reads import StoredItem
 from app.ledger.run_queries import RunInfo
@@ -135,6 +135,12 @@ class VerifyReport:
         default_factory=lambda: {name: CheckTally(name) for name in CHECKS}
     )
     export: ExportSummary | None = None
+    # the run's failed items by reason, the most common first: a run with any is not clean
+    failed: list[tuple[str, int]] = field(default_factory=list)
+
+    @property
+    def failed_items(self) -> int:
+        return sum(n for _, n in self.failed)
 
     @property
     def clean(self) -> bool:
@@ -142,6 +148,7 @@ class VerifyReport:
         return (
             not self.findings
             and exported_ok
+            and not self.failed
             and not any(t.mismatches for t in self.checks.values())
         )
 
@@ -151,6 +158,7 @@ class VerifyReport:
             "clean": self.clean,
             "items": self.items,
             "findings": list(self.findings),
+            "failed": {"items": self.failed_items, "by_reason": dict(self.failed)},
             "checks": [tally.to_json() for tally in self.checks.values()],
         }
         if self.export is not None:
@@ -211,6 +219,7 @@ def verify_run(
     stops = set(run.eos_token_ids) | set(run.sampling.stop_token_ids)
     pending: list[StoredItem] = []
     with db.connect() as conn:
+        report.failed = retries.failed_by_reason(conn, run.id)
         images = StoredImages(report, run_image_pins(conn, run.id), image_store, run.storage_url)
         for item in reads.iter_items(conn, run.id, storage_options=storage_options):
             report.items += 1

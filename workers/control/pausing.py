@@ -64,6 +64,16 @@ class CeleryControl:
             )
 
 
+def alive_workers(names: list[str], *, timeout_s: float = 1.0) -> set[str]:
+    """Which of these Celery workers answer a ping now; raises when the broker cannot tell."""
+    if not names:
+        return set()
+    from app.celery_app import celery_app
+
+    replies = celery_app.control.ping(destination=names, timeout=timeout_s, limit=len(names))
+    return {name for reply in replies for name in reply}
+
+
 def set_server_paused(
     db: Engine, control: WorkerControl, name: str, paused: bool, *, by: PauseReason, reason: str
 ) -> bool:

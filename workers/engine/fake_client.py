@@ -146,6 +146,7 @@ class FakePolicy:
     images: Callable[[ClaimedItem], list[str]] = _no_images
     on_released: Callable[[list[int], float], None] = lambda ids, wait_s: None
     on_finished: Callable[[list[int]], None] = lambda ids: None
+    on_failed: Callable[[int, int, str], None] = lambda run_id, item_id, error: None
     hedges: Callable[[int], list[ClaimedItem]] = lambda limit: []
     unmark: Callable[[list[int]], None] = lambda ids: None
 
@@ -172,6 +173,9 @@ class FakePolicy:
 
     def finished(self, item_ids: list[int]) -> None:
         self.on_finished(item_ids)
+
+    def failed(self, run_id: int, item_id: int, error: str) -> None:
+        self.on_failed(run_id, item_id, error)
 
     def find_hedges(self, limit: int) -> list[ClaimedItem]:
         return self.hedges(limit)

@@ -36,6 +36,7 @@ from app.storage.image_store import image_location
 from workers.control.pausing import CeleryControl, pause_server
 from workers.control.weights import note_weights
 from workers.engine import autosize
+from workers.engine.failure_digest import FailureDigest
 from workers.engine.identity import server_name_for
 from workers.engine.image_checks import ImageChecks
 from workers.engine.image_data import ImageData
@@ -62,6 +63,20 @@ def client_for(url: str, settings: Settings) -> SGLangClient:
 def make_owner(label: str) -> str:
     """A lease owner id unique to this process and window."""
     return f"{socket.gethostname()}:{os.getpid()}:{label}:{uuid.uuid4().hex[:8]}"
+
+
+def fingerprint_summary(fingerprint: dict[str, Any]) -> str:
+    """A fingerprint on one line, `key=value` for each field that has a value (the event's
+    details keep the whole of it)."""
+    parts = []
+    for key, value in fingerprint.items():
+        if value is None or value == {} or value == []:
+            continue
+        if isinstance(value, dict):
+            value = ", ".join(f"{k}={v}" for k, v in value.items() if v is not None)
+            value = f"{{{value}}}"
+        parts.append(f"{key}={value}")
+    return " ".join(parts)
 
 
 class WorkerRuntime:
@@ -113,6 +128,8 @@ class WorkerRuntime:
             settings = settings.model_copy(update={"inflight": inflight})
             self.settings = settings
         n = autosize.start_size(settings)
+        # permanent failures: a WARNING and an item_failed event per reason and interval
+        self.failures = FailureDigest(db, self.server_name)
         # later turns of `--turns all` chains, started as their previous turn is committed
         self._on_released = on_released
         self.turns = TurnAdvancer(db, publish=lambda ids: on_released(ids, 0.0))
@@ -153,6 +170,7 @@ class WorkerRuntime:
 
     def start(self) -> None:
         self.turns.start()
+        self.failures.start()
         self.window.start()
         self.sizer.start()
 
@@ -160,6 +178,7 @@ class WorkerRuntime:
         self.sizer.stop()
         self.window.stop(self.settings.drain_timeout_s)
         self.turns.stop()
+        self.failures.stop()
 
     def released(self, item_ids: list[int], wait_s: float) -> None:
         """Items the window gave back: to the queue again, after wait_s."""
@@ -168,6 +187,10 @@ class WorkerRuntime:
     def finished(self, item_ids: list[int]) -> None:
         """Results just committed: the `--turns all` chains among them start their next turn."""
         self.turns.notify(item_ids)
+
+    def failed(self, run_id: int, item_id: int, error: str) -> None:
+        """An item failed for good: the digest logs and counts it by reason."""
+        self.failures.add(run_id, item_id, error)
 
     def image_data(self, item: claims.ClaimedItem) -> list[str]:
         return self.images.image_data(item)
@@ -371,17 +394,19 @@ class WorkerRuntime:
             if ok and not event_log.has_event(
                 conn, EVENT_FINGERPRINT_PINNED, run_id=run_id, server=self.server_name
             ):
+                run_name = self.run_info(run_id).name
+                summary = fingerprint_summary(mine)
                 log.info(
-                    "run %d uses server %s fingerprint %s",
-                    run_id,
+                    "run %s uses server %s: %s",
+                    run_name,
                     self.server_name,
-                    mine,
+                    summary,
                     extra={"action": "fingerprint_pinned"},
                 )
                 event_log.record_event(
                     conn,
                     EVENT_FINGERPRINT_PINNED,
-                    f"{self.server_name} serves run with {mine}",
+                    f"{self.server_name} serves run {run_name}: {summary}",
                     run_id=run_id,
                     server=self.server_name,
                     details=mine,

@@ -441,6 +441,8 @@ class InflightWindow:
                     self._writer.put(outcome, False)
                 return
             self._room.handed_to_writer()
+            if isinstance(outcome, Failed) and job is not None:
+                self.policy.failed(job.item.run_id, outcome.item_id, outcome.error)
             if job is not None and job.group is not None:
                 successor = self._groups.settled(job.group, job)
                 if successor is not None:

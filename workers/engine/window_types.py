@@ -65,6 +65,10 @@ class RunPolicy(Protocol):
         """Items whose results were just committed (a `--turns all` chain starts its next)."""
         ...
 
+    def failed(self, run_id: int, item_id: int, error: str) -> None:
+        """An item failed for good, as it is settled (the failure digest logs and counts it)."""
+        ...
+
     def find_hedges(self, limit: int) -> list[ClaimedItem]:
         """Up to limit items running elsewhere for this window to hedge, marked as its
         hedges ([] when it does not hedge: it still aborts its copies finished elsewhere)."""
