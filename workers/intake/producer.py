@@ -75,6 +75,9 @@ class EnqueueOptions:
     # `--image-root PATH`: where relative image paths of the rows are read from (None: the
     # input file's folder)
     image_root: Path | None = None
+    # the context length prompts are held to: the servers' own when `tokenmill run` read it
+    # from their /server_info (app.sglang.limits), else None: the tokenizer folder's
+    context_length: int | None = None
 
 
 def run_spec(tokenizer: ChatTokenizer, options: EnqueueOptions) -> run_queries.RunSpec:
@@ -219,7 +222,7 @@ def enqueue(
         ItemBuilder(
             run_kwargs=kwargs,
             samples_per_prompt=options.samples_per_prompt,
-            context_length=tokenizer.context_length,
+            context_length=options.context_length or tokenizer.context_length,
             reporter=reporter,
             image_pins=tokenizer.image_pins,
             no_pins=tokenizer.no_image_pins,
