@@ -58,6 +58,10 @@ def test_a_sigtermed_server_exits_within_its_drain_and_nothing_fails(
     leaving, staying = start_emulator(flags), start_emulator(flags)
     prompts = write_rows(tmp_path / "p.jsonl", prompt_rows(160))
     err = tmp_path / "run.err"
+    # registered: `tokenmill servers` and the timeline show what the run's probes saw
+    name = leaving.url.removeprefix("http://")
+    added = tokenmill(["servers", "add", name, leaving.url], env, tmp_path)
+    assert added.returncode == 0, added.stderr
     argv = run_args(prompts, "r1", kimi_tokenizer_dir, [leaving.url, staying.url])
     run = subprocess.Popen(
         [sys.executable, "-m", "ops", *argv, "--json"],
@@ -87,6 +91,12 @@ def test_a_sigtermed_server_exits_within_its_drain_and_nothing_fails(
     assert counts["failed"] == 0 and counts["done"] == 160, counts
     # its items given back spent no attempt
     assert ledger_attempts(data) == (160, 1)
+    events = json.loads(tokenmill(["events", "--server", name, "--json"], env, tmp_path).stdout)
+    moves = [(e["details"]["from"], e["details"]["to"]) for e in events if e["kind"] == "state"]
+    assert ("healthy", "draining") in moves and ("draining", "down") in moves, moves
+    (shown,) = json.loads(tokenmill(["servers", "--json"], env, tmp_path).stdout)
+    assert shown["state"] == "down" and shown["last_probe_at"] is not None, shown
+    assert shown["last_probe_ok"] is False
 
 
 def test_a_full_queue_is_back_pressure_and_spends_no_attempt(
