@@ -123,3 +123,51 @@ def test_a_probe_is_noted_on_a_registered_server_only(sqlite_engine: Engine) -> 
         "HTTP 503",
     )
     assert server.last_probe_at is not None
+
+
+class _Window:
+    def __init__(self) -> None:
+        self.draining: str | None = None
+        self.auth_error: str | None = None
+        self.abandoned = 0
+
+    def abandon_inflight(self, reason: str) -> int:
+        self.abandoned += 1
+        return 0
+
+
+class _Runtime:
+    server_name = "gpu-a:30000"
+
+    def __init__(self) -> None:
+        self.window = _Window()
+
+    def pause_state(self, *, max_age_s: float = 1.0) -> tuple[bool, str | None]:
+        return False, None
+
+
+class _Control:
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def cancel_consumer(self, workers: list[str]) -> None:
+        self.calls.append("cancel")
+
+    def add_consumer(self, workers: list[str]) -> None:
+        self.calls.append("add")
+
+
+def test_a_worker_takes_no_messages_while_its_server_drains_or_wants_a_key() -> None:
+    from workers.engine.enforcer import PauseEnforcer
+
+    rt, control = _Runtime(), _Control()
+    enforcer = PauseEnforcer(rt, "w1@host", control, 1.0)  # type: ignore[arg-type]
+    enforcer.check()
+    rt.window.draining = "draining: /health HTTP 503"
+    enforcer.check()
+    rt.window.draining = None
+    enforcer.check()
+    rt.window.auth_error = "HTTP 401: Unauthorized"
+    enforcer.check()
+    assert control.calls == ["cancel", "add", "cancel"]
+    assert rt.window.abandoned == 0  # the requests out to a draining server finish there
