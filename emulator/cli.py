@@ -67,7 +67,7 @@ def _option(flag: str, *names: str, **kwargs: Any) -> Callable[[F], F]:
 @_option(
     "--api-key",
     default=None,
-    help="Like SGLang's --api-key: every route except /health*, /metrics and OPTIONS needs "
+    help="Like SGLang's --api-key: every route except /health*, /ready, /metrics and OPTIONS needs "
     "'Authorization: Bearer KEY' (workers send TOKENMILL_SGLANG_API_KEY).",
 )
 @_option("--model-path", default=DEFAULT_MODEL_PATH, help="Model path reported by /model_info.")
@@ -340,8 +340,8 @@ def emulator(sglang_version: str, log_level: str, **flags: Any) -> None:
     SGLang's chat path: parity and --render-with against it agree with tokenmill by
     construction.
 
-    Blocks until SIGINT/SIGTERM; on SIGTERM health turns 503, new requests are refused,
-    requests in flight finish, then it exits 0.
+    Blocks until SIGINT/SIGTERM; on SIGTERM, as SGLang, health turns 503 while /generate
+    still serves, and it exits 0 once no request is left.
     """
     try:
         cfg = EmulatorConfig(version=sglang_version, **flags)

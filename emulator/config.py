@@ -31,7 +31,7 @@ class EmulatorConfig:
     # network and identity (what /model_info and /server_info report)
     host: str = "127.0.0.1"
     port: int = 30000
-    # SGLang's --api-key: every route but /health*, /metrics and OPTIONS needs
+    # SGLang's --api-key: every route but /health*, /ready, /metrics and OPTIONS needs
     # `Authorization: Bearer <key>`; required to listen beyond loopback
     api_key: str | None = None
     model_path: str = DEFAULT_MODEL_PATH

@@ -94,7 +94,8 @@ class GenerateRoute:
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         arrival_s = time.perf_counter()
-        if self.phase is not Phase.READY:
+        # SGLang serves /generate while it drains (SIGTERM); only its health routes say 503
+        if self.phase is Phase.LOADING:
             return empty_reply(503)
         self._inflight += 1
         try:
@@ -149,7 +150,7 @@ class GenerateRoute:
     async def _run_call(
         self, request: web.Request, call: GenerateCall, arrival_s: float
     ) -> web.StreamResponse:
-        if self.phase is not Phase.READY:
+        if self.phase is Phase.LOADING:
             return empty_reply(503)
         if self.hung:
             await asyncio.get_running_loop().create_future()  # never answers

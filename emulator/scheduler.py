@@ -44,6 +44,8 @@ class Counters:
     rejected_invalid: int = 0
     injected_errors: int = 0
     injected_drops: int = 0
+    health_checks: int = 0  # /health and /health_generate requests
+    unauthorized: int = 0  # requests refused for a missing or other API key (401)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -122,13 +122,15 @@ class EmulatorServer(GenerateRoute):
 
     @web.middleware
     async def require_api_key(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        """SGLang's --api-key check: health probes, /metrics and OPTIONS pass without it."""
+        """SGLang's --api-key check (`utils/auth.py`): health and readiness probes, /metrics and
+        OPTIONS pass without it."""
         path = request.path
-        if request.method == "OPTIONS" or path.startswith(("/health", "/metrics")):
+        if request.method == "OPTIONS" or path.startswith(("/health", "/ready", "/metrics")):
             return await handler(request)
         expected = f"Bearer {self.cfg.api_key}".encode()
         given = request.headers.get("Authorization", "").encode()
         if not hmac.compare_digest(given, expected):
+            self.counters.unauthorized += 1
             return web.json_response({"error": "Unauthorized"}, status=401)
         return await handler(request)
 
@@ -182,7 +184,8 @@ class EmulatorServer(GenerateRoute):
             self.scheduler.hang()
 
     def begin_drain(self) -> None:
-        """SIGTERM: health turns 503 and new requests are refused; in-flight ones finish."""
+        """SIGTERM, as SGLang's `sigterm_watchdog`: the health routes answer 503 while /generate
+        still serves whatever it is sent; the process exits once no request is left."""
         if self.phase is not Phase.DRAINING:
             logger.info(
                 "draining: %d running, %d waiting, %d in flight",
@@ -193,7 +196,8 @@ class EmulatorServer(GenerateRoute):
         self.phase = Phase.DRAINING
 
     async def drain(self, force: asyncio.Event | None = None) -> None:
-        """Wait until every request in flight has been answered (not when hung: it never will)."""
+        """Wait until no request is left, those that arrived during the drain included (not
+        when hung: it never will). SGLang looks every 5 s; this looks every DRAIN_POLL_S."""
         self.begin_drain()
         while not self.hung and (self._inflight or not self.scheduler.idle):
             if force is not None and force.is_set():
@@ -222,6 +226,7 @@ class EmulatorServer(GenerateRoute):
 
     async def health(self, request: web.Request) -> web.Response:
         """Plain 200 unless loading or draining (as with health-endpoint generation off)."""
+        self.counters.health_checks += 1
         if self.phase is not Phase.READY:
             return empty_reply(503)
         if self.cfg.health_endpoint_generation:
@@ -230,6 +235,8 @@ class EmulatorServer(GenerateRoute):
 
     async def health_generate(self, request: web.Request) -> web.Response:
         """200 when the scheduler produces anything within health_timeout_s, else 503."""
+        if request.path == "/health_generate":
+            self.counters.health_checks += 1
         if self.phase is not Phase.READY:
             return empty_reply(503)
         timeout_s = self.cfg.health_timeout_s
@@ -273,8 +280,6 @@ class EmulatorServer(GenerateRoute):
         return await self._tokenizer_route(request, tokenize_body=False)
 
     async def _tokenizer_route(self, request: web.Request, *, tokenize_body: bool) -> web.Response:
-        if self.phase is Phase.DRAINING:
-            return empty_reply(503)
         content_type, raw = request.headers.get("content-type", ""), await request.read()
         tokenizer, context = self.tokenizer, self.cfg.context_length
 

@@ -84,7 +84,7 @@ def servers_group(ctx: click.Context, as_json: bool) -> None:
             str(len(s.workers)),
             str(leased),
             _window_cell(sized.get(s.name)),
-            _ago(s.last_probe_at),
+            _last_probe(s),
             _rendering(s),
             current_error(s),
         ]
@@ -151,6 +151,14 @@ def _paused(server: registry.ServerInfo) -> str:
     if server.paused_by in ("weights", "images"):
         return f"yes ({server.pause_reason})"
     return f"yes ({server.paused_by})"
+
+
+def _last_probe(server: registry.ServerInfo) -> str:
+    """When the last probe was made (by the watchdog, `tokenmill run`, a restart or a
+    worker) and what it found: `3s ago ok`, `1s ago failed`."""
+    if server.last_probe_at is None:
+        return "—"
+    return f"{_ago(server.last_probe_at)} {'ok' if server.last_probe_ok else 'failed'}"
 
 
 def current_error(server: registry.ServerInfo) -> str:

@@ -75,6 +75,7 @@ def enqueue_input(
 
     from app.prompts.inputs import parse_chat_template_kwargs
     from app.prompts.tokenization import load_tokenizer
+    from app.sglang.limits import choose_context
     from app.sglang.render import render_client
     from workers.intake.producer import EnqueueOptions, enqueue
 
@@ -105,6 +106,9 @@ def enqueue_input(
         )
     except TokenizerError as exc:
         raise TokenizerError(f"--tokenizer: {exc}") from exc
+    context = choose_context(opts.get("server_contexts") or {}, tokenizer.context_length)
+    if context.notice:
+        console.print(f"[yellow]{escape(context.notice)}[/yellow]", markup=True, soft_wrap=True)
     options = EnqueueOptions(
         input_path=input_path,
         run=run,
@@ -122,6 +126,7 @@ def enqueue_input(
         image_root=opts.get("image_root"),
         servers=servers,
         driver=driver,
+        context_length=context.context_length,
     )
     publisher = None
     if publish:

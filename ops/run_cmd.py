@@ -63,6 +63,10 @@ def _progress_table(counts: RunCounts, runner: EmbeddedRunner, started: float) -
             state = "[red]token drift: no work[/red]"
         elif view.refused:
             state = "[red]fingerprint differs: no work[/red]"
+        elif view.auth:
+            state = "[red]needs an API key: no work[/red]"
+        elif view.draining:
+            state = "[yellow]draining: no new work[/yellow]"
         elif view.down and view.down_for_s is not None:
             state = f"[red]down {view.down_for_s:,.0f}s[/red]"
         elif view.down:
@@ -131,6 +135,8 @@ def run_pipeline(
     settings = get_settings()
     db = open_db(settings)
     again = "tokenmill " + shlex.join(sys.argv[1:])
+    # the servers' own context length wins over the tokenizer folder's (named if they differ)
+    opts = {**opts, "server_contexts": server_contexts(settings, servers)}
     try:
         # the run is this process's: the fleet's reconcile and workers leave it alone
         enqueue_input(
@@ -167,6 +173,28 @@ def run_pipeline(
         markup=True,
     )
     return counts
+
+
+def server_contexts(settings: Settings, servers: list[str]) -> dict[str, int | None]:
+    """Each server's context length from its /server_info (None: it does not say, or does
+    not answer now: the tokenizer folder's holds for it)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from app.core.errors import GenerationError
+    from app.sglang.limits import context_length_of
+    from workers.engine.identity import server_name_for
+    from workers.engine.runtime import client_for
+
+    def read(url: str) -> int | None:
+        try:
+            with client_for(url, settings) as client:
+                return context_length_of(client.server_info())
+        except GenerationError:
+            return None
+
+    with ThreadPoolExecutor(max(1, len(servers)), thread_name_prefix="tm-limits") as pool:
+        found = list(pool.map(read, servers))
+    return {server_name_for(url.rstrip("/")): n for url, n in zip(servers, found, strict=True)}
 
 
 def _stop_interrupted(runner: EmbeddedRunner, settings: Settings, again: str) -> None:

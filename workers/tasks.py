@@ -37,6 +37,7 @@ from app.ledger.database import get_engine
 from workers.control import reconcile as reconcile_logic
 from workers.control import server_removal
 from workers.control.compaction import compact_due
+from workers.control.health import Health
 from workers.control.parity import ParityGate
 from workers.control.pausing import CeleryControl, alive_workers
 from workers.control.watchdog import run_watchdog
@@ -49,6 +50,7 @@ from workers.engine.identity import (
     claim,
     port_open,
 )
+from workers.engine.probes import Seen, ServerProbe, auth_line
 from workers.engine.runtime import WorkerRuntime
 from workers.intake.publish import publish_items
 
@@ -56,6 +58,7 @@ log = logging.getLogger(__name__)
 
 _runtime: WorkerRuntime | None = None
 _enforcer: PauseEnforcer | None = None
+_probe: ServerProbe | None = None
 _identity: WorkerIdentity | None = None
 # this process registered its server (it was not in the registry): a start that never reached
 # the server takes the registration back as it stops (workers/control/server_removal.py)
@@ -153,12 +156,40 @@ def _consumes(consumer: Any) -> bool | None:
         return None
 
 
+def _probe_changed(rt: WorkerRuntime, seen: Seen) -> None:
+    """What this worker's own probes of its server found (the watchdog records its own)."""
+    if seen.state is Health.AUTH:
+        log.error(
+            auth_line(rt.server_name, rt.settings.sglang_api_key is not None),
+            extra={"action": "auth_required"},
+        )
+    elif seen.state is Health.DRAINING:
+        log.warning(
+            "server %s drains: nothing new goes to it, %d requests in flight finish",
+            rt.server_name,
+            rt.window.stats.inflight,
+            extra={"action": "draining"},
+        )
+    else:
+        log.info(
+            "server %s is %s (%s)",
+            rt.server_name,
+            seen.state.value,
+            seen.error or "ok",
+            extra={"action": "server_state"},
+        )
+
+
 @worker_ready.connect
 def _on_worker_ready(sender: Any = None, **_: Any) -> None:
-    global _enforcer
+    global _enforcer, _probe
     rt = runtime()
     hostname = getattr(sender, "hostname", None)
     rt.register(hostname, node=identity(rt.settings).node)
+    # its own probes of its server: a drain (SIGTERM) is seen within probe_interval_s
+    _probe = ServerProbe(rt, on_change=lambda before, seen: _probe_changed(rt, seen))
+    _probe.probe_once()
+    _probe.start()
     if hostname:
         _enforcer = PauseEnforcer(
             rt, hostname, CeleryControl(), rt.settings.pause_check_s, partial(_consumes, sender)
@@ -189,12 +220,15 @@ def _on_worker_ready(sender: Any = None, **_: Any) -> None:
 
 @worker_shutdown.connect
 def _on_worker_shutdown(sender: Any = None, **_: Any) -> None:
-    global _runtime, _enforcer
+    global _runtime, _enforcer, _probe
     with _runtime_lock:
         rt, _runtime = _runtime, None
         enforcer, _enforcer = _enforcer, None
+        probe, _probe = _probe, None
     if enforcer is not None:
         enforcer.stop()
+    if probe is not None:
+        probe.stop()
     if rt is not None:
         rt.stop()
         hostname = getattr(sender, "hostname", None)

@@ -48,6 +48,15 @@ class ServerUnavailable(GenerationError):
         self.status_code = status_code
 
 
+class BackPressure(RetryableError):
+    """The server is up but full (its request queue, or a gateway's 429): the request was fine,
+    so it is sent again after a backoff and spends no attempt."""
+
+
+class AuthRequired(ServerUnavailable):
+    """The server answers 401/403: it wants an API key tokenmill does not send (or another)."""
+
+
 # --- configuration and input ----------------------------------------------------------
 
 

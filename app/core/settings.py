@@ -92,6 +92,11 @@ class Settings(BaseSettings):
     connect_timeout_s: float = Field(default=5.0, gt=0)
     generate_timeout_s: float = Field(default=3600.0, gt=0)
     probe_timeout_s: float = Field(default=30.0, gt=0)
+    # `tokenmill run` probes /health of every server it uses this often (never two probes to
+    # one server at once), so it sees a drain (SIGTERM: 503 while /generate answers) at once
+    probe_interval_s: float = Field(default=1.0, ge=0.1)
+    # how long a draining server's requests in flight may take before they are given back
+    server_drain_timeout_s: float = Field(default=90.0, ge=0)
     info_timeout_s: float = Field(default=30.0, gt=0)
 
     # `--render-with`: /v1/tokenize requests in flight, the read timeout of one, and how long

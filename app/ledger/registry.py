@@ -251,12 +251,20 @@ def record_probe(
     latency_s: float | None,
     error: str | None,
 ) -> None:
-    now = utcnow()
     before = get_server(conn, name)
+    values = _probe_values(before.state, state, ok, latency_s, error)
+    values.update(consecutive_failures=failures, consecutive_successes=successes)
+    conn.execute(update(servers).where(servers.c.name == name).values(**values))
+
+
+def _probe_values(
+    before: str, state: str, ok: bool, latency_s: float | None, error: str | None
+) -> dict[str, Any]:
+    """The columns a probe sets: the state it saw (and since when, if it changed), the last
+    probe's time and result, and its error."""
+    now = utcnow()
     values: dict[str, Any] = {
         "state": state,
-        "consecutive_failures": failures,
-        "consecutive_successes": successes,
         "last_probe_at": now,
         "last_probe_ok": ok,
         "last_probe_latency_s": latency_s,
@@ -264,9 +272,29 @@ def record_probe(
     }
     if error is not None:
         values["last_error"] = error[:1000]
-    if before.state != state:
+    if before != state:
         values["state_since"] = now
+    return values
+
+
+def note_probe(
+    conn: Connection,
+    name: str,
+    *,
+    state: str,
+    ok: bool,
+    latency_s: float | None,
+    error: str | None,
+) -> str | None:
+    """A probe made by `tokenmill run` or a restart (not the watchdog's state machine): the last
+    probe, its time and result, and the state it saw; the state before (None: the server is
+    not registered, nothing is written)."""
+    row = conn.execute(select(servers.c.state).where(servers.c.name == name)).first()
+    if row is None:
+        return None
+    values = _probe_values(row.state, state, ok, latency_s, error)
     conn.execute(update(servers).where(servers.c.name == name).values(**values))
+    return str(row.state)
 
 
 def set_fingerprint(conn: Connection, name: str, fingerprint: dict[str, Any]) -> None:

@@ -6,11 +6,19 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Final
 
 import httpx
 
-from app.core.errors import GenerationError, PermanentError, RetryableError, ServerUnavailable
+from app.core.errors import (
+    AuthRequired,
+    BackPressure,
+    GenerationError,
+    PermanentError,
+    RetryableError,
+    ServerUnavailable,
+)
 
 # Error text kept from a server body: enough for the ledger's last_error, never a page.
 ERROR_MESSAGE_MAX_CHARS: Final = 500
@@ -24,6 +32,101 @@ _GOING_AWAY = re.compile(
 # Eight or more comma-separated integers: a token array echoed into an error, never logged.
 _INT_RUN = re.compile(r"-?\d+(?:\s*,\s*-?\d+){7,}")
 _SPACES = re.compile(r"\s+")
+
+
+@dataclass(frozen=True)
+class SGLangAnswer:
+    """One way SGLang 0.5.23 answers a request it does not serve: the status and body it
+    sends, the wheel file and the text of its raise site, and what tokenmill makes of it."""
+
+    case: str
+    status: int | None  # None: an HTTP 200 whose finish_reason is an abort without a status
+    body: str
+    raised_in: str | None  # a member of the wheel; None: not SGLang's (a gateway in front)
+    raise_site: str  # text at the raise site that makes this answer
+    means: type[GenerationError]
+    spends_attempt: bool
+
+
+# Every answer of SGLang that tokenmill tells apart; tests/unit/test_sglang_answers.py holds
+# each row against the wheel's raise site and against map_http_error.
+SGLANG_ANSWERS: Final[tuple[SGLangAnswer, ...]] = (
+    SGLangAnswer(
+        "waiting queue full (--max-queued-requests): back-pressure",
+        503,
+        '{"object":"error","message":"The request queue is full.","type":"503","code":503}',
+        "sglang/srt/managers/scheduler.py",
+        'message = "The request queue is full."',
+        BackPressure,
+        False,
+    ),
+    SGLangAnswer(
+        "a gateway in front is rate limiting: back-pressure",
+        429,
+        '{"error": "Too Many Requests"}',
+        None,
+        "",
+        BackPressure,
+        False,
+    ),
+    SGLangAnswer(
+        "health route while starting or draining (SIGTERM)",
+        503,
+        "",
+        "sglang/srt/entrypoints/http_server.py",
+        "if _global_state.tokenizer_manager.gracefully_exit:",
+        ServerUnavailable,
+        False,
+    ),
+    SGLangAnswer(
+        "--api-key set and the request has no or another key",
+        401,
+        '{"error": "Unauthorized"}',
+        "sglang/srt/utils/auth.py",
+        '"Unauthorized"',
+        AuthRequired,
+        False,
+    ),
+    SGLangAnswer(
+        "input as long as the server's context length",
+        400,
+        '{"error": {"message": "The input (40 tokens) is longer than the model\'s context '
+        'length (32 tokens)."}}',
+        "sglang/srt/managers/tokenizer_manager.py",
+        'f"model\'s context length ({self.context_len} tokens)."',
+        PermanentError,
+        True,
+    ),
+    SGLangAnswer(
+        "input + max_new_tokens beyond the server's context length",
+        400,
+        '{"error": {"message": "Requested token count exceeds the model\'s maximum context '
+        "length of 32 tokens. You requested a total of 40 tokens: 8 tokens from the input "
+        'messages and 32 tokens for the completion."}}',
+        "sglang/srt/managers/tokenizer_manager.py",
+        "Requested token count exceeds the model's maximum context length",
+        PermanentError,
+        True,
+    ),
+    SGLangAnswer(
+        "a ValueError of the request (schema, images): its message",
+        400,
+        '{"error": {"message": "input_ids cannot be empty."}}',
+        "sglang/srt/entrypoints/http_server.py",
+        'status_code=getattr(e, "status_code", HTTPStatus.BAD_REQUEST)',
+        PermanentError,
+        True,
+    ),
+    SGLangAnswer(
+        "a scheduler abort with a server status",
+        500,
+        '{"object":"error","message":"Internal server error","type":"500","code":500}',
+        "sglang/srt/managers/tokenizer_manager.py",
+        'status_code=status_code, detail=finish_reason["message"]',
+        RetryableError,
+        True,
+    ),
+)
 
 
 def server_message(body: bytes | str | None) -> str:
@@ -78,12 +181,12 @@ def map_http_error(
       ReadTimeout, WriteTimeout, PoolTimeout, RemoteProtocolError, ReadError, WriteError and
       any other httpx or unexpected exception -> RetryableError.
     With a status:
-      400 and other 4xx -> PermanentError with the server's message, except 408, 429 ->
-      RetryableError, and 401, 403 -> ServerUnavailable (a wrong or missing API key is the
-      deployment's fault, not the item's: the server's items wait instead of failing);
-      503 -> ServerUnavailable (loading, shutting down, empty body), except a
-      "request queue is full" message -> RetryableError: the server is up but full, so the
-      item backs off instead of pausing the whole server; other 5xx -> RetryableError;
+      400 and other 4xx -> PermanentError with the server's message, except 408 ->
+      RetryableError, 429 -> BackPressure, and 401, 403 -> AuthRequired (a wrong or missing
+      API key is the deployment's fault, not the item's: the server's items wait instead of
+      failing); 503 -> ServerUnavailable (loading, shutting down, empty body), except a
+      "request queue is full" message -> BackPressure: the server is up but full, so the
+      item backs off without spending an attempt; other 5xx -> RetryableError;
       any other status (1xx-3xx where a 200 was expected) -> RetryableError.
     Without either (a plain abort): RetryableError, or ServerUnavailable when the message
     says the server is shutting down or loading.
@@ -99,12 +202,14 @@ def map_http_error(
         return RetryableError(text)
     if status_code == 503:
         if _QUEUE_FULL.search(message):
-            return RetryableError(text, status_code=status_code)
+            return BackPressure(text, status_code=status_code)
         return ServerUnavailable(text, status_code=status_code)
-    if status_code in (408, 429):
+    if status_code == 429:
+        return BackPressure(text, status_code=status_code)
+    if status_code == 408:
         return RetryableError(text, status_code=status_code)
     if status_code in (401, 403):
-        return ServerUnavailable(
+        return AuthRequired(
             f"{text} (the server wants an API key: check TOKENMILL_SGLANG_API_KEY)",
             status_code=status_code,
         )

@@ -32,6 +32,8 @@ STATE_STYLES = {
     "suspect": "yellow",
     "down": "red",
     "recovering": "cyan",
+    "draining": "yellow",
+    "auth": "red",
 }
 
 

@@ -13,7 +13,13 @@ import httpx
 import pytest
 
 from app.core.contracts import SamplingParams
-from app.core.errors import GenerationError, PermanentError, RetryableError, ServerUnavailable
+from app.core.errors import (
+    BackPressure,
+    GenerationError,
+    PermanentError,
+    RetryableError,
+    ServerUnavailable,
+)
 from app.sglang.client import SGLangClient
 from app.sglang.errors import server_message
 from tests.support.sglang_contract import load_contract
@@ -227,7 +233,7 @@ ABORTS: list[tuple[str, dict[str, Any], type[GenerationError]]] = [
     (
         "abort, queue full",
         {"type": "abort", "message": "The request queue is full.", "status_code": 503},
-        RetryableError,
+        BackPressure,
     ),
     ("abort, unavailable", {"type": "abort", "message": "", "status_code": 503}, ServerUnavailable),
     (

@@ -1,6 +1,6 @@
-"""SGLang's --api-key, emulated and honoured: routes need the bearer key except health probes,
-the client sends TOKENMILL_SGLANG_API_KEY, a wrong key makes items wait (never fail), and the
-emulator refuses to listen beyond loopback without a key."""
+"""SGLang's --api-key, emulated and honoured: routes need the bearer key except health and
+readiness probes, the client sends TOKENMILL_SGLANG_API_KEY, a wrong key makes items wait
+(never fail), and the emulator refuses to listen beyond loopback without a key."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ def test_routes_need_the_key_and_health_probes_do_not() -> None:
         body = {"input_ids": [1, 2, 3], "sampling_params": SAMPLING}
         assert httpx.get(f"{url}/health").status_code == 200
         assert httpx.get(f"{url}/health_generate").status_code == 200
+        assert httpx.get(f"{url}/ready").status_code == 200  # as SGLang's utils/auth.py
         refused = httpx.post(f"{url}/generate", json=body)
         assert refused.status_code == 401 and refused.json() == {"error": "Unauthorized"}
         wrong = httpx.post(f"{url}/generate", json=body, headers={"Authorization": "Bearer no"})
@@ -64,7 +65,7 @@ def test_the_emulator_refuses_to_listen_beyond_loopback_without_a_key(host: str)
     assert "without an API key" in result.stderr and "--api-key" in result.stderr
 
 
-def test_the_watchdog_reports_a_refused_key_as_down_not_healthy() -> None:
+def test_the_watchdog_reports_a_refused_key_as_auth_not_healthy() -> None:
     from app.ledger.registry import ServerInfo
     from workers.control.watchdog import HttpProber
 
@@ -76,7 +77,7 @@ def test_the_watchdog_reports_a_refused_key_as_down_not_healthy() -> None:
             fingerprint=None, restart_command=None, workers=[],
         )  # fmt: skip
         refused = HttpProber(Settings(sglang_api_key="wrong")).probe(server)
-        assert not refused.ok
+        assert not refused.ok and refused.auth
         assert refused.error is not None and "HTTP 401" in refused.error
         assert "TOKENMILL_SGLANG_API_KEY" in refused.error
         assert HttpProber(Settings(sglang_api_key=KEY)).probe(server).ok

@@ -556,8 +556,13 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(pool: ThreadPoolExecutor
         wait_until(lambda: stats(process)["running"] == 1, watch=in_flight)
         process.terminate()
         wait_until(lambda: get(process, "/health").status_code == 503, timeout_s=5)
-        assert post(process, {"input_ids": [2]}).status_code == 503
+        assert get(process, "/health_generate").status_code == 503
+        # as SGLang: /generate still serves while draining, and the drain waits for it too
+        late = pool.submit(generate, process, body)
+        wait_until(lambda: stats(process)["running"] == 2, watch=late)
+        assert process.popen.poll() is None
         assert in_flight.result(timeout=10)["meta_info"]["finish_reason"]["type"] == "length"
+        assert late.result(timeout=10)["meta_info"]["finish_reason"]["type"] == "length"
         assert process.popen.wait(timeout=10) == 0
     assert any("Draining" in line for line in process.stderr)
 

@@ -4,9 +4,12 @@ changed one, catches a stall the health route hides, and never lifts an operator
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 
+import httpx
 import pytest
 from sqlalchemy import Engine, update
 
@@ -145,3 +148,42 @@ def test_operator_pause_is_never_lifted_by_the_watchdog(
         run_watchdog(db, settings, control, prober)
     b = server(db, "gpu-b")
     assert b.paused and b.paused_by == "operator"
+
+
+def test_a_drain_and_a_refused_key_are_their_own_states_on_a_real_server(
+    db: Engine, tmp_path: Path
+) -> None:
+    """The HttpProber on emulators that behave as SGLang: a SIGTERMed server answers 503 at
+    once while it serves (draining: its workers drain it themselves, nothing is paused), then
+    is down when it exits; a server that refuses our key is `auth` and paused."""
+    from emulator.config import EmulatorConfig
+    from tests.support.emulator import running_emulator
+
+    settings = Settings(data_dir=tmp_path)
+    control = RecordingControl()
+    body = {"input_ids": [1], "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}}
+    with (
+        running_emulator(EmulatorConfig(port=0, step_ms=20)) as leaving,
+        running_emulator(EmulatorConfig(port=0, step_ms=0, api_key="k")) as locked,
+    ):
+        with db.begin() as conn:
+            registry.upsert_server(conn, "gpu-d", leaving.base_url)
+            registry.upsert_server(conn, "gpu-k", locked.base_url)
+        assert run_watchdog(db, settings, control) == {"gpu-d": "healthy", "gpu-k": "auth"}
+        with httpx.Client(base_url=leaving.base_url, timeout=30) as client:
+            out = ThreadPoolExecutor(1).submit(client.post, "/generate", json=body)
+            deadline = time.monotonic() + 10
+            while not httpx.get(f"{leaving.base_url}/emulator/stats").json()["running"]:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            leaving.terminate()
+            assert run_watchdog(db, settings, control)["gpu-d"] == "draining"
+            assert not server(db, "gpu-d").paused  # its requests out still finish
+            assert out.result(timeout=30).status_code == 200
+        assert leaving.popen.wait(timeout=30) == 0
+        assert run_watchdog(db, settings, control)["gpu-d"] == "down"
+        locked_server = server(db, "gpu-k")
+    assert locked_server.paused and "TOKENMILL_SGLANG_API_KEY" in (locked_server.last_error or "")
+    timeline = kinds(db)
+    assert any(k.startswith("state:gpu-d: healthy → draining") for k in timeline), timeline
+    assert any(k.startswith("state:gpu-d: draining → down") for k in timeline), timeline

@@ -58,4 +58,33 @@ def test_invalid_thresholds_are_refused() -> None:
 
 
 def test_serving_states() -> None:
-    assert [Verdict(h, 0, 0).serving for h in Health] == [True, True, True, False, False]
+    assert [Verdict(h, 0, 0).serving for h in Health] == [
+        True,  # unknown
+        True,  # healthy
+        True,  # suspect
+        False,  # down
+        False,  # recovering
+        False,  # draining
+        False,  # auth
+    ]
+
+
+def test_a_503_at_once_from_a_serving_server_is_a_drain_then_down_when_it_exits() -> None:
+    verdict = Verdict(Health.HEALTHY, 0, 3)
+    states = []
+    for ok, at_once in [(False, True), (False, True), (False, False), (True, False), (True, False)]:
+        verdict = step(verdict, ok, T, refused_at_once=at_once)
+        states.append(verdict.state.value)
+    assert states == ["draining", "draining", "down", "recovering", "healthy"]
+
+
+def test_a_503_at_once_while_down_is_a_server_starting_not_a_drain() -> None:
+    verdict = step(Verdict(Health.DOWN, 3, 0), False, T, refused_at_once=True)
+    assert verdict.state is Health.DOWN
+
+
+def test_a_refused_key_is_auth_until_a_probe_passes() -> None:
+    verdict = step(Verdict(Health.HEALTHY, 0, 1), False, T, auth=True)
+    assert verdict.state is Health.AUTH and not verdict.serving
+    assert step(verdict, False, T, auth=True).state is Health.AUTH
+    assert step(verdict, True, T).state is Health.HEALTHY

@@ -17,7 +17,14 @@ import httpx
 import pytest
 
 from app.core.contracts import SamplingParams
-from app.core.errors import GenerationError, PermanentError, RetryableError, ServerUnavailable
+from app.core.errors import (
+    AuthRequired,
+    BackPressure,
+    GenerationError,
+    PermanentError,
+    RetryableError,
+    ServerUnavailable,
+)
 from app.sglang.client import ProbeResult, SGLangClient
 from app.sglang.errors import ERROR_MESSAGE_MAX_CHARS, map_abort, map_http_error, server_message
 
@@ -209,7 +216,7 @@ BAD_200: list[tuple[str, bytes | Any, type[GenerationError], str, int | None]] =
      RetryableError, "request aborted", None),
     ("abort queue full 503",
      generate_body(finish={**ABORT, "message": "The request queue is full.", "status_code": 503}),
-     RetryableError, "queue is full", 503),
+     BackPressure, "queue is full", 503),
     ("abort 503 no message", generate_body(finish={**ABORT, "status_code": 503}),
      ServerUnavailable, "HTTP 503", 503),
     ("abort shutting down", generate_body(finish={**ABORT, "message": "Server is shutting down"}),
@@ -272,17 +279,17 @@ STATUSES: list[tuple[str, int, Any, type[GenerationError], str]] = [
      "HTTP 400: input_ids cannot be empty."),
     ("400 plain text", 400, b"bad request", PermanentError, "HTTP 400: bad request"),
     ("400 fastapi detail", 400, {"detail": "nope"}, PermanentError, "HTTP 400: nope"),
-    ("401 no or wrong API key", 401, {"error": "Unauthorized"}, ServerUnavailable,
+    ("401 no or wrong API key", 401, {"error": "Unauthorized"}, AuthRequired,
      "TOKENMILL_SGLANG_API_KEY"),
-    ("403", 403, b"Forbidden", ServerUnavailable, "HTTP 403: Forbidden"),
+    ("403", 403, b"Forbidden", AuthRequired, "HTTP 403: Forbidden"),
     ("404", 404, {"detail": "Not Found"}, PermanentError, "HTTP 404: Not Found"),
     ("405", 405, {"detail": "Method Not Allowed"}, PermanentError, "HTTP 405"),
     ("422", 422, {"detail": [{"loc": ["body"], "msg": "x"}]}, PermanentError, "HTTP 422"),
     ("413", 413, b"", PermanentError, "HTTP 413"),
     ("408", 408, b"", RetryableError, "HTTP 408"),
-    ("429", 429, {"error": "slow down"}, RetryableError, "HTTP 429: slow down"),
+    ("429", 429, {"error": "slow down"}, BackPressure, "HTTP 429: slow down"),
     ("503 empty (loading/shutting down)", 503, b"", ServerUnavailable, "HTTP 503"),
-    ("503 queue full", 503, QUEUE_FULL, RetryableError, "HTTP 503: The request queue is full."),
+    ("503 queue full", 503, QUEUE_FULL, BackPressure, "HTTP 503: The request queue is full."),
     ("503 loading", 503, {"message": "Server is loading"}, ServerUnavailable, "loading"),
     ("500 plain text", 500, b"Internal Server Error", RetryableError,
      "HTTP 500: Internal Server Error"),
@@ -339,10 +346,10 @@ def test_server_message_shapes() -> None:
         ({"type": "abort", "message": "Abort before prefill"}, RetryableError),
         ({"type": "abort", "message": "server shutdown"}, ServerUnavailable),
         ({"type": "abort", "status_code": 503, "message": "The request queue is full."},
-         RetryableError),
+         BackPressure),
         ({"type": "abort", "status_code": 503}, ServerUnavailable),
         ({"type": "abort", "status_code": 400, "message": "bad"}, PermanentError),
-        ({"type": "abort", "status_code": 429}, RetryableError),
+        ({"type": "abort", "status_code": 429}, BackPressure),
         ({"type": "abort", "status_code": 500}, RetryableError),
         ({"type": "abort", "status_code": 200, "message": "ok?"}, RetryableError),
         ({"type": "abort", "status_code": "503"}, RetryableError),

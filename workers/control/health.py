@@ -15,6 +15,10 @@ class Health(enum.StrEnum):
     SUSPECT = "suspect"
     DOWN = "down"
     RECOVERING = "recovering"
+    # /health answers 503 while /generate still does (SIGTERM): no new work, in flight finishes
+    DRAINING = "draining"
+    # /model_info or /generate answers 401/403: it wants an API key tokenmill does not send
+    AUTH = "auth"
 
 
 @dataclass(frozen=True)
@@ -41,11 +45,30 @@ class Verdict:
         return self.state in (Health.HEALTHY, Health.SUSPECT, Health.UNKNOWN)
 
 
-def step(previous: Verdict, ok: bool, thresholds: Thresholds, *, stalled: bool = False) -> Verdict:
-    """The verdict after one probe (ok or not); a stalled server is down at once."""
+def step(
+    previous: Verdict,
+    ok: bool,
+    thresholds: Thresholds,
+    *,
+    stalled: bool = False,
+    refused_at_once: bool = False,
+    auth: bool = False,
+) -> Verdict:
+    """The verdict after one probe (ok or not); a stalled server is down at once.
+
+    refused_at_once: the health route answered 503 without trying generation (SGLang while
+    starting or after SIGTERM): a server that was serving drains; auth: it refused our key.
+    A draining server that stops answering is down at once."""
     if stalled:
         return Verdict(Health.DOWN, max(previous.failures, thresholds.failures_to_down), 0)
+    if auth:
+        return Verdict(Health.AUTH, previous.failures + 1, 0)
     state = previous.state
+    serving = (Health.HEALTHY, Health.SUSPECT, Health.DRAINING)
+    if not ok and refused_at_once and state in serving:
+        return Verdict(Health.DRAINING, previous.failures + 1, 0)
+    if not ok and state is Health.DRAINING:
+        return Verdict(Health.DOWN, max(previous.failures + 1, thresholds.failures_to_down), 0)
     if ok:
         if state in (Health.DOWN, Health.RECOVERING):
             successes = previous.successes + 1 if state == Health.RECOVERING else 1

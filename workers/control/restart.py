@@ -22,8 +22,9 @@ from app.core.errors import ConfigurationError, GenerationError
 from app.core.settings import Settings
 from app.ledger import event_log, registry
 from app.ledger.registry import ServerInfo
+from workers.control.health import Health
 from workers.control.pausing import WorkerControl, pause_server, resume_server
-from workers.control.watchdog import HttpProber, Prober, fingerprint_conflicts
+from workers.control.watchdog import HttpProber, Probe, Prober, fingerprint_conflicts
 
 PLACEHOLDERS = frozenset({"name", "url", "host", "port"})
 
@@ -158,6 +159,7 @@ def restart_server(
             )
         probe = prober.probe(server)
         successes = successes + 1 if probe.ok else 0
+        _note_probe(db, name, probe, _restart_state(probe, successes, needed))
         phase = "command running" if code is None else "waiting for the server"
         on_progress(
             RestartProgress(
@@ -193,6 +195,24 @@ def restart_server(
     with db.begin() as conn:
         event_log.record_event(conn, EVENT_RESTART, message, server=name)
     return RestartResult(True, message, elapsed)
+
+
+def _note_probe(db: Engine, name: str, probe: Probe, state: str) -> None:
+    """`tokenmill servers` shows what the restart saw."""
+    with db.begin() as conn:
+        registry.note_probe(
+            conn, name, state=state, ok=probe.ok, latency_s=probe.latency_s, error=probe.error
+        )
+
+
+def _restart_state(probe: Probe, successes: int, needed: int) -> str:
+    """The state a restart's probe shows: down until it answers, recovering until it answered
+    often enough, then healthy; auth when it refuses our key."""
+    if probe.auth:
+        return Health.AUTH.value
+    if not probe.ok:
+        return Health.DOWN.value
+    return (Health.HEALTHY if successes >= needed else Health.RECOVERING).value
 
 
 def _give_up(db: Engine, name: str, started: float, why: str) -> RestartResult:

@@ -23,7 +23,7 @@ from app.core.constants import (
     PAUSED_BY_WEIGHTS,
 )
 from app.core.contracts import ServerFingerprint
-from app.core.errors import GenerationError
+from app.core.errors import AuthRequired, GenerationError
 from app.core.settings import Settings
 from app.ledger import common, event_log, registry
 from app.ledger.database import limit_periodic
@@ -33,6 +33,7 @@ from workers.control.health import Health, Thresholds, Verdict, step
 from workers.control.parity import ParityGate
 from workers.control.pausing import WorkerControl, pause_server, resume_server
 from workers.control.weights import judge, note_weights
+from workers.engine.probes import DRAIN_ANSWER_MAX_S
 from workers.engine.runtime import client_for
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,10 @@ class Probe:
     error: str | None
     # /model_info as the healthy probe read it: its weights are checked on every probe
     model: dict[str, Any] | None = None
+    # 503 at once (starting, or draining after SIGTERM), not after a failed generation check
+    refused_at_once: bool = False
+    # /model_info refused our key (401/403)
+    auth: bool = False
 
 
 class Prober(Protocol):
@@ -74,13 +79,15 @@ class HttpProber:
             if result.ok:
                 try:
                     model = client.model_info()
-                except GenerationError as exc:
-                    if getattr(exc, "status_code", None) in (401, 403):
-                        return Probe(False, result.latency_s, str(exc))
+                except AuthRequired as exc:
+                    return Probe(False, result.latency_s, str(exc), auth=True)
+                except GenerationError:
+                    pass
         error = None
         if not result.ok:
             error = result.error or f"HTTP {result.status_code}"
-        return Probe(result.ok, result.latency_s, error, model)
+        at_once = result.status_code == 503 and result.latency_s < DRAIN_ANSWER_MAX_S
+        return Probe(result.ok, result.latency_s, error, model, refused_at_once=at_once)
 
     def fingerprint(self, server: ServerInfo) -> ServerFingerprint:
         with self._client(server) as client:
@@ -121,7 +128,14 @@ def check_server(
     previous = Verdict(
         Health(server.state), server.consecutive_failures, server.consecutive_successes
     )
-    verdict = step(previous, probe.ok, thresholds, stalled=stalled)
+    verdict = step(
+        previous,
+        probe.ok,
+        thresholds,
+        stalled=stalled,
+        refused_at_once=probe.refused_at_once,
+        auth=probe.auth,
+    )
     error = probe.error
     if stalled:
         error = (
@@ -141,7 +155,7 @@ def check_server(
         )
         if verdict.state != previous.state:
             message = f"{server.name}: {previous.state.value} → {verdict.state.value}"
-            if error and verdict.state in (Health.SUSPECT, Health.DOWN):
+            if error and verdict.state in (Health.SUSPECT, Health.DOWN, Health.AUTH):
                 message += f" ({error})"
             event_log.record_event(
                 conn,
@@ -160,6 +174,10 @@ def check_server(
     if verdict.state == Health.DOWN and not server.paused:
         pause_server(
             db, control, server.name, by=PAUSED_BY_WATCHDOG, reason=f"server down: {error}"
+        )
+    elif verdict.state == Health.AUTH and not server.paused:
+        pause_server(
+            db, control, server.name, by=PAUSED_BY_WATCHDOG, reason=f"needs an API key: {error}"
         )
     elif verdict.state == Health.HEALTHY and (
         previous.state != Health.HEALTHY or server.paused_by in _GUARDED

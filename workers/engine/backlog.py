@@ -63,6 +63,23 @@ class Backlog:
                 out.append(heapq.heappop(self._delayed).job)
         return out
 
+    def take_waiting(self) -> list[Job]:
+        """Every job waiting for a slot or its backoff, out of the backlog (stop marks stay)."""
+        jobs: list[Job] = []
+        marks = 0
+        while True:
+            try:
+                job = self._ready.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(job, Job):
+                jobs.append(job)
+            else:
+                marks += 1
+        for _ in range(marks):
+            self._ready.put(_STOP)
+        return jobs + self.drop_delayed()
+
     def drop_delayed(self) -> list[Job]:
         """Every delayed job, out of the heap (shutting down: they are given back)."""
         with self._lock:

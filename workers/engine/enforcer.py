@@ -46,6 +46,11 @@ class PauseEnforcer:
 
     def check(self) -> None:
         paused, by = self.rt.pause_state(max_age_s=0.0)
+        held = self._held_here()
+        if held is not None and not paused:
+            # the worker's own probes hold its server (a drain, a refused key): it takes no
+            # messages meanwhile, so they go to the other servers' workers
+            paused, by = True, held
         actual = self.consuming_now()
         if actual is not None and actual != self.consuming:
             # someone else's cancel_consumer/add_consumer reached us: look at what is true
@@ -70,11 +75,20 @@ class PauseEnforcer:
                 )
                 self.control.add_consumer([self.worker])
             self.consuming = True
-        if paused and by == PAUSED_BY_WATCHDOG and not self._abandoned:
+        if paused and by == PAUSED_BY_WATCHDOG and held is None and not self._abandoned:
             self.rt.window.abandon_inflight("server down or stalled (watchdog)")
             self._abandoned = True
         if not paused:
             self._abandoned = False
+
+    def _held_here(self) -> str | None:
+        """Why this worker's own probes keep its server from new work (None: they do not)."""
+        window = self.rt.window
+        if window.auth_error is not None:
+            return "it needs an API key"
+        if window.draining is not None:
+            return "it drains"
+        return None
 
     def _loop(self) -> None:
         while not self._stop.is_set():

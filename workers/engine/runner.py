@@ -21,9 +21,11 @@ from app.ledger import claims, outcomes, reads
 from app.ledger.claims import text_items_left
 from app.ledger.reads import RunCounts
 from app.ledger.run_queries import RunInfo
+from workers.control.health import Health
 from workers.control.parity import preflight
 from workers.engine.contact import ServerContact
 from workers.engine.orphans import EMBEDDED_OWNER_PREFIX, take_back
+from workers.engine.probes import Seen, ServerProbe, auth_line
 from workers.engine.runtime import WorkerRuntime
 from workers.intake import turns
 
@@ -52,6 +54,10 @@ class ServerView:
     text_only: bool = False
     # it stopped on its own for token drift on an image item (why); it takes no work
     drift: str | None = None
+    # its /health answers 503 while it still serves (SIGTERM): no new work, in flight finishes
+    draining: bool = False
+    # it wants an API key tokenmill does not send (401/403): no work
+    auth: bool = False
 
 
 class EmbeddedRunner:
@@ -90,7 +96,7 @@ class EmbeddedRunner:
         self._contacts = {
             rt.server_name: ServerContact(rt.server_url, on_notice) for rt in self.runtimes
         }
-        self._next_probe: dict[str, float] = {}
+        self._probes = {rt.server_name: self._probe_of(rt) for rt in self.runtimes}
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._refused: dict[str, bool] = {}
@@ -98,10 +104,18 @@ class EmbeddedRunner:
         # `--turns each`: a conversation's items are claimed together by one server's feed
         self._claim_lock = threading.Lock()
 
+    def _probe_of(self, rt: WorkerRuntime) -> ServerProbe:
+        def changed(before: Health | None, seen: Seen) -> None:
+            self._changed(rt, before, seen)
+
+        return ServerProbe(rt, on_change=changed)
+
     def start(self) -> None:
         self._take_back()
         with ThreadPoolExecutor(len(self.runtimes), thread_name_prefix="tm-probe") as pool:
-            list(pool.map(self._reachable, self.runtimes))
+            list(pool.map(lambda rt: self._probes[rt.server_name].probe_once(), self.runtimes))
+        for probe in self._probes.values():
+            probe.start()
         self._preflight_all()
         for rt in self.runtimes:
             rt.start()
@@ -123,31 +137,38 @@ class EmbeddedRunner:
             )
 
     def _reachable(self, rt: WorkerRuntime) -> bool:
-        """Whether the server answers; probed (GET /health) while it is not known to, at most
-        every unavailable_wait_s, and found down again when its window finds it gone."""
+        """Whether the server takes work now: its probes found it healthy (see probes.py), and
+        its window did not find it gone since (then it is down until a probe says otherwise)."""
         contact = self._contacts[rt.server_name]
-        if rt.window.unavailable():
-            contact.found_down(rt.window.stats.last_error or "the server went away")
+        window = rt.window
+        if window.draining is not None or window.auth_error is not None:
             return False
-        if contact.up:
-            return True
-        now = time.monotonic()
-        if now < self._next_probe.get(rt.server_name, 0.0):
+        if window.unavailable():
+            contact.found_down(window.stats.last_error or "the server went away")
             return False
-        self._next_probe[rt.server_name] = now + max(self.poll_s, rt.settings.unavailable_wait_s)
-        client = rt.new_client()
-        try:
-            probe = client.health("/health")
-        finally:
-            client.close()
-        if probe.ok:
-            contact.found_up()
-            # back from being down: it may have restarted with other weights or image
-            # settings, so its fingerprint is read again before it takes work
-            rt.forget_run(self.run.id)
-            return True
-        contact.found_down(probe.error or f"HTTP {probe.status_code}")
-        return False
+        return contact.up
+
+    def _changed(self, rt: WorkerRuntime, before: Health | None, seen: Seen) -> None:
+        """A probe found the server in another state: tell the user, once per change."""
+        contact = self._contacts[rt.server_name]
+        if seen.state is Health.HEALTHY:
+            if not contact.up:
+                contact.found_up()
+                # back from being down: it may have restarted with other weights or image
+                # settings, so its fingerprint is read again before it takes work
+                rt.forget_run(self.run.id)
+            elif before is Health.DRAINING:
+                self.on_notice(f"--server {rt.server_url} serves again (its drain is over)")
+        elif seen.state is Health.DRAINING:
+            self.on_notice(
+                f"--server {rt.server_url} drains (its /health answers 503): nothing new goes "
+                f"to it, its {rt.window.stats.inflight} requests in flight finish"
+            )
+        elif seen.state is Health.AUTH:
+            key_set = self.settings.sglang_api_key is not None
+            self.on_notice(auth_line(rt.server_name, key_set))
+        else:
+            contact.found_down(seen.error or "no answer")
 
     def _preflight_all(self) -> None:
         """The parity preflight of every server that answers, at once, before any takes work,
@@ -260,6 +281,8 @@ class EmbeddedRunner:
                     down_error=contact.error,
                     text_only=rt.known_text_only(),
                     drift=rt.local_pause,
+                    draining=rt.window.draining is not None,
+                    auth=rt.window.auth_error is not None,
                 )
             )
         return views
@@ -346,6 +369,8 @@ class EmbeddedRunner:
         self._stop.set()
         for thread in self._threads:
             thread.join(timeout=5)
+        for probe in self._probes.values():
+            probe.stop()
         if not self.runtimes:
             return
         with ThreadPoolExecutor(len(self.runtimes), thread_name_prefix="tm-stop") as pool:

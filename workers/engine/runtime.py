@@ -25,7 +25,7 @@ from app.core.constants import (
     PAUSED_BY_IMAGES,
 )
 from app.core.contracts import GenerateResult, SamplingParams, ServerFingerprint
-from app.core.errors import GenerationError
+from app.core.errors import AuthRequired, GenerationError
 from app.core.images import ImageDrift
 from app.core.settings import Settings
 from app.ledger import claims, event_log, registry, run_queries
@@ -371,6 +371,9 @@ class WorkerRuntime:
     def _check_run(self, run_id: int) -> bool:
         try:
             fingerprint = self.server_fingerprint()
+        except AuthRequired as exc:
+            self.window.needs_key(str(exc))  # nothing is sent (or claimed) until a key passes
+            return False
         except GenerationError as exc:
             log.info(
                 "fingerprint of %s unavailable (%s); deferring",

@@ -14,7 +14,14 @@ from collections.abc import Callable
 from typing import Protocol
 
 from app.core.contracts import GenerateResult
-from app.core.errors import GenerationError, PermanentError, RetryableError, ServerUnavailable
+from app.core.errors import (
+    AuthRequired,
+    BackPressure,
+    GenerationError,
+    PermanentError,
+    RetryableError,
+    ServerUnavailable,
+)
 from app.ledger.claims import ClaimedItem
 from app.ledger.outcomes import Done, Failed, Outcome, Released
 from app.storage.run_store import StorageUnreachable
@@ -48,6 +55,14 @@ class SlotHost(Protocol):
     def sending_ended(self, job: Job) -> None: ...
 
     def retry_later(self, job: Job, reason: str, delay_s: float) -> None: ...
+
+    def may_send(self) -> bool: ...
+
+    def hold_back(self, job: Job) -> None: ...
+
+    def pushed_back(self, job: Job, reason: str) -> None: ...
+
+    def needs_key(self, error: str) -> None: ...
 
     def note(self, *, failed: int = 0, error: str | None = None) -> None: ...
 
@@ -146,6 +161,9 @@ class Slot:
             )
             w.settle(Released(item.id, f"images not read: {exc!r}"), job)
             return
+        if not w.may_send():
+            w.hold_back(job)  # the server pushed back: fewer requests out to it for a while
+            return
         rid = f"tm-{item.id}-{uuid.uuid4().hex[:12]}"
         job.tries += 1
         w.sent(job, rid)
@@ -158,6 +176,13 @@ class Slot:
                 result = None  # aborted because a hedge on another server finished it first
         except PermanentError as exc:
             self._failed_permanently(job, exc)
+        except BackPressure as exc:
+            # the server is up but full: the request was fine, so no attempt is spent
+            job.tries -= 1
+            w.pushed_back(job, str(exc))
+        except AuthRequired as exc:
+            w.needs_key(str(exc))
+            self._given_back(job, "unavailable", exc)
         except ServerUnavailable as exc:
             # the server, not the item, is at fault: no attempt is spent
             self._given_back(job, "unavailable", exc)

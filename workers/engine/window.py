@@ -34,6 +34,7 @@ from workers.engine.backlog import Backlog
 from workers.engine.groups import Conversations
 from workers.engine.heartbeat import renew_leases
 from workers.engine.hedging import HedgeRound, Hedges
+from workers.engine.pressure import Pressure
 from workers.engine.room import InFlight, Room
 from workers.engine.slots import Slot
 from workers.engine.timer import Timer
@@ -79,6 +80,13 @@ class InflightWindow:
         self._hedges = Hedges(stats=self.stats, clock=clock, client_factory=policy.new_client)
         self._hedge_round = HedgeRound(self, db=db, policy=policy)
         self._unavailable_until = 0.0
+        self._pressure = Pressure(
+            config.inflight, config.retry_backoff_s, config.retry_backoff_max_s
+        )
+        # set while the server drains (its /health 503 while /generate answers): nothing new
+        # is sent to it; and when it wants an API key we do not have (401/403)
+        self._draining: str | None = None
+        self.auth_error: str | None = None
         self._stopping = threading.Event()
         self._timer = Timer(
             config,
@@ -145,6 +153,7 @@ class InflightWindow:
                 return before
             self.config.inflight = inflight
             self.config.backlog = backlog
+            self._pressure.size = inflight  # back-pressure's limit never exceeds the window
             self._threads = [t for t in self._threads if t.is_alive()]
             if self._started and inflight < before:
                 self._backlog.stop_slots(before - inflight)
@@ -219,6 +228,9 @@ class InflightWindow:
             return self._room.outstanding
 
     def unavailable(self) -> bool:
+        """Nothing is sent now: the server went away a moment ago, drains, or wants a key."""
+        if self._draining is not None or self.auth_error is not None:
+            return True
         return self._clock() < self._unavailable_until
 
     def mark_unavailable(self) -> None:
@@ -426,6 +438,79 @@ class InflightWindow:
             )
         return len(jobs)
 
+    # --- drains, back-pressure and auth (the probe loop and the slots call these) ---------
+
+    @property
+    def draining(self) -> str | None:
+        """Why the server drains (None: it does not)."""
+        return self._draining
+
+    def drain(self, reason: str) -> int:
+        """The server drains: send it nothing new, let the requests out finish, and give back
+        every claimed item still waiting here (others take them at once); how many."""
+        with self._cond:
+            self._draining = reason
+            waiting = []
+            for job in self._backlog.take_waiting():
+                if job.hedge:  # a spare copy: dropped, its item stays with its holder
+                    self._hedges.forget(job)
+                    self._room.give(1)
+                    continue
+                waiting.append(job)
+                self._room.handed_to_writer()
+                self._writer.put(Released(job.item.id, f"server draining: {reason}"), True)
+                if job.group is not None:
+                    self._give_back(self._groups.drop(job.group), reason)
+            self._cond.notify_all()
+        if waiting:
+            log.warning(
+                "server %s drains (%s): gave back %d claimed items, %d requests still out",
+                self.config.server_name,
+                reason,
+                len(waiting),
+                self.stats.inflight,
+                extra={"action": "draining"},
+            )
+        return len(waiting)
+
+    def drained(self) -> None:
+        """The server serves again (or is gone and will be found down): the drain is over."""
+        self._draining = None
+
+    def needs_key(self, error: str) -> None:
+        """The server answered 401/403: it stays refused until the process restarts with a key."""
+        self.auth_error = error
+
+    def may_send(self) -> bool:
+        """Whether a slot may send now, under the server's back-pressure limit."""
+        with self._cond:
+            return self._pressure.allows(self.stats.inflight)
+
+    def hold_back(self, job: Job) -> None:
+        """job waits a moment before it is sent: the server pushed back, fewer go out."""
+        with self._cond:
+            delay_s = self._pressure.delay_s(max(1, job.pushed_back))
+            self._backlog.later(job, self._clock() + delay_s)
+
+    def pushed_back(self, job: Job, reason: str) -> None:
+        """The server refused job as full: no attempt spent; the window shrinks for this
+        server and job goes out again after a backoff that grows while it is refused."""
+        with self._cond:
+            job.pushed_back += 1
+            self._pressure.push_back(self.stats.inflight)
+            self.stats.pushed_back += 1
+            self._backlog.later(job, self._clock() + self._pressure.delay_s(job.pushed_back))
+        if job.pushed_back == 1:
+            log.info(
+                "server %s is full (%s): run %d item %d waits, up to %d requests out",
+                self.config.server_name,
+                reason,
+                job.item.run_id,
+                job.item.id,
+                max(1, int(self._pressure.limit)),
+                extra={"action": "back_pressure", "server": self.config.server_name},
+            )
+
     # --- what the slots ask (slots.SlotHost) -------------------------------------------------
 
     def next_job(self) -> Job | None:
@@ -465,6 +550,8 @@ class InflightWindow:
     def answered(self, job: Job) -> None:
         with self._cond:
             self._sending.remove(job)
+            job.pushed_back = 0
+            self._pressure.answered()
 
     def sending_ended(self, job: Job) -> None:
         with self._cond:
@@ -606,7 +693,8 @@ class InflightWindow:
         if released:
             with self._cond:
                 self.stats.released += len(released)
-            wait_s = self.config.unavailable_wait_s if self.unavailable() else 0.0
+            down = self._clock() < self._unavailable_until
+            wait_s = self.config.unavailable_wait_s if down else 0.0
             try:
                 self.policy.released(released, wait_s)
             except Exception:

@@ -141,6 +141,7 @@ class WindowStats:
     hedges: int = 0  # second copies sent of items leased to other servers
     hedge_results: int = 0  # of those, answered (written only if no other result was first)
     cancelled: int = 0  # copies aborted: finished on another server, or a hedge making room
+    pushed_back: int = 0  # requests the server refused as full (back-pressure): no attempt
 
     def note(self, *, failed: int = 0, error: str | None = None) -> None:
         self.failed += failed
@@ -165,3 +166,4 @@ class Job:
     sent_at: float = 0.0
     cancelled_at: float = 0.0
     group: Hashable | None = None  # its conversation (`--turns each`), sent one at a time
+    pushed_back: int = 0  # refused as full in a row (back-pressure): its backoff grows

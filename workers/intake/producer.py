@@ -81,6 +81,9 @@ class EnqueueOptions:
     servers: tuple[str, ...] | None = None
     # run_queries.DRIVER_RUN: `tokenmill run` drives the run, the fleet leaves it alone
     driver: str | None = None
+    # the context length prompts are held to: the servers' own when `tokenmill run` read it
+    # from their /server_info (app.sglang.limits), else None: the tokenizer folder's
+    context_length: int | None = None
 
 
 def run_spec(
@@ -245,7 +248,7 @@ def enqueue(
         ItemBuilder(
             run_kwargs=kwargs,
             samples_per_prompt=options.samples_per_prompt,
-            context_length=tokenizer.context_length,
+            context_length=options.context_length or tokenizer.context_length,
             reporter=reporter,
             image_pins=tokenizer.image_pins,
             no_pins=tokenizer.no_image_pins,

@@ -1,0 +1,173 @@
+"""Drains, back-pressure and auth in the window, with a fake client and a SQLite ledger: a
+draining server gets nothing new and gives back its backlog while its requests finish; a full
+queue spends no attempt and shrinks the window; a probe's verdict tells a drain from a hung
+server; the ledger keeps the last probe of a registered server only."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from sqlalchemy import Engine
+
+from app.core.errors import BackPressure
+from app.ledger import registry, run_queries
+from app.sglang.client import ProbeResult
+from tests.unit.test_window import feed, make_window, statuses, wait_idle
+from workers.control.health import Health
+from workers.engine.pressure import Pressure
+from workers.engine.probes import DRAIN_ANSWER_MAX_S, auth_line, verdict
+
+
+def test_a_drain_sends_nothing_new_and_gives_back_the_backlog(
+    sqlite_engine: Engine, run: run_queries.RunInfo
+) -> None:
+    gate = threading.Event()
+    released: list[int] = []
+
+    def slow(ids: list[int], call: int) -> float:
+        gate.wait(10)
+        return 0.0
+
+    window, server = make_window(sqlite_engine, slow, inflight=2, released=released)
+    window.start()
+    try:
+        ids = feed(sqlite_engine, window, run, 4)  # 2 out, 2 in the backlog
+        deadline = time.monotonic() + 10
+        while server.in_flight < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        given_back = window.drain("draining: /health HTTP 503")
+        assert given_back == 2 and window.unavailable()
+        gate.set()  # the requests out finish and are written
+        wait_idle(window)
+    finally:
+        window.stop(drain_timeout_s=1)
+    rows = statuses(sqlite_engine, run)
+    assert server.calls == 2  # nothing new was sent after the drain began
+    assert sorted(released) == sorted(i for i in ids if rows[i].status == "queued")
+    assert sorted(r.status for r in rows.values()) == ["done", "done", "queued", "queued"]
+    assert all(r.attempts == (1 if r.status == "done" else 0) for r in rows.values())
+
+
+def test_a_full_queue_spends_no_attempt(sqlite_engine: Engine, run: run_queries.RunInfo) -> None:
+    refusals: dict[int, int] = {}
+
+    def full(ids: list[int], call: int) -> float | Exception:
+        n = refusals.get(ids[-1], 0)
+        if n < 4:  # more refusals than the attempt budget: none of them may count
+            refusals[ids[-1]] = n + 1
+            return BackPressure("HTTP 503: The request queue is full.", status_code=503)
+        return 0.0
+
+    window, _ = make_window(sqlite_engine, full, inflight=4, max_attempts=2)
+    window.start()
+    try:
+        feed(sqlite_engine, window, run, 6)
+        wait_idle(window)
+    finally:
+        window.stop(drain_timeout_s=1)
+    rows = statuses(sqlite_engine, run)
+    assert {(r.status, r.attempts) for r in rows.values()} == {("done", 1)}
+    assert window.stats.pushed_back == 24
+
+
+def test_pressure_halves_on_push_back_and_grows_back_to_the_window() -> None:
+    pressure = Pressure(size=64, backoff_s=0.1, backoff_max_s=1.0)
+    assert pressure.allows(1000)  # no push-back yet: the window's size holds
+    pressure.push_back(inflight=64)
+    assert pressure.limit == 32 and pressure.allows(31) and not pressure.allows(32)
+    pressure.push_back(inflight=10)
+    assert pressure.limit == 5
+    for _ in range(60):
+        pressure.answered()
+    assert pressure.limit == 0 and pressure.allows(1000)  # back to the window's own size
+    assert [pressure.delay_s(n) for n in (1, 2, 3, 9)] == [0.1, 0.2, 0.4, 1.0]
+
+
+def test_a_quick_503_from_a_serving_server_is_a_drain_a_slow_one_is_down() -> None:
+    quick = ProbeResult(False, 503, 0.01, "HTTP 503")
+    assert verdict(quick, was_serving=True).state is Health.DRAINING
+    assert verdict(quick, was_serving=False).state is Health.DOWN  # starting
+    slow = ProbeResult(False, 503, DRAIN_ANSWER_MAX_S + 10, "HTTP 503")
+    assert verdict(slow, was_serving=True).state is Health.DOWN  # its generation check failed
+    refused = ProbeResult(False, None, 0.0, "cannot connect")
+    assert verdict(refused, was_serving=True).state is Health.DOWN
+    assert verdict(ProbeResult(True, 200, 0.0), was_serving=False).state is Health.HEALTHY
+
+
+def test_the_auth_line_names_the_server_and_the_setting() -> None:
+    assert auth_line("gpu-a:30000", key_set=False) == (
+        "error: server gpu-a:30000 requires an API key: set TOKENMILL_SGLANG_API_KEY"
+    )
+    assert "refuses the API key in TOKENMILL_SGLANG_API_KEY" in auth_line("g:1", key_set=True)
+
+
+def test_a_probe_is_noted_on_a_registered_server_only(sqlite_engine: Engine) -> None:
+    with sqlite_engine.begin() as conn:
+        assert (
+            registry.note_probe(
+                conn, "nobody:1", state="healthy", ok=True, latency_s=0.1, error=None
+            )
+            is None
+        )
+        registry.upsert_server(conn, "gpu-a:30000", "http://gpu-a:30000")
+        was = registry.note_probe(
+            conn, "gpu-a:30000", state="draining", ok=False, latency_s=0.01, error="HTTP 503"
+        )
+        server = registry.get_server(conn, "gpu-a:30000")
+    assert was == "unknown"
+    assert (server.state, server.last_probe_ok, server.last_error) == (
+        "draining",
+        False,
+        "HTTP 503",
+    )
+    assert server.last_probe_at is not None
+
+
+class _Window:
+    def __init__(self) -> None:
+        self.draining: str | None = None
+        self.auth_error: str | None = None
+        self.abandoned = 0
+
+    def abandon_inflight(self, reason: str) -> int:
+        self.abandoned += 1
+        return 0
+
+
+class _Runtime:
+    server_name = "gpu-a:30000"
+
+    def __init__(self) -> None:
+        self.window = _Window()
+
+    def pause_state(self, *, max_age_s: float = 1.0) -> tuple[bool, str | None]:
+        return False, None
+
+
+class _Control:
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def cancel_consumer(self, workers: list[str]) -> None:
+        self.calls.append("cancel")
+
+    def add_consumer(self, workers: list[str]) -> None:
+        self.calls.append("add")
+
+
+def test_a_worker_takes_no_messages_while_its_server_drains_or_wants_a_key() -> None:
+    from workers.engine.enforcer import PauseEnforcer
+
+    rt, control = _Runtime(), _Control()
+    enforcer = PauseEnforcer(rt, "w1@host", control, 1.0)  # type: ignore[arg-type]
+    enforcer.check()
+    rt.window.draining = "draining: /health HTTP 503"
+    enforcer.check()
+    rt.window.draining = None
+    enforcer.check()
+    rt.window.auth_error = "HTTP 401: Unauthorized"
+    enforcer.check()
+    assert control.calls == ["cancel", "add", "cancel"]
+    assert rt.window.abandoned == 0  # the requests out to a draining server finish there
