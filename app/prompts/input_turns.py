@@ -80,9 +80,12 @@ def _turn(item: Any, where: str) -> Message:
                 f"{where} has unknown role {json.dumps(role)} "
                 "(allowed: system, developer, user, assistant, tool)"
             )
-        if "content" not in item:
-            raise BadRow(f"{where} has no 'content'")
         turn = dict(item)
+        if "content" not in item:
+            # SGLang's request models: content defaults to None on every role but user's
+            if role == "user":
+                raise BadRow(f"{where} has no 'content' (a user turn needs content, empty or not)")
+            turn["content"] = None
         content_field = "content"
     try:
         turn = resolve_reasoning_aliases(turn, where)

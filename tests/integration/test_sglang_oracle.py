@@ -22,27 +22,18 @@ from app.ledger import reads, run_queries
 from app.prompts.template_choice import TemplateChoice
 from app.prompts.tokenization import load_tokenizer
 from app.prompts.transformers_pin import client_version
-from tests.support.oracle_families import CUSTOM_CODE, FAMILIES, family_folder
+from tests.support.oracle_families import (
+    CALL,
+    CUSTOM_CODE,
+    FAMILIES,
+    WEATHER,
+    boundaries,
+    family_folder,
+)
 from tests.support.sglang_server import tokenize_as_deployed
 from workers.intake.producer import EnqueueOptions, enqueue
 
 Json = dict[str, Any]
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Weather of a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "varchar(64)"}, "days": {"type": "int"}},
-        },
-    },
-}
-CALL = {
-    "id": "call_1",
-    "type": "function",
-    "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'},
-}
 
 
 def _call(arguments: str) -> Json:
@@ -144,14 +135,6 @@ ROWS: list[Json] = [
 ]
 
 
-def _boundaries(messages: list[Json]) -> list[list[Json]]:
-    """The raw turns before each assistant turn, and all of them after a final user/tool turn."""
-    cuts = [messages[:i] for i, turn in enumerate(messages) if turn["role"] == "assistant"]
-    if messages[-1]["role"] != "assistant":
-        cuts.append(messages)
-    return cuts
-
-
 def _body(row: Json, messages: list[Json]) -> Json:
     body: Json = {"messages": messages}
     for key in ("tools", "chat_template_kwargs", "reasoning_effort"):
@@ -207,7 +190,7 @@ def test_every_boundary_is_sglangs(
         ours.setdefault(item.item_key, {})[item.turn_index] = item.prompt_ids
     failed_lines = {error.line for error in report.errors}
     checked = 0
-    bodies = [[_body(row, cut) for cut in _boundaries(row["messages"])] for row in ROWS]
+    bodies = [[_body(row, cut) for cut in boundaries(row["messages"])] for row in ROWS]
     flat = [body for row in bodies for body in row]
     answers = iter(tokenize_as_deployed(folder, flat, trust_remote_code=trusted))
     for line, row_bodies in enumerate(bodies, start=1):

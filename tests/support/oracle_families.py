@@ -16,6 +16,33 @@ from typing import Any
 
 from tests.support.chat_templates import tokenizer_with_template
 
+Json = dict[str, Any]
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather of a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "varchar(64)"}, "days": {"type": "int"}},
+        },
+    },
+}
+CALL = {
+    "id": "call_1",
+    "type": "function",
+    "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'},
+}
+
+
+def boundaries(messages: list[Json]) -> list[list[Json]]:
+    """The raw turns before each assistant turn, and all of them after a final user/tool turn."""
+    cuts = [messages[:i] for i, turn in enumerate(messages) if turn["role"] == "assistant"]
+    if messages[-1]["role"] != "assistant":
+        cuts.append(messages)
+    return cuts
+
+
 GEN = "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"
 
 # Kimi-K2: `name or role`, tools as JSON, string content, reasoning in history

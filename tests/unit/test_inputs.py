@@ -252,7 +252,11 @@ BAD: list[tuple[str, Any, str]] = [
         {"messages": [{"content": "x"}]},
         "messages[0] has no 'role' (or ShareGPT 'from')",
     ),
-    ("turn without content", {"messages": [{"role": "user"}]}, "messages[0] has no 'content'"),
+    (
+        "turn without content",
+        {"messages": [{"role": "user"}]},
+        "messages[0] has no 'content' (a user turn needs content, empty or not)",
+    ),
     (
         "unknown role",
         {"messages": [{"role": "bot", "content": "x"}]},

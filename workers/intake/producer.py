@@ -24,7 +24,7 @@ from app.core.images import ImagePins
 from app.core.settings import Settings, get_settings
 from app.ledger import event_log, image_tokens, queue, removal, run_queries
 from app.prompts.chat_path import check_version
-from app.prompts.chat_pins import run_pins
+from app.prompts.chat_pins import run_pins, with_server_render
 from app.prompts.image_pins import check_run_pins
 from app.prompts.template_pool import Templater
 from app.prompts.tokenization import ChatTokenizer, check_template_kwargs
@@ -77,8 +77,14 @@ class EnqueueOptions:
     image_root: Path | None = None
 
 
-def run_spec(tokenizer: ChatTokenizer, options: EnqueueOptions) -> run_queries.RunSpec:
-    """What the run pins: the tokenizer and its template, the sampling, the turns mode."""
+def run_spec(
+    tokenizer: ChatTokenizer, options: EnqueueOptions, server_render: str | None = None
+) -> run_queries.RunSpec:
+    """What the run pins: the tokenizer and its template, the sampling, the turns mode;
+    server_render: the sha256 of the render server's answers to its probe (`--render-with`)."""
+    pins = run_pins(tokenizer, rendered_here=options.render_with is None)
+    if server_render is not None:
+        pins = with_server_render(pins, server_render)
     return run_queries.RunSpec(
         name=options.run,
         tokenizer_path=str(tokenizer.path),
@@ -95,10 +101,25 @@ def run_spec(tokenizer: ChatTokenizer, options: EnqueueOptions) -> run_queries.R
         trust_remote_code=options.trust_remote_code,
         render_with=options.render_with,
         require_parity=options.require_parity,
-        chat_pins=run_pins(tokenizer, rendered_here=options.render_with is None),
+        chat_pins=pins,
         weight_version=options.weight_version,
         reasoning_efforts=options.reasoning_efforts,
     )
+
+
+def checked_spec(
+    tokenizer: ChatTokenizer, options: EnqueueOptions, renderer: RenderClient | None
+) -> run_queries.RunSpec:
+    """run_spec, with the render server's render pinned (`--render-with`); a TokenizerError
+    for what needs a local template the folder lacks."""
+    if (renderer is None) != (options.render_with is None):
+        raise ValueError("a renderer is given exactly when options.render_with is set")
+    if options.turns == "all":
+        # the next turn's history holds the answer split into reasoning and content
+        tokenizer.require_local_template(
+            "--turns all (each answer becomes the next turn's history)"
+        )
+    return run_spec(tokenizer, options, None if renderer is None else renderer.probe_sha256())
 
 
 def open_run(
@@ -169,9 +190,7 @@ def enqueue(
             options.sampling, record, options.samples_per_prompt
         ),
     )
-    spec = run_spec(tokenizer, options)
-    if (renderer is None) != (options.render_with is None):
-        raise ValueError("a renderer is given exactly when options.render_with is set")
+    spec = checked_spec(tokenizer, options, renderer)
     reporter = Reporter(report, unit=reader.unit, on_error=on_error, on_progress=on_progress)
     run = open_run(db, spec, report, tokenizer.image_pins)
     kwargs = options.chat_template_kwargs
