@@ -19,6 +19,7 @@ from sqlalchemy import Engine
 
 from app.core.contracts import SamplingParams
 from app.ledger import reads, run_queries
+from app.prompts.input_turns import ROLES, parse_turns_until_bad
 from app.prompts.template_choice import TemplateChoice
 from app.prompts.tokenization import load_tokenizer
 from app.prompts.transformers_pin import client_version
@@ -97,6 +98,19 @@ ROWS: list[Json] = [
         ],
         "chat_template_kwargs": {"thinking": False, "enable_thinking": False},
     },
+    # no `content` key: None on every role but user's, as SGLang's request models default it
+    {
+        "messages": [
+            {"role": "system"},
+            {"role": "user", "content": "go"},
+            {"role": "assistant", "tool_calls": [_call('{"city": "Paris"}')]},
+            {"role": "tool", "tool_call_id": "c"},
+            {"role": "assistant", "content": "done"},
+            {"role": "user", "content": "ok"},
+        ],
+        "tools": [WEATHER],
+    },
+    {"messages": [{"role": "user"}]},
     # refused by both: a lone surrogate, an input_text part, arguments beyond 64 bits, NaN
     {"messages": [{"role": "user", "content": "broken \ud800 text"}]},
     {"messages": [{"role": "user", "content": [{"type": "input_text", "text": "x"}]}]},
@@ -205,6 +219,25 @@ def test_every_boundary_is_sglangs(
         assert bool(refused) == (line in failed_lines), where
         checked += len(expected)
     assert checked >= 20
+
+
+@pytest.mark.parametrize("role", sorted(ROLES))
+def test_a_turn_without_content_reads_as_sglangs_models(role: str) -> None:
+    """A turn with no `content` key: SGLang's ChatCompletionMessageParam defaults it to None
+    (user turns require it); tokenmill reads it the same way, role by role."""
+    from pydantic import TypeAdapter, ValidationError
+
+    from tests.support.sglang_contract import load_protocol
+
+    adapter = TypeAdapter(load_protocol().ChatCompletionMessageParam)
+    try:
+        theirs = adapter.validate_python({"role": role}).model_dump()
+    except ValidationError:
+        theirs = None
+    turns, bad = parse_turns_until_bad([{"role": role}], "messages")
+    assert (bad is None) == (theirs is not None), bad
+    if theirs is not None:
+        assert theirs["content"] is None and turns[0]["content"] is None
 
 
 def test_runs_under_a_known_transformers() -> None:
