@@ -446,8 +446,8 @@ def final_assistant_as_user(messages: Sequence[Message]) -> list[Message]:
     """A chat completion whose last turn is an assistant turn with string content: SGLang
     sends that turn as a user turn of the same content (without `continue_final_message`).
 
-    tokenmill prompts never end with an assistant turn (the answer is what is regenerated);
-    this is for callers that render arbitrary requests, like the emulator's `/v1/tokenize`.
+    A tokenmill prompt ends with one at a boundary right after an earlier answer (two
+    assistant turns in a row); the emulator's `/v1/tokenize` renders arbitrary requests.
     """
     out = list(messages)
     if out and out[-1].get("role") == "assistant" and isinstance(out[-1].get("content"), str):

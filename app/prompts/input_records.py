@@ -131,7 +131,7 @@ def build_record(
     except InputError as error:
         raise BadRow(error.reason) from None
     row_kwargs = _row_kwargs(data.get("chat_template_kwargs"))
-    if bad is not None and not any(turn["role"] == "user" for turn in turns):
+    if bad is not None and not any(turn["role"] != "assistant" for turn in turns):
         raise BadRow(bad.reason)  # no boundary before the bad turn
     messages = prompt_turns(list(turns), field)
     record = PromptRecord(

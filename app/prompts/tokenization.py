@@ -22,6 +22,7 @@ from app.prompts.chat_path import (
     ContentFormat,
     bare_function_tools,
     detect_content_format,
+    final_assistant_as_user,
     normalize_messages,
     normalize_tools,
     template_view,
@@ -404,7 +405,9 @@ class ChatTokenizer:
             )
             tools = normalize_tools(inputs.tools) if inputs.tools else None
         check_placeholders(self._placeholders, turns, tools)
-        return template_view(turns), tools or None, kwargs
+        # a boundary after two answers in a row ends with an answer: SGLang sends it as a
+        # user turn (a request without continue_final_message)
+        return template_view(final_assistant_as_user(turns)), tools or None, kwargs
 
     def _render(
         self, turns: list[Message], tools: list[dict[str, Any]] | None, kwargs: dict[str, Any]
