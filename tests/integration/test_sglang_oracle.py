@@ -282,6 +282,21 @@ def test_a_turn_without_content_reads_as_sglangs_models(role: str) -> None:
         assert theirs["content"] is None and turns[0]["content"] is None
 
 
+def test_a_class_forced_by_the_model_type_loads_as_at_the_server(
+    kimi_tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    """A qwen3_5 folder whose tokenizer.json declares no normalizer: transformers builds
+    Qwen3_5Tokenizer (NFC) for that model type at the server too, and SGLang's get_tokenizer
+    keeps its normalizer, so the folder loads and its ids are the server's."""
+    folder = family_folder("kimi-k2", kimi_tokenizer_dir, tmp_path / "qwen3_5")
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen3_5"}), encoding="utf-8")
+    messages = [{"role": "user", "content": "cafe\u0301 \u00e9"}]
+    (expected,) = tokenize_as_deployed(folder, [{"messages": messages}])
+    tokenizer = load_tokenizer(folder)
+    assert type(tokenizer.hf_tokenizer).__name__ == "Qwen3_5Tokenizer"
+    assert tokenizer.apply(messages) == expected
+
+
 def test_runs_under_a_known_transformers() -> None:
     assert client_version() in ("5.19.0", "5.24.0")
 
