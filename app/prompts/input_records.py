@@ -14,10 +14,10 @@ from app.prompts.chat_path import (
     ContentFormat,
     as_sglang_reads,
     check_reasoning_effort,
-    check_tool_result_order,
     json_type,
     normalize_turn,
     parse_tools,
+    tool_result_order_error,
 )
 from app.prompts.input_turns import (
     IMAGE_MARKER,
@@ -58,6 +58,8 @@ class ReadRules:
     field: str | None = None
     content_format: ContentFormat = "string"
     pass_turn_fields: bool = False
+    # the template reads tool_call_id, so SGLang puts tool results in call order first
+    reorders_tool_results: bool = True
 
 
 def build_record(
@@ -120,10 +122,10 @@ def build_record(
         shift = 1
         bad = bad and BadTurn(bad.index + 1, bad.reason)
     turns, bad = _normalized_until_bad(turns, bad, field, rules)
-    try:
-        check_tool_result_order(turns, field)
-    except InputError as error:
-        raise BadRow(error.reason) from None
+    unordered = tool_result_order_error(turns, field) if rules.reorders_tool_results else None
+    if unordered is not None and (bad is None or unordered[0] < bad.index):
+        # the boundaries before the out-of-order run keep (`--turns each`)
+        turns, bad = turns[: unordered[0]], BadTurn(unordered[0], unordered[1])
     in_tail = bad is not None and _in_trailing_assistant_turns(data[field], bad.index - shift)
     try:
         tools = parse_tools(sharegpt_tools(data.get("tools"), data[field]))

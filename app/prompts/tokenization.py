@@ -25,6 +25,7 @@ from app.prompts.chat_path import (
     final_assistant_as_user,
     normalize_messages,
     normalize_tools,
+    template_may_reorder_tool_results,
     template_view,
 )
 from app.prompts.chat_pins import check_file_unchanged, choice_of, rendered_on_server
@@ -296,6 +297,14 @@ class ChatTokenizer:
     def no_image_pins(self) -> str:
         """Why image_pins is None (an image row is refused with it); "" when it is not."""
         return self._no_image_pins
+
+    @property
+    def reorders_tool_results(self) -> bool:
+        """Whether SGLang puts tool results in call order before rendering with this template
+        (it reads tool_call_id); unknown, so yes, for a template only the server has."""
+        return template_may_reorder_tool_results(
+            None if self._chosen.on_server else self._chosen.text
+        )
 
     @property
     def renders_locally(self) -> bool:

@@ -185,6 +185,7 @@ def enqueue(
         content_format=tokenizer.content_format,
         pass_turn_fields=tokenizer.pass_turn_fields,
         turns=options.turns,
+        reorders_tool_results=tokenizer.reorders_tool_results,
         # a row's own sampling_params must be what SGLang takes for each of its samples
         row_check=lambda record: cycles.row_error(
             options.sampling, record, options.samples_per_prompt
