@@ -109,6 +109,7 @@ def enqueue_input(
         weight_version=opts.get("weight_version"),
         reasoning_efforts=build_efforts(opts),
         image_root=opts.get("image_root"),
+        request_fields=not opts.get("no_request_fields"),
     )
     publisher = None
     if publish:

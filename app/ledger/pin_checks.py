@@ -18,10 +18,11 @@ COMPARED_PINS = (
     "pass_turn_fields",
     "template_on_server",
     "server_render_sha256",
+    "request_fields",
 )
 
 # pins a run may lack (rendered on the other side, or created before the pin existed)
-_PINNED_LATER = frozenset({"renders_as", "server_render_sha256"})
+_PINNED_LATER = frozenset({"renders_as", "server_render_sha256", "request_fields"})
 
 
 def file_changes(

@@ -29,6 +29,7 @@ from app.prompts.input_turns import (
     prompt_turns,
     sharegpt_tools,
 )
+from app.prompts.request_fields import tools_for_choice
 from app.prompts.row_sampling import parse_row_sampling
 
 # The ledger's item_key column holds 200 characters.
@@ -60,6 +61,8 @@ class ReadRules:
     pass_turn_fields: bool = False
     # the template reads tool_call_id, so SGLang puts tool results in call order first
     reorders_tool_results: bool = True
+    # the row's tool_choice applied as SGLang applies it (else kept as metadata only)
+    request_fields: bool = True
 
 
 def build_record(
@@ -129,6 +132,8 @@ def build_record(
     in_tail = bad is not None and _in_trailing_assistant_turns(data[field], bad.index - shift)
     try:
         tools = parse_tools(sharegpt_tools(data.get("tools"), data[field]))
+        if rules.request_fields:
+            tools = tools_for_choice(tools, data.get("tool_choice"))
         effort = check_reasoning_effort(data.get("reasoning_effort"))
     except InputError as error:
         raise BadRow(error.reason) from None

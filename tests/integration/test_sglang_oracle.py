@@ -37,6 +37,12 @@ from workers.intake.producer import EnqueueOptions, enqueue
 Json = dict[str, Any]
 
 
+OTHER_TOOL: Json = {
+    "type": "function",
+    "function": {"name": "get_time", "description": "The time", "parameters": {"type": "object"}},
+}
+
+
 def _call(arguments: str) -> Json:
     return {
         "id": "c",
@@ -111,6 +117,20 @@ ROWS: list[Json] = [
         "tools": [WEATHER],
     },
     {"messages": [{"role": "user"}]},
+    # tool_choice applied as SGLang's _process_messages applies it, refused as it refuses
+    {"messages": AGENTIC[:2], "tools": [WEATHER, OTHER_TOOL], "tool_choice": "none"},
+    {
+        "messages": AGENTIC[:2],
+        "tools": [WEATHER, OTHER_TOOL],
+        "tool_choice": {"type": "function", "function": {"name": "get_time"}},
+    },
+    {"messages": AGENTIC[:2], "tools": [WEATHER], "tool_choice": "required"},
+    {"messages": AGENTIC[:2], "tool_choice": "required"},
+    {
+        "messages": AGENTIC[:2],
+        "tools": [WEATHER],
+        "tool_choice": {"type": "function", "function": {"name": "missing"}},
+    },
     # every shape SGLang renders: two answers in a row, a greeting, an answer right after the
     # system turn, a conversation without a user turn or ending with a system turn
     {
@@ -182,7 +202,7 @@ ROWS: list[Json] = [
 
 def _body(row: Json, messages: list[Json]) -> Json:
     body: Json = {"messages": messages}
-    for key in ("tools", "chat_template_kwargs", "reasoning_effort"):
+    for key in ("tools", "chat_template_kwargs", "reasoning_effort", "tool_choice"):
         if key in row:
             body[key] = row[key]
     return body

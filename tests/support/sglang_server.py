@@ -322,6 +322,8 @@ class SGLangServer:
             "ThinkingMode": SimpleNamespace(THINKING="thinking", CHAT="chat"),
             "MessageProcessingResult": _Result,
             "encoding_dsv32": _wheel_module(DSV32_MEMBER),
+            # the decoding constraint of a required or named tool_choice: not the prompt's
+            "get_json_schema_constraint": lambda *args, **kwargs: {},
             # SGLANG_DEFAULT_THINKING's default (environ.py: EnvBool(False))
             "envs": SimpleNamespace(SGLANG_DEFAULT_THINKING=SimpleNamespace(get=lambda: False)),
             # a server without a reasoning parser has no response-template detector
@@ -358,7 +360,8 @@ class SGLangServer:
 
     def tokenize(self, body: dict[str, Any]) -> list[int] | str:
         """The prompt ids of a /v1/tokenize chat body, or the error text of its 400: the body
-        parsed with orjson, validated by TokenizeRequest, then handled as the server does."""
+        parsed with orjson, validated by TokenizeRequest (by ChatCompletionRequest when it has
+        a tool_choice, which only a chat completion takes), then handled as the server does."""
         import orjson
         from pydantic import ValidationError
 
@@ -369,8 +372,11 @@ class SGLangServer:
         except UnicodeEncodeError as exc:
             return f"invalid JSON body: {exc}"
         try:
-            request = self.protocol.TokenizeRequest.model_validate(parsed)
-            chat_request = request.to_chat_completion_request()
+            if "tool_choice" in parsed:  # not a /v1/tokenize field: a chat completion's
+                chat_request = self.protocol.ChatCompletionRequest.model_validate(parsed)
+            else:
+                request = self.protocol.TokenizeRequest.model_validate(parsed)
+                chat_request = request.to_chat_completion_request()
         except ValidationError as exc:
             return f"invalid request: {exc}"
         error = self.chat._validate_request(chat_request)

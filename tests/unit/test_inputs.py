@@ -599,3 +599,29 @@ def test_bad_chat_template_kwargs(text: str, message: str) -> None:
     with pytest.raises(ConfigurationError) as info:
         parse_chat_template_kwargs(text)
     assert str(info.value) == message
+
+
+TOOL_A = {"type": "function", "function": {"name": "a", "parameters": {"type": "object"}}}
+TOOL_B = {"type": "function", "function": {"name": "b", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize(
+    ("choice", "names"),
+    [
+        ("auto", ["a", "b"]),
+        ("required", ["a", "b"]),
+        ("none", None),
+        ({"type": "function", "function": {"name": "b"}}, ["b"]),
+    ],
+)
+def test_tool_choice_picks_the_rendered_tools(tmp_path: Path, choice: Any, names: Any) -> None:
+    """tool_choice applied as SGLang applies it, and kept in the row's metadata; with
+    request_fields off (`--no-request-fields`) the tools are the row's, as before."""
+    row = {"messages": [U], "tools": [TOOL_A, TOOL_B], "tool_choice": choice}
+    (record,) = read(tmp_path, line(row))
+    assert isinstance(record, PromptRecord)
+    got = None if record.tools is None else [t["function"]["name"] for t in record.tools]
+    assert got == names
+    assert record.metadata["tool_choice"] == choice
+    (kept,) = read(tmp_path, line(row), request_fields=False)
+    assert isinstance(kept, PromptRecord) and kept.tools is not None and len(kept.tools) == 2

@@ -72,6 +72,9 @@ class EnqueueOptions:
     weight_version: str | None = None
     # `--reasoning-effort a,b,c`: sample k is templated with the k-th effort (pinned)
     reasoning_efforts: tuple[str | float, ...] = ()
+    # the rows' tool_choice applied as SGLang applies it; False (`--no-request-fields`): kept
+    # as metadata only, rendered as if absent (pinned)
+    request_fields: bool = True
     # `--image-root PATH`: where relative image paths of the rows are read from (None: the
     # input file's folder)
     image_root: Path | None = None
@@ -85,6 +88,7 @@ def run_spec(
     pins = run_pins(tokenizer, rendered_here=options.render_with is None)
     if server_render is not None:
         pins = with_server_render(pins, server_render)
+    pins["request_fields"] = options.request_fields
     return run_queries.RunSpec(
         name=options.run,
         tokenizer_path=str(tokenizer.path),
@@ -186,6 +190,7 @@ def enqueue(
         pass_turn_fields=tokenizer.pass_turn_fields,
         turns=options.turns,
         reorders_tool_results=tokenizer.reorders_tool_results,
+        request_fields=options.request_fields,
         # a row's own sampling_params must be what SGLang takes for each of its samples
         row_check=lambda record: cycles.row_error(
             options.sampling, record, options.samples_per_prompt
