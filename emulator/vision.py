@@ -96,11 +96,49 @@ def qwen_resize(
 
 
 def qwen_token_count(
-    width: int, height: int, *, min_pixels: int = QWEN_MIN_PIXELS, max_pixels: int = QWEN_MAX_PIXELS
+    width: int,
+    height: int,
+    *,
+    min_pixels: int = QWEN_MIN_PIXELS,
+    max_pixels: int = QWEN_MAX_PIXELS,
+    factor: int = QWEN_FACTOR,
 ) -> int:
-    """Tokens of one image: one per merged 28x28 patch of the smart-resized image."""
-    new_height, new_width = qwen_resize(height, width, min_pixels=min_pixels, max_pixels=max_pixels)
-    return (new_height // QWEN_FACTOR) * (new_width // QWEN_FACTOR)
+    """Tokens of one image: one per merged patch (patch_size x merge_size on a side: 28 for
+    Qwen2.5-VL, 32 for Qwen3-VL and Qwen3.5) of the smart-resized image."""
+    new_height, new_width = qwen_resize(
+        height, width, min_pixels=min_pixels, max_pixels=max_pixels, factor=factor
+    )
+    return (new_height // factor) * (new_width // factor)
+
+
+def qwen_processor_limits(processor: Mapping[str, Any]) -> dict[str, int]:
+    """The pixel bounds and merged-patch side of a Qwen-VL processor config: `patch_size` x
+    `merge_size`, and `min_pixels` / `max_pixels`, or `size`'s `shortest_edge` / `longest_edge`
+    (Qwen3-VL, Qwen3.5) or its `min_pixels` / `max_pixels`; VisionConfigError for a value it
+    cannot count with."""
+    size = processor.get("size")
+    size = size if isinstance(size, dict) else {}
+    values = {
+        "patch_size": processor.get("patch_size", 14),
+        "merge_size": processor.get("merge_size", 2),
+        "min_pixels": processor.get(
+            "min_pixels", size.get("min_pixels", size.get("shortest_edge", QWEN_MIN_PIXELS))
+        ),
+        "max_pixels": processor.get(
+            "max_pixels", size.get("max_pixels", size.get("longest_edge", QWEN_MAX_PIXELS))
+        ),
+    }
+    for key, value in values.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise VisionConfigError(
+                f"--mm qwen: the processor config's {key} is {value!r}, not a positive integer "
+                "this emulator can count image tokens with"
+            )
+    return {
+        "min_pixels": values["min_pixels"],
+        "max_pixels": values["max_pixels"],
+        "factor": values["patch_size"] * values["merge_size"],
+    }
 
 
 def check_process_config(config: Mapping[str, Any], family: str | None) -> None:
@@ -187,10 +225,7 @@ def vision_settings(
         default_id: int | None = KIMI_PLACEHOLDER_ID if tokenizer_folder is None else None
     else:
         id_key, placeholder = "image_token_id", "<|image_pad|>"
-        limits = {
-            "min_pixels": int(processor.get("min_pixels", QWEN_MIN_PIXELS)),
-            "max_pixels": int(processor.get("max_pixels", QWEN_MAX_PIXELS)),
-        }
+        limits = qwen_processor_limits(processor)
         default_id = None
     limits.update({key: int(value) for key, value in overrides.items()})
     if family == "qwen" and limits["min_pixels"] > limits["max_pixels"]:

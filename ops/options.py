@@ -435,6 +435,15 @@ def render_options(func: F) -> F:
             "content), as the deployed server does. Pinned by the run.",
         ),
         click.option(
+            "--no-request-fields",
+            "no_request_fields",
+            is_flag=True,
+            default=False,
+            help="Keep a row's tool_choice as metadata only and render as if it were absent "
+            '(by default it is applied as SGLang applies it: "none" renders no tools, a '
+            "named choice only that tool). Pinned by the run.",
+        ),
+        click.option(
             "--render-with",
             default=None,
             metavar="URL",

@@ -103,6 +103,8 @@ def enqueue_input(
             trust_remote_code=trusted,
             template=template,
             pass_turn_fields=pass_turn_fields,
+            # the server renders: a folder without a chat template (DeepSeek-V3.2) is no error
+            server_renders=opts.get("render_with") is not None,
         )
     except TokenizerError as exc:
         raise TokenizerError(f"--tokenizer: {exc}") from exc
@@ -127,6 +129,7 @@ def enqueue_input(
         servers=servers,
         driver=driver,
         context_length=context.context_length,
+        request_fields=not opts.get("no_request_fields"),
     )
     publisher = None
     if publish:
@@ -311,7 +314,8 @@ def _unit(report: EnqueueReport) -> str:
     "--tokenizer",
     "tokenizer_path",
     required=True,
-    help="Local tokenizer folder with a chat template.",
+    help="Local tokenizer folder: its chat template renders the prompts (without one, "
+    "--render-with renders them on the server).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option(

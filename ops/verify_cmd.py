@@ -5,6 +5,8 @@ Exit 0 when everything matches, 1 on any mismatch or finding, 2 on usage/configu
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import click
@@ -13,8 +15,10 @@ from app.core.errors import TokenizerError
 from ops.options import get_settings, handle_errors, open_db, print_json
 
 if TYPE_CHECKING:
+    from app.core.settings import Settings
+    from app.ledger.reads import StoredItem
     from app.ledger.run_queries import RunInfo
-    from app.outputs.verify import VerifyReport
+    from app.outputs.verify import Rerender, VerifyReport
     from app.prompts.tokenization import ChatTokenizer
 
 
@@ -96,14 +100,16 @@ def verify_cmd(
     with db.connect() as conn:
         run = run_queries.get_run(conn, run_name)
     tokenizer, problem = _tokenizer(run, tokenizer_path, trust_remote_code)
-    report = verify_run(
-        db,
-        run,
-        tokenizer,
-        export_url=export_url,
-        storage_options=settings.storage_options,
-        image_store=image_location(settings, run.storage_url),
-    )
+    with _server_rerender(run, settings) as rerender:
+        report = verify_run(
+            db,
+            run,
+            tokenizer,
+            export_url=export_url,
+            storage_options=settings.storage_options,
+            image_store=image_location(settings, run.storage_url),
+            rerender=rerender,
+        )
     if problem is not None:
         report.findings.insert(0, problem)
     if as_json:
@@ -111,6 +117,48 @@ def verify_cmd(
     else:
         _print_summary(report)
     raise SystemExit(0 if report.clean else 1)
+
+
+@contextlib.contextmanager
+def _server_rerender(run: RunInfo, settings: Settings) -> Iterator[Rerender | None]:
+    """For a run whose folder has no chat template (its server renders), the re-render of
+    stored items by the run's render server, as parity sends them; else None."""
+    from app.prompts.chat_pins import rendered_on_server
+
+    if run.render_with is None or not rendered_on_server(run.chat_pins):
+        yield None
+        return
+    from app.core.errors import InputError, PermanentError
+    from app.sglang.render import RenderRequest, render_client
+    from app.storage.image_store import image_location
+    from workers.control.parity import item_request
+    from workers.intake.images import StoredImages
+
+    images = StoredImages(lambda: image_location(settings))
+    with render_client(run.render_with, settings) as client:
+
+        def rerender(items: Sequence[StoredItem]) -> list[list[int] | str]:
+            requests: list[RenderRequest | str] = []
+            for item in items:
+                try:
+                    requests.append(item_request(item, run, images))
+                except InputError as exc:
+                    requests.append(exc.reason)
+            answers = iter(client.render_many([r for r in requests if not isinstance(r, str)]))
+            out: list[list[int] | str] = []
+            for request in requests:
+                if isinstance(request, str):
+                    out.append(request)
+                    continue
+                ids = next(answers)
+                out.append(
+                    f"the render server refused it: {ids}"
+                    if isinstance(ids, PermanentError)
+                    else ids
+                )
+            return out
+
+        yield rerender
 
 
 def _verify_counts(run_name: str | None, *, repair: bool, as_json: bool) -> None:

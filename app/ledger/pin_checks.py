@@ -11,7 +11,18 @@ from typing import Any
 
 # the chat pins a later enqueue must match (the client's own transformers version may change,
 # as long as it renders as the same server version)
-COMPARED_PINS = ("renders_as", "chat_template_name", "chat_template_file_hash", "pass_turn_fields")
+COMPARED_PINS = (
+    "renders_as",
+    "chat_template_name",
+    "chat_template_file_hash",
+    "pass_turn_fields",
+    "template_on_server",
+    "server_render_sha256",
+    "request_fields",
+)
+
+# pins a run may lack (rendered on the other side, or created before the pin existed)
+_PINNED_LATER = frozenset({"renders_as", "server_render_sha256", "request_fields"})
 
 
 def file_changes(
@@ -51,8 +62,8 @@ def pin_differences(existing: Mapping[str, Any] | None, new: Mapping[str, Any]) 
     old.setdefault("pass_turn_fields", False)
     diffs = []
     for key in COMPARED_PINS:
-        if key == "renders_as" and (old.get(key) is None or new.get(key) is None):
-            continue  # a run rendered on the server, or created before the pin
+        if key in _PINNED_LATER and (old.get(key) is None or new.get(key) is None):
+            continue  # a run rendered elsewhere, or created before the pin
         if old.get(key) != new.get(key):
             diffs.append(f"{key.replace('_', ' ')}: {old.get(key)} → {new.get(key)}")
     return diffs

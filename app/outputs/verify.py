@@ -15,7 +15,7 @@ from typing import Any
 
 from sqlalchemy import Engine
 
-from app.core.errors import ConfigurationError
+from app.core.errors import ConfigurationError, InputError
 from app.core.images import ImagePins
 from app.ledger import reads, retries
 from app.ledger.image_tokens import run_image_pins
@@ -33,6 +33,8 @@ log = logging.getLogger(__name__)
 
 EXAMPLES_PER_CHECK = 5
 TEMPLATE_BATCH = 64
+# re-renders stored items on a server (a run rendered by the server): ids or why not, in order
+Rerender = Callable[[Sequence[StoredItem]], Sequence[list[int] | str]]
 
 CHECK_TEMPLATE = "template"
 CHECK_STOP = "stop_token"
@@ -198,9 +200,13 @@ def verify_run(
     storage_options: dict[str, Any] | None = None,
     image_store: Location | None = None,
     on_progress: Callable[[int], None] = lambda n: None,
+    rerender: Rerender | None = None,
 ) -> VerifyReport:
     """Check every done item of run; with tokenizer None the template check is skipped
     (counted as not checkable). Nothing per item is kept beyond a few examples.
+
+    rerender: how a run rendered by the server re-renders stored items (its server's
+    /v1/tokenize), used instead of the tokenizer's template.
 
     Image items: the template check re-renders the ids sent (one placeholder per image), the
     counts must rebuild the served prompt (whose length is the server's prompt_tokens), and
@@ -228,17 +234,17 @@ def verify_run(
             _check_finish(report, item, mine, sent.get("max_new_tokens"))
             _check_counts(report, item, images.check(item))
             _check_provenance(report, item, sent, pinned_version(run))
-            if item.messages is None or tokenizer is None:
+            if item.messages is None or (tokenizer is None and rerender is None):
                 report.checks[CHECK_TEMPLATE].not_checkable += 1
             else:
                 pending.append(item)
                 if len(pending) >= TEMPLATE_BATCH:
-                    _check_templates(report, tokenizer, run.chat_template_kwargs, pending)
+                    _check_templates(report, tokenizer, run.chat_template_kwargs, pending, rerender)
                     pending = []
             if report.items % 1000 == 0:
                 on_progress(report.items)
-        if pending and tokenizer is not None:
-            _check_templates(report, tokenizer, run.chat_template_kwargs, pending)
+        if pending:
+            _check_templates(report, tokenizer, run.chat_template_kwargs, pending, rerender)
         if export_url is not None and is_jsonl_export(export_url):
             result = check_jsonl_images(conn, run.id, Path(export_url), storage_options)
             report.export = ExportSummary(export_url, result.rows, result.shards, result.problems)
@@ -261,14 +267,30 @@ def verify_run(
 
 def _check_templates(
     report: VerifyReport,
-    tokenizer: ChatTokenizer,
+    tokenizer: ChatTokenizer | None,
     kwargs: dict[str, Any],
     batch: Sequence[StoredItem],
+    rerender: Rerender | None = None,
 ) -> None:
     """Re-render each item from what it stored: its normalized turns, its tools and its merged
-    kwargs (the run's when it has none of its own)."""
+    kwargs (the run's when it has none of its own); by rerender when given."""
     tally = report.checks[CHECK_TEMPLATE]
-    inputs = [
+    if rerender is not None:
+        answers: Sequence[list[int] | str | InputError] = list(rerender(batch))
+    else:
+        assert tokenizer is not None
+        answers = tokenizer.apply_each(_template_inputs(kwargs, batch))
+    for item, ids in zip(batch, answers, strict=True):
+        if not isinstance(ids, list):
+            tally.failed(item, str(ids))
+        elif ids != item.prompt_ids:
+            tally.failed(item, _ids_difference(item.prompt_ids, ids))
+        else:
+            tally.passed()
+
+
+def _template_inputs(kwargs: dict[str, Any], batch: Sequence[StoredItem]) -> list[ChatInputs]:
+    return [
         ChatInputs(
             item.messages or [],
             item.tools,
@@ -277,13 +299,6 @@ def _check_templates(
         )
         for item in batch
     ]
-    for item, ids in zip(batch, tokenizer.apply_each(inputs), strict=True):
-        if not isinstance(ids, list):
-            tally.failed(item, str(ids))
-        elif ids != item.prompt_ids:
-            tally.failed(item, _ids_difference(item.prompt_ids, ids))
-        else:
-            tally.passed()
 
 
 def _ids_difference(stored: list[int], templated: list[int]) -> str:

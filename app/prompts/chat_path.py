@@ -43,7 +43,8 @@ Where tokenmill differs on purpose: `reasoning` / `thinking` on a turn are alias
 `reasoning_content` (`resolve_reasoning_aliases`, applied when reading). Tool results are not
 reordered: SGLang reorders a run of tool results holding media into the order of their calls
 (for templates that may render them by tool_call_id), so such a run out of that order is
-refused rather than reordered (`check_tool_result_order`). Tool calls are not checked for
+refused rather than reordered (`tool_result_order_error`), for the templates SGLang reorders
+them for. Tool calls are not checked for
 answering tool turns: SGLang checks that pairing only for MiniMax-M3.
 
 The rules carry NORMALIZATION_VERSION; a run pins the version it was created with, and
@@ -379,10 +380,13 @@ def template_view(turns: Sequence[Message]) -> list[Message]:
     return out
 
 
-def check_tool_result_order(turns: Sequence[Message], field: str = "messages") -> None:
-    """An InputError when a run of tool results holding an image does not answer its calls in
-    their order: SGLang would reorder such a run (for templates that may render results by
-    tool_call_id), and tokenmill keeps the rows' order."""
+def tool_result_order_error(
+    turns: Sequence[Message], field: str = "messages"
+) -> tuple[int, str] | None:
+    """The position and reason of the first run of tool results holding an image that does
+    not answer its calls in their order, or None: SGLang reorders such a run for a template
+    that may render results by tool_call_id (`template_may_reorder_tool_results`), and
+    tokenmill keeps the rows' order, so for those templates the run is refused."""
     for index, turn in enumerate(turns):
         calls = turn.get("tool_calls") if turn.get("role") == "assistant" else None
         if not calls:
@@ -404,10 +408,53 @@ def check_tool_result_order(turns: Sequence[Message], field: str = "messages") -
             and all(call_id in order for call_id in answered)
         )
         if pairable and answered != sorted(answered, key=order.index):
-            raise InputError(
+            return run[0][0], (
                 f"{field}[{run[0][0]}]: the tool results after {field}[{index}] hold an image "
-                "and answer its calls out of order; give them in the order of the calls"
+                "and answer its calls out of order, which SGLang reorders for this template "
+                "(it reads tool_call_id); give them in the order of the calls"
             )
+    return None
+
+
+_ATTRIBUTE_FILTERS = frozenset({"map", "rejectattr", "selectattr"})
+
+
+def template_may_reorder_tool_results(template: str | None) -> bool:
+    """Whether SGLang 0.5.23 puts a template's tool results in call order before rendering
+    (`jinja_template_may_reorder_tool_results`): the template reads `tool_call_id` as an
+    attribute, a subscript, a `.get()` argument, or the attribute of map/selectattr/
+    rejectattr. None (the server renders, the template unknown here) counts as yes."""
+    if template is None:
+        return True
+    from jinja2 import nodes
+
+    try:  # parsed as SGLang parses it: with transformers' chat-template environment
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+
+        ast = _compile_jinja_template(template).environment.parse(template)
+    except Exception:
+        return False
+
+    def named(node: Any) -> bool:
+        return isinstance(node, nodes.Const) and node.value == "tool_call_id"
+
+    if any(n.attr == "tool_call_id" for n in ast.find_all(nodes.Getattr)):
+        return True
+    if any(named(n.arg) for n in ast.find_all(nodes.Getitem)):
+        return True
+    for call in ast.find_all(nodes.Call):
+        target = call.node
+        is_get = isinstance(target, nodes.Getattr) and target.attr == "get"
+        if is_get and call.args and named(call.args[0]):
+            return True
+    for flt in ast.find_all(nodes.Filter):
+        if flt.name not in _ATTRIBUTE_FILTERS:
+            continue
+        if (flt.args and named(flt.args[0])) or any(
+            k.key == "attribute" and named(k.value) for k in flt.kwargs
+        ):
+            return True
+    return False
 
 
 def _tool_call(call: Any, where: str, *, parse: bool) -> dict[str, Any]:
@@ -446,8 +493,8 @@ def final_assistant_as_user(messages: Sequence[Message]) -> list[Message]:
     """A chat completion whose last turn is an assistant turn with string content: SGLang
     sends that turn as a user turn of the same content (without `continue_final_message`).
 
-    tokenmill prompts never end with an assistant turn (the answer is what is regenerated);
-    this is for callers that render arbitrary requests, like the emulator's `/v1/tokenize`.
+    A tokenmill prompt ends with one at a boundary right after an earlier answer (two
+    assistant turns in a row); the emulator's `/v1/tokenize` renders arbitrary requests.
     """
     out = list(messages)
     if out and out[-1].get("role") == "assistant" and isinstance(out[-1].get("content"), str):

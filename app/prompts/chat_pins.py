@@ -25,6 +25,8 @@ def pins_of(
         "chat_template_file_hash": template.file_hash,
         "pass_turn_fields": pass_turn_fields,
     }
+    if template.on_server:
+        pins["template_on_server"] = True
     if transformers is not None:
         pins["transformers"] = transformers.get("client")
         pins["renders_as"] = transformers.get("renders_as")
@@ -37,6 +39,18 @@ def run_pins(tokenizer: Any, *, rendered_here: bool) -> dict[str, Any]:
     renders as the server's (ConfigurationError naming both otherwise)."""
     versions = tokenizer.transformers_pin().to_json() if rendered_here else None
     return pins_of(tokenizer.template, tokenizer.pass_turn_fields, versions)
+
+
+def rendered_on_server(pins: Mapping[str, Any] | None) -> bool:
+    """Whether the run's folder has no chat template and its server renders every prompt."""
+    return bool((pins or {}).get("template_on_server"))
+
+
+def with_server_render(pins: Mapping[str, Any], probe_sha256: str) -> dict[str, Any]:
+    """The pins of a run rendered by the server, with the sha256 of the server's answers to
+    the render probe (`app.sglang.render.RENDER_PROBE`): a later enqueue whose server renders
+    otherwise is refused by it."""
+    return {**pins, "server_render_sha256": probe_sha256}
 
 
 def choice_of(pins: Mapping[str, Any] | None) -> tuple[TemplateChoice, bool]:

@@ -39,43 +39,34 @@ class TurnPlan:
 
 
 def split_turns(messages: Sequence[Message]) -> list[TurnPlan]:
-    """One plan per assistant turn of a conversation; a trailing user/tool turn makes a final
-    turn too (its answer is what the model is asked for). Assistant turns are what gets
-    regenerated, so their original text is not kept.
+    """One plan per assistant turn of a conversation; a trailing turn of any other role makes a
+    final turn too (its answer is what the model is asked for). Assistant turns are what gets
+    regenerated, so their original text is not kept, except for assistant turns before any
+    other turn (a greeting), which have no prompt of their own and stay history.
 
-    A turn must follow a user or tool turn: two assistant turns in a row, or an assistant
-    turn before any user turn, is an InputError naming the turn.
+    Every shape SGLang renders is taken: two assistant turns in a row (the second regenerated
+    right after the first), an assistant turn after a system turn, a conversation without a
+    user turn or ending with a system turn. A template that refuses a shape refuses it when
+    the prompt is rendered, with its own message.
     """
     plans: list[TurnPlan] = []
     context: list[Message] = []
-    for position, turn in enumerate(messages):
-        if turn["role"] != "assistant":
+    for turn in messages:
+        if turn["role"] != "assistant" or not (plans or any_prompt(context)):
             context.append(dict(turn))
             continue
-        if not plans and not any(t["role"] == "user" for t in context):
-            raise InputError(
-                f"messages[{position}] is an assistant turn before any user turn; "
-                "--turns all regenerates each assistant turn from the turns before it"
-            )
-        if not context or context[-1]["role"] not in ("user", "tool"):
-            raise InputError(
-                f"messages[{position}] is an assistant turn that does not follow a user or "
-                "tool turn; --turns all needs one before each assistant turn"
-            )
         plans.append(TurnPlan(len(plans), context))
         context = []
-    if context:
-        if not plans and not any(t["role"] == "user" for t in context):
-            raise InputError("the conversation has no user turn")
-        if context[-1]["role"] not in ("user", "tool"):
-            raise InputError(
-                f"the conversation ends with a {context[-1]['role']} turn after its last "
-                "assistant turn, not a user or tool turn"
-            )
+    if context and (plans or any_prompt(context)):
         plans.append(TurnPlan(len(plans), context))
     if not plans:
-        raise InputError("the conversation has no turn to regenerate")
+        raise InputError("the conversation has no turn before its first assistant turn")
     return plans
+
+
+def any_prompt(turns: Sequence[Message]) -> bool:
+    """Whether turns hold one that is not an assistant turn (something to answer)."""
+    return any(t["role"] != "assistant" for t in turns)
 
 
 @dataclass(frozen=True)
@@ -90,34 +81,19 @@ class Boundary:
 def split_boundaries(messages: Sequence[Message]) -> list[Boundary]:
     """One boundary per assistant turn, its prompt the original history before it (earlier
     assistant turns as the dataset has them, tool calls and reasoning included), plus one for
-    a trailing user or tool turn. Shortest first. The same rules as split_turns: each
-    assistant turn follows a user or tool turn, and a user turn comes before the first."""
+    a trailing turn of another role. Shortest first. Every shape SGLang renders is taken (two
+    assistant turns in a row, an assistant turn after a system turn, no user turn, a trailing
+    system turn); an assistant turn with only assistant turns before it has no prompt and is
+    no boundary. A template that refuses a shape refuses the boundaries that hold it, when
+    each is rendered, with its own message."""
     boundaries: list[Boundary] = []
-    seen_user = False
     for position, turn in enumerate(messages):
-        if turn["role"] != "assistant":
-            seen_user = seen_user or turn["role"] == "user"
-            continue
-        if not seen_user:
-            raise InputError(
-                f"messages[{position}] is an assistant turn before any user turn; "
-                "--turns each regenerates each assistant turn from the turns before it"
-            )
-        if messages[position - 1]["role"] not in ("user", "tool"):
-            raise InputError(
-                f"messages[{position}] is an assistant turn that does not follow a user or "
-                "tool turn; --turns each needs one before each assistant turn"
-            )
-        boundaries.append(Boundary(len(boundaries), [dict(t) for t in messages[:position]]))
-    last = messages[-1]["role"] if messages else None
-    if not seen_user:
-        raise InputError("the conversation has no user turn")
-    if last in ("user", "tool"):
+        if turn["role"] == "assistant" and any_prompt(messages[:position]):
+            boundaries.append(Boundary(len(boundaries), [dict(t) for t in messages[:position]]))
+    if messages and messages[-1]["role"] != "assistant":
         boundaries.append(Boundary(len(boundaries), [dict(t) for t in messages]))
-    elif last != "assistant":
-        raise InputError(
-            f"the conversation ends with a {last} turn, not a user, tool or assistant turn"
-        )
+    if not boundaries:
+        raise InputError("the conversation has no turn before its first assistant turn")
     return boundaries
 
 

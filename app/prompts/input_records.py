@@ -14,10 +14,10 @@ from app.prompts.chat_path import (
     ContentFormat,
     as_sglang_reads,
     check_reasoning_effort,
-    check_tool_result_order,
     json_type,
     normalize_turn,
     parse_tools,
+    tool_result_order_error,
 )
 from app.prompts.input_turns import (
     IMAGE_MARKER,
@@ -29,6 +29,7 @@ from app.prompts.input_turns import (
     prompt_turns,
     sharegpt_tools,
 )
+from app.prompts.request_fields import tools_for_choice
 from app.prompts.row_sampling import parse_row_sampling
 
 # The ledger's item_key column holds 200 characters.
@@ -58,6 +59,10 @@ class ReadRules:
     field: str | None = None
     content_format: ContentFormat = "string"
     pass_turn_fields: bool = False
+    # the template reads tool_call_id, so SGLang puts tool results in call order first
+    reorders_tool_results: bool = True
+    # the row's tool_choice applied as SGLang applies it (else kept as metadata only)
+    request_fields: bool = True
 
 
 def build_record(
@@ -120,18 +125,20 @@ def build_record(
         shift = 1
         bad = bad and BadTurn(bad.index + 1, bad.reason)
     turns, bad = _normalized_until_bad(turns, bad, field, rules)
-    try:
-        check_tool_result_order(turns, field)
-    except InputError as error:
-        raise BadRow(error.reason) from None
+    unordered = tool_result_order_error(turns, field) if rules.reorders_tool_results else None
+    if unordered is not None and (bad is None or unordered[0] < bad.index):
+        # the boundaries before the out-of-order run keep (`--turns each`)
+        turns, bad = turns[: unordered[0]], BadTurn(unordered[0], unordered[1])
     in_tail = bad is not None and _in_trailing_assistant_turns(data[field], bad.index - shift)
     try:
         tools = parse_tools(sharegpt_tools(data.get("tools"), data[field]))
+        if rules.request_fields:
+            tools = tools_for_choice(tools, data.get("tool_choice"))
         effort = check_reasoning_effort(data.get("reasoning_effort"))
     except InputError as error:
         raise BadRow(error.reason) from None
     row_kwargs = _row_kwargs(data.get("chat_template_kwargs"))
-    if bad is not None and not any(turn["role"] == "user" for turn in turns):
+    if bad is not None and not any(turn["role"] != "assistant" for turn in turns):
         raise BadRow(bad.reason)  # no boundary before the bad turn
     messages = prompt_turns(list(turns), field)
     record = PromptRecord(

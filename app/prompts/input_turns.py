@@ -80,9 +80,12 @@ def _turn(item: Any, where: str) -> Message:
                 f"{where} has unknown role {json.dumps(role)} "
                 "(allowed: system, developer, user, assistant, tool)"
             )
-        if "content" not in item:
-            raise BadRow(f"{where} has no 'content'")
         turn = dict(item)
+        if "content" not in item:
+            # SGLang's request models: content defaults to None on every role but user's
+            if role == "user":
+                raise BadRow(f"{where} has no 'content' (a user turn needs content, empty or not)")
+            turn["content"] = None
         content_field = "content"
     try:
         turn = resolve_reasoning_aliases(turn, where)
@@ -131,13 +134,12 @@ def _check_extra_fields(turn: Message, where: str) -> None:
 
 
 def prompt_turns(turns: list[Message], field: str) -> list[Message]:
-    """Cut the turns after the last user (or tool) turn."""
+    """Cut the trailing assistant turns: the prompt is every turn before them, whatever its
+    roles (SGLang renders a conversation without a user turn, or ending with a system turn)."""
     while turns and turns[-1]["role"] == "assistant":
         turns.pop()
-    if not any(turn["role"] == "user" for turn in turns):
-        raise BadRow(f"'{field}' has no user turn")
-    if turns[-1]["role"] not in ("user", "tool"):
-        raise BadRow(f"'{field}' ends with a {turns[-1]['role']} turn, not a user or tool turn")
+    if not turns:
+        raise BadRow(f"'{field}' has no turn before its assistant turns")
     return turns
 
 

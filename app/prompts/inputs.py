@@ -37,6 +37,8 @@ def read_prompts(
     content_format: ContentFormat = "string",
     pass_turn_fields: bool = False,
     turns: str = "last",
+    reorders_tool_results: bool = True,
+    request_fields: bool = True,
 ) -> Iterator[PromptRecord | InputError]:
     """Yield a PromptRecord or an InputError for every non-blank line of a JSONL file, or for
     every row of a Parquet / datasets input (see `app.prompts.input_formats`; errors say "row N").
@@ -86,7 +88,9 @@ def read_prompts(
     """
     path = Path(path)
     table = open_table(path)
-    rules = ReadRules(field, content_format, pass_turn_fields)
+    rules = ReadRules(
+        field, content_format, pass_turn_fields, reorders_tool_results, request_fields
+    )
     if table is not None:
         records = _table_records(table, rules)
     else:

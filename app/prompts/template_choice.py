@@ -6,6 +6,10 @@ renders its first one, unless the run names one (`--chat-template-name`, as the 
 `--chat-template FILE`) renders that file, read as SGLang reads a `.jinja` file: its lines
 joined, newlines stripped from both ends, and each literal backslash-n turned into a newline;
 the content format is detected from the text before that last step, as SGLang does.
+
+A folder with no chat template at all (DeepSeek-V3.2, whose server renders with its Python
+encoder) loads only for a run the server renders (`--render-with`): its template is
+`ChosenTemplate.server_rendered()`, which nothing renders locally.
 """
 
 from __future__ import annotations
@@ -43,16 +47,26 @@ class ChosenTemplate:
     name: str | None = None
     file: str | None = None
     file_hash: str | None = None
+    # no local template: the run's server renders every prompt (`--render-with`)
+    on_server: bool = False
+
+    @classmethod
+    def server_rendered(cls) -> ChosenTemplate:
+        """The template of a folder that has none, for a run the server renders."""
+        return cls("", "", on_server=True)
 
     @property
     def sha256(self) -> str:
         return hashlib.sha256(self.text.encode("utf-8")).hexdigest()
 
 
-def choose_template(template: Any, choice: TemplateChoice, folder: Path) -> ChosenTemplate:
+def choose_template(
+    template: Any, choice: TemplateChoice, folder: Path, *, server_renders: bool = False
+) -> ChosenTemplate:
     """The template SGLang renders with, from the tokenizer's chat_template (a string, or a
     dict of named ones in their file order) and the run's choice; TokenizerError naming why
-    none can be chosen."""
+    none can be chosen. server_renders: the run's server renders (`--render-with`), so a
+    folder without a template is no error."""
     if choice.file is not None:
         return _from_file(Path(choice.file))
     if isinstance(template, dict):
@@ -73,9 +87,13 @@ def choose_template(template: Any, choice: TemplateChoice, folder: Path) -> Chos
             "template, not named ones"
         )
     if not isinstance(template, str) or not template:
+        if server_renders:
+            return ChosenTemplate.server_rendered()
         raise TokenizerError(
             f"the tokenizer in {str(folder)!r} has no chat template "
-            "(no chat_template in tokenizer_config.json and no chat_template.jinja)"
+            "(no chat_template in tokenizer_config.json and no chat_template.jinja): render "
+            "with the server (--render-with URL), as SGLang renders such a model with its own "
+            "encoder, or give one with --chat-template FILE"
         )
     return ChosenTemplate(template, template)
 

@@ -22,11 +22,13 @@ from app.prompts.chat_path import (
     ContentFormat,
     bare_function_tools,
     detect_content_format,
+    final_assistant_as_user,
     normalize_messages,
     normalize_tools,
+    template_may_reorder_tool_results,
     template_view,
 )
-from app.prompts.chat_pins import check_file_unchanged, choice_of
+from app.prompts.chat_pins import check_file_unchanged, choice_of, rendered_on_server
 from app.prompts.image_pins import read_image_pins
 from app.prompts.placeholders import check_placeholders, image_placeholders
 from app.prompts.template_choice import ChosenTemplate, TemplateChoice, choose_template
@@ -81,6 +83,7 @@ def load_tokenizer(
     trust_remote_code: bool = False,
     template: TemplateChoice | None = None,
     pass_turn_fields: bool = False,
+    server_renders: bool = False,
 ) -> ChatTokenizer:
     """Load a tokenizer from a local folder (never the hub) as SGLang loads it, check that it is
     faithful to its files, and choose its chat template as SGLang does
@@ -90,6 +93,8 @@ def load_tokenizer(
     from another folder). A folder whose tokenizer is its own Python code (`auto_map` in
     tokenizer_config.json) loads only with trust_remote_code; without it the error names
     `--trust-remote-code`. pass_turn_fields: turns keep every field when rendered.
+    server_renders: the run's server renders its prompts (`--render-with`), so a folder with
+    no chat template loads (and renders nothing here: `require_local_template`).
     """
     folder = Path(path).expanduser()
     if not folder.exists():
@@ -110,9 +115,13 @@ def load_tokenizer(
         raise TokenizerError(f"could not load the tokenizer in {str(folder)!r}: {exc}") from exc
     check_faithful(tokenizer, folder)
     chosen = choose_template(
-        getattr(tokenizer, "chat_template", None), template or TemplateChoice(), folder
+        getattr(tokenizer, "chat_template", None),
+        template or TemplateChoice(),
+        folder,
+        server_renders=server_renders,
     )
-    tokenizer.chat_template = chosen.text  # as SGLang's TemplateManager overwrites it
+    if not chosen.on_server:
+        tokenizer.chat_template = chosen.text  # as SGLang's TemplateManager overwrites it
     chat = ChatTokenizer(
         tokenizer,
         folder,
@@ -142,6 +151,7 @@ def load_for_run(
         trust_remote_code=trust_remote_code,
         template=choice,
         pass_turn_fields=pass_turn_fields,
+        server_renders=rendered_on_server(chat_pins),
     )
     check_file_unchanged(chat_pins, tokenizer.template)
     return tokenizer
@@ -289,6 +299,29 @@ class ChatTokenizer:
         """Why image_pins is None (an image row is refused with it); "" when it is not."""
         return self._no_image_pins
 
+    @property
+    def reorders_tool_results(self) -> bool:
+        """Whether SGLang puts tool results in call order before rendering with this template
+        (it reads tool_call_id); unknown, so yes, for a template only the server has."""
+        return template_may_reorder_tool_results(
+            None if self._chosen.on_server else self._chosen.text
+        )
+
+    @property
+    def renders_locally(self) -> bool:
+        """Whether the folder (or --chat-template) gave a template to render with here."""
+        return not self._chosen.on_server
+
+    def require_local_template(self, what: str) -> None:
+        """TokenizerError saying that `what` needs a local chat template, which this folder
+        lacks (its run is rendered by the server), and naming --chat-template."""
+        if self._chosen.on_server:
+            raise TokenizerError(
+                f"{what} needs a local chat template, and the tokenizer in "
+                f"{str(self._path)!r} has none (its prompts are rendered by the server): give "
+                "the server's template with --chat-template FILE"
+            )
+
     def render(
         self,
         messages: Sequence[Message],
@@ -299,6 +332,7 @@ class ChatTokenizer:
         generation prompt included (the turns and tools are normalized first:
         `app.prompts.chat_path`).
         """
+        self.require_local_template("rendering a prompt on the client")
         inputs = ChatInputs(list(messages), list(tools) if tools else None, chat_template_kwargs)
         return self._render(*self._prepared(inputs))
 
@@ -339,6 +373,7 @@ class ChatTokenizer:
         """Prompt ids for each entry (its own turns, tools and kwargs), or the InputError of
         an entry that cannot be normalized or rendered (its kwargs included); the texts are
         encoded in one call."""
+        self.require_local_template("rendering a prompt on the client")
         self.transformers_pin()  # the whole batch is refused, not each entry
         texts: list[str | InputError] = []
         for inputs in batch:
@@ -380,7 +415,9 @@ class ChatTokenizer:
             )
             tools = normalize_tools(inputs.tools) if inputs.tools else None
         check_placeholders(self._placeholders, turns, tools)
-        return template_view(turns), tools or None, kwargs
+        # a boundary after two answers in a row ends with an answer: SGLang sends it as a
+        # user turn (a request without continue_final_message)
+        return template_view(final_assistant_as_user(turns)), tools or None, kwargs
 
     def _render(
         self, turns: list[Message], tools: list[dict[str, Any]] | None, kwargs: dict[str, Any]

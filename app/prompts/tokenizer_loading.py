@@ -16,7 +16,9 @@ after `from_pretrained` (`sglang/srt/utils/hf_transformers/tokenizer.py`), and s
   (it would put None into the ids).
 
 Then `check_faithful` compares the pre-tokenizer and normalizer in use with the ones
-`tokenizer.json` declares: a folder whose tokenizer still differs is refused, naming both.
+`tokenizer.json` declares: a folder whose tokenizer still differs is refused, naming both. A
+model type whose class transformers forces (qwen3_5's `Qwen3_5Tokenizer`, NFC) gets that class's
+normalizer at the server too, so its normalizer is what SGLang's loader ends up with.
 """
 
 from __future__ import annotations
@@ -172,16 +174,62 @@ def check_faithful(tokenizer: Any, folder: Path) -> None:
     if raw is None:
         return
     declared_json, loaded_json = json.loads(raw.to_str()), json.loads(backend.to_str())
+    forced = class_forced_by_model_type(folder)
     for part in ("pre_tokenizer", "normalizer"):
         declared, loaded = _effective(declared_json.get(part)), _effective(loaded_json.get(part))
-        if declared != loaded:
-            raise TokenizerError(
-                f"the tokenizer in {str(folder)!r} loads ({type(tokenizer).__name__}) with a "
-                f"{part} that is not the one its tokenizer.json declares (declared "
-                f"{_kind(declared)}, in use {_kind(loaded)}): its prompts would not be the "
-                "server's; fix tokenizer_config.json's tokenizer_class, or render with "
-                "--render-with"
+        if declared == loaded:
+            continue
+        if part == "normalizer" and forced is not None:
+            # transformers builds this class for the model type on the server too, and
+            # SGLang's get_tokenizer restores only the pre-tokenizer and decoder: the server
+            # ends up with the same normalizer, so the ids agree
+            logger.info(
+                "tokenizer %s: normalizer %s of %s (forced for model type %s), as at the server",
+                folder,
+                _kind(loaded),
+                type(tokenizer).__name__,
+                forced,
+                extra={"action": "normalizer_forced"},
             )
+            continue
+        raise TokenizerError(
+            f"the tokenizer in {str(folder)!r} loads ({type(tokenizer).__name__}) with a "
+            f"{part} that is not the one its tokenizer.json declares (declared "
+            f"{_kind(declared)}, in use {_kind(loaded)}): its prompts would not be the "
+            f"server's; {_advice(folder, tokenizer)}"
+        )
+
+
+def class_forced_by_model_type(folder: Path) -> str | None:
+    """The model type of config.json when transformers builds its own tokenizer class for it
+    whatever tokenizer_config.json declares (its MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS,
+    as SGLang's server does too), else None."""
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if not isinstance(model_type, str):
+        return None
+    from transformers.models.auto import tokenization_auto
+
+    forced: set[str] = getattr(
+        tokenization_auto, "MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS", set()
+    )
+    return model_type if model_type in forced else None
+
+
+def _advice(folder: Path, tokenizer: Any) -> str:
+    """A fix that works: the declared class when it is what was loaded, else the server."""
+    if _config(folder).get("tokenizer_class") == type(tokenizer).__name__:
+        return (
+            "its tokenizer_config.json declares this class: fix tokenizer_class, or build the "
+            "prompts on the server with --render-with URL"
+        )
+    return (
+        "the class does not come from tokenizer_config.json's tokenizer_class, so build the "
+        "prompts on the server with --render-with URL"
+    )
 
 
 def _effective(component: Any) -> Any:

@@ -6,6 +6,7 @@ Requests omit `add_generation_prompt`, so SGLang renders the messages as for a c
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import threading
@@ -58,6 +59,22 @@ def prompt_request(
 ) -> RenderRequest:
     """The one way a prompt becomes a render request, at enqueue, for later turns and parity."""
     return RenderRequest(list(messages), tools or None, dict(chat_template_kwargs or {}) or None)
+
+
+# conversations whose rendering pins a server's render: a run rendered by the server keeps
+# the sha256 of the answers (`RenderClient.probe_sha256`), so a later enqueue through a server
+# that renders otherwise (another template, encoder or tokenizer) is refused
+RENDER_PROBE: tuple[RenderRequest, ...] = (
+    RenderRequest([{"role": "user", "content": "Hello"}]),
+    RenderRequest(
+        [
+            {"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "What is 2+2?"},
+            {"role": "assistant", "content": "4"},
+            {"role": "user", "content": "And 3+3?"},
+        ]
+    ),
+)
 
 
 @dataclass(frozen=True)
@@ -213,6 +230,15 @@ class RenderClient:
                 return exc
 
         return list(self._pool.map(one, requests))
+
+    def probe_sha256(self) -> str:
+        """sha256 of the server's prompt ids for RENDER_PROBE (refused ones by their error):
+        what a run rendered by this server pins of its render."""
+        answers: list[Any] = []
+        for ids in self.render_many(RENDER_PROBE):
+            answers.append(ids if isinstance(ids, list) else f"refused: {ids}")
+        encoded = json.dumps(answers, separators=(",", ":")).encode()
+        return hashlib.sha256(encoded).hexdigest()
 
     def server_version(self) -> str | None:
         """The SGLang version `/server_info` reports (None when it does not answer with one)."""

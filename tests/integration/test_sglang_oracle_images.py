@@ -21,7 +21,10 @@ from app.core.contracts import SamplingParams
 from app.core.errors import InputError
 from app.core.settings import get_settings
 from app.ledger import reads, run_queries
+from app.prompts.chat_path import template_may_reorder_tool_results
 from app.prompts.tokenization import load_tokenizer
+from tests.support.oracle_families import FAMILIES, family_folder
+from tests.support.sglang_chat_path import template_utils
 from tests.support.sglang_server import tokenize_as_deployed
 from workers.intake.producer import EnqueueOptions, enqueue
 
@@ -155,3 +158,41 @@ def test_tool_results_with_images_out_of_call_order_are_reordered_by_sglang_refu
             on_error=errors.append,
         )
     assert "answer its calls out of order" in str(errors[0])
+
+
+@pytest.mark.parametrize("family", sorted(f for f, t in FAMILIES.items() if isinstance(t, str)))
+def test_which_templates_reorder_tool_results_is_sglangs(family: str) -> None:
+    """tokenmill refuses out-of-order image tool results exactly for the templates SGLang
+    reorders them for (its jinja_template_may_reorder_tool_results, from the wheel)."""
+    template = FAMILIES[family]
+    expected = template_utils().jinja_template_may_reorder_tool_results(template)
+    assert template_may_reorder_tool_results(template) == expected
+    probe = "{% for m in messages %}{{ m.tool_call_id }}{% endfor %}"
+    assert template_may_reorder_tool_results(probe) is True
+    assert template_utils().jinja_template_may_reorder_tool_results(probe) is True
+
+
+def test_out_of_order_image_results_are_taken_where_sglang_keeps_the_order(
+    pg_engine: Engine, kimi_tokenizer_dir: Path, tmp_path: Path, store: Path
+) -> None:
+    """A template that never reads tool_call_id (Qwen-VL's fixture): SGLang renders the tool
+    results in message order, so the swapped row is stored, equal to SGLang's ids."""
+    folder = family_folder("qwen3-vl", kimi_tokenizer_dir, tmp_path / "qwen-vl")
+    assert not template_utils().jinja_template_may_reorder_tool_results(FAMILIES["qwen3-vl"])
+    for name in ("a.png", "b.png"):
+        (tmp_path / name).write_bytes(png(8, 8, (1, 1, 1)))
+    uri = "data:image/png;base64," + base64.b64encode((tmp_path / "a.png").read_bytes()).decode()
+    in_order = copy.deepcopy(ROWS[3]["messages"][:4])
+    swapped = [*in_order[:2], in_order[3], in_order[2]]
+    (expected,) = tokenize_as_deployed(
+        folder, [{"messages": as_sent(swapped, {"a.png": uri, "b.png": uri})}], multimodal=True
+    )
+    path = tmp_path / "swapped.jsonl"
+    path.write_text(json.dumps({"id": "s", "messages": swapped}) + "\n")
+    options = EnqueueOptions(path, "swapped-vl", SamplingParams(max_new_tokens=8))
+    report = enqueue(pg_engine, load_tokenizer(folder), options, publish=None)
+    assert not report.errors, report.errors
+    with pg_engine.connect() as conn:
+        run = run_queries.get_run(conn, "swapped-vl")
+        (item,) = list(reads.iter_items(conn, run.id, statuses=("pending",)))
+    assert item.prompt_ids == expected

@@ -16,6 +16,38 @@ from typing import Any
 
 from tests.support.chat_templates import tokenizer_with_template
 
+Json = dict[str, Any]
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather of a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "varchar(64)"}, "days": {"type": "int"}},
+        },
+    },
+}
+CALL = {
+    "id": "call_1",
+    "type": "function",
+    "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'},
+}
+
+
+def boundaries(messages: list[Json]) -> list[list[Json]]:
+    """The raw turns before each assistant turn that has a turn of another role before it,
+    and all of them after a final turn of another role."""
+    cuts = [
+        messages[:i]
+        for i, turn in enumerate(messages)
+        if turn["role"] == "assistant" and any(t["role"] != "assistant" for t in messages[:i])
+    ]
+    if messages[-1]["role"] != "assistant":
+        cuts.append(messages)
+    return cuts
+
+
 GEN = "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"
 
 # Kimi-K2: `name or role`, tools as JSON, string content, reasoning in history
@@ -137,7 +169,29 @@ QWEN_VL = (
     "<|im_end|>{%- endfor -%}" + GEN
 )
 
+# Gemma-3: the system turn folded into the first user turn, roles strictly alternating (the
+# template raises otherwise, and SGLang answers its message), `model` for assistant turns
+GEMMA = (
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\\n\\n' -%}"
+    "{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}{%- set first_user_prefix = '' -%}{%- set loop_messages = messages -%}"
+    "{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{%- endif -%}"
+    "<|im_user|>{{ 'model' if message['role'] == 'assistant' else message['role'] }}"
+    "<|im_middle|>{{ first_user_prefix if loop.first else '' }}"
+    "{%- if message['content'] is string -%}{{ message['content'] | trim }}"
+    "{%- else -%}{%- for part in message['content'] -%}{%- if part['type'] == 'text' -%}"
+    "{{ part['text'] | trim }}{%- endif -%}{%- endfor -%}{%- endif -%}<|im_end|>"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|im_assistant|>model<|im_middle|>{%- endif -%}"
+)
+
 FAMILIES: dict[str, Any] = {
+    "gemma-3": GEMMA,
     "kimi-k2": KIMI,
     "hermes-3": [
         {"name": "default", "template": HERMES_DEFAULT},

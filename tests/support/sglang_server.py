@@ -36,6 +36,8 @@ TEMPLATE_MANAGER_MEMBER = "sglang/srt/parser/template_manager.py"
 SCHEMA_MEMBER = "sglang/srt/function_call/utils.py"
 SERVING_CHAT_MEMBER = "sglang/srt/entrypoints/openai/serving_chat.py"
 SERVING_TOKENIZE_MEMBER = "sglang/srt/entrypoints/openai/serving_tokenize.py"
+CHAT_ENCODING_MEMBER = "sglang/srt/entrypoints/openai/chat_encoding.py"
+DSV32_MEMBER = "sglang/srt/entrypoints/openai/encoding_dsv32.py"
 
 CHAT_METHODS = (
     "_validate_request",
@@ -48,6 +50,8 @@ CHAT_METHODS = (
     "_canonicalize_tool_message_order",
     "_sort_tool_message_run",
     "_probe_prompt_text_round_trip",
+    "_append_assistant_prefix_to_prompt_ids",
+    "_thinking_requested",
 )
 logger = logging.getLogger("sglang-oracle")
 
@@ -214,6 +218,39 @@ def _schema_namespace() -> dict[str, Any]:
     return namespace
 
 
+@functools.cache
+def _wheel_module(member: str) -> Any:
+    """A self-contained module of the wheel (standard-library imports only), loaded by path."""
+    import importlib.util
+
+    from tests.support.sglang_contract import CACHE_DIR, SGLANG_VERSION
+
+    path = CACHE_DIR / f"{Path(member).stem}-{SGLANG_VERSION}.py"
+    if not path.exists():
+        path.write_text(_member(member), encoding="utf-8")
+    spec = importlib.util.spec_from_file_location(f"sglang_{Path(member).stem}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def hf_config(folder: Path) -> SimpleNamespace:
+    """The architectures and model type of the folder's config.json (none without one)."""
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        config = {}
+    return SimpleNamespace(
+        architectures=list(config.get("architectures") or []),
+        model_type=config.get("model_type"),
+    )
+
+
+# the encoders this oracle runs: the Jinja path (None) and DeepSeek-V3.2's Python encoder
+SUPPORTED_ENCODINGS = (None, "dsv32")
+
+
 class SGLangServer:
     """One SGLang 0.5.23 server's /v1/tokenize for a tokenizer folder, as the server starts it
     with `--hf-chat-template-name` / `--chat-template` when given."""
@@ -235,6 +272,7 @@ class SGLangServer:
         self.protocol = protocol
         tokenizer = get_tokenizer(folder, trust_remote_code=trust_remote_code)
         self.tokenizer = tokenizer
+        config = hf_config(folder)
         tokenizer_manager = SimpleNamespace(
             tokenizer=tokenizer,
             processor=None,
@@ -245,6 +283,13 @@ class SGLangServer:
         )
         manager = _template_manager_class(chat_template_name)()
         manager.load_chat_template(tokenizer_manager, chat_template_file, str(folder))
+        # SGLang's own dispatch: DeepseekV3 architectures without a chat template -> "dsv32"
+        encoding = _wheel_module(CHAT_ENCODING_MEMBER).resolve_chat_encoding_spec(
+            hf_config=config, tokenizer=tokenizer
+        )
+        if encoding not in SUPPORTED_ENCODINGS:
+            raise NotImplementedError(f"the oracle does not run the {encoding!r} encoder")
+        self.encoding = encoding
         functions = serving_chat_functions()
         utils = template_utils()
         namespace: dict[str, Any] = {
@@ -276,6 +321,13 @@ class SGLangServer:
             "normalize_hunyuan_reasoning_effort": lambda *args: None,
             "ThinkingMode": SimpleNamespace(THINKING="thinking", CHAT="chat"),
             "MessageProcessingResult": _Result,
+            "encoding_dsv32": _wheel_module(DSV32_MEMBER),
+            # the decoding constraint of a required or named tool_choice: not the prompt's
+            "get_json_schema_constraint": lambda *args, **kwargs: {},
+            # SGLANG_DEFAULT_THINKING's default (environ.py: EnvBool(False))
+            "envs": SimpleNamespace(SGLANG_DEFAULT_THINKING=SimpleNamespace(get=lambda: False)),
+            # a server without a reasoning parser has no response-template detector
+            "ResponseTemplateReasoningDetector": type("NoDetector", (), {}),
         }
         _definitions(SERVING_CHAT_MEMBER, ("_MEDIA_CONTENT_PART_TYPES",), namespace)
         chat_class = _methods(SERVING_CHAT_MEMBER, "OpenAIServingChat", CHAT_METHODS, namespace)
@@ -288,13 +340,12 @@ class SGLangServer:
         chat.reasoning_parser = None
         chat.default_chat_template_kwargs = {}
         chat.is_minimax_m3 = chat.is_gpt_oss = chat.is_gemma4 = False
-        chat.chat_encoding_spec = None
+        chat.chat_encoding_spec = encoding
         chat._encoding_adapter = None
         chat._reasoning_detector = None
         chat._chat_template_cache = OrderedDict()
         chat._patch_reasoning_skip_special_tokens = lambda request: None
         chat._get_reasoning_from_request = lambda request: False
-        chat._thinking_requested = lambda request: False
         chat._encode_messages = lambda *args, **kwargs: None
         chat._takes_turn_grammar = lambda *args, **kwargs: False
         chat._requires_response_template_detokenization = lambda request: False
@@ -309,7 +360,8 @@ class SGLangServer:
 
     def tokenize(self, body: dict[str, Any]) -> list[int] | str:
         """The prompt ids of a /v1/tokenize chat body, or the error text of its 400: the body
-        parsed with orjson, validated by TokenizeRequest, then handled as the server does."""
+        parsed with orjson, validated by TokenizeRequest (by ChatCompletionRequest when it has
+        a tool_choice, which only a chat completion takes), then handled as the server does."""
         import orjson
         from pydantic import ValidationError
 
@@ -320,8 +372,11 @@ class SGLangServer:
         except UnicodeEncodeError as exc:
             return f"invalid JSON body: {exc}"
         try:
-            request = self.protocol.TokenizeRequest.model_validate(parsed)
-            chat_request = request.to_chat_completion_request()
+            if "tool_choice" in parsed:  # not a /v1/tokenize field: a chat completion's
+                chat_request = self.protocol.ChatCompletionRequest.model_validate(parsed)
+            else:
+                request = self.protocol.TokenizeRequest.model_validate(parsed)
+                chat_request = request.to_chat_completion_request()
         except ValidationError as exc:
             return f"invalid request: {exc}"
         error = self.chat._validate_request(chat_request)

@@ -84,9 +84,15 @@ def transformers_smart_resize() -> Callable[..., tuple[int, int]]:
 
 
 def qwen_reference_count(
-    width: int, height: int, min_pixels: int = 3136, max_pixels: int = 12845056
+    width: int,
+    height: int,
+    min_pixels: int = 3136,
+    max_pixels: int = 12845056,
+    factor: int = 28,
 ) -> int:
+    """transformers' count: one token per (patch_size x merge_size)-sided patch of the
+    smart-resized image (28 for Qwen2.5-VL, 16 x 2 for Qwen3-VL and Qwen3.5)."""
     new_h, new_w = transformers_smart_resize()(
-        height, width, factor=28, min_pixels=min_pixels, max_pixels=max_pixels
+        height, width, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels
     )
-    return (new_h // 28) * (new_w // 28)
+    return (new_h // factor) * (new_w // factor)

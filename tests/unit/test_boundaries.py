@@ -88,19 +88,24 @@ def test_boundaries_are_copies_of_the_input_turns() -> None:
 
 
 @pytest.mark.parametrize(
-    ("conversation", "message"),
+    ("conversation", "prompts"),
     [
-        ([SYSTEM, ANSWER, USER1], r"messages\[1\] is an assistant turn before any user turn"),
-        ([USER1, ANSWER, ANSWER2], r"messages\[2\] is an assistant turn that does not follow"),
-        ([SYSTEM], "has no user turn"),
-        ([], "has no user turn"),
-        ([USER1, ANSWER, SYSTEM], "ends with a system turn"),
+        ([SYSTEM, ANSWER, USER1], [[SYSTEM], [SYSTEM, ANSWER, USER1]]),
+        ([USER1, ANSWER, ANSWER2], [[USER1], [USER1, ANSWER]]),
+        ([SYSTEM], [[SYSTEM]]),
+        ([USER1, ANSWER, SYSTEM], [[USER1], [USER1, ANSWER, SYSTEM]]),
+        ([ANSWER, USER1, ANSWER2], [[ANSWER, USER1]]),
     ],
 )
-def test_conversations_that_cannot_be_split_name_the_turn(
-    conversation: list[dict[str, Any]], message: str
+def test_every_shape_sglang_renders_has_its_boundaries(
+    conversation: list[dict[str, Any]], prompts: list[list[dict[str, Any]]]
 ) -> None:
-    with pytest.raises(InputError, match=message):
+    assert [b.messages for b in split_boundaries(conversation)] == prompts
+
+
+@pytest.mark.parametrize("conversation", [[], [ANSWER, ANSWER2]])
+def test_no_turn_before_the_answers_is_no_boundary(conversation: list[dict[str, Any]]) -> None:
+    with pytest.raises(InputError, match="no turn before its first assistant turn"):
         split_boundaries(conversation)
 
 

@@ -45,16 +45,23 @@ def test_tool_turns_lead_to_the_next_answer() -> None:
 
 
 @pytest.mark.parametrize(
-    ("messages", "needle"),
+    ("messages", "contexts"),
     [
-        ([U1, A1, A2], "messages[2]"),
-        ([SYS, A1, U1], "messages[1] is an assistant turn before any user turn"),
-        ([U1, A1, SYS], "ends with a system turn"),
+        ([U1, A1, A2], [[U1], []]),  # the second answer right after the regenerated first
+        ([SYS, A1, U1], [[SYS], [U1]]),  # an assistant turn after the system turn
+        ([U1, A1, SYS], [[U1], [SYS]]),  # a conversation ending with a system turn
+        ([A1, U1, A2], [[A1, U1]]),  # a greeting stays history
     ],
 )
-def test_unusable_conversations_name_the_turn(messages: list[Message], needle: str) -> None:
-    with pytest.raises(InputError, match=needle.replace("[", r"\[").replace("]", r"\]")):
-        split_turns(messages)
+def test_every_shape_sglang_renders_is_split(
+    messages: list[Message], contexts: list[list[Message]]
+) -> None:
+    assert [p.context for p in split_turns(messages)] == contexts
+
+
+def test_a_conversation_of_answers_only_has_no_turn() -> None:
+    with pytest.raises(InputError, match="no turn before its first assistant turn"):
+        split_turns([A1, A2])
 
 
 def test_next_history_puts_the_regenerated_answer_between_the_original_turns() -> None:

@@ -218,7 +218,7 @@ def test_settings_read_the_tokenizer_folder_then_the_process_config(tmp_path: Pa
     (tmp_path / "preprocessor_config.json").write_text('{"min_pixels": 100, "max_pixels": 900}')
     qwen = vision_settings("qwen", str(tmp_path), {"image": {"max_pixels": 5000}})
     assert qwen.placeholder_id == 7
-    assert qwen.limits == {"min_pixels": 100, "max_pixels": 5000}
+    assert qwen.limits == {"min_pixels": 100, "max_pixels": 5000, "factor": 28}
     assert vision_settings("kimi", None, {}).placeholder_id == KIMI_PLACEHOLDER_ID
     with pytest.raises(VisionConfigError, match="min_pixels 100 is above max_pixels 50"):
         vision_settings("qwen", str(tmp_path), {"image": {"max_pixels": 50}})

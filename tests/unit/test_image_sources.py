@@ -16,7 +16,7 @@ import pytest
 from app.core.contracts import PromptRecord
 from app.core.errors import InputError
 from app.core.images import ImagePins
-from app.prompts.chat_path import check_tool_result_order, normalize_messages
+from app.prompts.chat_path import normalize_messages, tool_result_order_error
 from app.prompts.image_pins import check_image_prompt, placeholder_id_of, read_image_pins
 from app.storage.shards import open_location
 from workers.intake.images import (
@@ -154,11 +154,12 @@ def test_tool_results_with_images_out_of_call_order_are_refused() -> None:
         {"role": "tool", "tool_call_id": "c2", "content": [image("b.png")]},
         {"role": "tool", "tool_call_id": "c1", "content": "text"},
     ]
-    with pytest.raises(InputError, match=r"messages\[2\]: the tool results after messages\[1\]"):
-        check_tool_result_order(turns)
-    check_tool_result_order(turns[:2] + turns[3:] + turns[2:3])  # in call order
+    found = tool_result_order_error(turns)
+    assert found is not None and found[0] == 2
+    assert found[1].startswith("messages[2]: the tool results after messages[1]")
+    assert tool_result_order_error(turns[:2] + turns[3:] + turns[2:3]) is None  # in call order
     text_only = [*turns[:2], {**turns[2], "content": "t"}, turns[3]]
-    check_tool_result_order(text_only)  # SGLang reorders no text-only run
+    assert tool_result_order_error(text_only) is None  # SGLang reorders no text-only run
 
 
 def test_placeholder_ids_are_read_from_config_or_processor_config(tmp_path: Path) -> None:

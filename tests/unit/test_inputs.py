@@ -252,7 +252,11 @@ BAD: list[tuple[str, Any, str]] = [
         {"messages": [{"content": "x"}]},
         "messages[0] has no 'role' (or ShareGPT 'from')",
     ),
-    ("turn without content", {"messages": [{"role": "user"}]}, "messages[0] has no 'content'"),
+    (
+        "turn without content",
+        {"messages": [{"role": "user"}]},
+        "messages[0] has no 'content' (a user turn needs content, empty or not)",
+    ),
     (
         "unknown role",
         {"messages": [{"role": "bot", "content": "x"}]},
@@ -319,16 +323,10 @@ BAD: list[tuple[str, Any, str]] = [
     ),
     ("empty prompt", {"prompt": "  "}, "'prompt' is empty"),
     ("prompt not a string", {"prompt": ["a"]}, "'prompt' must be a string, not a JSON array"),
-    ("no user turn", {"messages": [S, A]}, "'messages' has no user turn"),
     (
         "only assistant turns",
         {"conversations": [{"from": "gpt", "value": "x"}]},
-        "'conversations' has no user turn",
-    ),
-    (
-        "ends with a system turn",
-        {"messages": [U, S]},
-        "'messages' ends with a system turn, not a user or tool turn",
+        "'conversations' has no turn before its assistant turns",
     ),
     (
         "name not a string (a system turn keeps it; a user turn drops it unread)",
@@ -378,6 +376,20 @@ BAD: list[tuple[str, Any, str]] = [
         "'system' cannot be combined with pre-tokenized 'input_ids'",
     ),
 ]
+
+
+@pytest.mark.parametrize(
+    ("messages", "prompt"),
+    [([S, A], [S]), ([U, S], [U, S]), ([S], [S]), ([A, U, A, A], [A, U])],
+    ids=["no user turn", "ending with a system turn", "system only", "greeting, two answers"],
+)
+def test_shapes_sglang_renders_are_read(
+    tmp_path: Path, messages: list[Any], prompt: list[Any]
+) -> None:
+    """Every shape SGLang renders: the prompt is every turn before the trailing answers."""
+    (record,) = read(tmp_path, line({"messages": messages}))
+    assert isinstance(record, PromptRecord)
+    assert [t["role"] for t in record.messages or []] == [t["role"] for t in prompt]
 
 
 @pytest.mark.parametrize(
@@ -480,7 +492,7 @@ def test_bad_lines_between_good_ones(tmp_path: Path) -> None:
             line({"conversations": [{"from": "human", "value": "two"}]}),  # 7
             b'{"prompt": "\xff"}\n',  # 8
             line({"input_ids": [3, 4]}),  # 9
-            line({"messages": [S]}),  # 10
+            line({"messages": [A]}),  # 10
             b'{"id": "last", "prompt": "three"}\r\n',  # 11
             b'{"prompt": "cut',  # 12
         ]
@@ -494,7 +506,7 @@ def test_bad_lines_between_good_ones(tmp_path: Path) -> None:
         (3, "invalid JSON"),
         (6, "line is a JSON array, not an object"),
         (8, "line is not valid UTF-8 (bad byte at offset 12)"),
-        (10, "'messages' has no user turn"),
+        (10, "'messages' has no turn before its assistant turns"),
         (12, "truncated last line"),
     ]
     assert [e.line for e in entries] == sorted(e.line for e in entries)
@@ -587,3 +599,29 @@ def test_bad_chat_template_kwargs(text: str, message: str) -> None:
     with pytest.raises(ConfigurationError) as info:
         parse_chat_template_kwargs(text)
     assert str(info.value) == message
+
+
+TOOL_A = {"type": "function", "function": {"name": "a", "parameters": {"type": "object"}}}
+TOOL_B = {"type": "function", "function": {"name": "b", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize(
+    ("choice", "names"),
+    [
+        ("auto", ["a", "b"]),
+        ("required", ["a", "b"]),
+        ("none", None),
+        ({"type": "function", "function": {"name": "b"}}, ["b"]),
+    ],
+)
+def test_tool_choice_picks_the_rendered_tools(tmp_path: Path, choice: Any, names: Any) -> None:
+    """tool_choice applied as SGLang applies it, and kept in the row's metadata; with
+    request_fields off (`--no-request-fields`) the tools are the row's, as before."""
+    row = {"messages": [U], "tools": [TOOL_A, TOOL_B], "tool_choice": choice}
+    (record,) = read(tmp_path, line(row))
+    assert isinstance(record, PromptRecord)
+    got = None if record.tools is None else [t["function"]["name"] for t in record.tools]
+    assert got == names
+    assert record.metadata["tool_choice"] == choice
+    (kept,) = read(tmp_path, line(row), request_fields=False)
+    assert isinstance(kept, PromptRecord) and kept.tools is not None and len(kept.tools) == 2

@@ -24,7 +24,7 @@ from app.core.images import ImagePins
 from app.core.settings import Settings, get_settings
 from app.ledger import event_log, image_tokens, queue, removal, run_queries
 from app.prompts.chat_path import check_version
-from app.prompts.chat_pins import run_pins
+from app.prompts.chat_pins import run_pins, with_server_render
 from app.prompts.image_pins import check_run_pins
 from app.prompts.template_pool import Templater
 from app.prompts.tokenization import ChatTokenizer, check_template_kwargs
@@ -74,6 +74,9 @@ class EnqueueOptions:
     weight_version: str | None = None
     # `--reasoning-effort a,b,c`: sample k is templated with the k-th effort (pinned)
     reasoning_efforts: tuple[str | float, ...] = ()
+    # the rows' tool_choice applied as SGLang applies it; False (`--no-request-fields`): kept
+    # as metadata only, rendered as if absent (pinned)
+    request_fields: bool = True
     # `--image-root PATH`: where relative image paths of the rows are read from (None: the
     # input file's folder)
     image_root: Path | None = None
@@ -87,10 +90,18 @@ class EnqueueOptions:
 
 
 def run_spec(
-    tokenizer: ChatTokenizer, options: EnqueueOptions, storage_url: str | None = None
+    tokenizer: ChatTokenizer,
+    options: EnqueueOptions,
+    storage_url: str | None = None,
+    server_render: str | None = None,
 ) -> run_queries.RunSpec:
     """What the run pins: the tokenizer and its template, the sampling, the turns mode, where
-    its images are stored, which servers serve it."""
+    its images are stored, which servers serve it; server_render: the sha256 of the render
+    server's answers to its probe (`--render-with`)."""
+    pins = run_pins(tokenizer, rendered_here=options.render_with is None)
+    if server_render is not None:
+        pins = with_server_render(pins, server_render)
+    pins["request_fields"] = options.request_fields
     return run_queries.RunSpec(
         name=options.run,
         tokenizer_path=str(tokenizer.path),
@@ -107,13 +118,32 @@ def run_spec(
         trust_remote_code=options.trust_remote_code,
         render_with=options.render_with,
         require_parity=options.require_parity,
-        chat_pins=run_pins(tokenizer, rendered_here=options.render_with is None),
+        chat_pins=pins,
         weight_version=options.weight_version,
         reasoning_efforts=options.reasoning_efforts,
         storage_url=storage_url,
         servers=options.servers,
         driver=options.driver,
     )
+
+
+def checked_spec(
+    tokenizer: ChatTokenizer,
+    options: EnqueueOptions,
+    renderer: RenderClient | None,
+    storage_url: str | None = None,
+) -> run_queries.RunSpec:
+    """run_spec, with the render server's render pinned (`--render-with`); a TokenizerError
+    for what needs a local template the folder lacks."""
+    if (renderer is None) != (options.render_with is None):
+        raise ValueError("a renderer is given exactly when options.render_with is set")
+    if options.turns == "all":
+        # the next turn's history holds the answer split into reasoning and content
+        tokenizer.require_local_template(
+            "--turns all (each answer becomes the next turn's history)"
+        )
+    server_render = None if renderer is None else renderer.probe_sha256()
+    return run_spec(tokenizer, options, storage_url, server_render)
 
 
 def open_run(
@@ -193,15 +223,15 @@ def enqueue(
         content_format=tokenizer.content_format,
         pass_turn_fields=tokenizer.pass_turn_fields,
         turns=options.turns,
+        reorders_tool_results=tokenizer.reorders_tool_results,
+        request_fields=options.request_fields,
         # a row's own sampling_params must be what SGLang takes for each of its samples
         row_check=lambda record: cycles.row_error(
             options.sampling, record, options.samples_per_prompt
         ),
     )
     settings = settings or get_settings()
-    spec = run_spec(tokenizer, options, run_store.pinned_url(settings))
-    if (renderer is None) != (options.render_with is None):
-        raise ValueError("a renderer is given exactly when options.render_with is set")
+    spec = checked_spec(tokenizer, options, renderer, run_store.pinned_url(settings))
     reporter = Reporter(report, unit=reader.unit, on_error=on_error, on_progress=on_progress)
     run = open_run(db, spec, report, tokenizer.image_pins)
     kwargs = options.chat_template_kwargs

@@ -56,6 +56,8 @@ class Reader:
         pass_turn_fields: bool,
         turns: str,
         row_check: Callable[[PromptRecord], InputError | None] = lambda record: None,
+        reorders_tool_results: bool = True,
+        request_fields: bool = True,
     ) -> None:
         self._entries = read_prompts(
             path,
@@ -63,6 +65,8 @@ class Reader:
             content_format=content_format,
             pass_turn_fields=pass_turn_fields,
             turns=turns,
+            reorders_tool_results=reorders_tool_results,
+            request_fields=request_fields,
         )
         # errors name a "row" of a Parquet or datasets input, a "line" of JSONL
         self.unit = "row" if open_table(path) is not None else "line"
