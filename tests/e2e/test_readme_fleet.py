@@ -1,5 +1,6 @@
-"""The fleet exactly as the READMEs start it: README's "Distributed" and "Riding through server
-restarts", and ops/README's "Start a fleet", run as printed on two emulated GPU nodes.
+"""The fleet exactly as the docs start it: README's "Distributed", docs/restarts.md ("Riding
+through server restarts"), and ops/README's "Start a fleet", run as printed on two emulated GPU
+nodes.
 
 Two servers, one worker each, beat and Flower; a `tokenmill restart` of one server never pauses
 the other's worker (its in-flight count stays up); Flower lists both workers; every item is
@@ -80,7 +81,7 @@ def fleet(
 
 def test_readme_distributed_and_restarts_as_printed(fleet: Fleet, pg_engine: Engine) -> None:
     distributed = section(ROOT / "README.md", "Distributed")
-    riding = section(ROOT / "README.md", "Riding through server restarts")
+    riding = section(ROOT / "docs" / "restarts.md", None)
     assert [c.argv[:4] for c in distributed].count(["celery", "-A", "app", "beat"]) == 1
     servers = {node: f"{node}:{port}" for node, port in fleet.nodes.items()}  # the naming rule
     for command in distributed:
