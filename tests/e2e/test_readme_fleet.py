@@ -1,6 +1,6 @@
 """The fleet exactly as the docs start it: README's "Distributed", docs/restarts.md ("Riding
-through server restarts"), and ops/README's "Start a fleet", run as printed on two emulated GPU
-nodes.
+through server restarts"), and ops/README's "Start a fleet" and "A server needs a restart", run
+as printed on two emulated GPU nodes.
 
 Two servers, one worker each, beat and Flower; a `tokenmill restart` of one server never pauses
 the other's worker (its in-flight count stays up); Flower lists both workers; every item is
@@ -118,7 +118,7 @@ def test_ops_readme_start_a_fleet_keeps_the_registered_urls(
 ) -> None:
     runbook = ROOT / "ops" / "README.md"
     start = [*section(runbook, None), *section(runbook, "Start a fleet")]
-    restart = section(runbook, "Restart a server")[0]
+    restart = section(runbook, "A server needs a restart")[0]
     flower = next(c for c in section(runbook, "Watch a run") if c.argv[1:2] == ["flower"])
     assert restart.argv == ["tokenmill", "restart", "gpu-a"]
     servers = {node: node for node in NODES}  # TOKENMILL_SERVER_NAME=<node> as printed
