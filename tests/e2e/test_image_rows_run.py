@@ -56,7 +56,7 @@ def test_sixty_image_rows_on_two_kimi_emulators(tmp_path: Path, kimi_tokenizer_d
     samples = check_specforge(out / "img.jsonl", rows, kimi_tokenizer_dir)
     hashes = check_copied_images(out, samples)
     assert hashes == {sha256_of(p) for p in rows.distinct_images()}
-    run_readme_snippet(ROOT / "README.md", out / "img.jsonl")  # as a trainer reads it
+    run_readme_snippet(ROOT / "docs" / "images.md", out / "img.jsonl")  # as a trainer reads it
     # the store holds each distinct image once, under its content address
     stored = sorted(p.name for p in (tmp_path / "data" / "storage" / "images").iterdir())
     assert sorted(p.split(".")[0] for p in stored) == sorted(hashes), stored

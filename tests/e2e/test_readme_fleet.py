@@ -1,5 +1,6 @@
-"""The fleet exactly as the READMEs start it: README's "Distributed" and "Riding through server
-restarts", and ops/README's "Start a fleet", run as printed on two emulated GPU nodes.
+"""The fleet exactly as the docs start it: README's "Distributed", docs/restarts.md ("Riding
+through server restarts"), and ops/README's "Start a fleet" and "A server needs a restart", run
+as printed on two emulated GPU nodes.
 
 Two servers, one worker each, beat and Flower; a `tokenmill restart` of one server never pauses
 the other's worker (its in-flight count stays up); Flower lists both workers; every item is
@@ -80,7 +81,7 @@ def fleet(
 
 def test_readme_distributed_and_restarts_as_printed(fleet: Fleet, pg_engine: Engine) -> None:
     distributed = section(ROOT / "README.md", "Distributed")
-    riding = section(ROOT / "README.md", "Riding through server restarts")
+    riding = section(ROOT / "docs" / "restarts.md", None)
     assert [c.argv[:4] for c in distributed].count(["celery", "-A", "app", "beat"]) == 1
     servers = {node: f"{node}:{port}" for node, port in fleet.nodes.items()}  # the naming rule
     for command in distributed:
@@ -117,30 +118,31 @@ def test_ops_readme_start_a_fleet_keeps_the_registered_urls(
 ) -> None:
     runbook = ROOT / "ops" / "README.md"
     start = [*section(runbook, None), *section(runbook, "Start a fleet")]
-    restart = section(runbook, "Restart a server")[0]
+    restart = section(runbook, "A server needs a restart")[0]
     flower = next(c for c in section(runbook, "Watch a run") if c.argv[1:2] == ["flower"])
-    assert restart.argv == ["tokenmill", "restart", "gpu-a"]
-    servers = {node: node for node in NODES}  # TOKENMILL_SERVER_NAME=<node> as printed
+    assert restart.argv == ["tokenmill", "restart", "gpu-a:30000"]
+    servers = {node: f"{node}:{port}" for node, port in fleet.nodes.items()}  # the naming rule
     outputs = [fleet.run(command) for command in start]
     fleet.run(flower)
     # the registry keeps the URLs `servers add` gave; each worker's own is recorded beside it
     listing = outputs[-1][0].stdout
     with pg_engine.connect() as conn:
         for node, port in fleet.nodes.items():
-            server = registry.get_server(conn, node)
+            server = registry.get_server(conn, servers[node])
             assert server.url == f"http://127.0.0.1:{port}", server
             assert server.worker_url == f"http://localhost:{port}", server
-            assert server.node == node and server.workers == [f"{node}@{node}"], server
+            assert server.node == node and server.workers == [f"{servers[node]}@{node}"], server
             assert f"worker: http://localhost:{port}" in listing, listing
     wait_for("both servers with work in flight", lambda: serving(pg_engine, servers), 120)
-    with in_flight_samples(pg_engine, "gpu-b") as samples:
+    with in_flight_samples(pg_engine, servers["gpu-b"]) as samples:
         (done,) = fleet.run(restart)
     assert "resumed" in done.stderr, done.stderr
     workers = flower_workers(fleet.flower_port, FLOWER_PASSWORD)
-    check_fleet(fleet, pg_engine, servers, restarted="gpu-a", other="gpu-b", samples=samples)
-    assert {"gpu-a@gpu-a", "gpu-b@gpu-b"} <= set(workers), workers
+    a, b = servers["gpu-a"], servers["gpu-b"]
+    check_fleet(fleet, pg_engine, servers, restarted=a, other=b, samples=samples)
+    assert {f"{a}@gpu-a", f"{b}@gpu-b"} <= set(workers), workers
     with pg_engine.connect() as conn:
-        assert registry.get_server(conn, "gpu-a").url == f"http://127.0.0.1:{fleet.nodes['gpu-a']}"
+        assert registry.get_server(conn, a).url == f"http://127.0.0.1:{fleet.nodes['gpu-a']}"
 
 
 def serving(db: Engine, servers: dict[str, str]) -> bool:

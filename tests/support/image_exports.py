@@ -65,7 +65,8 @@ def check_copied_images(export_dir: Path, exported: list[dict[str, Any]]) -> set
 
 
 def run_readme_snippet(readme: Path, export: Path) -> None:
-    """Run the README's trainer snippet (the Python block after "A trainer reads") on export."""
+    """Run the trainer snippet of docs/images.md (the Python block after "A trainer reads") on
+    export."""
     text = readme.read_text(encoding="utf-8")
     after = text[text.index("A trainer reads a sample") :]
     code = after[after.index("```python\n") + 10 : after.index("```\n", after.index("```python"))]

@@ -95,4 +95,9 @@ def test_the_readme_sections_hold_the_fleet() -> None:
     assert [c.node for c in distributed if "worker" in c.argv] == ["each"]
     runbook = (ROOT / "ops" / "README.md").read_text()
     start = [c for b in section_blocks(runbook, "Start a fleet") for c in commands(b)]
-    assert [c.node for c in start if "worker" in c.argv] == ["gpu-a", "gpu-b"]
+    assert [c.node for c in start if "worker" in c.argv] == ["each"]
+    # one set of names: the worker's naming rule (host:port, a loopback host replaced by the
+    # node), as README's fleet
+    added = [c.argv[3] for c in start if c.argv[1:3] == ["servers", "add"]]
+    assert added == ["gpu-a:30000", "gpu-b:30000"]
+    assert not [c for c in start if "TOKENMILL_SERVER_NAME" in c.env]

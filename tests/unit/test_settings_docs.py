@@ -1,6 +1,6 @@
-"""The README's settings table is the settings: every field of app.core.settings.Settings has
-its row, every row names real settings, and a number the table gives as a default is the
-field's default."""
+"""The settings table of docs/configuration.md is the settings: every field of
+app.core.settings.Settings has its row, every row names real settings, and a number the table
+gives as a default is the field's default."""
 
 from __future__ import annotations
 
@@ -9,14 +9,12 @@ from pathlib import Path
 
 from app.core.settings import Settings
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+CONFIGURATION = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 
 
 def settings_rows() -> list[tuple[list[str], str]]:
-    """(variables, default cell) of each row of the README's Configuration table."""
-    text = README.read_text(encoding="utf-8")
-    start = text.index("\n## Configuration")
-    section = text[start : text.index("\n## ", start + 1)]
+    """(variables, default cell) of each row of docs/configuration.md's settings table."""
+    section = CONFIGURATION.read_text(encoding="utf-8")
     rows = []
     for line in section.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
@@ -29,7 +27,7 @@ def settings_rows() -> list[tuple[list[str], str]]:
 def test_every_setting_has_a_row_and_every_row_is_a_setting() -> None:
     documented = [name for names, _ in settings_rows() for name in names]
     fields = {f"TOKENMILL_{name.upper()}" for name in Settings.model_fields}
-    assert sorted(fields - set(documented)) == [], "settings missing from the README's table"
+    assert sorted(fields - set(documented)) == [], "settings missing from the table"
     assert sorted(set(documented) - fields) == [], "rows naming no setting"
     assert len(documented) == len(set(documented)), "a setting with two rows"
 
