@@ -248,8 +248,12 @@ def _on_worker_shutdown(sender: Any = None, **_: Any) -> None:
 
 @celery_app.task(name=GENERATE_TASK, acks_late=True, ignore_result=True)
 def generate(item_ids: list[int]) -> dict[str, int | str]:
-    """Claim these items and send them to this worker's SGLang server."""
-    return handle_message(runtime(), item_ids, requeue=requeue)
+    """Claim these items and send them to this worker's SGLang server; the result (Flower
+    shows it) says what was claimed and the window this worker keeps."""
+    rt = runtime()
+    result = handle_message(rt, item_ids, requeue=requeue)
+    result["window"] = rt.sizer.describe()
+    return result
 
 
 @celery_app.task(name=RECONCILE_TASK, acks_late=True, ignore_result=True)

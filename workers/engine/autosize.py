@@ -299,6 +299,20 @@ class WindowSizer:
                 extra={"action": "resize_record_failed"},
             )
 
+    def describe(self) -> str:
+        """This worker's window as each generate task's result carries it (Flower shows it):
+        `auto: 272 (max_running 256) · running 256 · queued 16 · kv-bound`, `fixed: 64`."""
+        cap = self.capacity
+        text = f"{'auto' if self.auto else 'fixed'}: {self.size}"
+        if cap is not None and cap.max_running:
+            text += f" (max_running {cap.max_running})"
+        facts = []
+        if self.load is not None:
+            facts += [f"running {self.load.running}", f"queued {self.load.waiting}"]
+        if self.auto and self.reason:
+            facts.append(self.reason)
+        return " · ".join([text, *facts])
+
     def _record(self) -> None:
         try:
             with self._db.begin() as conn:

@@ -51,8 +51,9 @@ def sglang_source() -> Path:
     """The folder holding the wheel's `sglang` package, extracted on first use."""
     if (SOURCE_DIR / "sglang" / "__init__.py").exists():
         return SOURCE_DIR
+    wheel_file = _wheel(CACHE_DIR, SGLANG_VERSION)  # downloaded on a fresh clone
     staging = Path(tempfile.mkdtemp(dir=CACHE_DIR, prefix="src-part-"))
-    with zipfile.ZipFile(_wheel(CACHE_DIR, SGLANG_VERSION)) as wheel:
+    with zipfile.ZipFile(wheel_file) as wheel:
         members = [m for m in wheel.namelist() if m.startswith("sglang/")]
         wheel.extractall(staging, members)
     try:
