@@ -266,9 +266,11 @@ def unknown_env_names(environ: Mapping[str, str]) -> list[str]:
 
 def describe_invalid(exc: ValidationError) -> str:
     """One line naming every invalid setting by its variable and why, e.g.
-    "invalid configuration: TOKENMILL_INFLIGHT: Input should be a valid integer"."""
+    "invalid configuration: TOKENMILL_LEASE_S: Input should be a valid number" (a check of
+    our own says its message without pydantic's "Value error, " before it)."""
     problems = "; ".join(
-        f"{ENV_PREFIX}{'_'.join(map(str, error['loc'])).upper()}: {error['msg']}"
+        f"{ENV_PREFIX}{'_'.join(map(str, error['loc'])).upper()}: "
+        + error["msg"].removeprefix("Value error, ")
         for error in exc.errors()
     )
     return f"invalid configuration: {problems}"

@@ -118,8 +118,8 @@ def test_an_invalid_setting_stops_a_celery_worker_in_one_line(tmp_path: Path) ->
     output = result.stdout + result.stderr
     assert result.returncode != 0 and "Traceback" not in output, output
     assert own_lines(output) == [
-        "error: invalid configuration: TOKENMILL_INFLIGHT: Input should be a valid integer, "
-        "unable to parse string as an integer"
+        "error: invalid configuration: TOKENMILL_INFLIGHT: give 'auto' or a number from 1 to "
+        "4096, not 'abc'"
     ]
 
 

@@ -83,10 +83,14 @@ class HttpProber:
                     return Probe(False, result.latency_s, str(exc), auth=True)
                 except GenerationError:
                     pass
+            at_once = result.status_code == 503 and result.latency_s < DRAIN_ANSWER_MAX_S
+            if at_once:
+                # a draining server refuses its liveness route too; one whose /health still
+                # answers 200 is alive but generates nothing (a hung scheduler): down
+                at_once = not client.health("/health").ok
         error = None
         if not result.ok:
             error = result.error or f"HTTP {result.status_code}"
-        at_once = result.status_code == 503 and result.latency_s < DRAIN_ANSWER_MAX_S
         return Probe(result.ok, result.latency_s, error, model, refused_at_once=at_once)
 
     def fingerprint(self, server: ServerInfo) -> ServerFingerprint:
