@@ -91,7 +91,8 @@ def run_location(settings: Settings, storage_url: str | None) -> Location:
     return open_location(storage_url or settings.resolved_storage_url(), settings.storage_options)
 
 
-def _marker_name(run_name: str) -> str:
+def marker_name(run_name: str) -> str:
+    """Where the run's marker lives in its store."""
     return f"runs/{run_name}/storage.json"
 
 
@@ -103,12 +104,12 @@ def write_marker(loc: Location, run_id: int, run_name: str) -> None:
     """Record in loc that it is run's storage (unless already recorded)."""
     if reaches(loc, run_id, run_name):
         return
-    folder, _, name = _marker_name(run_name).rpartition("/")
+    folder, _, name = marker_name(run_name).rpartition("/")
     sub = Location(fs=loc.fs, root=loc.path(folder), url=loc.uri(folder))
     try:
         write_object(sub, name, _marker(run_id, run_name))
     except OSError as exc:
-        raise StorageError(f"could not write {_marker_name(run_name)} to {loc.url}: {exc}") from exc
+        raise StorageError(f"could not write {marker_name(run_name)} to {loc.url}: {exc}") from exc
 
 
 def reaches(loc: Location, run_id: int, run_name: str) -> bool:
@@ -116,11 +117,11 @@ def reaches(loc: Location, run_id: int, run_name: str) -> bool:
     wrote to. False when it is missing or names another run (a folder of the same path on
     another machine); StorageError when the storage did not answer."""
     try:
-        data = read_object(loc, _marker_name(run_name))
+        data = read_object(loc, marker_name(run_name))
     except (NotFound, FileNotFoundError, PermissionError):
         return False
     except OSError as exc:
-        raise StorageError(f"could not read {_marker_name(run_name)} in {loc.url}: {exc}") from exc
+        raise StorageError(f"could not read {marker_name(run_name)} in {loc.url}: {exc}") from exc
     try:
         return bool(json.loads(data) == json.loads(_marker(run_id, run_name)))
     except ValueError:

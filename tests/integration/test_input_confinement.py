@@ -25,6 +25,7 @@ from app.core.errors import ConfigurationError
 from app.core.settings import Settings
 from app.ledger import reads, run_queries
 from app.prompts.tokenization import load_tokenizer
+from app.storage import run_store
 from workers.intake.producer import EnqueueOptions, enqueue
 
 _opened: list[str] | None = None
@@ -109,7 +110,10 @@ def test_paths_urls_and_templates_in_a_prompt_file_are_only_text(
     messages = {e.line: e.reason for e in report.errors}
     assert "content[0]" in messages[5] and "is not a usable image" in messages[5]
     assert "TOP-SECRET" not in messages[5]
-    assert not store.exists() or not any(p.is_file() for p in store.rglob("*"))
+    # nothing of the prompt file is stored: at most the run's marker (its name and id, which
+    # the store holds for workers to find once an image part opened it)
+    kept = [p.relative_to(store) for p in store.rglob("*") if p.is_file()] if store.exists() else []
+    assert [str(p) for p in kept] in ([], [run_store.marker_name("confined")]), kept
     assert "file" in messages[6]
     with pg_engine.connect() as conn:
         run = run_queries.get_run(conn, "confined")
