@@ -77,6 +77,8 @@ def test_json_keeps_its_keys_and_refuses_watch(tmp_path: Path) -> None:
         "prompt_tokens": 10,
         "rendering_differs": [],
         "enqueue_stopped": False,
+        "served_by": {"driver": "fleet", "servers": None},
+        "failed_by_reason": {},
     }
     both = tokenmill(["status", "--watch", "--json"], env)
     assert both.returncode == 2 and "use --json without it" in both.stderr

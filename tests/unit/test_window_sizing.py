@@ -169,6 +169,7 @@ class FakeWindow:
     def __init__(self, inflight: int) -> None:
         self.inflight = inflight
         self.backlog = 0
+        self.auth_error: str | None = None
 
     def resize(self, inflight: int, backlog: int) -> int:
         before, self.inflight, self.backlog = self.inflight, inflight, backlog

@@ -43,6 +43,9 @@ class CapacityClient(Protocol):
 
 
 class Resizable(Protocol):
+    # set while the server refuses our key: the probe alone asks it then (once a second)
+    auth_error: str | None
+
     def resize(self, inflight: int, backlog: int) -> int: ...
 
 
@@ -161,6 +164,8 @@ class WindowSizer:
         return self._client
 
     def _size_auto(self) -> None:
+        if self._window.auth_error is not None:
+            return  # a server that wants a key is asked by its probe only, at its rate
         if self.capacity is None or self._reread.is_set():
             self._reread.clear()
             try:
