@@ -30,7 +30,7 @@ from click.testing import CliRunner
 from sqlalchemy import Connection, Engine, event, text
 
 from app.core import contracts
-from app.core.settings import Settings
+from app.core.settings import Settings, get_settings
 from app.ledger import (
     archive,
     claims,
@@ -128,6 +128,24 @@ EXEMPT: dict[str, str] = {
         ("dashboard_queries.item_ranges", "dashboard_queries.failure_reasons"),
         "`tokenmill report`'s page: sums over the whole run by design, not a periodic read",
     ),
+    **dict.fromkeys(
+        ("registry.delete_server", "registry.note_probe"),
+        "the servers table, by the server's name",
+    ),
+    **dict.fromkeys(
+        (
+            "windows.record_window",
+            "windows.drop_window",
+            "windows.sharing_owners",
+            "windows.server_window",
+        ),
+        "server_windows: a row per live worker, by server and owner (server_window reads none)",
+    ),
+    **dict.fromkeys(
+        ("registry.has_served", "registry.leases_by_run"),
+        "`servers remove` and a worker that stops without ever reaching its server: one read of "
+        "that server's items, not periodic",
+    ),
     "database.get_engine": "no statement",
     "database.limit_periodic": "sets a statement timeout",
     "common.utcnow": "no statement",
@@ -137,6 +155,30 @@ EXEMPT: dict[str, str] = {
 # Statements this test finds that are not fixed yet, by (path, statistics): what their problem
 # reads like, and why. The test fails when one of them is fixed, so the entry goes.
 KNOWN: dict[tuple[str, str], tuple[str, str]] = {
+    ("tokenmill status", "stale"): (
+        "SELECT coalesce(items_archive.fail_reason",
+        "status's failed items by reason (only for runs whose counters show failures) sorts "
+        "the run's failed archived rows to group them: bounded by the failures, not the run; "
+        "a partial index on the archive's failed rows by reason would take the sort away",
+    ),
+    ("tokenmill status", "fresh"): (
+        "SELECT coalesce(items_archive.fail_reason",
+        "status's failed items by reason (only for runs whose counters show failures) sorts "
+        "the run's failed archived rows to group them: bounded by the failures, not the run; "
+        "a partial index on the archive's failed rows by reason would take the sort away",
+    ),
+    ("tokenmill status RUN", "stale"): (
+        "SELECT coalesce(items_archive.fail_reason",
+        "status's failed items by reason (only for runs whose counters show failures) sorts "
+        "the run's failed archived rows to group them: bounded by the failures, not the run; "
+        "a partial index on the archive's failed rows by reason would take the sort away",
+    ),
+    ("tokenmill status RUN", "fresh"): (
+        "SELECT coalesce(items_archive.fail_reason",
+        "status's failed items by reason (only for runs whose counters show failures) sorts "
+        "the run's failed archived rows to group them: bounded by the failures, not the run; "
+        "a partial index on the archive's failed rows by reason would take the sort away",
+    ),
     ("runner", "stale"): (
         "Index Scan ix_items_run_status_id read 48000 rows: SELECT items.",
         "claim_next_groups looks up a run's keys; while the statistics know no item of the "
@@ -286,7 +328,11 @@ LEDGER_DIR = str(ROOT / "app" / "ledger")
 
 def _cli(ledger: Ledger, *argv: str) -> None:
     env = {"TOKENMILL_DATABASE_URL": ledger.url, "TOKENMILL_BROKER_URL": "memory://"}
-    result = CliRunner().invoke(cli.cli, list(argv), env=env, catch_exceptions=False)
+    get_settings.cache_clear()  # an earlier test's settings would point the command elsewhere
+    try:
+        result = CliRunner().invoke(cli.cli, list(argv), env=env, catch_exceptions=False)
+    finally:
+        get_settings.cache_clear()
     assert result.exit_code == 0, result.output
 
 
