@@ -12,7 +12,12 @@ from typing import Any
 
 from sqlalchemy import Connection, delete, func, insert, select, update
 
-from app.core.constants import EVENT_ENQUEUE_STOPPED, EVENT_ENQUEUED, PauseReason
+from app.core.constants import (
+    EVENT_ENQUEUE_STOPPED,
+    EVENT_ENQUEUED,
+    PAUSED_BY_WATCHDOG,
+    PauseReason,
+)
 from app.core.errors import NotFound
 from app.core.models import ItemStatus
 from app.ledger.claims import run_has_items
@@ -286,12 +291,19 @@ def note_probe(
     latency_s: float | None,
     error: str | None,
 ) -> str | None:
-    """A probe made by `tokenmill run` or a restart (not the watchdog's state machine): the last
-    probe, its time and result, and the state it saw; the state before (None: the server is
-    not registered, nothing is written)."""
-    row = conn.execute(select(servers.c.state).where(servers.c.name == name)).first()
+    """A probe made by `tokenmill run`, a worker or a restart (not the watchdog's state
+    machine): the last probe, its time and result, and the state it saw (a healthy one of a
+    server the watchdog paused keeps the watchdog's state); the state before (None: the server
+    is not registered, nothing is written)."""
+    row = conn.execute(
+        select(servers.c.state, servers.c.paused, servers.c.paused_by).where(servers.c.name == name)
+    ).first()
     if row is None:
         return None
+    if state == "healthy" and row.paused and row.paused_by == PAUSED_BY_WATCHDOG:
+        # a liveness 200 does not overrule the watchdog's generation check: a hung scheduler
+        # keeps /health at 200; the watchdog's own thresholds bring the server back
+        state = str(row.state)
     values = _probe_values(row.state, state, ok, latency_s, error)
     conn.execute(update(servers).where(servers.c.name == name).values(**values))
     return str(row.state)
