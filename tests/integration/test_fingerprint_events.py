@@ -51,7 +51,7 @@ def test_one_event_per_run_and_server(db: Engine, emulator: EmulatorProcess) -> 
     first = runtime(db, emulator, "gpu-a")
     answers: list[bool] = []
     threads = [
-        threading.Thread(target=lambda: answers.append(first.run_matches_server(run.id)))
+        threading.Thread(target=lambda: answers.append(first.pins.run_matches_server(run.id)))
         for _ in range(4)
     ]
     for thread in threads:
@@ -59,11 +59,11 @@ def test_one_event_per_run_and_server(db: Engine, emulator: EmulatorProcess) -> 
     for thread in threads:
         thread.join()
     assert answers == [True] * 4
-    first.forget_run(run.id)  # a resume: checked again
-    assert first.run_matches_server(run.id)
-    assert runtime(db, emulator, "gpu-a").run_matches_server(run.id)  # its second worker
-    assert runtime(db, emulator, "gpu-b").run_matches_server(run.id)  # another server
-    assert first.run_matches_server(other.id)
+    first.pins.forget_run(run.id)  # a resume: checked again
+    assert first.pins.run_matches_server(run.id)
+    assert runtime(db, emulator, "gpu-a").pins.run_matches_server(run.id)  # its second worker
+    assert runtime(db, emulator, "gpu-b").pins.run_matches_server(run.id)  # another server
+    assert first.pins.run_matches_server(other.id)
     assert sorted(pinned_events(db)) == sorted(
         [(run.id, "gpu-a"), (run.id, "gpu-b"), (other.id, "gpu-a")]
     )

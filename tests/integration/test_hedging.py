@@ -292,7 +292,7 @@ def start(stack: contextlib.ExitStack, worker: Worker) -> None:
 
 def hold(db: Engine, holder: Worker, run: run_queries.RunInfo, ids: list[int]) -> None:
     """The holder claims every item and sends them; back once all run on its server."""
-    assert holder.rt.run_matches_server(run.id)  # pins the run's fingerprint, as a claim does
+    assert holder.rt.pins.run_matches_server(run.id)  # pins the run's fingerprint, as a claim does
     rt = holder.rt
     with db.begin() as conn:
         claimed = claims.claim_items(
@@ -460,7 +460,7 @@ def test_a_refused_run_does_not_keep_the_hedger_from_other_runs(pg_engine: Engin
             their_ids = add_items(conn, theirs, 2)
             mine = make_run(conn, "mine")
             my_ids = add_items(conn, mine, 1)
-        assert fast.rt.run_matches_server(mine.id)  # pins "mine" to the fast server
+        assert fast.rt.pins.run_matches_server(mine.id)  # pins "mine" to the fast server
         start(stack, slow)
         hold(pg_engine, slow, theirs, their_ids)
         with pg_engine.begin() as conn:  # the slow window runs it without a fingerprint check

@@ -313,7 +313,7 @@ def start(
 def send(db: Engine, rt: WorkerRuntime, ids: list[int]) -> None:
     with db.begin() as conn:
         claimed = claims.claim_items(conn, ids, owner=rt.owner, server=rt.server_name, lease_s=60)
-    assert all(rt.run_matches_server(c.run_id) for c in claimed)
+    assert all(rt.pins.run_matches_server(c.run_id) for c in claimed)
     rt.window.submit(claimed)
     deadline = time.monotonic() + 30
     while not rt.window.idle():
@@ -380,14 +380,14 @@ def test_an_image_counted_differently_on_a_second_server_is_drift(
     send(db, start(db, store, runtimes, "gpu-a", FakeServer()), [a])
     other = start(db, store, runtimes, "gpu-b", FakeServer(count_scale=2))
     # the run pinned gpu-a's image settings, so gpu-b is refused by its fingerprint at once
-    assert not other.run_matches_server(run.id)
-    other.forget_run(run.id)
+    assert not other.pins.run_matches_server(run.id)
+    other.pins.forget_run(run.id)
     text_only = ServerFingerprint(model_path="m", version="0.5.23").to_json()
     with db.begin() as conn:  # a run pinned without them (by a text-only server first, say)
         conn.execute(update(runs).where(runs.c.id == run.id).values(fingerprint=text_only))
     with db.begin() as conn:
         claimed = claims.claim_items(conn, [b], owner=other.owner, server="gpu-b", lease_s=60)
-    assert other.run_matches_server(run.id)
+    assert other.pins.run_matches_server(run.id)
     other.window.submit(claimed)
     deadline = time.monotonic() + 30
     while not other.window.idle():
@@ -416,7 +416,7 @@ def test_a_wrong_prompt_tokens_is_drift_and_an_unregistered_server_stops_itself(
     send(db, rt, [item])
     assert row(db, item).status == "queued"
     assert rt.paused() and "meta_info.prompt_tokens is 2, but 25 prompt ids" in (
-        rt.local_pause or ""
+        rt.pauses.local or ""
     )
 
 
@@ -443,7 +443,7 @@ def test_a_text_only_server_is_never_sent_an_image_item(
     text = add(db, run, "t", [1, 2], [])
     server = FakeServer(reads_images=False)
     rt = start(db, store, runtimes, "gpu-a", server)
-    assert not rt.reads_images()
+    assert not rt.pins.reads_images()
     sent: list[tuple[list[int], float]] = []
     report = handle_message(
         rt, [item, sample, text], requeue=lambda ids, wait_s: sent.append((ids, wait_s))

@@ -21,6 +21,19 @@ class FakeSettings:
     lease_s: float = 60.0
 
 
+class FakePins:
+    """What handle_message asks of a runtime's RunPins: every run served and matched."""
+
+    def run_matches_server(self, run_id: int) -> bool:
+        return True
+
+    def serves_run(self, run_id: int) -> bool:
+        return True
+
+    def reads_images(self) -> bool:
+        return True
+
+
 @dataclass
 class FakeRuntime:
     """What handle_message uses of a WorkerRuntime."""
@@ -31,18 +44,10 @@ class FakeRuntime:
     owner: str = "owner-1"
     server_name: str = "fake"
     is_paused: bool = False
+    pins: FakePins = field(default_factory=FakePins)
 
     def paused(self) -> bool:
         return self.is_paused
-
-    def run_matches_server(self, run_id: int) -> bool:
-        return True
-
-    def serves_run(self, run_id: int) -> bool:
-        return True
-
-    def reads_images(self) -> bool:
-        return True
 
 
 def setup(db: Engine, n: int) -> tuple[FakeRuntime, list[int]]:

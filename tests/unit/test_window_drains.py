@@ -136,14 +136,17 @@ class _Window:
         return 0
 
 
+class _Pauses:
+    def state(self, *, max_age_s: float = 1.0) -> tuple[bool, str | None]:
+        return False, None
+
+
 class _Runtime:
     server_name = "gpu-a:30000"
 
     def __init__(self) -> None:
         self.window = _Window()
-
-    def pause_state(self, *, max_age_s: float = 1.0) -> tuple[bool, str | None]:
-        return False, None
+        self.pauses = _Pauses()
 
 
 class _Control:

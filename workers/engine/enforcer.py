@@ -45,7 +45,7 @@ class PauseEnforcer:
         self._thread.join(timeout=5)
 
     def check(self) -> None:
-        paused, by = self.rt.pause_state(max_age_s=0.0)
+        paused, by = self.rt.pauses.state(max_age_s=0.0)
         held = self._held_here()
         if held is not None and not paused:
             # the worker's own probes hold its server (a drain, a refused key): it takes no

@@ -65,7 +65,7 @@ class _Intake:
         self.rt = rt
         self.requeue = requeue
         # a server that reads no images claims text items only; image items go back
-        self.text_only = not rt.reads_images()
+        self.text_only = not rt.pins.reads_images()
         self.accepted: list[claims.ClaimedItem] = []
         self.refused: list[claims.ClaimedItem] = []
         self.skipped = 0
@@ -95,7 +95,7 @@ class _Intake:
             self.requeue(passed_over, wait_s)
             self.passed += len(passed_over)
         self.skipped += len(take) - len(claimed) - len(passed_over)
-        refused = [c for c in claimed if not rt.run_matches_server(c.run_id)]
+        refused = [c for c in claimed if not rt.pins.run_matches_server(c.run_id)]
         if refused:
             self.requeue(_release(rt, refused, "server fingerprint differs from the run's"), wait_s)
             self.refused += refused
@@ -118,8 +118,8 @@ def _not_served(
     """The ids of runs this worker does not serve, left unclaimed: a bound run's go back to
     the queue for the servers it is bound to; a run `tokenmill run` drives takes its items
     from the ledger itself, so a message of them is dropped (nothing of the ledger changes)."""
-    foreign = [i for i in ids if i in keys and not rt.serves_run(keys[i][0])]
-    bound = [i for i in foreign if rt.run_info(keys[i][0]).fleet_run]
+    foreign = [i for i in ids if i in keys and not rt.pins.serves_run(keys[i][0])]
+    bound = [i for i in foreign if rt.pins.run_info(keys[i][0]).fleet_run]
     if bound:
         requeue(bound, rt.settings.unavailable_wait_s)
     if len(bound) < len(foreign):

@@ -156,7 +156,7 @@ class EmbeddedRunner:
                 contact.found_up()
                 # back from being down: it may have restarted with other weights or image
                 # settings, so its fingerprint is read again before it takes work
-                rt.forget_run(self.run.id)
+                rt.pins.forget_run(self.run.id)
             elif before is Health.DRAINING:
                 self.on_notice(f"--server {rt.server_url} serves again (its drain is over)")
         elif seen.state is Health.DRAINING:
@@ -207,11 +207,11 @@ class EmbeddedRunner:
             if self._parity_blocks(rt):
                 self._stop.wait(max(self.poll_s, rt.settings.unavailable_wait_s))
                 continue
-            if not rt.run_matches_server(self.run.id):
+            if not rt.pins.run_matches_server(self.run.id):
                 # refused (its fingerprint differs), or its fingerprint could not be read yet
-                self._refused[rt.server_name] = rt.refuses_run(self.run.id)
+                self._refused[rt.server_name] = rt.pins.refuses_run(self.run.id)
                 self._stop.wait(max(self.poll_s, rt.settings.unavailable_wait_s))
-                rt.forget_run(self.run.id)  # look again: the server may come back fixed
+                rt.pins.forget_run(self.run.id)  # look again: the server may come back fixed
                 continue
             self._refused[rt.server_name] = False
             try:
@@ -233,7 +233,7 @@ class EmbeddedRunner:
     def _claim(self, rt: WorkerRuntime, room: int) -> list[claims.ClaimedItem]:
         """Up to room items, or (boundary samples) every item of up to room conversations;
         text items only for a server that reads no images."""
-        text_only = not rt.reads_images()
+        text_only = not rt.pins.reads_images()
         if self.run.turns != "each":
             with self.db.begin() as conn:
                 return claims.claim_next(
@@ -279,8 +279,8 @@ class EmbeddedRunner:
                     down=not contact.up,
                     down_for_s=contact.down_for_s,
                     down_error=contact.error,
-                    text_only=rt.known_text_only(),
-                    drift=rt.local_pause,
+                    text_only=rt.pins.known_text_only(),
+                    drift=rt.pauses.local,
                     draining=rt.window.draining is not None,
                     auth=rt.window.auth_error is not None,
                 )
@@ -328,13 +328,13 @@ class EmbeddedRunner:
             return None
         if not all(rt.window.idle() for rt in self.runtimes):
             return None
-        if all(rt.local_pause for rt in self.runtimes):
-            drifts = "; ".join(f"{rt.server_name}: {rt.local_pause}" for rt in self.runtimes)
+        if all(rt.pauses.local for rt in self.runtimes):
+            drifts = "; ".join(f"{rt.server_name}: {rt.pauses.local}" for rt in self.runtimes)
             return (
                 f"every server stopped for token drift, so run {self.run.name} cannot go on "
                 f"(nothing it served was written): {drifts}"
             )
-        if not all(rt.known_text_only() or rt.local_pause for rt in self.runtimes):
+        if not all(rt.pins.known_text_only() or rt.pauses.local for rt in self.runtimes):
             return None
         with self.db.connect() as conn:
             if text_items_left(conn, self.run.id):

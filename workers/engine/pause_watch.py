@@ -1,0 +1,109 @@
+"""Whether one worker may send to its server now: the server's durable pause flag in the
+registry, read at most once a second, and the worker's own pause when it found token drift on
+an image item of a server the registry does not know (`tokenmill run`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from sqlalchemy import Engine
+
+from app.core.constants import EVENT_IMAGE_DRIFT, PAUSED_BY_IMAGES
+from app.ledger import event_log, registry
+from workers.control.pausing import CeleryControl, pause_server
+
+log = logging.getLogger(__name__)
+
+
+class PauseWatch:
+    """The pause state of one server as its worker sees it; on_resume is called when a pause
+    is found lifted (the server's configuration may have changed meanwhile)."""
+
+    def __init__(self, db: Engine, server_name: str, *, on_resume: Callable[[], None]) -> None:
+        self.db = db
+        self.server_name = server_name
+        self._on_resume = on_resume
+        self._lock = threading.Lock()
+        self._cache: tuple[float, bool, str | None] = (-1e9, False, None)
+        self._local: str | None = None
+        # token drift on an image item was reported (the server paused) since the last resume
+        self._drift_reported = False
+
+    def paused(self) -> bool:
+        """The durable pause flag of this server, read at most once a second (or its own
+        pause for token drift, when the registry does not know the server)."""
+        return self._local is not None or self.state()[0]
+
+    @property
+    def local(self) -> str | None:
+        """Why this worker stopped sending on its own (token drift, unregistered server)."""
+        return self._local
+
+    def state(self, *, max_age_s: float = 1.0) -> tuple[bool, str | None]:
+        """(paused, who paused it) from the ledger; on a read error the last known value."""
+        now = time.monotonic()
+        at, paused, by = self._cache
+        if now - at < max_age_s:
+            return paused, by
+        was_paused = paused
+        try:
+            with self.db.connect() as conn:
+                paused, by = registry.pause_flag(conn, self.server_name)
+        except Exception as exc:
+            log.warning(
+                "could not read the pause flag of %s (%s)",
+                self.server_name,
+                exc,
+                extra={"action": "pause_flag_unreadable"},
+            )
+        self._cache = (now, paused, by)
+        if was_paused and not paused:
+            self._on_resume()
+            self._drift_reported = False
+        return paused, by
+
+    def reread(self) -> None:
+        """Read the flag again on next use (this worker may just have paused the server)."""
+        self._cache = (-1e9, False, None)
+
+    def image_drift(self, run_id: int, run_name: str, item_id: int, difference: str) -> str:
+        """Once until the server is resumed: record the drift and pause the server (in the
+        registry, or on its own when the registry has no such server); the refusal."""
+        refusal = f"token drift: {difference}"
+        with self._lock:
+            first = not self._drift_reported
+            self._drift_reported = True
+        if not first:
+            return refusal
+        reason = f"token drift on run {run_name} item {item_id}: {difference}"
+        log.warning("server %s: %s", self.server_name, reason, extra={"action": "token_drift"})
+        try:
+            with self.db.begin() as conn:
+                event_log.record_event(
+                    conn,
+                    EVENT_IMAGE_DRIFT,
+                    f"{self.server_name}: {reason}",
+                    run_id=run_id,
+                    server=self.server_name,
+                    details={"item_id": item_id, "difference": difference},
+                )
+                registered = registry.find_server(conn, self.server_name) is not None
+            if registered:
+                pause_server(
+                    self.db, CeleryControl(), self.server_name, by=PAUSED_BY_IMAGES, reason=reason
+                )
+            else:
+                self._local = reason
+        except Exception:
+            log.exception(
+                "could not pause %s for token drift",
+                self.server_name,
+                extra={"action": "drift_pause_failed"},
+            )
+            self._local = reason  # this worker stops sending at least
+        self.reread()
+        return refusal

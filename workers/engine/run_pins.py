@@ -1,0 +1,334 @@
+"""What one worker knows of the runs it meets and of its server: each run's pinned
+configuration, whether the server's fingerprint matches what the run pinned, and the weight
+version each run's results are checked by.
+
+The worker's runtime owns one; the window asks it (through the runtime, its RunPolicy)
+whether a claimed item may be sent to this server and whether a result may be written.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from sqlalchemy import Connection, Engine
+
+from app.core.constants import EVENT_FINGERPRINT_MISMATCH, EVENT_FINGERPRINT_PINNED
+from app.core.contracts import GenerateResult, ServerFingerprint
+from app.core.errors import AuthRequired, GenerationError
+from app.ledger import event_log, run_queries
+from app.ledger.image_tokens import pin_image_settings
+from app.sglang.client import SGLangClient
+from workers.control.pausing import CeleryControl
+from workers.control.weights import note_weights
+from workers.engine.image_checks import ImageChecks
+
+log = logging.getLogger(__name__)
+
+
+def fingerprint_summary(fingerprint: dict[str, Any]) -> str:
+    """A fingerprint on one line, `key=value` for each field that has a value (the event's
+    details keep the whole of it)."""
+    parts = []
+    for key, value in fingerprint.items():
+        if value is None or value == {} or value == []:
+            continue
+        if isinstance(value, dict):
+            value = ", ".join(f"{k}={v}" for k, v in value.items() if v is not None)
+            value = f"{{{value}}}"
+        parts.append(f"{key}={value}")
+    return " ".join(parts)
+
+
+class RunPins:
+    """The runs one worker serves, checked against its server's fingerprint once each.
+
+    new_client reaches the server; images answers which runs carry images. The callbacks tell
+    the rest of the runtime what the pins found: on_fingerprint_read after the server's
+    fingerprint was read anew (its capacity may have changed with it), on_auth with the
+    server's refusal when it wants an API key, on_weights_noted after a weight change was
+    recorded (the server may have been paused).
+    """
+
+    def __init__(
+        self,
+        db: Engine,
+        server_name: str,
+        *,
+        only_run: int | None,
+        new_client: Callable[[], SGLangClient],
+        images: ImageChecks,
+        on_fingerprint_read: Callable[[], None],
+        on_auth: Callable[[str], None],
+        on_weights_noted: Callable[[], None],
+    ) -> None:
+        self.db = db
+        self.server_name = server_name
+        # the embedded runner serves its own run only; a fleet worker the runs bound to it
+        self.only_run = only_run
+        self._new_client = new_client
+        self._images = images
+        self._on_fingerprint_read = on_fingerprint_read
+        self._on_auth = on_auth
+        self._on_weights_noted = on_weights_noted
+        self._lock = threading.Lock()
+        self._pin_lock = threading.Lock()
+        self._runs: dict[int, run_queries.RunInfo] = {}
+        self._run_ok: dict[int, bool] = {}
+        self._fingerprint: ServerFingerprint | None = None
+        # the weight version each run this worker serves pinned (results are checked by it),
+        # and the weight changes this worker already reported
+        self._pinned_versions: dict[int, str | None] = {}
+        self._drifts_seen: set[tuple[int, str]] = set()
+        self._refused_runs: set[int] = set()  # runs this worker gave back, said once each
+
+    # --- the runs ---------------------------------------------------------------------------
+
+    def run_info(self, run_id: int) -> run_queries.RunInfo:
+        """The run's pinned configuration, read once per process."""
+        with self._lock:
+            cached = self._runs.get(run_id)
+        if cached is not None:
+            return cached
+        with self.db.connect() as conn:
+            info = run_queries.get_run_by_id(conn, run_id)
+        with self._lock:
+            self._runs[run_id] = info
+        return info
+
+    def serves_run(self, run_id: int) -> bool:
+        """Whether this worker may take the run's items: the embedded runner its own run only;
+        a fleet worker a fleet run (not one `tokenmill run` drives) bound to no servers or to
+        its own. The first item of a run it does not serve is logged, once."""
+        if self.only_run is not None:
+            return run_id == self.only_run
+        run = self.run_info(run_id)
+        if run.served_by(self.server_name):
+            return True
+        with self._lock:
+            first = run_id not in self._refused_runs
+            self._refused_runs.add(run_id)
+        if first:
+            log.info(
+                "server %s does not serve run %s: served by %s",
+                self.server_name,
+                run.name,
+                run.binding(),
+                extra={"action": "run_not_served", "run": run.name},
+            )
+        return False
+
+    def checked_runs(self) -> list[int]:
+        """The runs found not to match this server, and the runs of boundary samples (whose
+        items wait on their conversation's server): hedging skips both."""
+        with self._lock:
+            refused = [run_id for run_id, ok in self._run_ok.items() if not ok]
+            refused += [run_id for run_id, info in self._runs.items() if info.turns == "each"]
+        return refused
+
+    # --- the server -------------------------------------------------------------------------
+
+    def server_fingerprint(self) -> ServerFingerprint:
+        if self._fingerprint is None:
+            client = self._new_client()
+            try:
+                self._fingerprint = client.fingerprint()
+            finally:
+                client.close()
+            self._on_fingerprint_read()
+        return self._fingerprint
+
+    def reads_images(self) -> bool:
+        """Whether the server understands images (`has_image_understanding`); a server whose
+        fingerprint cannot be read now counts as one that does not (it gets text items,
+        which its run check then defers)."""
+        try:
+            return self.server_fingerprint().reads_images
+        except GenerationError:
+            return False
+
+    def known_text_only(self) -> bool:
+        """The server was read and understands no images (not merely unknown now)."""
+        fingerprint = self._fingerprint
+        return fingerprint is not None and not fingerprint.reads_images
+
+    # --- a run against the server -----------------------------------------------------------
+
+    def run_matches_server(self, run_id: int) -> bool:
+        """Pin the server fingerprint on first use of a run; refuse a server that differs."""
+        with self._lock:
+            known = self._run_ok.get(run_id)
+        if known is not None:
+            return known
+        with self._pin_lock:  # the pool's threads meet a new run at once: one of them checks
+            with self._lock:
+                known = self._run_ok.get(run_id)
+            if known is not None:
+                return known
+            return self._check_run(run_id)
+
+    def refuses_run(self, run_id: int) -> bool:
+        """This server's fingerprint was found to differ from the run's pinned one."""
+        with self._lock:
+            return self._run_ok.get(run_id) is False
+
+    def forget_runs(self) -> None:
+        """Check every run against the server's fingerprint again on next use (a run's pinned
+        weight version stays: results still in flight are checked by it)."""
+        with self._lock:
+            self._run_ok.clear()
+        self._fingerprint = None
+
+    def forget_run(self, run_id: int) -> None:
+        """Check this run's fingerprint again on next use (the server may have changed)."""
+        with self._lock:
+            self._run_ok.pop(run_id, None)
+        self._fingerprint = None
+
+    def _check_run(self, run_id: int) -> bool:
+        try:
+            fingerprint = self.server_fingerprint()
+        except AuthRequired as exc:
+            self._on_auth(str(exc))  # nothing is sent (or claimed) until a key passes
+            return False
+        except GenerationError as exc:
+            log.info(
+                "fingerprint of %s unavailable (%s); deferring",
+                self.server_name,
+                exc,
+                extra={"action": "fingerprint_deferred"},
+            )
+            return False
+        mine = fingerprint.to_json()
+        required = self.run_info(run_id).weight_version
+        if required is not None and fingerprint.weight_version != required:
+            return self._refuse_version(run_id, required, fingerprint)
+        image_run = self._images.pins(run_id) is not None
+        with self.db.begin() as conn:
+            pinned = run_queries.pin_fingerprint(conn, run_id, mine)
+            if fingerprint.images is not None and image_run:
+                # a run of images pins the image settings of the first server that reads them
+                pinned = pin_image_settings(conn, run_id, fingerprint.images)
+            ok = not ServerFingerprint(**pinned).differences(fingerprint)
+            # once per run and server: not again from its other workers, or after a resume
+            if ok and not event_log.has_event(
+                conn, EVENT_FINGERPRINT_PINNED, run_id=run_id, server=self.server_name
+            ):
+                self._pinned_event(conn, run_id, mine)
+            if not ok:
+                diff = ServerFingerprint(**pinned).differences(fingerprint)
+                message = (
+                    f"server {self.server_name} does not match the run's pinned configuration: "
+                    + "; ".join(diff)
+                )
+                log.warning(message, extra={"action": "run_refused"})
+                self._mismatch(conn, run_id, message, {"pinned": pinned, "server": mine})
+        with self._lock:
+            self._run_ok[run_id] = ok
+            if ok:
+                self._pinned_versions[run_id] = pinned.get("weight_version")
+        return ok
+
+    def _pinned_event(self, conn: Connection, run_id: int, mine: dict[str, Any]) -> None:
+        run_name = self.run_info(run_id).name
+        summary = fingerprint_summary(mine)
+        log.info(
+            "run %s uses server %s: %s",
+            run_name,
+            self.server_name,
+            summary,
+            extra={"action": "fingerprint_pinned"},
+        )
+        event_log.record_event(
+            conn,
+            EVENT_FINGERPRINT_PINNED,
+            f"{self.server_name} serves run {run_name}: {summary}",
+            run_id=run_id,
+            server=self.server_name,
+            details=mine,
+        )
+
+    def _refuse_version(self, run_id: int, required: str, fingerprint: ServerFingerprint) -> bool:
+        """A run pinned to another weight version: this server skips it (and may serve others)."""
+        message = (
+            f"server {self.server_name} does not serve run {self.run_info(run_id).name}: "
+            f"weight_version: {required} (--weight-version) → {fingerprint.weight_version}"
+        )
+        log.info(message, extra={"action": "run_refused"})
+        with self.db.begin() as conn:
+            details = {"weight_version": required, "server": fingerprint.to_json()}
+            self._mismatch(conn, run_id, message, details)
+        with self._lock:
+            self._run_ok[run_id] = False
+        return False
+
+    def _mismatch(
+        self, conn: Connection, run_id: int, message: str, details: dict[str, Any]
+    ) -> None:
+        """The timeline's entry for a run this server does not serve."""
+        event_log.record_event(
+            conn,
+            EVENT_FINGERPRINT_MISMATCH,
+            message,
+            run_id=run_id,
+            server=self.server_name,
+            details=details,
+        )
+
+    # --- the weights a result was made under ------------------------------------------------
+
+    def weights_refusal(self, run_id: int, result: GenerateResult) -> str | None:
+        """The change ("weight_version: A → B") when result was made (in part) under other
+        weights than the run pinned; None when it is the run's."""
+        with self._lock:
+            pinned = self._pinned_versions.get(run_id)
+        seen = result.weight_versions or (
+            (result.weight_version,) if result.weight_version is not None else ()
+        )
+        other = [v for v in seen if v != pinned]
+        if pinned is None or not other:
+            return None
+        change = f"weight_version: {pinned} → {other[-1]}"
+        self._weights_changed(run_id, other[-1])
+        return change
+
+    def _weights_changed(self, run_id: int, version: str) -> None:
+        """Once per run and version: look at the server again, record the change and pause the
+        server if no active run takes its new weights; check every run again on next use."""
+        with self._lock:
+            if (run_id, version) in self._drifts_seen:
+                return
+            self._drifts_seen.add((run_id, version))
+            before = self._fingerprint.to_json() if self._fingerprint is not None else None
+        self.forget_runs()
+        try:
+            fingerprint = self.server_fingerprint()
+        except GenerationError as exc:
+            log.warning(
+                "fingerprint of %s unavailable (%s)",
+                self.server_name,
+                exc,
+                extra={"action": "fingerprint_unavailable"},
+            )
+            fingerprint = ServerFingerprint(weight_version=version)
+        if before is not None and fingerprint.weight_version == before.get("weight_version"):
+            # the server answers with other weights than /model_info says: what it answered wins
+            fingerprint = ServerFingerprint(**{**before, "weight_version": version})
+        try:
+            note_weights(
+                self.db, CeleryControl(), self.server_name, fingerprint, "a worker", before
+            )
+        except Exception:
+            # the next result of these weights tries again (a busy SQLite ledger, say)
+            log.exception(
+                "could not record the weight change of %s",
+                self.server_name,
+                extra={"action": "weights_record_failed"},
+            )
+            with self._lock:
+                self._drifts_seen.discard((run_id, version))
+                if before is not None and self._fingerprint is None:
+                    self._fingerprint = ServerFingerprint(**before)
+        self._on_weights_noted()
