@@ -1,6 +1,7 @@
 """The fleet exactly as the docs start it: README's "Distributed", docs/restarts.md ("Riding
 through server restarts"), and ops/README's "Start a fleet" and "A server needs a restart", run
-as printed on two emulated GPU nodes.
+as printed on two emulated GPU nodes; once the run is done, the runbook's sections for a
+finished run (watch, reconcile, pause) on the same ledger.
 
 Two servers, one worker each, beat and Flower; a `tokenmill restart` of one server never pauses
 the other's worker (its in-flight count stays up); Flower lists both workers; every item is
@@ -22,6 +23,7 @@ from emulator.config import EmulatorConfig
 from emulator.model import generate_output
 from tests.support.procs import ROOT, wait_for
 from tests.support.readme_fleet import (
+    NOT_RUN,
     Command,
     Fleet,
     commands,
@@ -46,7 +48,29 @@ FLOWER_PASSWORD = "SECRET"  # as printed
 
 
 def section(path: Path, heading: str | None) -> list[Command]:
-    return [c for block in section_blocks(path.read_text(), heading) for c in commands(block)]
+    """The section's commands a test runs (NOT_RUN's left out)."""
+    doc = str(path.relative_to(ROOT))
+    return [
+        c
+        for block in section_blocks(path.read_text(), heading)
+        for c in commands(block)
+        if (doc, c.text) not in NOT_RUN
+    ]
+
+
+# the runbook's sections for a finished run, in the order an operator would go, and a key part
+# of each command's output (stdout and stderr), by its words
+AFTER_THE_RUN = (
+    "Watch a run",
+    "Redis is down",
+    "Pause for maintenance",
+)
+KEY_OUTPUT = {
+    ("tokenmill", "status"): "r1",
+    ("tokenmill", "servers"): "worker: http://localhost:",
+    ("tokenmill", "events"): "restarted and resumed",
+    ("tokenmill", "reconcile"): '"broker_checked": true',
+}
 
 
 @pytest.fixture
@@ -143,6 +167,14 @@ def test_ops_readme_start_a_fleet_keeps_the_registered_urls(
     assert {f"{a}@gpu-a", f"{b}@gpu-b"} <= set(workers), workers
     with pg_engine.connect() as conn:
         assert registry.get_server(conn, a).url == f"http://127.0.0.1:{fleet.nodes['gpu-a']}"
+    for heading in AFTER_THE_RUN:
+        for command in section(runbook, heading):
+            if command.long_running:
+                continue  # Flower: started above, beside the run
+            (done,) = fleet.run(command)  # exit 0, or it fails here
+            key = KEY_OUTPUT.get(tuple(command.argv[:2]))
+            assert key is None or key in done.stdout + done.stderr, (command.text, done)
+            print(f"$ {command.text}\n{done.stdout[-1500:]}\n{done.stderr[-1500:]}")
 
 
 def serving(db: Engine, servers: dict[str, str]) -> bool:

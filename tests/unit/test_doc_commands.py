@@ -1,12 +1,13 @@
-"""Every command the docs print is right: each line of a ```bash block in README.md, docs/*.md
-and ops/README.md is either run as printed by a test or checked here without running it.
+"""Every command the docs print is right and run: each line of a ```bash block in README.md,
+docs/*.md and ops/README.md is run as printed by a test, or listed with the reason it is not,
+and checked here without running it.
 
-Run as printed (and checked here too):
-
-- README's "Distributed", docs/restarts.md and ops/README's "Start a fleet", "A server needs a
-  restart" and `tokenmill flower` of "Watch a run": tests/e2e/test_readme_fleet.py;
-- `pip install -e . && tokenmill demo` and the commands the demo prints:
-  tests/e2e/test_cli.py (`make test` is what CI runs, .ci/run).
+Run as printed: the sections in tests/support/readme_fleet.RUN_AS_PRINTED, every command of
+them but NOT_RUN's: README's "Distributed", docs/restarts.md and ops/README's fleet, restart,
+watch, reconcile and pause sections in
+tests/e2e/test_readme_fleet.py; `pip install -e . && tokenmill demo` and the commands the demo
+prints in tests/e2e/test_cli.py (`make test` is what CI runs, .ci/run). A command in no such
+section fails here until a test runs it or it is listed (NOT_RUN, ALLOWED) with the reason.
 
 Checked here: a `tokenmill ...` command resolves to a command of the CLI (subcommands too) and
 its words parse with click (every option exists and takes what it is given; choices and
@@ -32,7 +33,7 @@ from celery.bin.celery import celery as celery_cli
 
 from app.core.settings import Settings
 from ops.cli import cli
-from tests.support.readme_fleet import ASSIGNMENT, commands
+from tests.support.readme_fleet import ASSIGNMENT, NOT_RUN, RUN_AS_PRINTED, commands
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "ops" / "README.md"]
@@ -53,6 +54,7 @@ class Printed:
     line: str
     env: tuple[tuple[str, str], ...]
     argv: tuple[str, ...]
+    section: str | None = None  # the `## ` heading it is under, None before the first
 
     def __str__(self) -> str:
         return f"{self.doc}: {self.line}"
@@ -63,15 +65,20 @@ def printed_commands() -> list[Printed]:
     out = []
     for doc in DOCS:
         text = doc.read_text(encoding="utf-8")
-        for block in re.findall(r"```bash\n(.*?)```", text, flags=re.DOTALL):
-            for command in commands(block):
-                words = list(command.argv)
-                env = tuple(command.env.items())
-                while words:
-                    cut = words.index("&&") if "&&" in words else len(words)
-                    name = str(doc.relative_to(ROOT))
-                    out.append(Printed(name, command.text, env, tuple(words[:cut])))
-                    words, env = words[cut + 1 :], ()
+        # a section is a `## ` heading and the text up to the next one
+        parts = re.split(r"^## (.*)$", text, flags=re.MULTILINE)
+        sections = [(None, parts[0]), *zip(parts[1::2], parts[2::2], strict=True)]
+        for heading, body in sections:
+            for block in re.findall(r"```bash\n(.*?)```", body, flags=re.DOTALL):
+                for command in commands(block):
+                    words = list(command.argv)
+                    env = tuple(command.env.items())
+                    while words:
+                        cut = words.index("&&") if "&&" in words else len(words)
+                        name = str(doc.relative_to(ROOT))
+                        argv = tuple(words[:cut])
+                        out.append(Printed(name, command.text, env, argv, heading))
+                        words, env = words[cut + 1 :], ()
     return out
 
 
@@ -173,8 +180,48 @@ def test_every_printed_command_is_checked(printed: Printed) -> None:
             assert name in SETTINGS, f"{printed}: {name} is no setting"
 
 
+def run_by(printed: Printed) -> str | None:
+    """The test that runs printed as printed, if one does: its section is in RUN_AS_PRINTED and
+    the line is not in NOT_RUN."""
+    if (printed.doc, printed.line) in NOT_RUN:
+        return None
+    for (doc, heading), test in RUN_AS_PRINTED.items():
+        if doc != printed.doc:
+            continue
+        if heading is None and printed.section is None:
+            return test
+        if heading is not None and (printed.section or "").startswith(heading):
+            return test
+    return None
+
+
+@pytest.mark.parametrize("printed", PRINTED, ids=str)
+def test_every_printed_command_is_run_as_printed_or_allowed(printed: Printed) -> None:
+    if run_by(printed) or printed.argv in ALLOWED or (printed.doc, printed.line) in NOT_RUN:
+        return
+    raise AssertionError(
+        f"{printed}: no test runs this command as printed. Run it from a test (e2e, real "
+        "services, only hosts/ports/paths substituted: see tests/e2e/test_readme_fleet.py) and "
+        "add its (doc, section) to RUN_AS_PRINTED in tests/support/readme_fleet.py; or, if it "
+        "cannot run in a test, add it to ALLOWED in tests/unit/test_doc_commands.py with the "
+        "reason"
+    )
+
+
 def test_the_allowlist_holds_only_printed_commands() -> None:
     assert set(ALLOWED) <= {p.argv for p in PRINTED}
+    assert set(NOT_RUN) <= {(p.doc, p.line) for p in PRINTED}, set(NOT_RUN) - {
+        (p.doc, p.line) for p in PRINTED
+    }
+
+
+def test_a_command_of_no_run_section_is_uncovered() -> None:
+    printed = Printed("ops/README.md", "tokenmill x", (), ("tokenmill", "x"), "No such section")
+    assert run_by(printed) is None
+    printed = Printed(
+        "ops/README.md", "tokenmill x", (), ("tokenmill", "x"), "Pause for maintenance"
+    )
+    assert run_by(printed) == "tests/e2e/test_readme_fleet.py"
 
 
 def test_the_docs_print_commands() -> None:
