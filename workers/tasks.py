@@ -41,7 +41,7 @@ from workers.control.health import Health
 from workers.control.parity import ParityGate
 from workers.control.pausing import CeleryControl, alive_workers
 from workers.control.watchdog import run_watchdog
-from workers.engine import server_limits
+from workers.engine import prefetch, server_limits
 from workers.engine.enforcer import PauseEnforcer
 from workers.engine.generate import handle_message
 from workers.engine.identity import (
@@ -197,6 +197,7 @@ def _on_worker_ready(sender: Any = None, **_: Any) -> None:
         )
         _enforcer.check()  # a worker started during a pause never consumes
         _enforcer.start()
+    _follow_window(rt, sender)
     with rt.db.connect() as conn:
         registered = registry.get_server(conn, rt.server_name).url
     log.info(
@@ -227,6 +228,18 @@ def _name_context(rt: WorkerRuntime) -> None:
     if line is not None:
         level = logging.INFO if line.endswith("(its --context-length)") else logging.WARNING
         log.log(level, "%s", line, extra={"action": "server_context"})
+
+
+def _follow_window(rt: WorkerRuntime, consumer: Any) -> None:
+    """The task messages this worker reserves follow its window (workers/engine/prefetch.py)."""
+    pool = getattr(consumer, "pool", None)
+    threads = int(getattr(pool, "num_processes", None) or rt.settings.worker_threads)
+    multiplier = int(getattr(consumer, "prefetch_multiplier", 1) or 1)
+    follower = prefetch.PrefetchFollower(
+        lambda: getattr(consumer, "qos", None), celery_count=threads * multiplier
+    )
+    batch = rt.settings.batch_size
+    rt.sizer.follow(lambda taken: follower.follow(prefetch.messages_for(taken, batch, threads)))
 
 
 @worker_shutdown.connect
