@@ -1,6 +1,6 @@
 """`tokenmill run` and Celery workers (`celery -A app worker` and beat) against SGLang 0.5.23's
-own HTTP server (tests/support/sglang_http): a server told to stop (SIGTERM, then started
-again as `systemctl restart` does) fails nothing; a full queue spends no attempt; a missing
+own HTTP server (tests/support/sglang_http): a server told to stop (SIGTERM, what a
+`systemctl restart` sends) fails nothing; a full queue spends no attempt; a missing
 API key is one line and nothing is claimed; the server's smaller `--context-length` wins and is
 named. What the server received is read from its own access log (`--log-level-http info`)."""
 
@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
-from sqlalchemy import Engine, create_engine, select
+from sqlalchemy import Engine, create_engine, func, select
+from sqlalchemy.exc import OperationalError
 
 from app.ledger import common, reads, run_queries
 from tests.support.procs import (
@@ -238,3 +241,108 @@ def test_worker_back_pressure_and_the_servers_context(
     ]
     assert answered(guarded_server, 503) > pushed_before  # the server did push back
     assert_limits_held(ledger_items(pg_engine))
+
+
+def events_moves(env: dict[str, str], cwd: Path, server: str) -> list[tuple[str, str]]:
+    shown = tokenmill(["events", "--server", server, "--json"], env, cwd)
+    assert shown.returncode == 0, shown.stderr
+    events = json.loads(shown.stdout)
+    return [(e["details"]["from"], e["details"]["to"]) for e in events if e["kind"] == "state"]
+
+
+RUN_ROWS, FLEET_ROWS = 600, 480
+
+
+def embedded_done(data: Path) -> int:
+    """The items done in `tokenmill run`'s own ledger."""
+    ledger = create_engine(f"sqlite:///{data / 'ledger.sqlite3'}")
+    try:
+        with ledger.connect() as conn:
+            items = common.items
+            done = select(func.count()).where(items.c.status == "done")
+            return int(conn.execute(done).scalar_one())
+    except OperationalError:  # not created yet
+        return 0
+    finally:
+        ledger.dispose()
+
+
+def test_a_sigterm_mid_run_fails_nothing(
+    sglang_server: SGLangServer,
+    pg_url: str,
+    pg_engine: Engine,
+    redis_url: str,
+    kimi_tokenizer_dir: Path,
+    tmp_path: Path,
+) -> None:
+    """SIGTERM to a server (what `systemctl stop/restart` sends) while a `tokenmill run` and a
+    Celery fleet both use it and the session server: it drains and exits while both go on,
+    nothing fails, no attempt is spent, the timelines show draining → down."""
+    # the session server's model folder: both servers of a run serve one model
+    model = Path(httpx.get(f"{sglang_server.base_url}/model_info", timeout=10).json()["model_path"])
+    log = tmp_path / "leaving.log"
+    server_env = harness.server_env(PYTHONUNBUFFERED="1", HARNESS_STEP_S="0.02")
+    run_env = clean_env(tmp_path / "data", TOKENMILL_INFLIGHT="8", **WIDE)
+    fleet_env = service_env(pg_url, redis_url, tmp_path / "fleet") | WIDE
+    run_prompts = write_rows(tmp_path / "run.jsonl", prompt_rows(RUN_ROWS))
+    fleet_prompts = write_rows(tmp_path / "fleet.jsonl", prompt_rows(FLEET_ROWS))
+    with harness.running_sglang_server(model, log, *LOGGED, env=server_env) as leaving:
+        name = leaving.base_url.removeprefix("http://")
+        added = tokenmill(["servers", "add", name, leaving.base_url], run_env, tmp_path)
+        assert added.returncode == 0, added.stderr
+        argv = ["enqueue", str(fleet_prompts), "--run", "w1"]
+        argv += ["--tokenizer", str(kimi_tokenizer_dir), "--max-new-tokens", "32"]
+        enqueued = tokenmill(argv, fleet_env, tmp_path)
+        assert enqueued.returncode == 0, enqueued.stderr
+        urls = [leaving.base_url, sglang_server.base_url]
+        workers = start_server_workers(fleet_env, urls, tmp_path)
+        beat_log = tmp_path / "beat.log"
+        workers.append(start_celery("beat", fleet_env, beat_log, "-s", str(tmp_path / "beat")))
+        run_argv = run_args(run_prompts, "r1", kimi_tokenizer_dir, urls)
+        err = tmp_path / "run.err"
+        run = subprocess.Popen(
+            [sys.executable, "-m", "ops", *run_argv, "--json"],
+            env=run_env,
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=err.open("w"),
+            text=True,
+        )
+        try:
+            # both use it: each has answers, and so requests in flight on it
+            wait_for("the fleet's answers", lambda: run_counts(pg_engine, "w1").done >= 16, 180)
+            wait_for("the run's answers", lambda: embedded_done(tmp_path / "data") >= 16, 180)
+            terminated = time.monotonic()
+            leaving.popen.send_signal(signal.SIGTERM)  # what `systemctl stop` sends
+            code = leaving.popen.wait(timeout=120)
+            drained_s = time.monotonic() - terminated
+            run_going, fleet_going = run.poll() is None, not run_counts(pg_engine, "w1").finished
+            out, _ = run.communicate(timeout=300)
+            wait_for("the fleet's end", lambda: run_counts(pg_engine, "w1").finished, 300)
+        finally:
+            if run.poll() is None:
+                run.kill()
+            stop(workers)
+    text = err.read_text()
+    print(f"\nSIGTERM: drained and exited in {drained_s:.1f}s")
+    assert code == 0, text
+    assert run_going and fleet_going, "a run ended before the drained server exited"
+    assert run.returncode == 0, text
+    assert f"--server {leaving.base_url} drains (its /health answers 503)" in text, text
+    counts = json.loads(out)
+    assert (counts["done"], counts["failed"]) == (RUN_ROWS, 0), counts
+    ledger = create_engine(f"sqlite:///{tmp_path / 'data' / 'ledger.sqlite3'}")
+    try:
+        with ledger.connect() as conn:
+            assert conn.execute(select(func.max(common.items.c.attempts))).scalar_one() == 1
+    finally:
+        ledger.dispose()
+    moves = events_moves(run_env, tmp_path, name)
+    assert ("healthy", "draining") in moves and ("draining", "down") in moves, moves
+    fleet = run_counts(pg_engine, "w1")
+    assert (fleet.done, fleet.failed) == (FLEET_ROWS, 0), fleet
+    with pg_engine.connect() as conn:
+        assert conn.execute(select(func.max(common.items.c.attempts))).scalar_one() == 1
+    assert "server gpu-0 drains" in (tmp_path / "worker0.log").read_text()
+    moves = events_moves(fleet_env, tmp_path, "gpu-0")
+    assert ("healthy", "draining") in moves and ("draining", "down") in moves, moves
