@@ -9,6 +9,7 @@ dicts (`{"type": "function", "function": {"name", "parameters"}}`), as the rows 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections.abc import Mapping, Sequence
@@ -188,3 +189,19 @@ def _is_object(arguments: str) -> bool:
         return isinstance(json.loads(arguments), dict)
     except json.JSONDecodeError:
         return False
+
+
+def call_id(parser: str, call: ToolCall, history_calls: int, seed: str) -> str:
+    """The id SGLang's chat endpoint gives a parsed call (`_process_tool_call_id`): Kimi-K2's
+    `functions.{name}:{n}` counting the history's earlier calls; for other parsers SGLang draws
+    `call_` + 24 random hex digits, here derived from seed (the item key) so a rerun repeats it."""
+    if parser == "kimi_k2":
+        return f"functions.{call.name}:{history_calls + call.tool_index}"
+    digest = hashlib.blake2b(f"{seed}:{call.tool_index}".encode(), digest_size=12).hexdigest()
+    return f"call_{digest}"
+
+
+def spliced_result(tool_message: Mapping[str, Any], regenerated_id: str) -> dict[str, Any]:
+    """The dataset's cached tool message, answering the regenerated call: its tool_call_id is
+    rewritten to the regenerated call's id, everything else kept."""
+    return {**tool_message, "tool_call_id": regenerated_id}

@@ -109,3 +109,17 @@ def test_chain_ending_rules() -> None:
     assert json.loads(one.calls[0].arguments) == json.loads(ARGS[1])
     with pytest.raises(InputError, match="not supported"):
         tool_calls.parse("glm4", "x", tools)
+
+
+def test_call_ids_and_spliced_results() -> None:
+    tools = TOOLSETS[1]
+    kimi = tool_calls.parse("kimi_k2", _kimi([("search", ARGS[1])], ""), tools).calls[0]
+    qwen = tool_calls.parse("qwen25", _qwen([("search", ARGS[1])], ""), tools).calls[0]
+    assert tool_calls.call_id("kimi_k2", kimi, 3, "row-1") == "functions.search:3"
+    first = tool_calls.call_id("qwen25", qwen, 3, "row-1")
+    assert first == tool_calls.call_id("qwen25", qwen, 0, "row-1")
+    assert first != tool_calls.call_id("qwen25", qwen, 3, "row-2")
+    assert first.startswith("call_") and len(first) == len("call_") + 24
+    cached = {"role": "tool", "tool_call_id": "call_orig", "content": "18C", "name": "search"}
+    spliced = tool_calls.spliced_result(cached, first)
+    assert spliced == {**cached, "tool_call_id": first} and cached["tool_call_id"] == "call_orig"
