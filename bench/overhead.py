@@ -20,6 +20,11 @@ the worker (or the bare client), the Postgres backends of the benchmark database
     python bench/overhead.py --items 5000 --configs 64:8,16:32
     python bench/overhead.py --configs 64:32,64:32@TOKENMILL_HEDGE=false   # with a setting
     python bench/overhead.py --profile /tmp/oh         # py-spy profile of every worker
+    python bench/overhead.py --max-running 1024 --configs 64:32,256:32,1024:32,auto:32
+                                                       # the window's cost as it grows
+
+INFLIGHT `auto` is the default (sized by the emulator's --max-running). The worker's peak RSS
+(VmHWM) and its RSS at the end of each config are printed beside its CPU.
 """
 
 from __future__ import annotations
@@ -92,6 +97,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--median-tokens", type=float, default=128.0, help="output length")
     p.add_argument("--sigma", type=float, default=0.0, help="log-normal sigma of outputs")
     p.add_argument("--max-new-tokens", type=int, default=1024)
+    p.add_argument(
+        "--max-running",
+        type=int,
+        default=None,
+        help="the emulator's --max-running (what an auto window is sized by; default: its own)",
+    )
     p.add_argument("--seed", type=int, default=1)
     p.add_argument(
         "--no-analyze",
@@ -110,20 +121,25 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-Config = tuple[int, int, int | None, dict[str, str]]
+Config = tuple[int | str, int, int | None, dict[str, str]]
 
 
 def parse_configs(text: str) -> list[Config]:
     configs = []
     for part in text.split(","):
         sizes, *extra = part.strip().split("@")
-        values = [int(v) for v in sizes.split(":")]
-        if len(values) not in (2, 3) or not all("=" in kv for kv in extra):
+        first, *rest = sizes.split(":")
+        try:
+            inflight: int | str = first if first == "auto" else int(first)
+            values = [int(v) for v in rest]
+        except ValueError:
+            values = []
+        if len(values) not in (1, 2) or not all("=" in kv for kv in extra):
             raise SystemExit(
-                f"bad config {part!r}: want INFLIGHT:BATCH_SIZE[:THREADS][@NAME=VALUE...]"
+                f"bad config {part!r}: want INFLIGHT|auto:BATCH_SIZE[:THREADS][@NAME=VALUE...]"
             )
         settings = dict(kv.split("=", 1) for kv in extra)
-        configs.append((values[0], values[1], values[2] if len(values) == 3 else None, settings))
+        configs.append((inflight, values[0], values[1] if len(values) == 2 else None, settings))
     return configs
 
 
@@ -251,6 +267,7 @@ def run_tokenmill(
         )
         whole_s = time.monotonic() - started
         cpu = meter.stop()
+        rss = memory_mib(worker.pid)
         del cpu["bench"]  # this process only polled the ledger
     finally:
         if profiler is not None:
@@ -270,12 +287,24 @@ def run_tokenmill(
         "rate": counts.done / span_s,
         "whole_s": whole_s,
         "cpu": cpu,
+        "rss": rss,
     }
     if args.profile is not None:
         summary = profile_summary(args.profile / f"{run}.raw", focus=FOCUS)
         (args.profile / f"{run}-summary.txt").write_text(summary + "\n")
         result["profile"] = summary
     return result
+
+
+def memory_mib(pid: int) -> tuple[float, float]:
+    """(peak RSS, RSS now) of a process in MiB, from /proc (VmHWM, VmRSS)."""
+    found = {"VmHWM:": 0.0, "VmRSS:": 0.0}
+    with open(f"/proc/{pid}/status", encoding="ascii") as f:
+        for line in f:
+            name, *value = line.split()
+            if name in found:
+                found[name] = int(value[0]) / 1024
+    return found["VmHWM:"], found["VmRSS:"]
 
 
 def run_bare(emu: Any, requests: list[Request], window: int, tag: str) -> dict[str, Any]:
@@ -301,6 +330,8 @@ def main() -> None:
     print(f"overhead benchmark — {machine_note()}")
     emu_args = ["--step-ms", "0", "--median-tokens", str(args.median_tokens)]
     emu_args += ["--sigma", str(args.sigma), "--log-level", "WARNING"]
+    if args.max_running is not None:
+        emu_args += ["--max-running", str(args.max_running)]
     print(
         f"{args.items} items per config, ~{args.prompt_tokens} prompt ids, emulator: "
         f"{' '.join(emu_args)}, max_new_tokens {args.max_new_tokens}"
@@ -360,9 +391,12 @@ def main() -> None:
                     parts = ", ".join(
                         f"{name} {1000 * v / r['items']:.2f}" for name, v in r["cpu"].items()
                     )
+                    memory = ""
+                    if "rss" in r:
+                        memory = "; worker RSS MiB peak {:.0f}, end {:.0f}".format(*r["rss"])
                     print(
                         f"  {r['label']}: {r['items']} items in {r['span_s']:.1f} s = "
-                        f"{r['rate']:.0f} items/s; CPU ms/item: {parts}",
+                        f"{r['rate']:.0f} items/s; CPU ms/item: {parts}{memory}",
                         flush=True,
                     )
                     if "profile" in r:
@@ -397,12 +431,13 @@ def report(results: list[dict[str, Any]]) -> None:
                 per.get("postgres", "-"),
                 per.get("redis", "-"),
                 per.get("emulator", 0.0),
+                r["rss"][0] if "rss" in r else "-",
             ]
         )
     print()
     headers = ["run", "items", "span s", "items/s", "/ bare"]
     headers += ["worker|client CPU ms/item", "postgres ms/item", "redis ms/item"]
-    headers += ["emulator ms/item"]
+    headers += ["emulator ms/item", "worker peak RSS MiB"]
     print(table(headers, rows))
     print("(/ bare: items/s over the mean of the bare client runs just before and after)")
     ratio, best, baseline = max(ratios, key=lambda x: x[0])

@@ -108,7 +108,10 @@ def enqueue_input(
         )
     except TokenizerError as exc:
         raise TokenizerError(f"--tokenizer: {exc}") from exc
-    context = choose_context(opts.get("server_contexts") or {}, tokenizer.context_length)
+    contexts = opts.get("server_contexts")
+    if contexts is None and driver is None:  # the fleet's: its registered servers' own
+        contexts = _fleet_contexts(db, settings, servers)
+    context = choose_context(contexts or {}, tokenizer.context_length)
     if context.notice:
         console.print(f"[yellow]{escape(context.notice)}[/yellow]", markup=True, soft_wrap=True)
     options = EnqueueOptions(
@@ -244,6 +247,20 @@ def _render_url(url: str | None) -> str | None:
     if not url.startswith(("http://", "https://")):
         raise ConfigurationError(f"--render-with: {url!r} is not an http(s) URL")
     return url.rstrip("/")
+
+
+def _fleet_contexts(
+    db: Any, settings: Settings, bound: tuple[str, ...] | None
+) -> dict[str, int | None]:
+    """The context length of each server the run may use (the --servers bound, else every
+    registered one), from its /server_info."""
+    from app.ledger import registry
+    from workers.engine.server_limits import server_contexts
+
+    with db.connect() as conn:
+        known = registry.list_servers(conn)
+    urls = {s.name: s.url for s in known if bound is None or s.name in bound}
+    return server_contexts(settings, urls)
 
 
 def _bound_servers(db: Any, given: tuple[str, ...]) -> tuple[str, ...] | None:

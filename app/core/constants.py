@@ -109,3 +109,23 @@ PAUSED_BY_IMAGES: Final = "images"
 PauseReason = Literal[
     "operator", "watchdog", "fingerprint", "restart", "parity", "weights", "update", "images"
 ]
+
+# How an on-policy agentic chain ends (app.prompts.tool_calls.chain_ending): the dataset's
+# conversation reached its end, or the regenerated turn stopped matching the cached tool results.
+CHAIN_END_COMPLETE = "complete"
+CHAIN_END_NO_CALL = "no_call"
+CHAIN_END_OTHER_TOOL = "other_tool"
+CHAIN_END_PARALLEL_CALLS = "parallel_calls"
+CHAIN_END_MALFORMED_CALL = "malformed_call"
+CHAIN_END_RESULTS_EXHAUSTED = "results_exhausted"
+CHAIN_ENDINGS = (
+    CHAIN_END_COMPLETE,
+    CHAIN_END_NO_CALL,
+    CHAIN_END_OTHER_TOOL,
+    CHAIN_END_PARALLEL_CALLS,
+    CHAIN_END_MALFORMED_CALL,
+    CHAIN_END_RESULTS_EXHAUSTED,
+)
+
+# the tool-call parsers app.prompts.tool_calls implements, by SGLang's `--tool-call-parser` name
+TOOL_CALL_PARSERS = ("kimi_k2", "qwen25", "hermes")

@@ -1,7 +1,8 @@
 """TOKENMILL_INFLIGHT=auto for real: `celery -A app worker` processes with no TOKENMILL_INFLIGHT
 size their windows by the emulator's /server_info and /v1/loads. Two workers on one 256-slot
 server keep at most its capacity + margin in flight together; a restart of the server with a
-smaller --max-running-requests resizes the window of a worker that keeps running."""
+smaller --max-running-requests resizes the window of a worker that keeps running, and the task
+messages it reserves (its Celery prefetch) follow the window down."""
 
 from __future__ import annotations
 
@@ -12,12 +13,13 @@ from pathlib import Path
 
 import httpx
 import pytest
+from celery import Celery
 from sqlalchemy import Engine
 
 from app.ledger import registry
 from ops.emulator_proc import EmulatorProcess, start_emulator
 from tests.support.procs import ROOT, service_env, start_worker, stop, tokenmill, wait_for
-from workers.engine import sizing
+from workers.engine import prefetch, sizing
 
 pytestmark = pytest.mark.e2e
 
@@ -147,6 +149,13 @@ def test_two_workers_on_one_server_share_its_capacity(
         stop(workers)
 
 
+def prefetch_count(redis_url: str, worker: str) -> int | None:
+    """The worker's prefetch count as `celery inspect stats` reports it (None: no answer)."""
+    stats = Celery(broker=redis_url).control.inspect(timeout=3.0).stats() or {}
+    found = [v["prefetch_count"] for k, v in stats.items() if k.startswith(f"{worker}@")]
+    return int(found[0]) if found else None
+
+
 def test_a_restart_with_a_smaller_batch_resizes_the_running_worker(
     pg_url: str,
     pg_engine: Engine,
@@ -170,20 +179,36 @@ def test_a_restart_with_a_smaller_batch_resizes_the_running_worker(
             60,
             lambda: str(window_of(env, name)),
         )
-        emu.stop()
-        smaller = start_emulator(["--port", port, "--max-running", "64", *EMULATOR])
+        threads = 4  # the default TOKENMILL_WORKER_THREADS: 340 items take every thread
         wait_for(
-            "the window sized by the 64-slot server, the worker still running",
-            lambda: (window_of(env, name) or {}).get("size") == 64 + sizing.margin_for(64),
+            "the prefetch of a 272 window",
+            lambda: prefetch_count(redis_url, "w0") == threads,
+            30,
+            lambda: str(prefetch_count(redis_url, "w0")),
+        )
+        emu.stop()
+        smaller = start_emulator(["--port", port, "--max-running", "16", *EMULATOR])
+        small = 16 + sizing.margin_for(16)  # 20, with a backlog of one message: 52 items
+        wait_for(
+            "the window sized by the 16-slot server, the worker still running",
+            lambda: (window_of(env, name) or {}).get("size") == small,
             120,
             lambda: str(window_of(env, name)),
+        )
+        want = prefetch.messages_for(small + 32, batch_size=32, threads=threads)
+        assert want == 2
+        wait_for(
+            "the prefetch following the window down",
+            lambda: prefetch_count(redis_url, "w0") == want,
+            30,
+            lambda: str(prefetch_count(redis_url, "w0")),
         )
         assert worker.poll() is None
         assert (window_of(env, name) or {}).get("reason") == sizing.REASON_CAPACITY
         events = tokenmill(["events", "--json"], env)
         assert events.returncode == 0, events.stderr
         resizes = [e for e in json.loads(events.stdout) if e["kind"] == "window_resized"]
-        assert any(e["details"]["size"] == 68 for e in resizes), resizes
+        assert any(e["details"]["size"] == small for e in resizes), resizes
         # and the next run goes through the smaller window
         enqueue(env, kimi_tokenizer_dir, "after", samples=2)
         wait_for("the second run finished", lambda: finished(pg_engine, "after"), 300)

@@ -1,6 +1,9 @@
 """Every boundary tokenmill enqueues equals SGLang 0.5.23's own /v1/tokenize, run from its wheel
-(tests.support.sglang_server), over fixture templates of ten model families; every boundary
-tokenmill refuses, SGLang refuses too, and the other way round.
+(tests.support.sglang_server), over fixture templates of twelve model families and five real
+templates (tests.support.real_templates: Gemma-3, Mistral-Small-3's v7-tekken, Llama-4, Qwen3.5,
+Phi-4, fetched from a wheel at test time); every boundary tokenmill refuses, SGLang refuses too
+(Gemma-3's and Mistral's strict alternation with the template's own message), and the other way
+round.
 
 Runs under the transformers installed (5.24.0 in the project's venv) and under 5.19.0, the
 version SGLang 0.5.23 pins: `make oracle-519` (and .ci/run) runs this file again with
@@ -23,6 +26,7 @@ from app.prompts.input_turns import ROLES, parse_turns_until_bad
 from app.prompts.template_choice import TemplateChoice
 from app.prompts.tokenization import load_tokenizer
 from app.prompts.transformers_pin import client_version
+from tests.support.chat_templates import tokenizer_with_template
 from tests.support.oracle_families import (
     CALL,
     CUSTOM_CODE,
@@ -31,6 +35,7 @@ from tests.support.oracle_families import (
     boundaries,
     family_folder,
 )
+from tests.support.real_templates import REAL_FAMILIES, real_template
 from tests.support.sglang_server import tokenize_as_deployed
 from workers.intake.producer import EnqueueOptions, enqueue
 
@@ -223,7 +228,7 @@ def deepseek_dir() -> Path:
 
 
 @pytest.mark.parametrize("turns", ["each", "last"])
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", sorted(FAMILIES) + sorted(REAL_FAMILIES))
 def test_every_boundary_is_sglangs(
     family: str,
     turns: str,
@@ -234,7 +239,11 @@ def test_every_boundary_is_sglangs(
     sqlite_engine: Engine,
 ) -> None:
     bases = {"deepseek-v3": deepseek_dir, "kimi-k2.5": custom_kimi_dir}
-    folder = family_folder(family, bases.get(family, kimi_tokenizer_dir), tmp_path / family)
+    if family in REAL_FAMILIES:
+        template = real_template(family)
+        folder = tokenizer_with_template(kimi_tokenizer_dir, tmp_path / family, template)
+    else:
+        folder = family_folder(family, bases.get(family, kimi_tokenizer_dir), tmp_path / family)
     trusted = family in CUSTOM_CODE
     tokenizer = load_tokenizer(folder, template=TemplateChoice(), trust_remote_code=trusted)
     prompts = tmp_path / "rows.jsonl"

@@ -28,23 +28,30 @@ CACHE_DIR = REPO_ROOT / ".cache" / "sglang-wheel"
 MODULE_NAME = "sglang_api_v1_api_types"
 
 
-def _wheel(cache_dir: Path, version: str) -> Path:
-    pattern = f"sglang-{version}-*.whl"
+def _wheel(cache_dir: Path, version: str, package: str = "sglang") -> Path:
+    """The package's wheel in cache_dir, fetched with `pip download --no-deps` on first use."""
+    pattern = f"{package}-{version}-*.whl"
     found = sorted(cache_dir.glob(pattern))
     if found:
         return found[0]
     cache_dir.mkdir(parents=True, exist_ok=True)
     command = [
-        sys.executable, "-m", "pip", "download", f"sglang=={version}",
+        sys.executable, "-m", "pip", "download", f"{package}=={version}",
         "--no-deps", "--disable-pip-version-check", "-d", str(cache_dir),
     ]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     found = sorted(cache_dir.glob(pattern))
     if result.returncode != 0 or not found:
         raise RuntimeError(
-            f"could not fetch the sglang {version} wheel into {cache_dir}: {result.stderr[-2000:]}"
+            f"could not fetch the {package} {version} wheel into {cache_dir}: "
+            f"{result.stderr[-2000:]}"
         )
     return found[0]
+
+
+def fetch_wheel(package: str, version: str, cache_dir: Path) -> Path:
+    """A wheel of package==version in cache_dir (fetched once, without its dependencies)."""
+    return _wheel(cache_dir, version, package)
 
 
 def contract_path(cache_dir: Path = CACHE_DIR, version: str = SGLANG_VERSION) -> Path:

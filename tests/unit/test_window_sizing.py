@@ -264,3 +264,17 @@ def test_a_number_is_a_fixed_window(db: Engine) -> None:
     with db.connect() as conn:
         rows = windows.windows_by_server(conn, ["gpu-a"], fresh_s=windows.FRESH_S)["gpu-a"]
     assert [(r.mode, r.size) for r in rows] == [("fixed", 64)]
+
+
+def test_the_followers_hear_what_the_window_takes_as_it_resizes(db: Engine) -> None:
+    server = FakeServer(_capacity(256), _load(0, 0))
+    sizer, window = _sizer(db, server, "owner-1", Clock())
+    heard: list[int] = []
+    sizer.follow(heard.append)
+    assert heard == [64 + 32]  # the start window and its backlog, at once
+    sizer.tick()
+    assert heard[-1] == 272 + 68
+    server.cap, server.load = _capacity(16), _load(0, 0, max_running=16)
+    sizer.tick()
+    sizer.tick()
+    assert window.inflight == 20 and heard[-1] == 20 + 32

@@ -97,6 +97,8 @@ class WindowSizer:
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self._client: CapacityClient | None = None
+        # told the items the window takes (slots + backlog) every round: the Celery prefetch
+        self._followers: list[Callable[[int], None]] = []
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -124,6 +126,27 @@ class WindowSizer:
                 exc,
                 extra={"action": "window_row_failed"},
             )
+
+    def follow(self, follower: Callable[[int], None]) -> None:
+        """Tell follower the items the window takes (its slots and backlog) now, after every
+        resize and every round (so a follower that lost its state catches up)."""
+        self._followers.append(follower)
+        follower(self.taken())
+
+    def taken(self) -> int:
+        """The items the window takes at its size: its slots and its backlog."""
+        return self.size + backlog_for(self._settings, self.size)
+
+    def _tell_followers(self) -> None:
+        for follower in self._followers:
+            try:
+                follower(self.taken())
+            except Exception:
+                log.exception(
+                    "a follower of the window of %s failed",
+                    self.server_name,
+                    extra={"action": "window_follower_failed"},
+                )
 
     def reread(self) -> None:
         """Read the server's capacity again before the next load reading (the runtime read
@@ -157,6 +180,7 @@ class WindowSizer:
                 self._apply(self.controller.target, sizing.REASON_WORKERS)
             else:
                 self._record()
+        self._tell_followers()
 
     def _client_now(self) -> CapacityClient:
         if self._client is None:
@@ -244,6 +268,7 @@ class WindowSizer:
         )
         self._record()  # the row shows the new size at once
         self._event(before, size, target, reason)
+        self._tell_followers()
 
     def _refresh_peers(self) -> None:
         """The workers sharing the server: fresh rows of server_windows, and while this worker

@@ -1,0 +1,207 @@
+"""A target's generated text read as SGLang 0.5.23's function-call parsers read it (non-streaming
+`detect_and_parse` of `kimi_k2`, `qwen25`, `hermes`), and whether an agentic chain goes on.
+
+The parse runs in the client, not through the server's `/parse_function_call`: it is a pure
+function of the text and the request's tools, so a chain step costs no round trip;
+test_tool_call_oracle.py checks it against the wheel's own detectors. Tools are OpenAI-shaped
+dicts (`{"type": "function", "function": {"name", "parameters"}}`), as the rows carry them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from app.core import constants
+from app.core.errors import InputError
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One parsed call: SGLang's ToolCallItem (`tool_index`, `name`, `parameters` as JSON text)."""
+
+    tool_index: int
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
+class ParsedTurn:
+    """A turn's text split as the server splits it: the content before the calls, the calls, and
+    how many call openings the text had (more openings than calls: a call was dropped)."""
+
+    content: str
+    calls: tuple[ToolCall, ...]
+    openings: int
+
+
+_KIMI_SECTION = "<|tool_calls_section_begin|>"
+_KIMI_CALL = re.compile(
+    r"<\|tool_call_begin\|>\s*(?P<id>[^\s<|]+)\s*<\|tool_call_argument_begin\|>\s*"
+    r"(?P<args>\{.*?\})\s*<\|tool_call_end\|>",
+    re.DOTALL,
+)
+_KIMI_ID = re.compile(r"^(?:functions\.)?(?P<name>[\w.\-]+):(?P<index>\d+)$")
+_KIMI_COUNTER = re.compile(r"^\d+$")
+_HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
+
+
+def _function(tool: Mapping[str, Any]) -> Mapping[str, Any]:
+    function = tool.get("function")
+    return function if isinstance(function, Mapping) else {}
+
+
+def _properties(schema: Any) -> dict[str, Any]:
+    if not isinstance(schema, Mapping):
+        return {}
+    properties = schema.get("properties")
+    if isinstance(properties, Mapping):
+        return dict(properties)
+    merged: dict[str, Any] = {}
+    for keyword in ("anyOf", "oneOf", "allOf"):
+        branches = schema.get(keyword)
+        if isinstance(branches, list):
+            for branch in branches:
+                for key, value in _properties(branch).items():
+                    merged.setdefault(key, value)
+    return merged
+
+
+def _kimi_inferred_name(tools: Sequence[Mapping[str, Any]], args: str) -> str | None:
+    # a bare call counter names no tool: SGLang picks the tool whose properties fit the arguments
+    if not tools:
+        return None
+    if len(tools) == 1:
+        name = _function(tools[0]).get("name")
+        return name if isinstance(name, str) else None
+    try:
+        keys = set(json.loads(args).keys())
+    except (json.JSONDecodeError, TypeError, AttributeError):
+        return None
+    best, best_score = None, -1
+    for tool in tools:
+        props = set(_properties(_function(tool).get("parameters") or {}))
+        if not props:
+            continue
+        score = len(keys & props) - len(keys - props)
+        if score > best_score:
+            best, best_score = _function(tool).get("name"), score
+    return best if isinstance(best, str) else None
+
+
+def _kimi(text: str, tools: Sequence[Mapping[str, Any]]) -> ParsedTurn:
+    if _KIMI_SECTION not in text:
+        return ParsedTurn(text, (), 0)
+    calls: list[ToolCall] = []
+    for match in _KIMI_CALL.finditer(text):
+        call_id, args = match.group("id"), match.group("args")
+        named = _KIMI_ID.match(call_id)
+        name = named.group("name") if named else None
+        if named is None and _KIMI_COUNTER.match(call_id):
+            name = _kimi_inferred_name(tools, args)
+        if name is not None:
+            calls.append(ToolCall(len(calls), name, args))
+    return ParsedTurn(
+        text[: text.find(_KIMI_SECTION)], tuple(calls), text.count("<|tool_call_begin|>")
+    )
+
+
+def _base_json(action: Any, tools: Sequence[Mapping[str, Any]]) -> list[ToolCall]:
+    # BaseFormatDetector.parse_base_json: unknown tools are dropped, arguments re-serialized
+    indices = {_function(t).get("name"): i for i, t in enumerate(tools)}
+    calls = []
+    for act in action if isinstance(action, list) else [action]:
+        if not isinstance(act, Mapping):
+            raise InputError(f"a tool call is not a JSON object: {act!r}")
+        name = act.get("name")
+        if not (name and name in indices):
+            continue
+        arguments = act.get("parameters") or act.get("arguments", {})
+        calls.append(ToolCall(indices[name], name, json.dumps(arguments, ensure_ascii=False)))
+    return calls
+
+
+def _qwen25(text: str, tools: Sequence[Mapping[str, Any]]) -> ParsedTurn:
+    bot, eot = "<tool_call>\n", "\n</tool_call>"
+    if bot not in text:
+        return ParsedTurn(text, (), 0)
+    calls: list[ToolCall] = []
+    for raw in re.findall(rf"{re.escape(bot)}(.*?){re.escape(eot)}", text, re.DOTALL):
+        try:
+            parsed = json.loads(raw.strip())
+        except json.JSONDecodeError:
+            continue
+        calls.extend(_base_json(parsed, tools))
+    return ParsedTurn(text[: text.find(bot)].strip(), tuple(calls), text.count("<tool_call>"))
+
+
+def _hermes(text: str, tools: Sequence[Mapping[str, Any]]) -> ParsedTurn:
+    if "<tool_call>" not in text:
+        return ParsedTurn(text, (), 0)
+    openings = text.count("<tool_call>")
+    calls: list[ToolCall] = []
+    try:
+        for match in _HERMES_CALL.findall(text):
+            raw = match[0] or match[1]
+            if raw:
+                calls.extend(_base_json(json.loads(raw.strip()), tools))
+    except (json.JSONDecodeError, InputError):
+        # HermesDetector gives up on the whole text when one call does not parse
+        return ParsedTurn(text, (), openings)
+    return ParsedTurn(text[: text.find("<tool_call>")].strip(), tuple(calls), openings)
+
+
+_PARSERS = {"kimi_k2": _kimi, "qwen25": _qwen25, "hermes": _hermes}
+
+
+def parse(parser: str, text: str, tools: Sequence[Mapping[str, Any]]) -> ParsedTurn:
+    """The text as SGLang's `--tool-call-parser parser` parses a whole response. Raises InputError
+    for a parser not implemented here, or (qwen25) for a call that is JSON but not an object, where
+    the wheel's detector raises too."""
+    if parser not in _PARSERS:
+        known = ", ".join(constants.TOOL_CALL_PARSERS)
+        raise InputError(f"tool-call parser {parser!r} is not supported; one of {known}")
+    return _PARSERS[parser](text, tools)
+
+
+def chain_ending(turn: ParsedTurn, next_tool: str | None) -> str | None:
+    """How a chain ends after this regenerated turn, or None if it goes on. next_tool is the name
+    of the dataset's next cached tool result (None: the dataset has no result left)."""
+    if turn.openings > len(turn.calls) or any(not _is_object(c.arguments) for c in turn.calls):
+        return constants.CHAIN_END_MALFORMED_CALL
+    if not turn.calls:
+        return constants.CHAIN_END_COMPLETE if next_tool is None else constants.CHAIN_END_NO_CALL
+    if len(turn.calls) > 1:
+        return constants.CHAIN_END_PARALLEL_CALLS
+    if next_tool is None:
+        return constants.CHAIN_END_RESULTS_EXHAUSTED
+    if turn.calls[0].name != next_tool:
+        return constants.CHAIN_END_OTHER_TOOL
+    return None
+
+
+def _is_object(arguments: str) -> bool:
+    try:
+        return isinstance(json.loads(arguments), dict)
+    except json.JSONDecodeError:
+        return False
+
+
+def call_id(parser: str, call: ToolCall, history_calls: int, seed: str) -> str:
+    """The id SGLang's chat endpoint gives a parsed call (`_process_tool_call_id`): Kimi-K2's
+    `functions.{name}:{n}` counting the history's earlier calls; for other parsers SGLang draws
+    `call_` + 24 random hex digits, here derived from seed (the item key) so a rerun repeats it."""
+    if parser == "kimi_k2":
+        return f"functions.{call.name}:{history_calls + call.tool_index}"
+    digest = hashlib.blake2b(f"{seed}:{call.tool_index}".encode(), digest_size=12).hexdigest()
+    return f"call_{digest}"
+
+
+def spliced_result(tool_message: Mapping[str, Any], regenerated_id: str) -> dict[str, Any]:
+    """The dataset's cached tool message, answering the regenerated call: its tool_call_id is
+    rewritten to the regenerated call's id, everything else kept."""
+    return {**tool_message, "tool_call_id": regenerated_id}

@@ -1,0 +1,58 @@
+"""`python -m tests.support.sglang_tool_parser < cases.json`: SGLang 0.5.23's own function-call
+detectors (`sglang/srt/function_call/`, from the extracted wheel, GPU stack stubbed) run on each
+case; prints one JSON answer per case. `wheel_parses(cases)` runs it in a subprocess.
+
+A case is {"parser", "text", "tools"}; an answer is {"normal_text", "calls": [[tool_index, name,
+parameters], ...]} or {"error": exception class name} when the detector raises.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+from tests.support.sglang_http import harness
+
+
+def wheel_parses(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.support.sglang_tool_parser"],
+        input=json.dumps(cases),
+        capture_output=True,
+        text=True,
+        env=harness.server_env(),
+        check=True,
+        cwd=harness.REPO_ROOT,
+    )
+    answers: list[dict[str, Any]] = json.loads(done.stdout.strip().splitlines()[-1])
+    return answers
+
+
+def _main() -> None:
+    sys.path.append(os.environ["HARNESS_SGLANG_DEPS"])
+    os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+    from tests.support.sglang_http import stubs
+
+    stubs.install()
+    from sglang.srt.entrypoints.openai.protocol import Tool
+    from sglang.srt.function_call.function_call_parser import FunctionCallParser
+
+    answers = []
+    for case in json.loads(sys.stdin.read()):
+        tools = [Tool.model_validate(t) for t in case["tools"]]
+        detector = FunctionCallParser.ToolCallParserEnum[case["parser"]]()
+        try:
+            result = detector.detect_and_parse(case["text"], tools)
+        except Exception as exc:  # the detector's own failure is part of the answer
+            answers.append({"error": type(exc).__name__})
+            continue
+        calls = [[c.tool_index, c.name, c.parameters] for c in result.calls]
+        answers.append({"normal_text": result.normal_text, "calls": calls})
+    print(json.dumps(answers))
+
+
+if __name__ == "__main__":
+    _main()
