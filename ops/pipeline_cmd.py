@@ -108,7 +108,10 @@ def enqueue_input(
         )
     except TokenizerError as exc:
         raise TokenizerError(f"--tokenizer: {exc}") from exc
-    context = choose_context(opts.get("server_contexts") or {}, tokenizer.context_length)
+    contexts = opts.get("server_contexts")
+    if contexts is None and driver is None:  # the fleet's: its registered servers' own
+        contexts = _fleet_contexts(db, settings, servers)
+    context = choose_context(contexts or {}, tokenizer.context_length)
     if context.notice:
         console.print(f"[yellow]{escape(context.notice)}[/yellow]", markup=True, soft_wrap=True)
     options = EnqueueOptions(
@@ -244,6 +247,20 @@ def _render_url(url: str | None) -> str | None:
     if not url.startswith(("http://", "https://")):
         raise ConfigurationError(f"--render-with: {url!r} is not an http(s) URL")
     return url.rstrip("/")
+
+
+def _fleet_contexts(
+    db: Any, settings: Settings, bound: tuple[str, ...] | None
+) -> dict[str, int | None]:
+    """The context length of each server the run may use (the --servers bound, else every
+    registered one), from its /server_info."""
+    from app.ledger import registry
+    from workers.engine.server_limits import server_contexts
+
+    with db.connect() as conn:
+        known = registry.list_servers(conn)
+    urls = {s.name: s.url for s in known if bound is None or s.name in bound}
+    return server_contexts(settings, urls)
 
 
 def _bound_servers(db: Any, given: tuple[str, ...]) -> tuple[str, ...] | None:
@@ -413,6 +430,12 @@ def enqueue_cmd(
     "folder: images/<sha256>.<ext>, each once, its hash checked), point the rows at the "
     "copies by relative path, and list them with hashes and sizes in the manifest.",
 )
+@click.option(
+    "--text-only",
+    is_flag=True,
+    help="Leave out the samples whose prompt holds an image (data for a text-only draft); "
+    "the count left out is printed. specforge and conversations exports.",
+)
 @handle_errors
 def export_cmd(
     run_name: str,
@@ -426,14 +449,15 @@ def export_cmd(
     weight_version: str | None,
     allow_mixed_weights: bool,
     with_images: bool,
+    text_only: bool,
 ) -> None:
     """Write RUN_NAME's finished samples to --out: JSONL, or Parquet shards + .manifest.json.
     Every sample carries its weight_version and sampling_params; one weight version per export
     unless --allow-mixed-weights. Image rows carry the prompt ids as served (each image's
     tokens), their images (sha256, uri, size) and image_token_counts."""
-    if fmt == "parquet" and (split_text or exclude_file):
+    if fmt == "parquet" and (split_text or exclude_file or text_only):
         raise ConfigurationError(
-            "--split and --exclude apply to the specforge and conversations exports"
+            "--split, --exclude and --text-only apply to the specforge and conversations exports"
         )
     if fmt == "parquet":
         from ops.storage_cmd import export_to_storage
@@ -499,10 +523,12 @@ def export_cmd(
         weight_version=weight_version,
         allow_mixed_weights=allow_mixed_weights,
         with_images=with_images,
+        text_only=text_only,
     )
+    left_out = f"; left out {report.image_rows_left_out} image samples" if text_only else ""
     console.print(
         f"wrote {report.rows} samples ({report.truncated} truncated, "
-        f"{report.tokens} tokens) to {escape(str(report.path))}"
+        f"{report.tokens} tokens) to {escape(str(report.path))}{left_out}"
     )
     if with_images:
         console.print(

@@ -176,25 +176,11 @@ def run_pipeline(
 
 
 def server_contexts(settings: Settings, servers: list[str]) -> dict[str, int | None]:
-    """Each server's context length from its /server_info (None: it does not say, or does
-    not answer now: the tokenizer folder's holds for it)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from app.core.errors import GenerationError
-    from app.sglang.limits import context_length_of
+    """Each --server's context length from its /server_info, by the name the run gives it."""
     from workers.engine.identity import server_name_for
-    from workers.engine.runtime import client_for
+    from workers.engine.server_limits import server_contexts as read_contexts
 
-    def read(url: str) -> int | None:
-        try:
-            with client_for(url, settings) as client:
-                return context_length_of(client.server_info())
-        except GenerationError:
-            return None
-
-    with ThreadPoolExecutor(max(1, len(servers)), thread_name_prefix="tm-limits") as pool:
-        found = list(pool.map(read, servers))
-    return {server_name_for(url.rstrip("/")): n for url, n in zip(servers, found, strict=True)}
+    return read_contexts(settings, {server_name_for(url.rstrip("/")): url for url in servers})
 
 
 def _stop_interrupted(runner: EmbeddedRunner, settings: Settings, again: str) -> None:

@@ -41,7 +41,7 @@ from workers.control.health import Health
 from workers.control.parity import ParityGate
 from workers.control.pausing import CeleryControl, alive_workers
 from workers.control.watchdog import run_watchdog
-from workers.engine import prefetch
+from workers.engine import prefetch, server_limits
 from workers.engine.enforcer import PauseEnforcer
 from workers.engine.generate import handle_message
 from workers.engine.identity import (
@@ -52,7 +52,7 @@ from workers.engine.identity import (
     port_open,
 )
 from workers.engine.probes import Seen, ServerProbe, auth_line
-from workers.engine.runtime import WorkerRuntime
+from workers.engine.runtime import WorkerRuntime, client_for
 from workers.intake.publish import publish_items
 
 log = logging.getLogger(__name__)
@@ -209,6 +209,7 @@ def _on_worker_ready(sender: Any = None, **_: Any) -> None:
         rt.window.config.inflight,
         extra={"action": "worker_started"},
     )
+    _name_context(rt)
     if not port_open(rt.server_url):
         log.warning(
             "server %s: nothing answers at %s; this worker waits for it (a server still "
@@ -218,6 +219,15 @@ def _on_worker_ready(sender: Any = None, **_: Any) -> None:
             rt.server_url,
             extra={"action": "server_unanswered"},
         )
+
+
+def _name_context(rt: WorkerRuntime) -> None:
+    """The server's context length at start, and a difference with its model folder's."""
+    with client_for(rt.server_url, rt.settings) as client:
+        line = server_limits.context_line(rt.server_name, client)
+    if line is not None:
+        level = logging.INFO if line.endswith("(its --context-length)") else logging.WARNING
+        log.log(level, "%s", line, extra={"action": "server_context"})
 
 
 def _follow_window(rt: WorkerRuntime, consumer: Any) -> None:

@@ -54,6 +54,8 @@ class ExportReport:
     selection: Selection | None = None
     # --with-images: how many distinct images were copied beside the export
     images: int = 0
+    # --text-only: the samples left out because their prompt holds an image
+    image_rows_left_out: int = 0
 
 
 def specforge_row(item: StoredItem, images: ImageRows | None = None) -> dict[str, Any]:
@@ -282,6 +284,7 @@ def export_run(
     allow_mixed_weights: bool = False,
     image_store: Location | None = None,
     with_images: bool = False,
+    text_only: bool = False,
 ) -> ExportReport:
     """Write every done sample of run to out (atomically: a temp file renamed when complete).
     One weight version per export unless allow_mixed_weights (app.outputs.provenance).
@@ -289,7 +292,8 @@ def export_run(
     Image rows point at image_store (default the configured one); with_images copies every
     image they reference to `<out's folder>/images/<sha256>.<ext>`, once, checking its
     sha256, points at the copies by that relative path, and lists them in
-    `manifest_path(out)`.
+    `manifest_path(out)`. text_only leaves out every sample whose prompt holds an image (a
+    text-only draft's data), counted in `image_rows_left_out`.
 
     A `--turns all` run: one row per turn (per_turn), or per chain whose every turn is done
     (whole_conversation; the default of the conversations format). With a selection, eval rows
@@ -323,6 +327,9 @@ def export_run(
             images=images,
         )
         for item, row in rows:
+            if text_only and item.image_refs:
+                report.image_rows_left_out += 1
+                continue
             side = "train" if selection is None else selection.side(item)
             if side not in files:
                 continue

@@ -21,7 +21,9 @@ from app.outputs.parquet_export import check_export, export_parquet
 from app.outputs.verify import CHECK_PROMPT, verify_run
 from app.prompts.tokenization import ChatTokenizer, load_tokenizer
 from app.storage.image_store import image_uri
+from tests.support.image_exports import run_readme_snippet
 from tests.support.image_runs import PAD, count_image_reads, make_image_run, served
+from tests.support.procs import ROOT
 from workers.control.compaction import compact_run
 
 
@@ -115,6 +117,32 @@ def test_with_images_copies_each_image_once_and_lists_it(
     for sha, entry in listed.items():
         data = (folder / entry["path"]).read_bytes()
         assert hashlib.sha256(data).hexdigest() == sha and entry["bytes"] == len(data)
+
+
+def test_the_trainer_snippet_reads_a_mixed_export(db: Engine, tmp_path: Path) -> None:
+    """docs/images.md's trainer snippet, as printed, on an export of text and image rows."""
+    built = make_image_run(db, tmp_path, "img-mixed")
+    folder = tmp_path / "dataset"
+    folder.mkdir()
+    out = folder / "mixed.jsonl"
+    export_run(db, built.run, "specforge", out, image_store=built.store, with_images=True)
+    rows = read_jsonl(out)
+    assert "images" not in rows["text"] and len(rows["two"]["images"]) == 2  # mixed
+    run_readme_snippet(ROOT / "docs" / "images.md", out)
+
+
+def test_text_only_leaves_out_every_image_sample(
+    db: Engine, tmp_path: Path, tokenizer: ChatTokenizer
+) -> None:
+    built = make_image_run(db, tmp_path, "img-text")
+    for fmt in ("specforge", "conversations"):
+        out = tmp_path / f"{fmt}.jsonl"
+        report = export_run(
+            db, built.run, fmt, out, tokenizer=tokenizer, image_store=built.store, text_only=True
+        )
+        rows = read_jsonl(out)
+        assert set(rows) == {"text"} and "images" not in rows["text"], fmt
+        assert (report.rows, report.image_rows_left_out) == (1, 3), fmt
 
 
 def test_a_changed_stored_image_stops_the_copy_naming_it(db: Engine, tmp_path: Path) -> None:

@@ -68,7 +68,7 @@ def run_readme_snippet(readme: Path, export: Path) -> None:
     """Run the trainer snippet of docs/images.md (the Python block after "A trainer reads") on
     export."""
     text = readme.read_text(encoding="utf-8")
-    after = text[text.index("A trainer reads a sample") :]
+    after = text[text.index("A trainer reads the samples") :]
     code = after[after.index("```python\n") + 10 : after.index("```\n", after.index("```python"))]
     assert 'Path("out/r1.jsonl")' in code, code
     exec(code.replace('Path("out/r1.jsonl")', f"Path({str(export)!r})"), {})

@@ -152,7 +152,7 @@ NOT_RUN: dict[tuple[str, str], str] = {
             (
                 "docs/drafts.md",
                 "tokenmill enqueue eval.jsonl --run eval-new --tokenizer /models/Kimi-K2."
-                "5 --temperature 0 --max-new-tokens 2048",
+                "5 --trust-remote-code --temperature 0 --max-new-tokens 2048",
             ),
             (
                 "docs/drafts.md",
@@ -185,7 +185,7 @@ NOT_RUN: dict[tuple[str, str], str] = {
             (
                 "docs/weights.md",
                 "tokenmill enqueue prompts.jsonl --run rl-step-200 --tokenizer /models/K2"
-                ".5 --weight-version step-200",
+                ".5 --trust-remote-code --weight-version step-200",
             ),
             (
                 "docs/weights.md",

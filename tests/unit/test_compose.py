@@ -665,6 +665,54 @@ def test_dockerfile_builds_the_project_for_a_non_root_user() -> None:
     assert cmd and ast.literal_eval(cmd[-1]) == ["tokenmill", "--help"]
 
 
+def image_uid_gid() -> tuple[int, int]:
+    """The uid and gid the Dockerfile's USER runs as (its useradd / groupadd)."""
+    runs = " ".join(rest for keyword, rest in dockerfile_instructions() if keyword == "RUN")
+    uid = re.search(r"useradd [^&]*--uid (\d+)", runs)
+    gid = re.search(r"groupadd [^&]*--gid (\d+)", runs)
+    assert uid and gid, "the Dockerfile makes its user with a fixed uid and gid"
+    return int(uid.group(1)), int(gid.group(1))
+
+
+def test_data_init_makes_the_cli_data_folder_writable_by_the_image_user(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """./data is bind-mounted where the CLI writes; a one-shot job that runs as root gives it
+    to the image's group (setgid, group-writable) before the CLI starts, leaving its owner."""
+    init, cli_service = services()["data-init"], services()["cli"]
+    assert init.get("user") == "0:0" and is_one_shot(init)
+    assert cli_service["depends_on"]["data-init"]["condition"] == "service_completed_successfully"
+    (mount,) = [v for v in cli_service["volumes"] if str(v).startswith("./data:")]
+    assert mount in init["volumes"]
+    target = str(mount).split(":")[1]
+    args = argv(init)
+    assert args[:2] == ["python", "-c"] and target in args[2]
+    folder = tmp_path / "data"
+    folder.mkdir(mode=0o700)
+    chowned: list[tuple[str, int, int]] = []
+    monkeypatch.setattr(os, "chown", lambda path, uid, gid: chowned.append((path, uid, gid)))
+    exec(args[2].replace(target, str(folder)), {})
+    _, gid = image_uid_gid()
+    assert chowned == [(str(folder), -1, gid)]
+    mode = folder.stat().st_mode
+    assert mode & 0o2070 == 0o2070, oct(mode)  # setgid, group rwx
+
+
+def test_no_hugging_face_cache_is_mounted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tokenizers load from local folders only (a hub id is refused, nothing downloaded), so no
+    service needs a Hugging Face cache volume."""
+    from app.core.errors import TokenizerError
+    from app.prompts.tokenization import load_tokenizer
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(TokenizerError, match=r"'moonshotai/Kimi-K2\.5' does not exist"):
+        load_tokenizer("moonshotai/Kimi-K2.5")
+    assert "hf-cache" not in (compose().get("volumes") or {})
+    for name, service in services().items():
+        for volume in service.get("volumes", []):
+            assert "huggingface" not in str(volume), f"{name} mounts {volume}"
+
+
 def test_dockerfile_copies_everything_the_package_needs() -> None:
     project = tomllib.loads(PYPROJECT.read_text())
     needed = {"pyproject.toml", project["project"]["readme"]}

@@ -208,6 +208,23 @@ def test_every_printed_command_is_run_as_printed_or_allowed(printed: Printed) ->
     )
 
 
+# Kimi-K2.5's tokenizer folder is its own code: loading it needs --trust-remote-code
+KIMI_FOLDER = re.compile(r"(Kimi-)?K2\.5$")
+
+
+def test_every_kimi_tokenizer_is_loaded_with_trust_remote_code() -> None:
+    kimi = [
+        p
+        for p in PRINTED
+        if p.argv[0] == "tokenmill"
+        and "--tokenizer" in p.argv
+        and KIMI_FOLDER.search(p.argv[p.argv.index("--tokenizer") + 1])
+    ]
+    assert kimi, "no printed command loads a Kimi-K2.5 folder"
+    missing = [str(p) for p in kimi if "--trust-remote-code" not in p.argv]
+    assert not missing, missing
+
+
 def test_the_allowlist_holds_only_printed_commands() -> None:
     assert set(ALLOWED) <= {p.argv for p in PRINTED}
     assert set(NOT_RUN) <= {(p.doc, p.line) for p in PRINTED}, set(NOT_RUN) - {

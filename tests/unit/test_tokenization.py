@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
+import stat
 import subprocess
 import sys
 from importlib import resources
@@ -201,6 +203,18 @@ def test_ensure_builds_once_and_rebuilds_on_change(tmp_path: Path) -> None:
     assert stamp.read_text().strip() == fixture_version()
     assert load_tokenizer(folder).apply([U])[-1] == THINK
     assert [p.name for p in tmp_path.iterdir()] == [FIXTURE_NAME]
+
+
+def test_the_fixture_folder_is_readable_by_other_users(tmp_path: Path) -> None:
+    """A container's uid 10001 reads the demo's fixture folder (docker-compose mounts it)."""
+    old = os.umask(0o022)
+    try:
+        folder = ensure_kimi_tokenizer(tmp_path)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o755
+    for path in folder.iterdir():
+        assert stat.S_IMODE(path.stat().st_mode) & 0o044 == 0o044, path.name
 
 
 # --- hashes -----------------------------------------------------------------------------------

@@ -126,17 +126,17 @@ def server_env(**extra: str) -> dict[str, str]:
 
 @contextlib.contextmanager
 def running_sglang_server(
-    model: Path, log: Path, *flags: str, env: dict[str, str] | None = None
+    model: Path, log: Path, *flags: str, env: dict[str, str] | None = None, port: int = 0
 ) -> Iterator[SGLangServer]:
-    """SGLang's server on a free port with `flags` (SGLang's own), ready (/health 200) when
-    yielded; SIGTERM then SIGKILL to its process group afterwards."""
-    port = free_port()
+    """SGLang's server on `port` (0: a free one) with `flags` (SGLang's own), ready (/health
+    200) when yielded; SIGTERM then SIGKILL to its process group afterwards."""
+    port = port or free_port()
     argv = [
         sys.executable, "-m", "tests.support.sglang_http.server",
         "--model-path", str(model), "--host", "127.0.0.1", "--port", str(port),
         "--device", "cpu", "--skip-server-warmup", "--log-level", "warning", *flags,
     ]  # fmt: skip
-    with log.open("wb") as out:
+    with log.open("ab") as out:
         popen = subprocess.Popen(
             argv,
             cwd=REPO_ROOT,
