@@ -277,7 +277,8 @@ def test_a_sigterm_mid_run_fails_nothing(
 ) -> None:
     """SIGTERM to a server (what `systemctl stop/restart` sends) while a `tokenmill run` and a
     Celery fleet both use it and the session server: it drains and exits while both go on,
-    nothing fails, no attempt is spent, the timelines show draining → down."""
+    nothing fails, no attempt is spent, the timelines show draining → down, and → healthy once
+    the server is started again on its port."""
     # the session server's model folder: both servers of a run serve one model
     model = Path(httpx.get(f"{sglang_server.base_url}/model_info", timeout=10).json()["model_path"])
     log = tmp_path / "leaving.log"
@@ -319,6 +320,16 @@ def test_a_sigterm_mid_run_fails_nothing(
             run_going, fleet_going = run.poll() is None, not run_counts(pg_engine, "w1").finished
             out, _ = run.communicate(timeout=300)
             wait_for("the fleet's end", lambda: run_counts(pg_engine, "w1").finished, 300)
+            # systemd starts it again on its port: the fleet sees it come back
+            port = int(leaving.base_url.rsplit(":", 1)[1])
+            with harness.running_sglang_server(model, log, *LOGGED, env=server_env, port=port):
+                back = ("down", "healthy")
+                wait_for(
+                    "gpu-0 seen healthy again",
+                    lambda: back in events_moves(fleet_env, tmp_path, "gpu-0"),
+                    120,
+                    lambda: str(events_moves(fleet_env, tmp_path, "gpu-0")),
+                )
         finally:
             if run.poll() is None:
                 run.kill()
