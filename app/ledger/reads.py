@@ -199,6 +199,8 @@ class StoredItem:
     images: list[dict[str, Any]] | None = None
     image_token_counts: list[int] | None = None
     run_id: int | None = None
+    # an agentic chain's last kept turn: how the chain ended (CHAIN_END_*)
+    chain_end: str | None = None
 
     @property
     def image_refs(self) -> tuple[ImageRef, ...]:
@@ -234,6 +236,7 @@ _STORED_FIELDS = (
     "images",
     "image_token_counts",
     "run_id",
+    "chain_end",
 )
 
 
@@ -291,6 +294,17 @@ def _hydrated(
             item = replace(item, prompt_ids=prompt_ids, output_ids=output_ids)
         out.append(item)
     return out
+
+
+def hydrated_items(conn: Connection, ids: Sequence[int]) -> list[StoredItem]:
+    """stored_items with the token arrays of compacted items read back from their shards."""
+    from app.storage.shards import ShardCache
+
+    shards = ShardCache(None)
+    try:
+        return _hydrated(stored_items(conn, ids), shards, _Placeholders(conn))
+    finally:
+        shards.close()
 
 
 def iter_items(
