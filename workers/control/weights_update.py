@@ -49,8 +49,11 @@ def update_weights(
     drain_timeout_s: float | None = None,
     poll_s: float = 0.5,
     on_progress: Callable[[str], None] = lambda line: None,
+    on_drain: Callable[[int, float], None] = lambda leased, left_s: None,
 ) -> UpdateResult:
-    """Update server `name`'s weights in place; see the module docstring."""
+    """Update server `name`'s weights in place; see the module docstring. `on_progress` gets
+    each step's message, `on_drain` the items still leased and the seconds the wait has left,
+    every poll while it waits for them (and once as it ends)."""
     with db.connect() as conn:
         server = registry.get_server(conn, name)
     target = weight_version or model_path
@@ -58,7 +61,7 @@ def update_weights(
     # a pause the watchdog does not lift: it would resume the server mid-update
     pause_server(db, control, name, by=PAUSED_BY_UPDATE, reason=f"updating weights to {target}")
     _event(db, name, f"{name}: weight update to {target} started ({model_path})")
-    leased = _drain(db, name, drain_timeout_s or settings.drain_timeout_s, poll_s, on_progress)
+    leased = _drain(db, name, drain_timeout_s or settings.drain_timeout_s, poll_s, on_drain)
     if leased:
         on_progress(f"{leased} requests still out: the update aborts them (their items go back)")
     client = client_for(server.url, settings)
@@ -89,7 +92,7 @@ def update_weights(
 
 
 def _drain(
-    db: Engine, name: str, timeout_s: float, poll_s: float, on_progress: Callable[[str], None]
+    db: Engine, name: str, timeout_s: float, poll_s: float, on_drain: Callable[[int, float], None]
 ) -> int:
     """Wait until none of the server's items is leased (its workers send nothing while it is
     paused and give back what waits); the number still leased when the wait ends."""
@@ -97,10 +100,11 @@ def _drain(
     while True:
         with db.connect() as conn:
             leased = registry.server_load(conn, name).leased
-        if leased == 0 or time.monotonic() >= deadline:
+        left_s = max(0.0, deadline - time.monotonic())
+        on_drain(leased, left_s)
+        if leased == 0 or left_s <= 0:
             return leased
-        on_progress(f"waiting for {leased} in-flight items to finish or go back")
-        time.sleep(poll_s)
+        time.sleep(min(poll_s, left_s))
 
 
 def _finish(
