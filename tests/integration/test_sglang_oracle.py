@@ -249,10 +249,12 @@ ROWS: list[Json] = [
         ],
         "continue_final_message": False,
     },
-    # a field a chat completion drops: add_generation_prompt is no field of its request (even
-    # false beside continue_final_message, which /v1/tokenize refuses)
+    # fields a chat completion takes that change no prompt: add_generation_prompt is no field
+    # of its request (dropped, even false beside continue_final_message, which /v1/tokenize
+    # refuses), parallel_tool_calls only constrains decoding
     {"messages": [U_HI, A_HELLO, U_MORE], "add_generation_prompt": False},
     {"messages": [U_HI, A_HELLO], "continue_final_message": True, "add_generation_prompt": False},
+    {"messages": AGENTIC[:2], "tools": [WEATHER, OTHER_TOOL], "parallel_tool_calls": False},
 ]
 
 # the values of continue_final_message the rows above give that SGLang's model reads as true
@@ -268,6 +270,8 @@ def _body(row: Json, messages: list[Json], continued: bool = False) -> Json:
             body[key] = row[key]
     if continued:
         body["continue_final_message"] = row["continue_final_message"]
+    if "parallel_tool_calls" in row:
+        body["parallel_tool_calls"] = row["parallel_tool_calls"]
     if "add_generation_prompt" in row:
         body.update({"add_generation_prompt": row["add_generation_prompt"], CHAT_COMPLETION: True})
     return body
@@ -339,7 +343,7 @@ def test_every_boundary_is_sglangs(
         assert bool(refused) == (line in failed_lines), where
         checked += len(expected)
     assert checked >= len(ROWS)
-    assert report.not_applied_fields == {"add_generation_prompt": 2}
+    assert report.not_applied_fields == {"add_generation_prompt": 2, "parallel_tool_calls": 1}
 
 
 def _row_bodies(row: Json, turns: str) -> list[Json]:
