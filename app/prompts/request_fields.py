@@ -23,6 +23,11 @@ from app.prompts.request_json import json_type
 
 # the row fields applied (a run pins them; `--no-request-fields`: none)
 APPLIED = ("tool_choice", "continue_final_message")
+# request fields a row may hold that change no prompt on SGLang 0.5.23's chat path, so they stay
+# metadata and the enqueue report names them: `add_generation_prompt` is no field of its
+# ChatCompletionRequest (pydantic drops it; only /v1/tokenize's TokenizeRequest reads it), and
+# `parallel_tool_calls` reaches only its decoding constraints, never a template or an encoder
+NOT_APPLIED = ("add_generation_prompt", "parallel_tool_calls")
 CHOICES = ("auto", "required", "none")
 # SGLang's ChatCompletionRequest.continue_final_message: a pydantic bool, read in lax mode
 _BOOL = pydantic.TypeAdapter(bool)

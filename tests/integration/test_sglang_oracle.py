@@ -37,7 +37,7 @@ from tests.support.oracle_families import (
     family_folder,
 )
 from tests.support.real_templates import REAL_FAMILIES, real_template
-from tests.support.sglang_server import tokenize_as_deployed
+from tests.support.sglang_server import CHAT_COMPLETION, tokenize_as_deployed
 from workers.intake.producer import EnqueueOptions, enqueue
 
 Json = dict[str, Any]
@@ -75,6 +75,9 @@ AGENTIC: list[Json] = [
     {"role": "assistant", "content": "It is 18 C and sunny.", "reasoning_content": "Easy."},
     {"role": "user", "content": "Thanks!"},
 ]
+U_HI: Json = {"role": "user", "content": "Hi"}
+A_HELLO: Json = {"role": "assistant", "content": "Hello"}
+U_MORE: Json = {"role": "user", "content": "More?"}
 ROWS: list[Json] = [
     # a user turn's name is dropped by SGLang's request model
     {"messages": [{"role": "user", "content": "Paris is the capital of France?", "name": "bob"}]},
@@ -246,6 +249,12 @@ ROWS: list[Json] = [
         ],
         "continue_final_message": False,
     },
+    # fields a chat completion takes that change no prompt: add_generation_prompt is no field
+    # of its request (dropped, even false beside continue_final_message, which /v1/tokenize
+    # refuses), parallel_tool_calls only constrains decoding
+    {"messages": [U_HI, A_HELLO, U_MORE], "add_generation_prompt": False},
+    {"messages": [U_HI, A_HELLO], "continue_final_message": True, "add_generation_prompt": False},
+    {"messages": AGENTIC[:2], "tools": [WEATHER, OTHER_TOOL], "parallel_tool_calls": False},
 ]
 
 # the values of continue_final_message the rows above give that SGLang's model reads as true
@@ -253,12 +262,18 @@ CONTINUED = (True, "yes", 1)
 
 
 def _body(row: Json, messages: list[Json], continued: bool = False) -> Json:
+    """The row's request as a chat completion sends it (a /v1/tokenize body unless it holds a
+    field only a chat completion reads as one)."""
     body: Json = {"messages": messages}
     for key in ("tools", "chat_template_kwargs", "reasoning_effort", "tool_choice"):
         if key in row:
             body[key] = row[key]
     if continued:
         body["continue_final_message"] = row["continue_final_message"]
+    if "parallel_tool_calls" in row:
+        body["parallel_tool_calls"] = row["parallel_tool_calls"]
+    if "add_generation_prompt" in row:
+        body.update({"add_generation_prompt": row["add_generation_prompt"], CHAT_COMPLETION: True})
     return body
 
 
@@ -328,6 +343,7 @@ def test_every_boundary_is_sglangs(
         assert bool(refused) == (line in failed_lines), where
         checked += len(expected)
     assert checked >= len(ROWS)
+    assert report.not_applied_fields == {"add_generation_prompt": 2, "parallel_tool_calls": 1}
 
 
 def _row_bodies(row: Json, turns: str) -> list[Json]:
