@@ -14,18 +14,23 @@ import itertools
 import json
 import os
 import re
+import shlex
 import signal
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
+from sqlalchemy import update
 
+from app.ledger.common import items, runs
 from app.ledger.database import make_engine
 from app.ledger.migrate import upgrade
 from ops.emulator_proc import EmulatorProcess, start_emulator
 from tests.support.emulator import free_port
-from tests.support.procs import ROOT, clean_env, tokenmill
+from tests.support.procs import ROOT, clean_env, tokenmill, wait_for
 from tests.support.runs import add_item, make_run
 
 pytestmark = pytest.mark.e2e
@@ -158,3 +163,108 @@ def test_update_weights_in_a_pipe_counts_the_drain_down(
     assert lines[after] == "3 requests still out: the update aborts them (their items go back)"
     assert any(ln.startswith("gpu-x serves weight_version step-200") for ln in lines), lines
     assert "\r" not in result.stderr and "\x1b[" not in result.stderr
+
+
+def ledger_with_run(data: Path, *, leased_on: str | None = None, pinned: str | None = None) -> None:
+    """Run r1 in the embedded ledger: three items leased to `leased_on` (a worker gone), or one
+    pending item; `pinned`: the run's `--weight-version`."""
+    engine = make_engine(f"sqlite:///{data / 'ledger.sqlite3'}")
+    upgrade(engine)
+    with engine.begin() as conn:
+        run = make_run(conn, "r1")
+        if leased_on:
+            for i in range(3):
+                add_item(conn, run.id, f"k{i}", status="leased", server=leased_on)
+        else:
+            add_item(conn, run.id, "k0", status="pending")
+        if pinned:
+            conn.execute(update(runs).where(runs.c.id == run.id).values(weight_version=pinned))
+    engine.dispose()
+
+
+def registered(tmp_path: Path, url: str) -> tuple[Path, dict[str, str]]:
+    """An embedded ledger with server gpu-x at url: its folder and the CLI's environment."""
+    data = tmp_path / "data"
+    env = clean_env(data)
+    assert tokenmill(["servers", "add", "gpu-x", url], env, tmp_path).returncode == 0
+    return data, env
+
+
+def server_json(env: dict[str, str], cwd: Path) -> dict[str, object]:
+    listed = tokenmill(["servers", "--json"], env, cwd)
+    assert listed.returncode == 0, listed.stderr
+    (server,) = json.loads(listed.stdout)
+    return dict(server)
+
+
+def test_update_weights_refuses_a_server_that_does_not_answer(tmp_path: Path) -> None:
+    env = clean_env(tmp_path / "data")
+    down = f"http://127.0.0.1:{free_port()}"
+    assert tokenmill(["servers", "add", "gpu-x", down], env, tmp_path).returncode == 0
+    checkpoint = tmp_path / "step-200"
+    checkpoint.mkdir()
+
+    argv = ["update-weights", "gpu-x", "--model-path", str(checkpoint)]
+    result = tokenmill(argv, env, tmp_path)
+
+    assert result.returncode == 1, result.stderr
+    assert re.search(
+        r"^gpu-x does not answer \(.*Connection refused.*\): start it .*; nothing was paused$",
+        result.stderr, re.M,
+    ), result.stderr  # fmt: skip
+    assert server_json(env, tmp_path)["paused"] is False
+    lines = result.stderr.splitlines()
+    assert lines[-2:] == ["To update again:", shlex.join(["tokenmill", *argv])], lines
+
+
+def test_a_refused_update_prints_the_whole_command_to_try_again(
+    tmp_path: Path, emulator: EmulatorProcess
+) -> None:
+    data, env = registered(tmp_path, emulator.url)
+    ledger_with_run(data, leased_on="gpu-x")
+    checkpoint = tmp_path / "ckpt" / "step 200"  # a space: the command quotes it
+    checkpoint.mkdir(parents=True)
+    argv = ["update-weights", "gpu-x", "--model-path", str(checkpoint), "--weight-version",
+            "step-200", "--drain-timeout-s", "120"]  # fmt: skip
+    process = subprocess.Popen(
+        [sys.executable, "-m", "ops", *argv], env=env, cwd=tmp_path, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        # the checkpoint goes away while the update waits for gpu-x's items; then they go back
+        wait_for("gpu-x paused", lambda: server_json(env, tmp_path)["paused"] is True, 60)
+        checkpoint.rmdir()
+        engine = make_engine(f"sqlite:///{data / 'ledger.sqlite3'}")
+        with engine.begin() as conn:
+            conn.execute(update(items).values(status="pending", server=None))
+        engine.dispose()
+        _, err = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 1, err
+    assert "gpu-x stays paused: the server refused the update: Failed to get weights" in err
+    assert err.splitlines()[-2:] == ["To update again:", shlex.join(["tokenmill", *argv])], err
+    assert server_json(env, tmp_path)["paused"] is True
+
+
+def test_updated_but_still_paused_is_exit_status_3(
+    tmp_path: Path, emulator: EmulatorProcess
+) -> None:
+    data, env = registered(tmp_path, emulator.url)
+    ledger_with_run(data, pinned="step-100")  # r1 takes only step-100
+    checkpoint = tmp_path / "step-200"
+    checkpoint.mkdir()
+
+    result = tokenmill(
+        ["update-weights", "gpu-x", "--model-path", str(checkpoint), "--weight-version",
+         "step-200"],
+        env, tmp_path,
+    )  # fmt: skip
+
+    assert result.returncode == 3, result.stderr
+    assert "gpu-x serves weight_version step-200; runs that take it: none" in result.stderr
+    assert "it stays paused until a run takes these weights" in result.stderr
+    assert server_json(env, tmp_path)["paused"] is True
+    info = httpx.get(f"{emulator.url}/model_info", timeout=10).json()
+    assert info["weight_version"] == "step-200"
