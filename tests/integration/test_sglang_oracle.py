@@ -18,10 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine
+from sqlalchemy import Engine, update
 
+from app.core import models
 from app.core.contracts import SamplingParams
 from app.ledger import reads, run_queries
+from app.outputs.verify import CHECK_TEMPLATE, verify_run
 from app.prompts.chat_path import ChatInputs
 from app.prompts.input_turns import ROLES, parse_turns_until_bad
 from app.prompts.template_choice import TemplateChoice
@@ -344,6 +346,15 @@ def test_every_boundary_is_sglangs(
         checked += len(expected)
     assert checked >= len(ROWS)
     assert report.not_applied_fields == {"add_generation_prompt": 2, "parallel_tool_calls": 1}
+    # verify re-renders every stored prompt (continued turns included) to the same ids
+    with sqlite_engine.begin() as conn:
+        conn.execute(
+            update(models.items)
+            .where(models.items.c.run_id == run.id)
+            .values(status="done", output_ids=[1], finish_reason="length", completion_tokens=1)
+        )
+    template = verify_run(sqlite_engine, run, tokenizer).checks[CHECK_TEMPLATE]
+    assert template.checked == len(items) and template.mismatches == 0, template.examples
 
 
 def _row_bodies(row: Json, turns: str) -> list[Json]:
