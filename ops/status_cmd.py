@@ -35,7 +35,7 @@ def status_cmd(run_name: str | None, as_json: bool, watch: bool, interval_s: flo
     Names and numbers are never cut: in a narrow terminal the columns queued, leased, pend,
     wait, trunc and out tokens are left out, in that order (--json has every count).
     """
-    from app.ledger import reads, registry, retries, run_queries, turns
+    from app.ledger import reads, registry, retries, run_queries
 
     db = open_db()
     if watch:
@@ -58,7 +58,7 @@ def status_cmd(run_name: str | None, as_json: bool, watch: bool, interval_s: flo
             for r, c in zip(runs, counts, strict=True)
             if c.failed
         }
-        endings = {r.name: turns.chain_endings(conn, r.id) for r in runs if r.turns == "all"}
+        endings = {r.name: reads.chain_endings(conn, r.id) for r in runs if r.turns == "all"}
     stopped_names = {r.name for r in runs if r.id in stopped}
     if not runs and not as_json:
         # an empty table would not say where it looked (a forgotten TOKENMILL_DATABASE_URL)

@@ -7,11 +7,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection, delete, exists, func, select, update
+from sqlalchemy import Connection, delete, exists, select, update
 
 from app.core.failures import failure_reason
 from app.core.models import ItemStatus
-from app.ledger.common import items, items_archive, utcnow
+from app.ledger.common import items, utcnow
 from app.ledger.outcomes import _trim
 from app.ledger.reads import StoredItem, hydrated_items, stored_items
 
@@ -222,20 +222,3 @@ def record_chain_end(conn: Connection, item_id: int, reason: str) -> bool:
         .values(chain_end=reason)
     )
     return conn.execute(stmt).rowcount == 1
-
-
-def chain_endings(conn: Connection, run_id: int) -> dict[str, int]:
-    """The run's agentic chains counted by how they ended (archived rows included; a row
-    being archived counted once): a read of the ended chains' last turns only."""
-    counts: dict[str, int] = {}
-    for table in (items, items_archive):
-        stmt = (
-            select(table.c.chain_end, func.count())
-            .where(table.c.run_id == run_id, table.c.chain_end.is_not(None))
-            .group_by(table.c.chain_end)
-        )
-        if table is items_archive:
-            stmt = stmt.where(~select(items.c.id).where(items.c.id == table.c.id).exists())
-        for reason, n in conn.execute(stmt):
-            counts[str(reason)] = counts.get(str(reason), 0) + int(n)
-    return dict(sorted(counts.items()))

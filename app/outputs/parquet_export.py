@@ -20,7 +20,7 @@ from sqlalchemy import Connection, Engine
 
 from app.core.errors import ConfigurationError, NotFound
 from app.core.models import ItemStatus
-from app.ledger import common, counters, reads, registry, run_queries, turns
+from app.ledger import common, counters, reads, registry, run_queries
 from app.ledger.image_tokens import run_image_pins
 from app.ledger.reads import StoredItem
 from app.ledger.run_queries import RunInfo
@@ -82,6 +82,7 @@ def shard_row(item: StoredItem, images: ImageRows | None = None) -> ShardRow:
         sampling_params=None if item.sampling_params is None else json.dumps(item.sampling_params),
         images=image_fields.get("images"),
         image_token_counts=image_fields.get("image_token_counts"),
+        assistant_prefix=item.assistant_prefix,
     )
 
 
@@ -231,7 +232,7 @@ def export_parquet(
             if writer is not None:
                 writer.abort()
         counts = reads.run_counts(conn, run)
-        ends = turns.chain_endings(conn, run.id)  # agentic chains by how they ended
+        ends = reads.chain_endings(conn, run.id)  # agentic chains by how they ended
         fingerprints = server_fingerprints(conn, run, servers)
     manifest = {
         "format": MANIFEST_FORMAT,

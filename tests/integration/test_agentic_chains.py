@@ -22,7 +22,6 @@ from app.core import constants
 from app.core.contracts import GenerateResult, SamplingParams
 from app.ledger import claims, reads, run_queries
 from app.ledger import outcomes as ledger_outcomes
-from app.ledger import turns as turns_ledger
 from app.ledger.outcomes import Done
 from app.outputs.export import export_run
 from app.outputs.verify import verify_run
@@ -294,7 +293,7 @@ def test_agentic_chains_splice_cached_results_as_sglang_renders_them(
         checked += _check_prompts(oracle, rows[int(key)]["messages"], chain)
     assert checked == sum(len(c) - 1 for c in chains.values()) > 0
     with db.connect() as conn:
-        counted = turns_ledger.chain_endings(conn, run_id)
+        counted = reads.chain_endings(conn, run_id)
     assert counted == dict(sorted(Counter(s.ending for s in SCRIPTS).items()))
 
     # verify re-renders every chained prompt from its stored parsed history
