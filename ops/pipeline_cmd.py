@@ -209,6 +209,10 @@ def enqueue_input(
     for title, fields in (
         ("prompts built from", report.prompt_fields),
         ("kept as row metadata (exported with each sample)", report.metadata_fields),
+        (
+            "not applied (SGLang's chat completions render the same prompt without them)",
+            report.not_applied_fields,
+        ),
     ):
         if fields:
             counts = ", ".join(f"{escape(name)} ({n} rows)" for name, n in fields.items())

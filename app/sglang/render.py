@@ -35,15 +35,21 @@ class RenderServerUnavailable(ServerUnavailable):
 
 @dataclass(frozen=True)
 class RenderRequest:
-    """What the server renders: a row's messages, its tools and its template kwargs."""
+    """What the server renders: a row's messages, its tools and its template kwargs, and the
+    final assistant turn's text it continues (continue_final_message), if any."""
 
     messages: Sequence[Message]
     tools: Sequence[Mapping[str, Any]] | None = None
     chat_template_kwargs: Mapping[str, Any] | None = None
+    assistant_prefix: str | None = None
 
     def body(self) -> dict[str, Any]:
-        """The /v1/tokenize body (no add_generation_prompt: rendered as for a chat completion)."""
+        """The /v1/tokenize body (no add_generation_prompt: rendered as for a chat completion);
+        a continued turn goes last, with continue_final_message."""
         body: dict[str, Any] = {"messages": [dict(m) for m in self.messages]}
+        if self.assistant_prefix is not None:
+            body["messages"].append({"role": "assistant", "content": self.assistant_prefix})
+            body["continue_final_message"] = True
         if self.tools:
             body["tools"] = [dict(t) for t in self.tools]
         if self.chat_template_kwargs:
@@ -56,9 +62,12 @@ def prompt_request(
     chat_template_kwargs: Mapping[str, Any] | None,
     *,
     tools: Sequence[Mapping[str, Any]] | None = None,
+    assistant_prefix: str | None = None,
 ) -> RenderRequest:
     """The one way a prompt becomes a render request, at enqueue, for later turns and parity."""
-    return RenderRequest(list(messages), tools or None, dict(chat_template_kwargs or {}) or None)
+    return RenderRequest(
+        list(messages), tools or None, dict(chat_template_kwargs or {}) or None, assistant_prefix
+    )
 
 
 # conversations whose rendering pins a server's render: a run rendered by the server keeps

@@ -147,7 +147,9 @@ def item_request(
     messages = item.messages or []
     if images is not None:
         messages = images.for_server(messages)
-    return prompt_request(messages, kwargs, tools=item.tools)
+    return prompt_request(
+        messages, kwargs, tools=item.tools, assistant_prefix=item.assistant_prefix
+    )
 
 
 def _requests(

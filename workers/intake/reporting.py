@@ -14,6 +14,7 @@ from app.core.constants import EVENT_ENQUEUE_STOPPED, EVENT_ENQUEUED
 from app.core.contracts import PromptRecord
 from app.core.errors import InputError
 from app.ledger import event_log, queue
+from app.prompts import request_fields
 from app.sglang.render import RenderServerUnavailable
 
 log = logging.getLogger(__name__)
@@ -34,6 +35,9 @@ class EnqueueReport:
     # row metadata (exported with each sample)
     prompt_fields: dict[str, int] = field(default_factory=dict)
     metadata_fields: dict[str, int] = field(default_factory=dict)
+    # request fields of the rows that change no prompt at SGLang's chat path
+    # (request_fields.NOT_APPLIED), by how many rows gave each a value
+    not_applied_fields: dict[str, int] = field(default_factory=dict)
     # the distinct image sources read (each once) and their bytes
     images_read: int = 0
     image_bytes_read: int = 0
@@ -41,8 +45,10 @@ class EnqueueReport:
     def count_fields(self, record: PromptRecord) -> None:
         for name in record.prompt_fields:
             self.prompt_fields[name] = self.prompt_fields.get(name, 0) + 1
-        for name in record.metadata or {}:
+        for name, value in (record.metadata or {}).items():
             self.metadata_fields[name] = self.metadata_fields.get(name, 0) + 1
+            if name in request_fields.NOT_APPLIED and value is not None:
+                self.not_applied_fields[name] = self.not_applied_fields.get(name, 0) + 1
 
     @property
     def skipped(self) -> int:
@@ -59,6 +65,7 @@ class EnqueueReport:
             "skipped": self.skipped,
             "prompt_fields": dict(self.prompt_fields),
             "metadata_fields": dict(self.metadata_fields),
+            "not_applied_fields": dict(self.not_applied_fields),
             "images_read": self.images_read,
             "image_bytes_read": self.image_bytes_read,
             "errors": [{"line": e.line, "reason": e.reason} for e in self.errors],
