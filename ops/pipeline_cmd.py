@@ -70,6 +70,9 @@ def enqueue_input(
 ) -> EnqueueReport:
     """Enqueue INPUT_PATH into run (publishing its items when publish); driver: who serves it
     (run_queries.DRIVER_RUN for `tokenmill run`; None: the fleet)."""
+    from app.prompts.inputs import check_input
+
+    check_input(input_path)  # at once, before the heavy imports and the tokenizer
     from rich.markup import escape
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -208,6 +211,7 @@ def enqueue_input(
     console.print(f"into {escape(where)}", markup=True, soft_wrap=True)
     for title, fields in (
         ("prompts built from", report.prompt_fields),
+        ("item keys from", report.key_fields),
         ("kept as row metadata (exported with each sample)", report.metadata_fields),
         (
             "not applied (SGLang's chat completions render the same prompt without them)",

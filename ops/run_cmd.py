@@ -66,6 +66,9 @@ def run_cmd(
 def run_pipeline(
     input_path: Path, run_name: str, tokenizer_path: str, servers: list[str], opts: dict[str, Any]
 ) -> RunCounts:
+    from app.prompts.inputs import check_input
+
+    check_input(input_path)  # at once: before the heavy imports and the servers' context length
     from rich.markup import escape
 
     from app.ledger import run_queries

@@ -19,6 +19,8 @@ from app.sglang.render import RenderServerUnavailable
 
 log = logging.getLogger(__name__)
 
+KEY_FIELDS = ("id",)  # top-level fields that give the item key
+
 
 @dataclass
 class EnqueueReport:
@@ -31,9 +33,10 @@ class EnqueueReport:
     published: int = 0
     errors: list[InputError] = field(default_factory=list)
     # top-level fields, and how many rows had each: those that built the prompts (the prompt
-    # field, id, system, tools, chat_template_kwargs, reasoning_effort) and those kept as
-    # row metadata (exported with each sample)
+    # field, system, tools, chat_template_kwargs, reasoning_effort, sampling_params), the item
+    # key (id), and those kept as row metadata (exported with each sample)
     prompt_fields: dict[str, int] = field(default_factory=dict)
+    key_fields: dict[str, int] = field(default_factory=dict)
     metadata_fields: dict[str, int] = field(default_factory=dict)
     # request fields of the rows that change no prompt at SGLang's chat path
     # (request_fields.NOT_APPLIED), by how many rows gave each a value
@@ -44,7 +47,9 @@ class EnqueueReport:
 
     def count_fields(self, record: PromptRecord) -> None:
         for name in record.prompt_fields:
-            self.prompt_fields[name] = self.prompt_fields.get(name, 0) + 1
+            # the id names the item; it is no part of the prompt
+            counted = self.key_fields if name in KEY_FIELDS else self.prompt_fields
+            counted[name] = counted.get(name, 0) + 1
         for name, value in (record.metadata or {}).items():
             self.metadata_fields[name] = self.metadata_fields.get(name, 0) + 1
             if name in request_fields.NOT_APPLIED and value is not None:
@@ -64,6 +69,7 @@ class EnqueueReport:
             "published": self.published,
             "skipped": self.skipped,
             "prompt_fields": dict(self.prompt_fields),
+            "key_fields": dict(self.key_fields),
             "metadata_fields": dict(self.metadata_fields),
             "not_applied_fields": dict(self.not_applied_fields),
             "images_read": self.images_read,
