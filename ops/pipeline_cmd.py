@@ -206,6 +206,13 @@ def enqueue_input(
             markup=True,
             soft_wrap=True,
         )
+    if report.images_refused:
+        console.print(
+            f"{report.images_refused} image sources could not be used, nothing stored for them "
+            "(their rows are skipped, each named above)",
+            markup=False,
+            soft_wrap=True,
+        )
     where = f"ledger {ledger_name(settings)}"
     if publish:
         where += f", broker {broker_name(settings)}"
