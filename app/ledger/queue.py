@@ -20,6 +20,7 @@ from app.ledger.common import (
     items,
     run_status_order,
     run_status_range,
+    status_of_found,
     tool_sets,
     utcnow,
 )
@@ -253,10 +254,22 @@ def oldest_queued(
     return list(conn.execute(stmt).scalars())
 
 
+# ids a statement of touch_queued updates: reconcile re-sends up to 10,000 lost items a pass
+TOUCH_ROWS = 500
+
+
 def touch_queued(conn: Connection, ids: Sequence[int]) -> None:
-    """Restart the grace period of items just published again."""
-    conn.execute(
-        update(items)
-        .where(items.c.id.in_(list(ids)), items.c.status == ItemStatus.QUEUED.value)
-        .values(queued_at=utcnow())
-    )
+    """Restart the grace period of items just published again, TOUCH_ROWS a statement in id
+    order (so no statement grows with the lost items, and rows are locked as claims lock them)."""
+    ordered = sorted(ids)
+    now = utcnow()
+    for start in range(0, len(ordered), TOUCH_ROWS):
+        chunk = ordered[start : start + TOUCH_ROWS]
+        conn.execute(
+            update(items)
+            .where(
+                items.c.id.in_(_in_id_order(conn, chunk)),
+                status_of_found() == ItemStatus.QUEUED.value,
+            )
+            .values(queued_at=now)
+        )
