@@ -41,8 +41,11 @@ sglang-server-deps:
 sglang-server-tests: sglang-server-deps
 	$(PYTHON) -m pytest -q -p no:cacheprovider tests/e2e/test_sglang_server.py
 
+# two pytest workers, a test file's tests in one of them (each session has its own database
+# and redis-server); PYTEST_WORKERS=0 runs the suite in one process
+PYTEST_WORKERS ?= 2
 test: lint typecheck transformers-519 sglang-server-deps
-	$(PYTHON) -m pytest -q -p no:cacheprovider --durations=15
+	$(PYTHON) -m pytest -q -p no:cacheprovider --durations=15 -n $(PYTEST_WORKERS) --dist loadfile
 	$(MAKE) oracle-519
 
 demo:

@@ -251,19 +251,22 @@ def render_chat_ids(
             elif last.get("role") == "assistant" and isinstance(last.get("content"), str):
                 prefix, turns = str(last["content"]), turns[:-1]
         if add_generation_prompt is None:
-            inputs = ChatInputs(turns, shaped, chat_template_kwargs, normalized=True)
+            # the continued turn appended as the product appends it (an answer before it kept)
+            inputs = ChatInputs(
+                turns, shaped, chat_template_kwargs, normalized=True, assistant_prefix=prefix
+            )
             [ids] = tokenizer.apply_each([inputs])
             if isinstance(ids, InputError):
                 raise ids
-        else:
-            ids = _render_as_asked(
-                tokenizer,
-                turns,
-                shaped,
-                chat_template_kwargs,
-                add_generation_prompt,
-                add_special_tokens,
-            )
+            return ids
+        ids = _render_as_asked(
+            tokenizer,
+            turns,
+            shaped,
+            chat_template_kwargs,
+            add_generation_prompt,
+            add_special_tokens,
+        )
         if prefix:
             hf = tokenizer.hf_tokenizer
             encoded = [int(i) for i in hf.encode(prefix)]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import shlex
 from datetime import datetime
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import click
@@ -25,10 +26,10 @@ from ops.options import (
 from ops.views.text_table import Column, left_out_note, render
 
 if TYPE_CHECKING:
-    from rich.table import Table
     from sqlalchemy import Connection
 
     from app.ledger import registry, windows
+    from ops.views.progress import Line, Progress
     from workers.control.restart import RestartProgress
 
 
@@ -305,30 +306,29 @@ def resume_cmd(server: tuple[str, ...], all_servers: bool) -> None:
 )
 @handle_errors
 def restart_cmd(name: str, command: str | None, timeout_s: float | None, poll_s: float) -> None:
-    """Pause NAME, run its restart command, wait until ready, check the fingerprint, resume."""
-    from rich.live import Live
-    from rich.table import Table
+    """Pause NAME, run its restart command, wait until ready, check the fingerprint, resume.
 
+    On a terminal one line is redrawn; in a pipe or a file a line is printed when the phase or
+    the probe changes, and every 30 s while they do not. The restart command's output goes to
+    a file under TOKENMILL_DATA_DIR/restarts/, named as it starts."""
+    from rich.markup import escape
+
+    from ops.views.progress import Progress
     from workers.control.pausing import CeleryControl
     from workers.control.restart import parse_command, restart_server
 
     settings = get_settings()
     db = open_db(settings)
     argv = parse_command(command) if command else None
+    named: list[Path] = []
 
-    def view(p: RestartProgress) -> Table:
-        table = Table.grid(padding=(0, 2))
-        table.add_row(
-            f"[bold]{name}[/bold]",
-            f"{p.elapsed_s:5.0f}s",
-            p.phase,
-            f"probe: {p.probe}",
-            f"healthy probes in a row: {p.successes}",
-        )
-        return table
+    def show(progress: Progress, p: RestartProgress) -> None:
+        if not named:
+            named.append(p.log_path)
+            progress.say(f"{name}: the restart command's output goes to {p.log_path}")
+        progress.show([_restart_line(name, p)])
 
-    console = err_console()
-    with Live(console=console, refresh_per_second=4, transient=False) as live:
+    with Progress(err_console()) as progress:
         result = restart_server(
             db,
             settings,
@@ -337,13 +337,30 @@ def restart_cmd(name: str, command: str | None, timeout_s: float | None, poll_s:
             command=argv,
             timeout_s=timeout_s,
             poll_s=poll_s,
-            on_progress=lambda p: live.update(view(p)),
+            on_progress=lambda p: show(progress, p),
         )
+    console = err_console()
+    if not named and result.log_path is not None:
+        console.print(f"{name}: the restart command's output is in {result.log_path}", markup=False)
     if result.ok:
-        console.print(f"[green]{result.message}[/green]", markup=True)
+        console.print(f"[green]{escape(result.message)}[/green]", markup=True)
     else:
-        console.print(f"[red]{result.message}[/red]", markup=True)
+        console.print(f"[red]{escape(result.message)}[/red]", markup=True)
         raise SystemExit(1)
+
+
+RESTART_LINE_EVERY_S = 30  # in a pipe, an unchanged restart says it still waits this often
+
+
+def _restart_line(name: str, p: RestartProgress) -> Line:
+    from ops.views.progress import Line
+
+    text = (
+        f"{name}  {p.elapsed_s:5.0f}s  {p.phase}  probe: {p.probe}  "
+        f"healthy probes in a row: {p.successes}"
+    )
+    state = (p.phase, p.probe, p.successes, int(p.elapsed_s // RESTART_LINE_EVERY_S))
+    return Line("restart", text, state)
 
 
 @click.command("events")

@@ -439,9 +439,10 @@ def render_options(func: F) -> F:
             "no_request_fields",
             is_flag=True,
             default=False,
-            help="Keep a row's tool_choice as metadata only and render as if it were absent "
-            '(by default it is applied as SGLang applies it: "none" renders no tools, a '
-            "named choice only that tool). Pinned by the run.",
+            help="Keep a row's tool_choice and continue_final_message as metadata only and "
+            "render as if they were absent (by default they are applied as SGLang applies "
+            'them: "none" renders no tools, a named choice only that tool; a continued final '
+            "assistant turn ends the prompt). Pinned by the run.",
         ),
         click.option(
             "--render-with",

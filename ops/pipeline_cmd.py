@@ -70,6 +70,9 @@ def enqueue_input(
 ) -> EnqueueReport:
     """Enqueue INPUT_PATH into run (publishing its items when publish); driver: who serves it
     (run_queries.DRIVER_RUN for `tokenmill run`; None: the fleet)."""
+    from app.prompts.inputs import check_input
+
+    check_input(input_path)  # at once, before the heavy imports and the tokenizer
     from rich.markup import escape
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -202,13 +205,25 @@ def enqueue_input(
             markup=True,
             soft_wrap=True,
         )
+    if report.images_refused:
+        console.print(
+            f"{report.images_refused} image sources could not be used, nothing stored for them "
+            "(their rows are skipped, each named above)",
+            markup=False,
+            soft_wrap=True,
+        )
     where = f"ledger {ledger_name(settings)}"
     if publish:
         where += f", broker {broker_name(settings)}"
     console.print(f"into {escape(where)}", markup=True, soft_wrap=True)
     for title, fields in (
         ("prompts built from", report.prompt_fields),
+        ("item keys from", report.key_fields),
         ("kept as row metadata (exported with each sample)", report.metadata_fields),
+        (
+            "not applied (SGLang's chat completions render the same prompt without them)",
+            report.not_applied_fields,
+        ),
     ):
         if fields:
             counts = ", ".join(f"{escape(name)} ({n} rows)" for name, n in fields.items())

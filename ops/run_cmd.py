@@ -1,6 +1,6 @@
 """`tokenmill run`: enqueue, then generate in this process against `--server` URLs until the
-run is done, with a live view of each server (ok, down for how long, why) and a Ctrl-C that
-says what it waits for.
+run is done, with a live view of each server (ok, down for how long, why; plain lines in a
+pipe) and a Ctrl-C that counts down what it waits for and prints the command that continues.
 """
 
 from __future__ import annotations
@@ -28,68 +28,9 @@ from ops.options import (
 from ops.pipeline_cmd import enqueue_input
 
 if TYPE_CHECKING:
-    from rich.table import Table
-
     from app.core.settings import Settings
     from app.ledger.reads import RunCounts
     from workers.engine.runner import EmbeddedRunner
-
-
-def _progress_table(counts: RunCounts, runner: EmbeddedRunner, started: float) -> Table:
-    from rich.markup import escape
-    from rich.table import Table
-
-    elapsed = max(time.monotonic() - started, 1e-6)
-    finished = counts.done + counts.failed
-    rate = counts.output_tokens / elapsed
-    items_rate = finished / elapsed
-    eta = (counts.total - finished) / items_rate if items_rate > 0 else float("nan")
-    table = Table.grid(padding=(0, 2))
-    width = 30
-    filled = int(width * finished / counts.total) if counts.total else width
-    bar = "█" * filled + "░" * (width - filled)
-    table.add_row(
-        f"[bold]{escape(counts.run)}[/bold]",
-        bar,
-        f"{finished}/{counts.total}",
-        f"done {counts.done}",
-        f"failed {counts.failed}",
-        f"truncated {counts.truncated}",
-        f"{rate:,.0f} tok/s",
-        f"ETA {eta:,.0f}s" if eta == eta else "ETA —",
-    )
-    for view in runner.servers():
-        if view.drift:
-            state = "[red]token drift: no work[/red]"
-        elif view.refused:
-            state = "[red]fingerprint differs: no work[/red]"
-        elif view.auth:
-            state = "[red]needs an API key: no work[/red]"
-        elif view.draining:
-            state = "[yellow]draining: no new work[/yellow]"
-        elif view.down and view.down_for_s is not None:
-            state = f"[red]down {view.down_for_s:,.0f}s[/red]"
-        elif view.down:
-            state = "[yellow]connecting[/yellow]"
-        elif view.unavailable:
-            state = "[red]unavailable[/red]"
-        else:
-            state = "[green]ok[/green]"
-        if view.parity_differs:
-            state += " [yellow]renders prompts differently[/yellow]"
-        error = view.drift or (view.down_error if view.down else view.last_error)
-        err = f"last error: {escape(error[:80])}" if error else ""
-        table.add_row(
-            f"  {escape(view.name)}",
-            state,
-            f"in flight {view.inflight}",
-            f"done {view.done}",
-            f"failed {view.failed}",
-            "",
-            "",
-            err,
-        )
-    return table
 
 
 @click.command("run")
@@ -125,10 +66,14 @@ def run_cmd(
 def run_pipeline(
     input_path: Path, run_name: str, tokenizer_path: str, servers: list[str], opts: dict[str, Any]
 ) -> RunCounts:
-    from rich.live import Live
+    from app.prompts.inputs import check_input
+
+    check_input(input_path)  # at once: before the heavy imports and the servers' context length
     from rich.markup import escape
 
     from app.ledger import run_queries
+    from ops.views import run_progress
+    from ops.views.progress import Progress
     from workers.engine.runner import EmbeddedRunner
 
     console = err_console()
@@ -143,9 +88,7 @@ def run_pipeline(
             input_path, run_name, tokenizer_path, False, opts, driver=run_queries.DRIVER_RUN
         )
     except KeyboardInterrupt:
-        console.print(
-            f"interrupted: what was enqueued is kept; `{escape(again)}` continues", soft_wrap=True
-        )
+        _say_continue(f"interrupted: what was enqueued is kept. {CONTINUE}", again)
         raise SystemExit(130) from None
     with db.connect() as conn:
         run = run_queries.get_run(conn, run_name)
@@ -156,9 +99,17 @@ def run_pipeline(
     runner = EmbeddedRunner(db, settings, run, servers, on_notice=notice)
     started = time.monotonic()
     try:
-        with Live(console=console, refresh_per_second=4, transient=False) as live:
+        with Progress(console) as progress:
+            draw = run_progress.frame if progress.terminal else run_progress.log_lines
+
+            def tick(counts: RunCounts) -> None:
+                progress.show(draw(counts, runner.servers(), started))
+
             runner.start()
-            counts = runner.wait(on_tick=lambda c: live.update(_progress_table(c, runner, started)))
+            counts = runner.wait(on_tick=tick)
+            if not progress.terminal:  # the last picture, once, as a table
+                for line in run_progress.table(counts, runner.servers(), started):
+                    progress.say(line)
     except KeyboardInterrupt:
         _stop_interrupted(runner, settings, again)
         raise SystemExit(130) from None
@@ -175,6 +126,18 @@ def run_pipeline(
     return counts
 
 
+CONTINUE = "To continue the run:"
+DRAIN_LINE_EVERY_S = 5  # in a pipe, the drain after Ctrl-C counts down this often
+
+
+def _say_continue(message: str, again: str) -> None:
+    """A message, then the command that continues on a line of its own (to copy whole)."""
+    console = err_console()
+    console.print(message, markup=False, highlight=False, soft_wrap=True)
+    console.print(again, markup=False, highlight=False, soft_wrap=True)
+    console.file.flush()
+
+
 def server_contexts(settings: Settings, servers: list[str]) -> dict[str, int | None]:
     """Each --server's context length from its /server_info, by the name the run gives it."""
     from workers.engine.identity import server_name_for
@@ -184,37 +147,42 @@ def server_contexts(settings: Settings, servers: list[str]) -> dict[str, int | N
 
 
 def _stop_interrupted(runner: EmbeddedRunner, settings: Settings, again: str) -> None:
-    """Ctrl-C: say at once what the stop waits for and how to go on; a second Ctrl-C stops
-    at once (what was in flight stays leased to this dead process, and the rerun takes it
-    back as it starts)."""
-    from rich.markup import escape
+    """Ctrl-C: say at once what the stop waits for and how to go on, then count the drain
+    down; a second Ctrl-C stops at once (what was in flight stays leased to this dead process,
+    and the rerun takes it back as it starts)."""
+    import threading
+
+    from ops.views.progress import Line, Progress
 
     console = err_console()
-    inflight = runner.inflight()
-    console.print(
-        f"[yellow]interrupted:[/yellow] waiting up to {settings.drain_timeout_s:.0f}s for the "
-        f"{inflight} requests in flight to finish (their results are kept); Ctrl-C again to "
-        f"stop now. `{escape(again)}` continues the run.",
-        markup=True,
-        soft_wrap=True,
+    _say_continue(
+        f"interrupted: waiting up to {settings.drain_timeout_s:.0f}s for the "
+        f"{runner.inflight()} requests in flight to finish (their results are kept); Ctrl-C "
+        f"again to stop now. {CONTINUE}",
+        again,
     )
 
     def stop_now(signum: int, frame: object) -> None:
-        console.print(
+        _say_continue(
             f"stopped now; the {runner.inflight()} requests that were in flight go back to "
-            f"the queue when `{again}` starts",
-            markup=False,
-            soft_wrap=True,
+            f"the queue when the run continues. {CONTINUE}",
+            again,
         )
-        console.file.flush()
         os._exit(130)  # now, without waiting for the threads still draining
 
     signal.signal(signal.SIGINT, stop_now)
-    runner.stop()
+    stopping = threading.Thread(target=runner.stop, name="tm-run-stop", daemon=True)
+    deadline = time.monotonic() + settings.drain_timeout_s
+    stopping.start()
+    with Progress(console) as progress:
+        while stopping.is_alive():
+            left_s = max(0.0, deadline - time.monotonic())
+            inflight = runner.inflight()
+            text = f"draining: {inflight} requests in flight, {left_s:.0f}s left"
+            progress.show([Line("drain", text, (inflight, int(left_s // DRAIN_LINE_EVERY_S)))])
+            stopping.join(0.25)
     counts = runner.counts()
-    console.print(
-        f"stopped: {counts.done + counts.failed} of {counts.total} items finished; "
-        f"`{again}` continues the run",
-        markup=False,
-        soft_wrap=True,
+    _say_continue(
+        f"stopped: {counts.done + counts.failed} of {counts.total} items finished. {CONTINUE}",
+        again,
     )

@@ -155,6 +155,10 @@ class PromptRecord:
     # the images of the turns (conversation, else messages) in prompt order, once stored at
     # enqueue (workers.intake.images); their image parts then hold the store keys
     images: tuple[ImageRef, ...] = ()
+    # the row's continue_final_message applied (app.prompts.request_fields.assistant_prefix):
+    # the final assistant turn's text, which messages then leave out, appended after the
+    # generation prompt as SGLang appends it; None: a prompt without one
+    assistant_prefix: str | None = None
 
     def __post_init__(self) -> None:
         if (self.messages is None) == (self.input_ids is None):

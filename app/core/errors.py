@@ -76,6 +76,19 @@ class TokenizerError(ConfigurationError):
     """The tokenizer could not be loaded or has no usable chat template."""
 
 
+class ServerCannotRender(ConfigurationError):
+    """The server refuses to render a one-message chat on /v1/tokenize (no tokenizer or chat
+    template): none of a run's prompts can be compared on it."""
+
+    def __init__(self, server: str, refusal: str) -> None:
+        self.server, self.refusal = server, refusal
+        super().__init__(
+            f"{server} cannot render chat prompts: /v1/tokenize refused a one-message chat "
+            f"({refusal}); start it with the model's tokenizer and chat template (the "
+            "emulator: --tokenizer DIR), or name a --server that has them"
+        )
+
+
 class InputError(TokenmillError):
     """A line of the input could not be used."""
 

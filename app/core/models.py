@@ -218,6 +218,10 @@ def _item_columns() -> list[Column[Any]]:
         Column("sampling_params", JSON, nullable=True),
         # the input row's own sampling_params (merged over the run's for each sample)
         Column("row_sampling_params", JSON, nullable=True),
+        # a row's continue_final_message applied to this item: the final assistant turn's text,
+        # appended after the generation prompt as SGLang appends it ("" when that text is
+        # empty: the turn dropped, nothing appended); null for every other item
+        Column("assistant_prefix", Text, nullable=True),
         # the item's images in prompt order (app.core.images.ImageRef.to_json); SQL NULL (not
         # JSON null) for a text item, so that `images IS NOT NULL` finds the image items
         Column("images", JSON(none_as_null=True), nullable=True),

@@ -45,6 +45,8 @@ class NewItem:
     sampling_params: dict[str, Any] | None = None
     # the prompt's images in prompt order (ImageRef.to_json); None: a text item
     images: list[dict[str, Any]] | None = None
+    # continue_final_message applied: the text appended after the generation prompt
+    assistant_prefix: str | None = None
 
 
 def tools_hash(tools: Sequence[dict[str, Any]]) -> str:
@@ -84,6 +86,7 @@ def insert_items(conn: Connection, run_id: int, new: Sequence[NewItem]) -> int:
             "row_metadata": n.metadata,
             "row_sampling_params": n.sampling_params,
             "images": n.images,
+            "assistant_prefix": n.assistant_prefix,
             "prompt_ids": n.prompt_ids,
             "prompt_tokens": len(n.prompt_ids),
             "turn_index": n.turn_index,

@@ -199,6 +199,8 @@ class StoredItem:
     images: list[dict[str, Any]] | None = None
     image_token_counts: list[int] | None = None
     run_id: int | None = None
+    # continue_final_message applied: the text appended after the generation prompt
+    assistant_prefix: str | None = None
 
     @property
     def image_refs(self) -> tuple[ImageRef, ...]:
@@ -234,6 +236,7 @@ _STORED_FIELDS = (
     "images",
     "image_token_counts",
     "run_id",
+    "assistant_prefix",
 )
 
 

@@ -79,16 +79,21 @@ def specforge_row(item: StoredItem, images: ImageRows | None = None) -> dict[str
 
 
 def _with_metadata(row: dict[str, Any], item: StoredItem) -> dict[str, Any]:
-    """The row with its provenance (weight_version, sampling_params) and the input row's
-    metadata fields (source, category, ...), if it had any."""
+    """The row with its provenance (weight_version, sampling_params), the continued final turn
+    its prompt ends with (continue_final_message) and the input row's metadata fields (source,
+    category, ...), each if it had any."""
     row.update(provenance(item))
+    if item.assistant_prefix is not None:
+        row["assistant_prefix"] = item.assistant_prefix
     if item.metadata is not None:
         row["metadata"] = item.metadata
     return row
 
 
 def assistant_turn(item: StoredItem, run: RunInfo, tokenizer: ChatTokenizer) -> dict[str, Any]:
-    """The regenerated assistant turn as text, its reasoning split off at the `</think>` id."""
+    """The regenerated assistant turn as text, its reasoning split off at the `</think>` id; a
+    continued turn's text (continue_final_message) starts it: the reasoning when the output
+    closes one (the prompt left the prefix inside it), else the answer."""
     output = list(item.output_ids or [])
     if item.finish_reason == "stop" and output and output[-1] in set(run.eos_token_ids):
         output = output[:-1]
@@ -99,12 +104,15 @@ def assistant_turn(item: StoredItem, run: RunInfo, tokenizer: ChatTokenizer) -> 
         start = tokenizer.think_start_id
         if start is not None and item.prompt_ids and item.prompt_ids[-1] == start:
             reasoning_ids, answer_ids = output, []
+    prefix = item.assistant_prefix or ""
     turn: dict[str, Any] = {"role": "assistant", "content": tokenizer.decode(answer_ids)}
-    if reasoning_ids is not None:
-        start = tokenizer.think_start_id
-        if reasoning_ids and start is not None and reasoning_ids[0] == start:
-            reasoning_ids = reasoning_ids[1:]
-        turn["reasoning_content"] = tokenizer.decode(reasoning_ids)
+    if reasoning_ids is None:
+        turn["content"] = prefix + turn["content"]
+        return turn
+    start = tokenizer.think_start_id
+    if reasoning_ids and start is not None and reasoning_ids[0] == start:
+        reasoning_ids = reasoning_ids[1:]
+    turn["reasoning_content"] = prefix + tokenizer.decode(reasoning_ids)
     return turn
 
 

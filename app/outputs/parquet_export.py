@@ -82,6 +82,7 @@ def shard_row(item: StoredItem, images: ImageRows | None = None) -> ShardRow:
         sampling_params=None if item.sampling_params is None else json.dumps(item.sampling_params),
         images=image_fields.get("images"),
         image_token_counts=image_fields.get("image_token_counts"),
+        assistant_prefix=item.assistant_prefix,
     )
 
 

@@ -117,7 +117,10 @@ def load_exclusion(path: Path, run: RunInfo, tokenizer: ChatTokenizer) -> Exclus
             run.chat_template_kwargs, record.chat_template_kwargs, record.reasoning_effort
         )
         assert record.messages is not None
-        batch.append((record.line, ChatInputs(record.messages, record.tools, kwargs, True)))
+        inputs = ChatInputs(
+            record.messages, record.tools, kwargs, True, assistant_prefix=record.assistant_prefix
+        )
+        batch.append((record.line, inputs))
         if len(batch) >= RENDER_BATCH:
             flush()
     if batch:

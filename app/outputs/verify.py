@@ -296,6 +296,7 @@ def _template_inputs(kwargs: dict[str, Any], batch: Sequence[StoredItem]) -> lis
             item.tools,
             kwargs if item.chat_template_kwargs is None else item.chat_template_kwargs,
             normalized=True,
+            assistant_prefix=item.assistant_prefix,
         )
         for item in batch
     ]

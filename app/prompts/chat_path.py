@@ -118,6 +118,9 @@ class ChatInputs:
     # the turns and tools are already what normalize_messages / parse_tools return (read by
     # app.prompts.inputs, or stored by an item), so rendering does not normalize them again
     normalized: bool = False
+    # continue_final_message: the final assistant turn's text, left out of messages and
+    # appended after the generation prompt (SGLang's assistant_prefix); None: none
+    assistant_prefix: str | None = None
 
 
 # --- versions ---------------------------------------------------------------------------------

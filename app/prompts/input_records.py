@@ -29,7 +29,11 @@ from app.prompts.input_turns import (
     prompt_turns,
     sharegpt_tools,
 )
-from app.prompts.request_fields import tools_for_choice
+from app.prompts.request_fields import (
+    assistant_prefix,
+    continues_final_message,
+    tools_for_choice,
+)
 from app.prompts.row_sampling import parse_row_sampling
 
 # The ledger's item_key column holds 200 characters.
@@ -129,21 +133,27 @@ def build_record(
     if unordered is not None and (bad is None or unordered[0] < bad.index):
         # the boundaries before the out-of-order run keep (`--turns each`)
         turns, bad = turns[: unordered[0]], BadTurn(unordered[0], unordered[1])
-    in_tail = bad is not None and _in_trailing_assistant_turns(data[field], bad.index - shift)
-    try:
-        tools = parse_tools(sharegpt_tools(data.get("tools"), data[field]))
-        if rules.request_fields:
-            tools = tools_for_choice(tools, data.get("tool_choice"))
-        effort = check_reasoning_effort(data.get("reasoning_effort"))
-    except InputError as error:
-        raise BadRow(error.reason) from None
+    tools, continued, effort = _request_inputs(data, field, rules)
+    # a continued final turn is in the prompt, so a bad trailing assistant turn is too
+    in_tail = (
+        bad is not None
+        and not continued
+        and _in_trailing_assistant_turns(data[field], bad.index - shift)
+    )
     row_kwargs = _row_kwargs(data.get("chat_template_kwargs"))
     if bad is not None and not any(turn["role"] != "assistant" for turn in turns):
         raise BadRow(bad.reason)  # no boundary before the bad turn
-    messages = prompt_turns(list(turns), field)
+    prefix = assistant_prefix(turns) if continued and bad is None else None
+    # a continued turn is left out, every turn before it rendered (SGLang's prefill)
+    messages = prompt_turns(list(turns if prefix is None else turns[:-1]), field)
+    if prefix is not None:
+        messages = list(turns[:-1])
     record = PromptRecord(
         line_no,
-        key or content_key("messages", _key_content(messages, tools, row_kwargs, effort, sampling)),
+        key
+        or content_key(
+            "messages", _key_content(messages, tools, row_kwargs, effort, sampling, prefix)
+        ),
         messages=messages,
         conversation=turns if len(turns) > len(messages) else None,
         tools=tools,
@@ -154,8 +164,26 @@ def build_record(
         bad_turn=None if bad is None else (bad.index, bad.reason),
         bad_turn_in_tail=in_tail,
         sampling_params=sampling,
+        assistant_prefix=prefix,
     )
     return record, key is not None
+
+
+def _request_inputs(
+    data: dict[str, Any], field: str, rules: ReadRules
+) -> tuple[list[dict[str, Any]] | None, bool, str | float | None]:
+    """The row's tools (its tool_choice applied), whether it continues its final turn, and its
+    reasoning_effort; BadRow for a value SGLang refuses."""
+    try:
+        tools = parse_tools(sharegpt_tools(data.get("tools"), data[field]))
+        continued = rules.request_fields and continues_final_message(
+            data.get("continue_final_message")
+        )
+        if rules.request_fields:
+            tools = tools_for_choice(tools, data.get("tool_choice"))
+        return tools, continued, check_reasoning_effort(data.get("reasoning_effort"))
+    except InputError as error:
+        raise BadRow(error.reason) from None
 
 
 def _may_be_llava(data: dict[str, Any], field: str, kind: str) -> bool:
@@ -212,9 +240,15 @@ def _key_content(
     kwargs: dict[str, Any] | None,
     effort: str | float | None,
     sampling: dict[str, Any] | None = None,
+    prefix: str | None = None,
 ) -> Any:
-    """What a content key hashes: the turns, and the row's tools, kwargs and sampling when it
-    has any (so rows without them keep the keys they always had)."""
+    """What a content key hashes: the turns, and the row's tools, kwargs, sampling and continued
+    final turn when it has any (so rows without them keep the keys they always had)."""
+    if prefix is not None:
+        return {
+            "content": _key_content(messages, tools, kwargs, effort, sampling),
+            "prefix": prefix,
+        }
     if tools is None and kwargs is None and effort is None and sampling is None:
         return messages
     content = {"messages": messages, "tools": tools, "kwargs": kwargs, "effort": effort}

@@ -185,6 +185,13 @@ def parse_chat_template_kwargs(text: str | None) -> dict[str, Any]:
 # --- reading lines --------------------------------------------------------------------------
 
 
+def check_input(path: Path) -> None:
+    """Refuse at once an input file that cannot be opened, before a tokenizer loads or a server
+    is asked anything (a folder is a `datasets` folder, read by input_formats)."""
+    if not path.is_dir():
+        _open(path).close()
+
+
 def _open(path: Path) -> IO[bytes]:
     try:
         if path.suffix == ".gz":

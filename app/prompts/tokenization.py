@@ -387,7 +387,37 @@ class ChatTokenizer:
                 texts.append(InputError(f"cannot build the prompt: {type(exc).__name__}: {exc}"))
         rendered = [text for text in texts if isinstance(text, str)]
         encoded = iter(self._encode_each(rendered) if rendered else [])
-        return [text if isinstance(text, InputError) else next(encoded) for text in texts]
+        out = [text if isinstance(text, InputError) else next(encoded) for text in texts]
+        for index, inputs in enumerate(batch):
+            ids = out[index]
+            if inputs.assistant_prefix and not isinstance(ids, InputError):
+                out[index] = self._continued(ids, inputs.assistant_prefix)
+        return out
+
+    def _continued(self, ids: list[int], prefix: str) -> list[int] | InputError:
+        """ids with a continued turn's text appended, or why that cannot be done here: for a
+        tokenizer declaring a response template, a server running a response-template
+        reasoning parser puts its answer opener before the text, which only it knows."""
+        declared = getattr(self._tokenizer, "response_template", None)
+        if not isinstance(declared, dict):
+            declared = (getattr(self._tokenizer, "init_kwargs", None) or {}).get(
+                "response_template"
+            )
+        if isinstance(declared, dict):
+            return InputError(
+                "continue_final_message: the tokenizer declares a response_template, so a server "
+                "with a response-template reasoning parser opens the answer before the continued "
+                "text, which only the server renders; use --render-with (or --no-request-fields)"
+            )
+        return ids + self._prefix_ids(prefix)
+
+    def _prefix_ids(self, prefix: str) -> list[int]:
+        """A continued turn's ids as SGLang appends them: encoded with the tokenizer's own
+        special tokens, then a leading BOS dropped (`_append_assistant_prefix_to_prompt_ids`)."""
+        ids = [int(i) for i in self._tokenizer.encode(prefix)]
+        if ids and ids[0] == self._tokenizer.bos_token_id:
+            ids = ids[1:]
+        return ids
 
     def _encode_each(self, texts: list[str]) -> list[list[int] | InputError]:
         """`_encode`, or when the batch fails, each text on its own (its error its own)."""
@@ -416,8 +446,11 @@ class ChatTokenizer:
             tools = normalize_tools(inputs.tools) if inputs.tools else None
         check_placeholders(self._placeholders, turns, tools)
         # a boundary after two answers in a row ends with an answer: SGLang sends it as a
-        # user turn (a request without continue_final_message)
-        return template_view(final_assistant_as_user(turns)), tools or None, kwargs
+        # user turn (a request without continue_final_message; with it, the continued turn
+        # is the one left out, and the answer before it stays an answer)
+        if inputs.assistant_prefix is None:
+            turns = final_assistant_as_user(turns)
+        return template_view(turns), tools or None, kwargs
 
     def _render(
         self, turns: list[Message], tools: list[dict[str, Any]] | None, kwargs: dict[str, Any]

@@ -35,15 +35,21 @@ class RenderServerUnavailable(ServerUnavailable):
 
 @dataclass(frozen=True)
 class RenderRequest:
-    """What the server renders: a row's messages, its tools and its template kwargs."""
+    """What the server renders: a row's messages, its tools and its template kwargs, and the
+    final assistant turn's text it continues (continue_final_message), if any."""
 
     messages: Sequence[Message]
     tools: Sequence[Mapping[str, Any]] | None = None
     chat_template_kwargs: Mapping[str, Any] | None = None
+    assistant_prefix: str | None = None
 
     def body(self) -> dict[str, Any]:
-        """The /v1/tokenize body (no add_generation_prompt: rendered as for a chat completion)."""
+        """The /v1/tokenize body (no add_generation_prompt: rendered as for a chat completion);
+        a continued turn goes last, with continue_final_message."""
         body: dict[str, Any] = {"messages": [dict(m) for m in self.messages]}
+        if self.assistant_prefix is not None:
+            body["messages"].append({"role": "assistant", "content": self.assistant_prefix})
+            body["continue_final_message"] = True
         if self.tools:
             body["tools"] = [dict(t) for t in self.tools]
         if self.chat_template_kwargs:
@@ -56,9 +62,12 @@ def prompt_request(
     chat_template_kwargs: Mapping[str, Any] | None,
     *,
     tools: Sequence[Mapping[str, Any]] | None = None,
+    assistant_prefix: str | None = None,
 ) -> RenderRequest:
     """The one way a prompt becomes a render request, at enqueue, for later turns and parity."""
-    return RenderRequest(list(messages), tools or None, dict(chat_template_kwargs or {}) or None)
+    return RenderRequest(
+        list(messages), tools or None, dict(chat_template_kwargs or {}) or None, assistant_prefix
+    )
 
 
 # conversations whose rendering pins a server's render: a run rendered by the server keeps
@@ -106,8 +115,9 @@ class RenderClient:
     """A client of one server's /v1/tokenize and /v1/detokenize, shared by `window` threads.
 
     `render_many` keeps up to `window` requests in flight. Timeouts, resets, 5xx and an
-    unavailable server are retried with backoff for up to `policy.wait_s` of unavailability;
-    then RenderServerUnavailable. A 400 (the template refuses the row) is that row's error.
+    unavailable server are retried with backoff for up to `policy.wait_s` of unavailability,
+    one clock for the whole client (the server is down, not each request); then
+    RenderServerUnavailable. A 400 (the template refuses the row) is that row's error.
     """
 
     def __init__(
@@ -120,6 +130,7 @@ class RenderClient:
         api_key: str | None = None,
         policy: RenderPolicy | None = None,
         sleep: Sleep = time.sleep,
+        clock: Callable[[], float] = time.monotonic,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
         if window < 1:
@@ -127,7 +138,7 @@ class RenderClient:
         self.base_url = base_url.rstrip("/")
         self.window = window
         self.policy = policy or RenderPolicy()
-        self._sleep = sleep
+        self._sleep, self._clock = sleep, clock
         self._client = http_client(
             self.base_url,
             httpx.Timeout(timeout_s, connect=connect_timeout_s),
@@ -138,6 +149,8 @@ class RenderClient:
         self._pool = ThreadPoolExecutor(max_workers=window, thread_name_prefix="tm-render")
         self._outage_lock = threading.Lock()
         self._in_outage = False
+        # when the server last stopped answering (None: it answers); shared by every request
+        self._down_since: float | None = None
 
     def __enter__(self) -> RenderClient:
         return self
@@ -169,31 +182,35 @@ class RenderClient:
         """One prompt, retried through outages (see the class); PermanentError is returned
         to the caller at once."""
         delay = self.policy.backoff_s
-        down_since: float | None = None
         while True:
             try:
                 ids = self.render(request)
             except PermanentError:
                 raise
             except GenerationError as exc:
-                now = time.monotonic()
-                down_since = now if down_since is None else down_since
-                if self.policy.wait_s <= 0:  # one attempt (the parity check of a --server)
+                down_s = self._down_for(self._clock())
+                if self.policy.wait_s <= 0:  # one attempt (the watchdog's preflight)
                     raise RenderServerUnavailable(
                         f"{self.base_url} did not answer /v1/tokenize: {exc}"
                     ) from exc
-                if now - down_since >= self.policy.wait_s:
+                if down_s >= self.policy.wait_s:
                     raise RenderServerUnavailable(
                         f"the render server {self.base_url} has not answered /v1/tokenize "
-                        f"for {now - down_since:.0f}s (last error: {exc})"
+                        f"for {down_s:.0f}s (last error: {exc})"
                     ) from exc
                 self._outage(exc)
                 self._sleep(delay)
                 delay = min(delay * 2, self.policy.backoff_max_s)
             else:
-                if down_since is not None:
-                    self._outage(None)
+                self._outage(None)
                 return ids
+
+    def _down_for(self, now: float) -> float:
+        """Seconds since the server stopped answering, its outage starting now if it answered."""
+        with self._outage_lock:
+            if self._down_since is None:
+                self._down_since = now
+            return now - self._down_since
 
     def _outage(self, exc: GenerationError | None) -> None:
         """One log line when an outage begins and one when it ends, whatever the window."""
@@ -201,6 +218,8 @@ class RenderClient:
             began = exc is not None and not self._in_outage
             ended = exc is None and self._in_outage
             self._in_outage = exc is not None
+            if exc is None:
+                self._down_since = None
         if began:
             logger.warning(
                 "render server %s: %s; retrying for up to %.0fs",
@@ -220,14 +239,21 @@ class RenderClient:
         """Every prompt (in order) or the PermanentError of the one the server refused.
 
         At most `window` requests are in flight. RenderServerUnavailable if the server stays
-        down too long: then nothing is returned, so nothing half-rendered is stored.
+        down too long: then nothing is returned, so nothing half-rendered is stored, and the
+        requests not yet sent are not sent.
         """
+        given_up: list[RenderServerUnavailable] = []
 
         def one(request: RenderRequest) -> list[int] | PermanentError:
+            if given_up:
+                raise given_up[0]
             try:
                 return self.render_patiently(request)
             except PermanentError as exc:
                 return exc
+            except RenderServerUnavailable as exc:
+                given_up.append(exc)
+                raise
 
         return list(self._pool.map(one, requests))
 

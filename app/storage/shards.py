@@ -70,6 +70,8 @@ SHARD_SCHEMA = pa.schema(
         # became; prompt_ids are then the served ids, each image's placeholder repeated
         pa.field("images", pa.list_(IMAGE_ENTRY)),
         pa.field("image_token_counts", pa.list_(pa.int32())),
+        # the continued final turn the prompt ends with (continue_final_message), else null
+        pa.field("assistant_prefix", pa.string()),
     ]
 )
 COLUMNS: tuple[str, ...] = tuple(SHARD_SCHEMA.names)
@@ -100,6 +102,7 @@ class ShardRow:
     sampling_params: str | None = None
     images: list[dict[str, Any]] | None = None
     image_token_counts: list[int] | None = None
+    assistant_prefix: str | None = None
 
 
 @dataclass(frozen=True)

@@ -60,6 +60,10 @@ def test_the_embedded_ledger_and_broker_are_named(tmp_path: Path, kimi_tokenizer
         in enqueued.stderr
     )
     assert f"into ledger {ledger_file}, broker the folder" in enqueued.stderr
+    # each row's id is its item key, not a part of its prompt
+    lines = enqueued.stderr.splitlines()
+    assert "fields prompts built from: prompt (6 rows)" in lines, lines
+    assert "fields item keys from: id (6 rows)" in lines, lines
 
 
 def test_an_input_with_no_usable_prompt_leaves_no_run(
@@ -182,3 +186,22 @@ def test_delete_refuses_work_in_flight_unless_forced(
     events = tokenmill(["events", "--run", "gone"], env, tmp_path)
     assert events.returncode != 0  # no such run any more
     one_error(tokenmill(["delete", "gone"], env, tmp_path), "no run named 'gone'")
+
+
+def test_a_missing_input_file_is_the_first_thing_said(tmp_path: Path) -> None:
+    """A typo'd input path is named before anything else is looked at: not the tokenizer (a
+    missing one here), not the broker, not a --server (one that nothing listens on)."""
+    env = clean_env(tmp_path / "data")
+    missing = tmp_path / "promtps.jsonl"
+    expected = f"error: cannot open the prompts file {str(missing)!r}: No such file or directory"
+    tokenizer = str(tmp_path / "no-tokenizer")
+    enqueued = tokenmill(["enqueue", str(missing), "--run", "r1", "--tokenizer", tokenizer], env)
+    run = tokenmill(
+        ["run", str(missing), "--run", "r1", "--tokenizer", tokenizer, "--server",
+         "http://127.0.0.1:9"],
+        env,
+    )  # fmt: skip
+    for result in (enqueued, run):
+        assert result.returncode == 2, result.stderr
+        assert own_lines(result.stderr) == [expected], result.stderr
+    assert not (tmp_path / "data" / "ledger.sqlite3").exists()

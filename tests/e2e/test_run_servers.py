@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from sqlalchemy.exc import OperationalError
 from app.ledger import common
 from ops.emulator_proc import start_emulator
 from tests.support.emulator import free_port
-from tests.support.procs import clean_env, run_args, tokenmill
+from tests.support.procs import clean_env, run_args, tokenmill, tokenmill_tty
 from tests.support.rows import prompt_rows, write_rows
 
 pytestmark = pytest.mark.e2e
@@ -48,7 +49,33 @@ def test_an_unreachable_server_is_named_and_shown_down(
     assert rows and all(" ok " not in ln for ln in rows), rows
     assert re.search(r"down \d+s", rows[-1]), rows[-1]
     good = [ln for ln in err.splitlines() if emulator.url.removeprefix("http://") in ln]
-    assert any(" ok " in ln for ln in good), good
+    assert any(ln.split()[1:2] == ["ok"] for ln in good), good
+    # stderr is a file: plain lines, no redrawn frames; a server's line when its state changes
+    assert "\x1b[" not in err and "\r" not in err
+    assert len(rows) == len(set(rows)), rows
+    assert re.search(r"^r1: \d+/40 finished, \d+ done", err, re.M), err
+
+
+def test_on_a_terminal_of_80_columns_no_name_is_cut(
+    tmp_path: Path, kimi_tokenizer_dir: Path
+) -> None:
+    run_name = "regenerate-kimi-k2.5-answers-r1"
+    dead = f"http://127.0.0.1:{free_port()}"
+    emulator = start_emulator(["--step-ms", "20", "--median-tokens", "20"])
+    try:
+        prompts = write_rows(tmp_path / "p.jsonl", prompt_rows(40))
+        argv = run_args(prompts, run_name, kimi_tokenizer_dir, [dead, emulator.url])
+        code, lines = tokenmill_tty(argv, clean_env(tmp_path / "data"), tmp_path, columns=80)
+    finally:
+        emulator.stop()
+    assert code == 0, "\n".join(lines)
+    names = [run_name, dead.removeprefix("http://"), emulator.url.removeprefix("http://")]
+    rows = [ln for ln in lines if any(ln.strip().startswith(n + " ") for n in names)]
+    for name in names:
+        assert any(ln.strip().startswith(name + " ") for ln in rows), (name, lines)
+    assert all(len(ln) <= 80 for ln in rows), [ln for ln in rows if len(ln) > 80]
+    finished = [ln for ln in rows if ln.startswith(run_name + " ")][-1]
+    assert "finished" in finished and "40/40" in finished, finished
 
 
 def leased(data_dir: Path) -> int:
@@ -100,13 +127,22 @@ def test_ctrl_c_twice_stops_at_once_and_the_rerun_takes_back_its_leases(
         assert leased(data) > 0, err.read_text()
         first.send_signal(signal.SIGINT)
         said = wait_for_text(err, "interrupted: waiting up to 30s for the", 15)
-        assert "Ctrl-C again to stop now" in said and "continues the run" in said
+        assert "Ctrl-C again to stop now" in said
+        # the drain counts down (in a file: a line when it changes, and every 5 s)
+        said = wait_for_text(err, "s left", 15)
+        assert re.search(r"^draining: \d+ requests in flight, \d+s left$", said, re.M), said
         first.send_signal(signal.SIGINT)
         assert first.wait(timeout=15) == 130
     finally:
         slow.stop()
     text = err.read_text()
     assert "stopped now" in text and "Aborted" not in text and "Traceback" not in text, text
+    # the command that continues, whole on a line of its own after each message, as it was run
+    again = "tokenmill " + shlex.join([*args, "--server", slow.url, "--max-new-tokens", "1000"])
+    lines = text.splitlines()
+    told = [i for i, ln in enumerate(lines) if ln.endswith("To continue the run:")]
+    assert len(told) == 2, text
+    assert all(lines[i + 1] == again for i in told), text
     held = leased(data)
     assert held > 0  # the dead process still holds them: its lease runs 300 s
 

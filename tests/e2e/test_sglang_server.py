@@ -5,6 +5,7 @@ that speaks SGLang's IPC messages. One server for the session (`sglang_server`).
 from __future__ import annotations
 
 import json
+import shlex
 import signal
 import sqlite3
 import time
@@ -103,6 +104,7 @@ def test_update_weights_in_place(sglang_server: SGLangServer, tmp_path: Path) ->
     body = {"input_ids": [300, 301, 302], "sampling_params": {"max_new_tokens": 16}}
     before = _generate(sglang_server, body).json()["output_ids"]
     first = httpx.get(f"{url}/model_info", timeout=10).json()["model_path"]
+    (tmp_path / "ckpt-2").mkdir()
     for path, version in ((str(tmp_path / "ckpt-2"), "v2"), (first, "default")):
         argv = ["update-weights", "gpu-a", "--model-path", path, "--weight-version", version]
         update = tokenmill(argv, env, tmp_path)
@@ -112,6 +114,35 @@ def test_update_weights_in_place(sglang_server: SGLangServer, tmp_path: Path) ->
         answer = _generate(sglang_server, body).json()
         assert answer["meta_info"]["weight_version"] == version
         assert (answer["output_ids"] == before) == (version == "default")
+
+
+def test_update_weights_to_a_missing_path_pauses_nothing(
+    sglang_server: SGLangServer, tmp_path: Path
+) -> None:
+    """A checkpoint path missing on the machine SGLang's server runs on: refused before the
+    server is paused or its requests aborted; the server keeps its weights."""
+    env = clean_env(tmp_path / "data")
+    url = sglang_server.base_url
+    assert tokenmill(["servers", "add", "gpu-a", url], env, tmp_path).returncode == 0
+    before = httpx.get(f"{url}/model_info", timeout=10).json()
+    missing = str(tmp_path / "ckpt-typo")
+    argv = ["update-weights", "gpu-a", "--model-path", missing, "--weight-version", "v3"]
+
+    update = tokenmill(argv, env, tmp_path)
+
+    assert update.returncode == 1, update.stderr
+    assert f"--model-path {missing} does not exist on gpu-a" in update.stderr
+    assert "nothing was paused" in update.stderr
+    assert update.stderr.splitlines()[-1] == shlex.join(["tokenmill", *argv])
+    after = httpx.get(f"{url}/model_info", timeout=10).json()
+    assert (after["model_path"], after["weight_version"]) == (
+        before["model_path"],
+        before["weight_version"],
+    )
+    listed = json.loads(tokenmill(["servers", "--json"], env, tmp_path).stdout)
+    assert [s["paused"] for s in listed] == [False]
+    events = json.loads(tokenmill(["events", "--json"], env, tmp_path).stdout)
+    assert not [e for e in events if e["kind"] in ("paused", "weights_update")], events
 
 
 @pytest.fixture(scope="module")

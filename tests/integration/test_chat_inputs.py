@@ -165,12 +165,12 @@ def test_every_template_input_reaches_the_prompt(
     assert error.line == 5 and "messages[1].tool_calls[0].function.arguments" in error.reason
     assert report.prompt_fields == {  # the rows that were read (not the bad one)
         "messages": 3,
-        "id": 4,
         "tools": 2,
         "chat_template_kwargs": 1,
         "reasoning_effort": 1,
         "prompt": 1,
     }
+    assert report.key_fields == {"id": 4}
     assert report.metadata_fields == {"source": 2, "category": 1}
 
     found = stored(db, "agentic")

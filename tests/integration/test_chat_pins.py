@@ -55,7 +55,7 @@ def test_a_run_pins_its_template_choice_and_versions(
         "pass_turn_fields": False,
         "transformers": transformers.__version__,
         "renders_as": "5.19.0",
-        "request_fields": True,
+        "request_fields": ["tool_choice", "continue_final_message"],
     }
     # a later enqueue without the flags keeps the run's choice; another choice is refused
     again = _enqueue(prompts, "pinned", folder)

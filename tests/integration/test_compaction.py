@@ -185,7 +185,9 @@ def test_unfinished_chains_and_small_runs_wait(pg_engine: Engine, tmp_path: Path
                 )
             )
     small = compact_run(pg_engine, settings, run)
-    assert small.compacted == 0 and "fewer than compact_min_items (100)" in (small.skipped or "")
+    assert small.compacted == 0 and "fewer than TOKENMILL_COMPACT_MIN_ITEMS (100)" in (
+        small.skipped or ""
+    )
     report = compact_run(pg_engine, settings, run, force=True)
     assert report.compacted == 9  # all done items but the one a waiting turn still reads
     with pg_engine.connect() as conn:
@@ -223,10 +225,13 @@ def test_compact_command(pg_engine: Engine, pg_url: str, tmp_path: Path) -> None
         tmp_path / "data",
         TOKENMILL_DATABASE_URL=pg_url,
         TOKENMILL_STORAGE_URL=str(tmp_path / "storage"),
+        TOKENMILL_COMPACT_MIN_ITEMS="100",
     )
     waiting = tokenmill(["compact", "cmd"], env)
     assert waiting.returncode == 0, waiting.stderr
     assert "0 items compacted" in waiting.stderr and "use --all" in waiting.stderr
+    # the setting as the user sets it, not the field behind it
+    assert "12 finished items wait, fewer than TOKENMILL_COMPACT_MIN_ITEMS (100)" in waiting.stderr
     done = tokenmill(["compact", "cmd", "--all", "--json"], env)
     assert done.returncode == 0, done.stderr
     assert '"compacted": 12' in done.stdout

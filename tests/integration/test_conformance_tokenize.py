@@ -29,6 +29,7 @@ from app.sglang.render import prompt_request
 from emulator.config import EmulatorConfig
 from tests.support.emulator import REPO_ROOT, EmulatorProcess, running_emulator
 from tests.support.sglang_contract import load_protocol
+from tests.support.sglang_server import tokenize_as_deployed
 
 Json = dict[str, Any]
 USER: Json = {"role": "user", "content": "What is the weather in Paris?"}
@@ -283,6 +284,21 @@ def test_a_final_assistant_turn_is_sent_as_a_user_turn_or_continued(
     continued = post(emulator, "/v1/tokenize", body).json()["tokens"]
     text = tokenizer.hf_tokenizer.encode("It is sunny", add_special_tokens=False)
     assert continued == tokenizer.apply([USER]) + text
+
+
+def test_continued_turns_are_sglangs(emulator: EmulatorProcess, kimi_tokenizer_dir: Path) -> None:
+    """The emulator's continue_final_message renderings are SGLang's own code's: an answer
+    right before the continued turn stays an answer, an empty turn appends nothing."""
+    answer = {"role": "assistant", "content": "Hello."}
+    bodies = [
+        {"messages": [USER, answer, {"role": "assistant", "content": " And"}]},
+        {"messages": [USER, {"role": "assistant", "content": ""}]},
+        {"messages": [USER, answer]},
+    ]
+    bodies = [{**body, "continue_final_message": True} for body in bodies]
+    expected = tokenize_as_deployed(kimi_tokenizer_dir, bodies)
+    got = [post(emulator, "/v1/tokenize", body).json()["tokens"] for body in bodies]
+    assert got == expected
 
 
 def test_a_chosen_tool_is_the_only_one_rendered(

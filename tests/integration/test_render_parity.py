@@ -61,6 +61,13 @@ def off(kimi_tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
 
 
 @pytest.fixture(scope="module")
+def bare() -> Iterator[EmulatorProcess]:
+    """An emulator started without --tokenizer: /v1/tokenize refuses every chat (HTTP 400)."""
+    with running_emulator(EmulatorConfig(port=0, **FAST)) as p:
+        yield p
+
+
+@pytest.fixture(scope="module")
 def tokenizer(kimi_tokenizer_dir: Path) -> ChatTokenizer:
     return load_tokenizer(kimi_tokenizer_dir)
 
@@ -352,6 +359,22 @@ def test_parity_samples_with_a_seed_and_takes_a_registered_name(
     assert len({tuple(sampled(seed)) for seed in range(4)}) > 1
 
 
+def test_parity_on_a_server_that_renders_no_chat_fails_at_once_with_one_line(
+    local_run: dict[str, str], bare: EmulatorProcess
+) -> None:
+    added = tokenmill(["servers", "add", "gpu-bare", bare.base_url], local_run)
+    assert added.returncode == 0, added.stderr
+    for server in ("gpu-bare", bare.base_url):
+        done = tokenmill(["parity", "local", "--server", server, "--sample", "200"], local_run)
+        assert done.returncode == 2, (done.stdout, done.stderr)
+        assert done.stdout == ""
+        (line,) = [x for x in done.stderr.splitlines() if x.startswith("error:")]
+        assert line.startswith(f"error: {server} cannot render chat prompts: /v1/tokenize refused")
+        assert "HTTP 400" in line and "--tokenizer DIR" in line, line
+        # one probe, not a refusal per stored prompt
+        assert "refused it" not in done.stderr
+
+
 # --- the preflight ----------------------------------------------------------------------------
 
 
@@ -421,6 +444,26 @@ def test_the_watchdog_preflight_records_parity_and_pauses_when_required(
         assert "server gpu-off renders its prompts differently" in table
     finally:
         get_settings.cache_clear()
+
+
+def test_the_preflight_on_a_server_that_renders_no_chat_records_one_unchecked_event(
+    db: Engine, tmp_path: Path, bare: EmulatorProcess, tokenizer: ChatTokenizer
+) -> None:
+    path = write_rows(tmp_path / "rows.jsonl", chat_rows(6))
+    producer.enqueue(db, tokenizer, options(path, "nochat", None), publish=None)
+    with db.begin() as conn:
+        registry.upsert_server(conn, "gpu-bare", bare.base_url)
+    settings = Settings(data_dir=tmp_path, successes_to_up=1, parity_sample=4)
+    for _ in range(2):  # the second round sees the server healthy already: no new check
+        run_watchdog(db, settings, RecordingControl(), parity=ParityGate(settings))
+    with db.connect() as conn:
+        run_id = run_queries.get_run(conn, "nochat").id
+        events = [e for e in registry.list_events(conn, run_id=run_id) if e.kind == EVENT_PARITY]
+        info = registry.get_server(conn, "gpu-bare")
+    (event,) = events
+    assert event.message.startswith("gpu-bare cannot render the prompts of run nochat (HTTP 400")
+    assert info.parity and info.parity["nochat"]["status"] == "unchecked"
+    assert info.parity["nochat"]["checked"] == 0 and not info.paused
 
 
 # --- the agentic corpus as boundary samples ------------------------------------------------------

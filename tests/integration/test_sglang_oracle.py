@@ -18,15 +18,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine
+from sqlalchemy import Engine, update
 
+from app.core import models
 from app.core.contracts import SamplingParams
 from app.ledger import reads, run_queries
+from app.outputs.verify import CHECK_TEMPLATE, verify_run
+from app.prompts.chat_path import ChatInputs
 from app.prompts.input_turns import ROLES, parse_turns_until_bad
 from app.prompts.template_choice import TemplateChoice
 from app.prompts.tokenization import load_tokenizer
 from app.prompts.transformers_pin import client_version
-from tests.support.chat_templates import tokenizer_with_template
+from tests.support.chat_templates import deepseek_copy, tokenizer_with_template
 from tests.support.oracle_families import (
     CALL,
     CUSTOM_CODE,
@@ -36,7 +39,7 @@ from tests.support.oracle_families import (
     family_folder,
 )
 from tests.support.real_templates import REAL_FAMILIES, real_template
-from tests.support.sglang_server import tokenize_as_deployed
+from tests.support.sglang_server import CHAT_COMPLETION, tokenize_as_deployed
 from workers.intake.producer import EnqueueOptions, enqueue
 
 Json = dict[str, Any]
@@ -74,6 +77,9 @@ AGENTIC: list[Json] = [
     {"role": "assistant", "content": "It is 18 C and sunny.", "reasoning_content": "Easy."},
     {"role": "user", "content": "Thanks!"},
 ]
+U_HI: Json = {"role": "user", "content": "Hi"}
+A_HELLO: Json = {"role": "assistant", "content": "Hello"}
+U_MORE: Json = {"role": "user", "content": "More?"}
 ROWS: list[Json] = [
     # a user turn's name is dropped by SGLang's request model
     {"messages": [{"role": "user", "content": "Paris is the capital of France?", "name": "bob"}]},
@@ -202,14 +208,74 @@ ROWS: list[Json] = [
         ],
         "tools": [WEATHER],
     },
+    # continue_final_message: the final assistant turn continued (its text after the
+    # generation prompt, a leading BOS dropped), the answer before it kept as an answer, a
+    # turn without content continued as "", a final user turn rendered as without the field
+    {
+        "messages": [
+            {"role": "user", "content": "Write a haiku."},
+            {"role": "assistant", "content": " Autumn moonlight"},
+        ],
+        "continue_final_message": True,
+    },
+    {"messages": AGENTIC[:5], "tools": [WEATHER], "continue_final_message": True},
+    {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello!"},
+            {"role": "user", "content": "More?"},
+            {"role": "assistant", "content": "Sure."},
+            {"role": "assistant", "content": "Also"},
+        ],
+        "continue_final_message": "yes",
+    },
+    {
+        "messages": [
+            {"role": "user", "content": "go"},
+            {"role": "assistant", "tool_calls": [_call('{"city": "Paris"}')]},
+        ],
+        "tools": [WEATHER],
+        "continue_final_message": 1,
+    },
+    {
+        "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": ""}],
+        "continue_final_message": True,
+        "chat_template_kwargs": {"thinking": False, "enable_thinking": False},
+    },
+    {"messages": [{"role": "user", "content": "Hi"}], "continue_final_message": True},
+    {
+        "messages": [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello"},
+        ],
+        "continue_final_message": False,
+    },
+    # fields a chat completion takes that change no prompt: add_generation_prompt is no field
+    # of its request (dropped, even false beside continue_final_message, which /v1/tokenize
+    # refuses), parallel_tool_calls only constrains decoding
+    {"messages": [U_HI, A_HELLO, U_MORE], "add_generation_prompt": False},
+    {"messages": [U_HI, A_HELLO], "continue_final_message": True, "add_generation_prompt": False},
+    {"messages": AGENTIC[:2], "tools": [WEATHER, OTHER_TOOL], "parallel_tool_calls": False},
 ]
 
+# the values of continue_final_message the rows above give that SGLang's model reads as true
+CONTINUED = (True, "yes", 1)
 
-def _body(row: Json, messages: list[Json]) -> Json:
+
+def _body(row: Json, messages: list[Json], continued: bool = False) -> Json:
+    """The row's request as a chat completion sends it (a /v1/tokenize body unless it holds a
+    field only a chat completion reads as one)."""
     body: Json = {"messages": messages}
     for key in ("tools", "chat_template_kwargs", "reasoning_effort", "tool_choice"):
         if key in row:
             body[key] = row[key]
+    if continued:
+        body["continue_final_message"] = row["continue_final_message"]
+    if "parallel_tool_calls" in row:
+        body["parallel_tool_calls"] = row["parallel_tool_calls"]
+    if "add_generation_prompt" in row:
+        body.update({"add_generation_prompt": row["add_generation_prompt"], CHAT_COMPLETION: True})
     return body
 
 
@@ -266,7 +332,7 @@ def test_every_boundary_is_sglangs(
         ours.setdefault(item.item_key, {})[item.turn_index] = item.prompt_ids
     failed_lines = {error.line for error in report.errors}
     checked = 0
-    bodies = [[_body(row, cut) for cut in _cuts(row["messages"], turns)] for row in ROWS]
+    bodies = [_row_bodies(row, turns) for row in ROWS]
     flat = [body for row in bodies for body in row]
     answers = iter(tokenize_as_deployed(folder, flat, trust_remote_code=trusted))
     for line, row_bodies in enumerate(bodies, start=1):
@@ -279,17 +345,38 @@ def test_every_boundary_is_sglangs(
         assert bool(refused) == (line in failed_lines), where
         checked += len(expected)
     assert checked >= len(ROWS)
+    assert report.not_applied_fields == {"add_generation_prompt": 2, "parallel_tool_calls": 1}
+    # verify re-renders every stored prompt (continued turns included) to the same ids
+    with sqlite_engine.begin() as conn:
+        conn.execute(
+            update(models.items)
+            .where(models.items.c.run_id == run.id)
+            .values(status="done", output_ids=[1], finish_reason="length", completion_tokens=1)
+        )
+    template = verify_run(sqlite_engine, run, tokenizer).checks[CHECK_TEMPLATE]
+    assert template.checked == len(items) and template.mismatches == 0, template.examples
 
 
-def _cuts(messages: list[Json], turns: str) -> list[list[Json]]:
-    """The prompts SGLang is asked for: each boundary (`each`), or the turns before the
-    trailing assistant turns (`last`)."""
+def _row_bodies(row: Json, turns: str) -> list[Json]:
+    """The requests SGLang is asked for: each boundary (`each`), or the turns before the
+    trailing assistant turns (`last`). A row that continues its final assistant turn (text or
+    no content) sends the whole conversation with continue_final_message instead of the last
+    boundary (`each`) or of the prompt (`last`)."""
+    messages = row["messages"]
+    final = messages[-1]
+    continued = row.get("continue_final_message") in CONTINUED and (
+        final["role"] == "assistant" and isinstance(final.get("content"), str | None)
+    )
     if turns == "each":
-        return boundaries(messages)
-    end = len(messages)
-    while end and messages[end - 1]["role"] == "assistant":
-        end -= 1
-    return [messages[:end]]
+        cuts = boundaries(messages)
+    else:
+        end = len(messages)
+        while end and messages[end - 1]["role"] == "assistant":
+            end -= 1
+        cuts = [messages[:end]]
+    if not continued:
+        return [_body(row, cut) for cut in cuts]
+    return [_body(row, cut) for cut in cuts[:-1]] + [_body(row, messages, continued=True)]
 
 
 @pytest.mark.parametrize("role", sorted(ROLES))
@@ -397,3 +484,18 @@ def test_a_lone_surrogate_costs_only_its_line(
     assert report.inserted == 4
     assert sorted(error.line for error in report.errors) == [3, 5]
     assert all("surrogate" in error.reason for error in report.errors), report.errors
+
+
+def test_a_continued_turn_is_encoded_as_sglang_encodes_it(tmp_path: Path) -> None:
+    """The continued turn's text is encoded with the tokenizer's own special tokens and a
+    leading BOS dropped: on a folder that adds a BOS, the ids are SGLang's."""
+    folder = deepseek_copy(tmp_path / "bos", add_bos_token=True)
+    user = {"role": "user", "content": "Write a haiku."}
+    body = {"messages": [user, {"role": "assistant", "content": " Sure"}]}
+    (expected,) = tokenize_as_deployed(folder, [{**body, "continue_final_message": True}])
+    tokenizer = load_tokenizer(folder)
+    hf = tokenizer.hf_tokenizer
+    assert hf.encode(" Sure")[0] == hf.bos_token_id
+    (ours,) = tokenizer.apply_each([ChatInputs([user], assistant_prefix=" Sure")])
+    assert ours == expected
+    assert ours[len(tokenizer.apply([user])) :] == hf.encode(" Sure")[1:]

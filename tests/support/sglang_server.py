@@ -361,7 +361,8 @@ class SGLangServer:
     def tokenize(self, body: dict[str, Any]) -> list[int] | str:
         """The prompt ids of a /v1/tokenize chat body, or the error text of its 400: the body
         parsed with orjson, validated by TokenizeRequest (by ChatCompletionRequest when it has
-        a tool_choice, which only a chat completion takes), then handled as the server does."""
+        a tool_choice, which only a chat completion takes, or holds CHAT_COMPLETION: the body
+        of a chat completion), then handled as the server does."""
         import orjson
         from pydantic import ValidationError
 
@@ -372,7 +373,7 @@ class SGLangServer:
         except UnicodeEncodeError as exc:
             return f"invalid JSON body: {exc}"
         try:
-            if "tool_choice" in parsed:  # not a /v1/tokenize field: a chat completion's
+            if parsed.pop(CHAT_COMPLETION, False) or "tool_choice" in parsed:
                 chat_request = self.protocol.ChatCompletionRequest.model_validate(parsed)
             else:
                 request = self.protocol.TokenizeRequest.model_validate(parsed)
@@ -389,6 +390,10 @@ class SGLangServer:
         except Exception as exc:  # a 500 at the server: still a refusal
             return f"internal error: {exc}"
         return [int(i) for i in result.prompt_ids]
+
+
+# a body holding this key (true) is validated as /v1/chat/completions validates its request
+CHAT_COMPLETION = "__chat_completion__"
 
 
 class _Result(SimpleNamespace):

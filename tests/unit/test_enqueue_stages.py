@@ -76,7 +76,7 @@ def test_reader_yields_chunks_and_reports_bad_lines(tmp_path: Path) -> None:
     assert [c.first_line for c in chunks] == [1, CHUNK_LINES + 1]
     assert chunks[-1].lines == CHUNK_LINES + 1
     assert [e.line for e in errors] == [4] and rep.report.errors == errors
-    assert rep.report.prompt_fields["id"] == CHUNK_LINES
+    assert rep.report.key_fields["id"] == CHUNK_LINES
 
 
 def test_reader_refuses_an_empty_input_at_once(tmp_path: Path) -> None:

@@ -129,6 +129,35 @@ def test_an_outage_longer_than_the_wait_raises() -> None:
         client.render_many([prompt_request([{"role": "user", "content": "xy"}], {})])
 
 
+def test_an_outage_is_waited_out_once_for_all_requests_then_the_rest_are_not_sent() -> None:
+    """The wait is the server's, not each request's: 64 prompts through a window of 4 give up
+    after one wait, the prompts not yet sent never sent (64 waits of their own took minutes)."""
+    script = Script(down=10**6)
+    now = [0.0]
+    lock = threading.Lock()
+
+    def sleep(s: float) -> None:
+        with lock:
+            now[0] += s
+
+    client = RenderClient(
+        "http://render",
+        window=4,
+        connect_timeout_s=1,
+        timeout_s=1,
+        policy=RenderPolicy(wait_s=30.0, backoff_s=1.0, backoff_max_s=4.0),
+        sleep=sleep,
+        clock=lambda: now[0],
+        transport=httpx.MockTransport(script),
+    )
+    requests = [prompt_request([{"role": "user", "content": "xy"}], {})] * 64
+    with client, pytest.raises(RenderServerUnavailable, match="has not answered /v1/tokenize for"):
+        client.render_many(requests)
+    attempts = 10**6 - script.down
+    assert now[0] < 30.0 + 4 * 4.0  # one wait (and the backoffs in flight when it ended)
+    assert attempts < len(requests), attempts
+
+
 def test_a_malformed_answer_is_retryable() -> None:
     with pytest.raises(RetryableError):
         parse_tokenize_response(b'{"tokens": [1, "x"], "count": 2}')

@@ -138,7 +138,7 @@ def _compact_locked(
         return
     if not force and report.compactable < settings.compact_min_items:
         report.skipped = (
-            f"{report.compactable} finished items wait, fewer than compact_min_items "
+            f"{report.compactable} finished items wait, fewer than TOKENMILL_COMPACT_MIN_ITEMS "
             f"({settings.compact_min_items}); use --all to compact them anyway"
         )
         return

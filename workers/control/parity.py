@@ -13,13 +13,19 @@ from typing import Any
 from sqlalchemy import Engine
 
 from app.core.constants import EVENT_PARITY
-from app.core.errors import GenerationError, InputError, PermanentError
+from app.core.errors import GenerationError, InputError, PermanentError, ServerCannotRender
 from app.core.settings import Settings, get_settings
 from app.ledger import common, event_log, reads, registry, run_queries
 from app.ledger.reads import StoredItem
 from app.ledger.run_queries import RunInfo
 from app.prompts.transformers_pin import SERVER_TRANSFORMERS, client_version
-from app.sglang.render import RenderClient, RenderRequest, prompt_request, render_client
+from app.sglang.render import (
+    RENDER_PROBE,
+    RenderClient,
+    RenderRequest,
+    prompt_request,
+    render_client,
+)
 from app.storage.image_store import image_location
 from workers.intake.images import StoredImages
 
@@ -75,6 +81,8 @@ class ParityReport:
     # the transformers versions the prompts were rendered with and this client has, and the
     # server's SGLang version with the transformers version it pins (versions_of)
     versions: dict[str, str | None] = field(default_factory=dict)
+    # the server renders no chat at all (render_preflight): its refusal; nothing was checked
+    refusal: str | None = None
 
     @property
     def mismatched(self) -> int:
@@ -84,6 +92,8 @@ class ParityReport:
     def status(self) -> str:
         """equal; differs; or unchecked: the server refused every prompt (a server without
         /v1/tokenize or without a tokenizer cannot say how it renders them)."""
+        if self.refusal is not None:
+            return "unchecked"
         if not self.mismatches:
             return "equal"
         if not self.equal and all(m.position is None for m in self.mismatches):
@@ -137,7 +147,9 @@ def item_request(
     messages = item.messages or []
     if images is not None:
         messages = images.for_server(messages)
-    return prompt_request(messages, kwargs, tools=item.tools)
+    return prompt_request(
+        messages, kwargs, tools=item.tools, assistant_prefix=item.assistant_prefix
+    )
 
 
 def _requests(
@@ -150,6 +162,16 @@ def _requests(
         except InputError as exc:  # compared as a prompt the server could not render
             out.append(PermanentError(exc.reason))
     return out
+
+
+def render_preflight(client: RenderClient, server: str) -> None:
+    """The server renders a one-message chat before any stored prompt is sent: a server with
+    no tokenizer or chat template refuses every prompt, and that is said once
+    (ServerCannotRender), not once per prompt. An outage raises as in check_run."""
+    try:
+        client.render_patiently(RENDER_PROBE[0])
+    except PermanentError as exc:
+        raise ServerCannotRender(server, str(exc)) from exc
 
 
 def check_run(
@@ -165,7 +187,8 @@ def check_run(
 ) -> ParityReport:
     """Re-render the run's prompts (all, or a seeded sample) and compare each with its stored
     ids, images sent from the image store (images: the run's pinned store unless given).
-    An outage of the server raises (ServerUnavailable, RetryableError): nothing is known."""
+    An outage of the server raises (ServerUnavailable, RetryableError): nothing is known; a
+    server that renders no chat at all raises ServerCannotRender (render_preflight)."""
     if images is None:
         images = StoredImages(lambda: image_location(get_settings(), run.storage_url))
     with db.connect() as conn:
@@ -173,6 +196,8 @@ def check_run(
             ids = reads.prompt_item_ids(conn, run.id)
         else:  # through the indexes: a preflight of a 10M-item run reads what it samples
             ids = reads.sample_prompt_item_ids(conn, run.id, sample, seed)
+    if ids:
+        render_preflight(client, server)
     report = ParityReport(
         run=run.name, server=server, versions=versions_of(run, client.server_version())
     )
@@ -258,6 +283,8 @@ def preflight(
                 sample=settings.parity_sample,
                 images=StoredImages(lambda: image_location(settings, run.storage_url)),
             )
+    except ServerCannotRender as exc:
+        report = ParityReport(run=run.name, server=server, refusal=exc.refusal)
     except GenerationError as exc:
         log.warning(
             "parity preflight of run %s on %s not done: %s",
@@ -267,13 +294,14 @@ def preflight(
             extra={"action": "parity_skipped"},
         )
         return None
+    status = report.status
     result = {
-        "status": report.status,
+        "status": status,
         "checked": report.checked,
         "mismatched": report.mismatched,
         "at": common.utcnow().isoformat(),
     }
-    if not report.checked:  # nothing rendered from messages: nothing to compare
+    if not report.checked and report.refusal is None:  # no prompt from messages: nothing to check
         with db.begin() as conn:
             registry.record_parity(conn, server, run.name, result)
         return report
@@ -281,10 +309,11 @@ def preflight(
         f"{server} renders {report.equal} of {report.checked} sampled prompts of run "
         f"{run.name} as stored"
     )
-    if report.status == "unchecked":
+    if status == "unchecked":
+        why = report.refusal if report.refusal is not None else report.mismatches[0].error
         message = (
-            f"{server} cannot render the prompts of run {run.name} ("
-            f"{report.mismatches[0].error}); their parity is not checked"
+            f"{server} cannot render the prompts of run {run.name} ({why}); their parity is not "
+            "checked"
         )
     elif report.mismatches:
         first = report.mismatches[0]
@@ -297,7 +326,7 @@ def preflight(
     with db.begin() as conn:
         before = registry.parity_status(conn, server, run.name)
         registry.record_parity(conn, server, run.name, result)
-        if before != report.status:  # a re-check with the same outcome is not news
+        if before != status:  # a re-check with the same outcome is not news
             event_log.record_event(
                 conn,
                 EVENT_PARITY,
@@ -306,8 +335,8 @@ def preflight(
                 server=server,
                 details=report.to_json() | {"mismatches": report.to_json()["mismatches"][:5]},
             )
-    if before != report.status:
-        (log.warning if report.status != "equal" else log.info)("%s", message)
+    if before != status:
+        (log.warning if status != "equal" else log.info)("%s", message)
     return report
 
 

@@ -86,6 +86,7 @@ class RestartProgress:
     phase: str
     probe: str
     successes: int
+    log_path: Path
 
 
 @dataclass
@@ -93,6 +94,7 @@ class RestartResult:
     ok: bool
     message: str
     elapsed_s: float
+    log_path: Path | None = None  # where the restart command's output went
 
 
 def restart_server(
@@ -133,6 +135,10 @@ def restart_server(
     log_dir = log_dir or settings.data_dir / "restarts"
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name.replace('/', '_')}-{time.strftime('%Y%m%d-%H%M%S')}.log"
+
+    def give_up(why: str) -> RestartResult:
+        return _give_up(db, name, started, why, log_path)
+
     with log_path.open("ab") as log_file:
         try:
             process = subprocess.Popen(
@@ -143,7 +149,7 @@ def restart_server(
                 start_new_session=True,
             )
         except OSError as exc:
-            return _give_up(db, name, started, f"restart command could not start: {exc}")
+            return give_up(f"restart command could not start: {exc}")
     successes = 0
     needed = settings.successes_to_up
     while True:
@@ -151,39 +157,30 @@ def restart_server(
         code = process.poll()
         if code not in (None, 0):
             tail = log_path.read_text(errors="replace")[-500:].strip()
-            return _give_up(
-                db,
-                name,
-                started,
-                f"restart command exited with code {code}: {tail or '(no output)'}",
-            )
+            return give_up(f"restart command exited with code {code}: {tail or '(no output)'}")
         probe = prober.probe(server)
         successes = successes + 1 if probe.ok else 0
         _note_probe(db, name, probe, _restart_state(probe, successes, needed))
         phase = "command running" if code is None else "waiting for the server"
         on_progress(
             RestartProgress(
-                elapsed, phase, "ok" if probe.ok else (probe.error or "down"), successes
+                elapsed, phase, "ok" if probe.ok else (probe.error or "down"), successes, log_path
             )
         )
         if successes >= needed:
             break
         if elapsed > timeout_s:
-            return _give_up(
-                db, name, started, f"not ready after {timeout_s:.0f}s (last probe: {probe.error})"
-            )
+            return give_up(f"not ready after {timeout_s:.0f}s (last probe: {probe.error})")
         time.sleep(poll_s)
     try:
         fingerprint = prober.fingerprint(server)
     except GenerationError as exc:
-        return _give_up(db, name, started, f"ready, but its fingerprint is unreadable: {exc}")
+        return give_up(f"ready, but its fingerprint is unreadable: {exc}")
     with db.begin() as conn:
         registry.set_fingerprint(conn, name, fingerprint.to_json())
         conflicts = fingerprint_conflicts(fingerprint, registry.active_run_fingerprints(conn))
     if conflicts:
-        return _give_up(
-            db, name, started, "fingerprint differs from the pinned one: " + " | ".join(conflicts)
-        )
+        return give_up("fingerprint differs from the pinned one: " + " | ".join(conflicts))
     elapsed = time.monotonic() - started
     if was_paused_by and was_paused_by != PAUSED_BY_RESTART:
         # it was paused before the restart (e.g. by an operator): keep that pause
@@ -194,7 +191,7 @@ def restart_server(
         message = f"{name} restarted and resumed after {elapsed:.0f}s"
     with db.begin() as conn:
         event_log.record_event(conn, EVENT_RESTART, message, server=name)
-    return RestartResult(True, message, elapsed)
+    return RestartResult(True, message, elapsed, log_path)
 
 
 def _note_probe(db: Engine, name: str, probe: Probe, state: str) -> None:
@@ -215,7 +212,7 @@ def _restart_state(probe: Probe, successes: int, needed: int) -> str:
     return (Health.HEALTHY if successes >= needed else Health.RECOVERING).value
 
 
-def _give_up(db: Engine, name: str, started: float, why: str) -> RestartResult:
+def _give_up(db: Engine, name: str, started: float, why: str, log_path: Path) -> RestartResult:
     elapsed = time.monotonic() - started
     message = (
         f"{name} stays paused: {why}. Fix it, then `tokenmill resume --server {name}` "
@@ -223,4 +220,4 @@ def _give_up(db: Engine, name: str, started: float, why: str) -> RestartResult:
     )
     with db.begin() as conn:
         event_log.record_event(conn, EVENT_RESTART, message, server=name)
-    return RestartResult(False, message, elapsed)
+    return RestartResult(False, message, elapsed, log_path)

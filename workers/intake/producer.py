@@ -23,6 +23,7 @@ from app.core.errors import InputError
 from app.core.images import ImagePins
 from app.core.settings import Settings, get_settings
 from app.ledger import event_log, image_tokens, queue, removal, run_queries
+from app.prompts import request_fields
 from app.prompts.chat_path import check_version
 from app.prompts.chat_pins import run_pins, with_server_render
 from app.prompts.image_pins import check_run_pins
@@ -101,7 +102,8 @@ def run_spec(
     pins = run_pins(tokenizer, rendered_here=options.render_with is None)
     if server_render is not None:
         pins = with_server_render(pins, server_render)
-    pins["request_fields"] = options.request_fields
+    # the fields applied, by name: a run created when fewer were applied is not mixed with them
+    pins["request_fields"] = list(request_fields.APPLIED) if options.request_fields else []
     return run_queries.RunSpec(
         name=options.run,
         tokenizer_path=str(tokenizer.path),

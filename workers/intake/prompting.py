@@ -61,7 +61,13 @@ class LocalTemplating:
         """The prompt ids of records, in their order, once the templater has them."""
         kwargs = self._run_kwargs
         chat = [
-            ChatInputs(r.messages or [], r.tools, row_kwargs(kwargs, r) or kwargs, normalized=True)
+            ChatInputs(
+                r.messages or [],
+                r.tools,
+                row_kwargs(kwargs, r) or kwargs,
+                normalized=True,
+                assistant_prefix=r.assistant_prefix,
+            )
             for r in records
             if r.messages is not None
         ]
@@ -134,7 +140,12 @@ class ServerRendering:
                     continue
             chat.append((i, r))
             requests.append(
-                prompt_request(messages, row_kwargs(kwargs, r) or kwargs, tools=r.tools)
+                prompt_request(
+                    messages,
+                    row_kwargs(kwargs, r) or kwargs,
+                    tools=r.tools,
+                    assistant_prefix=r.assistant_prefix,
+                )
             )
         rendered = self._client.render_many(requests)
         for (i, r), ids in zip(chat, rendered, strict=True):
@@ -260,6 +271,7 @@ class ItemBuilder:
                 metadata=record.metadata,
                 sampling_params=record.sampling_params,
                 images=refs_json(images),
+                assistant_prefix=record.assistant_prefix,
             )
             for k in cycles.samples_of(record, self._samples)
         ]

@@ -138,6 +138,7 @@ class Planner:
             report.prompts -= len(fresh) - len(stored)
             report.images_read = self._images.reads
             report.image_bytes_read = self._images.bytes_read
+            report.images_refused = self._images.refused
             fresh = stored
         report.prompts += len(records)
         fresh = cycles.expand_efforts(fresh, self._efforts, self._samples_per_prompt)

@@ -14,9 +14,12 @@ from app.core.constants import EVENT_ENQUEUE_STOPPED, EVENT_ENQUEUED
 from app.core.contracts import PromptRecord
 from app.core.errors import InputError
 from app.ledger import event_log, queue
+from app.prompts import request_fields
 from app.sglang.render import RenderServerUnavailable
 
 log = logging.getLogger(__name__)
+
+KEY_FIELDS = ("id",)  # top-level fields that give the item key
 
 
 @dataclass
@@ -30,19 +33,29 @@ class EnqueueReport:
     published: int = 0
     errors: list[InputError] = field(default_factory=list)
     # top-level fields, and how many rows had each: those that built the prompts (the prompt
-    # field, id, system, tools, chat_template_kwargs, reasoning_effort) and those kept as
-    # row metadata (exported with each sample)
+    # field, system, tools, chat_template_kwargs, reasoning_effort, sampling_params), the item
+    # key (id), and those kept as row metadata (exported with each sample)
     prompt_fields: dict[str, int] = field(default_factory=dict)
+    key_fields: dict[str, int] = field(default_factory=dict)
     metadata_fields: dict[str, int] = field(default_factory=dict)
-    # the distinct image sources read (each once) and their bytes
+    # request fields of the rows that change no prompt at SGLang's chat path
+    # (request_fields.NOT_APPLIED), by how many rows gave each a value
+    not_applied_fields: dict[str, int] = field(default_factory=dict)
+    # the distinct image sources read and stored (each once) and their bytes, and those that
+    # could not be used (unreadable, or no usable image: nothing stored, their rows skipped)
     images_read: int = 0
     image_bytes_read: int = 0
+    images_refused: int = 0
 
     def count_fields(self, record: PromptRecord) -> None:
         for name in record.prompt_fields:
-            self.prompt_fields[name] = self.prompt_fields.get(name, 0) + 1
-        for name in record.metadata or {}:
+            # the id names the item; it is no part of the prompt
+            counted = self.key_fields if name in KEY_FIELDS else self.prompt_fields
+            counted[name] = counted.get(name, 0) + 1
+        for name, value in (record.metadata or {}).items():
             self.metadata_fields[name] = self.metadata_fields.get(name, 0) + 1
+            if name in request_fields.NOT_APPLIED and value is not None:
+                self.not_applied_fields[name] = self.not_applied_fields.get(name, 0) + 1
 
     @property
     def skipped(self) -> int:
@@ -58,9 +71,12 @@ class EnqueueReport:
             "published": self.published,
             "skipped": self.skipped,
             "prompt_fields": dict(self.prompt_fields),
+            "key_fields": dict(self.key_fields),
             "metadata_fields": dict(self.metadata_fields),
+            "not_applied_fields": dict(self.not_applied_fields),
             "images_read": self.images_read,
             "image_bytes_read": self.image_bytes_read,
+            "images_refused": self.images_refused,
             "errors": [{"line": e.line, "reason": e.reason} for e in self.errors],
         }
 

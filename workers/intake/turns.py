@@ -79,6 +79,16 @@ def first_turns(
                 )
             )
             continue
+        if record.assistant_prefix is not None:
+            fail(
+                InputError(
+                    "continue_final_message: --turns all regenerates every assistant turn, so "
+                    "none is continued; use --turns last or each (the final turn continued), "
+                    "or --no-request-fields",
+                    record.line,
+                )
+            )
+            continue
         try:
             split = split_turns(conversation)
         except InputError as exc:
@@ -94,8 +104,9 @@ def boundary_records(
 ) -> tuple[list[PromptRecord], list[int]]:
     """`--turns each`: one record per boundary sample of each chat record (shortest first;
     the row's tools, kwargs and metadata kept), and the turn index of each; pre-tokenized
-    records stay one item of turn 0. A
-    conversation that cannot be split is reported through fail and dropped."""
+    records stay one item of turn 0. A continued final turn (continue_final_message) is the
+    last boundary's prefix; the earlier boundaries have none. A conversation that cannot be
+    split is reported through fail and dropped."""
     out: list[PromptRecord] = []
     turn_of: list[int] = []
     for record in records:
@@ -109,7 +120,13 @@ def boundary_records(
             fail(InputError(exc.reason, record.line))
             continue
         for boundary in split:
-            out.append(replace(record, messages=boundary.messages, conversation=None))
+            last = boundary is split[-1]
+            prefix = record.assistant_prefix if last else None
+            out.append(
+                replace(
+                    record, messages=boundary.messages, conversation=None, assistant_prefix=prefix
+                )
+            )
             turn_of.append(boundary.index)
     return out, turn_of
 
@@ -143,6 +160,7 @@ def chain_items(
         metadata=record.metadata,
         sampling_params=record.sampling_params,
         images=refs_json(images_of(record.messages, record)),
+        assistant_prefix=record.assistant_prefix,
     )
     new: list[NewItem] = []
     for k in record.samples if record.samples is not None else range(samples):
