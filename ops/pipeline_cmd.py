@@ -125,6 +125,7 @@ def enqueue_input(
         chat_template_kwargs=kwargs,
         prompt_field=opts.get("prompt_field"),
         turns=opts.get("turns", "last"),
+        tool_call_parser=opts.get("tool_call_parser"),
         trust_remote_code=trusted,
         render_with=_render_url(opts.get("render_with")),
         require_parity=bool(opts.get("require_parity")),
