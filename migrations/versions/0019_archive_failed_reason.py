@@ -5,8 +5,8 @@ Without it the count read the run's failed archived rows through (run_id, status
 sorted them to group them; the index holds the failed rows alone, ordered by reason, so the
 count is one ordered range of index entries whatever the planner's statistics say.
 
-Revision ID: 0018
-Revises: 0017
+Revision ID: 0019
+Revises: 0018
 Create Date: 2026-12-03 12:00:00.000000
 """
 
@@ -17,8 +17,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = "0018"
-down_revision: str | None = "0017"
+revision: str = "0019"
+down_revision: str | None = "0018"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
