@@ -388,10 +388,29 @@ def sampling_options(func: F) -> F:
             default="last",
             show_default=True,
             help="last: regenerate the answer to the last user turn. all: regenerate every "
-            "assistant turn in order, each prompt built from the regenerated history (no tool "
-            "turns). each: one independent sample per assistant turn (and a trailing user or "
-            "tool turn), each on the original history before it: boundary samples, for "
-            "agentic data. Pinned by the run.",
+            "assistant turn in order, each prompt built from the regenerated history (a row "
+            "with tool turns: the target's own calls, the dataset's cached results spliced "
+            "in; see --tool-results). each: one independent sample per assistant turn (and "
+            "a trailing user or tool turn), each on the original history before it: boundary "
+            "samples, for agentic data. Pinned by the run.",
+        ),
+        click.option(
+            "--tool-results",
+            type=click.Choice(["cached"]),
+            default="cached",
+            show_default=True,
+            help="--turns all on rows with tool turns: the i-th regenerated call gets the "
+            "dataset's i-th tool result (tools are never run); the chain ends, its turns so "
+            "far kept, at the first turn that does not match (another tool, parallel calls, a "
+            "malformed call, no call, results exhausted).",
+        ),
+        click.option(
+            "--tool-call-parser",
+            type=click.Choice(["kimi_k2", "qwen25", "qwen", "hermes"]),
+            default=None,
+            show_default="SGLang's template detection",
+            help="Read the target's calls as a server started with --tool-call-parser NAME "
+            "does (--turns all on rows with tool turns); pinned by the run.",
         ),
         click.option(
             "--trust-remote-code",

@@ -125,6 +125,7 @@ def enqueue_input(
         chat_template_kwargs=kwargs,
         prompt_field=opts.get("prompt_field"),
         turns=opts.get("turns", "last"),
+        tool_call_parser=opts.get("tool_call_parser"),
         trust_remote_code=trusted,
         render_with=_render_url(opts.get("render_with")),
         require_parity=bool(opts.get("require_parity")),
@@ -203,6 +204,13 @@ def enqueue_input(
             f"({report.image_bytes_read:,} bytes), "
             f"stored under {escape(_storage_of(db, run, settings))}/images",
             markup=True,
+            soft_wrap=True,
+        )
+    if report.images_refused:
+        console.print(
+            f"{report.images_refused} image sources could not be used, nothing stored for them "
+            "(their rows are skipped, each named above)",
+            markup=False,
             soft_wrap=True,
         )
     where = f"ledger {ledger_name(settings)}"

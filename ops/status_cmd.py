@@ -58,6 +58,7 @@ def status_cmd(run_name: str | None, as_json: bool, watch: bool, interval_s: flo
             for r, c in zip(runs, counts, strict=True)
             if c.failed
         }
+        endings = {r.name: reads.chain_endings(conn, r.id) for r in runs if r.turns == "all"}
     stopped_names = {r.name for r in runs if r.id in stopped}
     if not runs and not as_json:
         # an empty table would not say where it looked (a forgotten TOKENMILL_DATABASE_URL)
@@ -71,6 +72,7 @@ def status_cmd(run_name: str | None, as_json: bool, watch: bool, interval_s: flo
                 "enqueue_stopped": c.run in stopped_names,
                 "served_by": _served_by(r),
                 "failed_by_reason": dict(failed.get(c.run, [])),
+                "chain_endings": endings.get(c.run, {}),
             }
             for c, r in zip(counts, runs, strict=True)
         ]
@@ -93,6 +95,10 @@ def status_cmd(run_name: str | None, as_json: bool, watch: bool, interval_s: flo
             click.echo(f"run {r.name}: served by {r.binding()}")
     for name, reasons in failed.items():
         click.echo("\n".join(failure_lines(name, reasons)))
+    for name, ended in endings.items():
+        if ended:
+            shown = ", ".join(f"{n} {reason}" for reason, n in ended.items())
+            click.echo(f"run {name}: agentic chains ended: {shown}")
     if stopped_names or any(differing.get(c.run) for c in counts):
         _print_warnings(counts, stopped_names, differing)
     for name in unserved:

@@ -228,6 +228,8 @@ def _item_columns() -> list[Column[Any]]:
         # at done: how many times the server repeated each image's placeholder (the served
         # prompt ids are derived from them); null for a text item
         Column("image_token_counts", JSON, nullable=True),
+        # an agentic chain's last kept turn: how the chain ended (CHAIN_END_*), null elsewhere
+        Column("chain_end", String(32), nullable=True),
     ]
 
 
@@ -271,6 +273,8 @@ items = Table(
     ),
     # failed items by reason: `status`, `verify` and `retry` read only the failed ones
     _partial("ix_items_failed_reason", ("run_id", "fail_reason"), "status = 'failed'"),
+    # the agentic chains' endings by reason: `status` and the export manifest count them
+    _partial("ix_items_chain_end", ("run_id", "chain_end"), "chain_end IS NOT NULL"),
 )
 
 
@@ -301,6 +305,8 @@ items_archive = Table(
     *_archive_columns(),
     Index("ix_items_archive_run_status_id", "run_id", "status", "id"),
     Index("ix_items_archive_prev_item", "prev_item_id"),
+    # an archived run's failed items by reason, as ix_items_failed_reason for the hot table
+    _partial("ix_items_archive_failed_reason", ("run_id", "fail_reason"), "status = 'failed'"),
 )
 
 servers = Table(

@@ -201,6 +201,8 @@ class StoredItem:
     run_id: int | None = None
     # continue_final_message applied: the text appended after the generation prompt
     assistant_prefix: str | None = None
+    # an agentic chain's last kept turn: how the chain ended (CHAIN_END_*)
+    chain_end: str | None = None
 
     @property
     def image_refs(self) -> tuple[ImageRef, ...]:
@@ -237,6 +239,7 @@ _STORED_FIELDS = (
     "image_token_counts",
     "run_id",
     "assistant_prefix",
+    "chain_end",
 )
 
 
@@ -294,6 +297,17 @@ def _hydrated(
             item = replace(item, prompt_ids=prompt_ids, output_ids=output_ids)
         out.append(item)
     return out
+
+
+def hydrated_items(conn: Connection, ids: Sequence[int]) -> list[StoredItem]:
+    """stored_items with the token arrays of compacted items read back from their shards."""
+    from app.storage.shards import ShardCache
+
+    shards = ShardCache(None)
+    try:
+        return _hydrated(stored_items(conn, ids), shards, _Placeholders(conn))
+    finally:
+        shards.close()
 
 
 def iter_items(
@@ -548,3 +562,20 @@ def done_weight_versions(conn: Connection, run_id: int) -> dict[str | None, int]
         for version, n in conn.execute(stmt):
             counts[version] = counts.get(version, 0) + int(n)
     return counts
+
+
+def chain_endings(conn: Connection, run_id: int) -> dict[str, int]:
+    """The run's agentic chains counted by how they ended (archived rows included; a row
+    being archived counted once): a read of the ended chains' last turns only."""
+    counts: dict[str, int] = {}
+    for table in (items, items_archive):
+        stmt = (
+            select(table.c.chain_end, func.count())
+            .where(table.c.run_id == run_id, table.c.chain_end.is_not(None))
+            .group_by(table.c.chain_end)
+        )
+        if table is items_archive:
+            stmt = stmt.where(~select(items.c.id).where(items.c.id == table.c.id).exists())
+        for reason, n in conn.execute(stmt):
+            counts[str(reason)] = counts.get(str(reason), 0) + int(n)
+    return dict(sorted(counts.items()))

@@ -92,6 +92,12 @@ class RunInfo:
     driver: str | None = None
 
     @property
+    def tool_call_parser(self) -> str | None:
+        """`--turns all` on agentic rows: the pinned parser of the target's calls."""
+        parser = (self.chat_pins or {}).get("tool_call_parser")
+        return None if parser is None else str(parser)
+
+    @property
     def fleet_run(self) -> bool:
         """Served by the fleet's workers and reconcile (not a run `tokenmill run` drives)."""
         return self.driver != DRIVER_RUN

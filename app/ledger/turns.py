@@ -7,13 +7,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection, select, update
+from sqlalchemy import Connection, delete, exists, select, update
 
 from app.core.failures import failure_reason
 from app.core.models import ItemStatus
 from app.ledger.common import items, utcnow
 from app.ledger.outcomes import _trim
-from app.ledger.reads import StoredItem, stored_items
+from app.ledger.reads import StoredItem, hydrated_items, stored_items
 
 
 def link_turns(conn: Connection, run_id: int, keys: Sequence[str]) -> int:
@@ -153,3 +153,72 @@ def fail_waiting_chain(
         )
     )
     return conn.execute(stmt).rowcount
+
+
+def end_chain(
+    conn: Connection,
+    last_id: int,
+    run_id: int,
+    item_key: str,
+    sample_index: int,
+    from_turn: int,
+    reason: str,
+) -> int:
+    """An agentic chain ends at its done item last_id with reason (CHAIN_END_*): the reason is
+    recorded on it (once) and the chain's still-waiting turns from from_turn on are deleted
+    (never run: no attempt, no failure). Returns how many were deleted; idempotent."""
+    conn.execute(
+        update(items)
+        .where(items.c.id == last_id, items.c.chain_end.is_(None))
+        .values(chain_end=reason)
+    )
+    stmt = delete(items).where(
+        items.c.run_id == run_id,
+        items.c.item_key == item_key,
+        items.c.sample_index == sample_index,
+        items.c.turn_index >= from_turn,
+        items.c.status == ItemStatus.WAITING.value,
+    )
+    return int(conn.execute(stmt).rowcount)
+
+
+def unended_last_turns(
+    conn: Connection,
+    *,
+    prev_ids: Sequence[int] | None = None,
+    run_id: int | None = None,
+    after_id: int = 0,
+    limit: int = 500,
+) -> list[StoredItem]:
+    """Done items with no later turn and no chain ending recorded: among prev_ids (just
+    committed), or of one run (the catch-up), in id order, compacted ones with their arrays
+    read back from their shards."""
+    if prev_ids is not None and not prev_ids:
+        return []
+    later = items.alias("later")
+    stmt = (
+        select(items.c.id)
+        .where(
+            items.c.status == ItemStatus.DONE.value,
+            items.c.chain_end.is_(None),
+            items.c.id > after_id,
+            ~exists().where(later.c.prev_item_id == items.c.id),
+        )
+        .order_by(items.c.id)
+        .limit(limit)
+    )
+    if prev_ids is not None:
+        stmt = stmt.where(items.c.id.in_(list(prev_ids)))
+    if run_id is not None:
+        stmt = stmt.where(items.c.run_id == run_id)
+    return hydrated_items(conn, list(conn.execute(stmt).scalars()))
+
+
+def record_chain_end(conn: Connection, item_id: int, reason: str) -> bool:
+    """Record how the chain ending at this done item ended; False if already recorded."""
+    stmt = (
+        update(items)
+        .where(items.c.id == item_id, items.c.chain_end.is_(None))
+        .values(chain_end=reason)
+    )
+    return conn.execute(stmt).rowcount == 1

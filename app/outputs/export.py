@@ -30,6 +30,7 @@ from app.outputs.image_rows import (
 )
 from app.outputs.provenance import provenance, weight_filter
 from app.outputs.split import Selection, eval_path, manifest_path
+from app.prompts import tool_calls
 from app.prompts.conversation import check_specforge_row, template_encoder, whole_conversation_mask
 from app.prompts.tokenization import ChatTokenizer, split_reasoning
 from app.storage.shards import Location, open_location
@@ -134,7 +135,15 @@ def conversations_row(
             turns = image_parts(turns, uris)
         except ValueError as exc:
             raise ImageExportError(f"{item_label(item)}: {exc}") from None
-    row["conversations"] = [*turns, assistant_turn(item, run, tokenizer)]
+    last = assistant_turn(item, run, tokenizer)
+    parser = tool_calls.chain_parser(run.chat_pins, run.turns, item.tools, item.messages)
+    if parser is not None:  # an agentic chain: the calls parsed as the server parses them
+        seed = tool_calls.item_seed(item.item_key, item.sample_index, item.turn_index)
+        last = tool_calls.final_message(parser, last, item.tools or [], seed, turns)
+        row["tool_call_parser"] = parser
+        if item.chain_end is not None:
+            row["chain_end"] = item.chain_end
+    row["conversations"] = [*turns, last]
     if uris:
         row["images"] = [uri for uri, _ in uris]
         row["image_token_counts"] = fields["image_token_counts"]

@@ -101,7 +101,25 @@ def run_manifest(run: RunInfo) -> dict[str, Any]:
         "samples_per_prompt": run.samples_per_prompt,
         "eos_token_ids": run.eos_token_ids,
         "think_end_id": run.think_end_id,
+        # `--turns all` on agentic rows: the parser that read the target's calls
+        "tool_call_parser": (run.chat_pins or {}).get("tool_call_parser"),
         "created_at": run.created_at.isoformat(),
+    }
+
+
+def manifest_counts(
+    report: ParquetExport, counts: reads.RunCounts, chain_endings: dict[str, int]
+) -> dict[str, Any]:
+    """The manifest's counts: the rows written, the run's failed and unfinished items, and its
+    agentic chains by how they ended (app.core.constants CHAIN_END_*)."""
+    return {
+        "rows": report.rows,
+        "truncated": report.truncated,
+        "prompt_tokens": report.prompt_tokens,
+        "output_tokens": report.output_tokens,
+        "failed": counts.failed,
+        "unfinished": counts.total - counts.done - counts.failed,
+        "chain_endings": chain_endings,
     }
 
 
@@ -214,19 +232,13 @@ def export_parquet(
             if writer is not None:
                 writer.abort()
         counts = reads.run_counts(conn, run)
+        ends = reads.chain_endings(conn, run.id)  # agentic chains by how they ended
         fingerprints = server_fingerprints(conn, run, servers)
     manifest = {
         "format": MANIFEST_FORMAT,
         "run": run_manifest(run),
         "server_fingerprints": fingerprints,
-        "counts": {
-            "rows": report.rows,
-            "truncated": report.truncated,
-            "prompt_tokens": report.prompt_tokens,
-            "output_tokens": report.output_tokens,
-            "failed": counts.failed,
-            "unfinished": counts.total - counts.done - counts.failed,
-        },
+        "counts": manifest_counts(report, counts, ends),
         "provenance": made.to_json() | {"weight_version": weight_version},
         "shards": [s.to_json() for s in report.shards],
         "created_at": common.utcnow().isoformat(),

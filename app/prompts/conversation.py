@@ -38,7 +38,7 @@ class TurnPlan:
     context: list[Message]
 
 
-def split_turns(messages: Sequence[Message]) -> list[TurnPlan]:
+def split_turns(messages: Sequence[Message], *, keep_calls: bool = False) -> list[TurnPlan]:
     """One plan per assistant turn of a conversation; a trailing turn of any other role makes a
     final turn too (its answer is what the model is asked for). Assistant turns are what gets
     regenerated, so their original text is not kept, except for assistant turns before any
@@ -48,6 +48,10 @@ def split_turns(messages: Sequence[Message]) -> list[TurnPlan]:
     right after the first), an assistant turn after a system turn, a conversation without a
     user turn or ending with a system turn. A template that refuses a shape refuses it when
     the prompt is rendered, with its own message.
+
+    keep_calls (agentic chains): an assistant turn with tool calls opens the next plan's
+    context, so the turn after it knows which calls the dataset's cached results answer
+    (`tool_calls.cached_results`); it is never history.
     """
     plans: list[TurnPlan] = []
     context: list[Message] = []
@@ -56,8 +60,8 @@ def split_turns(messages: Sequence[Message]) -> list[TurnPlan]:
             context.append(dict(turn))
             continue
         plans.append(TurnPlan(len(plans), context))
-        context = []
-    if context and (plans or any_prompt(context)):
+        context = [dict(turn)] if keep_calls and turn.get("tool_calls") else []
+    if any_prompt(context):
         plans.append(TurnPlan(len(plans), context))
     if not plans:
         raise InputError("the conversation has no turn before its first assistant turn")

@@ -391,8 +391,25 @@ class ChatTokenizer:
         for index, inputs in enumerate(batch):
             ids = out[index]
             if inputs.assistant_prefix and not isinstance(ids, InputError):
-                out[index] = ids + self._prefix_ids(inputs.assistant_prefix)
+                out[index] = self._continued(ids, inputs.assistant_prefix)
         return out
+
+    def _continued(self, ids: list[int], prefix: str) -> list[int] | InputError:
+        """ids with a continued turn's text appended, or why that cannot be done here: for a
+        tokenizer declaring a response template, a server running a response-template
+        reasoning parser puts its answer opener before the text, which only it knows."""
+        declared = getattr(self._tokenizer, "response_template", None)
+        if not isinstance(declared, dict):
+            declared = (getattr(self._tokenizer, "init_kwargs", None) or {}).get(
+                "response_template"
+            )
+        if isinstance(declared, dict):
+            return InputError(
+                "continue_final_message: the tokenizer declares a response_template, so a server "
+                "with a response-template reasoning parser opens the answer before the continued "
+                "text, which only the server renders; use --render-with (or --no-request-fields)"
+            )
+        return ids + self._prefix_ids(prefix)
 
     def _prefix_ids(self, prefix: str) -> list[int]:
         """A continued turn's ids as SGLang appends them: encoded with the tokenizer's own

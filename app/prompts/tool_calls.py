@@ -12,8 +12,8 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from app.core import constants
@@ -156,16 +156,35 @@ def _hermes(text: str, tools: Sequence[Mapping[str, Any]]) -> ParsedTurn:
 
 
 _PARSERS = {"kimi_k2": _kimi, "qwen25": _qwen25, "hermes": _hermes}
+# SGLang's ToolCallParserEnum maps "qwen" (the name its template detection gives) to qwen25's
+ALIASES = {"qwen": "qwen25"}
+KIMI_SECTION_TOKEN = _KIMI_SECTION
+
+
+def parser_name(name: str) -> str:
+    """SGLang's `--tool-call-parser` name as this module knows it; InputError if not supported."""
+    name = ALIASES.get(name, name)
+    if name not in _PARSERS:
+        known = ", ".join(constants.TOOL_CALL_PARSERS)
+        raise InputError(f"tool-call parser {name!r} is not supported; one of {known}")
+    return name
+
+
+def choose_parser(explicit: str | None, vocab: Collection[str]) -> str | None:
+    """The parser a server of this tokenizer uses: `--tool-call-parser` when given, else SGLang's
+    template detection (`detect_tool_call_parser`) as far as it names a parser implemented
+    here: its kimi_k2 rule, a vocabulary holding `<|tool_calls_section_begin|>`. None: the
+    server would name none that this module has, and the run must be told."""
+    if explicit is not None:
+        return parser_name(explicit)
+    return "kimi_k2" if KIMI_SECTION_TOKEN in vocab else None
 
 
 def parse(parser: str, text: str, tools: Sequence[Mapping[str, Any]]) -> ParsedTurn:
     """The text as SGLang's `--tool-call-parser parser` parses a whole response. Raises InputError
     for a parser not implemented here, or (qwen25) for a call that is JSON but not an object, where
     the wheel's detector raises too."""
-    if parser not in _PARSERS:
-        known = ", ".join(constants.TOOL_CALL_PARSERS)
-        raise InputError(f"tool-call parser {parser!r} is not supported; one of {known}")
-    return _PARSERS[parser](text, tools)
+    return _PARSERS[parser_name(parser)](text, tools)
 
 
 def chain_ending(turn: ParsedTurn, next_tool: str | None) -> str | None:
@@ -205,3 +224,143 @@ def spliced_result(tool_message: Mapping[str, Any], regenerated_id: str) -> dict
     """The dataset's cached tool message, answering the regenerated call: its tool_call_id is
     rewritten to the regenerated call's id, everything else kept."""
     return {**tool_message, "tool_call_id": regenerated_id}
+
+
+@dataclass(frozen=True)
+class ChainStep:
+    """One regenerated turn of an agentic chain, read against the dataset's next turn.
+
+    ending: None when the chain goes on, else how it ends here (CHAIN_END_*). turns: what the
+    next prompt's history gains after this turn's prompt turns: the regenerated assistant
+    message (its calls with SGLang's ids), the dataset's cached results answering them
+    (tool_call_id rewritten), then the dataset's other turns before the next assistant turn."""
+
+    parsed: ParsedTurn
+    ending: str | None
+    turns: list[dict[str, Any]] = field(default_factory=list)
+
+
+def history_call_count(history: Sequence[Mapping[str, Any]]) -> int:
+    """The calls of the history's assistant turns (SGLang's `_get_history_tool_calls_cnt`)."""
+    return sum(len(t.get("tool_calls") or []) for t in history if t.get("role") == "assistant")
+
+
+def cached_results(
+    context: Sequence[Mapping[str, Any]],
+) -> tuple[list[str | None], list[dict[str, Any]], list[dict[str, Any]]]:
+    """A waiting turn's stored context split: the tool names its leading tool results answer
+    (from the dataset's assistant turn kept first in the context, by tool_call_id, else by
+    position, else the result's own `name`), those results, and the turns after them."""
+    turns = [dict(t) for t in context]
+    dataset_calls: list[Mapping[str, Any]] = []
+    if turns and turns[0].get("role") == "assistant":
+        dataset_calls = list(turns.pop(0).get("tool_calls") or [])
+    results: list[dict[str, Any]] = []
+    while turns and turns[0].get("role") == "tool":
+        results.append(turns.pop(0))
+    by_id = {c.get("id"): c for c in dataset_calls if c.get("id")}
+    names: list[str | None] = []
+    for position, result in enumerate(results):
+        call = by_id.get(result.get("tool_call_id"))
+        if call is None and position < len(dataset_calls):
+            call = dataset_calls[position]
+        name = _function(call).get("name") if call is not None else None
+        names.append(name if isinstance(name, str) else result.get("name"))
+    return names, results, turns
+
+
+def chain_step(
+    parser: str,
+    regenerated: Mapping[str, Any],
+    tools: Sequence[Mapping[str, Any]],
+    history: Sequence[Mapping[str, Any]],
+    context: Sequence[Mapping[str, Any]],
+    seed: str,
+) -> ChainStep:
+    """Read a regenerated assistant turn (its `content`, the reasoning already split off into
+    `reasoning_content`) as SGLang's chat endpoint does and splice the dataset's cached result
+    in. A turn goes on when it makes one well-formed call to the tool whose result the dataset
+    has next (one result), or makes no call where the dataset has no result next (a plain
+    turn). history: this turn's prompt turns; context: the waiting turn's stored context (the
+    dataset's assistant turn first, then its results, then the turns after them). seed: the
+    item's key, for the ids of parsers whose SGLang ids are random."""
+    parsed = parse(parser, str(regenerated.get("content") or ""), tools)
+    names, results, rest = cached_results(context)
+    ending = chain_ending(parsed, names[0] if names else None)
+    if ending == constants.CHAIN_END_COMPLETE:
+        ending = None  # no call, no result next: a plain turn, the dataset goes on
+    elif ending is None and len(results) > 1:
+        ending = constants.CHAIN_END_PARALLEL_CALLS  # the dataset's results answer parallel calls
+    if ending is not None:
+        return ChainStep(parsed, ending)
+    if not parsed.calls:
+        return ChainStep(parsed, None, [dict(regenerated), *rest])
+    call = parsed.calls[0]
+    regenerated_id = call_id(parser, call, history_call_count(history), seed)
+    message = {
+        **regenerated,
+        "content": parsed.content,
+        "tool_calls": [
+            {
+                "id": regenerated_id,
+                "type": "function",
+                "function": {"name": call.name, "arguments": call.arguments},
+            }
+        ],
+    }
+    return ChainStep(parsed, None, [message, spliced_result(results[0], regenerated_id), *rest])
+
+
+def final_ending(parser: str, answer: str, tools: Sequence[Mapping[str, Any]]) -> str:
+    """How a chain ends at its last turn (the dataset has no turn after it): complete, or a
+    call with no result left for it (malformed, parallel calls and results exhausted alike)."""
+    parsed = parse(parser, answer, tools)
+    ending = chain_ending(parsed, None)
+    return constants.CHAIN_END_COMPLETE if ending is None else ending
+
+
+def item_seed(item_key: str, sample_index: int, turn_index: int) -> str:
+    """What a regenerated call's id is derived from (parsers whose SGLang ids are random)."""
+    return f"{item_key}:{sample_index}:{turn_index}"
+
+
+def chain_parser(
+    chat_pins: Mapping[str, Any] | None,
+    turns: str,
+    tools: Sequence[Any] | None,
+    messages: Sequence[Mapping[str, Any]] | None,
+) -> str | None:
+    """The run's tool-call parser if an item's chain is agentic (a `--turns all` run with a
+    parser pinned, the row with tools or tool turns), else None: a plain chain."""
+    parser = (chat_pins or {}).get("tool_call_parser")
+    if parser is None or turns != "all":
+        return None
+    calls = any(t.get("role") == "tool" or t.get("tool_calls") for t in messages or [])
+    return str(parser) if tools or calls else None
+
+
+def final_message(
+    parser: str,
+    regenerated: Mapping[str, Any],
+    tools: Sequence[Mapping[str, Any]],
+    seed: str,
+    history: Sequence[Mapping[str, Any]],
+) -> dict[str, Any]:
+    """A chain's last regenerated turn as the chat endpoint returns it: its well-formed calls
+    parsed out of the content (with SGLang's ids), else the turn as it is."""
+    parsed = parse(parser, str(regenerated.get("content") or ""), tools)
+    if not parsed.calls or chain_ending(parsed, None) == constants.CHAIN_END_MALFORMED_CALL:
+        return dict(regenerated)
+    count = history_call_count(history)
+    return {
+        **regenerated,
+        "content": parsed.content,
+        "tool_calls": [
+            {
+                "id": call_id(parser, call, count, seed),
+                "type": "function",
+                "function": {"name": call.name, "arguments": call.arguments},
+            }
+            for call in parsed.calls
+        ],
+    }

@@ -125,10 +125,10 @@ def test_image_rows_are_stored_once_and_recorded_in_prompt_order(
     report, errors = run_enqueue(pg_engine, tokenizer, path, "img")
 
     assert report.inserted == 3
-    # red.png (used twice), the data URI, blue.png (by file:// and by path: one source),
-    # the missing and the broken one: each read once
-    assert report.images_read == 5
-    assert report.image_bytes_read == len(red) + 2 * len(blue) + 40
+    # red.png (used twice), the data URI, blue.png (by file:// and by path: one source): each
+    # read and stored once; the missing and the broken one refused, once each
+    assert (report.images_read, report.images_refused) == (3, 2)
+    assert report.image_bytes_read == len(red) + 2 * len(blue)
     assert sorted(str(e) for e in errors) == [
         "line 3: messages[0].content[1]: image 'cats/missing.png' cannot be read: "
         "No such file or directory",
@@ -419,3 +419,33 @@ def test_the_cli_reads_relative_images_from_image_root(
     assert "1 distinct image sources read, each once" in proc.stderr
     sha = hashlib.sha256(data).hexdigest()
     assert (tmp_path / "data" / "storage" / "images" / f"{sha}.png").read_bytes() == data
+
+
+def test_a_repeat_enqueue_counts_no_unreadable_image_as_stored(
+    pg_engine: Engine, redis_url: str, pg_url: str, kimi_tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    from tests.support.procs import service_env, tokenmill
+
+    (tmp_path / "cat.png").write_bytes(png(24, 24))
+    rows = [
+        {"id": "good", "messages": [user("Cat?", image_part("cat.png"))]},
+        {"id": "gone", "messages": [user("Dog?", image_part("dog.png"))]},
+        {"id": "text", "messages": [user("Bird?", image_part("bird.txt"))]},
+    ]
+    (tmp_path / "bird.txt").write_text("not an image")
+    path = write_rows(tmp_path / "mixed.jsonl", rows)
+    env = service_env(pg_url, redis_url, tmp_path / "data")
+    args = ["enqueue", str(path), "--run", "mixed", "--tokenizer", str(kimi_tokenizer_dir)]
+    args += ["--image-root", str(tmp_path), "--json"]
+
+    first, again = tokenmill(args, env), tokenmill(args, env)
+
+    for proc in (first, again):
+        assert proc.returncode == 0, proc.stderr
+        assert "2 image sources could not be used, nothing stored for them" in proc.stderr
+    before, after = json.loads(first.stdout), json.loads(again.stdout)
+    assert (before["inserted"], before["images_read"], before["images_refused"]) == (1, 1, 2)
+    assert "1 distinct image sources read, each once" in first.stderr
+    # the good row is present, the two others are read again and refused again: none stored
+    assert (after["inserted"], after["images_read"], after["images_refused"]) == (0, 0, 2)
+    assert "distinct image sources read" not in again.stderr, again.stderr

@@ -223,17 +223,16 @@ def test_exports_carry_the_regenerated_turn(
         export_run(db, run, "specforge", tmp_path / "w.jsonl", whole_conversation=True)
 
 
-def test_turns_all_refuses_tool_conversations_and_points_at_each(
+def test_turns_all_takes_tool_conversations_as_agentic_chains(
     db: Engine, tokenizer: ChatTokenizer, tmp_path: Path
 ) -> None:
+    # the Kimi-shaped vocabulary holds <|tool_calls_section_begin|>: SGLang detects kimi_k2
     path = write_lines(tmp_path, LINES)
     report = enqueue_each(db, tokenizer, path, turns="all")
-    assert [e.line for e in report.errors] == [1]
-    reason = report.errors[0].reason
-    assert "messages[2] is a tool call or tool result" in reason
-    assert "--turns each" in reason
-    # the other conversations are enqueued as chains
-    assert report.inserted == 2 * (2 + 1)
+    assert report.errors == []
+    with db.connect() as conn:
+        run = run_queries.get_run(conn, "agentic")
+    assert run is not None and (run.chat_pins or {})["tool_call_parser"] == "kimi_k2"
 
 
 def test_the_runner_claims_whole_conversations(

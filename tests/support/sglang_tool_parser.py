@@ -2,7 +2,9 @@
 detectors (`sglang/srt/function_call/`, from the extracted wheel, GPU stack stubbed) run on each
 case; prints one JSON answer per case. `wheel_parses(cases)` runs it in a subprocess.
 
-A case is {"parser", "text", "tools"}; an answer is {"normal_text", "calls": [[tool_index, name,
+A case is {"parser", "text", "tools"} and, optionally, {"reasoning_parser", "force_reasoning"}: the
+chat endpoint's order, the wheel's ReasoningParser first (non-streaming), the detector on its
+normal text. An answer is {"normal_text", "reasoning_text", "calls": [[tool_index, name,
 parameters], ...]} or {"error": exception class name} when the detector raises.
 """
 
@@ -39,18 +41,29 @@ def _main() -> None:
     stubs.install()
     from sglang.srt.entrypoints.openai.protocol import Tool
     from sglang.srt.function_call.function_call_parser import FunctionCallParser
+    from sglang.srt.parser.reasoning_parser import ReasoningParser
 
     answers = []
     for case in json.loads(sys.stdin.read()):
         tools = [Tool.model_validate(t) for t in case["tools"]]
         detector = FunctionCallParser.ToolCallParserEnum[case["parser"]]()
+        text, reasoning = case["text"], None
+        if case.get("reasoning_parser"):
+            reasoner = ReasoningParser(
+                case["reasoning_parser"],
+                stream_reasoning=False,
+                force_reasoning=case.get("force_reasoning"),
+            )
+            reasoning, text = reasoner.parse_non_stream(text)
         try:
-            result = detector.detect_and_parse(case["text"], tools)
+            result = detector.detect_and_parse(text, tools)
         except Exception as exc:  # the detector's own failure is part of the answer
             answers.append({"error": type(exc).__name__})
             continue
         calls = [[c.tool_index, c.name, c.parameters] for c in result.calls]
-        answers.append({"normal_text": result.normal_text, "calls": calls})
+        answers.append(
+            {"normal_text": result.normal_text, "reasoning_text": reasoning, "calls": calls}
+        )
     print(json.dumps(answers))
 
 

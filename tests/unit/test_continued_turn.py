@@ -173,3 +173,16 @@ def test_the_exports_record_the_prefix(deepseek: ChatTokenizer) -> None:
     assert specforge_row(continued)["assistant_prefix"] == " The answer is"
     turn = assistant_turn(continued, run_info(), deepseek)
     assert turn["content"] == " The answer is" + deepseek.decode(output)
+
+
+def test_a_declared_response_template_refuses_a_continued_turn_here(tmp_path: Path) -> None:
+    """SGLang's response-template reasoning parsers (read from the tokenizer's
+    response_template) put an answer opener before the continued text: rendered here, such a
+    prompt is refused naming --render-with; the other prompts of the batch are rendered."""
+    folder = deepseek_copy(tmp_path / "templated", response_template={"type": "object"})
+    tokenizer = load_tokenizer(folder)
+    continued, plain = tokenizer.apply_each(
+        [ChatInputs([U], assistant_prefix=" The"), ChatInputs([U], assistant_prefix="")]
+    )
+    assert isinstance(continued, InputError) and "--render-with" in continued.reason
+    assert plain == tokenizer.apply([U])

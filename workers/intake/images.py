@@ -62,8 +62,11 @@ class ImageSources:
         self._root = Path(root)
         self._options = dict(storage_options or {})
         self._outcomes: dict[str, ImageRef | str] = {}
-        self.reads = 0  # sources read (distinct ones: the cache answers the others)
+        # distinct sources (the cache answers the others): read and stored, their bytes, and
+        # those that could not be read or are no usable image (nothing stored for them)
+        self.reads = 0
         self.bytes_read = 0
+        self.refused = 0
 
     def ref(self, source: str) -> ImageRef:
         """The stored image of source; ImageUnreadable saying why it cannot be used."""
@@ -90,18 +93,21 @@ class ImageSources:
 
     def _read_and_store(self, source: str, resolved: str) -> ImageRef | str:
         """The source's ImageRef, or why it cannot be used (after "image 'source' ")."""
-        self.reads += 1
         try:
             data = self._read(source, resolved)
         except ImageUnreadable as exc:
+            self.refused += 1
             return f"cannot be read: {exc}"
-        self.bytes_read += len(data)
         if self._store is None:
             self._store = self._open_store()
         try:
-            return put_image(self._store, data, _given(source))
+            stored = put_image(self._store, data, _given(source))
         except ImageError as exc:
+            self.refused += 1
             return f"is not a usable image: {exc}"
+        self.reads += 1
+        self.bytes_read += len(data)
+        return stored
 
     def _read(self, source: str, resolved: str) -> bytes:
         if source.startswith("data:"):
@@ -156,8 +162,13 @@ class ImageResolver:
 
     @property
     def reads(self) -> int:
-        """The distinct image sources read so far."""
+        """The distinct image sources read and stored so far."""
         return self._sources.reads
+
+    @property
+    def refused(self) -> int:
+        """The distinct image sources that could not be read or are no usable image."""
+        return self._sources.refused
 
     @property
     def bytes_read(self) -> int:

@@ -23,7 +23,7 @@ from app.core.errors import InputError
 from app.core.images import ImagePins
 from app.core.settings import Settings, get_settings
 from app.ledger import event_log, image_tokens, queue, removal, run_queries
-from app.prompts import request_fields
+from app.prompts import request_fields, tool_calls
 from app.prompts.chat_path import check_version
 from app.prompts.chat_pins import run_pins, with_server_render
 from app.prompts.image_pins import check_run_pins
@@ -62,6 +62,9 @@ class EnqueueOptions:
     # "all": one item per assistant turn, chained (workers/intake/turns.py); "each": one independent
     # item per assistant turn on the original history (boundary samples); pinned by the run
     turns: str = "last"
+    # `--tool-call-parser`: how "all" reads the target's calls on rows with tool turns (None:
+    # SGLang's template detection); pinned by the run as chat_pins["tool_call_parser"]
+    tool_call_parser: str | None = None
     trust_remote_code: bool = False
     # `--render-with URL`: every prompt built by that server's /v1/tokenize; pinned by the run
     render_with: str | None = None
@@ -104,6 +107,9 @@ def run_spec(
         pins = with_server_render(pins, server_render)
     # the fields applied, by name: a run created when fewer were applied is not mixed with them
     pins["request_fields"] = list(request_fields.APPLIED) if options.request_fields else []
+    if options.turns == "all":
+        vocab = tokenizer.hf_tokenizer.get_vocab()
+        pins["tool_call_parser"] = tool_calls.choose_parser(options.tool_call_parser, vocab)
     return run_queries.RunSpec(
         name=options.run,
         tokenizer_path=str(tokenizer.path),
@@ -200,6 +206,30 @@ def stored_images(settings: Settings, run: run_queries.RunInfo) -> StoredImages:
     return StoredImages(lambda: image_location(settings, run.storage_url))
 
 
+def plan_stage(
+    db: Engine,
+    run: run_queries.RunInfo,
+    options: EnqueueOptions,
+    reporter: Reporter,
+    settings: Settings,
+) -> Planner:
+    """The plan stage of an enqueue into run (a new run holds no key yet)."""
+
+    def existing_keys(keys: Any) -> set[str]:
+        with db.connect() as conn:
+            return queue.existing_keys(conn, run.id, keys)
+
+    return Planner(
+        options.turns,
+        existing_keys=None if reporter.report.run_created else existing_keys,
+        reporter=reporter,
+        efforts=run.reasoning_efforts,
+        tool_call_parser=run.tool_call_parser,
+        samples_per_prompt=options.samples_per_prompt,
+        images=image_resolver(options, settings, run),
+    )
+
+
 def enqueue(
     db: Engine,
     tokenizer: ChatTokenizer,
@@ -238,18 +268,7 @@ def enqueue(
     run = open_run(db, spec, report, tokenizer.image_pins)
     kwargs = options.chat_template_kwargs
 
-    def existing_keys(keys: Any) -> set[str]:
-        with db.connect() as conn:
-            return queue.existing_keys(conn, run.id, keys)
-
-    planner = Planner(
-        options.turns,
-        existing_keys=None if report.run_created else existing_keys,
-        reporter=reporter,
-        efforts=run.reasoning_efforts,
-        samples_per_prompt=options.samples_per_prompt,
-        images=image_resolver(options, settings, run),
-    )
+    planner = plan_stage(db, run, options, reporter, settings)
     publisher = (
         None
         if publish is None

@@ -112,8 +112,11 @@ class Planner:
         efforts: Sequence[str | float] = (),
         samples_per_prompt: int = 1,
         images: ImageResolver | None = None,
+        tool_call_parser: str | None = None,
     ) -> None:
         self._mode = mode
+        # `--turns all`: the run's parser for rows with tool turns (None: they are refused)
+        self._tool_call_parser = tool_call_parser
         self._images = images
         # `--reasoning-effort a,b,c`: a chat row is templated once per effort, each record
         # holding the samples of its effort
@@ -138,13 +141,14 @@ class Planner:
             report.prompts -= len(fresh) - len(stored)
             report.images_read = self._images.reads
             report.image_bytes_read = self._images.bytes_read
+            report.images_refused = self._images.refused
             fresh = stored
         report.prompts += len(records)
         fresh = cycles.expand_efforts(fresh, self._efforts, self._samples_per_prompt)
         planned = PlannedChunk(fresh, chunk.lines)
         fail = self._reporter.fail
         if self._mode == "all":  # template turn 0 now; later turns wait for it
-            planned.records = turns.first_turns(fresh, planned.plans, fail)
+            planned.records = turns.first_turns(fresh, planned.plans, fail, self._tool_call_parser)
         elif self._mode == "each":  # every boundary now, each on its original history
             planned.records, planned.turn_of = turns.boundary_records(fresh, fail)
         return planned

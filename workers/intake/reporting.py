@@ -41,9 +41,11 @@ class EnqueueReport:
     # request fields of the rows that change no prompt at SGLang's chat path
     # (request_fields.NOT_APPLIED), by how many rows gave each a value
     not_applied_fields: dict[str, int] = field(default_factory=dict)
-    # the distinct image sources read (each once) and their bytes
+    # the distinct image sources read and stored (each once) and their bytes, and those that
+    # could not be used (unreadable, or no usable image: nothing stored, their rows skipped)
     images_read: int = 0
     image_bytes_read: int = 0
+    images_refused: int = 0
 
     def count_fields(self, record: PromptRecord) -> None:
         for name in record.prompt_fields:
@@ -74,6 +76,7 @@ class EnqueueReport:
             "not_applied_fields": dict(self.not_applied_fields),
             "images_read": self.images_read,
             "image_bytes_read": self.image_bytes_read,
+            "images_refused": self.images_refused,
             "errors": [{"line": e.line, "reason": e.reason} for e in self.errors],
         }
 

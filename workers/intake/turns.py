@@ -18,16 +18,18 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine
 
-from app.core.constants import EVENT_TURNS_BLOCKED
+from app.core.constants import EVENT_TURNS_BLOCKED, TOOL_CALL_PARSERS
 from app.core.contracts import PromptRecord
 from app.core.errors import GenerationError, InputError, PermanentError, TokenmillError
 from app.core.settings import get_settings
 from app.ledger import event_log, run_queries, turns
 from app.ledger import queue as ledger_queue
 from app.ledger.queue import NewItem
+from app.ledger.reads import StoredItem
 from app.ledger.run_queries import RunInfo
 from app.ledger.turns import WaitingTurn
 from app.outputs.export import assistant_turn
+from app.prompts import tool_calls
 from app.prompts.chat_path import check_version, image_urls, normalize_messages
 from app.prompts.conversation import (
     TurnPlan,
@@ -57,10 +59,13 @@ def first_turns(
     records: Sequence[PromptRecord],
     plans: dict[str, list[TurnPlan]],
     fail: Callable[[InputError], None],
+    tool_call_parser: str | None = None,
 ) -> list[PromptRecord]:
     """Records whose messages are turn 0's prompt turns; each chat record's turn plans go to
     plans (by key). Pre-tokenized records stay single-turn; a conversation that cannot be
-    split is reported through fail and dropped."""
+    split is reported through fail and dropped. A row with tool turns becomes an on-policy
+    agentic chain (the dataset's cached tool results spliced in after the regenerated calls,
+    read with tool_call_parser, the run's); with no parser it is refused."""
     out: list[PromptRecord] = []
     for record in records:
         if record.messages is None:
@@ -68,13 +73,13 @@ def first_turns(
             continue
         conversation = record.conversation or record.messages
         tool_at = tool_turn_position(conversation)
-        if tool_at is not None:
+        if tool_at is not None and tool_call_parser is None:
             fail(
                 InputError(
-                    f"messages[{tool_at}] is a tool call or tool result: --turns all chains "
-                    "regenerated turns, and a regenerated tool call no longer matches the "
-                    "dataset's tool results; use --turns each (one boundary sample per "
-                    "assistant turn, on the original history)",
+                    f"messages[{tool_at}] is a tool call or tool result, and the run has no "
+                    "tool-call parser to read the regenerated calls with (SGLang's template "
+                    "detection names none for this tokenizer): pass --tool-call-parser "
+                    f"({', '.join(TOOL_CALL_PARSERS)}), or use --turns each",
                     record.line,
                 )
             )
@@ -90,7 +95,7 @@ def first_turns(
             )
             continue
         try:
-            split = split_turns(conversation)
+            split = split_turns(conversation, keep_calls=tool_at is not None)
         except InputError as exc:
             fail(InputError(exc.reason, record.line))
             continue
@@ -304,9 +309,17 @@ class AdvanceReport:
     started: list[int] = field(default_factory=list)  # waiting → pending
     failed: int = 0  # later turns failed because an earlier one failed or was truncated
     blocked: int = 0  # left waiting: the run's tokenizer cannot be used
+    ended: dict[str, int] = field(default_factory=dict)  # agentic chains ended, by reason
 
-    def to_json(self) -> dict[str, int]:
-        return {"started": len(self.started), "failed": self.failed, "blocked": self.blocked}
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "started": len(self.started),
+            "failed": self.failed,
+            "blocked": self.blocked,
+        }
+        if self.ended:
+            out["ended"] = dict(self.ended)
+        return out
 
 
 def check_turn_images(tokenizer: ChatTokenizer, history: list[Any], prompt_ids: list[int]) -> None:
@@ -337,6 +350,79 @@ def _fail_chain(db: Engine, turn: WaitingTurn, reason: str, report: AdvanceRepor
         )
 
 
+def agentic_parser(run: RunInfo, item: StoredItem) -> str | None:
+    """The run's tool-call parser if this item's chain is agentic, else None."""
+    return tool_calls.chain_parser(run.chat_pins, run.turns, item.tools, item.messages)
+
+
+def _regenerated_history(
+    db: Engine, run: RunInfo, tokenizer: ChatTokenizer, turn: WaitingTurn, report: AdvanceReport
+) -> list[Any] | None:
+    """The next turn's prompt turns, or None when an agentic chain ends at the previous turn
+    (its ending recorded, the rest of the chain deleted)."""
+    prev = turn.prev
+    regenerated = assistant_turn(prev, run, tokenizer)
+    parser = agentic_parser(run, prev)
+    context = turn.context
+    if parser is None and context and context[0].get("role") == "assistant":
+        context = context[1:]  # no parser (plain chain): the dataset's call turn is no history
+    if parser is None:
+        return next_history(prev.messages or [], regenerated, context)
+    step = tool_calls.chain_step(
+        parser,
+        regenerated,
+        prev.tools or [],
+        prev.messages or [],
+        context,
+        seed=tool_calls.item_seed(prev.item_key, prev.sample_index, prev.turn_index),
+    )
+    if step.ending is None:
+        return [*(dict(t) for t in prev.messages or []), *step.turns]
+    with db.begin() as conn:
+        dropped = turns.end_chain(
+            conn,
+            prev.id,
+            turn.run_id,
+            turn.item_key,
+            turn.sample_index,
+            turn.turn_index,
+            step.ending,
+        )
+    report.ended[step.ending] = report.ended.get(step.ending, 0) + 1
+    log.info(
+        "run %d key %s sample %d: chain ended at turn %d (%s), %d later turns dropped",
+        turn.run_id,
+        turn.item_key,
+        turn.sample_index,
+        prev.turn_index,
+        step.ending,
+        dropped,
+        extra={"action": "chain_ended"},
+    )
+    return None
+
+
+def _record_final_endings(
+    db: Engine, cache: TokenizerCache, last: Sequence[StoredItem], report: AdvanceReport
+) -> None:
+    """Record how each agentic chain ending at one of these done last turns ended."""
+    for item in last:
+        assert item.run_id is not None
+        run = cache.run(db, item.run_id)
+        parser = agentic_parser(run, item)
+        if parser is None:
+            continue
+        tokenizer = cache.tokenizer(db, run)
+        if tokenizer is None:
+            report.blocked += 1
+            continue
+        answer = assistant_turn(item, run, tokenizer)["content"]
+        ending = tool_calls.final_ending(parser, answer, item.tools or [])
+        with db.begin() as conn:
+            if turns.record_chain_end(conn, item.id, ending):
+                report.ended[ending] = report.ended.get(ending, 0) + 1
+
+
 def _advance_one(
     db: Engine, cache: TokenizerCache, turn: WaitingTurn, report: AdvanceReport
 ) -> None:
@@ -352,7 +438,9 @@ def _advance_one(
     if tokenizer is None:
         report.blocked += 1
         return
-    history = next_history(prev.messages or [], assistant_turn(prev, run, tokenizer), turn.context)
+    history = _regenerated_history(db, run, tokenizer, turn, report)
+    if history is None:
+        return
     kwargs = prev.chat_template_kwargs
     if kwargs is None:
         kwargs = run.chat_template_kwargs
@@ -423,16 +511,36 @@ def advance(
                 ready = turns.ready_turns(conn, prev_ids=chunk, limit=len(chunk))
             for turn in ready:
                 _advance_one(db, cache, turn, report)
+            with db.connect() as conn:
+                last = turns.unended_last_turns(conn, prev_ids=chunk, limit=len(chunk))
+            _record_final_endings(db, cache, last, report)
         return report
     after = 0
     while True:
         with db.connect() as conn:
             ready = turns.ready_turns(conn, run_id=run_id, after_id=after, limit=ADVANCE_PAGE)
         if not ready:
-            return report
+            break
         for turn in ready:
             _advance_one(db, cache, turn, report)
         after = ready[-1].id
+    if run_id is not None and agentic_run(cache.run(db, run_id)):
+        after = 0
+        while True:
+            with db.connect() as conn:
+                last = turns.unended_last_turns(
+                    conn, run_id=run_id, after_id=after, limit=ADVANCE_PAGE
+                )
+            if not last:
+                break
+            _record_final_endings(db, cache, last, report)
+            after = last[-1].id
+    return report
+
+
+def agentic_run(run: RunInfo) -> bool:
+    """Whether the run's chains can be agentic (`--turns all` with a tool-call parser)."""
+    return run.turns == "all" and (run.chat_pins or {}).get("tool_call_parser") is not None
 
 
 def publish_started(db: Engine, ids: list[int], publish: Callable[[list[int]], None]) -> None:

@@ -1,0 +1,349 @@
+"""`--turns all` on agentic rows against real Postgres: the target's own calls read with the run's
+parser, the dataset's cached results spliced in, every chained prompt checked against SGLang
+0.5.23's own code (the wheel's reasoning parser and function-call detector on the decoded
+output, its request model and chat-path functions, the template), and every chain ending at
+its first mismatch with the right reason (Kimi-shaped fixture; a Hermes/Qwen2.5-style template
+read with hermes and with qwen25)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import Engine
+from transformers import AutoTokenizer
+
+from app.core import constants
+from app.core.contracts import GenerateResult, SamplingParams
+from app.ledger import claims, reads, run_queries
+from app.ledger import outcomes as ledger_outcomes
+from app.ledger.outcomes import Done
+from app.outputs.export import export_run
+from app.outputs.verify import verify_run
+from app.prompts.tokenization import ChatTokenizer, load_tokenizer
+from tests.support import sglang_chat_path as sglang
+from tests.support import sglang_tool_parser
+from tests.support.chat_templates import tokenizer_with_template
+from tests.support.sglang_contract import load_protocol
+from workers.intake import turns
+from workers.intake.producer import EnqueueOptions, enqueue
+
+# a template written after Qwen2.5's: tools declared in the system turn, calls as Hermes JSON
+HERMES_TEMPLATE = """{%- if tools %}<|im_start|>system
+{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}
+{% endif %}# Tools
+<tools>{% for tool in tools %}
+{{ tool | tojson }}{% endfor %}
+</tools><|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == 'system' %}{% if not tools %}<|im_start|>system
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- elif message.role == 'user' %}<|im_start|>user
+{{ message.content }}<|im_end|>
+{% elif message.role == 'assistant' %}<|im_start|>assistant
+{{ message.content }}
+{%- for tc in message.tool_calls or [] %}
+<tool_call>
+{"name": "{{ tc.function.name }}", "arguments": {{ tc.function.arguments | tojson }}}
+</tool_call>
+{%- endfor %}<|im_end|>
+{% elif message.role == 'tool' %}<|im_start|>user
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+def _tool(name: str, prop: str) -> dict[str, Any]:
+    schema = {"type": "object", "properties": {prop: {"type": "string"}}}
+    return {"type": "function", "function": {"name": name, "parameters": schema}}
+
+
+TOOLS = [_tool("get_weather", "city"), _tool("search", "query")]
+ARGS = {"get_weather": {"city": "Paris"}, "search": {"query": "tides"}}
+
+
+def _call(name: str, call_id: str) -> dict[str, Any]:
+    function = {"name": name, "arguments": json.dumps(ARGS[name])}
+    return {"id": call_id, "type": "function", "function": function}
+
+
+def _conversation(calls: list[list[str]], follow_up: bool = False) -> list[dict[str, Any]]:
+    turns_: list[dict[str, Any]] = [
+        {"role": "system", "content": "Use the tools."},
+        {"role": "user", "content": "Weather in Paris, then tides?"},
+    ]
+    for n, names in enumerate(calls):
+        ids = [f"orig_{n}_{k}" for k in range(len(names))]
+        calls_ = list(map(_call, names, ids))
+        turns_.append({"role": "assistant", "content": "", "tool_calls": calls_})
+        for name, call_id in zip(names, ids, strict=True):
+            turns_.append({"role": "tool", "tool_call_id": call_id, "content": f"{name} says ok"})
+    turns_.append({"role": "assistant", "content": "Done: sunny, tides at six."})
+    if follow_up:
+        turns_ += [{"role": "user", "content": "Thanks!"}, {"role": "assistant", "content": "x"}]
+    return turns_
+
+
+TWO = [["get_weather"], ["search"]]
+
+
+@dataclass(frozen=True)
+class Script:
+    """A row and what the target generates at each of its turns, with how its chain ends."""
+
+    calls: list[list[str]]
+    actions: list[str]  # per turn: a tool name (one call), "parallel", "malformed", "text"
+    ending: str
+    follow_up: bool = False
+
+
+SCRIPTS = [
+    Script(TWO, ["get_weather", "search", "text"], constants.CHAIN_END_COMPLETE),
+    Script(TWO, ["search"], constants.CHAIN_END_OTHER_TOOL),
+    Script(TWO, ["get_weather", "parallel"], constants.CHAIN_END_PARALLEL_CALLS),
+    Script(TWO, ["malformed"], constants.CHAIN_END_MALFORMED_CALL),
+    Script(TWO, ["text"], constants.CHAIN_END_NO_CALL),
+    Script(TWO, ["get_weather", "search", "search"], constants.CHAIN_END_RESULTS_EXHAUSTED),
+    Script([["get_weather", "search"]], ["get_weather"], constants.CHAIN_END_PARALLEL_CALLS),
+    Script(TWO, ["get_weather", "search", "text", "text"], constants.CHAIN_END_COMPLETE, True),
+    Script(TWO, ["get_weather", "get_weather"], constants.CHAIN_END_OTHER_TOOL),
+    Script(
+        TWO,
+        ["get_weather", "search", "text", "search"],
+        constants.CHAIN_END_RESULTS_EXHAUSTED,
+        True,
+    ),
+]
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    parser: str | None  # --tool-call-parser (None: detected)
+    reasoning_parser: str | None  # the server's --reasoning-parser for the oracle
+
+    def call_text(self, names: list[str], *, malformed: bool = False) -> str:
+        if self.name == "kimi":
+            body = "".join(
+                f"<|tool_call_begin|>functions.{n}:{i}<|tool_call_argument_begin|>"
+                + ('{"city": Paris}' if malformed else json.dumps(ARGS[n]))
+                + "<|tool_call_end|>"
+                for i, n in enumerate(names)
+            )
+            return f"Let me check.<|tool_calls_section_begin|>{body}<|tool_calls_section_end|>"
+        arguments = ['{"city": }' if malformed else json.dumps(ARGS[n]) for n in names]
+        calls = [
+            f'{{"name": "{n}", "arguments": {a}}}' for n, a in zip(names, arguments, strict=True)
+        ]
+        return "Let me check.\n" + "\n".join(f"<tool_call>\n{c}\n</tool_call>" for c in calls)
+
+
+FAMILIES = {
+    "kimi": Family("kimi", None, "kimi_k2"),
+    "hermes": Family("hermes", "hermes", None),
+    "qwen25": Family("qwen25", "qwen25", None),
+}
+
+
+def _output_text(family: Family, action: str, key: str, turn: int) -> str:
+    if action == "text":
+        return f"Answer {key} {turn}."
+    if action == "parallel":
+        return family.call_text(["get_weather", "search"])
+    if action == "malformed":
+        return family.call_text(["get_weather"], malformed=True)
+    return family.call_text([action])
+
+
+def _result(
+    tokenizer: ChatTokenizer, family: Family, text: str, prompt_tokens: int
+) -> GenerateResult:
+    encode = tokenizer.hf_tokenizer.encode
+    ids: list[int] = []
+    if family.reasoning_parser is not None:  # the template opened <think>: reasoning first
+        assert tokenizer.think_end_id is not None
+        ids += [*encode("weighing it", add_special_tokens=False), tokenizer.think_end_id]
+    ids += [*encode(text, add_special_tokens=False), tokenizer.eos_token_ids[0]]
+    return GenerateResult("r", ids, "stop", ids[-1], prompt_tokens, len(ids), 0, 0.1)
+
+
+@pytest.fixture(params=sorted(FAMILIES))
+def family(request: pytest.FixtureRequest) -> Family:
+    return FAMILIES[request.param]
+
+
+@pytest.fixture
+def folder(family: Family, kimi_tokenizer_dir: Path, tmp_path: Path) -> Path:
+    if family.name == "kimi":
+        return Path(shutil.copytree(kimi_tokenizer_dir, tmp_path / "tok"))
+    return tokenizer_with_template(kimi_tokenizer_dir, tmp_path / "tok", HERMES_TEMPLATE)
+
+
+class Oracle:
+    """SGLang's chat path for one chain: the history an agent loop against SGLang's chat
+    endpoint sends back (the endpoint's parsed message, the cached result answering its id),
+    rendered as `/v1/chat/completions` renders it."""
+
+    def __init__(self, folder: Path, family: Family) -> None:
+        self.hf = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        self.content_format = sglang.detect_content_format(self.hf.chat_template)
+        self.protocol = load_protocol()
+        self.family = family
+
+    def parse(self, outputs: list[list[int]]) -> list[dict[str, Any]]:
+        # the detokenizer drops the matched stop id; tools keep special tokens in the text
+        cases = [
+            {
+                "parser": self.family.parser or "kimi_k2",
+                "text": self.hf.decode(ids[:-1], skip_special_tokens=False),
+                "tools": TOOLS,
+                "reasoning_parser": self.family.reasoning_parser,
+                "force_reasoning": True if self.family.reasoning_parser else None,
+            }
+            for ids in outputs
+        ]
+        return sglang_tool_parser.wheel_parses(cases)
+
+    def render(self, history: list[dict[str, Any]]) -> list[int]:
+        request = self.protocol.ChatCompletionRequest(model="m", messages=history, tools=TOOLS)
+        messages = sglang.reference_messages(
+            [m.model_dump() for m in request.messages], self.content_format
+        )
+        text = self.hf.apply_chat_template(
+            messages,
+            tools=[t.model_dump() for t in request.tools],
+            add_generation_prompt=True,
+            tokenize=False,
+        )
+        return list(self.hf.encode(text, add_special_tokens=False))
+
+
+def _run_chains(db: Engine, tokenizer: ChatTokenizer, family: Family, path: Path) -> int:
+    options = EnqueueOptions(
+        path,
+        "agents",
+        SamplingParams(max_new_tokens=64, seed=1),
+        turns="all",
+        tool_call_parser=family.parser,
+    )
+    report = enqueue(db, tokenizer, options, publish=None)
+    assert report.errors == []
+    with db.connect() as conn:
+        run = run_queries.get_run(conn, "agents")
+    cache = turns.TokenizerCache()
+    while True:
+        with db.connect() as conn:
+            pending = list(reads.iter_items(conn, run.id, statuses=("pending",)))
+        if not pending:
+            return run.id
+        done = []
+        for item in pending:
+            script = SCRIPTS[int(item.item_key)]
+            action = script.actions[item.turn_index]
+            text = _output_text(family, action, item.item_key, item.turn_index)
+            done.append(Done(item.id, _result(tokenizer, family, text, len(item.prompt_ids))))
+        with db.begin() as conn:
+            ids = [d.item_id for d in done]
+            claims.claim_items(conn, ids, owner="w", server="s", lease_s=60)
+            ledger_outcomes.record_outcomes(conn, done, owner="w", lease_s=60)
+        turns.advance(db, cache, prev_ids=ids)
+
+
+def test_agentic_chains_splice_cached_results_as_sglang_renders_them(
+    db: Engine, family: Family, folder: Path, tmp_path: Path
+) -> None:
+    tokenizer = load_tokenizer(folder)
+    rows = [
+        {"id": str(n), "messages": _conversation(s.calls, s.follow_up), "tools": TOOLS}
+        for n, s in enumerate(SCRIPTS)
+    ]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run_id = _run_chains(db, tokenizer, family, path)
+    statuses = ("waiting", "pending", "queued", "leased", "done", "failed")
+    with db.connect() as conn:
+        found = list(reads.iter_items(conn, run_id, statuses=statuses))
+        run = run_queries.get_run(conn, "agents")
+    assert (run.chat_pins or {})["tool_call_parser"] == (family.parser or "kimi_k2")
+    assert {i.status for i in found} == {"done"}
+    chains: dict[str, list[reads.StoredItem]] = {}
+    for item in sorted(found, key=lambda i: i.turn_index):
+        chains.setdefault(item.item_key, []).append(item)
+
+    oracle = Oracle(folder, family)
+    checked = 0
+    for key, chain in chains.items():
+        script = SCRIPTS[int(key)]
+        turns_done = [i.turn_index for i in chain]
+        endings = [i.chain_end for i in chain]
+        # the chain ends at its first mismatch: every turn up to it done, none after
+        assert turns_done == list(range(len(script.actions))), key
+        assert endings == [None] * (len(chain) - 1) + [script.ending], key
+        checked += _check_prompts(oracle, rows[int(key)]["messages"], chain)
+    assert checked == sum(len(c) - 1 for c in chains.values()) > 0
+    with db.connect() as conn:
+        counted = reads.chain_endings(conn, run_id)
+    assert counted == dict(sorted(Counter(s.ending for s in SCRIPTS).items()))
+
+    # verify re-renders every chained prompt from its stored parsed history
+    verified = verify_run(db, run, tokenizer)
+    assert verified.clean, verified.to_json()
+    assert verified.checks["template"].checked == len(found)
+
+    # conversations rows (one per chain, its last kept turn): the parser, how the chain ended,
+    # the history as it was rendered, the last turn's calls parsed
+    out = tmp_path / "conv.jsonl"
+    export_run(db, run, "conversations", out, tokenizer=tokenizer)
+    exported = {r["id"]: r for r in map(json.loads, out.open())}
+    assert exported.keys() == chains.keys()
+    for key, chain in chains.items():
+        last = exported[key]
+        assert last["conversations"][:-1] == chain[-1].messages
+        assert last["tool_call_parser"] == (family.parser or "kimi_k2")
+        assert last["chain_end"] == SCRIPTS[int(key)].ending
+        final = last["conversations"][-1]
+        calls = [c["function"]["name"] for c in final.get("tool_calls", [])]
+        action = SCRIPTS[int(key)].actions[-1]
+        expected = {"parallel": ["get_weather", "search"], "malformed": [], "text": []}
+        assert calls == expected.get(action, [action]), key
+
+
+def _check_prompts(oracle: Oracle, conversation: list[dict[str, Any]], chain: list[Any]) -> int:
+    """Rebuild the chain's history as an agent loop against SGLang would, turn by turn, and
+    compare each chained prompt with SGLang's render of it."""
+    assistant_at = [i for i, t in enumerate(conversation) if t["role"] == "assistant"]
+    history = [dict(t) for t in conversation[: assistant_at[0]]]
+    assert chain[0].prompt_ids == oracle.render(history)
+    answers = oracle.parse([item.output_ids for item in chain[:-1]])
+    for n, (item, answer) in enumerate(zip(chain[1:], answers, strict=True)):
+        message: dict[str, Any] = {"role": "assistant", "content": answer["normal_text"] or ""}
+        if answer["reasoning_text"]:
+            message["reasoning_content"] = answer["reasoning_text"]
+        dataset_next = conversation[assistant_at[n] + 1 : assistant_at[n + 1]]
+        if answer["calls"]:
+            ((_, name, arguments),) = answer["calls"]
+            stored = [t for t in item.messages if t.get("tool_calls")][-1]["tool_calls"][0]["id"]
+            if oracle.family.name == "kimi":  # SGLang's `_process_tool_call_id` for kimi_k2
+                count = sum(len(t.get("tool_calls") or []) for t in history)
+                assert stored == f"functions.{name}:{count}"
+            else:  # SGLang draws call_ + 24 hex digits; the template does not render it
+                assert stored.startswith("call_") and len(stored) == 29
+            function = {"name": name, "arguments": arguments}
+            message["tool_calls"] = [{"id": stored, "type": "function", "function": function}]
+            result, *rest = dataset_next
+            history += [message, {**result, "tool_call_id": stored}, *rest]
+        else:
+            history += [message, *dataset_next]
+        assert item.prompt_ids == oracle.render(history), (item.item_key, item.turn_index)
+    return len(chain) - 1
