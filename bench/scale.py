@@ -3,7 +3,8 @@
 
     python bench/scale.py [--sizes 10000,100000,1000000,10000000] [--keep] [--repeat 5]
                           [--parts commands,queries,claims,export,preflight] [--slowlog]
-    python bench/scale.py --fleet --sizes 1000000[,10000000]
+    python bench/scale.py --fleet --sizes 1000000[,10000000] [--explain-slow]
+                          [--synchronous-commit off]
 
 Ledgers are built by bench/scale_build.py (one database `tokenmill_scale_<size>` per size;
 --keep reuses one built at the current schema revision and keeps it afterwards). Commands are
@@ -69,6 +70,17 @@ def main() -> None:
         help="time the commands while a worker and beat work the ledger, against an empty one",
     )
     parser.add_argument(
+        "--explain-slow",
+        action="store_true",
+        help="--fleet: EXPLAIN ANALYZE the slowest statement of each group it lists",
+    )
+    parser.add_argument(
+        "--synchronous-commit",
+        choices=("on", "off"),
+        default=None,
+        help="--fleet: synchronous_commit on both ledgers (off: no COMMIT waits for the WAL flush)",
+    )
+    parser.add_argument(
         "--slowlog-workers", type=int, default=2, help="workers (each with its own emulator)"
     )
     parser.add_argument(
@@ -84,7 +96,13 @@ def main() -> None:
     if args.fleet:
         import scale_fleet
 
-        scale_fleet.main(sizes, _tokenizer_identity(), repeat=min(args.repeat, 3))
+        scale_fleet.main(
+            sizes,
+            _tokenizer_identity(),
+            repeat=min(args.repeat, 3),
+            explain_slow=args.explain_slow,
+            synchronous_commit=args.synchronous_commit,
+        )
         return
     if args.slowlog:
         import scale_slowlog

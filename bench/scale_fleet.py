@@ -38,7 +38,16 @@ from common import (
     table,
 )
 from scale_broker import REDIS_URL, queued_ids
-from scale_slowlog import SERVER_LOG, fleet, serve_runs_with, set_slow_log, slow_statements
+from scale_slowlog import (
+    SERVER_LOG,
+    checkpoint,
+    explain,
+    fleet,
+    logged_statements,
+    serve_runs_with,
+    set_database,
+    set_slow_log,
+)
 from sqlalchemy import Engine, text
 
 from app.core.contracts import SamplingParams
@@ -49,6 +58,7 @@ SLOW_MS = 100
 FLEET_MESSAGES = 60_000
 CONNECT_TRIES = 5
 STATEMENT_CHARS = 160  # statements are grouped by their first characters
+PLAN_LINES = 12  # of each group's EXPLAIN ANALYZE (--explain-slow)
 RUN_D = "scale-d"
 EMPTY = 0  # the empty ledger's "size" (its database name)
 COMMANDS: tuple[tuple[str, list[str]], ...] = (
@@ -60,23 +70,39 @@ COMMANDS: tuple[tuple[str, list[str]], ...] = (
 )
 
 
-def main(sizes: list[int], tokenizer: tuple[str, str, str], repeat: int = REPEAT) -> None:
+def main(
+    sizes: list[int],
+    tokenizer: tuple[str, str, str],
+    repeat: int = REPEAT,
+    *,
+    explain_slow: bool = False,
+    synchronous_commit: str | None = None,
+) -> None:
+    """explain_slow: EXPLAIN ANALYZE the slowest of each group of slow statements on the large
+    ledger after the run; synchronous_commit: that setting on both ledgers for the run ("off"
+    tells a COMMIT's wait for the WAL flush from a plan's cost)."""
     print(f"scale --fleet: {machine_note()}", flush=True)
+    if synchronous_commit is not None:
+        print(f"synchronous_commit = {synchronous_commit} on both ledgers", flush=True)
     print("building the empty ledger", flush=True)
     empty = _empty(tokenizer)
     rows: list[list[Any]] = []
     slow: dict[int, list[tuple[float, str]]] = {}
+    plans: dict[str, list[str]] = {}
     try:
         for size in sizes:
             print(f"building {size:,} items", flush=True)
             built = build.build(size, *tokenizer)
             try:
-                offset, timings = _measure(built, empty, repeat)
-                slow[size] = [
+                offset, timings = _measure(built, empty, repeat, synchronous_commit)
+                logged = [
                     hit
                     for name in (build.database_name(size), build.database_name(EMPTY))
-                    for hit in slow_statements(offset, name)
+                    for hit in logged_statements(offset, name)
                 ]
+                slow[size] = [(ms, statement) for ms, statement, _ in logged]
+                if explain_slow:
+                    plans |= _explain_groups(built.url, logged)
             finally:
                 build.drop(size)
             for name, (large, none) in timings.items():
@@ -93,6 +119,21 @@ def main(sizes: list[int], tokenizer: tuple[str, str, str], repeat: int = REPEAT
             groups.setdefault(statement[:STATEMENT_CHARS], []).append(ms)
         for statement, times in sorted(groups.items(), key=lambda g: -max(g[1])):
             print(f"  {len(times):4d} x, {min(times):7.1f}-{max(times):7.1f} ms  {statement}")
+            for line in plans.get(statement, [])[:PLAN_LINES]:
+                print(f"        {line}")
+
+
+def _explain_groups(
+    url: str, logged: list[tuple[float, str, dict[str, str]]]
+) -> dict[str, list[str]]:
+    """Per group of slow statements (by their first STATEMENT_CHARS characters): the EXPLAIN
+    ANALYZE of its slowest one on the large ledger as it is after the run."""
+    slowest: dict[str, tuple[float, str, dict[str, str]]] = {}
+    for hit in logged:
+        key = hit[1][:STATEMENT_CHARS]
+        if key not in slowest or hit[0] > slowest[key][0]:
+            slowest[key] = hit
+    return {key: explain(url, statement, params) for key, (_, statement, params) in slowest.items()}
 
 
 def _empty(tokenizer: tuple[str, str, str]) -> build.Ledger:
@@ -129,7 +170,7 @@ def _bulk_enqueue(db: Engine, size: int) -> None:
 
 
 def _measure(
-    built: build.Ledger, empty: build.Ledger, repeat: int
+    built: build.Ledger, empty: build.Ledger, repeat: int, synchronous_commit: str | None
 ) -> tuple[int, dict[str, tuple[list[float], list[float]]]]:
     db = engine_for(built.url)
     names = (build.database_name(built.size), build.database_name(EMPTY))
@@ -137,9 +178,13 @@ def _measure(
         with _emulated(db) as servers, tempfile.TemporaryDirectory(prefix="tm-fleet-") as tmp:
             for name in names:
                 set_slow_log(SLOW_MS, name)
+                if synchronous_commit is not None:
+                    set_database(name, "synchronous_commit", synchronous_commit)
             offset = SERVER_LOG.stat().st_size
             _bulk_enqueue(db, built.size)
             _publish_run_b(db, built)
+            # the build's and the enqueue's dirty pages are written now, not while timing
+            print(f"  CHECKPOINT in {checkpoint():.1f}s", flush=True)
             with _fleet(built, servers, Path(tmp)):
                 timings = _time_commands(built, empty, Path(tmp), repeat)
     finally:

@@ -53,6 +53,7 @@ OPERATOR_POLL_S = 5.0
 DEAD_LEASES_EVERY_S = 30.0
 LOG_LINE = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d")
 DURATION = re.compile(r"duration: ([0-9.]+) ms\s+(?:statement|execute [^:]*): (.*)")
+PARAMETER = re.compile(r"(\$\d+) = ('(?:[^']|'')*'|NULL)")
 
 
 def main(*, keep: bool, workers: int = 2) -> None:
@@ -236,8 +237,20 @@ def _scrape_metrics(db: Any, redis_url: str, stop: threading.Event) -> None:
 def slow_statements(offset: int, name: str = build.database_name(SIZE)) -> list[tuple[float, str]]:
     """(ms, statement) of every duration line database `name`'s sessions logged past offset;
     a statement of several lines continues on the lines that start without a timestamp."""
-    found: list[tuple[float, str]] = []
+    return [(ms, statement) for ms, statement, _ in logged_statements(offset, name)]
+
+
+def logged_statements(offset: int, name: str) -> list[tuple[float, str, dict[str, str]]]:
+    """slow_statements with the parameters of each (`DETAIL:  parameters: $1 = '5', ...`, the
+    line after an `execute` of psycopg's server-side binding), as {"$1": "'5'"}."""
+    found: list[tuple[float, str, dict[str, str]]] = []
     current: list[str] | None = None
+
+    def close() -> None:
+        if current is not None:
+            ms, _, params = found[-1]
+            found[-1] = (ms, " ".join(p for p in current if p), params)
+
     with SERVER_LOG.open(encoding="utf-8", errors="replace") as fh:
         fh.seek(offset)
         for line in fh:
@@ -245,13 +258,60 @@ def slow_statements(offset: int, name: str = build.database_name(SIZE)) -> list[
                 if current is not None:
                     current.append(line.strip())
                 continue
-            if current is not None:
-                found[-1] = (found[-1][0], " ".join(p for p in current if p))
-                current = None
+            close()
+            current = None
+            if found and f"@{name} " in line and "DETAIL:  parameters:" in line:
+                params = dict(PARAMETER.findall(line.split("parameters:", 1)[1]))
+                found[-1] = (found[-1][0], found[-1][1], params)
+                continue
             match = DURATION.search(line) if f"@{name} " in line else None
             if match:
-                found.append((float(match.group(1)), ""))
+                found.append((float(match.group(1)), "", {}))
                 current = [match.group(2).strip()]
-    if current is not None:
-        found[-1] = (found[-1][0], " ".join(p for p in current if p))
+    close()
     return found
+
+
+def explain(url: str, statement: str, params: dict[str, str]) -> list[str]:
+    """EXPLAIN (ANALYZE, BUFFERS) of a logged statement, its parameters put back as the
+    literals the log quotes, in a transaction that is rolled back; COMMIT and the like: []."""
+    if statement.split(None, 1)[0].upper() not in ("SELECT", "UPDATE", "DELETE", "INSERT", "WITH"):
+        return []
+    literal = re.sub(r"\$(\d+)\b", lambda m: params.get(m.group(0), m.group(0)), statement)
+    db = engine_for(url)
+    try:
+        with db.connect() as conn:
+            conn.begin()
+            try:
+                # no parameters: the driver sends the text as it is
+                rows = conn.exec_driver_sql("EXPLAIN (ANALYZE, BUFFERS) " + literal).scalars()
+                return [str(r) for r in rows]
+            except Exception as exc:  # a statement the log cut, or a type the literal misses
+                return [f"(not explained: {str(exc).splitlines()[0]})"]
+            finally:
+                conn.rollback()
+    finally:
+        db.dispose()
+
+
+def checkpoint() -> float:
+    """CHECKPOINT (from the admin database, so it is logged as no ledger's statement): the
+    bulk build's dirty pages are written before anything is timed. Returns its seconds."""
+    admin = create_engine(normalize_database_url(PG_ADMIN_URL), isolation_level="AUTOCOMMIT")
+    started = time.monotonic()
+    try:
+        with admin.connect() as conn:
+            conn.execute(text("CHECKPOINT"))
+    finally:
+        admin.dispose()
+    return time.monotonic() - started
+
+
+def set_database(name: str, setting: str, value: str) -> None:
+    """ALTER DATABASE name SET setting = value (reset with set_slow_log(None, name))."""
+    admin = create_engine(normalize_database_url(PG_ADMIN_URL), isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            conn.execute(text(f'ALTER DATABASE "{name}" SET {setting} = {value}'))
+    finally:
+        admin.dispose()

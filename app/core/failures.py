@@ -12,6 +12,8 @@ from typing import Final
 
 # the longest reason kept (`items.fail_reason`): enough to tell causes apart, never a page
 REASON_MAX_CHARS: Final = 160
+# the reason of a failure with no error
+NO_REASON: Final = "(no error recorded)"
 
 # the worker's words for how it failed, also inside a chain's "turn N failed: ..." reason
 _PREFIX = re.compile(r"\bpermanent:\s*")
@@ -28,7 +30,7 @@ def failure_reason(error: str | None) -> str:
     tokens) is longer than the model's context length (4096 tokens).` gives `HTTP 400: The
     input (N tokens) is longer than the model's context length (N tokens).`"""
     if not error:
-        return "(no error recorded)"
+        return NO_REASON
     text = _SPACES.sub(" ", error).strip()
     text = _GAVE_UP.sub("gave up after retries:", text)
     text = _PREFIX.sub("", text)

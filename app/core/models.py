@@ -305,6 +305,8 @@ items_archive = Table(
     *_archive_columns(),
     Index("ix_items_archive_run_status_id", "run_id", "status", "id"),
     Index("ix_items_archive_prev_item", "prev_item_id"),
+    # an archived run's failed items by reason, as ix_items_failed_reason for the hot table
+    _partial("ix_items_archive_failed_reason", ("run_id", "fail_reason"), "status = 'failed'"),
 )
 
 servers = Table(

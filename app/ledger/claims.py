@@ -20,6 +20,7 @@ from app.ledger.common import (
     run_status_order,
     run_status_range,
     runs,
+    status_of_found,
     utcnow,
 )
 from app.ledger.database import pin_index_plans
@@ -69,12 +70,9 @@ def _text_only() -> Any:
 
 
 def _claimable(now: datetime) -> Any:
-    """Whether a row found by its id or key may be claimed. Its status is read through
-    coalesce(), which no index holds, so the rows come from the ids or keys given (the
-    primary key, the run's keys): with the statistics of before an enqueue (no queued item
-    known) a bare `status IN (...)` was planned as a read of every queued row through the
-    status, and a claim of 32 ids read the whole queue."""
-    status = func.coalesce(items.c.status, "")
+    """Whether a row found by its id or key may be claimed (its status read as
+    common.status_of_found says, so the rows come from the primary key or the run's keys)."""
+    status = status_of_found()
     return or_(
         status.in_(CLAIMABLE),
         and_(status == ItemStatus.LEASED.value, items.c.lease_expires_at < now),

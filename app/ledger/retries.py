@@ -16,6 +16,7 @@ from typing import Any
 
 from sqlalchemy import Connection, Table, func, select, update
 
+from app.core.failures import NO_REASON
 from app.core.models import ItemStatus
 from app.ledger.common import as_utc, items, items_archive
 
@@ -122,7 +123,7 @@ def plan_retry(conn: Connection, run_id: int, selection: RetrySelection) -> Retr
             plan.waiting.append(row.id)
         else:
             plan.pending.append(row.id)
-        plan.by_reason[row.fail_reason or "(no error recorded)"] += 1
+        plan.by_reason[row.fail_reason or NO_REASON] += 1
         roots[chain] = row.turn_index
     taken = set(plan.pending) | set(plan.waiting)
     for row in rows:
@@ -187,14 +188,16 @@ def failed_by_reason(conn: Connection, run_id: int) -> list[tuple[str, int]]:
         if table is items_archive:  # rows copied and not yet deleted are counted once
             stmt = stmt.where(~select(items.c.id).where(items.c.id == table.c.id).exists())
         for reason, n in conn.execute(stmt):
-            counts[str(reason)] += int(n)
+            counts[reason or NO_REASON] += int(n)
     return sorted(counts.items(), key=lambda rn: (-rn[1], rn[0]))
 
 
 def _reason_counts(table: Table, run_id: int) -> Any:
-    reason = func.coalesce(table.c.fail_reason, "(no error recorded)").label("reason")
+    """Grouped by the column itself (not an expression of it), so the groups come in the order
+    of the partial index of failed rows by reason (ix_items_failed_reason,
+    ix_items_archive_failed_reason): no sort, whatever the statistics say."""
     return (
-        select(reason, func.count())
+        select(table.c.fail_reason, func.count())
         .where(table.c.run_id == run_id, table.c.status == ItemStatus.FAILED.value)
-        .group_by(reason)
+        .group_by(table.c.fail_reason)
     )

@@ -19,6 +19,7 @@ from app.outputs.export import export_run
 from app.outputs.parquet_export import check_export, export_parquet
 from tests.support.done_runs import make_done_run
 from tests.support.procs import clean_env, tokenmill
+from workers.control import compaction as control_compaction
 from workers.control.compaction import compact_due, compact_run, compaction_location
 
 
@@ -46,8 +47,19 @@ def exports(db: Engine, run: run_queries.RunInfo, folder: Path) -> tuple[bytes, 
 def test_compaction_moves_arrays_and_readers_do_not_notice(
     pg_engine: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # shards of 25 marked in statements of 7: the last statement of each shard is partial
+    # shards of 25 gathered from id pages of 4, read in pages of 3 rows and marked in
+    # statements of 7: the last page and statement of each shard are partial
     monkeypatch.setattr(ledger_compaction, "MARK_ROWS", 7)
+    monkeypatch.setattr(control_compaction, "ID_PAGE_ITEMS", 4)
+    monkeypatch.setattr(control_compaction, "READ_PAGE_ITEMS", 3)
+    limits: list[int] = []
+    read_ids = ledger_compaction.compactable_ids
+
+    def paged(*args: object, limit: int, **kwargs: object) -> list[int]:
+        limits.append(limit)
+        return read_ids(*args, limit=limit, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ledger_compaction, "compactable_ids", paged)
     settings = settings_for(tmp_path)
     run = make_done_run(pg_engine, "cmp", 30)
     before = exports(pg_engine, run, tmp_path / "before")
@@ -56,6 +68,8 @@ def test_compaction_moves_arrays_and_readers_do_not_notice(
 
     report = compact_run(pg_engine, settings, run)
     assert report.compacted == 60 and report.skipped is None
+    # 25 = 4 x 6 + 1 a shard; the third shard's 10 ids end in a short page, then one empty read
+    assert limits == [4] * 6 + [1] + [4] * 6 + [1] + [4, 4, 4] + [4]
     ids = [i.id for i in stored_before]
     assert report.shards == [
         f"items-{ids[0]}-{ids[24]}.parquet",

@@ -15,11 +15,22 @@ from contextlib import contextmanager
 from typing import Any
 
 import pytest
-from sqlalchemy import Connection, Engine, event, select, text
+from sqlalchemy import Connection, Engine, event, insert, select, text
 
 from app.core import contracts
-from app.ledger import archive, claims, common, compaction, outcomes, queue, reads, registry
-from app.ledger.common import items
+from app.core.failures import NO_REASON
+from app.ledger import (
+    archive,
+    claims,
+    common,
+    compaction,
+    outcomes,
+    queue,
+    reads,
+    registry,
+    retries,
+)
+from app.ledger.common import items, items_archive
 from app.ledger.dashboard_queries import iter_item_stats
 from tests.support import synthetic
 from tests.support.procs import wait_for
@@ -191,6 +202,35 @@ def test_compaction_and_reconcile_scans(pg_engine: Engine, filled: Any) -> None:
             sorts=False,
         )
         assert_indexed(plans_of(conn, lambda c: archive.archive_blockers(c, run)))
+
+
+def test_failures_by_reason_and_touched_items_are_read_by_their_own_index(
+    pg_engine: Engine, filled: Any
+) -> None:
+    """`status` counts a run's failures by reason in the hot table and the archive: each an
+    ordered range of its partial index of failed rows, no sort; reconcile's touch of the items
+    it re-sent reads their primary keys, in statements of queue.TOUCH_ROWS."""
+    run = filled.ending.id
+    with pg_engine.connect() as conn:
+        # the run's failed rows archived too (under other ids): an archive to count
+        names = [c.name for c in items.columns]
+        copied = [(items.c.id + 10**9).label("id") if n == "id" else items.c[n] for n in names]
+        failed = select(*copied).where(items.c.run_id == run, items.c.status == "failed")
+        conn.execute(insert(items_archive).from_select(names, failed))
+        assert retries.failed_by_reason(conn, run) == [(NO_REASON, 2 * (ENDING_ITEMS // 100))]
+        plans = plans_of(conn, lambda c: retries.failed_by_reason(c, run))
+        assert_indexed(
+            plans, "ix_items_failed_reason", "ix_items_archive_failed_reason", sorts=False
+        )
+
+        touched_at = common.utcnow()
+        queued = queue.oldest_queued(conn, touched_at, limit=queue.TOUCH_ROWS + 100)
+        touches = plans_of(conn, lambda c: queue.touch_queued(c, queued))
+        assert len(touches) == 2
+        assert_indexed(touches, "items_pkey")
+        # every one of them is queued from now on, the first statement's and the second's
+        assert set(queued).isdisjoint(queue.oldest_queued(conn, touched_at, limit=10**5))
+        conn.rollback()
 
 
 def test_a_heartbeat_skips_rows_a_result_write_holds(pg_engine: Engine) -> None:

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
+import pytest
 import redis
 from celery import Celery
 from sqlalchemy import Engine, update
@@ -36,7 +37,11 @@ def publisher(settings: Settings) -> tuple[Callable[[list[int], float], None], l
 
 
 def test_reconcile_brings_back_lost_expired_and_unpublished(
-    pg_url: str, pg_engine: Engine, redis_url: str, tmp_path: Path
+    pg_url: str,
+    pg_engine: Engine,
+    redis_url: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     settings = Settings(
         data_dir=tmp_path, database_url=pg_url, broker_url=redis_url, reconcile_grace_s=30
@@ -66,6 +71,7 @@ def test_reconcile_brings_back_lost_expired_and_unpublished(
     redis.Redis.from_url(redis_url).flushdb()  # Redis restarted without persistence
     sent.clear()
 
+    monkeypatch.setattr(queue, "TOUCH_ROWS", 3)  # the 10 lost items touched in 4 statements
     first = reconcile(pg_engine, settings, run=None, publish=publish)
     assert first.to_json() == {
         "expired": 10,
@@ -79,6 +85,9 @@ def test_reconcile_brings_back_lost_expired_and_unpublished(
     assert broker_item_ids(redis_url) == set(ids)
     with pg_engine.connect() as conn:
         assert reads.run_counts(conn, run).queued == 30
+        # every re-sent item's grace period starts again: none is queued from before it
+        cutoff = common.utcnow() - timedelta(seconds=settings.reconcile_grace_s)
+        assert queue.oldest_queued(conn, cutoff, limit=100, run_id=run.id) == []
 
     sent.clear()
     second = reconcile(pg_engine, settings, run="r", publish=publish)
