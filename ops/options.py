@@ -237,6 +237,14 @@ def _error_line(exc: Exception) -> str | None:
 
         if isinstance(exc, BrokerError):
             return f"the broker {_redacted_url('broker')} failed: {_first_line(exc)}"
+    if "botocore" in sys.modules:  # s3fs lets botocore's own errors through (no credentials)
+        from botocore.exceptions import BotoCoreError
+
+        if isinstance(exc, BotoCoreError):
+            return _scrub(
+                f"the object storage failed: {_first_line(exc)} (TOKENMILL_STORAGE_OPTIONS or "
+                "the AWS environment gives its credentials and endpoint)"
+            )
     if "pydantic" in sys.modules:
         from pydantic import ValidationError
 

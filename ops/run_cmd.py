@@ -97,18 +97,19 @@ def run_pipeline(
         console.print(f"[yellow]{escape(message)}[/yellow]", markup=True, soft_wrap=True)
 
     runner = EmbeddedRunner(db, settings, run, servers, on_notice=notice)
-    started = time.monotonic()
+    pace = run_progress.Pace()
+    started = pace.started
     try:
         with Progress(console) as progress:
             draw = run_progress.frame if progress.terminal else run_progress.log_lines
 
             def tick(counts: RunCounts) -> None:
-                progress.show(draw(counts, runner.servers(), started))
+                progress.show(draw(counts, runner.servers(), pace))
 
             runner.start()
             counts = runner.wait(on_tick=tick)
             if not progress.terminal:  # the last picture, once, as a table
-                for line in run_progress.table(counts, runner.servers(), started):
+                for line in run_progress.table(counts, runner.servers(), pace):
                     progress.say(line)
     except KeyboardInterrupt:
         _stop_interrupted(runner, settings, again)

@@ -5,7 +5,8 @@ terminal (names never cut), or in a pipe a line per server state change and one 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from ops.views.progress import Line
@@ -35,16 +36,49 @@ COLUMNS = (
 )
 
 
-class Rates:
-    """The run's rates since `started` (a monotonic time)."""
+PACE_WINDOW_S = 60.0  # the ETA and tok/s follow the pace of the last minute
 
-    def __init__(self, counts: RunCounts, started: float) -> None:
-        self.elapsed_s = max(time.monotonic() - started, 1e-6)
+
+class Rates:
+    """The run's rates as `Pace.rates` reads them."""
+
+    def __init__(
+        self, counts: RunCounts, elapsed_s: float, items_per_s: float, tokens_per_s: float
+    ):
+        self.elapsed_s = elapsed_s
         self.finished = counts.done + counts.failed
-        self.tokens_per_s = counts.output_tokens / self.elapsed_s
-        items_per_s = self.finished / self.elapsed_s
+        self.tokens_per_s = tokens_per_s
         left = counts.total - self.finished
-        self.eta = f"{left / items_per_s:,.0f}s" if items_per_s > 0 else "—"
+        if left == 0:
+            self.eta = "0s"
+        else:
+            self.eta = f"{left / items_per_s:,.0f}s" if items_per_s > 0 else "—"
+
+
+class Pace:
+    """The pace of this process's work: what finished, and the tokens it made, over the last
+    PACE_WINDOW_S. A run taken up again counts only what finishes now (its earlier items are
+    not this pace), and a run slowing to its long answers lengthens its ETA as it slows."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self.started = clock()
+        self._seen: deque[tuple[float, int, int]] = deque()  # (time, finished, output tokens)
+
+    def rates(self, counts: RunCounts) -> Rates:
+        now = self._clock()
+        seen = (now, counts.done + counts.failed, counts.output_tokens)
+        self._seen.append(seen)
+        while len(self._seen) > 2 and now - self._seen[1][0] >= PACE_WINDOW_S:
+            self._seen.popleft()
+        then, finished, tokens = self._seen[0]
+        span = max(now - then, 1e-6)
+        return Rates(
+            counts,
+            max(now - self.started, 1e-6),
+            (seen[1] - finished) / span,
+            max(seen[2] - tokens, 0) / span,
+        )
 
 
 def server_state(view: ServerView) -> tuple[str, str]:
@@ -76,9 +110,9 @@ def _error(view: ServerView) -> str:
     return (error or "").splitlines()[0] if error else ""
 
 
-def table(counts: RunCounts, views: Sequence[ServerView], started: float) -> list[str]:
+def table(counts: RunCounts, views: Sequence[ServerView], pace: Pace) -> list[str]:
     """The run's row and a row per server, fitted to the terminal."""
-    rates = Rates(counts, started)
+    rates = pace.rates(counts)
     filled = int(BAR_WIDTH * rates.finished / counts.total) if counts.total else BAR_WIDTH
     rows = [
         [
@@ -115,15 +149,15 @@ def table(counts: RunCounts, views: Sequence[ServerView], started: float) -> lis
     return lines
 
 
-def frame(counts: RunCounts, views: Sequence[ServerView], started: float) -> list[Line]:
+def frame(counts: RunCounts, views: Sequence[ServerView], pace: Pace) -> list[Line]:
     """The terminal's frame: the table."""
-    return [Line(f"row {i}", text) for i, text in enumerate(table(counts, views, started))]
+    return [Line(f"row {i}", text) for i, text in enumerate(table(counts, views, pace))]
 
 
-def log_lines(counts: RunCounts, views: Sequence[ServerView], started: float) -> list[Line]:
+def log_lines(counts: RunCounts, views: Sequence[ServerView], pace: Pace) -> list[Line]:
     """A pipe's lines: the run's counts (printed every LINE_EVERY_S) and each server's state
     (printed when it changes)."""
-    rates = Rates(counts, started)
+    rates = pace.rates(counts)
     run = Line(
         "run",
         f"{counts.run}: {rates.finished}/{counts.total} finished, {counts.done} done "

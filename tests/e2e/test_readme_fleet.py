@@ -1,7 +1,8 @@
 """The fleet exactly as the docs start it: README's "Distributed", docs/restarts.md ("Riding
 through server restarts"), and ops/README's "Start a fleet" and "A server needs a restart", run
 as printed on two emulated GPU nodes; once the run is done, the runbook's sections for a
-finished run (watch, reconcile, pause) on the same ledger.
+finished run (watch, reconcile, pause, parity, export, verify, compaction, archive) on the same
+ledger.
 
 Two servers, one worker each, beat and Flower; a `tokenmill restart` of one server never pauses
 the other's worker (its in-flight count stays up); Flower lists both workers; every item is
@@ -21,6 +22,7 @@ from sqlalchemy import Engine
 from app.ledger import counters, reads, registry, run_queries
 from emulator.config import EmulatorConfig
 from emulator.model import generate_output
+from tests.support.moto_s3 import moto_s3
 from tests.support.procs import ROOT, wait_for
 from tests.support.readme_fleet import (
     NOT_RUN,
@@ -45,6 +47,7 @@ FLAGS = [
     *("--startup-delay-s", "1", "--loading-s", "2"),  # port closed, then 503, as SGLang loads
 ]
 FLOWER_PASSWORD = "SECRET"  # as printed
+BUCKETS = ("tokenmill-data", "datasets")  # s3://tokenmill-data/store, s3://datasets/r1
 
 
 def section(path: Path, heading: str | None) -> list[Command]:
@@ -64,13 +67,40 @@ AFTER_THE_RUN = (
     "Watch a run",
     "Redis is down",
     "Pause for maintenance",
+    "Check that the servers render",
+    "Export",
+    "Verify a run",
+    "Compaction",
+    "Archive",  # last: the run's rows leave the hot table
 )
+# by the command's first words as printed, the longest that match
 KEY_OUTPUT = {
     ("tokenmill", "status"): "r1",
     ("tokenmill", "servers"): "worker: http://localhost:",
     ("tokenmill", "events"): "restarted and resumed",
     ("tokenmill", "reconcile"): '"broker_checked": true',
+    ("tokenmill", "parity", "r1", "--server", "gpu-a:30000"): "200 checked, 200 equal, 0 mismat",
+    ("tokenmill", "parity", "r1", "--server", "http://gpu-b:30000"): '"mismatched": 0',
+    ("tokenmill", "export"): f"wrote {PROMPTS} samples",
+    ("tokenmill", "verify", "r1"): "clean",
+    ("tokenmill", "verify", "--counts"): "item counters of every run: equal to a full count",
+    ("tokenmill", "verify", "--counts", "r1", "--json"): '"drift": []',
+    (
+        "tokenmill",
+        "verify",
+        "r1",
+        "--export",
+    ): f'"rows": {PROMPTS},\n    "shards": 1,\n    "problems": []',
+    ("tokenmill", "compact", "r1"): f"({PROMPTS} finished items wait, fewer than",
+    ("tokenmill", "compact", "r1", "--all"): f"run r1: {PROMPTS} items compacted into 1 shards",
+    ("tokenmill", "archive"): f"{PROMPTS} items moved to the archive",
 }
+
+
+def key_output(argv: list[str]) -> str | None:
+    """What a command's output must hold: KEY_OUTPUT's entry of its longest matching start."""
+    starts = [k for k in KEY_OUTPUT if tuple(argv[: len(k)]) == k]
+    return KEY_OUTPUT[max(starts, key=len)] if starts else None
 
 
 @pytest.fixture
@@ -92,15 +122,20 @@ def fleet(
         database_url="postgresql://" + pg_url.split("://", 1)[1],
         broker_url=redis_url,
         paths={"prompts.jsonl": str(prompts), "/models/Kimi-K2.5": str(kimi_tokenizer_dir)},
-        emulator_flags=FLAGS,
+        # with the run's tokenizer folder, so /v1/tokenize renders (the runbook's parity)
+        emulator_flags=[*FLAGS, "--tokenizer", str(kimi_tokenizer_dir)],
         flower_port=free_port(),
     )
-    fleet.start_servers()
-    try:
-        yield fleet
-    finally:
-        fleet.stop_all()
-        print(fleet.log_tail())
+    # the docs' buckets (the fleet's store, the runbook's export) on one moto server, its
+    # endpoint and credentials as every machine's environment holds them
+    with moto_s3(*BUCKETS) as options:
+        fleet.exports["TOKENMILL_STORAGE_OPTIONS"] = json.dumps(options)
+        fleet.start_servers()
+        try:
+            yield fleet
+        finally:
+            fleet.stop_all()
+            print(fleet.log_tail())
 
 
 def test_readme_distributed_and_restarts_as_printed(fleet: Fleet, pg_engine: Engine) -> None:
@@ -167,14 +202,18 @@ def test_ops_readme_start_a_fleet_keeps_the_registered_urls(
     assert {f"{a}@gpu-a", f"{b}@gpu-b"} <= set(workers), workers
     with pg_engine.connect() as conn:
         assert registry.get_server(conn, a).url == f"http://127.0.0.1:{fleet.nodes['gpu-a']}"
-    for heading in AFTER_THE_RUN:
-        for command in section(runbook, heading):
-            if command.long_running:
-                continue  # Flower: started above, beside the run
-            (done,) = fleet.run(command)  # exit 0, or it fails here
-            key = KEY_OUTPUT.get(tuple(command.argv[:2]))
-            assert key is None or key in done.stdout + done.stderr, (command.text, done)
-            print(f"$ {command.text}\n{done.stdout[-1500:]}\n{done.stderr[-1500:]}")
+    # README's "One machine" commands after its run, on the fleet's r1, then the runbook's
+    after = [
+        *section(ROOT / "README.md", "One machine"),
+        *(c for heading in AFTER_THE_RUN for c in section(runbook, heading)),
+    ]
+    for command in after:
+        if command.long_running:
+            continue  # Flower: started above, beside the run
+        (done,) = fleet.run(command)  # exit 0, or it fails here
+        key = key_output(command.argv)
+        assert key is None or key in done.stdout + done.stderr, (command.text, done)
+        print(f"$ {command.text}\n{done.stdout[-1500:]}\n{done.stderr[-1500:]}")
 
 
 def serving(db: Engine, servers: dict[str, str]) -> bool:

@@ -7,9 +7,9 @@ from contextlib import contextmanager
 
 
 @contextmanager
-def moto_s3(bucket: str) -> Iterator[dict[str, object]]:
+def moto_s3(*buckets: str) -> Iterator[dict[str, object]]:
     """Storage options as TOKENMILL_STORAGE_OPTIONS would carry them, for a fresh moto server
-    holding an empty bucket (stopped on exit)."""
+    holding the empty buckets (stopped on exit)."""
     import boto3
     from moto.server import ThreadedMotoServer
 
@@ -24,13 +24,15 @@ def moto_s3(bucket: str) -> Iterator[dict[str, object]]:
             "client_kwargs": {"region_name": "us-east-1"},
             "skip_instance_cache": True,
         }
-        boto3.client(
+        client = boto3.client(
             "s3",
             endpoint_url=options["endpoint_url"],
             aws_access_key_id="testing",
             aws_secret_access_key="testing",
             region_name="us-east-1",
-        ).create_bucket(Bucket=bucket)
+        )
+        for bucket in buckets:
+            client.create_bucket(Bucket=bucket)
         yield options
     finally:
         server.stop()

@@ -34,6 +34,7 @@ README_PORT = "30000"  # the SGLang port the READMEs print
 RUN_AS_PRINTED: dict[tuple[str, str | None], str] = {
     ("README.md", None): "tests/e2e/test_cli.py (tokenmill demo and the commands it prints)",
     ("README.md", "Distributed"): "tests/e2e/test_readme_fleet.py",
+    ("README.md", "One machine"): "tests/e2e/test_readme_fleet.py (on the fleet's r1)",
     ("docs/restarts.md", None): "tests/e2e/test_readme_fleet.py",
     **{
         ("ops/README.md", heading): "tests/e2e/test_readme_fleet.py"
@@ -44,178 +45,203 @@ RUN_AS_PRINTED: dict[tuple[str, str | None], str] = {
             "A server needs a restart",
             "Redis is down",
             "Pause for maintenance",
+            "Check that the servers render",
+            "Export",
+            "Verify a run",
+            "Compaction",
+            "Archive",
         )
     },
 }
 # commands of those sections no test runs yet: (doc, line as printed) → why
 NOT_RUN: dict[tuple[str, str], str] = {
     (
+        "ops/README.md",
+        "tokenmill export r1 --format specforge --whole-conversation --out r1.whole.jsonl   "
+        "# --turns all",
+    ): (
+        "needs a --turns all run: the fleet's r1 regenerates the last turn only, and the export "
+        "refuses it as it should; tests/e2e/test_turns_e2e.py runs it on a --turns all run"
+    ),
+    (
         "README.md",
-        "make test                              # installs the dev extra if needed; lint, "
-        "mypy --strict, the whole suite",
+        "make test                              # installs the dev extra if needed; "
+        "lint, mypy --strict, the whole suite",
     ): "the whole suite itself: .ci/run runs it on a fresh clone",
     (
         "ops/README.md",
-        "tokenmill restart gpu-a:30000 --command 'ssh {host} sudo systemctl restart sglang' "
-        "--timeout-s 1800",
-    ): "names a unit without its port (`sglang`); the test's nodes run one unit per port",
+        "tokenmill restart gpu-a:30000 --command 'ssh {host} sudo systemctl restart "
+        "sglang' --timeout-s 1800",
+    ): ("names a unit without its port (`sglang`); the test's nodes run one unit per port"),
     (
         "ops/README.md",
-        "tokenmill export r1 --format parquet --out s3://datasets/r1      # or a local folder",
-    ): "no test yet runs it against the moto S3 server",
+        "tokenmill export r1 --format parquet --out ./r1-step-100 --weight-version "
+        "step-100  # one version",
+    ): (
+        "the fleet's r1 holds only weight_version default (no weights update during "
+        "it), so --weight-version step-100 is refused as it should be"
+    ),
+    (
+        "README.md",
+        "tokenmill run prompts.jsonl --run r1 --tokenizer /models/Kimi-K2.5 "
+        "--trust-remote-code  --server http://gpu-a:30000 --server http://gpu-b:30000 "
+        "--max-new-tokens 8192 --seed 1",
+    ): (
+        "a run of its own through both servers (a minute here, not seconds); "
+        "tests/e2e/test_run_servers.py runs `tokenmill run` on emulated servers"
+    ),
+    (
+        "docs/commands.md",
+        "tokenmill run prompts.jsonl --run mixed --tokenizer /models/K2.5 "
+        "--trust-remote-code  --server http://gpu-a:30000  --samples-per-prompt 3 "
+        "--temperature 0.6,0.8,1.0 --reasoning-effort none,low,high --seed 1",
+    ): (
+        "a 3-samples-per-prompt run of its own (the fleet's r1 has one sample per "
+        "prompt); tests/e2e/test_sampling_cycles_run.py runs the sampling cycles"
+    ),
+    (
+        "docs/drafts.md",
+        "tokenmill export r1 --format specforge --out r1.jsonl --split eval=0.02 "
+        "--seed 1 --exclude eval.jsonl",
+    ): (
+        "needs two finished runs of a draft-evaluation set (eval-old, eval-new) on "
+        "speculative emulators; tests/e2e/test_draft_eval.py runs split and accept on "
+        "its own runs"
+    ),
+    (
+        "docs/drafts.md",
+        "tokenmill enqueue eval.jsonl --run eval-new --tokenizer /models/Kimi-K2.5 "
+        "--trust-remote-code --temperature 0 --max-new-tokens 2048",
+    ): (
+        "needs two finished runs of a draft-evaluation set (eval-old, eval-new) on "
+        "speculative emulators; tests/e2e/test_draft_eval.py runs split and accept on "
+        "its own runs"
+    ),
+    (
+        "docs/drafts.md",
+        "TOKENMILL_SGLANG_URL=http://localhost:30000 celery -A app worker -E     # on "
+        "each GPU node",
+    ): (
+        "needs two finished runs of a draft-evaluation set (eval-old, eval-new) on "
+        "speculative emulators; tests/e2e/test_draft_eval.py runs split and accept on "
+        "its own runs"
+    ),
+    (
+        "docs/drafts.md",
+        "tokenmill status eval-new",
+    ): (
+        "needs two finished runs of a draft-evaluation set (eval-old, eval-new) on "
+        "speculative emulators; tests/e2e/test_draft_eval.py runs split and accept on "
+        "its own runs"
+    ),
+    (
+        "docs/drafts.md",
+        "tokenmill accept eval-new                     # acceptance per category, "
+        "source, output length",
+    ): (
+        "needs two finished runs of a draft-evaluation set (eval-old, eval-new) on "
+        "speculative emulators; tests/e2e/test_draft_eval.py runs split and accept on "
+        "its own runs"
+    ),
+    (
+        "docs/drafts.md",
+        "tokenmill accept eval-new --by category --json",
+    ): (
+        "needs two finished runs of a draft-evaluation set (eval-old, eval-new) on "
+        "speculative emulators; tests/e2e/test_draft_eval.py runs split and accept on "
+        "its own runs"
+    ),
+    (
+        "docs/drafts.md",
+        "tokenmill accept eval-old eval-new            # B - A per group, the groups "
+        "that got worse",
+    ): (
+        "needs two finished runs of a draft-evaluation set (eval-old, eval-new) on "
+        "speculative emulators; tests/e2e/test_draft_eval.py runs split and accept on "
+        "its own runs"
+    ),
+    (
+        "docs/drafts.md",
+        "tokenmill report eval-new --out eval-new.report",
+    ): (
+        "needs two finished runs of a draft-evaluation set (eval-old, eval-new) on "
+        "speculative emulators; tests/e2e/test_draft_eval.py runs split and accept on "
+        "its own runs"
+    ),
+    (
+        "docs/drafts.md",
+        "tokenmill report eval-old --compare eval-new --out old-vs-new",
+    ): (
+        "needs two finished runs of a draft-evaluation set (eval-old, eval-new) on "
+        "speculative emulators; tests/e2e/test_draft_eval.py runs split and accept on "
+        "its own runs"
+    ),
+    (
+        "docs/rendering.md",
+        "tokenmill enqueue agents.jsonl --run agents --tokenizer ./Kimi-K2.5 "
+        "--trust-remote-code --turns each",
+    ): (
+        "needs the agentic --turns each run `agents` from agents.jsonl; "
+        "tests/integration/test_render_parity.py runs parity on such a run"
+    ),
+    (
+        "docs/rendering.md",
+        "tokenmill parity agents --server http://gpu-a:30000 --sample 200",
+    ): (
+        "needs the agentic --turns each run `agents` from agents.jsonl; "
+        "tests/integration/test_render_parity.py runs parity on such a run"
+    ),
+    (
+        "docs/weights.md",
+        "tokenmill enqueue prompts.jsonl --run rl-step-200 --tokenizer /models/K2.5 "
+        "--trust-remote-code --weight-version step-200",
+    ): (
+        "loads new weights on a live fleet (a second run pinned to step-200); "
+        "tests/chaos/test_weight_update.py runs update-weights on its own fleet"
+    ),
+    (
+        "docs/weights.md",
+        "tokenmill update-weights gpu-a:30000 --model-path /ckpt/step-200 "
+        "--weight-version step-200",
+    ): (
+        "loads new weights on a live fleet (a second run pinned to step-200); "
+        "tests/chaos/test_weight_update.py runs update-weights on its own fleet"
+    ),
     (
         "ops/README.md",
-        "tokenmill verify r1 --export s3://datasets/r1 --json # also the export against the ledger",
-    ): "no test yet runs it against the moto S3 server",
-    **{
-        key: "no run-as-printed test yet (issue 27)"
-        for key in (
-            ("ops/README.md", "tokenmill export r1 --format specforge --out r1.jsonl"),
-            (
-                "ops/README.md",
-                "tokenmill export r1 --format conversations --out r1.conversations.jsonl",
-            ),
-            (
-                "ops/README.md",
-                "tokenmill export r1 --format specforge --whole-conversation --out r1.who"
-                "le.jsonl   # --turns all",
-            ),
-            (
-                "ops/README.md",
-                "tokenmill export r1 --format parquet --out ./r1-step-100 --weight-versio"
-                "n step-100  # one version",
-            ),
-            (
-                "ops/README.md",
-                "tokenmill verify r1                                  # exit 0 clean, 1 a"
-                "ny mismatch, 2 usage",
-            ),
-            (
-                "ops/README.md",
-                "tokenmill verify --counts            # every run: exit 0 when the counte"
-                "rs equal a full count",
-            ),
-            (
-                "ops/README.md",
-                "tokenmill verify --counts r1 --json  # one run; exit 1 and the drifted k"
-                "eys otherwise",
-            ),
-            (
-                "ops/README.md",
-                "tokenmill verify --counts --repair   # replace drifted counters by the f"
-                "ull count (exit 0)",
-            ),
-            (
-                "ops/README.md",
-                "tokenmill compact r1            # when at least TOKENMILL_COMPACT_MIN_IT"
-                "EMS items finished",
-            ),
-            ("ops/README.md", "tokenmill compact r1 --all      # everything finished, however few"),
-            (
-                "ops/README.md",
-                "tokenmill archive r1            # compacts what is left, then moves r1's"
-                " rows to items_archive",
-            ),
-            (
-                "ops/README.md",
-                "tokenmill parity r1 --server gpu-a:30000 --sample 200    # exit 0: all equal; "
-                "1: mismatches",
-            ),
-            (
-                "ops/README.md",
-                "tokenmill parity r1 --server http://gpu-b:30000 --json   # run, server, "
-                "checked, equal, mismatched, mismatches",
-            ),
-            (
-                "README.md",
-                "tokenmill run prompts.jsonl --run r1 --tokenizer /models/Kimi-K2.5 --tru"
-                "st-remote-code  --server http://gpu-a:30000 --server http://gpu-b:30000 "
-                "--max-new-tokens 8192 --seed 1",
-            ),
-            ("README.md", "tokenmill status r1 --json"),
-            ("README.md", "tokenmill export r1 --format specforge --out r1.jsonl"),
-            (
-                "README.md",
-                "tokenmill export r1 --format conversations --out r1.conversations.jsonl",
-            ),
-            (
-                "docs/commands.md",
-                "tokenmill run prompts.jsonl --run mixed --tokenizer /models/K2.5 --trust"
-                "-remote-code  --server http://gpu-a:30000  --samples-per-prompt 3 --temp"
-                "erature 0.6,0.8,1.0 --reasoning-effort none,low,high --seed 1",
-            ),
-            (
-                "docs/drafts.md",
-                "tokenmill export r1 --format specforge --out r1.jsonl --split eval=0.02 "
-                "--seed 1 --exclude eval.jsonl",
-            ),
-            (
-                "docs/drafts.md",
-                "tokenmill enqueue eval.jsonl --run eval-new --tokenizer /models/Kimi-K2."
-                "5 --trust-remote-code --temperature 0 --max-new-tokens 2048",
-            ),
-            (
-                "docs/drafts.md",
-                "TOKENMILL_SGLANG_URL=http://localhost:30000 celery -A app worker -E     "
-                "# on each GPU node",
-            ),
-            ("docs/drafts.md", "tokenmill status eval-new"),
-            (
-                "docs/drafts.md",
-                "tokenmill accept eval-new                     # acceptance per category,"
-                " source, output length",
-            ),
-            ("docs/drafts.md", "tokenmill accept eval-new --by category --json"),
-            (
-                "docs/drafts.md",
-                "tokenmill accept eval-old eval-new            # B - A per group, the gro"
-                "ups that got worse",
-            ),
-            ("docs/drafts.md", "tokenmill report eval-new --out eval-new.report"),
-            ("docs/drafts.md", "tokenmill report eval-old --compare eval-new --out old-vs-new"),
-            (
-                "docs/rendering.md",
-                "tokenmill enqueue agents.jsonl --run agents --tokenizer ./Kimi-K2.5 --tr"
-                "ust-remote-code --turns each",
-            ),
-            (
-                "docs/rendering.md",
-                "tokenmill parity agents --server http://gpu-a:30000 --sample 200",
-            ),
-            (
-                "docs/weights.md",
-                "tokenmill enqueue prompts.jsonl --run rl-step-200 --tokenizer /models/K2"
-                ".5 --trust-remote-code --weight-version step-200",
-            ),
-            (
-                "docs/weights.md",
-                "tokenmill update-weights gpu-a:30000 --model-path /ckpt/step-200 --weigh"
-                "t-version step-200",
-            ),
-            (
-                "ops/README.md",
-                "TOKENMILL_LOG_FORMAT=json celery -A app -q worker -E --loglevel INFO -n "
-                "gpu-a:30000@%h",
-            ),
-            (
-                "ops/README.md",
-                "tokenmill update-weights gpu-a:30000 --model-path /ckpt/step-200 --weigh"
-                "t-version step-200",
-            ),
-            (
-                "ops/README.md",
-                "tokenmill metrics                                  # http://127.0.0.1:94"
-                "64/metrics",
-            ),
-            (
-                "ops/README.md",
-                "TOKENMILL_METRICS_USER=prometheus TOKENMILL_METRICS_PASSWORD=SECRET  tok"
-                "enmill metrics --host 0.0.0.0 --port 9464   # beyond loopback: basic aut"
-                "h, required",
-            ),
-        )
-    },
+        "TOKENMILL_LOG_FORMAT=json celery -A app -q worker -E --loglevel INFO -n gpu-a:30000@%h",
+    ): (
+        "a third worker, of gpu-a, beside the fleet's; tests/e2e/test_json_logs.py "
+        "starts workers with TOKENMILL_LOG_FORMAT=json"
+    ),
+    (
+        "ops/README.md",
+        "tokenmill update-weights gpu-a:30000 --model-path /ckpt/step-200 "
+        "--weight-version step-200",
+    ): (
+        "loads new weights on a live fleet (a second run pinned to step-200); "
+        "tests/chaos/test_weight_update.py runs update-weights on its own fleet"
+    ),
+    (
+        "ops/README.md",
+        "tokenmill metrics                                  # http://127.0.0.1:9464/metrics",
+    ): (
+        "serves on the fixed port 9464 as printed, which the shared test machine "
+        "cannot reserve; tests/integration/test_metrics.py serves the exporter on a "
+        "free port"
+    ),
+    (
+        "ops/README.md",
+        "TOKENMILL_METRICS_USER=prometheus TOKENMILL_METRICS_PASSWORD=SECRET  "
+        "tokenmill metrics --host 0.0.0.0 --port 9464   # beyond loopback: basic auth, "
+        "required",
+    ): (
+        "serves on the fixed port 9464 as printed, which the shared test machine "
+        "cannot reserve; tests/integration/test_metrics.py serves the exporter on a "
+        "free port"
+    ),
 }
+
 ASSIGNMENT = re.compile(r"^[A-Z_][A-Z0-9_]*=")
 NODE_COMMENT = re.compile(r"^on (each GPU node|[\w.-]+)\b")
 
