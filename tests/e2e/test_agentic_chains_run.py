@@ -1,8 +1,9 @@
-"""Agentic rows through `tokenmill run --turns all` (embedded) against the emulator writing Kimi
-tool calls (`--tool-calls kimi`): every chained prompt equals SGLang 0.5.23's own chat-path
-render of the history an agent loop against SGLang would send (the wheel's reasoning parser
-and kimi_k2 detector on the decoded output, its request model and chat-path functions, the
-template), and every chain ends where SGLang's parse of its outputs says, with that reason."""
+"""Agentic rows through `tokenmill run --turns all` (embedded) against the emulator writing tool
+calls (`--tool-calls kimi`, and `hermes` on a Hermes/Qwen2.5-style template): every chained
+prompt equals SGLang 0.5.23's own chat-path render of the history an agent loop against SGLang
+would send (the wheel's reasoning parser and function-call detector on the decoded output, its
+request model and chat-path functions, the template), and every chain ends where SGLang's parse
+of its outputs says, with that reason."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import json
 import random
 import shutil
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,12 +20,14 @@ import pytest
 from app.core import constants
 from emulator.fixtures.kimi import IM_END, SPECIAL_TOKENS_BY_NAME, ensure_kimi_tokenizer
 from ops.emulator_proc import start_emulator
+from tests.support import sglang_agent_loop
+from tests.support.chat_templates import tokenizer_with_template
 from tests.support.procs import clean_env, tokenmill
 from tests.support.sglang_agent_loop import SGLangAgentLoop
 
 pytestmark = pytest.mark.e2e
 
-ROWS = 60
+ROWS = 100
 NAMES = ("get_weather", "search", "read_file")
 TOOLS = [
     {
@@ -54,12 +58,35 @@ def agentic_row(n: int) -> dict[str, Any]:
     return {"id": f"r{n}", "messages": turns, "tools": tools}
 
 
+@dataclass(frozen=True)
+class Family:
+    """An emulated model family: the emulator's format, the run's parser, the server's."""
+
+    name: str
+    reasoning_parser: str | None
+    opening: str  # what opens one call in the family's format
+    emulator_flags: tuple[str, ...]
+    run_flags: tuple[str, ...]
+
+
+FAMILIES = {
+    "kimi": Family("kimi", "kimi_k2", "<|tool_call_begin|>", ("--tool-calls", "kimi"), ()),
+    "hermes": Family(
+        "hermes",
+        None,
+        "<tool_call>",
+        ("--tool-calls", "hermes", "--think-end-id", "none"),
+        ("--tool-call-parser", "hermes"),
+    ),
+}
+
+
 def expected_ending(
-    answer: dict[str, Any], dataset_next: list[dict[str, Any]], name: str | None
+    answer: dict[str, Any], dataset_next: list[dict[str, Any]], name: str | None, opening: str
 ) -> str | None:
     """The rules of docs/inputs.md applied to SGLang's parse of one regenerated turn."""
     calls = answer.get("calls") or []
-    opened = (answer.get("raw") or "").count("<|tool_call_begin|>")
+    opened = (answer.get("raw") or "").count(opening)
     if opened > len(calls):
         return constants.CHAIN_END_MALFORMED_CALL
     if not calls:
@@ -73,8 +100,17 @@ def expected_ending(
     return None if calls[0][1] == name else constants.CHAIN_END_OTHER_TOOL
 
 
-def test_agentic_chains_run_end_to_end_as_sglang_renders_them(tmp_path: Path) -> None:
-    folder = Path(shutil.copytree(ensure_kimi_tokenizer(tmp_path / "cache"), tmp_path / "tok"))
+@pytest.mark.parametrize("family", [FAMILIES["kimi"], FAMILIES["hermes"]], ids=["kimi", "hermes"])
+def test_agentic_chains_run_end_to_end_as_sglang_renders_them(
+    tmp_path: Path, family: Family
+) -> None:
+    fixture = ensure_kimi_tokenizer(tmp_path / "cache")
+    if family.name == "kimi":
+        folder = Path(shutil.copytree(fixture, tmp_path / "tok"))
+    else:
+        folder = tokenizer_with_template(
+            fixture, tmp_path / "tok", sglang_agent_loop.HERMES_TEMPLATE
+        )
     rows = [agentic_row(n) for n in range(ROWS)]
     path = tmp_path / "rows.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
@@ -89,14 +125,23 @@ def test_agentic_chains_run_end_to_end_as_sglang_renders_them(tmp_path: Path) ->
             "0",
             "--tokenizer",
             str(folder),
-            "--tool-calls",
-            "kimi",
+            *family.emulator_flags,
         ]
     )
     try:
         args = ["run", str(path), "--run", "agents", "--tokenizer", str(folder), "--turns", "all"]
         ran = tokenmill(
-            [*args, "--max-new-tokens", "96", "--seed", "1", "--server", emulator.url], env
+            [
+                *args,
+                *family.run_flags,
+                "--max-new-tokens",
+                "96",
+                "--seed",
+                "1",
+                "--server",
+                emulator.url,
+            ],
+            env,
         )
     finally:
         emulator.stop()
@@ -113,7 +158,9 @@ def test_agentic_chains_run_end_to_end_as_sglang_renders_them(tmp_path: Path) ->
     for sample in map(json.loads, out.read_text().splitlines()):
         chains.setdefault(sample["id"], []).append(sample)
     assert chains.keys() == {r["id"] for r in rows}
-    sglang_path = SGLangAgentLoop(folder, "kimi_k2", "kimi_k2")
+    sglang_path = SGLangAgentLoop(
+        folder, family.name.replace("kimi", "kimi_k2"), family.reasoning_parser
+    )
     recounted: Counter[str] = Counter()
     checked = 0
     for row in rows:
@@ -138,7 +185,7 @@ def test_agentic_chains_run_end_to_end_as_sglang_renders_them(tmp_path: Path) ->
                 if results
                 else None
             )
-            ending = expected_ending(answer, dataset_next, name)
+            ending = expected_ending(answer, dataset_next, name, family.opening)
             if ending is not None:
                 assert k == len(chain) - 1, (row["id"], k, ending)
                 break
@@ -148,7 +195,9 @@ def test_agentic_chains_run_end_to_end_as_sglang_renders_them(tmp_path: Path) ->
             if answer["calls"]:
                 ((_, called, arguments),) = answer["calls"]
                 count = sum(len(t.get("tool_calls") or []) for t in history)
-                call_id = f"functions.{called}:{count}"  # SGLang's `_process_tool_call_id`
+                # SGLang's `_process_tool_call_id`: kimi_k2 counts the history's calls; other
+                # parsers draw call_ + 24 random hex digits, which this template never renders
+                call_id = f"functions.{called}:{count}"
                 function = {"name": called, "arguments": arguments}
                 message["tool_calls"] = [{"id": call_id, "type": "function", "function": function}]
                 result, *rest = dataset_next

@@ -26,40 +26,11 @@ from app.outputs.export import export_run
 from app.outputs.verify import verify_run
 from app.prompts.tokenization import ChatTokenizer, load_tokenizer
 from emulator.fixtures.kimi import IM_END, SPECIAL_TOKENS_BY_NAME
+from tests.support import sglang_agent_loop
 from tests.support.chat_templates import tokenizer_with_template
 from tests.support.sglang_agent_loop import SGLangAgentLoop
 from workers.intake import turns
 from workers.intake.producer import EnqueueOptions, enqueue
-
-# a template written after Qwen2.5's: tools declared in the system turn, calls as Hermes JSON
-HERMES_TEMPLATE = """{%- if tools %}<|im_start|>system
-{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}
-{% endif %}# Tools
-<tools>{% for tool in tools %}
-{{ tool | tojson }}{% endfor %}
-</tools><|im_end|>
-{% endif %}
-{%- for message in messages %}
-{%- if message.role == 'system' %}{% if not tools %}<|im_start|>system
-{{ message.content }}<|im_end|>
-{% endif %}
-{%- elif message.role == 'user' %}<|im_start|>user
-{{ message.content }}<|im_end|>
-{% elif message.role == 'assistant' %}<|im_start|>assistant
-{{ message.content }}
-{%- for tc in message.tool_calls or [] %}
-<tool_call>
-{"name": "{{ tc.function.name }}", "arguments": {{ tc.function.arguments | tojson }}}
-</tool_call>
-{%- endfor %}<|im_end|>
-{% elif message.role == 'tool' %}<|im_start|>user
-<tool_response>
-{{ message.content }}
-</tool_response><|im_end|>
-{% endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}<|im_start|>assistant
-{% endif %}"""
 
 
 def _tool(name: str, prop: str) -> dict[str, Any]:
@@ -186,7 +157,9 @@ def family(request: pytest.FixtureRequest) -> Family:
 def folder(family: Family, kimi_tokenizer_dir: Path, tmp_path: Path) -> Path:
     if family.name == "kimi":
         return Path(shutil.copytree(kimi_tokenizer_dir, tmp_path / "tok"))
-    return tokenizer_with_template(kimi_tokenizer_dir, tmp_path / "tok", HERMES_TEMPLATE)
+    return tokenizer_with_template(
+        kimi_tokenizer_dir, tmp_path / "tok", sglang_agent_loop.HERMES_TEMPLATE
+    )
 
 
 def _run_chains(db: Engine, tokenizer: ChatTokenizer, family: Family, path: Path) -> int:

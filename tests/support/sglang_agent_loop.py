@@ -14,6 +14,36 @@ from tests.support import sglang_chat_path as sglang
 from tests.support import sglang_tool_parser
 from tests.support.sglang_contract import load_protocol
 
+# a template written after Qwen2.5's: tools declared in the system turn, calls as Hermes JSON
+HERMES_TEMPLATE = """{%- if tools %}<|im_start|>system
+{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}
+{% endif %}# Tools
+<tools>{% for tool in tools %}
+{{ tool | tojson }}{% endfor %}
+</tools><|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == 'system' %}{% if not tools %}<|im_start|>system
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- elif message.role == 'user' %}<|im_start|>user
+{{ message.content }}<|im_end|>
+{% elif message.role == 'assistant' %}<|im_start|>assistant
+{{ message.content }}
+{%- for tc in message.tool_calls or [] %}
+<tool_call>
+{"name": "{{ tc.function.name }}", "arguments": {{ tc.function.arguments | tojson }}}
+</tool_call>
+{%- endfor %}<|im_end|>
+{% elif message.role == 'tool' %}<|im_start|>user
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
 
 class SGLangAgentLoop:
     """parser: SGLang's --tool-call-parser; reasoning_parser: its --reasoning-parser (None:
