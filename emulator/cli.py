@@ -21,6 +21,7 @@ from emulator.config import (
     KIMI_THINK_END_ID,
     EmulatorConfig,
 )
+from emulator.tool_calls import TOOL_CALL_FAMILIES
 
 ENV_PREFIX = "TOKENMILL_EMULATOR_"
 NONE_WORDS = ("", "none", "null")
@@ -135,6 +136,14 @@ def _option(flag: str, *names: str, **kwargs: Any) -> Callable[[F], F]:
     help="Ordinary output token ids are below this.",
 )
 @_option("--eos-id", type=int, default=KIMI_IM_END_ID, help="Id that ends a stopped output.")
+@_option(
+    "--tool-calls",
+    type=click.Choice(list(TOOL_CALL_FAMILIES)),
+    default=None,
+    help="Stopped outputs of prompts that declare tools end with calls in this family's "
+    "format (one call, two parallel, a malformed one, or none, drawn per prompt); needs "
+    "--tokenizer.",
+)
 @_option(
     "--think-end-id",
     default=str(KIMI_THINK_END_ID),

@@ -104,6 +104,9 @@ class EmulatorConfig:
     # Qwen's decode + re-tokenize fallback (SGLANG_MM_AVOID_RETOKENIZE off), and the vision
     # encoder's cost, added to the prefill of the image tokens it computes
     mm: str | None = None
+    # `--tool-calls FAMILY` (emulator.tool_calls): stopped outputs of prompts that declare
+    # tools end with calls in the family's format (needs tokenizer)
+    tool_calls: str | None = None
     mm_process_config: str | None = None
     mm_retokenize: bool = False
     vision_ms_per_1k_tokens: float = 4.0
@@ -144,6 +147,10 @@ class EmulatorConfig:
             (self.error_rate + self.drop_rate <= 1, "error_rate + drop_rate must be <= 1"),
             (self.max_queued is None or self.max_queued >= 0, "max_queued must be >= 0"),
             (self.weight_load_s >= 0, "weight_load_s must be >= 0"),
+            (
+                self.tool_calls is None or self.tokenizer is not None,
+                "tool_calls needs a tokenizer (--tokenizer DIR) to read the prompt's tools",
+            ),
         ]
         problems = [message for ok, message in checks if not ok]
         problems += self._image_problems()

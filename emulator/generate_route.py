@@ -30,6 +30,7 @@ from emulator.protocol import (
 )
 from emulator.scheduler import Counters, Job, Scheduler, new_job
 from emulator.speculative import RequestLog, draw_steps, expected_step_tokens, meta_fields
+from emulator.tool_calls import ToolCallWriter
 from emulator.weights import Weights, version_spans
 
 logger = logging.getLogger(__name__)
@@ -84,6 +85,7 @@ class GenerateRoute:
     weights: Weights
     # a multimodal server's image processor (None: text-only, image_data ignored)
     images: ImageProcessor | None
+    tool_calls: ToolCallWriter | None
 
     # here because /generate is where a hung scheduler shows first; the server's routes use it too
     @property
@@ -158,7 +160,8 @@ class GenerateRoute:
         if self.cfg.immediate:
             return self._answer_now(call, arrival_s)
         version = self.weights.weight_version
-        jobs = [new_job(item, self.cfg, arrival_s, version) for item in call.items]
+        writer = self.tool_calls
+        jobs = [new_job(item, self.cfg, arrival_s, version, writer) for item in call.items]
         max_queued = self.cfg.max_queued
         if max_queued is not None and self.scheduler.waiting + len(jobs) > max_queued:
             self.counters.rejected_queue_full += 1
@@ -196,6 +199,7 @@ class GenerateRoute:
                 self.cfg,
                 sample_index=item.sample_index,
                 weight_version=version,
+                tool_calls=self.tool_calls,
             )
             cached = cache.match(item.key_ids)
             cache.insert(item.key_ids)

@@ -15,6 +15,7 @@ from typing import Any
 
 from app.sglang.rules import GREEDY_TEMPERATURE
 from emulator.config import DEFAULT_MAX_NEW_TOKENS, DEFAULT_WEIGHT_VERSION, EmulatorConfig
+from emulator.tool_calls import ToolCallWriter
 
 FinishReason = dict[str, Any]
 
@@ -83,6 +84,7 @@ def generate_output(
     *,
     sample_index: int = 0,
     weight_version: str | None = None,
+    tool_calls: ToolCallWriter | None = None,
 ) -> tuple[list[int], FinishReason]:
     """The output ids and finish reason the emulator returns for one prompt.
 
@@ -91,7 +93,8 @@ def generate_output(
     Every position consumes one draw, so a smaller max_new_tokens gives a prefix of the output
     a larger one gives. `ignore_eos` runs on past EOS to max_new_tokens; `stop_token_ids` stop
     at the first listed id the stream contains; `min_new_tokens` holds back EOS and stops.
-    The weights are cfg's unless weight_version names the ones loaded since.
+    The weights are cfg's unless weight_version names the ones loaded since. tool_calls
+    (`--tool-calls`): a stopped output of a prompt that declares tools may end in calls.
     """
     max_new_tokens = resolve_max_new_tokens(len(input_ids), sampling, cfg)
     min_new_tokens = int(sampling.get("min_new_tokens") or 0)
@@ -119,6 +122,9 @@ def generate_output(
                 if output[position] in stops:
                     return output[: position + 1], {"type": "stop", "matched": output[position]}
         if content_len < max_new_tokens:
+            if tool_calls is not None:
+                seed = rng.getrandbits(64)
+                output = tool_calls.rewrite(input_ids, output, max_new_tokens, seed)
             return output, {"type": "stop", "matched": cfg.eos_id}
     return output, {"type": "length", "length": max_new_tokens}
 

@@ -17,6 +17,7 @@ from emulator.config import EmulatorConfig
 from emulator.model import FinishReason, generate_output
 from emulator.prefix_cache import RadixCache
 from emulator.protocol import ItemRequest, running_abort, waiting_abort
+from emulator.tool_calls import ToolCallWriter
 from emulator.weights import VersionEvent, version_spans
 
 logger = logging.getLogger(__name__)
@@ -101,7 +102,11 @@ def kv_tokens(job: Job) -> int:
 
 
 def new_job(
-    item: ItemRequest, cfg: EmulatorConfig, arrival_s: float, weight_version: str | None = None
+    item: ItemRequest,
+    cfg: EmulatorConfig,
+    arrival_s: float,
+    weight_version: str | None = None,
+    tool_calls: ToolCallWriter | None = None,
 ) -> Job:
     output_ids, finish = generate_output(
         item.key_ids,
@@ -109,6 +114,7 @@ def new_job(
         cfg,
         sample_index=item.sample_index,
         weight_version=weight_version,
+        tool_calls=tool_calls,
     )
     done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
     return Job(item, output_ids, finish, arrival_s, done)

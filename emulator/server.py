@@ -37,6 +37,7 @@ from emulator.protocol import error_object
 from emulator.scheduler import Counters, Scheduler
 from emulator.speculative import RequestLog
 from emulator.tokenize import TokenizeAnswer, answer_raw
+from emulator.tool_calls import ToolCallWriter
 from emulator.vision import VisionConfigError, vision_settings
 from emulator.weights import (
     DISK_FIELDS,
@@ -82,6 +83,7 @@ class EmulatorServer(GenerateRoute):
         self._lifecycle: asyncio.Task[None] | None = None
         self.tokenizer: ChatTokenizer | None = None
         self.images: ImageProcessor | None = None
+        self.tool_calls: ToolCallWriter | None = None
         self.request_log = RequestLog(cfg.request_log)
         self.weights = Weights(cfg.model_path, cfg.weight_version)
 
@@ -144,6 +146,17 @@ class EmulatorServer(GenerateRoute):
             logger.info(
                 "/v1/tokenize renders chat requests with tokenmill's own chat path "
                 "(app.prompts), not SGLang's: it checks tokenmill against itself"
+            )
+        if self.cfg.tool_calls is not None and self.tokenizer is not None:
+            tokenizer = self.tokenizer
+            self.tool_calls = ToolCallWriter(
+                self.cfg.tool_calls,
+                decode=tokenizer.decode,
+                encode=lambda text: list(
+                    tokenizer.hf_tokenizer.encode(text, add_special_tokens=False)
+                ),
+                eos_id=self.cfg.eos_id,
+                think_end_id=self.cfg.think_end_id,
             )
         if self.cfg.mm is not None and self.images is None:
             self.images = image_processor(self.cfg, self.tokenizer)

@@ -16,7 +16,6 @@ from typing import Any
 
 import pytest
 from sqlalchemy import Engine
-from transformers import AutoTokenizer
 
 from app.core import constants
 from app.core.contracts import GenerateResult, SamplingParams
@@ -26,10 +25,9 @@ from app.ledger.outcomes import Done
 from app.outputs.export import export_run
 from app.outputs.verify import verify_run
 from app.prompts.tokenization import ChatTokenizer, load_tokenizer
-from tests.support import sglang_chat_path as sglang
-from tests.support import sglang_tool_parser
+from emulator.fixtures.kimi import IM_END, SPECIAL_TOKENS_BY_NAME
 from tests.support.chat_templates import tokenizer_with_template
-from tests.support.sglang_contract import load_protocol
+from tests.support.sglang_agent_loop import SGLangAgentLoop
 from workers.intake import turns
 from workers.intake.producer import EnqueueOptions, enqueue
 
@@ -96,6 +94,7 @@ def _conversation(calls: list[list[str]], follow_up: bool = False) -> list[dict[
 
 
 TWO = [["get_weather"], ["search"]]
+EOS = SPECIAL_TOKENS_BY_NAME[IM_END]
 
 
 @dataclass(frozen=True)
@@ -190,45 +189,6 @@ def folder(family: Family, kimi_tokenizer_dir: Path, tmp_path: Path) -> Path:
     return tokenizer_with_template(kimi_tokenizer_dir, tmp_path / "tok", HERMES_TEMPLATE)
 
 
-class Oracle:
-    """SGLang's chat path for one chain: the history an agent loop against SGLang's chat
-    endpoint sends back (the endpoint's parsed message, the cached result answering its id),
-    rendered as `/v1/chat/completions` renders it."""
-
-    def __init__(self, folder: Path, family: Family) -> None:
-        self.hf = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-        self.content_format = sglang.detect_content_format(self.hf.chat_template)
-        self.protocol = load_protocol()
-        self.family = family
-
-    def parse(self, outputs: list[list[int]]) -> list[dict[str, Any]]:
-        # the detokenizer drops the matched stop id; tools keep special tokens in the text
-        cases = [
-            {
-                "parser": self.family.parser or "kimi_k2",
-                "text": self.hf.decode(ids[:-1], skip_special_tokens=False),
-                "tools": TOOLS,
-                "reasoning_parser": self.family.reasoning_parser,
-                "force_reasoning": True if self.family.reasoning_parser else None,
-            }
-            for ids in outputs
-        ]
-        return sglang_tool_parser.wheel_parses(cases)
-
-    def render(self, history: list[dict[str, Any]]) -> list[int]:
-        request = self.protocol.ChatCompletionRequest(model="m", messages=history, tools=TOOLS)
-        messages = sglang.reference_messages(
-            [m.model_dump() for m in request.messages], self.content_format
-        )
-        text = self.hf.apply_chat_template(
-            messages,
-            tools=[t.model_dump() for t in request.tools],
-            add_generation_prompt=True,
-            tokenize=False,
-        )
-        return list(self.hf.encode(text, add_special_tokens=False))
-
-
 def _run_chains(db: Engine, tokenizer: ChatTokenizer, family: Family, path: Path) -> int:
     options = EnqueueOptions(
         path,
@@ -281,7 +241,7 @@ def test_agentic_chains_splice_cached_results_as_sglang_renders_them(
     for item in sorted(found, key=lambda i: i.turn_index):
         chains.setdefault(item.item_key, []).append(item)
 
-    oracle = Oracle(folder, family)
+    oracle = SGLangAgentLoop(folder, family.parser or "kimi_k2", family.reasoning_parser)
     checked = 0
     for key, chain in chains.items():
         script = SCRIPTS[int(key)]
@@ -290,7 +250,7 @@ def test_agentic_chains_splice_cached_results_as_sglang_renders_them(
         # the chain ends at its first mismatch: every turn up to it done, none after
         assert turns_done == list(range(len(script.actions))), key
         assert endings == [None] * (len(chain) - 1) + [script.ending], key
-        checked += _check_prompts(oracle, rows[int(key)]["messages"], chain)
+        checked += _check_prompts(oracle, family, rows[int(key)]["messages"], chain)
     assert checked == sum(len(c) - 1 for c in chains.values()) > 0
     with db.connect() as conn:
         counted = reads.chain_endings(conn, run_id)
@@ -319,13 +279,15 @@ def test_agentic_chains_splice_cached_results_as_sglang_renders_them(
         assert calls == expected.get(action, [action]), key
 
 
-def _check_prompts(oracle: Oracle, conversation: list[dict[str, Any]], chain: list[Any]) -> int:
+def _check_prompts(
+    oracle: SGLangAgentLoop, family: Family, conversation: list[dict[str, Any]], chain: list[Any]
+) -> int:
     """Rebuild the chain's history as an agent loop against SGLang would, turn by turn, and
     compare each chained prompt with SGLang's render of it."""
     assistant_at = [i for i, t in enumerate(conversation) if t["role"] == "assistant"]
     history = [dict(t) for t in conversation[: assistant_at[0]]]
-    assert chain[0].prompt_ids == oracle.render(history)
-    answers = oracle.parse([item.output_ids for item in chain[:-1]])
+    assert chain[0].prompt_ids == oracle.render(history, TOOLS)
+    answers = oracle.parse([i.output_ids for i in chain[:-1]], TOOLS, EOS)
     for n, (item, answer) in enumerate(zip(chain[1:], answers, strict=True)):
         message: dict[str, Any] = {"role": "assistant", "content": answer["normal_text"] or ""}
         if answer["reasoning_text"]:
@@ -334,7 +296,7 @@ def _check_prompts(oracle: Oracle, conversation: list[dict[str, Any]], chain: li
         if answer["calls"]:
             ((_, name, arguments),) = answer["calls"]
             stored = [t for t in item.messages if t.get("tool_calls")][-1]["tool_calls"][0]["id"]
-            if oracle.family.name == "kimi":  # SGLang's `_process_tool_call_id` for kimi_k2
+            if family.name == "kimi":  # SGLang's `_process_tool_call_id` for kimi_k2
                 count = sum(len(t.get("tool_calls") or []) for t in history)
                 assert stored == f"functions.{name}:{count}"
             else:  # SGLang draws call_ + 24 hex digits; the template does not render it
@@ -345,5 +307,5 @@ def _check_prompts(oracle: Oracle, conversation: list[dict[str, Any]], chain: li
             history += [message, {**result, "tool_call_id": stored}, *rest]
         else:
             history += [message, *dataset_next]
-        assert item.prompt_ids == oracle.render(history), (item.item_key, item.turn_index)
+        assert item.prompt_ids == oracle.render(history, TOOLS), (item.item_key, item.turn_index)
     return len(chain) - 1
