@@ -36,6 +36,7 @@ from tests.support.readme_fleet import (
     in_flight_samples,
     section_blocks,
 )
+from tests.support.rows import agentic_rows, write_rows
 
 pytestmark = pytest.mark.e2e
 
@@ -50,6 +51,8 @@ FLAGS = [
 ]
 FLOWER_PASSWORD = "SECRET"  # as printed
 BUCKETS = ("tokenmill-data", "datasets")  # s3://tokenmill-data/store, s3://datasets/r1
+# docs/rendering.md's agents.jsonl: 3 boundary samples a row, 210 items for its --sample 200
+AGENTIC_ROWS = 70
 
 
 def section(path: Path, heading: str | None) -> list[Command]:
@@ -83,6 +86,8 @@ KEY_OUTPUT = {
     ("tokenmill", "reconcile"): '"broker_checked": true',
     ("tokenmill", "parity", "r1", "--server", "gpu-a:30000"): "200 checked, 200 equal, 0 mismat",
     ("tokenmill", "parity", "r1", "--server", "http://gpu-b:30000"): '"mismatched": 0',
+    ("tokenmill", "parity", "agents"): "200 checked, 200 equal, 0 mismatched",
+    ("tokenmill", "enqueue", "agents.jsonl"): f"{3 * AGENTIC_ROWS} items inserted",
     ("tokenmill", "export"): f"wrote {PROMPTS} samples",
     ("tokenmill", "verify", "r1"): "clean",
     ("tokenmill", "verify", "--counts"): "item counters of every run: equal to a full count",
@@ -123,7 +128,12 @@ def fleet(
         # the README's URLs with this test's hosts, ports and database
         database_url="postgresql://" + pg_url.split("://", 1)[1],
         broker_url=redis_url,
-        paths={"prompts.jsonl": str(prompts), "/models/Kimi-K2.5": str(kimi_tokenizer_dir)},
+        paths={
+            "prompts.jsonl": str(prompts),
+            "/models/Kimi-K2.5": str(kimi_tokenizer_dir),
+            "agents.jsonl": str(write_rows(tmp_path / "agents.jsonl", agentic_rows(AGENTIC_ROWS))),
+            "./Kimi-K2.5": str(kimi_tokenizer_dir),
+        },
         # with the run's tokenizer folder, so /v1/tokenize renders (the runbook's parity)
         emulator_flags=[*FLAGS, "--tokenizer", str(kimi_tokenizer_dir)],
         flower_port=free_port(),
@@ -208,6 +218,8 @@ def test_ops_readme_start_a_fleet_keeps_the_registered_urls(
     after = [
         *section(ROOT / "README.md", "One machine"),
         *(c for heading in AFTER_THE_RUN for c in section(runbook, heading)),
+        # docs/rendering.md's enqueue of agentic rows, checked against gpu-a before it runs
+        *section(ROOT / "docs" / "rendering.md", None),
     ]
     for command in after:
         if command.long_running:

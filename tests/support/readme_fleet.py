@@ -37,6 +37,7 @@ RUN_AS_PRINTED: dict[tuple[str, str | None], str] = {
     ("README.md", "Distributed"): "tests/e2e/test_readme_fleet.py",
     ("README.md", "One machine"): "tests/e2e/test_readme_fleet.py (on the fleet's r1)",
     ("docs/restarts.md", None): "tests/e2e/test_readme_fleet.py",
+    ("docs/rendering.md", None): "tests/e2e/test_readme_fleet.py (beside the ops fleet's r1)",
     **{
         ("ops/README.md", heading): "tests/e2e/test_readme_fleet.py"
         for heading in (
@@ -177,21 +178,6 @@ NOT_RUN: dict[tuple[str, str], str] = {
         "needs two finished runs of a draft-evaluation set (eval-old, eval-new) on "
         "speculative emulators; tests/e2e/test_draft_eval.py runs split and accept on "
         "its own runs"
-    ),
-    (
-        "docs/rendering.md",
-        "tokenmill enqueue agents.jsonl --run agents --tokenizer ./Kimi-K2.5 "
-        "--trust-remote-code --turns each",
-    ): (
-        "needs the agentic --turns each run `agents` from agents.jsonl; "
-        "tests/integration/test_render_parity.py runs parity on such a run"
-    ),
-    (
-        "docs/rendering.md",
-        "tokenmill parity agents --server http://gpu-a:30000 --sample 200",
-    ): (
-        "needs the agentic --turns each run `agents` from agents.jsonl; "
-        "tests/integration/test_render_parity.py runs parity on such a run"
     ),
     (
         "docs/weights.md",
