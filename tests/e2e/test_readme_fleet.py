@@ -1,8 +1,8 @@
 """The fleet exactly as the docs start it: README's "Distributed", docs/restarts.md ("Riding
 through server restarts"), and ops/README's "Start a fleet" and "A server needs a restart", run
 as printed on two emulated GPU nodes; once the run is done, the runbook's sections for a
-finished run (watch, reconcile, pause, parity, export, verify, compaction, archive) on the same
-ledger.
+finished run (watch, reconcile, pause, parity, export, verify, compaction, archive, metrics) on
+the same ledger.
 
 Two servers, one worker each, beat and Flower; a `tokenmill restart` of one server never pauses
 the other's worker (its in-flight count stays up); Flower lists both workers; every item is
@@ -13,9 +13,11 @@ here.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from sqlalchemy import Engine
 
@@ -23,7 +25,7 @@ from app.ledger import counters, reads, registry, run_queries
 from emulator.config import EmulatorConfig
 from emulator.model import generate_output
 from tests.support.moto_s3 import moto_s3
-from tests.support.procs import ROOT, wait_for
+from tests.support.procs import ROOT, stop, wait_for
 from tests.support.readme_fleet import (
     NOT_RUN,
     Command,
@@ -34,6 +36,7 @@ from tests.support.readme_fleet import (
     in_flight_samples,
     section_blocks,
 )
+from tests.support.rows import agentic_rows, write_rows
 
 pytestmark = pytest.mark.e2e
 
@@ -48,6 +51,8 @@ FLAGS = [
 ]
 FLOWER_PASSWORD = "SECRET"  # as printed
 BUCKETS = ("tokenmill-data", "datasets")  # s3://tokenmill-data/store, s3://datasets/r1
+# docs/rendering.md's agents.jsonl: 3 boundary samples a row, 210 items for its --sample 200
+AGENTIC_ROWS = 70
 
 
 def section(path: Path, heading: str | None) -> list[Command]:
@@ -81,6 +86,8 @@ KEY_OUTPUT = {
     ("tokenmill", "reconcile"): '"broker_checked": true',
     ("tokenmill", "parity", "r1", "--server", "gpu-a:30000"): "200 checked, 200 equal, 0 mismat",
     ("tokenmill", "parity", "r1", "--server", "http://gpu-b:30000"): '"mismatched": 0',
+    ("tokenmill", "parity", "agents"): "200 checked, 200 equal, 0 mismatched",
+    ("tokenmill", "enqueue", "agents.jsonl"): f"{3 * AGENTIC_ROWS} items inserted",
     ("tokenmill", "export"): f"wrote {PROMPTS} samples",
     ("tokenmill", "verify", "r1"): "clean",
     ("tokenmill", "verify", "--counts"): "item counters of every run: equal to a full count",
@@ -121,7 +128,12 @@ def fleet(
         # the README's URLs with this test's hosts, ports and database
         database_url="postgresql://" + pg_url.split("://", 1)[1],
         broker_url=redis_url,
-        paths={"prompts.jsonl": str(prompts), "/models/Kimi-K2.5": str(kimi_tokenizer_dir)},
+        paths={
+            "prompts.jsonl": str(prompts),
+            "/models/Kimi-K2.5": str(kimi_tokenizer_dir),
+            "agents.jsonl": str(write_rows(tmp_path / "agents.jsonl", agentic_rows(AGENTIC_ROWS))),
+            "./Kimi-K2.5": str(kimi_tokenizer_dir),
+        },
         # with the run's tokenizer folder, so /v1/tokenize renders (the runbook's parity)
         emulator_flags=[*FLAGS, "--tokenizer", str(kimi_tokenizer_dir)],
         flower_port=free_port(),
@@ -206,6 +218,8 @@ def test_ops_readme_start_a_fleet_keeps_the_registered_urls(
     after = [
         *section(ROOT / "README.md", "One machine"),
         *(c for heading in AFTER_THE_RUN for c in section(runbook, heading)),
+        # docs/rendering.md's enqueue of agentic rows, checked against gpu-a before it runs
+        *section(ROOT / "docs" / "rendering.md", None),
     ]
     for command in after:
         if command.long_running:
@@ -214,6 +228,26 @@ def test_ops_readme_start_a_fleet_keeps_the_registered_urls(
         key = key_output(command.argv)
         assert key is None or key in done.stdout + done.stderr, (command.text, done)
         print(f"$ {command.text}\n{done.stdout[-1500:]}\n{done.stderr[-1500:]}")
+    check_metrics(fleet, section(runbook, "Metrics"))
+
+
+def check_metrics(fleet: Fleet, printed: list[Command]) -> None:
+    """The exporter as printed: on loopback, then (the first stopped: one port) beyond it, where
+    a scrape needs the basic auth the command was given."""
+    loopback, beyond = printed
+    url = f"http://127.0.0.1:{fleet.metrics_port}/metrics"
+    fleet.run(loopback)
+    scrape = httpx.get(url, timeout=30.0)
+    assert scrape.status_code == 200, scrape.text
+    assert re.search(r"^tokenmill_ledger_up 1(\.0)?$", scrape.text, flags=re.MULTILINE)
+    (first,) = [k for k in fleet.procs if "tokenmill metrics" in k]
+    stop([fleet.procs.pop(first)])
+    fleet.run(beyond)
+    assert httpx.get(url, timeout=30.0).status_code == 401
+    user, password = beyond.env["TOKENMILL_METRICS_USER"], beyond.env["TOKENMILL_METRICS_PASSWORD"]
+    scrape = httpx.get(url, auth=(user, password), timeout=30.0)
+    assert scrape.status_code == 200, scrape.text
+    assert re.search(r"^tokenmill_broker_up 1(\.0)?$", scrape.text, flags=re.MULTILINE)
 
 
 def serving(db: Engine, servers: dict[str, str]) -> bool:

@@ -28,6 +28,7 @@ from app.ledger import counters, registry
 from tests.support.procs import ROOT, stop, wait_for
 
 README_PORT = "30000"  # the SGLang port the READMEs print
+METRICS_PORT = "9464"  # the exporter's port they print
 
 # The doc sections whose bash commands a test runs as printed, all of them but NOT_RUN's:
 # (doc, `## ` heading it starts with, None for the text before the first) → the test.
@@ -36,6 +37,7 @@ RUN_AS_PRINTED: dict[tuple[str, str | None], str] = {
     ("README.md", "Distributed"): "tests/e2e/test_readme_fleet.py",
     ("README.md", "One machine"): "tests/e2e/test_readme_fleet.py (on the fleet's r1)",
     ("docs/restarts.md", None): "tests/e2e/test_readme_fleet.py",
+    ("docs/rendering.md", None): "tests/e2e/test_readme_fleet.py (beside the ops fleet's r1)",
     **{
         ("ops/README.md", heading): "tests/e2e/test_readme_fleet.py"
         for heading in (
@@ -50,6 +52,7 @@ RUN_AS_PRINTED: dict[tuple[str, str | None], str] = {
             "Verify a run",
             "Compaction",
             "Archive",
+            "Metrics",
         )
     },
 }
@@ -177,21 +180,6 @@ NOT_RUN: dict[tuple[str, str], str] = {
         "its own runs"
     ),
     (
-        "docs/rendering.md",
-        "tokenmill enqueue agents.jsonl --run agents --tokenizer ./Kimi-K2.5 "
-        "--trust-remote-code --turns each",
-    ): (
-        "needs the agentic --turns each run `agents` from agents.jsonl; "
-        "tests/integration/test_render_parity.py runs parity on such a run"
-    ),
-    (
-        "docs/rendering.md",
-        "tokenmill parity agents --server http://gpu-a:30000 --sample 200",
-    ): (
-        "needs the agentic --turns each run `agents` from agents.jsonl; "
-        "tests/integration/test_render_parity.py runs parity on such a run"
-    ),
-    (
         "docs/weights.md",
         "tokenmill enqueue prompts.jsonl --run rl-step-200 --tokenizer /models/K2.5 "
         "--trust-remote-code --weight-version step-200",
@@ -222,24 +210,6 @@ NOT_RUN: dict[tuple[str, str], str] = {
         "loads new weights on a live fleet (a second run pinned to step-200); "
         "tests/chaos/test_weight_update.py runs update-weights on its own fleet"
     ),
-    (
-        "ops/README.md",
-        "tokenmill metrics                                  # http://127.0.0.1:9464/metrics",
-    ): (
-        "serves on the fixed port 9464 as printed, which the shared test machine "
-        "cannot reserve; tests/integration/test_metrics.py serves the exporter on a "
-        "free port"
-    ),
-    (
-        "ops/README.md",
-        "TOKENMILL_METRICS_USER=prometheus TOKENMILL_METRICS_PASSWORD=SECRET  "
-        "tokenmill metrics --host 0.0.0.0 --port 9464   # beyond loopback: basic auth, "
-        "required",
-    ): (
-        "serves on the fixed port 9464 as printed, which the shared test machine "
-        "cannot reserve; tests/integration/test_metrics.py serves the exporter on a "
-        "free port"
-    ),
 }
 
 ASSIGNMENT = re.compile(r"^[A-Z_][A-Z0-9_]*=")
@@ -260,7 +230,7 @@ class Command:
     def long_running(self) -> bool:
         words = self.argv[:4]
         celery = words[:1] == ["celery"] and ("worker" in words or "beat" in words)
-        return celery or words[:2] == ["tokenmill", "flower"]
+        return celery or words[:2] in (["tokenmill", "flower"], ["tokenmill", "metrics"])
 
 
 def free_port() -> int:
@@ -396,6 +366,7 @@ class Fleet:
     paths: dict[str, str]
     emulator_flags: list[str]
     flower_port: int
+    metrics_port: int = field(default_factory=free_port)  # the docs' 9464
     exports: dict[str, str] = field(default_factory=dict)
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     logs: dict[str, Path] = field(default_factory=dict)
@@ -476,6 +447,7 @@ class Fleet:
         env["PYTHONPATH"] = str(ROOT)
         env["TOKENMILL_TEST_UNITS"] = str(self.units)
         env["TOKENMILL_FLOWER_PORT"] = str(self.flower_port)
+        env["TOKENMILL_METRICS_PORT"] = str(self.metrics_port)
         env["COLUMNS"] = "200"  # a wide terminal: tables show whole URLs
         env.update(self.exports)
         if node is not None:
@@ -484,8 +456,8 @@ class Fleet:
 
     def substitute(self, text: str, node: str | None) -> str:
         """Only hosts, ports and paths: the services' URLs, each `gpu-X:30000` (a URL's host
-        becomes 127.0.0.1, a server name keeps its node), a node's own localhost:30000, and the
-        files named in paths."""
+        becomes 127.0.0.1, a server name keeps its node), a node's own localhost:30000, the
+        exporter's `--port 9464`, and the files named in paths."""
         for printed, actual in (
             ("postgresql://tokenmill@db-host/tokenmill", self.database_url),
             ("redis://redis-host:6379/0", self.broker_url),
@@ -496,6 +468,8 @@ class Fleet:
             text = text.replace(f"{name}:{README_PORT}", f"{name}:{port}")
         if node is not None:
             text = text.replace(f"localhost:{README_PORT}", f"localhost:{self.nodes[node]}")
+        if text == METRICS_PORT:  # `--port 9464`
+            text = str(self.metrics_port)
         for printed, actual in self.paths.items():
             text = re.sub(rf"(?<![\w/.-]){re.escape(printed)}(?![\w/.-])", actual, text)
         return text
@@ -550,6 +524,12 @@ class Fleet:
                 with self.db.connect() as conn:
                     servers = registry.list_servers(conn)
                 return any(s.node == node and s.workers for s in servers)
+            if "tokenmill metrics" in key:
+                try:
+                    url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+                    return httpx.get(url, timeout=2.0).status_code in (200, 401)
+                except httpx.TransportError:
+                    return False
             if key.endswith("tokenmill flower"):
                 try:
                     url = f"http://127.0.0.1:{self.flower_port}/healthcheck"

@@ -3,12 +3,12 @@ docs/*.md and ops/README.md is run as printed by a test, or listed with the reas
 and checked here without running it.
 
 Run as printed: the sections in tests/support/readme_fleet.RUN_AS_PRINTED, every command of
-them but NOT_RUN's: README's "Distributed" and "One machine", docs/restarts.md and ops/README's
-fleet, restart, watch, reconcile, pause, parity, export, verify, compaction and archive
-sections in tests/e2e/test_readme_fleet.py; `pip install -e . && tokenmill demo` and the
-commands the demo prints in tests/e2e/test_cli.py (`make test` is what CI runs, .ci/run). A
-command in no such section fails here until a test runs it or it is listed (NOT_RUN, ALLOWED)
-with the reason.
+them but NOT_RUN's: README's "Distributed" and "One machine", docs/restarts.md,
+docs/rendering.md and ops/README's fleet, restart, watch, reconcile, pause, parity, export,
+verify, compaction, archive and metrics sections in tests/e2e/test_readme_fleet.py;
+`pip install -e . && tokenmill demo` and the commands the demo prints in tests/e2e/test_cli.py
+(`make test` is what CI runs, .ci/run). A command in no such section fails here until a test
+runs it or it is listed (NOT_RUN, ALLOWED) with the reason.
 
 Checked here: a `tokenmill ...` command resolves to a command of the CLI (subcommands too) and
 its words parse with click (every option exists and takes what it is given; choices and
