@@ -79,6 +79,7 @@ def test_json_keeps_its_keys_and_refuses_watch(tmp_path: Path) -> None:
         "enqueue_stopped": False,
         "served_by": {"driver": "fleet", "servers": None},
         "failed_by_reason": {},
+        "chain_endings": {},  # an agentic --turns all run's chains by how they ended
     }
     both = tokenmill(["status", "--watch", "--json"], env)
     assert both.returncode == 2 and "use --json without it" in both.stderr

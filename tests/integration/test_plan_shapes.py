@@ -74,10 +74,17 @@ EXEMPT: dict[str, str] = {
             "turns.ready_turns",
             "turns.start_turn",
             "turns.fail_waiting_chain",
+            "turns.end_chain",
+            "turns.record_chain_end",
             "image_tokens.note_image_tokens",
         ),
         "reads or writes the rows of the ids, keys or owner it is given, through their keys",
     ),
+    # agentic `--turns all` runs only (this ledger holds none); not bounded yet
+    "reads.chain_endings": "`status` of an agentic run: counts its ended chains through "
+    "ix_items_chain_end, O(the run's chains), and the archive's through the run's archive rows",
+    "turns.unended_last_turns": "reconcile's catch-up of an agentic run pages through the "
+    "run's done items (O(done items) a pass); the writer's own call is by the ids it committed",
     **dict.fromkeys(
         (
             "queue.insert_items",
