@@ -13,7 +13,7 @@ from app.core.failures import failure_reason
 from app.core.models import ItemStatus
 from app.ledger.common import items, utcnow
 from app.ledger.outcomes import _trim
-from app.ledger.reads import StoredItem, hydrated_items, stored_items
+from app.ledger.reads import StoredItem, stored_items
 
 
 def link_turns(conn: Connection, run_id: int, keys: Sequence[str]) -> int:
@@ -167,11 +167,7 @@ def end_chain(
     """An agentic chain ends at its done item last_id with reason (CHAIN_END_*): the reason is
     recorded on it (once) and the chain's still-waiting turns from from_turn on are deleted
     (never run: no attempt, no failure). Returns how many were deleted; idempotent."""
-    conn.execute(
-        update(items)
-        .where(items.c.id == last_id, items.c.chain_end.is_(None))
-        .values(chain_end=reason)
-    )
+    record_chain_end(conn, last_id, reason)
     stmt = delete(items).where(
         items.c.run_id == run_id,
         items.c.item_key == item_key,
@@ -189,15 +185,15 @@ def unended_last_turns(
     run_id: int | None = None,
     after_id: int = 0,
     limit: int = 500,
-) -> list[StoredItem]:
-    """Done items with no later turn and no chain ending recorded: among prev_ids (just
-    committed), or of one run (the catch-up), in id order, compacted ones with their arrays
-    read back from their shards."""
+) -> list[tuple[int, int]]:
+    """(id, run_id) of the done items with no later turn and no chain ending recorded: among
+    prev_ids (just committed), or of one run (the catch-up), in id order. Only ids: the caller
+    reads the rows of the agentic runs' items alone."""
     if prev_ids is not None and not prev_ids:
         return []
     later = items.alias("later")
     stmt = (
-        select(items.c.id)
+        select(items.c.id, items.c.run_id)
         .where(
             items.c.status == ItemStatus.DONE.value,
             items.c.chain_end.is_(None),
@@ -211,7 +207,7 @@ def unended_last_turns(
         stmt = stmt.where(items.c.id.in_(list(prev_ids)))
     if run_id is not None:
         stmt = stmt.where(items.c.run_id == run_id)
-    return hydrated_items(conn, list(conn.execute(stmt).scalars()))
+    return [(int(item_id), int(run)) for item_id, run in conn.execute(stmt)]
 
 
 def record_chain_end(conn: Connection, item_id: int, reason: str) -> bool:

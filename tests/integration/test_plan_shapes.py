@@ -70,6 +70,7 @@ EXEMPT: dict[str, str] = {
             "compaction.shard_referenced",
             "outcomes.release_owner",
             "reads.stored_items",
+            "reads.hydrated_items",
             "reads.stored_prompts",
             "turns.ready_turns",
             "turns.start_turn",

@@ -22,7 +22,7 @@ from app.core.constants import EVENT_TURNS_BLOCKED, TOOL_CALL_PARSERS
 from app.core.contracts import PromptRecord
 from app.core.errors import GenerationError, InputError, PermanentError, TokenmillError
 from app.core.settings import get_settings
-from app.ledger import event_log, run_queries, turns
+from app.ledger import event_log, reads, run_queries, turns
 from app.ledger import queue as ledger_queue
 from app.ledger.queue import NewItem
 from app.ledger.reads import StoredItem
@@ -403,9 +403,13 @@ def _regenerated_history(
 
 
 def _record_final_endings(
-    db: Engine, cache: TokenizerCache, last: Sequence[StoredItem], report: AdvanceReport
+    db: Engine, cache: TokenizerCache, last_ids: Sequence[int], report: AdvanceReport
 ) -> None:
     """Record how each agentic chain ending at one of these done last turns ended."""
+    if not last_ids:
+        return
+    with db.connect() as conn:
+        last = reads.hydrated_items(conn, last_ids)
     for item in last:
         assert item.run_id is not None
         run = cache.run(db, item.run_id)
@@ -513,7 +517,9 @@ def advance(
                 _advance_one(db, cache, turn, report)
             with db.connect() as conn:
                 last = turns.unended_last_turns(conn, prev_ids=chunk, limit=len(chunk))
-            _record_final_endings(db, cache, last, report)
+            # a plain run's results are last turns too: only agentic runs' rows are read
+            agentic = [i for i, run in last if agentic_run(cache.run(db, run))]
+            _record_final_endings(db, cache, agentic, report)
         return report
     after = 0
     while True:
@@ -533,8 +539,8 @@ def advance(
                 )
             if not last:
                 break
-            _record_final_endings(db, cache, last, report)
-            after = last[-1].id
+            _record_final_endings(db, cache, [i for i, _ in last], report)
+            after = last[-1][0]
     return report
 
 
