@@ -179,6 +179,9 @@ def _probe_changed(rt: WorkerRuntime, seen: Seen) -> None:
             seen.error or "ok",
             extra={"action": "server_state"},
         )
+    enforcer = _enforcer
+    if enforcer is not None:  # the consumer follows at once, not at the next pause check
+        enforcer.check()
 
 
 @worker_ready.connect

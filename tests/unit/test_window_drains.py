@@ -17,6 +17,7 @@ from tests.unit.test_window import feed, make_window, statuses, wait_idle
 from workers.control.health import Health
 from workers.engine.pressure import Pressure
 from workers.engine.probes import DRAIN_ANSWER_MAX_S, auth_line, verdict
+from workers.engine.window import InflightWindow
 
 
 def test_a_drain_sends_nothing_new_and_gives_back_the_backlog(
@@ -129,7 +130,10 @@ class _Window:
     def __init__(self) -> None:
         self.draining: str | None = None
         self.auth_error: str | None = None
+        self.down: str | None = None
         self.abandoned = 0
+
+    held = InflightWindow.held
 
     def abandon_inflight(self, reason: str) -> int:
         self.abandoned += 1
@@ -137,8 +141,11 @@ class _Window:
 
 
 class _Pauses:
+    def __init__(self) -> None:
+        self.by: str | None = None
+
     def state(self, *, max_age_s: float = 1.0) -> tuple[bool, str | None]:
-        return False, None
+        return self.by is not None, self.by
 
 
 class _Runtime:
@@ -174,3 +181,34 @@ def test_a_worker_takes_no_messages_while_its_server_drains_or_wants_a_key() -> 
     enforcer.check()
     assert control.calls == ["cancel", "add", "cancel"]
     assert rt.window.abandoned == 0  # the requests out to a draining server finish there
+
+
+def test_a_worker_whose_server_is_down_takes_no_messages_until_it_answers() -> None:
+    from app.core.constants import PAUSED_BY_WATCHDOG
+    from workers.engine.enforcer import PauseEnforcer
+
+    rt, control = _Runtime(), _Control()
+    enforcer = PauseEnforcer(rt, "w1@host", control, 1.0)  # type: ignore[arg-type]
+    rt.window.draining = "draining: /health HTTP 503"
+    enforcer.check()
+    # the drained server exits: its drain is over, and it does not answer
+    rt.window.draining, rt.window.down = None, "cannot connect: Connection refused"
+    enforcer.check()
+    assert control.calls == ["cancel"]  # still held: no message is taken and given back
+    rt.pauses.by = PAUSED_BY_WATCHDOG
+    enforcer.check()
+    assert rt.window.abandoned == 1  # a down server's requests out are given back
+    rt.pauses.by, rt.window.down = None, None
+    enforcer.check()
+    assert control.calls == ["cancel", "add"]
+
+
+def test_a_probe_records_a_down_server_on_its_window_until_it_answers() -> None:
+    from workers.engine.probes import Seen, ServerProbe
+
+    rt = _Runtime()
+    probe = ServerProbe(rt)  # type: ignore[arg-type]
+    probe._apply(Seen(Health.DOWN, False, None, "cannot connect"))
+    assert rt.window.down == "cannot connect"
+    probe._apply(Seen(Health.HEALTHY, True, 0.01, None))
+    assert rt.window.down is None

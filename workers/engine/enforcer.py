@@ -1,5 +1,7 @@
 """Worker-side enforcement of a server's pause flag, on a short timer: cancel or re-add this
-worker's own consumer of the work queue, and give back requests stuck on a dead server.
+worker's own consumer of the work queue, and give back requests stuck on a dead server. The
+worker's own probes hold its consumer too: while the server drains, wants a key we lack, or
+does not answer.
 
 Covers a worker started after the pause, one that missed the broadcast, or a broker with no
 remote control; the task checks the flag again right before it sends.
@@ -34,6 +36,7 @@ class PauseEnforcer:
         self.interval_s = interval_s
         self.consuming: bool | None = None  # unknown until the first check
         self._abandoned = False
+        self._lock = threading.Lock()  # its timer and the probe thread both check
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="tm-pause-enforcer", daemon=True)
 
@@ -45,8 +48,12 @@ class PauseEnforcer:
         self._thread.join(timeout=5)
 
     def check(self) -> None:
+        with self._lock:
+            self._check()
+
+    def _check(self) -> None:
         paused, by = self.rt.pauses.state(max_age_s=0.0)
-        held = self._held_here()
+        held = self.rt.window.held()
         if held is not None and not paused:
             # the worker's own probes hold its server (a drain, a refused key): it takes no
             # messages meanwhile, so they go to the other servers' workers
@@ -75,20 +82,13 @@ class PauseEnforcer:
                 )
                 self.control.add_consumer([self.worker])
             self.consuming = True
-        if paused and by == PAUSED_BY_WATCHDOG and held is None and not self._abandoned:
+        # a drained or key-refusing server keeps its requests out; a down or stalled one not
+        finishing = self.rt.window.draining is not None or self.rt.window.auth_error is not None
+        if paused and by == PAUSED_BY_WATCHDOG and not finishing and not self._abandoned:
             self.rt.window.abandon_inflight("server down or stalled (watchdog)")
             self._abandoned = True
         if not paused:
             self._abandoned = False
-
-    def _held_here(self) -> str | None:
-        """Why this worker's own probes keep its server from new work (None: they do not)."""
-        window = self.rt.window
-        if window.auth_error is not None:
-            return "it needs an API key"
-        if window.draining is not None:
-            return "it drains"
-        return None
 
     def _loop(self) -> None:
         while not self._stop.is_set():

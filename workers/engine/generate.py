@@ -139,6 +139,11 @@ def handle_message(
     result (Flower shows it)."""
     ids = [int(i) for i in item_ids]
     wait_s = rt.settings.unavailable_wait_s
+    if rt.window.held() is not None:
+        # this worker's consumer is cancelled at once (the enforcer): the messages go straight
+        # back, for the workers of servers that take work
+        requeue(ids, 0.0)
+        return {"claimed": 0, "skipped": 0, "deferred": len(ids), "server": rt.server_name}
     if rt.window.unavailable() or rt.paused():
         requeue(ids, wait_s)
         return {"claimed": 0, "skipped": 0, "deferred": len(ids), "server": rt.server_name}

@@ -160,6 +160,7 @@ class ServerProbe:
 
     def _apply(self, seen: Seen) -> None:
         window = self.rt.window
+        window.down = (seen.error or "no answer") if seen.state is Health.DOWN else None
         if seen.state is Health.DRAINING:
             if window.draining is None:
                 self._drain_started = self._clock()

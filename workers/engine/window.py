@@ -87,6 +87,9 @@ class InflightWindow:
         # is sent to it; and when it wants an API key we do not have (401/403)
         self._draining: str | None = None
         self.auth_error: str | None = None
+        # why the server's own probe last found it down (None: it answered): a worker takes
+        # no messages meanwhile, so they go to the workers of servers that answer
+        self.down: str | None = None
         self._stopping = threading.Event()
         self._timer = Timer(
             config,
@@ -472,6 +475,19 @@ class InflightWindow:
                 extra={"action": "draining"},
             )
         return len(waiting)
+
+    def held(self) -> str | None:
+        """Why the server's own probes keep new work from it (None: they do not): it wants a
+        key we lack, it drains, or it did not answer. A worker takes no messages meanwhile."""
+        if self.auth_error is not None:
+            return "it needs an API key"
+        if self.draining is not None:
+            return "it drains"
+        if self.down is not None:
+            # after a drain the server exits: without this its worker would take messages
+            # again and give each back, until the watchdog (if beat runs) paused the server
+            return f"it is down: {self.down}"
+        return None
 
     def drained(self) -> None:
         """The server serves again (or is gone and will be found down): the drain is over."""
