@@ -303,6 +303,7 @@ def enqueue(
             reporter=reporter,
             image_pins=tokenizer.image_pins,
             no_pins=tokenizer.no_image_pins,
+            chat_pins=run.chat_pins if run.turns == "all" else None,
         ),
         store,
         reporter,
