@@ -163,14 +163,19 @@ def test_agentic_chains_run_end_to_end_as_sglang_renders_them(
     )
     recounted: Counter[str] = Counter()
     checked = 0
+    splits: dict[str, list[tuple[list[int], list[int]]]] = {}
     for row in rows:
-        chain = sorted(chains[row["id"]], key=lambda s: s["turn"])
+        chains[row["id"]] = chain = sorted(chains[row["id"]], key=lambda s: s["turn"])
         assert [s["turn"] for s in chain] == list(range(len(chain)))
-        split = [
+        splits[row["id"]] = [
             (s["input_ids"][: s["loss_mask"].index(1)], s["input_ids"][s["loss_mask"].index(1) :])
             for s in chain
         ]
-        answers = sglang_path.parse([output for _, output in split], row["tools"], EOS)
+    parsed = sglang_path.parse_all(
+        [([output for _, output in splits[row["id"]]], row["tools"]) for row in rows], EOS
+    )
+    for row, answers in zip(rows, parsed, strict=True):
+        chain, split = chains[row["id"]], splits[row["id"]]
         conversation = row["messages"]
         assistant_at = [i for i, t in enumerate(conversation) if t["role"] == "assistant"]
         history = [dict(t) for t in conversation[: assistant_at[0]]]

@@ -216,14 +216,17 @@ def test_agentic_chains_splice_cached_results_as_sglang_renders_them(
 
     oracle = SGLangAgentLoop(folder, family.parser or "kimi_k2", family.reasoning_parser)
     checked = 0
-    for key, chain in chains.items():
+    parsed = oracle.parse_all(
+        [([i.output_ids for i in c[:-1]], TOOLS) for c in chains.values()], EOS
+    )
+    for (key, chain), answers in zip(chains.items(), parsed, strict=True):
         script = SCRIPTS[int(key)]
         turns_done = [i.turn_index for i in chain]
         endings = [i.chain_end for i in chain]
         # the chain ends at its first mismatch: every turn up to it done, none after
         assert turns_done == list(range(len(script.actions))), key
         assert endings == [None] * (len(chain) - 1) + [script.ending], key
-        checked += _check_prompts(oracle, family, rows[int(key)]["messages"], chain)
+        checked += _check_prompts(oracle, family, rows[int(key)]["messages"], chain, answers)
     assert checked == sum(len(c) - 1 for c in chains.values()) > 0
     with db.connect() as conn:
         counted = reads.chain_endings(conn, run_id)
@@ -253,14 +256,18 @@ def test_agentic_chains_splice_cached_results_as_sglang_renders_them(
 
 
 def _check_prompts(
-    oracle: SGLangAgentLoop, family: Family, conversation: list[dict[str, Any]], chain: list[Any]
+    oracle: SGLangAgentLoop,
+    family: Family,
+    conversation: list[dict[str, Any]],
+    chain: list[Any],
+    answers: list[dict[str, Any]],
 ) -> int:
     """Rebuild the chain's history as an agent loop against SGLang would, turn by turn, and
-    compare each chained prompt with SGLang's render of it."""
+    compare each chained prompt with SGLang's render of it (answers: the wheel's parse of each
+    output but the last)."""
     assistant_at = [i for i, t in enumerate(conversation) if t["role"] == "assistant"]
     history = [dict(t) for t in conversation[: assistant_at[0]]]
     assert chain[0].prompt_ids == oracle.render(history, TOOLS)
-    answers = oracle.parse([i.output_ids for i in chain[:-1]], TOOLS, EOS)
     for n, (item, answer) in enumerate(zip(chain[1:], answers, strict=True)):
         message: dict[str, Any] = {"role": "assistant", "content": answer["normal_text"] or ""}
         if answer["reasoning_text"]:
