@@ -210,13 +210,15 @@ def _is_object(arguments: str) -> bool:
         return False
 
 
-def call_id(parser: str, call: ToolCall, history_calls: int, seed: str) -> str:
+def call_id(parser: str, call: ToolCall, history_calls: int, seed: str, position: int = 0) -> str:
     """The id SGLang's chat endpoint gives a parsed call (`_process_tool_call_id`): Kimi-K2's
     `functions.{name}:{n}` counting the history's earlier calls; for other parsers SGLang draws
-    `call_` + 24 random hex digits, here derived from seed (the item key) so a rerun repeats it."""
+    `call_` + 24 random hex digits for each call, here derived from seed (the item key) and the
+    call's position in its turn, so a rerun repeats them and parallel calls of one tool (one
+    tool_index) differ."""
     if parser == "kimi_k2":
         return f"functions.{call.name}:{history_calls + call.tool_index}"
-    digest = hashlib.blake2b(f"{seed}:{call.tool_index}".encode(), digest_size=12).hexdigest()
+    digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=12).hexdigest()
     return f"call_{digest}"
 
 
@@ -357,10 +359,10 @@ def final_message(
         "content": parsed.content,
         "tool_calls": [
             {
-                "id": call_id(parser, call, count, seed),
+                "id": call_id(parser, call, count, seed, position),
                 "type": "function",
                 "function": {"name": call.name, "arguments": call.arguments},
             }
-            for call in parsed.calls
+            for position, call in enumerate(parsed.calls)
         ],
     }

@@ -120,6 +120,16 @@ def test_call_ids_and_spliced_results() -> None:
     assert first == tool_calls.call_id("qwen25", qwen, 0, "row-1")
     assert first != tool_calls.call_id("qwen25", qwen, 3, "row-2")
     assert first.startswith("call_") and len(first) == len("call_") + 24
+    # parallel calls of one tool share its tool_index; SGLang draws each its own id
+    twice = tool_calls.final_message(
+        "qwen25",
+        {"role": "assistant", "content": _qwen([("search", ARGS[1])] * 2, "")},
+        tools,
+        "row-1",
+        [],
+    )
+    ids = [c["id"] for c in twice["tool_calls"]]
+    assert len(ids) == 2 and len(set(ids)) == 2 and ids[0] == first
     cached = {"role": "tool", "tool_call_id": "call_orig", "content": "18C", "name": "search"}
     spliced = tool_calls.spliced_result(cached, first)
     assert spliced == {**cached, "tool_call_id": first} and cached["tool_call_id"] == "call_orig"
