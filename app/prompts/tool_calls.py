@@ -253,6 +253,23 @@ def cached_results(
     """A waiting turn's stored context split: the tool names its leading tool results answer
     (from the dataset's assistant turn kept first in the context, by tool_call_id, else by
     position, else the result's own `name`), those results, and the turns after them."""
+    cached = _cached(context)
+    return cached.names, cached.results, cached.rest
+
+
+@dataclass(frozen=True)
+class _Cached:
+    """What cached_results gives, and the dataset's calls: their names in order, and for each
+    result the position of the call it answers (None: none found)."""
+
+    names: list[str | None]
+    results: list[dict[str, Any]]
+    rest: list[dict[str, Any]]
+    call_names: list[str | None]
+    answers: list[int | None]
+
+
+def _cached(context: Sequence[Mapping[str, Any]]) -> _Cached:
     turns = [dict(t) for t in context]
     dataset_calls: list[Mapping[str, Any]] = []
     if turns and turns[0].get("role") == "assistant":
@@ -260,15 +277,44 @@ def cached_results(
     results: list[dict[str, Any]] = []
     while turns and turns[0].get("role") == "tool":
         results.append(turns.pop(0))
-    by_id = {c.get("id"): c for c in dataset_calls if c.get("id")}
+    position_of = {c.get("id"): n for n, c in enumerate(dataset_calls) if c.get("id")}
     names: list[str | None] = []
+    answers: list[int | None] = []
     for position, result in enumerate(results):
-        call = by_id.get(result.get("tool_call_id"))
-        if call is None and position < len(dataset_calls):
-            call = dataset_calls[position]
-        name = _function(call).get("name") if call is not None else None
+        answered = position_of.get(result.get("tool_call_id"))
+        if answered is None and position < len(dataset_calls):
+            answered = position
+        name = _function(dataset_calls[answered]).get("name") if answered is not None else None
         names.append(name if isinstance(name, str) else result.get("name"))
-    return names, results, turns
+        answers.append(answered)
+    call_names = [_name_of(c) for c in dataset_calls]
+    return _Cached(names, results, turns, call_names, answers)
+
+
+def _name_of(call: Mapping[str, Any]) -> str | None:
+    name = _function(call).get("name")
+    return name if isinstance(name, str) else None
+
+
+def _in_order_ending(parsed: ParsedTurn, cached: _Cached) -> str | None:
+    """--parallel-calls in-order: a turn of several calls (or a dataset turn of several results)
+    goes on when the target makes as many well-formed calls as the dataset made, the i-th to
+    the dataset's i-th tool, and each result answers one of those calls; else how it ends."""
+    if parsed.openings > len(parsed.calls) or any(
+        not _is_object(c.arguments) for c in parsed.calls
+    ):
+        return constants.CHAIN_END_MALFORMED_CALL
+    if not parsed.calls:
+        return constants.CHAIN_END_NO_CALL
+    if not cached.results:
+        return constants.CHAIN_END_RESULTS_EXHAUSTED
+    answered = sorted(a for a in cached.answers if a is not None)
+    expected = list(range(len(cached.call_names)))
+    if len(parsed.calls) != len(cached.call_names) or answered != expected:
+        return constants.CHAIN_END_PARALLEL_CALLS
+    if any(c.name != n for c, n in zip(parsed.calls, cached.call_names, strict=True)):
+        return constants.CHAIN_END_OTHER_TOOL
+    return None
 
 
 def chain_step(
@@ -278,27 +324,35 @@ def chain_step(
     history: Sequence[Mapping[str, Any]],
     context: Sequence[Mapping[str, Any]],
     seed: str,
+    parallel: str = constants.PARALLEL_CALLS_END,
 ) -> ChainStep:
     """Read a regenerated assistant turn (its `content`, the reasoning already split off into
-    `reasoning_content`) as SGLang's chat endpoint does and splice the dataset's cached result
+    `reasoning_content`) as SGLang's chat endpoint does and splice the dataset's cached results
     in. A turn goes on when it makes one well-formed call to the tool whose result the dataset
     has next (one result), or makes no call where the dataset has no result next (a plain
-    turn). history: this turn's prompt turns; context: the waiting turn's stored context (the
+    turn); with parallel "in-order", also when it makes the dataset's parallel calls, the i-th
+    to the dataset's i-th tool (each result then answers the regenerated call in its place).
+    history: this turn's prompt turns; context: the waiting turn's stored context (the
     dataset's assistant turn first, then its results, then the turns after them). seed: the
     item's key, for the ids of parsers whose SGLang ids are random."""
     parsed = parse(parser, str(regenerated.get("content") or ""), tools)
-    names, results, rest = cached_results(context)
-    ending = chain_ending(parsed, names[0] if names else None)
+    cached = _cached(context)
+    names, results, rest = cached.names, cached.results, cached.rest
+    several = len(parsed.calls) > 1 or len(results) > 1
+    if parallel == constants.PARALLEL_CALLS_IN_ORDER and several:
+        ending = _in_order_ending(parsed, cached)
+    else:
+        ending = chain_ending(parsed, names[0] if names else None)
     if ending == constants.CHAIN_END_COMPLETE:
         ending = None  # no call, no result next: a plain turn, the dataset goes on
-    elif ending is None and len(results) > 1:
+    elif ending is None and len(results) > 1 and len(parsed.calls) == 1:
         ending = constants.CHAIN_END_PARALLEL_CALLS  # the dataset's results answer parallel calls
     if ending is not None:
         return ChainStep(parsed, ending)
     if not parsed.calls:
         return ChainStep(parsed, None, [dict(regenerated), *rest])
-    call = parsed.calls[0]
-    regenerated_id = call_id(parser, call, history_call_count(history), seed)
+    count = history_call_count(history)
+    ids = [call_id(parser, c, count, seed, n) for n, c in enumerate(parsed.calls)]
     message = {
         **regenerated,
         "content": parsed.content,
@@ -306,11 +360,17 @@ def chain_step(
             {
                 "id": regenerated_id,
                 "type": "function",
-                "function": {"name": call.name, "arguments": call.arguments},
+                "function": {"name": c.name, "arguments": c.arguments},
             }
+            for c, regenerated_id in zip(parsed.calls, ids, strict=True)
         ],
     }
-    return ChainStep(parsed, None, [message, spliced_result(results[0], regenerated_id), *rest])
+    # one call answers the one result; in order, each result the call in its dataset place
+    spliced = [
+        spliced_result(result, ids[0 if len(ids) == 1 else answered or 0])
+        for result, answered in zip(results, cached.answers, strict=True)
+    ]
+    return ChainStep(parsed, None, [message, *spliced, *rest])
 
 
 def final_ending(parser: str, answer: str, tools: Sequence[Mapping[str, Any]]) -> str:

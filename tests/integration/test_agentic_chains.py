@@ -78,6 +78,18 @@ class Script:
     follow_up: bool = False
 
 
+# what --parallel-calls in-order carries on (SCRIPTS end the same way under it)
+IN_ORDER = [
+    Script([["get_weather", "search"]], ["parallel", "text"], constants.CHAIN_END_COMPLETE),
+    Script(
+        [["get_weather", "search"]],
+        ["parallel", "text", "text"],
+        constants.CHAIN_END_COMPLETE,
+        True,
+    ),
+    Script([["search", "get_weather"]], ["parallel"], constants.CHAIN_END_OTHER_TOOL),
+]
+
 SCRIPTS = [
     Script(TWO, ["get_weather", "search", "text"], constants.CHAIN_END_COMPLETE),
     Script(TWO, ["search"], constants.CHAIN_END_OTHER_TOOL),
@@ -162,13 +174,21 @@ def folder(family: Family, kimi_tokenizer_dir: Path, tmp_path: Path) -> Path:
     )
 
 
-def _run_chains(db: Engine, tokenizer: ChatTokenizer, family: Family, path: Path) -> int:
+def _run_chains(
+    db: Engine,
+    tokenizer: ChatTokenizer,
+    family: Family,
+    path: Path,
+    scripts: list[Script],
+    parallel: str,
+) -> int:
     options = EnqueueOptions(
         path,
         "agents",
         SamplingParams(max_new_tokens=64, seed=1),
         turns="all",
         tool_call_parser=family.parser,
+        parallel_calls=parallel,
     )
     report = enqueue(db, tokenizer, options, publish=None)
     assert report.errors == []
@@ -182,7 +202,7 @@ def _run_chains(db: Engine, tokenizer: ChatTokenizer, family: Family, path: Path
             return run.id
         done = []
         for item in pending:
-            script = SCRIPTS[int(item.item_key)]
+            script = scripts[int(item.item_key)]
             action = script.actions[item.turn_index]
             text = _output_text(family, action, item.item_key, item.turn_index)
             done.append(Done(item.id, _result(tokenizer, family, text, len(item.prompt_ids))))
@@ -193,22 +213,26 @@ def _run_chains(db: Engine, tokenizer: ChatTokenizer, family: Family, path: Path
         turns.advance(db, cache, prev_ids=ids)
 
 
+@pytest.mark.parametrize("parallel", list(constants.PARALLEL_CALLS))
 def test_agentic_chains_splice_cached_results_as_sglang_renders_them(
-    db: Engine, family: Family, folder: Path, tmp_path: Path
+    db: Engine, family: Family, folder: Path, tmp_path: Path, parallel: str
 ) -> None:
+    scripts = SCRIPTS + (IN_ORDER if parallel == constants.PARALLEL_CALLS_IN_ORDER else [])
     tokenizer = load_tokenizer(folder)
     rows = [
         {"id": str(n), "messages": _conversation(s.calls, s.follow_up), "tools": TOOLS}
-        for n, s in enumerate(SCRIPTS)
+        for n, s in enumerate(scripts)
     ]
     path = tmp_path / "rows.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    run_id = _run_chains(db, tokenizer, family, path)
+    run_id = _run_chains(db, tokenizer, family, path, scripts, parallel)
     statuses = ("waiting", "pending", "queued", "leased", "done", "failed")
     with db.connect() as conn:
         found = list(reads.iter_items(conn, run_id, statuses=statuses))
         run = run_queries.get_run(conn, "agents")
     assert (run.chat_pins or {})["tool_call_parser"] == (family.parser or "kimi_k2")
+    in_order = parallel == constants.PARALLEL_CALLS_IN_ORDER
+    assert (run.chat_pins or {}).get("parallel_calls") == (parallel if in_order else None)
     assert {i.status for i in found} == {"done"}
     chains: dict[str, list[reads.StoredItem]] = {}
     for item in sorted(found, key=lambda i: i.turn_index):
@@ -220,7 +244,7 @@ def test_agentic_chains_splice_cached_results_as_sglang_renders_them(
         [([i.output_ids for i in c[:-1]], TOOLS) for c in chains.values()], EOS
     )
     for (key, chain), answers in zip(chains.items(), parsed, strict=True):
-        script = SCRIPTS[int(key)]
+        script = scripts[int(key)]
         turns_done = [i.turn_index for i in chain]
         endings = [i.chain_end for i in chain]
         # the chain ends at its first mismatch: every turn up to it done, none after
@@ -230,7 +254,7 @@ def test_agentic_chains_splice_cached_results_as_sglang_renders_them(
     assert checked == sum(len(c) - 1 for c in chains.values()) > 0
     with db.connect() as conn:
         counted = reads.chain_endings(conn, run_id)
-    assert counted == dict(sorted(Counter(s.ending for s in SCRIPTS).items()))
+    assert counted == dict(sorted(Counter(s.ending for s in scripts).items()))
 
     # verify re-renders every chained prompt from its stored parsed history
     verified = verify_run(db, run, tokenizer)
@@ -247,10 +271,10 @@ def test_agentic_chains_splice_cached_results_as_sglang_renders_them(
         last = exported[key]
         assert last["conversations"][:-1] == chain[-1].messages
         assert last["tool_call_parser"] == (family.parser or "kimi_k2")
-        assert last["chain_end"] == SCRIPTS[int(key)].ending
+        assert last["chain_end"] == scripts[int(key)].ending
         final = last["conversations"][-1]
         calls = [c["function"]["name"] for c in final.get("tool_calls", [])]
-        action = SCRIPTS[int(key)].actions[-1]
+        action = scripts[int(key)].actions[-1]
         expected = {"parallel": ["get_weather", "search"], "malformed": [], "text": []}
         assert calls == expected.get(action, [action]), key
 
@@ -274,17 +298,28 @@ def _check_prompts(
             message["reasoning_content"] = answer["reasoning_text"]
         dataset_next = conversation[assistant_at[n] + 1 : assistant_at[n + 1]]
         if answer["calls"]:
-            ((_, name, arguments),) = answer["calls"]
-            stored = [t for t in item.messages if t.get("tool_calls")][-1]["tool_calls"][0]["id"]
-            if family.name == "kimi":  # SGLang's `_process_tool_call_id` for kimi_k2
-                count = sum(len(t.get("tool_calls") or []) for t in history)
-                assert stored == f"functions.{name}:{count}"
-            else:  # SGLang draws call_ + 24 hex digits; the template does not render it
-                assert stored.startswith("call_") and len(stored) == 29
-            function = {"name": name, "arguments": arguments}
-            message["tool_calls"] = [{"id": stored, "type": "function", "function": function}]
-            result, *rest = dataset_next
-            history += [message, {**result, "tool_call_id": stored}, *rest]
+            stored = [t for t in item.messages if t.get("tool_calls")][-1]["tool_calls"]
+            ids = [call["id"] for call in stored]
+            count = sum(len(t.get("tool_calls") or []) for t in history)
+            message["tool_calls"] = []
+            for k, (_, name, arguments) in enumerate(answer["calls"]):
+                if family.name == "kimi":  # SGLang's `_process_tool_call_id` for kimi_k2
+                    assert ids[k] == f"functions.{name}:{count + k}"
+                else:  # SGLang draws call_ + 24 hex digits; the template does not render it
+                    assert ids[k].startswith("call_") and len(ids[k]) == 29
+                function = {"name": name, "arguments": arguments}
+                message["tool_calls"].append(
+                    {"id": ids[k], "type": "function", "function": function}
+                )
+            assert len(set(ids)) == len(ids) == len(answer["calls"])
+            # each cached result answers the regenerated call in its dataset call's place
+            dataset_ids = [c["id"] for c in conversation[assistant_at[n]]["tool_calls"]]
+            results = [t for t in dataset_next if t["role"] == "tool"]
+            rest = dataset_next[len(results) :]
+            spliced = [
+                {**r, "tool_call_id": ids[dataset_ids.index(r["tool_call_id"])]} for r in results
+            ]
+            history += [message, *spliced, *rest]
         else:
             history += [message, *dataset_next]
         assert item.prompt_ids == oracle.render(history, TOOLS), (item.item_key, item.turn_index)

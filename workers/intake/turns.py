@@ -18,6 +18,7 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine
 
+from app.core import constants
 from app.core.constants import EVENT_TURNS_BLOCKED, TOOL_CALL_PARSERS
 from app.core.contracts import PromptRecord
 from app.core.errors import GenerationError, InputError, PermanentError, TokenmillError
@@ -375,6 +376,7 @@ def _regenerated_history(
         prev.messages or [],
         context,
         seed=tool_calls.item_seed(prev.item_key, prev.sample_index, prev.turn_index),
+        parallel=str((run.chat_pins or {}).get("parallel_calls", constants.PARALLEL_CALLS_END)),
     )
     if step.ending is None:
         return [*(dict(t) for t in prev.messages or []), *step.turns]
