@@ -14,10 +14,13 @@ import json
 import re
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from app.core import constants
 from app.core.errors import InputError
+
+if TYPE_CHECKING:
+    from app.prompts.tokenization import ChatTokenizer
 
 
 @dataclass(frozen=True)
@@ -159,6 +162,23 @@ _PARSERS = {"kimi_k2": _kimi, "qwen25": _qwen25, "hermes": _hermes}
 # SGLang's ToolCallParserEnum maps "qwen" (the name its template detection gives) to qwen25's
 ALIASES = {"qwen": "qwen25"}
 KIMI_SECTION_TOKEN = _KIMI_SECTION
+
+
+# what ends an unterminated reasoning block for each parser's family: the tool-call start of
+# SGLang's reasoning parser for it (KimiK2Detector's, and Qwen3Detector's for the Qwen/Hermes
+# format: `tool_start_token`)
+REASONING_INTERRUPTS = {
+    "kimi_k2": _KIMI_SECTION,
+    "qwen25": "<tool_call>",
+    "hermes": "<tool_call>",
+}
+
+
+def reasoning_interrupt_id(parser: str, tokenizer: ChatTokenizer) -> int | None:
+    """The id of the token that ends an unterminated reasoning block in this parser's family
+    (None: it is not one token of this vocabulary, and nothing ends such a block early)."""
+    token = REASONING_INTERRUPTS.get(parser_name(parser))
+    return None if token is None else tokenizer.single_token_id(token)
 
 
 def parser_name(name: str) -> str:

@@ -91,6 +91,10 @@ IN_ORDER = [
 ]
 
 SCRIPTS = [
+    # SGLang's reasoning parser: the call section ends a reasoning block left open, and a block
+    # never closed is all reasoning (a plain turn when a user turn is next)
+    Script(TWO, ["early:get_weather", "search", "text"], constants.CHAIN_END_COMPLETE),
+    Script(TWO, ["get_weather", "search", "unclosed", "text"], constants.CHAIN_END_COMPLETE, True),
     Script(TWO, ["get_weather", "search", "text"], constants.CHAIN_END_COMPLETE),
     Script(TWO, ["search"], constants.CHAIN_END_OTHER_TOOL),
     Script(TWO, ["get_weather", "parallel"], constants.CHAIN_END_PARALLEL_CALLS),
@@ -139,6 +143,9 @@ FAMILIES = {
 
 
 def _output_text(family: Family, action: str, key: str, turn: int) -> str:
+    action = action.removeprefix("early:")
+    if action == "unclosed":
+        return ""
     if action == "text":
         return f"Answer {key} {turn}."
     if action == "parallel":
@@ -149,13 +156,20 @@ def _output_text(family: Family, action: str, key: str, turn: int) -> str:
 
 
 def _result(
-    tokenizer: ChatTokenizer, family: Family, text: str, prompt_tokens: int
+    tokenizer: ChatTokenizer, family: Family, text: str, prompt_tokens: int, action: str
 ) -> GenerateResult:
+    """The output ids: with a reasoning family (the template opened <think>) reasoning first,
+    closed by </think> unless the action says otherwise: "early:NAME" opens the call section
+    before any </think>, "unclosed" never closes it and says nothing else."""
     encode = tokenizer.hf_tokenizer.encode
     ids: list[int] = []
-    if family.reasoning_parser is not None:  # the template opened <think>: reasoning first
+    if family.reasoning_parser is not None:
         assert tokenizer.think_end_id is not None
-        ids += [*encode("weighing it", add_special_tokens=False), tokenizer.think_end_id]
+        ids += encode("weighing it", add_special_tokens=False)
+        if not action.startswith("early:") and action != "unclosed":
+            ids.append(tokenizer.think_end_id)
+    elif action == "unclosed":
+        text = "weighing it"
     ids += [*encode(text, add_special_tokens=False), tokenizer.eos_token_ids[0]]
     return GenerateResult("r", ids, "stop", ids[-1], prompt_tokens, len(ids), 0, 0.1)
 
@@ -205,7 +219,8 @@ def _run_chains(
             script = scripts[int(item.item_key)]
             action = script.actions[item.turn_index]
             text = _output_text(family, action, item.item_key, item.turn_index)
-            done.append(Done(item.id, _result(tokenizer, family, text, len(item.prompt_ids))))
+            result = _result(tokenizer, family, text, len(item.prompt_ids), action)
+            done.append(Done(item.id, result))
         with db.begin() as conn:
             ids = [d.item_id for d in done]
             claims.claim_items(conn, ids, owner="w", server="s", lease_s=60)

@@ -362,8 +362,8 @@ def _regenerated_history(
     """The next turn's prompt turns, or None when an agentic chain ends at the previous turn
     (its ending recorded, the rest of the chain deleted)."""
     prev = turn.prev
-    regenerated = assistant_turn(prev, run, tokenizer)
     parser = agentic_parser(run, prev)
+    regenerated = assistant_turn(prev, run, tokenizer, parser)
     context = turn.context
     if parser is None and context and context[0].get("role") == "assistant":
         context = context[1:]  # no parser (plain chain): the dataset's call turn is no history
@@ -422,7 +422,7 @@ def _record_final_endings(
         if tokenizer is None:
             report.blocked += 1
             continue
-        answer = assistant_turn(item, run, tokenizer)["content"]
+        answer = assistant_turn(item, run, tokenizer, parser)["content"]
         ending = tool_calls.final_ending(parser, answer, item.tools or [])
         with db.begin() as conn:
             if turns.record_chain_end(conn, item.id, ending):
