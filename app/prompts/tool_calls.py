@@ -1,5 +1,6 @@
 """A target's generated text read as SGLang 0.5.23's function-call parsers read it (non-streaming
-`detect_and_parse` of `kimi_k2`, `qwen25`, `hermes`), and whether an agentic chain goes on.
+`detect_and_parse` of `kimi_k2`, `qwen25`, `hermes`, `deepseekv31`), and whether an agentic chain
+goes on.
 
 The parse runs in the client, not through the server's `/parse_function_call`: it is a pure
 function of the text and the request's tools, so a chain step costs no round trip;
@@ -158,7 +159,35 @@ def _hermes(text: str, tools: Sequence[Mapping[str, Any]]) -> ParsedTurn:
     return ParsedTurn(text[: text.find("<tool_call>")].strip(), tuple(calls), openings)
 
 
-_PARSERS = {"kimi_k2": _kimi, "qwen25": _qwen25, "hermes": _hermes}
+_DS_BOT = "<｜tool▁calls▁begin｜>"
+_DS_CALL_BEGIN = "<｜tool▁call▁begin｜>"
+_DS_CALL = re.compile(f"{_DS_CALL_BEGIN}.*?<｜tool▁call▁end｜>", re.DOTALL)
+_DS_DETAIL = re.compile(
+    f"{_DS_CALL_BEGIN}(.*)<｜tool▁sep｜>(.*)<｜tool▁call▁end｜>",
+    re.DOTALL,
+)
+
+
+def _deepseekv31(text: str, tools: Sequence[Mapping[str, Any]]) -> ParsedTurn:
+    # DeepSeekV31Detector: `name<｜tool▁sep｜>{json}` per call; one call that does not parse
+    # and the whole text is the answer, no call
+    if _DS_BOT not in text:
+        return ParsedTurn(text, (), 0)
+    openings = text.count(_DS_CALL_BEGIN)
+    calls: list[ToolCall] = []
+    try:
+        for raw in _DS_CALL.findall(text):
+            detail = _DS_DETAIL.search(raw)
+            if detail is None:
+                raise InputError("a DeepSeek tool call without its separator")
+            arguments = json.loads(detail.group(2))
+            calls.extend(_base_json({"name": detail.group(1), "parameters": arguments}, tools))
+    except (json.JSONDecodeError, InputError):
+        return ParsedTurn(text, (), openings)
+    return ParsedTurn(text[: text.find(_DS_BOT)].strip(), tuple(calls), openings)
+
+
+_PARSERS = {"kimi_k2": _kimi, "qwen25": _qwen25, "hermes": _hermes, "deepseekv31": _deepseekv31}
 # SGLang's ToolCallParserEnum maps "qwen" (the name its template detection gives) to qwen25's
 ALIASES = {"qwen": "qwen25"}
 KIMI_SECTION_TOKEN = _KIMI_SECTION
@@ -171,6 +200,7 @@ REASONING_INTERRUPTS = {
     "kimi_k2": _KIMI_SECTION,
     "qwen25": "<tool_call>",
     "hermes": "<tool_call>",
+    "deepseekv31": "<tool_call>",  # its reasoning parser, deepseek-v3, is Qwen3's
 }
 
 

@@ -48,6 +48,13 @@ def _qwen(calls: list[tuple[str, str]], prefix: str, sep: str = "\n") -> str:
     return f"{prefix}{body}"
 
 
+def _deepseek(calls: list[tuple[str, str]], prefix: str) -> str:
+    body = "".join(
+        f"<｜tool▁call▁begin｜>{n}<｜tool▁sep｜>{a}<｜tool▁call▁end｜>" for n, a in calls
+    )
+    return f"{prefix}<｜tool▁calls▁begin｜>{body}<｜tool▁calls▁end｜>"
+
+
 def _texts() -> list[tuple[str, str]]:
     names = ["get_weather", "search", "read_file", "unknown_tool"]
     prefixes = ["", "Let me check.\n", "  thinking aloud  "]
@@ -58,6 +65,7 @@ def _texts() -> list[tuple[str, str]]:
             texts += [("kimi_k2", _kimi(calls, prefix)), ("kimi_k2", _kimi(calls, prefix, True))]
             texts += [("qwen25", _qwen(calls, prefix)), ("hermes", _qwen(calls, prefix, ""))]
             texts += [("hermes", _qwen(calls, prefix)), ("qwen25", _qwen(calls, prefix, ""))]
+            texts += [("deepseekv31", _deepseek(calls, prefix))]
     malformed = [
         ("kimi_k2", _kimi([("get_weather", '{"city": Paris}')], "x")),
         ("kimi_k2", _kimi([("get_weather", "[1]")], "x")),
@@ -68,6 +76,10 @@ def _texts() -> list[tuple[str, str]]:
         ("hermes", _qwen([("get_weather", '{"city": }')], "x", "")),
         ("hermes", '<tool_call>{"name": "get_weather", "arguments": {"city": "P"}}'),
         ("hermes", '<tool_call>[{"name": "search", "arguments": {}}, 3]</tool_call>'),
+        ("deepseekv31", _deepseek([("get_weather", '{"city": }')], "x")),
+        ("deepseekv31", _deepseek([("get_weather", "[1]")], "x")),
+        ("deepseekv31", "a<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather"),
+        ("deepseekv31", _deepseek([("get_weather", "{}")], "").replace("｜tool▁sep", "|x")),
     ]
     return texts + malformed
 
