@@ -418,7 +418,7 @@ def sampling_options(func: F) -> F:
         ),
         click.option(
             "--tool-call-parser",
-            type=click.Choice(["kimi_k2", "qwen25", "qwen", "hermes"]),
+            type=click.Choice(["kimi_k2", "qwen25", "qwen", "hermes", "deepseekv31"]),
             default=None,
             show_default="SGLang's template detection",
             help="Read the target's calls as a server started with --tool-call-parser NAME "

@@ -1,5 +1,6 @@
 """A target's generated text read as SGLang 0.5.23's function-call parsers read it (non-streaming
-`detect_and_parse` of `kimi_k2`, `qwen25`, `hermes`), and whether an agentic chain goes on.
+`detect_and_parse` of `kimi_k2`, `qwen25`, `hermes`, `deepseekv31`), and whether an agentic chain
+goes on.
 
 The parse runs in the client, not through the server's `/parse_function_call`: it is a pure
 function of the text and the request's tools, so a chain step costs no round trip;
@@ -12,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -158,7 +159,35 @@ def _hermes(text: str, tools: Sequence[Mapping[str, Any]]) -> ParsedTurn:
     return ParsedTurn(text[: text.find("<tool_call>")].strip(), tuple(calls), openings)
 
 
-_PARSERS = {"kimi_k2": _kimi, "qwen25": _qwen25, "hermes": _hermes}
+_DS_BOT = "<｜tool▁calls▁begin｜>"
+_DS_CALL_BEGIN = "<｜tool▁call▁begin｜>"
+_DS_CALL = re.compile(f"{_DS_CALL_BEGIN}.*?<｜tool▁call▁end｜>", re.DOTALL)
+_DS_DETAIL = re.compile(
+    f"{_DS_CALL_BEGIN}(.*)<｜tool▁sep｜>(.*)<｜tool▁call▁end｜>",
+    re.DOTALL,
+)
+
+
+def _deepseekv31(text: str, tools: Sequence[Mapping[str, Any]]) -> ParsedTurn:
+    # DeepSeekV31Detector: `name<｜tool▁sep｜>{json}` per call; one call that does not parse
+    # and the whole text is the answer, no call
+    if _DS_BOT not in text:
+        return ParsedTurn(text, (), 0)
+    openings = text.count(_DS_CALL_BEGIN)
+    calls: list[ToolCall] = []
+    try:
+        for raw in _DS_CALL.findall(text):
+            detail = _DS_DETAIL.search(raw)
+            if detail is None:
+                raise InputError("a DeepSeek tool call without its separator")
+            arguments = json.loads(detail.group(2))
+            calls.extend(_base_json({"name": detail.group(1), "parameters": arguments}, tools))
+    except (json.JSONDecodeError, InputError):
+        return ParsedTurn(text, (), openings)
+    return ParsedTurn(text[: text.find(_DS_BOT)].strip(), tuple(calls), openings)
+
+
+_PARSERS = {"kimi_k2": _kimi, "qwen25": _qwen25, "hermes": _hermes, "deepseekv31": _deepseekv31}
 # SGLang's ToolCallParserEnum maps "qwen" (the name its template detection gives) to qwen25's
 ALIASES = {"qwen": "qwen25"}
 KIMI_SECTION_TOKEN = _KIMI_SECTION
@@ -171,6 +200,7 @@ REASONING_INTERRUPTS = {
     "kimi_k2": _KIMI_SECTION,
     "qwen25": "<tool_call>",
     "hermes": "<tool_call>",
+    "deepseekv31": "<tool_call>",  # its reasoning parser, deepseek-v3, is Qwen3's
 }
 
 
@@ -190,14 +220,44 @@ def parser_name(name: str) -> str:
     return name
 
 
-def choose_parser(explicit: str | None, vocab: Collection[str]) -> str | None:
+def _has_all(template: str, *needles: str) -> bool:
+    return all(needle in template for needle in needles)
+
+
+# SGLang 0.5.23's TOOL_CALL_PARSER_RULES (`template_detection.py`) in their order, up to and
+# including kimi_k2, the first rule that names a parser implemented here: the parser the first
+# matching rule names, from the chat template's text and the vocabulary. A template none of
+# them matches gets no parser here (SGLang's later rules read its reasoning toggles).
+_SGLANG_RULES: tuple[tuple[str, Callable[[str, Collection[str]], bool]], ...] = (
+    ("iquest_q1", lambda t, v: "<|iquest_assistant|>" in t),
+    ("gigachat35", lambda t, v: "<\uff5cGCML\uff5ctool_calls>" in t),
+    ("k2_horizon", lambda t, v: _has_all(t, "<ifm|think>", "<ifm|tool_calls>", "<ifm|tool_call>")),
+    ("apertus2509", lambda t, v: "<|inner_prefix|>" in v),
+    ("gemma4", lambda t, v: "<|channel>" in t),
+    ("beam", lambda t, v: _has_all(t, "<|channel|>", "<rfl:parameter")),
+    ("gpt-oss", lambda t, v: "<|channel|>" in t),
+    ("kimi_k2", lambda t, v: _KIMI_SECTION in v),
+)
+
+
+def detected_parser(template: str, vocab: Collection[str]) -> str | None:
+    """The tool-call parser SGLang's template detection names for this template and vocabulary,
+    as far as its rules up to kimi_k2 go (None: none of them matches)."""
+    for name, matches in _SGLANG_RULES:
+        if matches(template, vocab):
+            return name
+    return None
+
+
+def choose_parser(explicit: str | None, vocab: Collection[str], template: str = "") -> str | None:
     """The parser a server of this tokenizer uses: `--tool-call-parser` when given, else SGLang's
-    template detection (`detect_tool_call_parser`) as far as it names a parser implemented
-    here: its kimi_k2 rule, a vocabulary holding `<|tool_calls_section_begin|>`. None: the
-    server would name none that this module has, and the run must be told."""
+    template detection (`--tool-call-parser auto`, `detected_parser`) when it names a parser
+    implemented here. None: the server would name none that this module has (or one it does
+    not implement), and the run must be told."""
     if explicit is not None:
         return parser_name(explicit)
-    return "kimi_k2" if KIMI_SECTION_TOKEN in vocab else None
+    detected = detected_parser(template, vocab)
+    return detected if detected in _PARSERS else None
 
 
 def parse(parser: str, text: str, tools: Sequence[Mapping[str, Any]]) -> ParsedTurn:

@@ -256,7 +256,8 @@ def test_agentic_chains_splice_cached_results_as_sglang_renders_them(
     oracle = SGLangAgentLoop(folder, family.parser or "kimi_k2", family.reasoning_parser)
     checked = 0
     parsed = oracle.parse_all(
-        [([i.output_ids for i in c[:-1]], TOOLS) for c in chains.values()], EOS
+        [([i.output_ids for i in c[:-1]], TOOLS) for c in chains.values()],
+        tokenizer.eos_token_ids[0],
     )
     for (key, chain), answers in zip(chains.items(), parsed, strict=True):
         script = scripts[int(key)]

@@ -48,6 +48,10 @@ def _hermes(*names: str) -> dict[str, Any]:
 def test_the_parser_is_the_flag_else_sglangs_kimi_rule() -> None:
     assert tool_calls.choose_parser(None, {"<|tool_calls_section_begin|>", "a"}) == "kimi_k2"
     assert tool_calls.choose_parser(None, {"<tool_call>"}) is None
+    # an earlier SGLang rule names a parser not implemented here (gpt-oss): none
+    kimi = {"<|tool_calls_section_begin|>"}
+    assert tool_calls.choose_parser(None, kimi, "{{ x }}<|channel|>") is None
+    assert tool_calls.detected_parser("{{ x }}<|channel|>", kimi) == "gpt-oss"
     assert tool_calls.choose_parser("qwen", set()) == "qwen25"
     with pytest.raises(InputError, match="not supported"):
         tool_calls.choose_parser("glm45", set())

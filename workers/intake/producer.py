@@ -114,7 +114,9 @@ def run_spec(
     pins["request_fields"] = list(request_fields.APPLIED) if options.request_fields else []
     if options.turns == "all":
         vocab = tokenizer.hf_tokenizer.get_vocab()
-        pins["tool_call_parser"] = tool_calls.choose_parser(options.tool_call_parser, vocab)
+        pins["tool_call_parser"] = tool_calls.choose_parser(
+            options.tool_call_parser, vocab, tokenizer.template.text
+        )
         if options.parallel_calls == constants.PARALLEL_CALLS_IN_ORDER:
             pins["parallel_calls"] = options.parallel_calls
     return run_queries.RunSpec(

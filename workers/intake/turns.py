@@ -79,8 +79,8 @@ def first_turns(
                 InputError(
                     f"messages[{tool_at}] is a tool call or tool result, and the run has no "
                     "tool-call parser to read the regenerated calls with (SGLang's template "
-                    "detection names none for this tokenizer): pass --tool-call-parser "
-                    f"({', '.join(TOOL_CALL_PARSERS)}), or use --turns each",
+                    "detection names none implemented here for this tokenizer): pass "
+                    f"--tool-call-parser ({', '.join(TOOL_CALL_PARSERS)}), or use --turns each",
                     record.line,
                 )
             )
