@@ -293,6 +293,20 @@ def test_agentic_chains_splice_cached_results_as_sglang_renders_them(
         action = scripts[int(key)].actions[-1]
         expected = {"parallel": ["get_weather", "search"], "malformed": [], "text": []}
         assert calls == expected.get(action, [action]), key
+    if family.name == "kimi":
+        return  # its template drops earlier reasoning: no whole-conversation mask exists
+    # specforge, one row per chain: the last turn's ids, every regenerated span trained
+    whole = tmp_path / "whole.jsonl"
+    export_run(db, run, "specforge", whole, tokenizer=tokenizer, whole_conversation=True)
+    rows = {r["id"]: r for r in map(json.loads, whole.open())}
+    assert rows.keys() == chains.keys()
+    for key, chain in chains.items():
+        row, last_item = rows[key], chain[-1]
+        assert row["input_ids"] == last_item.prompt_ids + (last_item.output_ids or [])
+        mask = row["loss_mask"]
+        spans = sum(1 for i, m in enumerate(mask) if m and (i == 0 or not mask[i - 1]))
+        assert spans == len(chain), key  # each regenerated turn's span, and no other
+        assert mask[-len(last_item.output_ids or []) :] == [1] * len(last_item.output_ids or [])
 
 
 def _check_prompts(
