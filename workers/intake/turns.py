@@ -18,6 +18,7 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine
 
+from app.core import constants
 from app.core.constants import EVENT_TURNS_BLOCKED, TOOL_CALL_PARSERS
 from app.core.contracts import PromptRecord
 from app.core.errors import GenerationError, InputError, PermanentError, TokenmillError
@@ -78,8 +79,8 @@ def first_turns(
                 InputError(
                     f"messages[{tool_at}] is a tool call or tool result, and the run has no "
                     "tool-call parser to read the regenerated calls with (SGLang's template "
-                    "detection names none for this tokenizer): pass --tool-call-parser "
-                    f"({', '.join(TOOL_CALL_PARSERS)}), or use --turns each",
+                    "detection names none implemented here for this tokenizer): pass "
+                    f"--tool-call-parser ({', '.join(TOOL_CALL_PARSERS)}), or use --turns each",
                     record.line,
                 )
             )
@@ -365,8 +366,8 @@ def _regenerated_history(
     """The next turn's prompt turns, or None when an agentic chain ends at the previous turn
     (its ending recorded, the rest of the chain deleted)."""
     prev = turn.prev
-    regenerated = assistant_turn(prev, run, tokenizer)
     parser = agentic_parser(run, prev)
+    regenerated = assistant_turn(prev, run, tokenizer, parser)
     context = turn.context
     if parser is None and context and context[0].get("role") == "assistant":
         context = context[1:]  # no parser (plain chain): the dataset's call turn is no history
@@ -379,6 +380,7 @@ def _regenerated_history(
         prev.messages or [],
         context,
         seed=tool_calls.item_seed(prev.item_key, prev.sample_index, prev.turn_index),
+        parallel=str((run.chat_pins or {}).get("parallel_calls", constants.PARALLEL_CALLS_END)),
     )
     if step.ending is None:
         return [*(dict(t) for t in prev.messages or []), *step.turns]
@@ -426,7 +428,7 @@ def _record_final_endings(
         if tokenizer is None:
             report.blocked += 1
             continue
-        answer = assistant_turn(item, run, tokenizer)["content"]
+        answer = assistant_turn(item, run, tokenizer, parser)["content"]
         ending = tool_calls.final_ending(parser, answer, item.tools or [])
         with db.begin() as conn:
             if turns.record_chain_end(conn, item.id, ending):
