@@ -2,7 +2,7 @@
 
 Triggers on `items` (migration 0005e) keep item_counts and item_latency_counts in the same
 transaction as every change of an item; views read them here in O(runs × servers × statuses).
-The chain ending counters (migration 0020) are folded here with them.
+The chain ending counters (migration 0020) are read, checked, repaired and folded here too.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine, Table, case, delete, func, insert, select, text
 
-from app.core.models import ItemStatus, chain_end_counts, item_counts, items
+from app.core.models import ItemStatus, chain_end_counts, item_counts, items, items_archive
 from app.core.models import item_latency_counts as latency_counts
 
 log = logging.getLogger(__name__)
@@ -82,6 +82,15 @@ class LatencyTally:
     sum_s: float = 0.0
 
 
+@dataclass(frozen=True)
+class EndingKey:
+    """Ended agentic chains of one run by how they ended, over items and the archive (a row
+    in both tables while it is archived counts in each, as the counters count it)."""
+
+    run_id: int
+    chain_end: str
+
+
 def _none_if_empty(value: str) -> str | None:
     return value or None
 
@@ -132,6 +141,21 @@ def counted_latencies(
     return {
         LatencyKey(int(run), _none_if_empty(server), int(bucket)): LatencyTally(int(n), float(s))
         for run, server, bucket, n, s in conn.execute(stmt)
+        if int(n) != 0
+    }
+
+
+def counted_endings(conn: Connection, run_id: int | None = None) -> dict[EndingKey, int]:
+    """Every non-empty chain ending count of every run (or of run_id), summed over shards."""
+    c = chain_end_counts.c
+    stmt = (
+        select(c.run_id, c.chain_end, func.sum(c.chain_count))
+        .where(*_run_filter(chain_end_counts, run_id))
+        .group_by(c.run_id, c.chain_end)
+    )
+    return {
+        EndingKey(int(run), str(reason)): int(n)
+        for run, reason, n in conn.execute(stmt)
         if int(n) != 0
     }
 
@@ -219,16 +243,37 @@ def scanned_latencies(
     return out
 
 
+def scanned_endings(conn: Connection, run_id: int | None = None) -> dict[EndingKey, int]:
+    """The same counts as counted_endings, counted from every ended row of both tables."""
+    out: dict[EndingKey, int] = {}
+    for table in (items, items_archive):
+        t = table.c
+        stmt = (
+            select(t.run_id, t.chain_end, func.count())
+            .where(t.chain_end.is_not(None), *_run_filter(table, run_id))
+            .group_by(t.run_id, t.chain_end)
+        )
+        for run, reason, n in conn.execute(stmt):
+            key = EndingKey(int(run), str(reason))
+            out[key] = out.get(key, 0) + int(n)
+    return out
+
+
 @dataclass(frozen=True)
 class Drift:
     """One key whose counters differ from the full count."""
 
-    key: GroupKey | LatencyKey
-    counted: Tally | LatencyTally
-    scanned: Tally | LatencyTally
+    key: GroupKey | LatencyKey | EndingKey
+    counted: Tally | LatencyTally | int
+    scanned: Tally | LatencyTally | int
 
     def describe(self) -> str:
         k = self.key
+        if isinstance(k, EndingKey):
+            return (
+                f"run {k.run_id} chain ending {k.chain_end}: counters {self.counted}, "
+                f"items {self.scanned}"
+            )
         if isinstance(k, GroupKey):
             where = (
                 f"run {k.run_id} server {k.server or '-'} status {k.status} "
@@ -258,6 +303,11 @@ def find_drift(conn: Connection, run_id: int | None = None) -> list[Drift]:
         la, lb = lat_counted.get(lkey, LatencyTally()), lat_scanned.get(lkey, LatencyTally())
         if not _same_latency(la, lb):
             drift.append(Drift(lkey, la, lb))
+    ends_counted, ends_scanned = counted_endings(conn, run_id), scanned_endings(conn, run_id)
+    for ekey in sorted(set(ends_counted) | set(ends_scanned), key=repr):
+        ea, eb = ends_counted.get(ekey, 0), ends_scanned.get(ekey, 0)
+        if ea != eb:
+            drift.append(Drift(ekey, ea, eb))
     return drift
 
 
@@ -270,10 +320,11 @@ def repair(conn: Connection, run_id: int | None = None) -> None:
     count and the replacement; call it inside a transaction."""
     if conn.dialect.name == "postgresql":
         conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _FOLD_LOCK})
-        conn.execute(text("LOCK TABLE items IN SHARE MODE"))
+        conn.execute(text("LOCK TABLE items, items_archive IN SHARE MODE"))
     # on SQLite the first delete takes the write lock, before the count
     conn.execute(delete(item_counts).where(*_run_filter(item_counts, run_id)))
     conn.execute(delete(latency_counts).where(*_run_filter(latency_counts, run_id)))
+    conn.execute(delete(chain_end_counts).where(*_run_filter(chain_end_counts, run_id)))
     groups = [
         {
             "run_id": k.run_id,
@@ -303,6 +354,12 @@ def repair(conn: Connection, run_id: int | None = None) -> None:
     ]
     if buckets:
         conn.execute(insert(latency_counts), buckets)
+    endings = [
+        {"run_id": k.run_id, "chain_end": k.chain_end, "shard": FOLDED_SHARD, "chain_count": n}
+        for k, n in scanned_endings(conn, run_id).items()
+    ]
+    if endings:
+        conn.execute(insert(chain_end_counts), endings)
     log.info(
         "item counters of %s replaced by a full count",
         "every run" if run_id is None else f"run {run_id}",

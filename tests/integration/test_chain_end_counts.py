@@ -35,10 +35,11 @@ def endings(conn: Connection, run_id: int) -> dict[str, int]:
 
 
 def counted(conn: Connection, run_id: int) -> dict[str, int]:
-    """The counters alone, summed over their shards."""
-    c = chain_end_counts.c
-    stmt = select(c.chain_end, func.sum(c.chain_count)).where(c.run_id == run_id)
-    return {r: int(n) for r, n in conn.execute(stmt.group_by(c.chain_end)) if int(n)}
+    """The counters alone, summed over their shards, checked against a count of the rows of
+    both tables (as the counters count them: a row in both counts twice)."""
+    found = counters.counted_endings(conn, run_id)
+    assert found == counters.scanned_endings(conn, run_id)
+    return {key.chain_end: n for key, n in found.items()}
 
 
 def done_ids(conn: Connection, run_id: int) -> list[int]:
@@ -86,6 +87,25 @@ def test_the_counters_follow_every_change_of_an_ending(db: Engine, tmp_path: Pat
         assert endings(conn, run.id) == counted(conn, run.id) == {}
         removal.delete_run_row(conn, run.id, run.name)
         assert conn.execute(select(func.count()).select_from(chain_end_counts)).scalar_one() == 0
+
+
+def test_verify_counts_finds_drifted_endings_and_repairs_them(db: Engine) -> None:
+    run = make_done_run(db, "drift", 2, extra=False)
+    with db.begin() as conn:
+        ids = done_ids(conn, run.id)
+        turns.record_chain_end(conn, ids[0], COMPLETE)
+        conn.execute(
+            update(chain_end_counts)
+            .where(chain_end_counts.c.run_id == run.id)
+            .values(chain_count=chain_end_counts.c.chain_count + 5)
+        )
+    drift = counters.check(db, run.id, repair_drift=True)
+    assert [d.describe() for d in drift] == [
+        f"run {run.id} chain ending {COMPLETE}: counters 6, items 1"
+    ]
+    with db.connect() as conn:
+        assert counters.find_drift(conn, run.id) == []
+        assert endings(conn, run.id) == counted(conn, run.id) == {COMPLETE: 1}
 
 
 def test_the_catch_up_reads_the_marked_unended_last_turns_alone(db: Engine) -> None:
