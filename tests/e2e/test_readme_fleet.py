@@ -32,7 +32,6 @@ from tests.support.readme_fleet import (
     Fleet,
     commands,
     flower_workers,
-    free_port,
     in_flight_samples,
     section_blocks,
 )
@@ -121,33 +120,21 @@ def fleet(
             for i in range(PROMPTS)
         )
     )
-    fleet = Fleet(
-        root=tmp_path,
-        db=pg_engine,
-        nodes={node: free_port() for node in NODES},
-        # the README's URLs with this test's hosts, ports and database
-        database_url="postgresql://" + pg_url.split("://", 1)[1],
-        broker_url=redis_url,
-        paths={
-            "prompts.jsonl": str(prompts),
-            "/models/Kimi-K2.5": str(kimi_tokenizer_dir),
-            "agents.jsonl": str(write_rows(tmp_path / "agents.jsonl", agentic_rows(AGENTIC_ROWS))),
-            "./Kimi-K2.5": str(kimi_tokenizer_dir),
-        },
-        # with the run's tokenizer folder, so /v1/tokenize renders (the runbook's parity)
-        emulator_flags=[*FLAGS, "--tokenizer", str(kimi_tokenizer_dir)],
-        flower_port=free_port(),
-    )
+    paths = {
+        "prompts.jsonl": str(prompts),
+        "/models/Kimi-K2.5": str(kimi_tokenizer_dir),
+        "agents.jsonl": str(write_rows(tmp_path / "agents.jsonl", agentic_rows(AGENTIC_ROWS))),
+        "./Kimi-K2.5": str(kimi_tokenizer_dir),
+    }
+    # with the run's tokenizer folder, so /v1/tokenize renders (the runbook's parity)
+    flags = [*FLAGS, "--tokenizer", str(kimi_tokenizer_dir)]
+    fleet = Fleet.on_test_services(tmp_path, pg_engine, pg_url, redis_url, NODES, paths, flags)
     # the docs' buckets (the fleet's store, the runbook's export) on one moto server, its
     # endpoint and credentials as every machine's environment holds them
     with moto_s3(*BUCKETS) as options:
         fleet.exports["TOKENMILL_STORAGE_OPTIONS"] = json.dumps(options)
-        fleet.start_servers()
-        try:
+        with fleet.serving():
             yield fleet
-        finally:
-            fleet.stop_all()
-            print(fleet.log_tail())
 
 
 def test_readme_distributed_and_restarts_as_printed(fleet: Fleet, pg_engine: Engine) -> None:

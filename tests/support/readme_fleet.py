@@ -228,7 +228,7 @@ class Command:
 
     @property
     def long_running(self) -> bool:
-        words = self.argv[:4]
+        words = self.argv
         celery = words[:1] == ["celery"] and ("worker" in words or "beat" in words)
         return celery or words[:2] in (["tokenmill", "flower"], ["tokenmill", "metrics"])
 
@@ -343,9 +343,13 @@ if action in ("start", "restart"):
         )
     pidfile.write_text(str(proc.pid))
 '''
-# ssh HOST COMMAND...: the test's nodes are this machine, at 127.0.0.1
+# ssh HOST COMMAND...: the test's nodes are this machine, at 127.0.0.1, or localhost where a
+# worker registered its server by its own loopback URL (a fleet on one machine)
 SSH = """#!/bin/sh
-[ "$1" = 127.0.0.1 ] || { echo "ssh: Could not resolve hostname $1" >&2; exit 255; }
+case "$1" in
+  127.0.0.1|localhost) ;;
+  *) echo "ssh: Could not resolve hostname $1" >&2; exit 255 ;;
+esac
 host=$1; shift
 export SSH_CONNECTION="127.0.0.1 50000 $host 22"
 exec "$@"
@@ -385,6 +389,29 @@ class Fleet:
             path.write_text(text)
             path.chmod(0o755)
 
+    @classmethod
+    def on_test_services(
+        cls,
+        root: Path,
+        db: Engine,
+        pg_url: str,
+        redis_url: str,
+        nodes: tuple[str, ...],
+        paths: dict[str, str],
+        emulator_flags: list[str],
+    ) -> Fleet:
+        """Nodes at free ports, on the test's Postgres (db, at pg_url) and Redis."""
+        return cls(
+            root=root,
+            db=db,
+            nodes={node: free_port() for node in nodes},
+            database_url="postgresql://" + pg_url.split("://", 1)[1],
+            broker_url=redis_url,
+            paths=paths,
+            emulator_flags=emulator_flags,
+            flower_port=free_port(),
+        )
+
     def home(self, node: str | None) -> Path:
         return self.root / (node or "operator")
 
@@ -407,8 +434,12 @@ class Fleet:
         )
         assert done.returncode == 0, done.stderr
 
-    def start_servers(self) -> None:
-        for node, port in self.nodes.items():
+    def write_units(self, *nodes: str) -> None:
+        """The unit `sglang@PORT` of each of nodes (all by default): the emulator with
+        emulator_flags, as an operator edits a unit's flags (its next start or restart runs
+        them)."""
+        for node in nodes or self.nodes:
+            port = self.nodes[node]
             spec = {
                 "argv": [
                     sys.executable,
@@ -422,6 +453,10 @@ class Fleet:
                 "log": str(self.root / f"sglang-{node}.log"),
             }
             (self.units / f"sglang@{port}.json").write_text(json.dumps(spec))
+
+    def start_servers(self) -> None:
+        self.write_units()
+        for port in self.nodes.values():
             self.systemctl("start", port)
         for node, port in self.nodes.items():
             wait_for(f"the server of {node}", lambda p=port: self.ready(p), 60)
@@ -476,40 +511,60 @@ class Fleet:
 
     def run(self, command: Command) -> list[subprocess.CompletedProcess[str]]:
         """Run a command on its node(s): exports set the environment of every later command;
-        long-running commands start in the background (`self.procs`)."""
+        long-running commands start in the background (`self.procs`), on every node before
+        they are waited for, as an operator starts them on each node at once."""
         if command.argv[:1] == ["export"]:
             for assignment in command.argv[1:]:
                 name, value = self.substitute(assignment, None).split("=", 1)
                 self.exports[name] = value
             return []
         nodes = list(self.nodes) if command.node == "each" else [command.node]
-        return [r for node in nodes if (r := self._run_on(command, node)) is not None]
+        if command.long_running:
+            started = [self._start(command, node) for node in nodes]
+            for key, proc, node in started:
+                self._wait_up(key, proc, node)
+            return []
+        return [self._run_on(command, node) for node in nodes]
 
-    def _run_on(
-        self, command: Command, node: str | None
-    ) -> subprocess.CompletedProcess[str] | None:
+    def _argv(self, command: Command, node: str | None) -> tuple[dict[str, str], list[str]]:
+        """The environment and argv of a command on a machine, substituted."""
         env = self.env(node)
         env.update({k: self.substitute(v, node) for k, v in command.env.items()})
         argv = [self.substitute(a, node) for a in command.argv]
+        return env, argv
+
+    @staticmethod
+    def _program(argv: list[str]) -> list[str]:
         program = {
             "tokenmill": [sys.executable, "-m", "ops"],
             "celery": [sys.executable, "-m", "celery"],
         }
-        full = [*program.get(argv[0], [argv[0]]), *argv[1:]]
-        if command.long_running:
-            key = f"{node or 'operator'}: {' '.join(argv[:4])}"
-            self.logs[key] = self.root / (re.sub(r"\W+", "-", key) + ".log")
-            proc = self.procs[key] = subprocess.Popen(
-                full,
-                env=env,
-                cwd=self.home(node),
-                stdout=self.logs[key].open("wb"),
-                stderr=subprocess.STDOUT,
-            )
-            self._wait_up(key, proc, node if "worker" in argv else None)
-            return None
+        return [*program.get(argv[0], [argv[0]]), *argv[1:]]
+
+    def _start(
+        self, command: Command, node: str | None
+    ) -> tuple[str, subprocess.Popen[bytes], str | None]:
+        env, argv = self._argv(command, node)
+        key = f"{node or 'operator'}: {' '.join(argv[:4])}"
+        self.logs[key] = self.root / (re.sub(r"\W+", "-", key) + ".log")
+        proc = self.procs[key] = subprocess.Popen(
+            self._program(argv),
+            env=env,
+            cwd=self.home(node),
+            stdout=self.logs[key].open("wb"),
+            stderr=subprocess.STDOUT,
+        )
+        return key, proc, node if "worker" in argv else None
+
+    def _run_on(self, command: Command, node: str | None) -> subprocess.CompletedProcess[str]:
+        env, argv = self._argv(command, node)
         done = subprocess.run(
-            full, env=env, cwd=self.home(node), capture_output=True, text=True, timeout=600
+            self._program(argv),
+            env=env,
+            cwd=self.home(node),
+            capture_output=True,
+            text=True,
+            timeout=600,
         )
         assert done.returncode == 0, f"{command.text!r} on {node or 'operator'}: {done.stderr}"
         return done
@@ -539,6 +594,16 @@ class Fleet:
             return True
 
         wait_for(f"{key} to be up", up, 120, self.log_tail)
+
+    @contextmanager
+    def serving(self) -> Iterator[Fleet]:
+        """The servers started; on exit every process stopped and the logs' tails printed."""
+        self.start_servers()
+        try:
+            yield self
+        finally:
+            self.stop_all()
+            print(self.log_tail())
 
     def stop_all(self) -> None:
         stop(list(self.procs.values()), timeout_s=60)
