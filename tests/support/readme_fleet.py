@@ -30,16 +30,21 @@ from tests.support.procs import ROOT, stop, wait_for
 README_PORT = "30000"  # the SGLang port the READMEs print
 METRICS_PORT = "9464"  # the exporter's port they print
 
-# The doc sections whose bash commands a test runs as printed, all of them but NOT_RUN's:
-# (doc, `## ` heading it starts with, None for the text before the first) → the test.
+# The doc sections whose bash commands a test runs as printed, all of them but NOT_RUN's and
+# RUN_APART's: (doc, `## ` heading it starts with, None for the text before the first) → the test.
+FLEET_TEST = "tests/e2e/test_readme_fleet.py"
+GUIDES_TEST = "tests/e2e/test_guides_as_printed.py"
 RUN_AS_PRINTED: dict[tuple[str, str | None], str] = {
     ("README.md", None): "tests/e2e/test_cli.py (tokenmill demo and the commands it prints)",
-    ("README.md", "Distributed"): "tests/e2e/test_readme_fleet.py",
-    ("README.md", "One machine"): "tests/e2e/test_readme_fleet.py (on the fleet's r1)",
-    ("docs/restarts.md", None): "tests/e2e/test_readme_fleet.py",
-    ("docs/rendering.md", None): "tests/e2e/test_readme_fleet.py (beside the ops fleet's r1)",
+    ("README.md", "Distributed"): FLEET_TEST,
+    ("README.md", "One machine"): GUIDES_TEST,
+    ("docs/restarts.md", None): FLEET_TEST,
+    ("docs/rendering.md", None): f"{FLEET_TEST} (beside the ops fleet's r1)",
+    ("docs/commands.md", None): GUIDES_TEST,
+    ("docs/drafts.md", None): GUIDES_TEST,
+    ("docs/weights.md", None): GUIDES_TEST,
     **{
-        ("ops/README.md", heading): "tests/e2e/test_readme_fleet.py"
+        ("ops/README.md", heading): FLEET_TEST
         for heading in (
             None,
             "Start a fleet",
@@ -55,161 +60,30 @@ RUN_AS_PRINTED: dict[tuple[str, str | None], str] = {
             "Metrics",
         )
     },
+    ("ops/README.md", "Logs"): GUIDES_TEST,
+    ("ops/README.md", "Load new weights"): GUIDES_TEST,
 }
-# commands of those sections no test runs yet: (doc, line as printed) → why
-NOT_RUN: dict[tuple[str, str], str] = {
+# commands of those sections that another test runs as printed, not the section's: (doc, line
+# as printed) → the test
+RUN_APART: dict[tuple[str, str], str] = {
     (
         "ops/README.md",
-        "tokenmill export r1 --format specforge --whole-conversation --out r1.whole.jsonl   "
-        "# --turns all",
-    ): (
-        "needs a --turns all run: the fleet's r1 regenerates the last turn only, and the export "
-        "refuses it as it should; tests/e2e/test_turns_e2e.py runs it on a --turns all run"
-    ),
+        "tokenmill restart gpu-a:30000 --command 'ssh {host} sudo systemctl restart "
+        "sglang@{port}' --timeout-s 3600   # none registered, or another one this time",
+    ): f"{GUIDES_TEST} (the draft switch: its servers were registered by their workers)",
+    (
+        "ops/README.md",
+        "tokenmill export r1 --format parquet --out ./r1-step-100 --weight-version "
+        "step-100  # one version",
+    ): f"{GUIDES_TEST} (its r1 was served by weights step-100)",
+}
+# commands of those sections no test runs: (doc, line as printed) → why
+NOT_RUN: dict[tuple[str, str], str] = {
     (
         "README.md",
         "make test                              # installs the dev extra if needed; "
         "lint, mypy --strict, the whole suite",
     ): "the whole suite itself: .ci/run runs it on a fresh clone",
-    (
-        "ops/README.md",
-        "tokenmill restart gpu-a:30000 --command 'ssh {host} sudo systemctl restart "
-        "sglang' --timeout-s 1800",
-    ): ("names a unit without its port (`sglang`); the test's nodes run one unit per port"),
-    (
-        "ops/README.md",
-        "tokenmill export r1 --format parquet --out ./r1-step-100 --weight-version "
-        "step-100  # one version",
-    ): (
-        "the fleet's r1 holds only weight_version default (no weights update during "
-        "it), so --weight-version step-100 is refused as it should be"
-    ),
-    (
-        "README.md",
-        "tokenmill run prompts.jsonl --run r1 --tokenizer /models/Kimi-K2.5 "
-        "--trust-remote-code  --server http://gpu-a:30000 --server http://gpu-b:30000 "
-        "--max-new-tokens 8192 --seed 1",
-    ): (
-        "a run of its own through both servers (a minute here, not seconds); "
-        "tests/e2e/test_run_servers.py runs `tokenmill run` on emulated servers"
-    ),
-    (
-        "docs/commands.md",
-        "tokenmill run prompts.jsonl --run mixed --tokenizer /models/K2.5 "
-        "--trust-remote-code  --server http://gpu-a:30000  --samples-per-prompt 3 "
-        "--temperature 0.6,0.8,1.0 --reasoning-effort none,low,high --seed 1",
-    ): (
-        "a 3-samples-per-prompt run of its own (the fleet's r1 has one sample per "
-        "prompt); tests/e2e/test_sampling_cycles_run.py runs the sampling cycles"
-    ),
-    (
-        "docs/drafts.md",
-        "tokenmill export r1 --format specforge --out r1.jsonl --split eval=0.02 "
-        "--seed 1 --exclude eval.jsonl",
-    ): (
-        "needs two finished runs of a draft-evaluation set (eval-old, eval-new) on "
-        "speculative emulators; tests/e2e/test_draft_eval.py runs split and accept on "
-        "its own runs"
-    ),
-    (
-        "docs/drafts.md",
-        "tokenmill enqueue eval.jsonl --run eval-new --tokenizer /models/Kimi-K2.5 "
-        "--trust-remote-code --temperature 0 --max-new-tokens 2048",
-    ): (
-        "needs two finished runs of a draft-evaluation set (eval-old, eval-new) on "
-        "speculative emulators; tests/e2e/test_draft_eval.py runs split and accept on "
-        "its own runs"
-    ),
-    (
-        "docs/drafts.md",
-        "TOKENMILL_SGLANG_URL=http://localhost:30000 celery -A app worker -E     # on "
-        "each GPU node",
-    ): (
-        "needs two finished runs of a draft-evaluation set (eval-old, eval-new) on "
-        "speculative emulators; tests/e2e/test_draft_eval.py runs split and accept on "
-        "its own runs"
-    ),
-    (
-        "docs/drafts.md",
-        "tokenmill status eval-new",
-    ): (
-        "needs two finished runs of a draft-evaluation set (eval-old, eval-new) on "
-        "speculative emulators; tests/e2e/test_draft_eval.py runs split and accept on "
-        "its own runs"
-    ),
-    (
-        "docs/drafts.md",
-        "tokenmill accept eval-new                     # acceptance per category, "
-        "source, output length",
-    ): (
-        "needs two finished runs of a draft-evaluation set (eval-old, eval-new) on "
-        "speculative emulators; tests/e2e/test_draft_eval.py runs split and accept on "
-        "its own runs"
-    ),
-    (
-        "docs/drafts.md",
-        "tokenmill accept eval-new --by category --json",
-    ): (
-        "needs two finished runs of a draft-evaluation set (eval-old, eval-new) on "
-        "speculative emulators; tests/e2e/test_draft_eval.py runs split and accept on "
-        "its own runs"
-    ),
-    (
-        "docs/drafts.md",
-        "tokenmill accept eval-old eval-new            # B - A per group, the groups "
-        "that got worse",
-    ): (
-        "needs two finished runs of a draft-evaluation set (eval-old, eval-new) on "
-        "speculative emulators; tests/e2e/test_draft_eval.py runs split and accept on "
-        "its own runs"
-    ),
-    (
-        "docs/drafts.md",
-        "tokenmill report eval-new --out eval-new.report",
-    ): (
-        "needs two finished runs of a draft-evaluation set (eval-old, eval-new) on "
-        "speculative emulators; tests/e2e/test_draft_eval.py runs split and accept on "
-        "its own runs"
-    ),
-    (
-        "docs/drafts.md",
-        "tokenmill report eval-old --compare eval-new --out old-vs-new",
-    ): (
-        "needs two finished runs of a draft-evaluation set (eval-old, eval-new) on "
-        "speculative emulators; tests/e2e/test_draft_eval.py runs split and accept on "
-        "its own runs"
-    ),
-    (
-        "docs/weights.md",
-        "tokenmill enqueue prompts.jsonl --run rl-step-200 --tokenizer /models/K2.5 "
-        "--trust-remote-code --weight-version step-200",
-    ): (
-        "loads new weights on a live fleet (a second run pinned to step-200); "
-        "tests/chaos/test_weight_update.py runs update-weights on its own fleet"
-    ),
-    (
-        "docs/weights.md",
-        "tokenmill update-weights gpu-a:30000 --model-path /ckpt/step-200 "
-        "--weight-version step-200",
-    ): (
-        "loads new weights on a live fleet (a second run pinned to step-200); "
-        "tests/chaos/test_weight_update.py runs update-weights on its own fleet"
-    ),
-    (
-        "ops/README.md",
-        "TOKENMILL_LOG_FORMAT=json celery -A app -q worker -E --loglevel INFO -n gpu-a:30000@%h",
-    ): (
-        "a third worker, of gpu-a, beside the fleet's; tests/e2e/test_json_logs.py "
-        "starts workers with TOKENMILL_LOG_FORMAT=json"
-    ),
-    (
-        "ops/README.md",
-        "tokenmill update-weights gpu-a:30000 --model-path /ckpt/step-200 "
-        "--weight-version step-200",
-    ): (
-        "loads new weights on a live fleet (a second run pinned to step-200); "
-        "tests/chaos/test_weight_update.py runs update-weights on its own fleet"
-    ),
 }
 
 ASSIGNMENT = re.compile(r"^[A-Z_][A-Z0-9_]*=")
