@@ -296,7 +296,8 @@ def _option(flag: str, *names: str, **kwargs: Any) -> Callable[[F], F]:
     default=None,
     callback=_text_or_none,
     metavar="FILE|none",
-    help="Append one JSON line per finished request (rid, counts, the acceptance it drew).",
+    help="Append one JSON line per finished request: rid, received_at, input_ids, output_ids, "
+    "counts, the acceptance it drew.",
 )
 @_option(
     "--prompt-log",

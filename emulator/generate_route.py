@@ -216,7 +216,7 @@ class GenerateRoute:
                     self.cfg,
                     cached_tokens=cached,
                     e2e_latency_s=latency_s,
-                    spec_meta=self._finished(item, output_ids, finish),
+                    spec_meta=self._finished(item, output_ids, finish, arrival_s),
                     weight_version=version,
                     weight_versions=version_spans([], version, len(output_ids)),
                 )
@@ -246,22 +246,30 @@ class GenerateRoute:
             self.cfg,
             cached_tokens=job.cached_tokens,
             e2e_latency_s=job.e2e_latency_s,
-            spec_meta=self._finished(job.item, job.output_ids, job.finish_reason),
+            spec_meta=self._finished(job.item, job.output_ids, job.finish_reason, job.arrival_s),
             weight_version=job.final_version,
             weight_versions=job.weight_versions,
         )
 
     def _finished(
-        self, item: ItemRequest, output_ids: list[int], finish: dict[str, Any] | None
+        self,
+        item: ItemRequest,
+        output_ids: list[int],
+        finish: dict[str, Any] | None,
+        arrival_s: float,
     ) -> dict[str, Any]:
         """A finished request's speculative fields (none when speculation is off or it was
-        aborted), and its line in the request log."""
+        aborted), and its line in the request log: what the server saw and generated, and when
+        the request arrived (epoch seconds, from its perf_counter arrival_s)."""
         spec = self.cfg.speculative
         if finish is None or finish.get("type") == "abort":
             return {}
         fields: dict[str, Any] = {}
         record: dict[str, Any] = {
             "rid": item.rid,
+            "received_at": time.time() - (time.perf_counter() - arrival_s),
+            "input_ids": item.input_ids if item.sent_ids is None else item.sent_ids,
+            "output_ids": output_ids,
             "prompt_tokens": len(item.input_ids),
             "completion_tokens": len(output_ids),
             "finish_reason": finish.get("type"),

@@ -199,8 +199,10 @@ def meta_fields(draw: SpecDraw, completion_tokens: int, spec: SpecSettings) -> d
 
 
 class RequestLog:
-    """`--request-log FILE`: one JSON line per finished request, with what its speculative
-    counts were drawn from (acceptance probability, expected tokens per step)."""
+    """`--request-log FILE`: one JSON line per finished request (an aborted one has none): its
+    rid, when it arrived, the input_ids it was sent and the output_ids it generated, its counts,
+    and what its speculative counts were drawn from (acceptance probability, expected tokens
+    per step)."""
 
     def __init__(self, path: str | None) -> None:
         self._path = Path(path) if path else None

@@ -18,6 +18,7 @@ from urllib.parse import unquote, urlsplit
 
 import click
 
+from app.core import constants
 from app.core.errors import ConfigurationError, TokenmillError
 
 # Start-up: every command module imports this one, so it imports only click and app.core.errors
@@ -405,8 +406,19 @@ def sampling_options(func: F) -> F:
             "malformed call, no call, results exhausted).",
         ),
         click.option(
+            "--parallel-calls",
+            type=click.Choice(list(constants.PARALLEL_CALLS)),
+            default=constants.PARALLEL_CALLS_END,
+            show_default=True,
+            help="--turns all on rows with tool turns: end: a turn of parallel calls (the "
+            "target's or the dataset's) ends its chain. in-order: it goes on when the target "
+            "makes as many calls as the dataset's turn, the i-th to the dataset's i-th tool; "
+            "each cached result then answers the regenerated call in its place. Pinned by the "
+            "run.",
+        ),
+        click.option(
             "--tool-call-parser",
-            type=click.Choice(["kimi_k2", "qwen25", "qwen", "hermes"]),
+            type=click.Choice(["kimi_k2", "qwen25", "qwen", "hermes", "deepseekv31"]),
             default=None,
             show_default="SGLang's template detection",
             help="Read the target's calls as a server started with --tool-call-parser NAME "

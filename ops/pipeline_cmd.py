@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import click
 
+from app.core import constants
 from app.core.constants import EXPORT_FORMATS
 from app.core.errors import (
     BrokerUnavailable,
@@ -126,6 +127,7 @@ def enqueue_input(
         prompt_field=opts.get("prompt_field"),
         turns=opts.get("turns", "last"),
         tool_call_parser=opts.get("tool_call_parser"),
+        parallel_calls=opts.get("parallel_calls") or constants.PARALLEL_CALLS_END,
         trust_remote_code=trusted,
         render_with=_render_url(opts.get("render_with")),
         require_parity=bool(opts.get("require_parity")),

@@ -128,4 +128,9 @@ CHAIN_ENDINGS = (
 )
 
 # the tool-call parsers app.prompts.tool_calls implements, by SGLang's `--tool-call-parser` name
-TOOL_CALL_PARSERS = ("kimi_k2", "qwen25", "hermes")
+TOOL_CALL_PARSERS = ("kimi_k2", "qwen25", "hermes", "deepseekv31")
+# --parallel-calls: how an agentic chain meets a turn of parallel calls (the dataset's or the
+# target's): it ends there, or goes on when the calls match the dataset's one by one, in order
+PARALLEL_CALLS_END = "end"
+PARALLEL_CALLS_IN_ORDER = "in-order"
+PARALLEL_CALLS = (PARALLEL_CALLS_END, PARALLEL_CALLS_IN_ORDER)

@@ -230,8 +230,15 @@ def _item_columns() -> list[Column[Any]]:
         Column("image_token_counts", JSON, nullable=True),
         # an agentic chain's last kept turn: how the chain ended (CHAIN_END_*), null elsewhere
         Column("chain_end", String(32), nullable=True),
+        # true on the last turn of an agentic chain (set at enqueue): once it is done, its
+        # chain's ending is to be recorded (chain_end); null on every other item
+        Column("ends_chain", Boolean, nullable=True),
     ]
 
+
+# the predicate of ix_items_unended, as each dialect renders `items.c.ends_chain` in a WHERE
+UNENDED_PG = "ends_chain AND status = 'done' AND chain_end IS NULL"
+UNENDED_SQLITE = "ends_chain = 1 AND status = 'done' AND chain_end IS NULL"
 
 items = Table(
     "items",
@@ -275,6 +282,15 @@ items = Table(
     _partial("ix_items_failed_reason", ("run_id", "fail_reason"), "status = 'failed'"),
     # the agentic chains' endings by reason: `status` and the export manifest count them
     _partial("ix_items_chain_end", ("run_id", "chain_end"), "chain_end IS NOT NULL"),
+    # done last turns of agentic chains whose ending is not recorded yet: what reconcile's
+    # catch-up reads, O(the rows it fixes) whatever the run's size
+    Index(
+        "ix_items_unended",
+        "run_id",
+        "id",
+        postgresql_where=text(UNENDED_PG),
+        sqlite_where=text(UNENDED_SQLITE),
+    ),
 )
 
 
@@ -388,6 +404,18 @@ item_latency_counts = Table(
     Column("shard", Integer, primary_key=True, autoincrement=False),
     Column("item_count", BigInteger, nullable=False),
     Column("latency_sum_s", Float, nullable=False),
+)
+
+# An agentic run's chains by how they ended (chain_end), over items and items_archive: kept by
+# triggers on both tables (migration 0020), sharded as item_counts. A row being archived is in
+# both tables, so while a run is being archived its endings are counted from the rows instead.
+chain_end_counts = Table(
+    "chain_end_counts",
+    metadata,
+    Column("run_id", ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True),
+    Column("chain_end", String(32), primary_key=True),
+    Column("shard", Integer, primary_key=True, autoincrement=False),
+    Column("chain_count", BigInteger, nullable=False),
 )
 
 # A done item's speculative-decoding counters, as its server reported them in meta_info.

@@ -2,6 +2,7 @@
 
 Triggers on `items` (migration 0005e) keep item_counts and item_latency_counts in the same
 transaction as every change of an item; views read them here in O(runs × servers × statuses).
+The chain ending counters (migration 0020) are folded here with them.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine, Table, case, delete, func, insert, select, text
 
-from app.core.models import ItemStatus, item_counts, items
+from app.core.models import ItemStatus, chain_end_counts, item_counts, items
 from app.core.models import item_latency_counts as latency_counts
 
 log = logging.getLogger(__name__)
@@ -351,18 +352,36 @@ ON CONFLICT (run_id, server, bucket, shard) DO UPDATE SET
     latency_sum_s = t.latency_sum_s + excluded.latency_sum_s
 """
 
+_PG_FOLD_CHAIN_ENDS = """
+WITH picked AS (
+    SELECT run_id, chain_end, shard FROM chain_end_counts
+    WHERE shard <> 0 FOR UPDATE SKIP LOCKED
+), moved AS (
+    DELETE FROM chain_end_counts c USING picked p
+    WHERE c.run_id = p.run_id AND c.chain_end = p.chain_end AND c.shard = p.shard
+    RETURNING c.*
+)
+INSERT INTO chain_end_counts AS t (run_id, chain_end, shard, chain_count)
+SELECT run_id, chain_end, 0, sum(chain_count)
+FROM moved GROUP BY 1, 2 ORDER BY 1, 2
+ON CONFLICT (run_id, chain_end, shard) DO UPDATE SET
+    chain_count = t.chain_count + excluded.chain_count
+"""
+
 
 def fold_shards(conn: Connection) -> bool:
-    """Sum the writers' shards into shard 0 and drop empty rows, so reads stay small. Rows a
-    writer holds right now are skipped (next time), so no writer ever waits for a fold.
-    False when another fold or repair was running (nothing done)."""
+    """Sum the writers' shards into shard 0 and drop empty rows, so reads stay small (the item
+    counters and the chain ending counters). Rows a writer holds right now are skipped (next
+    time), so no writer ever waits for a fold. False when another fold or repair was running
+    (nothing done)."""
     if conn.dialect.name == "postgresql":
         locked = conn.execute(text("SELECT pg_try_advisory_xact_lock(:key)"), {"key": _FOLD_LOCK})
         if not locked.scalar_one():
             return False
         conn.execute(text(_PG_FOLD_COUNTS))
         conn.execute(text(_PG_FOLD_LATENCY))
-    c, lc = item_counts.c, latency_counts.c
+        conn.execute(text(_PG_FOLD_CHAIN_ENDS))
+    c, lc, ec = item_counts.c, latency_counts.c, chain_end_counts.c
     conn.execute(
         delete(item_counts).where(
             c.shard == FOLDED_SHARD,
@@ -373,6 +392,7 @@ def fold_shards(conn: Connection) -> bool:
         )
     )
     conn.execute(delete(latency_counts).where(lc.shard == FOLDED_SHARD, lc.item_count == 0))
+    conn.execute(delete(chain_end_counts).where(ec.shard == FOLDED_SHARD, ec.chain_count == 0))
     return True
 
 

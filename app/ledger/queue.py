@@ -47,6 +47,8 @@ class NewItem:
     images: list[dict[str, Any]] | None = None
     # continue_final_message applied: the text appended after the generation prompt
     assistant_prefix: str | None = None
+    # the last turn of an agentic chain: its chain's ending is recorded once it is done
+    ends_chain: bool = False
 
 
 def tools_hash(tools: Sequence[dict[str, Any]]) -> str:
@@ -87,6 +89,7 @@ def insert_items(conn: Connection, run_id: int, new: Sequence[NewItem]) -> int:
             "row_sampling_params": n.sampling_params,
             "images": n.images,
             "assistant_prefix": n.assistant_prefix,
+            "ends_chain": True if n.ends_chain else None,
             "prompt_ids": n.prompt_ids,
             "prompt_tokens": len(n.prompt_ids),
             "turn_index": n.turn_index,

@@ -27,7 +27,7 @@ from sqlalchemy import (
 
 import app.ledger.counters as counters
 from app.core.images import ImageRef, refs_from_json
-from app.core.models import ItemStatus
+from app.core.models import ItemStatus, chain_end_counts
 from app.ledger.common import (
     items,
     items_archive,
@@ -540,9 +540,11 @@ def merged_pages(streams: Sequence[Iterator[list[Any]]], page_size: int) -> Iter
 
 def stored_items(conn: Connection, ids: Sequence[int]) -> list[StoredItem]:
     """These items as stored in the ledger (not hydrated), in id order, from the hot table
-    and the archive (a row in both while it is being archived comes once)."""
+    and the archive (a row in both while it is being archived comes once): primary-key probes,
+    even of an archive the statistics think empty."""
     if not ids:
         return []
+    pin_index_plans(conn)
     found: dict[int, StoredItem] = {}
     for table in (items_archive, items):  # the hot row wins: the archive copies it
         stmt = _stored_select(table).where(table.c.id.in_(list(ids)))
@@ -565,8 +567,23 @@ def done_weight_versions(conn: Connection, run_id: int) -> dict[str | None, int]
 
 
 def chain_endings(conn: Connection, run_id: int) -> dict[str, int]:
-    """The run's agentic chains counted by how they ended (archived rows included; a row
-    being archived counted once): a read of the ended chains' last turns only."""
+    """The run's agentic chains counted by how they ended, archived rows included: read from
+    its chain ending counters (O(reasons)); while the run is being archived (its rows in both
+    tables) counted from its ended chains' last turns, each row once."""
+    archived_at, kept = conn.execute(
+        select(runs.c.archived_at, runs.c.archived_counts).where(runs.c.id == run_id)
+    ).one()
+    if archived_at is not None and kept is None:
+        return scanned_chain_endings(conn, run_id)
+    c = chain_end_counts.c
+    stmt = (
+        select(c.chain_end, func.sum(c.chain_count)).where(c.run_id == run_id).group_by(c.chain_end)
+    )
+    return {str(reason): int(n) for reason, n in sorted(conn.execute(stmt)) if int(n) != 0}
+
+
+def scanned_chain_endings(conn: Connection, run_id: int) -> dict[str, int]:
+    """The same counts as chain_endings, counted over the rows (O(the run's chains))."""
     counts: dict[str, int] = {}
     for table in (items, items_archive):
         stmt = (

@@ -7,11 +7,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection, delete, exists, select, update
+from sqlalchemy import Connection, and_, delete, select, update
 
 from app.core.failures import failure_reason
 from app.core.models import ItemStatus
-from app.ledger.common import items, utcnow
+from app.ledger.common import items, run_status_order, run_status_range, utcnow
+from app.ledger.database import pin_index_plans
 from app.ledger.outcomes import _trim
 from app.ledger.reads import StoredItem, stored_items
 
@@ -69,10 +70,19 @@ def ready_turns(
     limit: int = 500,
 ) -> list[WaitingTurn]:
     """Waiting items whose previous turn is done or failed: the successors of prev_ids (the
-    worker's just-committed results), or of a whole run or every run (the catch-up)."""
+    worker's just-committed results), or of a whole run or every run (the catch-up). A run's
+    catch-up reads its waiting items as one range of (run_id, status, id), whatever the
+    statistics say."""
     if prev_ids is not None and not prev_ids:
         return []
     prev = items.alias("prev")
+    if run_id is not None:
+        pin_index_plans(conn)
+        waiting = run_status_range(conn, items, run_id, ItemStatus.WAITING.value, after_id)
+        order: Any = run_status_order(items)
+    else:
+        waiting = and_(items.c.status == ItemStatus.WAITING.value, items.c.id > after_id)
+        order = (items.c.id,)
     stmt = (
         select(
             items.c.id,
@@ -84,18 +94,12 @@ def ready_turns(
             items.c.prev_item_id,
         )
         .join(prev, prev.c.id == items.c.prev_item_id)
-        .where(
-            items.c.status == ItemStatus.WAITING.value,
-            prev.c.status.in_([ItemStatus.DONE.value, ItemStatus.FAILED.value]),
-            items.c.id > after_id,
-        )
-        .order_by(items.c.id)
+        .where(waiting, prev.c.status.in_([ItemStatus.DONE.value, ItemStatus.FAILED.value]))
+        .order_by(*order)
         .limit(limit)
     )
     if prev_ids is not None:
         stmt = stmt.where(items.c.prev_item_id.in_(list(prev_ids)))
-    if run_id is not None:
-        stmt = stmt.where(items.c.run_id == run_id)
     rows = list(conn.execute(stmt))
     # a later turn is only ever waiting on an uncompacted item (compaction skips those), so
     # the previous turn's arrays are in the ledger
@@ -186,28 +190,39 @@ def unended_last_turns(
     after_id: int = 0,
     limit: int = 500,
 ) -> list[tuple[int, int]]:
-    """(id, run_id) of the done items with no later turn and no chain ending recorded: among
-    prev_ids (just committed), or of one run (the catch-up), in id order. Only ids: the caller
-    reads the rows of the agentic runs' items alone."""
+    """(id, run_id) of the done last turns of agentic chains (ends_chain) with no chain ending
+    recorded: among prev_ids (just committed), or of one run (the catch-up), in id order. The
+    catch-up reads ix_items_unended, which holds these rows alone: O(the rows it returns),
+    whatever the run's done items."""
     if prev_ids is not None and not prev_ids:
         return []
-    later = items.alias("later")
     stmt = (
         select(items.c.id, items.c.run_id)
         .where(
+            items.c.ends_chain,
             items.c.status == ItemStatus.DONE.value,
             items.c.chain_end.is_(None),
             items.c.id > after_id,
-            ~exists().where(later.c.prev_item_id == items.c.id),
         )
-        .order_by(items.c.id)
         .limit(limit)
     )
     if prev_ids is not None:
         stmt = stmt.where(items.c.id.in_(list(prev_ids)))
     if run_id is not None:
-        stmt = stmt.where(items.c.run_id == run_id)
+        # ordered as the index is, so the page is one range of it
+        stmt = stmt.where(items.c.run_id == run_id).order_by(items.c.run_id, items.c.id)
+    else:
+        stmt = stmt.order_by(items.c.id)
     return [(int(item_id), int(run)) for item_id, run in conn.execute(stmt)]
+
+
+def unmark_plain_chains(conn: Connection, ids: Sequence[int]) -> int:
+    """These last turns end plain chains (no tools, no tool turns): no ending to record, so
+    they leave the catch-up's index."""
+    if not ids:
+        return 0
+    stmt = update(items).where(items.c.id.in_(list(ids))).values(ends_chain=None)
+    return int(conn.execute(stmt).rowcount)
 
 
 def record_chain_end(conn: Connection, item_id: int, reason: str) -> bool:

@@ -91,28 +91,45 @@ def _with_metadata(row: dict[str, Any], item: StoredItem) -> dict[str, Any]:
     return row
 
 
-def assistant_turn(item: StoredItem, run: RunInfo, tokenizer: ChatTokenizer) -> dict[str, Any]:
+def assistant_turn(
+    item: StoredItem, run: RunInfo, tokenizer: ChatTokenizer, parser: str | None = None
+) -> dict[str, Any]:
     """The regenerated assistant turn as text, its reasoning split off at the `</think>` id; a
     continued turn's text (continue_final_message) starts it: the reasoning when the output
-    closes one (the prompt left the prefix inside it), else the answer."""
+    closes one (the prompt left the prefix inside it), else the answer.
+
+    parser: the tool-call parser of an agentic chain, whose turns are read as SGLang's chat
+    endpoint reads them (its reasoning parser, `detect_and_parse`): with no `</think>` in a
+    reasoning block the template or the output opened, the parser family's tool-call start
+    (`tool_calls.reasoning_interrupt_id`) ends the reasoning and stays in the answer, and without
+    one everything is reasoning."""
     output = list(item.output_ids or [])
     if item.finish_reason == "stop" and output and output[-1] in set(run.eos_token_ids):
         output = output[:-1]
     think_end = run.think_end_id
     reasoning_ids, answer_ids = split_reasoning(output, think_end)
-    if reasoning_ids is None and think_end is not None and item.finish_reason == "length":
-        # cut off before `</think>`: if the prompt opened the thinking block, all is reasoning
-        start = tokenizer.think_start_id
-        if start is not None and item.prompt_ids and item.prompt_ids[-1] == start:
+    start = tokenizer.think_start_id
+    prompt_opened = start is not None and bool(item.prompt_ids) and item.prompt_ids[-1] == start
+    if reasoning_ids is None and think_end is not None:
+        if parser is not None and (prompt_opened or (start is not None and start in output)):
+            interrupt = tool_calls.reasoning_interrupt_id(parser, tokenizer)
+            if interrupt is not None and interrupt in output:
+                at = output.index(interrupt)
+                reasoning_ids, answer_ids = output[:at], output[at:]
+            else:  # as SGLang reads an unterminated block: all reasoning
+                reasoning_ids, answer_ids = output, []
+        elif item.finish_reason == "length" and prompt_opened:
+            # cut off before `</think>`, in the thinking block the prompt opened
             reasoning_ids, answer_ids = output, []
     prefix = item.assistant_prefix or ""
     turn: dict[str, Any] = {"role": "assistant", "content": tokenizer.decode(answer_ids)}
     if reasoning_ids is None:
         turn["content"] = prefix + turn["content"]
         return turn
-    start = tokenizer.think_start_id
     if reasoning_ids and start is not None and reasoning_ids[0] == start:
         reasoning_ids = reasoning_ids[1:]
+        while parser is not None and reasoning_ids[:1] == [start]:  # SGLang strips every one
+            reasoning_ids = reasoning_ids[1:]
     turn["reasoning_content"] = prefix + tokenizer.decode(reasoning_ids)
     return turn
 
@@ -135,8 +152,8 @@ def conversations_row(
             turns = image_parts(turns, uris)
         except ValueError as exc:
             raise ImageExportError(f"{item_label(item)}: {exc}") from None
-    last = assistant_turn(item, run, tokenizer)
     parser = tool_calls.chain_parser(run.chat_pins, run.turns, item.tools, item.messages)
+    last = assistant_turn(item, run, tokenizer, parser)
     if parser is not None:  # an agentic chain: the calls parsed as the server parses them
         seed = tool_calls.item_seed(item.item_key, item.sample_index, item.turn_index)
         last = tool_calls.final_message(parser, last, item.tools or [], seed, turns)

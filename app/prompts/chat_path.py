@@ -67,6 +67,7 @@ from app.prompts.request_json import as_sglang_reads as as_sglang_reads
 from app.prompts.request_json import json_type as json_type
 from app.prompts.request_json import parse_tool_call_arguments as parse_tool_call_arguments
 from app.prompts.tool_schemas import checked_parameters
+from app.prompts.transformers_pin import imported_transformers
 
 logger = logging.getLogger(__name__)
 
@@ -160,6 +161,8 @@ def detect_content_format(template: str | None) -> ContentFormat:
         return "openai"
     try:
         import jinja2.nodes
+
+        imported_transformers()
         from transformers.utils.chat_template_utils import _compile_jinja_template
 
         tree = _compile_jinja_template(template).environment.parse(template)
@@ -432,6 +435,7 @@ def template_may_reorder_tool_results(template: str | None) -> bool:
     from jinja2 import nodes
 
     try:  # parsed as SGLang parses it: with transformers' chat-template environment
+        imported_transformers()
         from transformers.utils.chat_template_utils import _compile_jinja_template
 
         ast = _compile_jinja_template(template).environment.parse(template)

@@ -188,6 +188,7 @@ class ChatTokenizer:
         self._chat_template_hash = template.sha256
         self._pass_turn_fields = pass_turn_fields
         self._pin: TransformersPin | None = None
+        self._single_ids: dict[str, int | None] = {}
         self._think_start_id = single_token_id(tokenizer, THINK_START)
         self._think_end_id = single_token_id(tokenizer, THINK_END)
         self._eos_token_ids = eos_token_ids_of(tokenizer, path)
@@ -268,6 +269,12 @@ class ChatTokenizer:
     @property
     def think_start_id(self) -> int | None:
         return self._think_start_id
+
+    def single_token_id(self, text: str) -> int | None:
+        """The id of text when it is one added/special token that stays one id in context."""
+        if text not in self._single_ids:
+            self._single_ids[text] = single_token_id(self._tokenizer, text)
+        return self._single_ids[text]
 
     @property
     def think_end_id(self) -> int | None:

@@ -25,10 +25,12 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from pathlib import Path
 from typing import Any
 
 from app.core.errors import TokenizerError
+from app.prompts.transformers_pin import imported_transformers
 
 logger = logging.getLogger(__name__)
 
@@ -49,10 +51,21 @@ _BOS_EOS_CLASSES = frozenset(
 _V4_DEFAULTS = {"add_bos_token": True, "add_eos_token": False}
 # base classes that cannot stand for a tokenizer of their own
 _BASE_CLASSES = ("PreTrainedTokenizer", "PreTrainedTokenizerBase")
+# one load at a time per process: transformers imports its classes on first use, also inside
+# from_pretrained, and a thread reaching a class another thread is importing fails to import
+# it (transformers itself is first imported through imported_transformers, for the same reason)
+_LOAD_LOCK = threading.Lock()
 
 
 def load_as_sglang(folder: Path, *, trust_remote_code: bool) -> Any:
-    """The transformers tokenizer of folder, loaded and fixed as SGLang's get_tokenizer does."""
+    """The transformers tokenizer of folder, loaded and fixed as SGLang's get_tokenizer does
+    (one load at a time in a process)."""
+    with _LOAD_LOCK:
+        return _load_as_sglang(folder, trust_remote_code=trust_remote_code)
+
+
+def _load_as_sglang(folder: Path, *, trust_remote_code: bool) -> Any:
+    imported_transformers()
     from transformers import AutoTokenizer
 
     kwargs: dict[str, Any] = {
@@ -83,8 +96,7 @@ def _config(folder: Path) -> dict[str, Any]:
 
 def _declared_class(folder: Path, kwargs: dict[str, Any]) -> Any:
     """The tokenizer loaded as the class tokenizer_config.json names, or None."""
-    import transformers
-
+    transformers = imported_transformers()
     name = _config(folder).get("tokenizer_class")
     if not isinstance(name, str) or not name or name in _BASE_CLASSES:
         return None
@@ -139,6 +151,7 @@ def restore_declared_components(tokenizer: Any, folder: Path) -> None:
 
 def restore_bos_eos_flags(tokenizer: Any, folder: Path) -> None:
     """add_bos_token / add_eos_token as tokenizer_config.json (or transformers 4) set them."""
+    imported_transformers()
     from transformers import PreTrainedTokenizerFast
 
     config = _config(folder)
@@ -211,6 +224,7 @@ def class_forced_by_model_type(folder: Path) -> str | None:
     model_type = config.get("model_type") if isinstance(config, dict) else None
     if not isinstance(model_type, str):
         return None
+    imported_transformers()
     from transformers.models.auto import tokenization_auto
 
     forced: set[str] = getattr(

@@ -1,5 +1,6 @@
 """A target's generated text read as SGLang 0.5.23's function-call parsers read it (non-streaming
-`detect_and_parse` of `kimi_k2`, `qwen25`, `hermes`), and whether an agentic chain goes on.
+`detect_and_parse` of `kimi_k2`, `qwen25`, `hermes`, `deepseekv31`), and whether an agentic chain
+goes on.
 
 The parse runs in the client, not through the server's `/parse_function_call`: it is a pure
 function of the text and the request's tools, so a chain step costs no round trip;
@@ -12,12 +13,15 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from app.core import constants
 from app.core.errors import InputError
+
+if TYPE_CHECKING:
+    from app.prompts.tokenization import ChatTokenizer
 
 
 @dataclass(frozen=True)
@@ -155,10 +159,56 @@ def _hermes(text: str, tools: Sequence[Mapping[str, Any]]) -> ParsedTurn:
     return ParsedTurn(text[: text.find("<tool_call>")].strip(), tuple(calls), openings)
 
 
-_PARSERS = {"kimi_k2": _kimi, "qwen25": _qwen25, "hermes": _hermes}
+_DS_BOT = "<｜tool▁calls▁begin｜>"
+_DS_CALL_BEGIN = "<｜tool▁call▁begin｜>"
+_DS_CALL = re.compile(f"{_DS_CALL_BEGIN}.*?<｜tool▁call▁end｜>", re.DOTALL)
+_DS_DETAIL = re.compile(
+    f"{_DS_CALL_BEGIN}(.*)<｜tool▁sep｜>(.*)<｜tool▁call▁end｜>",
+    re.DOTALL,
+)
+
+
+def _deepseekv31(text: str, tools: Sequence[Mapping[str, Any]]) -> ParsedTurn:
+    # DeepSeekV31Detector: `name<｜tool▁sep｜>{json}` per call; one call that does not parse
+    # and the whole text is the answer, no call
+    if _DS_BOT not in text:
+        return ParsedTurn(text, (), 0)
+    openings = text.count(_DS_CALL_BEGIN)
+    calls: list[ToolCall] = []
+    try:
+        for raw in _DS_CALL.findall(text):
+            detail = _DS_DETAIL.search(raw)
+            if detail is None:
+                raise InputError("a DeepSeek tool call without its separator")
+            arguments = json.loads(detail.group(2))
+            calls.extend(_base_json({"name": detail.group(1), "parameters": arguments}, tools))
+    except (json.JSONDecodeError, InputError):
+        return ParsedTurn(text, (), openings)
+    return ParsedTurn(text[: text.find(_DS_BOT)].strip(), tuple(calls), openings)
+
+
+_PARSERS = {"kimi_k2": _kimi, "qwen25": _qwen25, "hermes": _hermes, "deepseekv31": _deepseekv31}
 # SGLang's ToolCallParserEnum maps "qwen" (the name its template detection gives) to qwen25's
 ALIASES = {"qwen": "qwen25"}
 KIMI_SECTION_TOKEN = _KIMI_SECTION
+
+
+# what ends an unterminated reasoning block for each parser's family: the tool-call start of
+# SGLang's reasoning parser for it (KimiK2Detector's, and Qwen3Detector's for the Qwen/Hermes
+# format: `tool_start_token`)
+REASONING_INTERRUPTS = {
+    "kimi_k2": _KIMI_SECTION,
+    "qwen25": "<tool_call>",
+    "hermes": "<tool_call>",
+    "deepseekv31": "<tool_call>",  # its reasoning parser, deepseek-v3, is Qwen3's
+}
+
+
+def reasoning_interrupt_id(parser: str, tokenizer: ChatTokenizer) -> int | None:
+    """The id of the token that ends an unterminated reasoning block in this parser's family
+    (None: it is not one token of this vocabulary, and nothing ends such a block early)."""
+    token = REASONING_INTERRUPTS.get(parser_name(parser))
+    return None if token is None else tokenizer.single_token_id(token)
 
 
 def parser_name(name: str) -> str:
@@ -170,14 +220,44 @@ def parser_name(name: str) -> str:
     return name
 
 
-def choose_parser(explicit: str | None, vocab: Collection[str]) -> str | None:
+def _has_all(template: str, *needles: str) -> bool:
+    return all(needle in template for needle in needles)
+
+
+# SGLang 0.5.23's TOOL_CALL_PARSER_RULES (`template_detection.py`) in their order, up to and
+# including kimi_k2, the first rule that names a parser implemented here: the parser the first
+# matching rule names, from the chat template's text and the vocabulary. A template none of
+# them matches gets no parser here (SGLang's later rules read its reasoning toggles).
+_SGLANG_RULES: tuple[tuple[str, Callable[[str, Collection[str]], bool]], ...] = (
+    ("iquest_q1", lambda t, v: "<|iquest_assistant|>" in t),
+    ("gigachat35", lambda t, v: "<\uff5cGCML\uff5ctool_calls>" in t),
+    ("k2_horizon", lambda t, v: _has_all(t, "<ifm|think>", "<ifm|tool_calls>", "<ifm|tool_call>")),
+    ("apertus2509", lambda t, v: "<|inner_prefix|>" in v),
+    ("gemma4", lambda t, v: "<|channel>" in t),
+    ("beam", lambda t, v: _has_all(t, "<|channel|>", "<rfl:parameter")),
+    ("gpt-oss", lambda t, v: "<|channel|>" in t),
+    ("kimi_k2", lambda t, v: _KIMI_SECTION in v),
+)
+
+
+def detected_parser(template: str, vocab: Collection[str]) -> str | None:
+    """The tool-call parser SGLang's template detection names for this template and vocabulary,
+    as far as its rules up to kimi_k2 go (None: none of them matches)."""
+    for name, matches in _SGLANG_RULES:
+        if matches(template, vocab):
+            return name
+    return None
+
+
+def choose_parser(explicit: str | None, vocab: Collection[str], template: str = "") -> str | None:
     """The parser a server of this tokenizer uses: `--tool-call-parser` when given, else SGLang's
-    template detection (`detect_tool_call_parser`) as far as it names a parser implemented
-    here: its kimi_k2 rule, a vocabulary holding `<|tool_calls_section_begin|>`. None: the
-    server would name none that this module has, and the run must be told."""
+    template detection (`--tool-call-parser auto`, `detected_parser`) when it names a parser
+    implemented here. None: the server would name none that this module has (or one it does
+    not implement), and the run must be told."""
     if explicit is not None:
         return parser_name(explicit)
-    return "kimi_k2" if KIMI_SECTION_TOKEN in vocab else None
+    detected = detected_parser(template, vocab)
+    return detected if detected in _PARSERS else None
 
 
 def parse(parser: str, text: str, tools: Sequence[Mapping[str, Any]]) -> ParsedTurn:
@@ -210,13 +290,15 @@ def _is_object(arguments: str) -> bool:
         return False
 
 
-def call_id(parser: str, call: ToolCall, history_calls: int, seed: str) -> str:
+def call_id(parser: str, call: ToolCall, history_calls: int, seed: str, position: int = 0) -> str:
     """The id SGLang's chat endpoint gives a parsed call (`_process_tool_call_id`): Kimi-K2's
     `functions.{name}:{n}` counting the history's earlier calls; for other parsers SGLang draws
-    `call_` + 24 random hex digits, here derived from seed (the item key) so a rerun repeats it."""
+    `call_` + 24 random hex digits for each call, here derived from seed (the item key) and the
+    call's position in its turn, so a rerun repeats them and parallel calls of one tool (one
+    tool_index) differ."""
     if parser == "kimi_k2":
         return f"functions.{call.name}:{history_calls + call.tool_index}"
-    digest = hashlib.blake2b(f"{seed}:{call.tool_index}".encode(), digest_size=12).hexdigest()
+    digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=12).hexdigest()
     return f"call_{digest}"
 
 
@@ -251,6 +333,23 @@ def cached_results(
     """A waiting turn's stored context split: the tool names its leading tool results answer
     (from the dataset's assistant turn kept first in the context, by tool_call_id, else by
     position, else the result's own `name`), those results, and the turns after them."""
+    cached = _cached(context)
+    return cached.names, cached.results, cached.rest
+
+
+@dataclass(frozen=True)
+class _Cached:
+    """What cached_results gives, and the dataset's calls: their names in order, and for each
+    result the position of the call it answers (None: none found)."""
+
+    names: list[str | None]
+    results: list[dict[str, Any]]
+    rest: list[dict[str, Any]]
+    call_names: list[str | None]
+    answers: list[int | None]
+
+
+def _cached(context: Sequence[Mapping[str, Any]]) -> _Cached:
     turns = [dict(t) for t in context]
     dataset_calls: list[Mapping[str, Any]] = []
     if turns and turns[0].get("role") == "assistant":
@@ -258,15 +357,44 @@ def cached_results(
     results: list[dict[str, Any]] = []
     while turns and turns[0].get("role") == "tool":
         results.append(turns.pop(0))
-    by_id = {c.get("id"): c for c in dataset_calls if c.get("id")}
+    position_of = {c.get("id"): n for n, c in enumerate(dataset_calls) if c.get("id")}
     names: list[str | None] = []
+    answers: list[int | None] = []
     for position, result in enumerate(results):
-        call = by_id.get(result.get("tool_call_id"))
-        if call is None and position < len(dataset_calls):
-            call = dataset_calls[position]
-        name = _function(call).get("name") if call is not None else None
+        answered = position_of.get(result.get("tool_call_id"))
+        if answered is None and position < len(dataset_calls):
+            answered = position
+        name = _function(dataset_calls[answered]).get("name") if answered is not None else None
         names.append(name if isinstance(name, str) else result.get("name"))
-    return names, results, turns
+        answers.append(answered)
+    call_names = [_name_of(c) for c in dataset_calls]
+    return _Cached(names, results, turns, call_names, answers)
+
+
+def _name_of(call: Mapping[str, Any]) -> str | None:
+    name = _function(call).get("name")
+    return name if isinstance(name, str) else None
+
+
+def _in_order_ending(parsed: ParsedTurn, cached: _Cached) -> str | None:
+    """--parallel-calls in-order: a turn of several calls (or a dataset turn of several results)
+    goes on when the target makes as many well-formed calls as the dataset made, the i-th to
+    the dataset's i-th tool, and each result answers one of those calls; else how it ends."""
+    if parsed.openings > len(parsed.calls) or any(
+        not _is_object(c.arguments) for c in parsed.calls
+    ):
+        return constants.CHAIN_END_MALFORMED_CALL
+    if not parsed.calls:
+        return constants.CHAIN_END_NO_CALL
+    if not cached.results:
+        return constants.CHAIN_END_RESULTS_EXHAUSTED
+    answered = sorted(a for a in cached.answers if a is not None)
+    expected = list(range(len(cached.call_names)))
+    if len(parsed.calls) != len(cached.call_names) or answered != expected:
+        return constants.CHAIN_END_PARALLEL_CALLS
+    if any(c.name != n for c, n in zip(parsed.calls, cached.call_names, strict=True)):
+        return constants.CHAIN_END_OTHER_TOOL
+    return None
 
 
 def chain_step(
@@ -276,27 +404,35 @@ def chain_step(
     history: Sequence[Mapping[str, Any]],
     context: Sequence[Mapping[str, Any]],
     seed: str,
+    parallel: str = constants.PARALLEL_CALLS_END,
 ) -> ChainStep:
     """Read a regenerated assistant turn (its `content`, the reasoning already split off into
-    `reasoning_content`) as SGLang's chat endpoint does and splice the dataset's cached result
+    `reasoning_content`) as SGLang's chat endpoint does and splice the dataset's cached results
     in. A turn goes on when it makes one well-formed call to the tool whose result the dataset
     has next (one result), or makes no call where the dataset has no result next (a plain
-    turn). history: this turn's prompt turns; context: the waiting turn's stored context (the
+    turn); with parallel "in-order", also when it makes the dataset's parallel calls, the i-th
+    to the dataset's i-th tool (each result then answers the regenerated call in its place).
+    history: this turn's prompt turns; context: the waiting turn's stored context (the
     dataset's assistant turn first, then its results, then the turns after them). seed: the
     item's key, for the ids of parsers whose SGLang ids are random."""
     parsed = parse(parser, str(regenerated.get("content") or ""), tools)
-    names, results, rest = cached_results(context)
-    ending = chain_ending(parsed, names[0] if names else None)
+    cached = _cached(context)
+    names, results, rest = cached.names, cached.results, cached.rest
+    several = len(parsed.calls) > 1 or len(results) > 1
+    if parallel == constants.PARALLEL_CALLS_IN_ORDER and several:
+        ending = _in_order_ending(parsed, cached)
+    else:
+        ending = chain_ending(parsed, names[0] if names else None)
     if ending == constants.CHAIN_END_COMPLETE:
         ending = None  # no call, no result next: a plain turn, the dataset goes on
-    elif ending is None and len(results) > 1:
+    elif ending is None and len(results) > 1 and len(parsed.calls) == 1:
         ending = constants.CHAIN_END_PARALLEL_CALLS  # the dataset's results answer parallel calls
     if ending is not None:
         return ChainStep(parsed, ending)
     if not parsed.calls:
         return ChainStep(parsed, None, [dict(regenerated), *rest])
-    call = parsed.calls[0]
-    regenerated_id = call_id(parser, call, history_call_count(history), seed)
+    count = history_call_count(history)
+    ids = [call_id(parser, c, count, seed, n) for n, c in enumerate(parsed.calls)]
     message = {
         **regenerated,
         "content": parsed.content,
@@ -304,11 +440,17 @@ def chain_step(
             {
                 "id": regenerated_id,
                 "type": "function",
-                "function": {"name": call.name, "arguments": call.arguments},
+                "function": {"name": c.name, "arguments": c.arguments},
             }
+            for c, regenerated_id in zip(parsed.calls, ids, strict=True)
         ],
     }
-    return ChainStep(parsed, None, [message, spliced_result(results[0], regenerated_id), *rest])
+    # one call answers the one result; in order, each result the call in its dataset place
+    spliced = [
+        spliced_result(result, ids[0 if len(ids) == 1 else answered or 0])
+        for result, answered in zip(results, cached.answers, strict=True)
+    ]
+    return ChainStep(parsed, None, [message, *spliced, *rest])
 
 
 def final_ending(parser: str, answer: str, tools: Sequence[Mapping[str, Any]]) -> str:
@@ -357,10 +499,10 @@ def final_message(
         "content": parsed.content,
         "tool_calls": [
             {
-                "id": call_id(parser, call, count, seed),
+                "id": call_id(parser, call, count, seed, position),
                 "type": "function",
                 "function": {"name": call.name, "arguments": call.arguments},
             }
-            for call in parsed.calls
+            for position, call in enumerate(parsed.calls)
         ],
     }

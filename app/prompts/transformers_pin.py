@@ -14,6 +14,7 @@ import contextlib
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 from app.core.errors import ConfigurationError
@@ -25,6 +26,20 @@ SERVER_TRANSFORMERS = {"0.5.23": "5.19.0"}
 KNOWN_CLIENTS = frozenset({"5.19.0", "5.24.0"})
 
 _PATCH_LOCK = threading.Lock()
+_IMPORT_LOCK = threading.Lock()
+
+
+def imported_transformers() -> ModuleType:
+    """transformers with AutoTokenizer resolved, imported by one thread at a time: the package
+    swaps itself for a lazy module while it is first imported, and a thread importing from it
+    meanwhile gets "cannot import name 'AutoTokenizer' from 'transformers'" (a worker's turn
+    advancer, parity check and reconcile reach it from threads of their own). Every use of
+    transformers in app/ calls this first; once imported it costs an uncontended lock."""
+    with _IMPORT_LOCK:
+        import transformers
+        from transformers import AutoTokenizer  # noqa: F401  (resolves the lazy class)
+
+        return transformers
 
 
 @dataclass(frozen=True)
@@ -39,9 +54,7 @@ class TransformersPin:
 
 
 def client_version() -> str:
-    import transformers
-
-    return str(transformers.__version__)
+    return str(imported_transformers().__version__)
 
 
 def transformers_pin(sglang_version: str = SGLANG_VERSION) -> TransformersPin:
@@ -63,6 +76,7 @@ def transformers_pin(sglang_version: str = SGLANG_VERSION) -> TransformersPin:
 def as_server_renders() -> Iterator[None]:
     """Inside: apply_chat_template renders without the reasoning aliasing transformers 5.19
     does not have (a no-op on a client that has none)."""
+    imported_transformers()
     from transformers.utils import chat_template_utils
 
     if not hasattr(chat_template_utils, "_alias_reasoning_fields"):

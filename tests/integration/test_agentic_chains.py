@@ -78,7 +78,23 @@ class Script:
     follow_up: bool = False
 
 
+# what --parallel-calls in-order carries on (SCRIPTS end the same way under it)
+IN_ORDER = [
+    Script([["get_weather", "search"]], ["parallel", "text"], constants.CHAIN_END_COMPLETE),
+    Script(
+        [["get_weather", "search"]],
+        ["parallel", "text", "text"],
+        constants.CHAIN_END_COMPLETE,
+        True,
+    ),
+    Script([["search", "get_weather"]], ["parallel"], constants.CHAIN_END_OTHER_TOOL),
+]
+
 SCRIPTS = [
+    # SGLang's reasoning parser: the call section ends a reasoning block left open, and a block
+    # never closed is all reasoning (a plain turn when a user turn is next)
+    Script(TWO, ["early:get_weather", "search", "text"], constants.CHAIN_END_COMPLETE),
+    Script(TWO, ["get_weather", "search", "unclosed", "text"], constants.CHAIN_END_COMPLETE, True),
     Script(TWO, ["get_weather", "search", "text"], constants.CHAIN_END_COMPLETE),
     Script(TWO, ["search"], constants.CHAIN_END_OTHER_TOOL),
     Script(TWO, ["get_weather", "parallel"], constants.CHAIN_END_PARALLEL_CALLS),
@@ -127,6 +143,9 @@ FAMILIES = {
 
 
 def _output_text(family: Family, action: str, key: str, turn: int) -> str:
+    action = action.removeprefix("early:")
+    if action == "unclosed":
+        return ""
     if action == "text":
         return f"Answer {key} {turn}."
     if action == "parallel":
@@ -137,13 +156,20 @@ def _output_text(family: Family, action: str, key: str, turn: int) -> str:
 
 
 def _result(
-    tokenizer: ChatTokenizer, family: Family, text: str, prompt_tokens: int
+    tokenizer: ChatTokenizer, family: Family, text: str, prompt_tokens: int, action: str
 ) -> GenerateResult:
+    """The output ids: with a reasoning family (the template opened <think>) reasoning first,
+    closed by </think> unless the action says otherwise: "early:NAME" opens the call section
+    before any </think>, "unclosed" never closes it and says nothing else."""
     encode = tokenizer.hf_tokenizer.encode
     ids: list[int] = []
-    if family.reasoning_parser is not None:  # the template opened <think>: reasoning first
+    if family.reasoning_parser is not None:
         assert tokenizer.think_end_id is not None
-        ids += [*encode("weighing it", add_special_tokens=False), tokenizer.think_end_id]
+        ids += encode("weighing it", add_special_tokens=False)
+        if not action.startswith("early:") and action != "unclosed":
+            ids.append(tokenizer.think_end_id)
+    elif action == "unclosed":
+        text = "weighing it"
     ids += [*encode(text, add_special_tokens=False), tokenizer.eos_token_ids[0]]
     return GenerateResult("r", ids, "stop", ids[-1], prompt_tokens, len(ids), 0, 0.1)
 
@@ -162,13 +188,21 @@ def folder(family: Family, kimi_tokenizer_dir: Path, tmp_path: Path) -> Path:
     )
 
 
-def _run_chains(db: Engine, tokenizer: ChatTokenizer, family: Family, path: Path) -> int:
+def _run_chains(
+    db: Engine,
+    tokenizer: ChatTokenizer,
+    family: Family,
+    path: Path,
+    scripts: list[Script],
+    parallel: str,
+) -> int:
     options = EnqueueOptions(
         path,
         "agents",
         SamplingParams(max_new_tokens=64, seed=1),
         turns="all",
         tool_call_parser=family.parser,
+        parallel_calls=parallel,
     )
     report = enqueue(db, tokenizer, options, publish=None)
     assert report.errors == []
@@ -182,10 +216,11 @@ def _run_chains(db: Engine, tokenizer: ChatTokenizer, family: Family, path: Path
             return run.id
         done = []
         for item in pending:
-            script = SCRIPTS[int(item.item_key)]
+            script = scripts[int(item.item_key)]
             action = script.actions[item.turn_index]
             text = _output_text(family, action, item.item_key, item.turn_index)
-            done.append(Done(item.id, _result(tokenizer, family, text, len(item.prompt_ids))))
+            result = _result(tokenizer, family, text, len(item.prompt_ids), action)
+            done.append(Done(item.id, result))
         with db.begin() as conn:
             ids = [d.item_id for d in done]
             claims.claim_items(conn, ids, owner="w", server="s", lease_s=60)
@@ -193,22 +228,26 @@ def _run_chains(db: Engine, tokenizer: ChatTokenizer, family: Family, path: Path
         turns.advance(db, cache, prev_ids=ids)
 
 
+@pytest.mark.parametrize("parallel", list(constants.PARALLEL_CALLS))
 def test_agentic_chains_splice_cached_results_as_sglang_renders_them(
-    db: Engine, family: Family, folder: Path, tmp_path: Path
+    db: Engine, family: Family, folder: Path, tmp_path: Path, parallel: str
 ) -> None:
+    scripts = SCRIPTS + (IN_ORDER if parallel == constants.PARALLEL_CALLS_IN_ORDER else [])
     tokenizer = load_tokenizer(folder)
     rows = [
         {"id": str(n), "messages": _conversation(s.calls, s.follow_up), "tools": TOOLS}
-        for n, s in enumerate(SCRIPTS)
+        for n, s in enumerate(scripts)
     ]
     path = tmp_path / "rows.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    run_id = _run_chains(db, tokenizer, family, path)
+    run_id = _run_chains(db, tokenizer, family, path, scripts, parallel)
     statuses = ("waiting", "pending", "queued", "leased", "done", "failed")
     with db.connect() as conn:
         found = list(reads.iter_items(conn, run_id, statuses=statuses))
         run = run_queries.get_run(conn, "agents")
     assert (run.chat_pins or {})["tool_call_parser"] == (family.parser or "kimi_k2")
+    in_order = parallel == constants.PARALLEL_CALLS_IN_ORDER
+    assert (run.chat_pins or {}).get("parallel_calls") == (parallel if in_order else None)
     assert {i.status for i in found} == {"done"}
     chains: dict[str, list[reads.StoredItem]] = {}
     for item in sorted(found, key=lambda i: i.turn_index):
@@ -216,18 +255,22 @@ def test_agentic_chains_splice_cached_results_as_sglang_renders_them(
 
     oracle = SGLangAgentLoop(folder, family.parser or "kimi_k2", family.reasoning_parser)
     checked = 0
-    for key, chain in chains.items():
-        script = SCRIPTS[int(key)]
+    parsed = oracle.parse_all(
+        [([i.output_ids for i in c[:-1]], TOOLS) for c in chains.values()],
+        tokenizer.eos_token_ids[0],
+    )
+    for (key, chain), answers in zip(chains.items(), parsed, strict=True):
+        script = scripts[int(key)]
         turns_done = [i.turn_index for i in chain]
         endings = [i.chain_end for i in chain]
         # the chain ends at its first mismatch: every turn up to it done, none after
         assert turns_done == list(range(len(script.actions))), key
         assert endings == [None] * (len(chain) - 1) + [script.ending], key
-        checked += _check_prompts(oracle, family, rows[int(key)]["messages"], chain)
+        checked += _check_prompts(oracle, family, rows[int(key)]["messages"], chain, answers)
     assert checked == sum(len(c) - 1 for c in chains.values()) > 0
     with db.connect() as conn:
         counted = reads.chain_endings(conn, run_id)
-    assert counted == dict(sorted(Counter(s.ending for s in SCRIPTS).items()))
+    assert counted == dict(sorted(Counter(s.ending for s in scripts).items()))
 
     # verify re-renders every chained prompt from its stored parsed history
     verified = verify_run(db, run, tokenizer)
@@ -244,40 +287,69 @@ def test_agentic_chains_splice_cached_results_as_sglang_renders_them(
         last = exported[key]
         assert last["conversations"][:-1] == chain[-1].messages
         assert last["tool_call_parser"] == (family.parser or "kimi_k2")
-        assert last["chain_end"] == SCRIPTS[int(key)].ending
+        assert last["chain_end"] == scripts[int(key)].ending
         final = last["conversations"][-1]
         calls = [c["function"]["name"] for c in final.get("tool_calls", [])]
-        action = SCRIPTS[int(key)].actions[-1]
+        action = scripts[int(key)].actions[-1]
         expected = {"parallel": ["get_weather", "search"], "malformed": [], "text": []}
         assert calls == expected.get(action, [action]), key
+    if family.name == "kimi":
+        return  # its template drops earlier reasoning: no whole-conversation mask exists
+    # specforge, one row per chain: the last turn's ids, every regenerated span trained
+    whole = tmp_path / "whole.jsonl"
+    export_run(db, run, "specforge", whole, tokenizer=tokenizer, whole_conversation=True)
+    rows = {r["id"]: r for r in map(json.loads, whole.open())}
+    assert rows.keys() == chains.keys()
+    for key, chain in chains.items():
+        row, last_item = rows[key], chain[-1]
+        assert row["input_ids"] == last_item.prompt_ids + (last_item.output_ids or [])
+        mask = row["loss_mask"]
+        spans = sum(1 for i, m in enumerate(mask) if m and (i == 0 or not mask[i - 1]))
+        assert spans == len(chain), key  # each regenerated turn's span, and no other
+        assert mask[-len(last_item.output_ids or []) :] == [1] * len(last_item.output_ids or [])
 
 
 def _check_prompts(
-    oracle: SGLangAgentLoop, family: Family, conversation: list[dict[str, Any]], chain: list[Any]
+    oracle: SGLangAgentLoop,
+    family: Family,
+    conversation: list[dict[str, Any]],
+    chain: list[Any],
+    answers: list[dict[str, Any]],
 ) -> int:
     """Rebuild the chain's history as an agent loop against SGLang would, turn by turn, and
-    compare each chained prompt with SGLang's render of it."""
+    compare each chained prompt with SGLang's render of it (answers: the wheel's parse of each
+    output but the last)."""
     assistant_at = [i for i, t in enumerate(conversation) if t["role"] == "assistant"]
     history = [dict(t) for t in conversation[: assistant_at[0]]]
     assert chain[0].prompt_ids == oracle.render(history, TOOLS)
-    answers = oracle.parse([i.output_ids for i in chain[:-1]], TOOLS, EOS)
     for n, (item, answer) in enumerate(zip(chain[1:], answers, strict=True)):
         message: dict[str, Any] = {"role": "assistant", "content": answer["normal_text"] or ""}
         if answer["reasoning_text"]:
             message["reasoning_content"] = answer["reasoning_text"]
         dataset_next = conversation[assistant_at[n] + 1 : assistant_at[n + 1]]
         if answer["calls"]:
-            ((_, name, arguments),) = answer["calls"]
-            stored = [t for t in item.messages if t.get("tool_calls")][-1]["tool_calls"][0]["id"]
-            if family.name == "kimi":  # SGLang's `_process_tool_call_id` for kimi_k2
-                count = sum(len(t.get("tool_calls") or []) for t in history)
-                assert stored == f"functions.{name}:{count}"
-            else:  # SGLang draws call_ + 24 hex digits; the template does not render it
-                assert stored.startswith("call_") and len(stored) == 29
-            function = {"name": name, "arguments": arguments}
-            message["tool_calls"] = [{"id": stored, "type": "function", "function": function}]
-            result, *rest = dataset_next
-            history += [message, {**result, "tool_call_id": stored}, *rest]
+            stored = [t for t in item.messages if t.get("tool_calls")][-1]["tool_calls"]
+            ids = [call["id"] for call in stored]
+            count = sum(len(t.get("tool_calls") or []) for t in history)
+            message["tool_calls"] = []
+            for k, (_, name, arguments) in enumerate(answer["calls"]):
+                if family.name == "kimi":  # SGLang's `_process_tool_call_id` for kimi_k2
+                    assert ids[k] == f"functions.{name}:{count + k}"
+                else:  # SGLang draws call_ + 24 hex digits; the template does not render it
+                    assert ids[k].startswith("call_") and len(ids[k]) == 29
+                function = {"name": name, "arguments": arguments}
+                message["tool_calls"].append(
+                    {"id": ids[k], "type": "function", "function": function}
+                )
+            assert len(set(ids)) == len(ids) == len(answer["calls"])
+            # each cached result answers the regenerated call in its dataset call's place
+            dataset_ids = [c["id"] for c in conversation[assistant_at[n]]["tool_calls"]]
+            results = [t for t in dataset_next if t["role"] == "tool"]
+            rest = dataset_next[len(results) :]
+            spliced = [
+                {**r, "tool_call_id": ids[dataset_ids.index(r["tool_call_id"])]} for r in results
+            ]
+            history += [message, *spliced, *rest]
         else:
             history += [message, *dataset_next]
         assert item.prompt_ids == oracle.render(history, TOOLS), (item.item_key, item.turn_index)

@@ -14,6 +14,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -546,6 +547,41 @@ def test_the_server_also_runs_in_process() -> None:
     status, answer = asyncio.run(scenario())
     assert status == 200
     assert answer["meta_info"]["finish_reason"]["type"] == "stop"
+
+
+def test_the_request_log_holds_what_each_finished_request_was_sent_and_generated(
+    tmp_path: Path,
+) -> None:
+    """One line per finished request, with its ids in and out (whole answers and step_ms 0's
+    at-once answers alike); a request aborted by its client writes none."""
+    log = tmp_path / "requests.jsonl"
+    batch = {"rid": "b", "input_ids": [[1, 2], [3]], "sampling_params": {"max_new_tokens": 8}}
+
+    async def scenario(cfg: EmulatorConfig) -> list[Json]:
+        async with EmulatorServer(cfg) as server, httpx.AsyncClient() as client:
+            url = f"{server.base_url}/generate"
+            if cfg.step_ms:  # at once (step_ms 0) nothing runs long enough to walk away from
+                with pytest.raises(httpx.ReadTimeout):
+                    await client.post(url, json=long_body("gone"), timeout=0.2)
+            answers: list[Json] = (await client.post(url, json=batch)).json()
+            return answers
+
+    for cfg in (
+        EmulatorConfig(port=0, step_ms=2, median_tokens=5, request_log=str(log)),
+        EmulatorConfig(port=0, step_ms=0, median_tokens=5, request_log=str(log)),
+    ):
+        log.unlink(missing_ok=True)
+        before = time.time()
+        answers = asyncio.run(scenario(cfg))
+        lines = [json.loads(line) for line in log.read_text().splitlines()]
+        assert sorted(r["rid"] for r in lines) == ["b_0", "b_1"]
+        by_rid = {r["rid"]: r for r in lines}
+        for rid, ids, answer in zip(("b_0", "b_1"), batch["input_ids"], answers, strict=True):
+            record = by_rid[rid]
+            assert record["input_ids"] == ids
+            assert record["output_ids"] == answer["output_ids"]
+            assert record["completion_tokens"] == len(answer["output_ids"])
+            assert before <= record["received_at"] <= time.time()
 
 
 def test_sigterm_drains_in_flight_requests_then_exits_0(pool: ThreadPoolExecutor) -> None:

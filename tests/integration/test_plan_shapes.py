@@ -44,6 +44,7 @@ from app.ledger import (
     reads,
     registry,
     run_queries,
+    turns,
 )
 from app.ledger.database import make_engine
 from ops import cli
@@ -77,15 +78,11 @@ EXEMPT: dict[str, str] = {
             "turns.fail_waiting_chain",
             "turns.end_chain",
             "turns.record_chain_end",
+            "turns.unmark_plain_chains",
             "image_tokens.note_image_tokens",
         ),
         "reads or writes the rows of the ids, keys or owner it is given, through their keys",
     ),
-    # agentic `--turns all` runs only (this ledger holds none); not bounded yet
-    "reads.chain_endings": "`status` of an agentic run: counts its ended chains through "
-    "ix_items_chain_end, O(the run's chains), and the archive's through the run's archive rows",
-    "turns.unended_last_turns": "reconcile's catch-up of an agentic run pages through the "
-    "run's done items (O(done items) a pass); the writer's own call is by the ids it committed",
     **dict.fromkeys(
         (
             "queue.insert_items",
@@ -181,12 +178,15 @@ class Ledger:
 
 # g numbers the rows: the ending run's first (done and compacted but for its last UNCOMPACTED,
 # 1% failed, its last ids leased: live, then expired), then the queued text run's, then the
-# queued image run's
+# queued image run's. The ending run is agentic: a tenth of its compacted chains ended (their
+# endings counted), and a few uncompacted last turns of agentic chains (a tool turn in their
+# history) wait for the catch-up to record their ending (its tokenizer is not on this machine,
+# so they keep waiting)
 _INSERT = """
 INSERT INTO items (run_id, item_key, sample_index, turn_index, prompt_ids, prompt_tokens,
     status, attempts, images, server, lease_owner, lease_expires_at, started_at, finished_at,
     output_ids, completion_tokens, latency_s, finish_reason, shard_uri, shard_row, created_at,
-    queued_at)
+    queued_at, messages, chain_end, ends_chain)
 SELECT CASE WHEN g <= :e THEN :ending WHEN g <= :e + :q THEN :queued ELSE :images END,
     'k' || g, 0, 0, '\\x01000000'::bytea, 1,
     CASE WHEN g > :e THEN 'queued' WHEN g > :e - :l - :x THEN 'leased'
@@ -206,7 +206,13 @@ SELECT CASE WHEN g <= :e THEN :ending WHEN g <= :e + :q THEN :queued ELSE :image
     CASE WHEN g <= :e - :l - :x AND g % 100 <> 0 THEN 'stop' END,
     CASE WHEN g <= :e - :l - :x - :u AND g % 100 <> 0 THEN 'file:///s/shard.parquet' END,
     CASE WHEN g <= :e - :l - :x - :u AND g % 100 <> 0 THEN g END,
-    now() - interval '2 hours', now() - interval '2 hours'
+    now() - interval '2 hours', now() - interval '2 hours',
+    CASE WHEN g > :e - :l - :x - :u AND g <= :e - :l - :x AND g % 100 = 7
+         THEN CAST(:tool_turns AS json) END,
+    CASE WHEN g <= :e - :l - :x - :u AND g % 10 = 1
+         THEN (ARRAY['complete', 'no_call', 'other_tool'])[1 + g % 3] END,
+    CASE WHEN g <= :e - :l - :x - :u AND g % 10 = 1 THEN true
+         WHEN g > :e - :l - :x - :u AND g <= :e - :l - :x AND g % 100 = 7 THEN true END
 FROM generate_series(:first, :last) AS g
 """
 
@@ -228,6 +234,15 @@ def _fill(url: str, engine: Engine) -> Ledger:
     with engine.begin() as conn:
         conn.execute(text("ALTER TABLE items SET (autovacuum_enabled = off)"))
         ending, queued, images = (make_run(conn, n) for n in ("ending", "queued", "images"))
+        conn.execute(
+            text(
+                "UPDATE runs SET sampling_params = CAST(CAST(sampling_params AS jsonb) "
+                '|| \'{"turns": "all"}\' AS json), chat_pins = :pins WHERE id = :r'
+            ),
+            {"r": ending.id, "pins": '{"tool_call_parser": "kimi_k2"}'},
+        )
+        ending = run_queries.get_run_by_id(conn, ending.id)
+        assert ending.turns == "all" and ending.tool_call_parser == "kimi_k2"
         for server in ("gpu-a", "gpu-b", "gpu-c"):
             registry.upsert_server(conn, server, f"http://127.0.0.1:1/{server}")
         registry.set_workers(conn, "gpu-a", [OWNER])
@@ -240,6 +255,7 @@ def _fill(url: str, engine: Engine) -> Ledger:
             "u": UNCOMPACTED,
         }
         ids = {"ending": ending.id, "queued": queued.id, "images": images.id}
+        ids |= {"tool_turns": '[{"role": "tool", "content": "sunny"}]'}
         # the ending run, ANALYZE, then the enqueue of the other two: the statistics
         # know no queued item (the minutes after a bulk enqueue, autovacuum off)
         conn.execute(text(_INSERT), sizes | ids | {"first": 1, "last": ENDING})
@@ -331,6 +347,7 @@ def _worker(ledger: Ledger) -> None:
         got = claims.claim_items(conn, ids, owner=OWNER, server="gpu-a", lease_s=60, text_only=True)
         claims.claimable_image_items(conn, ids)
         claims.finished_among(conn, ids)
+        turns.unended_last_turns(conn, prev_ids=ids, limit=len(ids))
         claims.extend_leases(conn, owner=OWNER, lease_s=60)
         result = contracts.GenerateResult("r", [5, 6], "stop", 6, 3, 2, 0, 0.1)
         done = [outcomes.Done(c.id, result) for c in got]

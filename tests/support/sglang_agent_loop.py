@@ -61,11 +61,20 @@ class SGLangAgentLoop:
     ) -> list[dict[str, Any]]:
         """Each output as the endpoint parses it (the detokenizer drops the matched stop id;
         with tools, special tokens stay in the text); the decoded text under "raw"."""
+        return self.parse_all([(outputs, tools)], eos_id)[0]
+
+    def parse_all(
+        self, chains: list[tuple[list[list[int]], list[Any]]], eos_id: int
+    ) -> list[list[dict[str, Any]]]:
+        """parse() of many (outputs, tools) at once: the wheel's parsers start once."""
         texts = [
-            self.hf.decode(
-                ids[:-1] if ids and ids[-1] == eos_id else ids, skip_special_tokens=False
-            )
-            for ids in outputs
+            [
+                self.hf.decode(
+                    ids[:-1] if ids and ids[-1] == eos_id else ids, skip_special_tokens=False
+                )
+                for ids in outputs
+            ]
+            for outputs, _ in chains
         ]
         cases = [
             {
@@ -75,10 +84,11 @@ class SGLangAgentLoop:
                 "reasoning_parser": self.reasoning_parser,
                 "force_reasoning": True if self.reasoning_parser else None,
             }
-            for text in texts
+            for decoded, (_, tools) in zip(texts, chains, strict=True)
+            for text in decoded
         ]
-        answers = sglang_tool_parser.wheel_parses(cases)
-        return [{**a, "raw": text} for a, text in zip(answers, texts, strict=True)]
+        answers = iter(sglang_tool_parser.wheel_parses(cases))
+        return [[{**next(answers), "raw": text} for text in decoded] for decoded in texts]
 
     def render(self, history: list[dict[str, Any]], tools: list[Any]) -> list[int]:
         request = self.protocol.ChatCompletionRequest(model="m", messages=history, tools=tools)

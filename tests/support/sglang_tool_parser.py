@@ -26,9 +26,10 @@ def wheel_parses(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
         capture_output=True,
         text=True,
         env=harness.server_env(),
-        check=True,
+        check=False,
         cwd=harness.REPO_ROOT,
     )
+    assert done.returncode == 0, f"the wheel's parsers failed:\n{done.stderr[-3000:]}"
     answers: list[dict[str, Any]] = json.loads(done.stdout.strip().splitlines()[-1])
     return answers
 
@@ -45,6 +46,9 @@ def _main() -> None:
 
     answers = []
     for case in json.loads(sys.stdin.read()):
+        if "template" in case:
+            answers.append({"parser": _detected(case["template"], set(case["vocab"]))})
+            continue
         tools = [Tool.model_validate(t) for t in case["tools"]]
         detector = FunctionCallParser.ToolCallParserEnum[case["parser"]]()
         text, reasoning = case["text"], None
@@ -65,6 +69,19 @@ def _main() -> None:
             {"normal_text": result.normal_text, "reasoning_text": reasoning, "calls": calls}
         )
     print(json.dumps(answers))
+
+
+def _detected(template: str, vocab: set[str]) -> str | None:
+    """The wheel's `--tool-call-parser auto` for a template and vocabulary, as its template
+    manager runs it: the reasoning pattern first, then the tool-call parser rules."""
+    from sglang.srt.parser import template_detection as td
+
+    force, config = td.detect_reasoning_pattern(template)
+    ctx = td.TemplateDetectionContext(
+        template=template, reasoning_config=config, force_reasoning=force, vocab=vocab
+    )
+    parser: str | None = td.match_rules(ctx, td.TOOL_CALL_PARSER_RULES, "tool-call parser")
+    return parser
 
 
 if __name__ == "__main__":

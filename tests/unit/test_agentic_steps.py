@@ -48,6 +48,10 @@ def _hermes(*names: str) -> dict[str, Any]:
 def test_the_parser_is_the_flag_else_sglangs_kimi_rule() -> None:
     assert tool_calls.choose_parser(None, {"<|tool_calls_section_begin|>", "a"}) == "kimi_k2"
     assert tool_calls.choose_parser(None, {"<tool_call>"}) is None
+    # an earlier SGLang rule names a parser not implemented here (gpt-oss): none
+    kimi = {"<|tool_calls_section_begin|>"}
+    assert tool_calls.choose_parser(None, kimi, "{{ x }}<|channel|>") is None
+    assert tool_calls.detected_parser("{{ x }}<|channel|>", kimi) == "gpt-oss"
     assert tool_calls.choose_parser("qwen", set()) == "qwen25"
     with pytest.raises(InputError, match="not supported"):
         tool_calls.choose_parser("glm45", set())
@@ -88,6 +92,40 @@ def test_each_way_a_turn_meets_the_cached_results() -> None:
     assert tool_calls.final_ending("hermes", "done", TOOLS) == constants.CHAIN_END_COMPLETE
     exhausted = tool_calls.final_ending("hermes", _hermes("search")["content"], TOOLS)
     assert exhausted == constants.CHAIN_END_RESULTS_EXHAUSTED
+
+
+def test_parallel_calls_in_order_go_on_when_they_match_the_datasets_one_by_one() -> None:
+    plans = split_turns(CONVERSATION, keep_calls=True)
+    history = [*plans[0].context, {"role": "assistant", "content": ""}, CONVERSATION[2]]
+
+    def step(message: dict[str, Any], plan: int = 2) -> tool_calls.ChainStep:
+        return tool_calls.chain_step(
+            "hermes", message, TOOLS, history, plans[plan].context, "k", "in-order"
+        )
+
+    # the dataset called fetch (b) then search (c), and answered c first
+    going = step(_hermes("fetch", "search"))
+    assert going.ending is None
+    message, *results = going.turns
+    fetch_id, search_id = (c["id"] for c in message["tool_calls"])
+    assert [c["function"]["name"] for c in message["tool_calls"]] == ["fetch", "search"]
+    assert fetch_id != search_id
+    assert results == [
+        {**CONVERSATION[4], "tool_call_id": search_id},
+        {**CONVERSATION[5], "tool_call_id": fetch_id},
+    ]
+    assert step(_hermes("search", "fetch")).ending == constants.CHAIN_END_OTHER_TOOL
+    assert step(_hermes("fetch")).ending == constants.CHAIN_END_PARALLEL_CALLS
+    assert step(_hermes("fetch", "search", "search")).ending == constants.CHAIN_END_PARALLEL_CALLS
+    assert step({"role": "assistant", "content": "no"}).ending == constants.CHAIN_END_NO_CALL
+    # one call against one result is read as without the option; two against one end it
+    assert step(_hermes("search"), 1).ending is None
+    assert step(_hermes("search", "search"), 1).ending == constants.CHAIN_END_PARALLEL_CALLS
+    # without the option, parallel calls end the chain however well they match
+    ended = tool_calls.chain_step(
+        "hermes", _hermes("fetch", "search"), TOOLS, history, plans[2].context, "k"
+    )
+    assert ended.ending == constants.CHAIN_END_PARALLEL_CALLS
 
 
 def test_tool_rows_without_a_parser_are_refused_with_the_flag_named() -> None:

@@ -386,6 +386,44 @@ def test_import_is_cheap() -> None:
     assert out.stdout.strip() == "[]"
 
 
+THREADED_FIRST_USES = """
+import sys, threading
+from app.prompts import transformers_pin
+from app.prompts.tokenization import load_tokenizer
+uses = {"loads": [lambda: load_tokenizer(sys.argv[1])] * 8,
+        "beside_version": [lambda: load_tokenizer(sys.argv[1]), transformers_pin.client_version]}
+start, errors = threading.Barrier(len(uses[sys.argv[2]])), []
+def run(use):
+    start.wait()
+    try:
+        use()
+    except Exception as exc:
+        errors.append(str(exc))
+threads = [threading.Thread(target=run, args=(use,)) for use in uses[sys.argv[2]]]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+print(errors)
+"""
+
+
+@pytest.mark.parametrize("uses", ["loads", "beside_version"])
+def test_threads_first_using_transformers_at_once_all_load_their_tokenizer(
+    kimi_tokenizer_dir: Path, uses: str
+) -> None:
+    # transformers imports itself and its classes on first use: unserialized, 7 of 8 loads at
+    # once failed with "cannot import name 'AutoTokenizer' from 'transformers'", and so did a
+    # load beside a parity check's client_version (a worker's later turns then waited 60 s)
+    out = subprocess.run(
+        [sys.executable, "-c", THREADED_FIRST_USES, str(kimi_tokenizer_dir), uses],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert out.stdout.strip() == "[]"
+
+
 # --- the reasoning split ----------------------------------------------------------------------
 
 

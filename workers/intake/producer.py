@@ -17,6 +17,7 @@ from typing import Any
 
 from sqlalchemy import Engine
 
+from app.core import constants
 from app.core.constants import EVENT_RUN_CREATED
 from app.core.contracts import SamplingParams
 from app.core.errors import InputError
@@ -65,6 +66,10 @@ class EnqueueOptions:
     # `--tool-call-parser`: how "all" reads the target's calls on rows with tool turns (None:
     # SGLang's template detection); pinned by the run as chat_pins["tool_call_parser"]
     tool_call_parser: str | None = None
+    # `--parallel-calls`: "end" (a turn of parallel calls ends its chain) or "in-order" (it goes
+    # on when the calls match the dataset's one by one); pinned as chat_pins["parallel_calls"]
+    # when "in-order"
+    parallel_calls: str = constants.PARALLEL_CALLS_END
     trust_remote_code: bool = False
     # `--render-with URL`: every prompt built by that server's /v1/tokenize; pinned by the run
     render_with: str | None = None
@@ -109,7 +114,11 @@ def run_spec(
     pins["request_fields"] = list(request_fields.APPLIED) if options.request_fields else []
     if options.turns == "all":
         vocab = tokenizer.hf_tokenizer.get_vocab()
-        pins["tool_call_parser"] = tool_calls.choose_parser(options.tool_call_parser, vocab)
+        pins["tool_call_parser"] = tool_calls.choose_parser(
+            options.tool_call_parser, vocab, tokenizer.template.text
+        )
+        if options.parallel_calls == constants.PARALLEL_CALLS_IN_ORDER:
+            pins["parallel_calls"] = options.parallel_calls
     return run_queries.RunSpec(
         name=options.run,
         tokenizer_path=str(tokenizer.path),
@@ -303,6 +312,7 @@ def enqueue(
             reporter=reporter,
             image_pins=tokenizer.image_pins,
             no_pins=tokenizer.no_image_pins,
+            chat_pins=run.chat_pins if run.turns == "all" else None,
         ),
         store,
         reporter,

@@ -172,8 +172,11 @@ class ItemBuilder:
         reporter: Reporter,
         image_pins: ImagePins | None = None,
         no_pins: str = "",
+        chat_pins: dict[str, Any] | None = None,
     ) -> None:
         self._run_kwargs = run_kwargs
+        # the run's pins (its tool-call parser): chain_items marks agentic chains' last turns
+        self._chat_pins = chat_pins
         self._samples = samples_per_prompt
         self._context = context_length
         self._reporter = reporter
@@ -201,8 +204,9 @@ class ItemBuilder:
             if turn is not None:
                 new_items.extend(self._boundary_items(record, ids, turn, merged, images))
                 continue
+            plans = planned.plans.get(record.key)
             new_items.extend(
-                turns.chain_items(record, ids, self._samples, planned.plans.get(record.key), merged)
+                turns.chain_items(record, ids, self._samples, plans, merged, self._chat_pins)
             )
         return new_items
 

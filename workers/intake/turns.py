@@ -18,6 +18,7 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine
 
+from app.core import constants
 from app.core.constants import EVENT_TURNS_BLOCKED, TOOL_CALL_PARSERS
 from app.core.contracts import PromptRecord
 from app.core.errors import GenerationError, InputError, PermanentError, TokenmillError
@@ -78,8 +79,8 @@ def first_turns(
                 InputError(
                     f"messages[{tool_at}] is a tool call or tool result, and the run has no "
                     "tool-call parser to read the regenerated calls with (SGLang's template "
-                    "detection names none for this tokenizer): pass --tool-call-parser "
-                    f"({', '.join(TOOL_CALL_PARSERS)}), or use --turns each",
+                    "detection names none implemented here for this tokenizer): pass "
+                    f"--tool-call-parser ({', '.join(TOOL_CALL_PARSERS)}), or use --turns each",
                     record.line,
                 )
             )
@@ -142,18 +143,21 @@ def chain_items(
     samples: int,
     plans: list[TurnPlan] | None,
     kwargs: dict[str, Any] | None = None,
+    chat_pins: dict[str, Any] | None = None,
 ) -> list[NewItem]:
     """Turn 0 of every sample with its prompt, then each later turn waiting, holding the
     original turns it will need (samples are independent chains). Every item keeps the row's
     tools, its merged template kwargs (None: the run's) and its metadata, and its images: a
     later turn's are those of every turn of the row before its answer (regenerated answers
-    hold none)."""
+    hold none). With the run's chat_pins, the last turn of an agentic chain (a parser pinned,
+    the row with tools or tool turns) is marked: its ending is recorded once it is done."""
     later = (plans or [])[1:]
     history = list(record.messages or [])
     later_images: list[list[dict[str, Any]] | None] = []
     for plan in later:
         history += plan.context
         later_images.append(refs_json(images_of(history, record)))
+    agentic = tool_calls.chain_parser(chat_pins, "all", record.tools, history) is not None
     first = NewItem(
         record.key,
         0,
@@ -169,7 +173,7 @@ def chain_items(
     )
     new: list[NewItem] = []
     for k in record.samples if record.samples is not None else range(samples):
-        new.append(replace(first, sample_index=k))
+        new.append(replace(first, sample_index=k, ends_chain=agentic and not later))
         for plan, images in zip(later, later_images, strict=True):
             new.append(
                 replace(
@@ -180,6 +184,7 @@ def chain_items(
                     turn_index=plan.index,
                     waiting=True,
                     images=images,
+                    ends_chain=agentic and plan is later[-1],
                 )
             )
     return new
@@ -361,8 +366,8 @@ def _regenerated_history(
     """The next turn's prompt turns, or None when an agentic chain ends at the previous turn
     (its ending recorded, the rest of the chain deleted)."""
     prev = turn.prev
-    regenerated = assistant_turn(prev, run, tokenizer)
     parser = agentic_parser(run, prev)
+    regenerated = assistant_turn(prev, run, tokenizer, parser)
     context = turn.context
     if parser is None and context and context[0].get("role") == "assistant":
         context = context[1:]  # no parser (plain chain): the dataset's call turn is no history
@@ -375,6 +380,7 @@ def _regenerated_history(
         prev.messages or [],
         context,
         seed=tool_calls.item_seed(prev.item_key, prev.sample_index, prev.turn_index),
+        parallel=str((run.chat_pins or {}).get("parallel_calls", constants.PARALLEL_CALLS_END)),
     )
     if step.ending is None:
         return [*(dict(t) for t in prev.messages or []), *step.turns]
@@ -410,21 +416,26 @@ def _record_final_endings(
         return
     with db.connect() as conn:
         last = reads.hydrated_items(conn, last_ids)
+    plain: list[int] = []
     for item in last:
         assert item.run_id is not None
         run = cache.run(db, item.run_id)
         parser = agentic_parser(run, item)
         if parser is None:
+            plain.append(item.id)
             continue
         tokenizer = cache.tokenizer(db, run)
         if tokenizer is None:
             report.blocked += 1
             continue
-        answer = assistant_turn(item, run, tokenizer)["content"]
+        answer = assistant_turn(item, run, tokenizer, parser)["content"]
         ending = tool_calls.final_ending(parser, answer, item.tools or [])
         with db.begin() as conn:
             if turns.record_chain_end(conn, item.id, ending):
                 report.ended[ending] = report.ended.get(ending, 0) + 1
+    if plain:
+        with db.begin() as conn:
+            turns.unmark_plain_chains(conn, plain)
 
 
 def _advance_one(
@@ -517,9 +528,8 @@ def advance(
                 _advance_one(db, cache, turn, report)
             with db.connect() as conn:
                 last = turns.unended_last_turns(conn, prev_ids=chunk, limit=len(chunk))
-            # a plain run's results are last turns too: only agentic runs' rows are read
-            agentic = [i for i, run in last if agentic_run(cache.run(db, run))]
-            _record_final_endings(db, cache, agentic, report)
+            # only agentic chains' last turns are marked: a plain run's results read none
+            _record_final_endings(db, cache, [i for i, _ in last], report)
         return report
     after = 0
     while True:
