@@ -13,17 +13,24 @@ the table gives the medians and their ratio, measured under the same load in the
 Both databases log every statement of SLOW_MS or more (ALTER DATABASE ... SET
 log_min_duration_statement, reset at the end); every one logged from the end of the enqueue
 to the end of the run is listed.
+
+The worker's CPU per item is measured in the same run: its process's CPU seconds (the threads
+pool: one process) over the items of run B it finished, from when it is at work to the last
+item it finished while the commands ran, so that 10K and 10M queued items compare in one run.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +67,7 @@ CONNECT_TRIES = 5
 STATEMENT_CHARS = 160  # statements are grouped by their first characters
 PLAN_LINES = 12  # of each group's EXPLAIN ANALYZE (--explain-slow)
 RUN_D = "scale-d"
+CPU_SAMPLE_S = 1.0  # how often the worker's CPU and run B's done items are read
 EMPTY = 0  # the empty ledger's "size" (its database name)
 COMMANDS: tuple[tuple[str, list[str]], ...] = (
     ("status RUN", ["status", build.RUN_B]),
@@ -87,6 +95,7 @@ def main(
     print("building the empty ledger", flush=True)
     empty = _empty(tokenizer)
     rows: list[list[Any]] = []
+    cpu: dict[int, WorkerCpu] = {}
     slow: dict[int, list[tuple[float, str]]] = {}
     plans: dict[str, list[str]] = {}
     try:
@@ -94,7 +103,7 @@ def main(
             print(f"building {size:,} items", flush=True)
             built = build.build(size, *tokenizer)
             try:
-                offset, timings = _measure(built, empty, repeat, synchronous_commit)
+                offset, timings, cpu[size] = _measure(built, empty, repeat, synchronous_commit)
                 logged = [
                     hit
                     for name in (build.database_name(size), build.database_name(EMPTY))
@@ -112,6 +121,21 @@ def main(
         build.drop(EMPTY)
     print()
     print(table(["items", "command", "median s", "empty ledger s", "ratio"], rows))
+    print()
+    first = next(iter(cpu.values()), None)
+    cpu_rows = [
+        [
+            f"{size:,}",
+            f"{c.queued:,}",
+            f"{c.items:,}",
+            f"{c.seconds:.0f}",
+            c.ms_per_item,
+            f"{c.ms_per_item / first.ms_per_item:.2f}" if first and first.items else "-",
+        ]
+        for size, c in cpu.items()
+    ]
+    headers = ["items", "queued", "items done", "over s", "worker cpu ms/item", "ratio"]
+    print(table(headers, cpu_rows))
     for size, hits in slow.items():
         print(f"\nstatements of {SLOW_MS} ms or more at {size:,} items: {len(hits)}")
         groups: dict[str, list[float]] = {}
@@ -171,7 +195,7 @@ def _bulk_enqueue(db: Engine, size: int) -> None:
 
 def _measure(
     built: build.Ledger, empty: build.Ledger, repeat: int, synchronous_commit: str | None
-) -> tuple[int, dict[str, tuple[list[float], list[float]]]]:
+) -> tuple[int, dict[str, tuple[list[float], list[float]]], WorkerCpu]:
     db = engine_for(built.url)
     names = (build.database_name(built.size), build.database_name(EMPTY))
     try:
@@ -185,13 +209,81 @@ def _measure(
             _publish_run_b(db, built)
             # the build's and the enqueue's dirty pages are written now, not while timing
             print(f"  CHECKPOINT in {checkpoint():.1f}s", flush=True)
-            with _fleet(built, servers, Path(tmp)):
+            queued = _queued(db)
+            pids: list[int] = []
+            with _fleet(built, servers, Path(tmp), pids), _WorkerMeter(db, built, pids) as meter:
                 timings = _time_commands(built, empty, Path(tmp), repeat)
     finally:
         for name in names:
             set_slow_log(None, name)
         db.dispose()
-    return offset, timings
+    cpu = meter.result(queued)
+    print(f"  worker: {cpu.ms_per_item:.2f} ms cpu per item over {cpu.items:,} items", flush=True)
+    return offset, timings, cpu
+
+
+def _queued(db: Engine) -> int:
+    """Queued items of every run, from the item counters."""
+    with db.connect() as conn:
+        return int(
+            conn.execute(
+                text("SELECT coalesce(sum(item_count), 0) FROM item_counts WHERE status = 'queued'")
+            ).scalar_one()
+        )
+
+
+def _cpu_s(pid: int) -> float:
+    """User plus system CPU seconds of a live process (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass(frozen=True)
+class WorkerCpu:
+    queued: int  # items queued in the ledger when the fleet started
+    items: int  # run B's items the worker finished in the span
+    seconds: float  # the span: from the first reading to the last one with more items done
+    cpu_s: float
+
+    @property
+    def ms_per_item(self) -> float:
+        return 1000 * self.cpu_s / self.items if self.items else float("nan")
+
+
+class _WorkerMeter:
+    """Reads the workers' CPU seconds and run B's done items every CPU_SAMPLE_S in a thread."""
+
+    def __init__(self, db: Engine, built: build.Ledger, pids: list[int]) -> None:
+        self._db, self._run_id, self._pids = db, built.run_b.id, pids
+        self._readings: list[tuple[float, float, int]] = []  # (time, cpu s, done)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def __enter__(self) -> _WorkerMeter:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _read(self) -> tuple[float, float, int]:
+        done = _done(self._db, self._run_id)
+        return time.monotonic(), sum(_cpu_s(pid) for pid in self._pids), done
+
+    def _loop(self) -> None:
+        while True:
+            self._readings.append(self._read())
+            if self._stop.wait(CPU_SAMPLE_S):
+                return
+
+    def result(self, queued: int) -> WorkerCpu:
+        first = self._readings[0]
+        last = first
+        for reading in self._readings:
+            if reading[2] > last[2]:
+                last = reading
+        return WorkerCpu(queued, last[2] - first[2], last[0] - first[0], last[1] - first[1])
 
 
 @contextlib.contextmanager
@@ -213,8 +305,10 @@ def _publish_run_b(db: Engine, built: build.Ledger) -> None:
 
 
 @contextlib.contextmanager
-def _fleet(built: build.Ledger, servers: dict[str, str], tmp: Path) -> Iterator[None]:
-    with fleet(built.url, servers, tmp, REDIS_URL):
+def _fleet(
+    built: build.Ledger, servers: dict[str, str], tmp: Path, pids: list[int]
+) -> Iterator[None]:
+    with fleet(built.url, servers, tmp, REDIS_URL, pids):
         _wait_working(built)
         yield
 
@@ -225,14 +319,7 @@ def _wait_working(built: build.Ledger, timeout_s: float = 180) -> None:
     deadline = time.monotonic() + timeout_s
     try:
         while time.monotonic() < deadline:
-            with db.connect() as conn:
-                done = conn.execute(
-                    text(
-                        "SELECT coalesce(sum(item_count), 0) FROM item_counts "
-                        "WHERE run_id = :r AND status = 'done'"
-                    ),
-                    {"r": built.run_b.id},
-                ).scalar_one()
+            done = _done(db, built.run_b.id)
             if done > 0:
                 print(f"  the worker is at work ({done} items of run B done)", flush=True)
                 return
@@ -240,6 +327,20 @@ def _wait_working(built: build.Ledger, timeout_s: float = 180) -> None:
     finally:
         db.dispose()
     raise RuntimeError("the worker finished no item of run B in time")
+
+
+def _done(db: Engine, run_id: int) -> int:
+    """The run's done items, from the item counters."""
+    with db.connect() as conn:
+        return int(
+            conn.execute(
+                text(
+                    "SELECT coalesce(sum(item_count), 0) FROM item_counts "
+                    "WHERE run_id = :r AND status = 'done'"
+                ),
+                {"r": run_id},
+            ).scalar_one()
+        )
 
 
 def _command_env(ledger: build.Ledger, tmp: Path) -> dict[str, str]:

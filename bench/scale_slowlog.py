@@ -137,10 +137,16 @@ def serve_runs_with(db: Any, servers: dict[str, str]) -> None:
 
 
 @contextlib.contextmanager
-def fleet(url: str, servers: dict[str, str], tmp: Path, redis_url: str) -> Iterator[dict[str, str]]:
+def fleet(
+    url: str,
+    servers: dict[str, str],
+    tmp: Path,
+    redis_url: str,
+    worker_pids: list[int] | None = None,
+) -> Iterator[dict[str, str]]:
     """A `celery -A app worker` per server (bound to it) and `celery -A app beat` (reconcile
     every 30 s, compaction every 60 s) on the ledger at url, stopped on exit; yields their
-    environment."""
+    environment. worker_pids, if given, gets the workers' process ids."""
     env = service_env(
         url,
         redis_url,
@@ -158,6 +164,8 @@ def fleet(url: str, servers: dict[str, str], tmp: Path, redis_url: str) -> Itera
         )
         for name, server_url in servers.items()
     ]
+    if worker_pids is not None:
+        worker_pids.extend(worker.pid for worker in workers)
     beat = subprocess.Popen(
         [sys.executable, "-m", "celery", "-A", "app", "beat", "--schedule", str(tmp / "beat")],
         env=env,
