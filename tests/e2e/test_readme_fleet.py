@@ -28,11 +28,11 @@ from tests.support.moto_s3 import moto_s3
 from tests.support.procs import ROOT, stop, wait_for
 from tests.support.readme_fleet import (
     NOT_RUN,
+    RUN_APART,
     Command,
     Fleet,
     commands,
     flower_workers,
-    free_port,
     in_flight_samples,
     section_blocks,
 )
@@ -56,13 +56,13 @@ AGENTIC_ROWS = 70
 
 
 def section(path: Path, heading: str | None) -> list[Command]:
-    """The section's commands a test runs (NOT_RUN's left out)."""
+    """The section's commands this test runs (NOT_RUN's and RUN_APART's left out)."""
     doc = str(path.relative_to(ROOT))
     return [
         c
         for block in section_blocks(path.read_text(), heading)
         for c in commands(block)
-        if (doc, c.text) not in NOT_RUN
+        if (doc, c.text) not in NOT_RUN and (doc, c.text) not in RUN_APART
     ]
 
 
@@ -121,33 +121,21 @@ def fleet(
             for i in range(PROMPTS)
         )
     )
-    fleet = Fleet(
-        root=tmp_path,
-        db=pg_engine,
-        nodes={node: free_port() for node in NODES},
-        # the README's URLs with this test's hosts, ports and database
-        database_url="postgresql://" + pg_url.split("://", 1)[1],
-        broker_url=redis_url,
-        paths={
-            "prompts.jsonl": str(prompts),
-            "/models/Kimi-K2.5": str(kimi_tokenizer_dir),
-            "agents.jsonl": str(write_rows(tmp_path / "agents.jsonl", agentic_rows(AGENTIC_ROWS))),
-            "./Kimi-K2.5": str(kimi_tokenizer_dir),
-        },
-        # with the run's tokenizer folder, so /v1/tokenize renders (the runbook's parity)
-        emulator_flags=[*FLAGS, "--tokenizer", str(kimi_tokenizer_dir)],
-        flower_port=free_port(),
-    )
+    paths = {
+        "prompts.jsonl": str(prompts),
+        "/models/Kimi-K2.5": str(kimi_tokenizer_dir),
+        "agents.jsonl": str(write_rows(tmp_path / "agents.jsonl", agentic_rows(AGENTIC_ROWS))),
+        "./Kimi-K2.5": str(kimi_tokenizer_dir),
+    }
+    # with the run's tokenizer folder, so /v1/tokenize renders (the runbook's parity)
+    flags = [*FLAGS, "--tokenizer", str(kimi_tokenizer_dir)]
+    fleet = Fleet.on_test_services(tmp_path, pg_engine, pg_url, redis_url, NODES, paths, flags)
     # the docs' buckets (the fleet's store, the runbook's export) on one moto server, its
     # endpoint and credentials as every machine's environment holds them
     with moto_s3(*BUCKETS) as options:
         fleet.exports["TOKENMILL_STORAGE_OPTIONS"] = json.dumps(options)
-        fleet.start_servers()
-        try:
+        with fleet.serving():
             yield fleet
-        finally:
-            fleet.stop_all()
-            print(fleet.log_tail())
 
 
 def test_readme_distributed_and_restarts_as_printed(fleet: Fleet, pg_engine: Engine) -> None:
@@ -214,9 +202,8 @@ def test_ops_readme_start_a_fleet_keeps_the_registered_urls(
     assert {f"{a}@gpu-a", f"{b}@gpu-b"} <= set(workers), workers
     with pg_engine.connect() as conn:
         assert registry.get_server(conn, a).url == f"http://127.0.0.1:{fleet.nodes['gpu-a']}"
-    # README's "One machine" commands after its run, on the fleet's r1, then the runbook's
+    # the runbook's sections for a finished run
     after = [
-        *section(ROOT / "README.md", "One machine"),
         *(c for heading in AFTER_THE_RUN for c in section(runbook, heading)),
         # docs/rendering.md's enqueue of agentic rows, checked against gpu-a before it runs
         *section(ROOT / "docs" / "rendering.md", None),

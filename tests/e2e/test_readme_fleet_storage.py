@@ -66,16 +66,8 @@ def fleet(
     tmp_path: Path, pg_url: str, pg_engine: Engine, redis_url: str, kimi_tokenizer_dir: Path
 ) -> Iterator[Fleet]:
     prompts, _ = write_rows(tmp_path / "user")
-    fleet = Fleet(
-        root=tmp_path,
-        db=pg_engine,
-        nodes={node: free_port() for node in NODES},
-        database_url="postgresql://" + pg_url.split("://", 1)[1],
-        broker_url=redis_url,
-        paths={"prompts.jsonl": str(prompts), "/models/Kimi-K2.5": str(kimi_tokenizer_dir)},
-        emulator_flags=FLAGS,
-        flower_port=free_port(),
-    )
+    paths = {"prompts.jsonl": str(prompts), "/models/Kimi-K2.5": str(kimi_tokenizer_dir)}
+    fleet = Fleet.on_test_services(tmp_path, pg_engine, pg_url, redis_url, NODES, paths, FLAGS)
     try:
         yield fleet
     finally:

@@ -30,16 +30,21 @@ from tests.support.procs import ROOT, stop, wait_for
 README_PORT = "30000"  # the SGLang port the READMEs print
 METRICS_PORT = "9464"  # the exporter's port they print
 
-# The doc sections whose bash commands a test runs as printed, all of them but NOT_RUN's:
-# (doc, `## ` heading it starts with, None for the text before the first) → the test.
+# The doc sections whose bash commands a test runs as printed, all of them but NOT_RUN's and
+# RUN_APART's: (doc, `## ` heading it starts with, None for the text before the first) → the test.
+FLEET_TEST = "tests/e2e/test_readme_fleet.py"
+GUIDES_TEST = "tests/e2e/test_guides_as_printed.py"
 RUN_AS_PRINTED: dict[tuple[str, str | None], str] = {
     ("README.md", None): "tests/e2e/test_cli.py (tokenmill demo and the commands it prints)",
-    ("README.md", "Distributed"): "tests/e2e/test_readme_fleet.py",
-    ("README.md", "One machine"): "tests/e2e/test_readme_fleet.py (on the fleet's r1)",
-    ("docs/restarts.md", None): "tests/e2e/test_readme_fleet.py",
-    ("docs/rendering.md", None): "tests/e2e/test_readme_fleet.py (beside the ops fleet's r1)",
+    ("README.md", "Distributed"): FLEET_TEST,
+    ("README.md", "One machine"): GUIDES_TEST,
+    ("docs/restarts.md", None): FLEET_TEST,
+    ("docs/rendering.md", None): f"{FLEET_TEST} (beside the ops fleet's r1)",
+    ("docs/commands.md", None): GUIDES_TEST,
+    ("docs/drafts.md", None): GUIDES_TEST,
+    ("docs/weights.md", None): GUIDES_TEST,
     **{
-        ("ops/README.md", heading): "tests/e2e/test_readme_fleet.py"
+        ("ops/README.md", heading): FLEET_TEST
         for heading in (
             None,
             "Start a fleet",
@@ -55,161 +60,30 @@ RUN_AS_PRINTED: dict[tuple[str, str | None], str] = {
             "Metrics",
         )
     },
+    ("ops/README.md", "Logs"): GUIDES_TEST,
+    ("ops/README.md", "Load new weights"): GUIDES_TEST,
 }
-# commands of those sections no test runs yet: (doc, line as printed) → why
-NOT_RUN: dict[tuple[str, str], str] = {
+# commands of those sections that another test runs as printed, not the section's: (doc, line
+# as printed) → the test
+RUN_APART: dict[tuple[str, str], str] = {
     (
         "ops/README.md",
-        "tokenmill export r1 --format specforge --whole-conversation --out r1.whole.jsonl   "
-        "# --turns all",
-    ): (
-        "needs a --turns all run: the fleet's r1 regenerates the last turn only, and the export "
-        "refuses it as it should; tests/e2e/test_turns_e2e.py runs it on a --turns all run"
-    ),
+        "tokenmill restart gpu-a:30000 --command 'ssh {host} sudo systemctl restart "
+        "sglang@{port}' --timeout-s 3600   # none registered, or another one this time",
+    ): f"{GUIDES_TEST} (the draft switch: its servers were registered by their workers)",
+    (
+        "ops/README.md",
+        "tokenmill export r1 --format parquet --out ./r1-step-100 --weight-version "
+        "step-100  # one version",
+    ): f"{GUIDES_TEST} (its r1 was served by weights step-100)",
+}
+# commands of those sections no test runs: (doc, line as printed) → why
+NOT_RUN: dict[tuple[str, str], str] = {
     (
         "README.md",
         "make test                              # installs the dev extra if needed; "
         "lint, mypy --strict, the whole suite",
     ): "the whole suite itself: .ci/run runs it on a fresh clone",
-    (
-        "ops/README.md",
-        "tokenmill restart gpu-a:30000 --command 'ssh {host} sudo systemctl restart "
-        "sglang' --timeout-s 1800",
-    ): ("names a unit without its port (`sglang`); the test's nodes run one unit per port"),
-    (
-        "ops/README.md",
-        "tokenmill export r1 --format parquet --out ./r1-step-100 --weight-version "
-        "step-100  # one version",
-    ): (
-        "the fleet's r1 holds only weight_version default (no weights update during "
-        "it), so --weight-version step-100 is refused as it should be"
-    ),
-    (
-        "README.md",
-        "tokenmill run prompts.jsonl --run r1 --tokenizer /models/Kimi-K2.5 "
-        "--trust-remote-code  --server http://gpu-a:30000 --server http://gpu-b:30000 "
-        "--max-new-tokens 8192 --seed 1",
-    ): (
-        "a run of its own through both servers (a minute here, not seconds); "
-        "tests/e2e/test_run_servers.py runs `tokenmill run` on emulated servers"
-    ),
-    (
-        "docs/commands.md",
-        "tokenmill run prompts.jsonl --run mixed --tokenizer /models/K2.5 "
-        "--trust-remote-code  --server http://gpu-a:30000  --samples-per-prompt 3 "
-        "--temperature 0.6,0.8,1.0 --reasoning-effort none,low,high --seed 1",
-    ): (
-        "a 3-samples-per-prompt run of its own (the fleet's r1 has one sample per "
-        "prompt); tests/e2e/test_sampling_cycles_run.py runs the sampling cycles"
-    ),
-    (
-        "docs/drafts.md",
-        "tokenmill export r1 --format specforge --out r1.jsonl --split eval=0.02 "
-        "--seed 1 --exclude eval.jsonl",
-    ): (
-        "needs two finished runs of a draft-evaluation set (eval-old, eval-new) on "
-        "speculative emulators; tests/e2e/test_draft_eval.py runs split and accept on "
-        "its own runs"
-    ),
-    (
-        "docs/drafts.md",
-        "tokenmill enqueue eval.jsonl --run eval-new --tokenizer /models/Kimi-K2.5 "
-        "--trust-remote-code --temperature 0 --max-new-tokens 2048",
-    ): (
-        "needs two finished runs of a draft-evaluation set (eval-old, eval-new) on "
-        "speculative emulators; tests/e2e/test_draft_eval.py runs split and accept on "
-        "its own runs"
-    ),
-    (
-        "docs/drafts.md",
-        "TOKENMILL_SGLANG_URL=http://localhost:30000 celery -A app worker -E     # on "
-        "each GPU node",
-    ): (
-        "needs two finished runs of a draft-evaluation set (eval-old, eval-new) on "
-        "speculative emulators; tests/e2e/test_draft_eval.py runs split and accept on "
-        "its own runs"
-    ),
-    (
-        "docs/drafts.md",
-        "tokenmill status eval-new",
-    ): (
-        "needs two finished runs of a draft-evaluation set (eval-old, eval-new) on "
-        "speculative emulators; tests/e2e/test_draft_eval.py runs split and accept on "
-        "its own runs"
-    ),
-    (
-        "docs/drafts.md",
-        "tokenmill accept eval-new                     # acceptance per category, "
-        "source, output length",
-    ): (
-        "needs two finished runs of a draft-evaluation set (eval-old, eval-new) on "
-        "speculative emulators; tests/e2e/test_draft_eval.py runs split and accept on "
-        "its own runs"
-    ),
-    (
-        "docs/drafts.md",
-        "tokenmill accept eval-new --by category --json",
-    ): (
-        "needs two finished runs of a draft-evaluation set (eval-old, eval-new) on "
-        "speculative emulators; tests/e2e/test_draft_eval.py runs split and accept on "
-        "its own runs"
-    ),
-    (
-        "docs/drafts.md",
-        "tokenmill accept eval-old eval-new            # B - A per group, the groups "
-        "that got worse",
-    ): (
-        "needs two finished runs of a draft-evaluation set (eval-old, eval-new) on "
-        "speculative emulators; tests/e2e/test_draft_eval.py runs split and accept on "
-        "its own runs"
-    ),
-    (
-        "docs/drafts.md",
-        "tokenmill report eval-new --out eval-new.report",
-    ): (
-        "needs two finished runs of a draft-evaluation set (eval-old, eval-new) on "
-        "speculative emulators; tests/e2e/test_draft_eval.py runs split and accept on "
-        "its own runs"
-    ),
-    (
-        "docs/drafts.md",
-        "tokenmill report eval-old --compare eval-new --out old-vs-new",
-    ): (
-        "needs two finished runs of a draft-evaluation set (eval-old, eval-new) on "
-        "speculative emulators; tests/e2e/test_draft_eval.py runs split and accept on "
-        "its own runs"
-    ),
-    (
-        "docs/weights.md",
-        "tokenmill enqueue prompts.jsonl --run rl-step-200 --tokenizer /models/K2.5 "
-        "--trust-remote-code --weight-version step-200",
-    ): (
-        "loads new weights on a live fleet (a second run pinned to step-200); "
-        "tests/chaos/test_weight_update.py runs update-weights on its own fleet"
-    ),
-    (
-        "docs/weights.md",
-        "tokenmill update-weights gpu-a:30000 --model-path /ckpt/step-200 "
-        "--weight-version step-200",
-    ): (
-        "loads new weights on a live fleet (a second run pinned to step-200); "
-        "tests/chaos/test_weight_update.py runs update-weights on its own fleet"
-    ),
-    (
-        "ops/README.md",
-        "TOKENMILL_LOG_FORMAT=json celery -A app -q worker -E --loglevel INFO -n gpu-a:30000@%h",
-    ): (
-        "a third worker, of gpu-a, beside the fleet's; tests/e2e/test_json_logs.py "
-        "starts workers with TOKENMILL_LOG_FORMAT=json"
-    ),
-    (
-        "ops/README.md",
-        "tokenmill update-weights gpu-a:30000 --model-path /ckpt/step-200 "
-        "--weight-version step-200",
-    ): (
-        "loads new weights on a live fleet (a second run pinned to step-200); "
-        "tests/chaos/test_weight_update.py runs update-weights on its own fleet"
-    ),
 }
 
 ASSIGNMENT = re.compile(r"^[A-Z_][A-Z0-9_]*=")
@@ -228,7 +102,7 @@ class Command:
 
     @property
     def long_running(self) -> bool:
-        words = self.argv[:4]
+        words = self.argv
         celery = words[:1] == ["celery"] and ("worker" in words or "beat" in words)
         return celery or words[:2] in (["tokenmill", "flower"], ["tokenmill", "metrics"])
 
@@ -343,9 +217,13 @@ if action in ("start", "restart"):
         )
     pidfile.write_text(str(proc.pid))
 '''
-# ssh HOST COMMAND...: the test's nodes are this machine, at 127.0.0.1
+# ssh HOST COMMAND...: the test's nodes are this machine, at 127.0.0.1, or localhost where a
+# worker registered its server by its own loopback URL (a fleet on one machine)
 SSH = """#!/bin/sh
-[ "$1" = 127.0.0.1 ] || { echo "ssh: Could not resolve hostname $1" >&2; exit 255; }
+case "$1" in
+  127.0.0.1|localhost) ;;
+  *) echo "ssh: Could not resolve hostname $1" >&2; exit 255 ;;
+esac
 host=$1; shift
 export SSH_CONNECTION="127.0.0.1 50000 $host 22"
 exec "$@"
@@ -385,6 +263,29 @@ class Fleet:
             path.write_text(text)
             path.chmod(0o755)
 
+    @classmethod
+    def on_test_services(
+        cls,
+        root: Path,
+        db: Engine,
+        pg_url: str,
+        redis_url: str,
+        nodes: tuple[str, ...],
+        paths: dict[str, str],
+        emulator_flags: list[str],
+    ) -> Fleet:
+        """Nodes at free ports, on the test's Postgres (db, at pg_url) and Redis."""
+        return cls(
+            root=root,
+            db=db,
+            nodes={node: free_port() for node in nodes},
+            database_url="postgresql://" + pg_url.split("://", 1)[1],
+            broker_url=redis_url,
+            paths=paths,
+            emulator_flags=emulator_flags,
+            flower_port=free_port(),
+        )
+
     def home(self, node: str | None) -> Path:
         return self.root / (node or "operator")
 
@@ -407,8 +308,12 @@ class Fleet:
         )
         assert done.returncode == 0, done.stderr
 
-    def start_servers(self) -> None:
-        for node, port in self.nodes.items():
+    def write_units(self, *nodes: str) -> None:
+        """The unit `sglang@PORT` of each of nodes (all by default): the emulator with
+        emulator_flags, as an operator edits a unit's flags (its next start or restart runs
+        them)."""
+        for node in nodes or self.nodes:
+            port = self.nodes[node]
             spec = {
                 "argv": [
                     sys.executable,
@@ -422,6 +327,10 @@ class Fleet:
                 "log": str(self.root / f"sglang-{node}.log"),
             }
             (self.units / f"sglang@{port}.json").write_text(json.dumps(spec))
+
+    def start_servers(self) -> None:
+        self.write_units()
+        for port in self.nodes.values():
             self.systemctl("start", port)
         for node, port in self.nodes.items():
             wait_for(f"the server of {node}", lambda p=port: self.ready(p), 60)
@@ -476,40 +385,60 @@ class Fleet:
 
     def run(self, command: Command) -> list[subprocess.CompletedProcess[str]]:
         """Run a command on its node(s): exports set the environment of every later command;
-        long-running commands start in the background (`self.procs`)."""
+        long-running commands start in the background (`self.procs`), on every node before
+        they are waited for, as an operator starts them on each node at once."""
         if command.argv[:1] == ["export"]:
             for assignment in command.argv[1:]:
                 name, value = self.substitute(assignment, None).split("=", 1)
                 self.exports[name] = value
             return []
         nodes = list(self.nodes) if command.node == "each" else [command.node]
-        return [r for node in nodes if (r := self._run_on(command, node)) is not None]
+        if command.long_running:
+            started = [self._start(command, node) for node in nodes]
+            for key, proc, node in started:
+                self._wait_up(key, proc, node)
+            return []
+        return [self._run_on(command, node) for node in nodes]
 
-    def _run_on(
-        self, command: Command, node: str | None
-    ) -> subprocess.CompletedProcess[str] | None:
+    def _argv(self, command: Command, node: str | None) -> tuple[dict[str, str], list[str]]:
+        """The environment and argv of a command on a machine, substituted."""
         env = self.env(node)
         env.update({k: self.substitute(v, node) for k, v in command.env.items()})
         argv = [self.substitute(a, node) for a in command.argv]
+        return env, argv
+
+    @staticmethod
+    def _program(argv: list[str]) -> list[str]:
         program = {
             "tokenmill": [sys.executable, "-m", "ops"],
             "celery": [sys.executable, "-m", "celery"],
         }
-        full = [*program.get(argv[0], [argv[0]]), *argv[1:]]
-        if command.long_running:
-            key = f"{node or 'operator'}: {' '.join(argv[:4])}"
-            self.logs[key] = self.root / (re.sub(r"\W+", "-", key) + ".log")
-            proc = self.procs[key] = subprocess.Popen(
-                full,
-                env=env,
-                cwd=self.home(node),
-                stdout=self.logs[key].open("wb"),
-                stderr=subprocess.STDOUT,
-            )
-            self._wait_up(key, proc, node if "worker" in argv else None)
-            return None
+        return [*program.get(argv[0], [argv[0]]), *argv[1:]]
+
+    def _start(
+        self, command: Command, node: str | None
+    ) -> tuple[str, subprocess.Popen[bytes], str | None]:
+        env, argv = self._argv(command, node)
+        key = f"{node or 'operator'}: {' '.join(argv[:4])}"
+        self.logs[key] = self.root / (re.sub(r"\W+", "-", key) + ".log")
+        proc = self.procs[key] = subprocess.Popen(
+            self._program(argv),
+            env=env,
+            cwd=self.home(node),
+            stdout=self.logs[key].open("wb"),
+            stderr=subprocess.STDOUT,
+        )
+        return key, proc, node if "worker" in argv else None
+
+    def _run_on(self, command: Command, node: str | None) -> subprocess.CompletedProcess[str]:
+        env, argv = self._argv(command, node)
         done = subprocess.run(
-            full, env=env, cwd=self.home(node), capture_output=True, text=True, timeout=600
+            self._program(argv),
+            env=env,
+            cwd=self.home(node),
+            capture_output=True,
+            text=True,
+            timeout=600,
         )
         assert done.returncode == 0, f"{command.text!r} on {node or 'operator'}: {done.stderr}"
         return done
@@ -539,6 +468,16 @@ class Fleet:
             return True
 
         wait_for(f"{key} to be up", up, 120, self.log_tail)
+
+    @contextmanager
+    def serving(self) -> Iterator[Fleet]:
+        """The servers started; on exit every process stopped and the logs' tails printed."""
+        self.start_servers()
+        try:
+            yield self
+        finally:
+            self.stop_all()
+            print(self.log_tail())
 
     def stop_all(self) -> None:
         stop(list(self.procs.values()), timeout_s=60)

@@ -3,12 +3,14 @@ docs/*.md and ops/README.md is run as printed by a test, or listed with the reas
 and checked here without running it.
 
 Run as printed: the sections in tests/support/readme_fleet.RUN_AS_PRINTED, every command of
-them but NOT_RUN's: README's "Distributed" and "One machine", docs/restarts.md,
+them but NOT_RUN's, and the commands of RUN_APART: README's "Distributed", docs/restarts.md,
 docs/rendering.md and ops/README's fleet, restart, watch, reconcile, pause, parity, export,
-verify, compaction, archive and metrics sections in tests/e2e/test_readme_fleet.py;
-`pip install -e . && tokenmill demo` and the commands the demo prints in tests/e2e/test_cli.py
-(`make test` is what CI runs, .ci/run). A command in no such section fails here until a test
-runs it or it is listed (NOT_RUN, ALLOWED) with the reason.
+verify, compaction, archive and metrics sections in tests/e2e/test_readme_fleet.py; README's
+"One machine", docs/commands.md, docs/drafts.md, docs/weights.md and ops/README's logs, new
+weights, the restart with `--command` and the export of one weight version in
+tests/e2e/test_guides_as_printed.py; `pip install -e . && tokenmill demo` and the commands the
+demo prints in tests/e2e/test_cli.py (`make test` is what CI runs, .ci/run). A command in no
+such section fails here until a test runs it or it is listed (NOT_RUN, ALLOWED) with the reason.
 
 Checked here: a `tokenmill ...` command resolves to a command of the CLI (subcommands too) and
 its words parse with click (every option exists and takes what it is given; choices and
@@ -34,7 +36,7 @@ from celery.bin.celery import celery as celery_cli
 
 from app.core.settings import Settings
 from ops.cli import cli
-from tests.support.readme_fleet import ASSIGNMENT, NOT_RUN, RUN_AS_PRINTED, commands
+from tests.support.readme_fleet import ASSIGNMENT, NOT_RUN, RUN_APART, RUN_AS_PRINTED, commands
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "ops" / "README.md"]
@@ -182,8 +184,10 @@ def test_every_printed_command_is_checked(printed: Printed) -> None:
 
 
 def run_by(printed: Printed) -> str | None:
-    """The test that runs printed as printed, if one does: its section is in RUN_AS_PRINTED and
-    the line is not in NOT_RUN."""
+    """The test that runs printed as printed, if one does: the line is in RUN_APART, or its
+    section is in RUN_AS_PRINTED and the line is in neither NOT_RUN nor RUN_APART."""
+    if (printed.doc, printed.line) in RUN_APART:
+        return RUN_APART[(printed.doc, printed.line)]
     if (printed.doc, printed.line) in NOT_RUN:
         return None
     for (doc, heading), test in RUN_AS_PRINTED.items():
@@ -228,9 +232,10 @@ def test_every_kimi_tokenizer_is_loaded_with_trust_remote_code() -> None:
 
 def test_the_allowlist_holds_only_printed_commands() -> None:
     assert set(ALLOWED) <= {p.argv for p in PRINTED}
-    assert set(NOT_RUN) <= {(p.doc, p.line) for p in PRINTED}, set(NOT_RUN) - {
-        (p.doc, p.line) for p in PRINTED
-    }
+    lines = {(p.doc, p.line) for p in PRINTED}
+    assert set(NOT_RUN) <= lines, set(NOT_RUN) - lines
+    assert set(RUN_APART) <= lines, set(RUN_APART) - lines
+    assert not set(NOT_RUN) & set(RUN_APART)
 
 
 def test_a_command_of_no_run_section_is_uncovered() -> None:
@@ -240,6 +245,13 @@ def test_a_command_of_no_run_section_is_uncovered() -> None:
         "ops/README.md", "tokenmill x", (), ("tokenmill", "x"), "Pause for maintenance"
     )
     assert run_by(printed) == "tests/e2e/test_readme_fleet.py"
+
+
+def test_a_command_run_apart_is_its_own_tests() -> None:
+    (doc, line), test = next(iter(RUN_APART.items()))
+    (printed,) = [p for p in PRINTED if (p.doc, p.line) == (doc, line)]
+    section_test = run_by(Printed(doc, "tokenmill x", (), ("tokenmill", "x"), printed.section))
+    assert run_by(printed) == test != section_test
 
 
 def test_the_docs_print_commands() -> None:
