@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
 
 from sqlalchemy import Connection, Engine
 
@@ -42,6 +43,11 @@ def fingerprint_summary(fingerprint: dict[str, Any]) -> str:
     return " ".join(parts)
 
 
+# how often a refused run is looked at again: its server may have changed without this worker
+# seeing a pause lifted (an update-weights that paused and resumed between two pause checks)
+REFUSED_RECHECK_S: Final = 10.0
+
+
 class RunPins:
     """The runs one worker serves, checked against its server's fingerprint once each.
 
@@ -63,6 +69,7 @@ class RunPins:
         on_fingerprint_read: Callable[[], None],
         on_auth: Callable[[str], None],
         on_weights_noted: Callable[[], None],
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.db = db
         self.server_name = server_name
@@ -83,6 +90,9 @@ class RunPins:
         self._pinned_versions: dict[int, str | None] = {}
         self._drifts_seen: set[tuple[int, str]] = set()
         self._refused_runs: set[int] = set()  # runs this worker gave back, said once each
+        # each refused run: the fingerprint it was refused under, and when to look again
+        self._clock = clock
+        self._refused_under: dict[int, tuple[dict[str, Any], float]] = {}
 
     # --- the runs ---------------------------------------------------------------------------
 
@@ -160,6 +170,8 @@ class RunPins:
         """Pin the server fingerprint on first use of a run; refuse a server that differs."""
         with self._lock:
             known = self._run_ok.get(run_id)
+        if known is False:
+            known = self._refused_still(run_id)
         if known is not None:
             return known
         with self._pin_lock:  # the pool's threads meet a new run at once: one of them checks
@@ -168,6 +180,34 @@ class RunPins:
             if known is not None:
                 return known
             return self._check_run(run_id)
+
+    def _refused_still(self, run_id: int) -> bool | None:
+        """False while a refused run's server shows the fingerprint it was refused under (read
+        again every REFUSED_RECHECK_S); None once it shows another: check the run again."""
+        with self._lock:
+            under, due = self._refused_under.get(run_id, ({}, 0.0))
+            if self._clock() < due:
+                return False
+            self._refused_under[run_id] = (under, self._clock() + REFUSED_RECHECK_S)
+        self._fingerprint = None
+        try:
+            now = self.server_fingerprint().to_json()
+        except GenerationError:
+            return False
+        if now == under:
+            return False
+        with self._lock:
+            self._run_ok.pop(run_id, None)
+            self._refused_under.pop(run_id, None)
+        return None
+
+    def _refused(self, run_id: int, fingerprint: ServerFingerprint) -> bool:
+        """Remember the refusal of a run under this fingerprint; False."""
+        with self._lock:
+            self._run_ok[run_id] = False
+            due = self._clock() + REFUSED_RECHECK_S
+            self._refused_under[run_id] = (fingerprint.to_json(), due)
+        return False
 
     def refuses_run(self, run_id: int) -> bool:
         """This server's fingerprint was found to differ from the run's pinned one."""
@@ -179,12 +219,14 @@ class RunPins:
         weight version stays: results still in flight are checked by it)."""
         with self._lock:
             self._run_ok.clear()
+            self._refused_under.clear()
         self._fingerprint = None
 
     def forget_run(self, run_id: int) -> None:
         """Check this run's fingerprint again on next use (the server may have changed)."""
         with self._lock:
             self._run_ok.pop(run_id, None)
+            self._refused_under.pop(run_id, None)
         self._fingerprint = None
 
     def _check_run(self, run_id: int) -> bool:
@@ -225,10 +267,11 @@ class RunPins:
                 )
                 log.warning(message, extra={"action": "run_refused"})
                 self._mismatch(conn, run_id, message, {"pinned": pinned, "server": mine})
+        if not ok:
+            return self._refused(run_id, fingerprint)
         with self._lock:
             self._run_ok[run_id] = ok
-            if ok:
-                self._pinned_versions[run_id] = pinned.get("weight_version")
+            self._pinned_versions[run_id] = pinned.get("weight_version")
         return ok
 
     def _pinned_event(self, conn: Connection, run_id: int, mine: dict[str, Any]) -> None:
@@ -260,9 +303,7 @@ class RunPins:
         with self.db.begin() as conn:
             details = {"weight_version": required, "server": fingerprint.to_json()}
             self._mismatch(conn, run_id, message, details)
-        with self._lock:
-            self._run_ok[run_id] = False
-        return False
+        return self._refused(run_id, fingerprint)
 
     def _mismatch(
         self, conn: Connection, run_id: int, message: str, details: dict[str, Any]
