@@ -11,6 +11,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
+from typing import Final
 
 from app.ledger import claims, outcomes
 from app.ledger.claims import claimable_image_items
@@ -18,6 +19,10 @@ from app.ledger.outcomes import Released
 from workers.engine.runtime import WorkerRuntime
 
 log = logging.getLogger(__name__)
+
+# the countdown of messages a worker held by its own probes gives back (a drain, a refused
+# key, a server that does not answer)
+HELD_REQUEUE_S: Final = 0.5
 
 Requeue = Callable[[list[int], float], None]
 
@@ -140,9 +145,10 @@ def handle_message(
     ids = [int(i) for i in item_ids]
     wait_s = rt.settings.unavailable_wait_s
     if rt.window.held() is not None:
-        # this worker's consumer is cancelled at once (the enforcer): the messages go straight
-        # back, for the workers of servers that take work
-        requeue(ids, 0.0)
+        # this worker's consumer is cancelled at once (the enforcer): the messages go back at
+        # once for the workers of servers that take work (a moment's countdown bounds the loop
+        # should the cancel not have reached this consumer yet)
+        requeue(ids, HELD_REQUEUE_S)
         return {"claimed": 0, "skipped": 0, "deferred": len(ids), "server": rt.server_name}
     if rt.window.unavailable() or rt.paused():
         requeue(ids, wait_s)
