@@ -425,3 +425,60 @@ def test_the_window_takes_few_parameters_and_owns_its_room() -> None:
         )
     ]
     assert wrong == []
+
+
+def window_like(node: ast.expr, aliases: set[str]) -> bool:
+    """Whether node names a window: `window`, `rt.window`, `self._window`, or an alias of one."""
+    if isinstance(node, ast.Name):
+        return "window" in node.id.lower() or node.id in aliases
+    return isinstance(node, ast.Attribute) and "window" in node.attr.lower()
+
+
+def window_writes(source: str) -> list[str]:
+    """`<a window>.<attr> = ...` (plain, augmented or annotated), aliases (`w = self._window`)
+    followed."""
+    tree = ast.parse(source)
+    aliases: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and window_like(node.value, aliases):
+            aliases |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+    wrong = []
+    for node in ast.walk(tree):
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign):
+            targets = [
+                e for t in node.targets for e in (t.elts if isinstance(t, ast.Tuple) else [t])
+            ]
+        elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+            targets = [node.target]
+        wrong += [
+            f"line {t.lineno}: .{t.attr}"
+            for t in targets
+            if isinstance(t, ast.Attribute) and window_like(t.value, aliases)
+        ]
+    return wrong
+
+
+def test_no_module_outside_the_window_writes_its_fields() -> None:
+    """The window's state changes through its methods only (and the server's state through
+    ServerState's): no `rt.window.down = ...` from another module."""
+    own = ROOT / "workers" / "engine" / "window.py"
+    wrong = [
+        f"{path.relative_to(ROOT)} {write}"
+        for path in modules((*PACKAGES, BENCH)).values()
+        if path != own
+        for write in window_writes(path.read_text())
+    ]
+    assert wrong == []
+
+
+def test_the_window_write_check_sees_writes_and_aliases() -> None:
+    source = (
+        "def f(rt, self):\n"
+        "    rt.window.down = 'x'\n"
+        "    w = self._window\n"
+        "    w.auth_error = None\n"
+        "    window.stats.done += 1\n"
+        "    self._window = rt.window\n"
+    )
+    assert window_writes(source) == ["line 2: .down", "line 4: .auth_error"]

@@ -11,6 +11,7 @@ from app.core.contracts import SamplingParams
 from app.ledger import claims, common, queue, run_queries
 from workers.engine.fake_client import FakePolicy
 from workers.engine.generate import handle_message
+from workers.engine.server_state import ServerState
 from workers.engine.window import InflightWindow, WindowConfig
 
 
@@ -48,6 +49,10 @@ class FakeRuntime:
 
     def paused(self) -> bool:
         return self.is_paused
+
+    @property
+    def server(self) -> ServerState:
+        return self.window.server
 
 
 def setup(db: Engine, n: int) -> tuple[FakeRuntime, list[int]]:

@@ -17,7 +17,7 @@ from tests.unit.test_window import feed, make_window, statuses, wait_idle
 from workers.control.health import Health
 from workers.engine.pressure import Pressure
 from workers.engine.probes import DRAIN_ANSWER_MAX_S, auth_line, verdict
-from workers.engine.window import InflightWindow
+from workers.engine.server_state import ServerState
 
 
 def test_a_drain_sends_nothing_new_and_gives_back_the_backlog(
@@ -128,12 +128,7 @@ def test_a_probe_is_noted_on_a_registered_server_only(sqlite_engine: Engine) -> 
 
 class _Window:
     def __init__(self) -> None:
-        self.draining: str | None = None
-        self.auth_error: str | None = None
-        self.down: str | None = None
         self.abandoned = 0
-
-    held = InflightWindow.held
 
     def abandon_inflight(self, reason: str) -> int:
         self.abandoned += 1
@@ -154,6 +149,9 @@ class _Runtime:
     def __init__(self) -> None:
         self.window = _Window()
         self.pauses = _Pauses()
+        self.server = ServerState(
+            size=4, retry_backoff_s=0.1, retry_backoff_max_s=1.0, unavailable_wait_s=5.0
+        )
 
 
 class _Control:
@@ -173,11 +171,11 @@ def test_a_worker_takes_no_messages_while_its_server_drains_or_wants_a_key() -> 
     rt, control = _Runtime(), _Control()
     enforcer = PauseEnforcer(rt, "w1@host", control, 1.0)  # type: ignore[arg-type]
     enforcer.check()
-    rt.window.draining = "draining: /health HTTP 503"
+    rt.server.drain("draining: /health HTTP 503")
     enforcer.check()
-    rt.window.draining = None
+    rt.server.drained()
     enforcer.check()
-    rt.window.auth_error = "HTTP 401: Unauthorized"
+    rt.server.needs_key("HTTP 401: Unauthorized")
     enforcer.check()
     assert control.calls == ["cancel", "add", "cancel"]
     assert rt.window.abandoned == 0  # the requests out to a draining server finish there
@@ -189,16 +187,18 @@ def test_a_worker_whose_server_is_down_takes_no_messages_until_it_answers() -> N
 
     rt, control = _Runtime(), _Control()
     enforcer = PauseEnforcer(rt, "w1@host", control, 1.0)  # type: ignore[arg-type]
-    rt.window.draining = "draining: /health HTTP 503"
+    rt.server.drain("draining: /health HTTP 503")
     enforcer.check()
     # the drained server exits: its drain is over, and it does not answer
-    rt.window.draining, rt.window.down = None, "cannot connect: Connection refused"
+    rt.server.drained()
+    rt.server.probed("cannot connect: Connection refused")
     enforcer.check()
     assert control.calls == ["cancel"]  # still held: no message is taken and given back
     rt.pauses.by = PAUSED_BY_WATCHDOG
     enforcer.check()
     assert rt.window.abandoned == 1  # a down server's requests out are given back
-    rt.pauses.by, rt.window.down = None, None
+    rt.pauses.by = None
+    rt.server.probed(None)
     enforcer.check()
     assert control.calls == ["cancel", "add"]
 
@@ -209,6 +209,6 @@ def test_a_probe_records_a_down_server_on_its_window_until_it_answers() -> None:
     rt = _Runtime()
     probe = ServerProbe(rt)  # type: ignore[arg-type]
     probe._apply(Seen(Health.DOWN, False, None, "cannot connect"))
-    assert rt.window.down == "cannot connect"
+    assert rt.server.down == "cannot connect"
     probe._apply(Seen(Health.HEALTHY, True, 0.01, None))
-    assert rt.window.down is None
+    assert rt.server.down is None

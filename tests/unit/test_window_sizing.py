@@ -13,6 +13,7 @@ from app.core.settings import Settings
 from app.ledger import registry, windows
 from app.sglang.capacity import Capacity, Load, capacity_of, load_of
 from workers.engine import autosize, sizing
+from workers.engine.server_state import ServerState
 
 
 def _capacity(max_running: int = 256, tokens: int | None = None) -> Capacity:
@@ -169,7 +170,9 @@ class FakeWindow:
     def __init__(self, inflight: int) -> None:
         self.inflight = inflight
         self.backlog = 0
-        self.auth_error: str | None = None
+        self.server = ServerState(
+            size=inflight, retry_backoff_s=0.1, retry_backoff_max_s=1.0, unavailable_wait_s=5.0
+        )
 
     def resize(self, inflight: int, backlog: int) -> int:
         before, self.inflight, self.backlog = self.inflight, inflight, backlog

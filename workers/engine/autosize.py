@@ -26,6 +26,7 @@ from app.ledger import event_log, registry, windows
 from app.ledger.common import utcnow
 from app.sglang.capacity import Capacity, Load
 from workers.engine import sizing
+from workers.engine.server_state import ServerState
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +44,10 @@ class CapacityClient(Protocol):
 
 
 class Resizable(Protocol):
-    # set while the server refuses our key: the probe alone asks it then (once a second)
-    auth_error: str | None
+    @property
+    def server(self) -> ServerState:
+        """The server's state: while it refuses our key the probe alone asks it (once a
+        second)."""
 
     def resize(self, inflight: int, backlog: int) -> int: ...
 
@@ -188,7 +191,7 @@ class WindowSizer:
         return self._client
 
     def _size_auto(self) -> None:
-        if self._window.auth_error is not None:
+        if self._window.server.key_refused is not None:
             return  # a server that wants a key is asked by its probe only, at its rate
         if self.capacity is None or self._reread.is_set():
             self._reread.clear()

@@ -1,6 +1,6 @@
-"""Whether one worker may send to its server now: the server's durable pause flag in the
-registry, read at most once a second, and the worker's own pause when it found token drift on
-an image item of a server the registry does not know (`tokenmill run`).
+"""The pause of one worker's server: its durable pause flag in the registry, read at most once
+a second, and the worker's own pause (a reason on its ServerState) when it found token drift
+on an image item of a server the registry does not know (`tokenmill run`).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from sqlalchemy import Engine
 from app.core.constants import EVENT_IMAGE_DRIFT, PAUSED_BY_IMAGES
 from app.ledger import event_log, registry
 from workers.control.pausing import CeleryControl, pause_server
+from workers.engine.server_state import ServerState
 
 log = logging.getLogger(__name__)
 
@@ -23,25 +24,27 @@ class PauseWatch:
     """The pause state of one server as its worker sees it; on_resume is called when a pause
     is found lifted (the server's configuration may have changed meanwhile)."""
 
-    def __init__(self, db: Engine, server_name: str, *, on_resume: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        db: Engine,
+        server_name: str,
+        server: ServerState,
+        *,
+        on_resume: Callable[[], None],
+    ) -> None:
         self.db = db
         self.server_name = server_name
+        self._server = server
         self._on_resume = on_resume
         self._lock = threading.Lock()
         self._cache: tuple[float, bool, str | None] = (-1e9, False, None)
-        self._local: str | None = None
         # token drift on an image item was reported (the server paused) since the last resume
         self._drift_reported = False
-
-    def paused(self) -> bool:
-        """The durable pause flag of this server, read at most once a second (or its own
-        pause for token drift, when the registry does not know the server)."""
-        return self._local is not None or self.state()[0]
 
     @property
     def local(self) -> str | None:
         """Why this worker stopped sending on its own (token drift, unregistered server)."""
-        return self._local
+        return self._server.pause_reason
 
     def state(self, *, max_age_s: float = 1.0) -> tuple[bool, str | None]:
         """(paused, who paused it) from the ledger; on a read error the last known value."""
@@ -97,13 +100,13 @@ class PauseWatch:
                     self.db, CeleryControl(), self.server_name, by=PAUSED_BY_IMAGES, reason=reason
                 )
             else:
-                self._local = reason
+                self._server.pause(reason)
         except Exception:
             log.exception(
                 "could not pause %s for token drift",
                 self.server_name,
                 extra={"action": "drift_pause_failed"},
             )
-            self._local = reason  # this worker stops sending at least
+            self._server.pause(reason)  # this worker stops sending at least
         self.reread()
         return refusal

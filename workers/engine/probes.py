@@ -122,8 +122,7 @@ class ServerProbe:
         """Probe once, apply the verdict to the window, record it; the verdict."""
         if self._client is None:
             self._client = self.rt.new_client()
-        window = self.rt.window
-        if window.auth_error is not None:
+        if self.rt.server.key_refused is not None:
             seen = self._auth_probe(self._client)
         else:
             seen = verdict(self._client.health("/health"), was_serving=self.serving)
@@ -145,24 +144,24 @@ class ServerProbe:
             return Seen(Health.AUTH, False, self._clock() - started, str(exc))
         except GenerationError as exc:
             return Seen(Health.DOWN, False, self._clock() - started, str(exc))
-        self.rt.window.auth_error = None
+        self.rt.server.key_accepted()
         return Seen(Health.HEALTHY, True, self._clock() - started, None)
 
     def _key_check(self, client: SGLangClient, seen: Seen) -> Seen:
         try:
             client.model_info()
         except AuthRequired as exc:
-            self.rt.window.needs_key(str(exc))
+            self.rt.server.needs_key(str(exc))
             return Seen(Health.AUTH, False, seen.latency_s, str(exc))
         except GenerationError:
             pass  # not the key: the window's own requests will tell
         return seen
 
     def _apply(self, seen: Seen) -> None:
-        window = self.rt.window
-        window.down = (seen.error or "no answer") if seen.state is Health.DOWN else None
+        server, window = self.rt.server, self.rt.window
+        server.probed((seen.error or "no answer") if seen.state is Health.DOWN else None)
         if seen.state is Health.DRAINING:
-            if window.draining is None:
+            if server.draining is None:
                 self._drain_started = self._clock()
                 self._drain_timed_out = False
                 window.drain(seen.error or "draining")
@@ -176,8 +175,8 @@ class ServerProbe:
                     f"server drained for more than {self.rt.settings.server_drain_timeout_s:.0f}s"
                 )
             return
-        if window.draining is not None:
-            window.drained()
+        if server.draining is not None:
+            server.drained()
             self._drain_started = None
 
     def _record(self, before: Health | None, seen: Seen) -> None:

@@ -2,7 +2,9 @@
 the worker's state, each in a module of its own:
 
 - `run_pins.RunPins`: the runs it met, its server's fingerprint, what each run pinned;
-- `pause_watch.PauseWatch`: whether it may send now (the server's pause flag, its own pause);
+- `server_state.ServerState`: what it believes about its server (down, draining, a key
+  refused, back-pressure, paused), the one owner of those facts;
+- `pause_watch.PauseWatch`: the server's pause flag, and the worker's own pause for drift;
 - `client_for`: the clients of its server, one per thread that sends;
 - the window (`window.InflightWindow`) and its sizer (`autosize.WindowSizer`).
 
@@ -37,6 +39,7 @@ from workers.engine.image_data import ImageData
 from workers.engine.pause_watch import PauseWatch
 from workers.engine.run_pins import RunPins
 from workers.engine.run_stores import RunStores
+from workers.engine.server_state import ServerState
 from workers.engine.window import InflightWindow, WindowConfig
 from workers.engine.window_types import Checked
 from workers.intake.turns import TurnAdvancer
@@ -98,12 +101,19 @@ class WorkerRuntime:
             new_client=self.new_client,
             images=self.images,
             on_fingerprint_read=lambda: self.sizer.reread(),
-            on_auth=lambda message: self.window.needs_key(message),
+            on_auth=lambda message: self.server.needs_key(message),
             on_weights_noted=lambda: self.pauses.reread(),
         )
         # resumed: the server's configuration may have changed meanwhile (a restart, weights)
-        self.pauses = PauseWatch(db, self.server_name, on_resume=self.pins.forget_runs)
         n = autosize.start_size(settings)
+        self.server = ServerState(
+            size=n,
+            retry_backoff_s=settings.retry_backoff_s,
+            retry_backoff_max_s=settings.retry_backoff_max_s,
+            unavailable_wait_s=settings.unavailable_wait_s,
+            registry_paused=lambda: self.pauses.state()[0],
+        )
+        self.pauses = PauseWatch(db, self.server_name, self.server, on_resume=self.pins.forget_runs)
         # permanent failures: a WARNING and an item_failed event per reason and interval
         self.failures = FailureDigest(db, self.server_name)
         # later turns of `--turns all` chains, started as their previous turn is committed
@@ -129,6 +139,7 @@ class WorkerRuntime:
             ),
             db=db,
             owner=self.owner,
+            server=self.server,
             policy=self,  # the window's RunPolicy: this runtime knows the runs and the server
         )
         # fixed, or auto: sized by the server's capacity and load (its own thread and client)
@@ -192,7 +203,7 @@ class WorkerRuntime:
         return (run_id, item_key)
 
     def paused(self) -> bool:
-        return self.pauses.paused()
+        return self.server.paused()
 
     def released(self, item_ids: list[int], wait_s: float) -> None:
         """Items the window gave back: to the queue again, after wait_s."""

@@ -34,8 +34,8 @@ from workers.engine.backlog import Backlog
 from workers.engine.groups import Conversations
 from workers.engine.heartbeat import renew_leases
 from workers.engine.hedging import HedgeRound, Hedges
-from workers.engine.pressure import Pressure
 from workers.engine.room import InFlight, Room
+from workers.engine.server_state import ServerState
 from workers.engine.slots import Slot
 from workers.engine.timer import Timer
 from workers.engine.window_types import Admitted, Checked, Job, RunPolicy
@@ -58,6 +58,7 @@ class InflightWindow:
         db: Engine,
         owner: str,
         policy: RunPolicy,
+        server: ServerState | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
@@ -79,17 +80,15 @@ class InflightWindow:
         self._writer = ResultWriter(db, owner=owner, config=config, on_written=self._written)
         self._hedges = Hedges(stats=self.stats, clock=clock, client_factory=policy.new_client)
         self._hedge_round = HedgeRound(self, db=db, policy=policy)
-        self._unavailable_until = 0.0
-        self._pressure = Pressure(
-            config.inflight, config.retry_backoff_s, config.retry_backoff_max_s
+        # what this worker believes about its server (down, draining, back-pressure, ...)
+        self._server = server or ServerState(
+            size=config.inflight,
+            retry_backoff_s=config.retry_backoff_s,
+            retry_backoff_max_s=config.retry_backoff_max_s,
+            unavailable_wait_s=config.unavailable_wait_s,
+            registry_paused=policy.paused,
+            clock=clock,
         )
-        # set while the server drains (its /health 503 while /generate answers): nothing new
-        # is sent to it; and when it wants an API key we do not have (401/403)
-        self._draining: str | None = None
-        self.auth_error: str | None = None
-        # why the server's own probe last found it down (None: it answered): a worker takes
-        # no messages meanwhile, so they go to the workers of servers that answer
-        self.down: str | None = None
         self._stopping = threading.Event()
         self._timer = Timer(
             config,
@@ -107,6 +106,11 @@ class InflightWindow:
     @property
     def server_name(self) -> str:
         return self.config.server_name
+
+    @property
+    def server(self) -> ServerState:
+        """The server's state as this worker sees it (its own owner, with its own lock)."""
+        return self._server
 
     @property
     def serves_conversations(self) -> bool:
@@ -156,7 +160,7 @@ class InflightWindow:
                 return before
             self.config.inflight = inflight
             self.config.backlog = backlog
-            self._pressure.size = inflight  # back-pressure's limit never exceeds the window
+            self._server.resize(inflight)  # back-pressure's limit never exceeds the window
             self._threads = [t for t in self._threads if t.is_alive()]
             if self._started and inflight < before:
                 self._backlog.stop_slots(before - inflight)
@@ -232,16 +236,14 @@ class InflightWindow:
 
     def unavailable(self) -> bool:
         """Nothing is sent now: the server went away a moment ago, drains, or wants a key."""
-        if self._draining is not None or self.auth_error is not None:
-            return True
-        return self._clock() < self._unavailable_until
+        return self._server.unavailable()
 
     def mark_unavailable(self) -> None:
         """The server refused or dropped a request as down: nothing is sent for a while."""
-        self._unavailable_until = self._clock() + self.config.unavailable_wait_s
+        self._server.mark_unavailable()
 
     def paused(self) -> bool:
-        return self.policy.paused()
+        return self._server.paused()
 
     def capacity(self) -> int:
         """Items this window takes: the in-flight slots plus the backlog."""
@@ -443,16 +445,11 @@ class InflightWindow:
 
     # --- drains, back-pressure and auth (the probe loop and the slots call these) ---------
 
-    @property
-    def draining(self) -> str | None:
-        """Why the server drains (None: it does not)."""
-        return self._draining
-
     def drain(self, reason: str) -> int:
         """The server drains: send it nothing new, let the requests out finish, and give back
         every claimed item still waiting here (others take them at once); how many."""
+        self._server.drain(reason)
         with self._cond:
-            self._draining = reason
             waiting = []
             for job in self._backlog.take_waiting():
                 if job.hedge:  # a spare copy: dropped, its item stays with its holder
@@ -476,36 +473,19 @@ class InflightWindow:
             )
         return len(waiting)
 
-    def held(self) -> str | None:
-        """Why the server's own probes keep new work from it (None: they do not): it wants a
-        key we lack, it drains, or it did not answer. A worker takes no messages meanwhile."""
-        if self.auth_error is not None:
-            return "it needs an API key"
-        if self.draining is not None:
-            return "it drains"
-        if self.down is not None:
-            # after a drain the server exits: without this its worker would take messages
-            # again and give each back, until the watchdog (if beat runs) paused the server
-            return f"it is down: {self.down}"
-        return None
-
-    def drained(self) -> None:
-        """The server serves again (or is gone and will be found down): the drain is over."""
-        self._draining = None
-
     def needs_key(self, error: str) -> None:
-        """The server answered 401/403: it stays refused until the process restarts with a key."""
-        self.auth_error = error
+        """The server answered 401/403: it stays refused until its key is accepted."""
+        self._server.needs_key(error)
 
     def may_send(self) -> bool:
         """Whether a slot may send now, under the server's back-pressure limit."""
         with self._cond:
-            return self._pressure.allows(self.stats.inflight)
+            return self._server.may_send(self.stats.inflight)
 
     def hold_back(self, job: Job) -> None:
         """job waits a moment before it is sent: the server pushed back, fewer go out."""
         with self._cond:
-            delay_s = self._pressure.delay_s(max(1, job.pushed_back))
+            delay_s = self._server.push_back_delay_s(max(1, job.pushed_back))
             self._backlog.later(job, self._clock() + delay_s)
 
     def pushed_back(self, job: Job, reason: str) -> None:
@@ -513,9 +493,10 @@ class InflightWindow:
         server and job goes out again after a backoff that grows while it is refused."""
         with self._cond:
             job.pushed_back += 1
-            self._pressure.push_back(self.stats.inflight)
+            self._server.push_back(self.stats.inflight)
             self.stats.pushed_back += 1
-            self._backlog.later(job, self._clock() + self._pressure.delay_s(job.pushed_back))
+            delay_s = self._server.push_back_delay_s(job.pushed_back)
+            self._backlog.later(job, self._clock() + delay_s)
         if job.pushed_back == 1:
             log.info(
                 "server %s is full (%s): run %d item %d waits, up to %d requests out",
@@ -523,7 +504,7 @@ class InflightWindow:
                 reason,
                 job.item.run_id,
                 job.item.id,
-                max(1, int(self._pressure.limit)),
+                max(1, self._server.send_limit()),
                 extra={"action": "back_pressure", "server": self.config.server_name},
             )
 
@@ -567,7 +548,7 @@ class InflightWindow:
         with self._cond:
             self._sending.remove(job)
             job.pushed_back = 0
-            self._pressure.answered()
+            self._server.answered()
 
     def sending_ended(self, job: Job) -> None:
         with self._cond:
@@ -646,12 +627,7 @@ class InflightWindow:
 
     def can_hedge(self) -> bool:
         """Hedging on, not stopping, the server up and nothing waiting for a slot."""
-        if (
-            not self.config.hedge
-            or self._stopping.is_set()
-            or self.unavailable()
-            or self.policy.paused()
-        ):
+        if not self.config.hedge or self._stopping.is_set() or self.unavailable() or self.paused():
             return False
         return self._backlog.empty()
 
@@ -709,7 +685,7 @@ class InflightWindow:
         if released:
             with self._cond:
                 self.stats.released += len(released)
-            down = self._clock() < self._unavailable_until
+            down = self._server.gone_recently()
             wait_s = self.config.unavailable_wait_s if down else 0.0
             try:
                 self.policy.released(released, wait_s)
