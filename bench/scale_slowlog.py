@@ -120,7 +120,7 @@ def set_slow_log(ms: int | None, name: str = build.database_name(SIZE)) -> None:
 def serve_runs_with(db: Any, servers: dict[str, str]) -> None:
     """Point servers s3 and s4 at the emulators and pin the emulators' fingerprint on the
     runs (the built ledger pins a synthetic one), so the workers take their items."""
-    from workers.engine.runtime import client_for
+    from app.sglang.client import client_for
 
     client = client_for(next(iter(servers.values())), Settings())
     try:

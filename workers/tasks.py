@@ -34,6 +34,7 @@ from app.core.locks import exclusive
 from app.core.settings import Settings, get_settings
 from app.ledger import registry
 from app.ledger.database import get_engine
+from app.sglang.client import client_for
 from workers.control import reconcile as reconcile_logic
 from workers.control import server_removal
 from workers.control.compaction import compact_due
@@ -52,7 +53,7 @@ from workers.engine.identity import (
     port_open,
 )
 from workers.engine.probes import Seen, ServerProbe, auth_line
-from workers.engine.runtime import WorkerRuntime, client_for
+from workers.engine.runtime import WorkerRuntime
 from workers.intake.publish import publish_items
 
 log = logging.getLogger(__name__)

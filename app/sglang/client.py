@@ -1,6 +1,6 @@
 """SGLangClient, over one httpx client: the request bodies of /generate and /abort_request, health
 probes, /model_info and /server_info, the fingerprint a run pins, the capacity and load a window
-is sized by, and one shared TLS context."""
+is sized by, and one shared TLS context; client_for makes one from the settings."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import httpx
 from app.core.contracts import GenerateResult, ServerFingerprint
 from app.core.errors import GenerationError, PermanentError, RetryableError
 from app.core.images import image_settings
+from app.core.settings import Settings
 from app.sglang.capacity import Capacity, Load, capacity_of, load_of
 from app.sglang.errors import map_http_error, server_message
 from app.sglang.responses import parse_generate_response
@@ -466,3 +467,15 @@ def image_data_uri(image_format: str, data: bytes) -> str:
 
 def _opt_str(value: Any) -> str | None:
     return None if value is None else str(value)
+
+
+def client_for(url: str, settings: Settings) -> SGLangClient:
+    """A single-connection client of url with every timeout from settings."""
+    return SGLangClient(
+        url,
+        connect_timeout_s=settings.connect_timeout_s,
+        generate_timeout_s=settings.generate_timeout_s,
+        info_timeout_s=settings.info_timeout_s,
+        probe_timeout_s=settings.probe_timeout_s,
+        api_key=settings.sglang_api_key.get_secret_value() if settings.sglang_api_key else None,
+    )

@@ -12,9 +12,9 @@ import pytest
 
 from app.core.errors import ServerUnavailable
 from app.core.settings import Settings
+from app.sglang.client import client_for
 from emulator.config import EmulatorConfig
 from tests.support.emulator import running_emulator
-from workers.engine.runtime import client_for
 
 KEY = "k3y-for-tests"
 SAMPLING = {"max_new_tokens": 8, "temperature": 0.0}

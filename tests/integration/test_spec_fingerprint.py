@@ -12,10 +12,10 @@ from app.core.constants import PAUSED_BY_FINGERPRINT
 from app.core.contracts import SamplingParams
 from app.core.settings import Settings
 from app.ledger import queue, registry, run_queries
+from app.sglang.client import client_for
 from emulator.config import EmulatorConfig
 from tests.support.emulator import free_port, running_emulator
 from workers.control.watchdog import HttpProber, run_watchdog
-from workers.engine.runtime import client_for
 
 
 class NoControl:

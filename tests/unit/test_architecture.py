@@ -78,24 +78,34 @@ APP_PARTS = {
 }
 
 
+def part_of(module: str, parts: dict[str, int]) -> str:
+    """The part of a package (`app.ledger`, `workers.engine`) module belongs to."""
+    package, _, _ = module.partition(".")
+    part = ".".join(module.split(".")[:2])
+    return part if part in parts else package
+
+
 def app_part(module: str) -> str:
-    parts = module.split(".")
-    return ".".join(parts[:2]) if ".".join(parts[:2]) in APP_PARTS else "app"
+    return part_of(module, APP_PARTS)
+
+
+def upward_imports(package: str, parts: dict[str, int]) -> list[str]:
+    """Imports inside package from a part to a part on its level or above."""
+    return [
+        f"{mod} imports {dep}"
+        for mod, deps in graph().items()
+        if mod.split(".")[0] == package
+        for dep in deps
+        # `from app import ledger` names the package too: only its parts count
+        if dep.split(".")[0] == package
+        and dep != package
+        and part_of(dep, parts) != part_of(mod, parts)
+        and parts[part_of(dep, parts)] >= parts[part_of(mod, parts)]
+    ]
 
 
 def test_app_parts_import_only_parts_below_them() -> None:
-    wrong = [
-        f"{mod} imports {dep}"
-        for mod, deps in graph().items()
-        if mod.split(".")[0] == "app"
-        for dep in deps
-        # `from app import ledger` names the package too: only its parts count
-        if dep.split(".")[0] == "app"
-        and dep != "app"
-        and app_part(dep) != app_part(mod)
-        and APP_PARTS[app_part(dep)] >= APP_PARTS[app_part(mod)]
-    ]
-    assert wrong == []
+    assert upward_imports("app", APP_PARTS) == []
 
 
 def test_the_app_layering_check_sees_a_part_import_upward() -> None:
@@ -103,6 +113,30 @@ def test_the_app_layering_check_sees_a_part_import_upward() -> None:
     assert app_part("app.ledger.reads") == "app.ledger"
     assert app_part("app.celery_app") == "app.celery_app"
     assert "app.storage.shards" in graph()["app.ledger.reads"]
+
+
+# workers' parts, lowest first: a part imports only parts below it; the engine drives the
+# others (it may import control, chains and intake), control may import chains and intake,
+# chains intake; the package and its Celery tasks sit on top
+WORKER_PARTS = {
+    "workers.intake": 0,
+    "workers.chains": 1,
+    "workers.control": 2,
+    "workers.engine": 3,
+    "workers.tasks": 4,
+    "workers": 5,
+}
+
+
+def test_workers_parts_import_only_parts_below_them() -> None:
+    assert upward_imports("workers", WORKER_PARTS) == []
+
+
+def test_the_workers_layering_check_sees_the_parts_meet() -> None:
+    """Guards the check above against passing vacuously: the engine imports control."""
+    assert part_of("workers.engine.probes", WORKER_PARTS) == "workers.engine"
+    assert part_of("workers.tasks", WORKER_PARTS) == "workers.tasks"
+    assert "workers.control.health" in graph()["workers.engine.probes"]
 
 
 def test_the_product_and_the_emulator_meet_only_in_app() -> None:

@@ -13,10 +13,11 @@ from sqlalchemy import Engine
 from app.core.errors import BackPressure
 from app.ledger import registry, run_queries
 from app.sglang.client import ProbeResult
+from app.sglang.draining import DRAIN_ANSWER_MAX_S
 from tests.unit.test_window import feed, make_window, statuses, wait_idle
 from workers.control.health import Health
 from workers.engine.pressure import Pressure
-from workers.engine.probes import DRAIN_ANSWER_MAX_S, auth_line, verdict
+from workers.engine.probes import auth_line, verdict
 from workers.engine.server_state import ServerState
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from app.sglang.draining import is_drain
+
 
 class Health(enum.StrEnum):
     UNKNOWN = "unknown"
@@ -65,7 +67,7 @@ def step(
         return Verdict(Health.AUTH, previous.failures + 1, 0)
     state = previous.state
     serving = (Health.HEALTHY, Health.SUSPECT, Health.DRAINING)
-    if not ok and refused_at_once and state in serving:
+    if not ok and is_drain(refused_at_once, was_serving=state in serving):
         return Verdict(Health.DRAINING, previous.failures + 1, 0)
     if not ok and state is Health.DRAINING:
         return Verdict(Health.DOWN, max(previous.failures + 1, thresholds.failures_to_down), 0)

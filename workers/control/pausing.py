@@ -7,6 +7,7 @@ The flag is the truth; the broadcast is the fast path (workers also enforce the 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Protocol
 
 from sqlalchemy import Engine
@@ -62,6 +63,10 @@ class CeleryControl:
                 exc,
                 extra={"action": "control_failed"},
             )
+
+
+# Which workers of these names answer now (a Celery ping); raises when it cannot tell.
+AliveWorkers = Callable[[list[str]], set[str]]
 
 
 def alive_workers(names: list[str], *, timeout_s: float = 1.0) -> set[str]:

@@ -14,7 +14,7 @@ from sqlalchemy import Engine
 from app.core.constants import EVENT_SERVER_REMOVED
 from app.core.errors import ServerBusy
 from app.ledger import event_log, registry
-from workers.engine.identity import AliveWorkers
+from workers.control.pausing import AliveWorkers
 
 log = logging.getLogger(__name__)
 

@@ -28,13 +28,12 @@ from app.core.settings import Settings
 from app.ledger import common, event_log, registry
 from app.ledger.database import limit_periodic
 from app.ledger.registry import ServerInfo
-from app.sglang.client import SGLangClient
+from app.sglang.client import SGLangClient, client_for
+from app.sglang.draining import refused_at_once
 from workers.control.health import Health, Thresholds, Verdict, step
 from workers.control.parity import ParityGate
 from workers.control.pausing import WorkerControl, pause_server, resume_server
 from workers.control.weights import judge, note_weights
-from workers.engine.probes import DRAIN_ANSWER_MAX_S
-from workers.engine.runtime import client_for
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +82,7 @@ class HttpProber:
                     return Probe(False, result.latency_s, str(exc), auth=True)
                 except GenerationError:
                     pass
-            at_once = result.status_code == 503 and result.latency_s < DRAIN_ANSWER_MAX_S
+            at_once = refused_at_once(result.status_code, result.latency_s)
             if at_once:
                 # a draining server refuses its liveness route too; one whose /health still
                 # answers 200 is alive but generates nothing (a hung scheduler): down

@@ -34,10 +34,10 @@ from app.core.network import is_loopback
 from app.core.settings import Settings
 from app.ledger import event_log, registry
 from app.ledger.registry import ServerInfo
+from app.sglang.client import client_for
 from workers.control.pausing import WorkerControl, pause_server, resume_server
 from workers.control.watchdog import HttpProber, Prober
 from workers.control.weights import RunsVerdict, judge
-from workers.engine.runtime import client_for
 
 
 @dataclass

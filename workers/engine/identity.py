@@ -24,6 +24,7 @@ from app.core.settings import Settings
 from app.ledger import registry
 from app.ledger.registry import ServerInfo
 from app.storage import run_store
+from workers.control.pausing import AliveWorkers
 
 log = logging.getLogger(__name__)
 
@@ -31,9 +32,6 @@ log = logging.getLogger(__name__)
 PING_TIMEOUT_S = 1.0
 # how long it tries to connect to its server's URLs when it registers a derived one
 CONNECT_TIMEOUT_S = 1.0
-
-# Which workers of these names answer now (a Celery ping); raises when it cannot tell.
-AliveWorkers = Callable[[list[str]], set[str]]
 
 
 class IdentityRefused(ConfigurationError):

@@ -22,20 +22,16 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Final
 
 from app.core.constants import EVENT_STATE
 from app.core.errors import AuthRequired, GenerationError
 from app.ledger import event_log, registry
 from app.sglang.client import ProbeResult, SGLangClient
+from app.sglang.draining import is_drain, refused_at_once
 from workers.control.health import Health
 from workers.engine.runtime import WorkerRuntime
 
 log = logging.getLogger(__name__)
-
-# A drain answers 503 without looking at the scheduler; SGLang's failed generation check takes
-# its HEALTH_CHECK_TIMEOUT (20 s). A 503 slower than this is a hung server.
-DRAIN_ANSWER_MAX_S: Final = 10.0
 
 
 @dataclass(frozen=True)
@@ -53,8 +49,7 @@ def verdict(probe: ProbeResult, *, was_serving: bool) -> Seen:
     if probe.ok:
         return Seen(Health.HEALTHY, True, probe.latency_s, None)
     error = probe.error or f"HTTP {probe.status_code}"
-    quick = probe.latency_s < DRAIN_ANSWER_MAX_S
-    if probe.status_code == 503 and was_serving and quick:
+    if is_drain(refused_at_once(probe.status_code, probe.latency_s), was_serving=was_serving):
         return Seen(Health.DRAINING, False, probe.latency_s, f"draining: /health {error}")
     return Seen(Health.DOWN, False, probe.latency_s, error)
 

@@ -5,7 +5,7 @@ the worker's state, each in a module of its own:
 - `server_state.ServerState`: what it believes about its server (down, draining, a key
   refused, back-pressure, paused), the one owner of those facts;
 - `pause_watch.PauseWatch`: the server's pause flag, and the worker's own pause for drift;
-- `client_for`: the clients of its server, one per thread that sends;
+- `app.sglang.client.client_for`: the clients of its server, one per thread that sends;
 - the window (`window.InflightWindow`) and its sizer (`autosize.WindowSizer`).
 
 The runtime is the window's RunPolicy: it answers the window's questions from those parts.
@@ -29,7 +29,7 @@ from app.core.images import ImageDrift
 from app.core.settings import Settings
 from app.ledger import claims, registry
 from app.ledger.database import limit_periodic
-from app.sglang.client import SGLangClient
+from app.sglang.client import SGLangClient, client_for
 from app.storage.image_store import image_location
 from workers.engine import autosize
 from workers.engine.failure_digest import FailureDigest
@@ -45,18 +45,6 @@ from workers.engine.window_types import Checked
 from workers.intake.turns import TurnAdvancer
 
 log = logging.getLogger(__name__)
-
-
-def client_for(url: str, settings: Settings) -> SGLangClient:
-    """A single-connection client of url with every timeout from settings."""
-    return SGLangClient(
-        url,
-        connect_timeout_s=settings.connect_timeout_s,
-        generate_timeout_s=settings.generate_timeout_s,
-        info_timeout_s=settings.info_timeout_s,
-        probe_timeout_s=settings.probe_timeout_s,
-        api_key=settings.sglang_api_key.get_secret_value() if settings.sglang_api_key else None,
-    )
 
 
 def make_owner(label: str) -> str:

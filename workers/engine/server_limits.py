@@ -12,8 +12,8 @@ from app.core.errors import GenerationError
 from app.core.settings import Settings
 from app.prompts.tokenizer_config import context_length_of as folder_context_of
 from app.sglang import client as sglang_client
+from app.sglang.client import client_for
 from app.sglang.limits import context_length_of
-from workers.engine.runtime import client_for
 
 
 def server_contexts(settings: Settings, urls: dict[str, str]) -> dict[str, int | None]:
