@@ -51,11 +51,11 @@ class FakeRuntime:
         return self.is_paused
 
     @property
-    def server(self) -> ServerState:
-        return self.window.server
+    def server_state(self) -> ServerState:
+        return self.window.server_state
 
 
-def setup(db: Engine, n: int) -> tuple[FakeRuntime, list[int]]:
+def setup(db: Engine, n: int, policy: FakePolicy | None = None) -> tuple[FakeRuntime, list[int]]:
     spec = run_queries.RunSpec("r", "/t", "a" * 64, "b" * 64, {}, SamplingParams(), 1, None, [2])
     with db.begin() as conn:
         info, _ = run_queries.get_or_create_run(conn, spec)
@@ -77,7 +77,7 @@ def setup(db: Engine, n: int) -> tuple[FakeRuntime, list[int]]:
         ),
         db=db,
         owner="owner-1",
-        policy=FakePolicy(),
+        policy=policy or FakePolicy(),
     )
     return FakeRuntime(db, window), ids
 
@@ -121,7 +121,13 @@ def test_a_paused_server_claims_nothing(sqlite_engine: Engine) -> None:
 
 
 def test_a_conversation_is_one_unit_of_room_and_never_split(sqlite_engine: Engine) -> None:
-    rt, ids = setup(sqlite_engine, 0)
+    rt, ids = setup(
+        sqlite_engine,
+        0,
+        FakePolicy(
+            conversation_of=lambda run_id, key: (run_id, key) if key.startswith("c") else None
+        ),
+    )
     spec = run_queries.RunSpec("r", "/t", "a" * 64, "b" * 64, {}, SamplingParams(), 1, None, [2])
     with sqlite_engine.begin() as conn:
         info, _ = run_queries.get_or_create_run(conn, spec)
@@ -130,9 +136,6 @@ def test_a_conversation_is_one_unit_of_room_and_never_split(sqlite_engine: Engin
         new += [queue.NewItem(f"s{i}", 0, 9, None, [2, i]) for i in range(2)]
         queue.insert_items(conn, info.id, new)
         ids = queue.pending_ids(conn, info.id)
-    rt.window.policy = FakePolicy(
-        conversation_of=lambda run_id, key: (run_id, key) if key.startswith("c") else None
-    )
     sent_back: list[tuple[list[int], float]] = []
     out = handle_message(rt, ids, requeue=lambda b, s: sent_back.append((b, s)))  # type: ignore[arg-type]
     # 4 slots + a backlog of one conversation: both conversations and both singles fit

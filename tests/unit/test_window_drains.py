@@ -150,7 +150,7 @@ class _Runtime:
     def __init__(self) -> None:
         self.window = _Window()
         self.pauses = _Pauses()
-        self.server = ServerState(
+        self.server_state = ServerState(
             size=4, retry_backoff_s=0.1, retry_backoff_max_s=1.0, unavailable_wait_s=5.0
         )
 
@@ -172,11 +172,11 @@ def test_a_worker_takes_no_messages_while_its_server_drains_or_wants_a_key() -> 
     rt, control = _Runtime(), _Control()
     enforcer = PauseEnforcer(rt, "w1@host", control, 1.0)  # type: ignore[arg-type]
     enforcer.check()
-    rt.server.drain("draining: /health HTTP 503")
+    rt.server_state.drain("draining: /health HTTP 503")
     enforcer.check()
-    rt.server.drained()
+    rt.server_state.drained()
     enforcer.check()
-    rt.server.needs_key("HTTP 401: Unauthorized")
+    rt.server_state.needs_key("HTTP 401: Unauthorized")
     enforcer.check()
     assert control.calls == ["cancel", "add", "cancel"]
     assert rt.window.abandoned == 0  # the requests out to a draining server finish there
@@ -188,18 +188,18 @@ def test_a_worker_whose_server_is_down_takes_no_messages_until_it_answers() -> N
 
     rt, control = _Runtime(), _Control()
     enforcer = PauseEnforcer(rt, "w1@host", control, 1.0)  # type: ignore[arg-type]
-    rt.server.drain("draining: /health HTTP 503")
+    rt.server_state.drain("draining: /health HTTP 503")
     enforcer.check()
     # the drained server exits: its drain is over, and it does not answer
-    rt.server.drained()
-    rt.server.probed("cannot connect: Connection refused")
+    rt.server_state.drained()
+    rt.server_state.probed("cannot connect: Connection refused")
     enforcer.check()
     assert control.calls == ["cancel"]  # still held: no message is taken and given back
     rt.pauses.by = PAUSED_BY_WATCHDOG
     enforcer.check()
     assert rt.window.abandoned == 1  # a down server's requests out are given back
     rt.pauses.by = None
-    rt.server.probed(None)
+    rt.server_state.probed(None)
     enforcer.check()
     assert control.calls == ["cancel", "add"]
 
@@ -210,6 +210,6 @@ def test_a_probe_records_a_down_server_on_its_window_until_it_answers() -> None:
     rt = _Runtime()
     probe = ServerProbe(rt)  # type: ignore[arg-type]
     probe._apply(Seen(Health.DOWN, False, None, "cannot connect"))
-    assert rt.server.down == "cannot connect"
+    assert rt.server_state.down == "cannot connect"
     probe._apply(Seen(Health.HEALTHY, True, 0.01, None))
-    assert rt.server.down is None
+    assert rt.server_state.down is None

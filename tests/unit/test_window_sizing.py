@@ -170,7 +170,7 @@ class FakeWindow:
     def __init__(self, inflight: int) -> None:
         self.inflight = inflight
         self.backlog = 0
-        self.server = ServerState(
+        self.server_state = ServerState(
             size=inflight, retry_backoff_s=0.1, retry_backoff_max_s=1.0, unavailable_wait_s=5.0
         )
 

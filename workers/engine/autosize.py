@@ -45,7 +45,7 @@ class CapacityClient(Protocol):
 
 class Resizable(Protocol):
     @property
-    def server(self) -> ServerState:
+    def server_state(self) -> ServerState:
         """The server's state: while it refuses our key the probe alone asks it (once a
         second)."""
 
@@ -191,7 +191,7 @@ class WindowSizer:
         return self._client
 
     def _size_auto(self) -> None:
-        if self._window.server.key_refused is not None:
+        if self._window.server_state.key_refused is not None:
             return  # a server that wants a key is asked by its probe only, at its rate
         if self.capacity is None or self._reread.is_set():
             self._reread.clear()

@@ -53,7 +53,7 @@ class PauseEnforcer:
 
     def _check(self) -> None:
         paused, by = self.rt.pauses.state(max_age_s=0.0)
-        held = self.rt.server.held()
+        held = self.rt.server_state.held()
         if held is not None and not paused:
             # the worker's own probes hold its server (a drain, a refused key): it takes no
             # messages meanwhile, so they go to the other servers' workers
@@ -83,7 +83,7 @@ class PauseEnforcer:
                 self.control.add_consumer([self.worker])
             self.consuming = True
         # a drained or key-refusing server keeps its requests out; a down or stalled one not
-        finishing = self.rt.server.finishing()
+        finishing = self.rt.server_state.finishing()
         if paused and by == PAUSED_BY_WATCHDOG and not finishing and not self._abandoned:
             self.rt.window.abandon_inflight("server down or stalled (watchdog)")
             self._abandoned = True

@@ -144,7 +144,7 @@ def handle_message(
     result (Flower shows it)."""
     ids = [int(i) for i in item_ids]
     wait_s = rt.settings.unavailable_wait_s
-    if not rt.server.takes_work():
+    if not rt.server_state.takes_work():
         # this worker's consumer is cancelled at once (the enforcer): the messages go back at
         # once for the workers of servers that take work (a moment's countdown bounds the loop
         # should the cancel not have reached this consumer yet)

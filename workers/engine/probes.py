@@ -117,7 +117,7 @@ class ServerProbe:
         """Probe once, apply the verdict to the window, record it; the verdict."""
         if self._client is None:
             self._client = self.rt.new_client()
-        if self.rt.server.key_refused is not None:
+        if self.rt.server_state.key_refused is not None:
             seen = self._auth_probe(self._client)
         else:
             seen = verdict(self._client.health("/health"), was_serving=self.serving)
@@ -139,21 +139,21 @@ class ServerProbe:
             return Seen(Health.AUTH, False, self._clock() - started, str(exc))
         except GenerationError as exc:
             return Seen(Health.DOWN, False, self._clock() - started, str(exc))
-        self.rt.server.key_accepted()
+        self.rt.server_state.key_accepted()
         return Seen(Health.HEALTHY, True, self._clock() - started, None)
 
     def _key_check(self, client: SGLangClient, seen: Seen) -> Seen:
         try:
             client.model_info()
         except AuthRequired as exc:
-            self.rt.server.needs_key(str(exc))
+            self.rt.server_state.needs_key(str(exc))
             return Seen(Health.AUTH, False, seen.latency_s, str(exc))
         except GenerationError:
             pass  # not the key: the window's own requests will tell
         return seen
 
     def _apply(self, seen: Seen) -> None:
-        server, window = self.rt.server, self.rt.window
+        server, window = self.rt.server_state, self.rt.window
         server.probed((seen.error or "no answer") if seen.state is Health.DOWN else None)
         if seen.state is Health.DRAINING:
             if server.draining is None:

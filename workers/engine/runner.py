@@ -141,7 +141,7 @@ class EmbeddedRunner:
         its window did not find it gone since (then it is down until a probe says otherwise)."""
         contact = self._contacts[rt.server_name]
         window = rt.window
-        if rt.server.finishing():
+        if rt.server_state.finishing():
             return False
         if window.unavailable():
             contact.found_down(window.stats.last_error or "the server went away")
@@ -281,8 +281,8 @@ class EmbeddedRunner:
                     down_error=contact.error,
                     text_only=rt.pins.known_text_only(),
                     drift=rt.pauses.local,
-                    draining=rt.server.draining is not None,
-                    auth=rt.server.key_refused is not None,
+                    draining=rt.server_state.draining is not None,
+                    auth=rt.server_state.key_refused is not None,
                 )
             )
         return views

@@ -89,19 +89,21 @@ class WorkerRuntime:
             new_client=self.new_client,
             images=self.images,
             on_fingerprint_read=lambda: self.sizer.reread(),
-            on_auth=lambda message: self.server.needs_key(message),
+            on_auth=lambda message: self.server_state.needs_key(message),
             on_weights_noted=lambda: self.pauses.reread(),
         )
         # resumed: the server's configuration may have changed meanwhile (a restart, weights)
         n = autosize.start_size(settings)
-        self.server = ServerState(
+        self.server_state = ServerState(
             size=n,
             retry_backoff_s=settings.retry_backoff_s,
             retry_backoff_max_s=settings.retry_backoff_max_s,
             unavailable_wait_s=settings.unavailable_wait_s,
             registry_paused=lambda: self.pauses.state()[0],
         )
-        self.pauses = PauseWatch(db, self.server_name, self.server, on_resume=self.pins.forget_runs)
+        self.pauses = PauseWatch(
+            db, self.server_name, self.server_state, on_resume=self.pins.forget_runs
+        )
         # permanent failures: a WARNING and an item_failed event per reason and interval
         self.failures = FailureDigest(db, self.server_name)
         # later turns of `--turns all` chains, started as their previous turn is committed
@@ -127,7 +129,7 @@ class WorkerRuntime:
             ),
             db=db,
             owner=self.owner,
-            server=self.server,
+            server_state=self.server_state,
             policy=self,  # the window's RunPolicy: this runtime knows the runs and the server
         )
         # fixed, or auto: sized by the server's capacity and load (its own thread and client)
@@ -191,7 +193,7 @@ class WorkerRuntime:
         return (run_id, item_key)
 
     def paused(self) -> bool:
-        return self.server.paused()
+        return self.server_state.paused()
 
     def released(self, item_ids: list[int], wait_s: float) -> None:
         """Items the window gave back: to the queue again, after wait_s."""

@@ -25,6 +25,8 @@ from app.core.errors import (
 from app.ledger.claims import ClaimedItem
 from app.ledger.outcomes import Done, Failed, Outcome, Released
 from app.storage.run_store import StorageUnreachable
+from workers.engine.window_hedges import HedgeGate
+from workers.engine.window_refusals import Refusals
 from workers.engine.window_types import Checked, GenerateClient, Job, WindowConfig
 
 log = logging.getLogger(__name__)
@@ -56,11 +58,8 @@ class SlotHost(Protocol):
 
     def retry_later(self, job: Job, reason: str, delay_s: float) -> None: ...
 
-    def may_send(self) -> bool: ...
-
-    def hold_back(self, job: Job) -> None: ...
-
-    def pushed_back(self, job: Job, reason: str) -> None: ...
+    @property
+    def refusals(self) -> Refusals: ...
 
     def needs_key(self, error: str) -> None: ...
 
@@ -72,13 +71,8 @@ class SlotHost(Protocol):
 
     def image_data(self, item: ClaimedItem) -> list[str]: ...
 
-    def hedge_sent(self, job: Job, rid: str) -> bool: ...
-
-    def hedge_answered(self, job: Job) -> None: ...
-
-    def hedge_dropped(self, job: Job) -> None: ...
-
-    def hedge_ended(self) -> None: ...
+    @property
+    def hedging(self) -> HedgeGate: ...
 
 
 def item_fields(item: ClaimedItem, server: str, action: str) -> dict[str, object]:
@@ -161,8 +155,10 @@ class Slot:
             )
             w.settle(Released(item.id, f"images not read: {exc!r}"), job)
             return
-        if not w.may_send():
-            w.hold_back(job)  # the server pushed back: fewer requests out to it for a while
+        if not w.refusals.may_send():
+            w.refusals.hold_back(
+                job
+            )  # the server pushed back: fewer requests out to it for a while
             return
         rid = f"tm-{item.id}-{uuid.uuid4().hex[:12]}"
         job.tries += 1
@@ -179,7 +175,7 @@ class Slot:
         except BackPressure as exc:
             # the server is up but full: the request was fine, so no attempt is spent
             job.tries -= 1
-            w.pushed_back(job, str(exc))
+            w.refusals.pushed_back(job, str(exc))
         except AuthRequired as exc:
             w.needs_key(str(exc))
             self._given_back(job, "unavailable", exc)
@@ -310,16 +306,16 @@ class Slot:
         never changes the item's lease."""
         w, item = self._window, job.item
         if w.unavailable() or w.paused():
-            w.hedge_dropped(job)
+            w.hedging.hedge_dropped(job)
             return
         try:
             images = w.image_data(item) if item.images else None
         except Exception:  # the item's holder meets the same error and settles it
-            w.hedge_dropped(job)
+            w.hedging.hedge_dropped(job)
             return
         rid = f"tm-{item.id}-hedge-{uuid.uuid4().hex[:8]}"
-        if not w.hedge_sent(job, rid):
-            w.hedge_dropped(job)
+        if not w.hedging.hedge_sent(job, rid):
+            w.hedging.hedge_dropped(job)
             return
         try:
             result = _send(client, job, rid, images)
@@ -335,17 +331,19 @@ class Slot:
                 extra=item_fields(item, self._server, action="hedge_ended"),
             )
             if not job.abandoned:
-                w.hedge_dropped(job)
+                w.hedging.hedge_dropped(job)
         else:
             checked = w.check_result(item, result)
             if checked.refusal is not None:
-                w.hedge_dropped(job)  # other weights, or drift: the item stays with its holder
+                w.hedging.hedge_dropped(
+                    job
+                )  # other weights, or drift: the item stays with its holder
                 return
             log_done(item, result, self._server, " (hedge)")
-            w.hedge_answered(job)
+            w.hedging.hedge_answered(job)
             w.settle(_done(item, result, checked, self._server), job)
         finally:
-            w.hedge_ended()
+            w.hedging.hedge_ended()
 
 
 def _send(client: GenerateClient, job: Job, rid: str, images: list[str] | None) -> GenerateResult:
