@@ -109,6 +109,17 @@ def fingerprint_conflicts(
     return lines
 
 
+@dataclass(frozen=True)
+class Judged:
+    """One probe of a server and the verdict it leads to (error: what the ledger records)."""
+
+    probe: Probe
+    previous: Verdict
+    verdict: Verdict
+    stalled: bool
+    error: str | None
+
+
 def check_server(
     db: Engine,
     control: WorkerControl,
@@ -123,6 +134,19 @@ def check_server(
 
     With a parity gate, a healthy server re-renders a sample of each active run's prompts the
     first time it is seen for that run (and again whenever it is admitted back)."""
+    judged = _judge(db, prober, server, thresholds=thresholds, stall_s=stall_s)
+    _record(db, server, judged)
+    verdict = judged.verdict
+    if verdict.state == Health.HEALTHY and judged.probe.model is not None and server.fingerprint:
+        server = _weights_seen(db, control, server, judged.probe.model)
+    _act(db, control, prober, server, judged, parity)
+    return verdict
+
+
+def _judge(
+    db: Engine, prober: Prober, server: ServerInfo, *, thresholds: Thresholds, stall_s: float
+) -> Judged:
+    """Probe the server and step its health state machine (a stalled server is down)."""
     probe = prober.probe(server)
     with db.connect() as conn:
         limit_periodic(conn)
@@ -145,6 +169,12 @@ def check_server(
             f"stalled: {load.leased} requests in flight and none finished for "
             f"{stall_s:.0f}s (health route said ok)"
         )
+    return Judged(probe, previous, verdict, stalled, error)
+
+
+def _record(db: Engine, server: ServerInfo, judged: Judged) -> None:
+    """The probe in the ledger, and an event (and a log line) when the state changes."""
+    previous, verdict, error = judged.previous, judged.verdict, judged.error
     with db.begin() as conn:
         registry.record_probe(
             conn,
@@ -152,45 +182,63 @@ def check_server(
             state=verdict.state.value,
             failures=verdict.failures,
             successes=verdict.successes,
-            ok=probe.ok and not stalled,
-            latency_s=probe.latency_s,
+            ok=judged.probe.ok and not judged.stalled,
+            latency_s=judged.probe.latency_s,
             error=error,
         )
-        if verdict.state != previous.state:
-            message = f"{server.name}: {previous.state.value} → {verdict.state.value}"
-            if error and verdict.state in (Health.SUSPECT, Health.DOWN, Health.AUTH):
-                message += f" ({error})"
-            event_log.record_event(
-                conn,
-                EVENT_STATE,
-                message,
-                server=server.name,
-                details={"from": previous.state.value, "to": verdict.state.value, "error": error},
-            )
-            log.warning(message, extra={"action": "server_state"})
-    if verdict.state == Health.HEALTHY and probe.model is not None and server.fingerprint:
-        # weights swapped in place (no restart): seen here even on an idle server
-        now = _live_fingerprint(probe.model, server.fingerprint)
-        if note_weights(db, control, server.name, now, "the watchdog") is not None:
-            with db.connect() as conn:
-                server = registry.get_server(conn, server.name)
-    if verdict.state == Health.DOWN and not server.paused:
+        if verdict.state == previous.state:
+            return
+        message = f"{server.name}: {previous.state.value} → {verdict.state.value}"
+        if error and verdict.state in (Health.SUSPECT, Health.DOWN, Health.AUTH):
+            message += f" ({error})"
+        event_log.record_event(
+            conn,
+            EVENT_STATE,
+            message,
+            server=server.name,
+            details={"from": previous.state.value, "to": verdict.state.value, "error": error},
+        )
+        log.warning(message, extra={"action": "server_state"})
+
+
+def _weights_seen(
+    db: Engine, control: WorkerControl, server: ServerInfo, model: dict[str, Any]
+) -> ServerInfo:
+    """Weights swapped in place (no restart) are seen here even on an idle server: the
+    server as the ledger has it after noting them."""
+    now = _live_fingerprint(model, server.fingerprint or {})
+    if note_weights(db, control, server.name, now, "the watchdog") is None:
+        return server
+    with db.connect() as conn:
+        return registry.get_server(conn, server.name)
+
+
+def _act(
+    db: Engine,
+    control: WorkerControl,
+    prober: Prober,
+    server: ServerInfo,
+    judged: Judged,
+    parity: ParityGate | None,
+) -> None:
+    """Pause a down or key-refusing server, admit one back, or check parity on a healthy one."""
+    state, error = judged.verdict.state, judged.error
+    if state == Health.DOWN and not server.paused:
         pause_server(
             db, control, server.name, by=PAUSED_BY_WATCHDOG, reason=f"server down: {error}"
         )
-    elif verdict.state == Health.AUTH and not server.paused:
+    elif state == Health.AUTH and not server.paused:
         pause_server(
             db, control, server.name, by=PAUSED_BY_WATCHDOG, reason=f"needs an API key: {error}"
         )
-    elif verdict.state == Health.HEALTHY and (
-        previous.state != Health.HEALTHY or server.paused_by in _GUARDED
+    elif state == Health.HEALTHY and (
+        judged.previous.state != Health.HEALTHY or server.paused_by in _GUARDED
     ):
         _admit(db, control, prober, server, parity)
-    elif verdict.state == Health.HEALTHY and parity is not None and not server.paused:
+    elif state == Health.HEALTHY and parity is not None and not server.paused:
         blocking = parity.blocking_runs(db, server, again=False)
         if blocking:
             _pause_for_parity(db, control, server, blocking)
-    return verdict
 
 
 # pauses the watchdog sets and lifts itself
