@@ -165,9 +165,10 @@ def _publish(db: Engine, settings: Settings, run: RunInfo, plan: RetryPlan) -> N
     ids = list(plan.pending)
     try:
         if plan.waiting:
-            from workers.intake import turns
+            from workers.chains.advance import advance
+            from workers.chains.tokenizers import shared_cache
 
-            ids += turns.advance(db, turns.shared_cache(), run_id=run.id).started
+            ids += advance(db, shared_cache(), run_id=run.id).started
         for i in range(0, len(ids), settings.batch_size):
             chunk = ids[i : i + settings.batch_size]
             publish_items(chunk, batch_size=settings.batch_size, run=run.name)

@@ -29,7 +29,8 @@ from emulator.fixtures.kimi import IM_END, SPECIAL_TOKENS_BY_NAME
 from tests.support import sglang_agent_loop
 from tests.support.chat_templates import tokenizer_with_template
 from tests.support.sglang_agent_loop import SGLangAgentLoop
-from workers.intake import turns
+from workers.chains.advance import advance
+from workers.chains.tokenizers import TokenizerCache
 from workers.intake.producer import EnqueueOptions, enqueue
 
 
@@ -208,7 +209,7 @@ def _run_chains(
     assert report.errors == []
     with db.connect() as conn:
         run = run_queries.get_run(conn, "agents")
-    cache = turns.TokenizerCache()
+    cache = TokenizerCache()
     while True:
         with db.connect() as conn:
             pending = list(reads.iter_items(conn, run.id, statuses=("pending",)))
@@ -225,7 +226,7 @@ def _run_chains(
             ids = [d.item_id for d in done]
             claims.claim_items(conn, ids, owner="w", server="s", lease_s=60)
             ledger_outcomes.record_outcomes(conn, done, owner="w", lease_s=60)
-        turns.advance(db, cache, prev_ids=ids)
+        advance(db, cache, prev_ids=ids)
 
 
 @pytest.mark.parametrize("parallel", list(constants.PARALLEL_CALLS))

@@ -313,7 +313,8 @@ def test_a_chain_advances_with_the_images_of_its_history(
 ) -> None:
     from app.core.contracts import GenerateResult
     from app.ledger.outcomes import Done
-    from workers.intake import turns
+    from workers.chains.advance import advance
+    from workers.chains.tokenizers import TokenizerCache
 
     (tmp_path / "a.png").write_bytes(png(10, 10))
     (tmp_path / "b.png").write_bytes(png(12, 10, (1, 2, 3)))
@@ -337,7 +338,7 @@ def test_a_chain_advances_with_the_images_of_its_history(
     with pg_engine.begin() as conn:
         claims.claim_items(conn, [first_id], owner="w", server="s", lease_s=60)
         outcomes.record_outcomes(conn, [Done(first_id, result)], owner="w", lease_s=60)
-    report = turns.advance(pg_engine, turns.TokenizerCache(), prev_ids=[first_id])
+    report = advance(pg_engine, TokenizerCache(), prev_ids=[first_id])
     assert report.started == [later_id]
     later = stored_items(pg_engine, "chain")[1]
     assert later.status == "pending" and len(later.images) == 2

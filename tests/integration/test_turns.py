@@ -20,7 +20,8 @@ from app.ledger.outcomes import Done, Failed
 from app.outputs.export import export_run
 from app.prompts.conversation import WholeConversationError
 from app.prompts.tokenization import ChatTokenizer, load_tokenizer
-from workers.intake import turns
+from workers.chains.advance import advance
+from workers.chains.tokenizers import TokenizerCache
 from workers.intake.producer import EnqueueOptions, EnqueueReport, enqueue
 
 CONV3 = [
@@ -121,7 +122,7 @@ def test_chains_advance_from_the_regenerated_history(
     with pytest.raises(RunMismatch, match="turns: all → last"):
         enqueue_all(pg_engine, tokenizer, tmp_path, "last")
 
-    cache = turns.TokenizerCache()
+    cache = TokenizerCache()
     # turn 0: c3 both samples done; c2 sample 0 failed, sample 1 truncated
     finish(
         pg_engine,
@@ -133,10 +134,10 @@ def test_chains_advance_from_the_regenerated_history(
         ],
     )
     turn0 = [t0.id, items_by[("c3", 1, 0)].id, items_by[("c2", 0, 0)].id, items_by[("c2", 1, 0)].id]
-    advanced = turns.advance(pg_engine, cache, prev_ids=turn0)
+    advanced = advance(pg_engine, cache, prev_ids=turn0)
     assert sorted(advanced.started) == sorted([t1.id, items_by[("c3", 1, 1)].id])
     assert advanced.failed == 2
-    again = turns.advance(pg_engine, cache, prev_ids=turn0)
+    again = advance(pg_engine, cache, prev_ids=turn0)
     assert again.to_json() == {"started": 0, "failed": 0, "blocked": 0}
 
     items_by = rows(pg_engine, run.id)
@@ -152,7 +153,7 @@ def test_chains_advance_from_the_regenerated_history(
 
     # turn 1 of c3 sample 0 done → turn 2's prompt holds turn 1's regenerated answer
     finish(pg_engine, [Done(t1.id, answer(tokenizer, "REGEN c3 s0 t1"))])
-    assert len(turns.advance(pg_engine, cache, prev_ids=[t1.id]).started) == 1
+    assert len(advance(pg_engine, cache, prev_ids=[t1.id]).started) == 1
     t2 = rows(pg_engine, run.id)[("c3", 0, 2)]
     regen_ids = tokenizer.hf_tokenizer.encode("REGEN c3 s0 t1", add_special_tokens=False)
     assert contains(t2.prompt_ids, regen_ids)
@@ -165,7 +166,7 @@ def test_chains_advance_from_the_regenerated_history(
     open_ids = [i.id for i in items_by.values() if i.status == "pending"]
     finish(pg_engine, [Done(i, answer(tokenizer, f"REGEN {i}")) for i in open_ids])
     while True:  # the catch-up path: advance whatever finished, until nothing moves
-        step = turns.advance(pg_engine, cache, run_id=run.id)
+        step = advance(pg_engine, cache, run_id=run.id)
         if not step.started:
             break
         finish(pg_engine, [Done(i, answer(tokenizer, f"REGEN {i}")) for i in step.started])
@@ -212,7 +213,7 @@ def test_a_changed_tokenizer_leaves_turns_waiting(
     finish(pg_engine, [Done(first.id, answer(tokenizer, "fine"))])
     config = tokenizer_dir / "tokenizer_config.json"
     config.write_text(config.read_text().replace("<|im_middle|>", "<|im_middle|> "))
-    report = turns.advance(pg_engine, turns.TokenizerCache(), run_id=run.id)
+    report = advance(pg_engine, TokenizerCache(), run_id=run.id)
     assert report.to_json() == {"started": 0, "failed": 0, "blocked": 1}
     assert rows(pg_engine, run.id)[("c2", 0, 1)].status == "waiting"
     with pg_engine.connect() as conn:

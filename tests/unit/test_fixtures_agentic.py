@@ -26,7 +26,7 @@ from emulator.fixtures.kimi_custom import (
     chat_template,
     ensure_agentic_tokenizer,
 )
-from workers.intake.turns import TokenizerCache
+from workers.chains.tokenizers import TokenizerCache
 
 THINK, IM_END = SPECIAL_TOKENS_BY_NAME["<think>"], SPECIAL_TOKENS_BY_NAME["<|im_end|>"]
 CALL = {"role": "assistant", "content": None}

@@ -87,9 +87,10 @@ def reconcile(
             # imported here: it brings the templating and the render client, which a
             # reconcile of runs without later turns never needs (tokenmill reconcile starts
             # faster)
-            from workers.intake import turns
+            from workers.chains.advance import advance
+            from workers.chains.tokenizers import shared_cache
 
-            advanced = turns.advance(db, turns.shared_cache(), run_id=info.id)
+            advanced = advance(db, shared_cache(), run_id=info.id)
             report.turns_started += len(advanced.started)
             report.turns_failed += advanced.failed
         after = 0

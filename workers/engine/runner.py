@@ -21,13 +21,14 @@ from app.ledger import claims, outcomes, reads
 from app.ledger.claims import text_items_left
 from app.ledger.reads import RunCounts
 from app.ledger.run_queries import RunInfo
+from workers.chains.advance import advance
+from workers.chains.tokenizers import shared_cache
 from workers.control.health import Health
 from workers.control.parity import preflight
 from workers.engine.contact import ServerContact
 from workers.engine.orphans import EMBEDDED_OWNER_PREFIX, take_back
 from workers.engine.probes import Seen, ServerProbe, auth_line
 from workers.engine.runtime import WorkerRuntime
-from workers.intake import turns
 
 log = logging.getLogger(__name__)
 
@@ -353,7 +354,7 @@ class EmbeddedRunner:
     def _catch_up_turns(self) -> None:
         """Nothing in flight, yet later turns wait: start them (a notification was lost), or
         stop with the reason if none can be started (the run's tokenizer cannot be used)."""
-        advanced = turns.advance(self.db, turns.shared_cache(), run_id=self.run.id)
+        advanced = advance(self.db, shared_cache(), run_id=self.run.id)
         if advanced.started or advanced.failed:
             return
         counts = self.counts()

@@ -31,6 +31,7 @@ from app.ledger import claims, registry
 from app.ledger.database import limit_periodic
 from app.sglang.client import SGLangClient, client_for
 from app.storage.image_store import image_location
+from workers.chains.advancer import TurnAdvancer
 from workers.engine import autosize
 from workers.engine.failure_digest import FailureDigest
 from workers.engine.identity import server_name_for
@@ -42,7 +43,6 @@ from workers.engine.run_stores import RunStores
 from workers.engine.server_state import ServerState
 from workers.engine.window import InflightWindow, WindowConfig
 from workers.engine.window_types import Checked
-from workers.intake.turns import TurnAdvancer
 
 log = logging.getLogger(__name__)
 
