@@ -329,7 +329,8 @@ def run_items(db: Engine, run_name: str) -> tuple[list[LedgerItem], Any]:
             .where(t.c.run_id == run.id)
             .order_by(t.c.id)
         ).all()
-    return [LedgerItem(r.id, r.sample_index, list(r.prompt_ids)) for r in rows], run.sampling
+    sampling = run.generation.sampling
+    return [LedgerItem(r.id, r.sample_index, list(r.prompt_ids)) for r in rows], sampling
 
 
 def wait_run_finished(

@@ -47,6 +47,8 @@ from common import (
 )
 from sqlalchemy import select
 
+from app.core.run_kinds import TurnsMode
+
 SERVERS = ("gpu-a", "gpu-b", "gpu-c")
 MODES = ("each", "ungrouped")
 TOOLS: list[dict[str, Any]] = [
@@ -256,7 +258,8 @@ def one_round(
 
 
 def conversation_of(row: Any, turns: str) -> str:
-    return str(row.item_key) if turns == "each" else str(row.item_key).rsplit("-t", 1)[0]
+    whole = TurnsMode(turns).boundary_samples
+    return str(row.item_key) if whole else str(row.item_key).rsplit("-t", 1)[0]
 
 
 def ideal_cached(rows: list[Any], turns: str) -> int:

@@ -148,7 +148,7 @@ def accept_cmd(
         run = run_queries.get_run(conn, run_name)
         other = run_queries.get_run(conn, run_b) if run_b else None
     rows = load_rows(db, run)
-    chosen = list(fields) or default_fields(rows, run.turns)
+    chosen = list(fields) or default_fields(rows, run.generation.turns)
     if other is None:
         report = accept_report(
             run.name, speculative_of(run), rows, chosen, seed=seed, resamples=resamples

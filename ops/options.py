@@ -20,6 +20,7 @@ import click
 
 from app.core import constants
 from app.core.errors import ConfigurationError, TokenmillError
+from app.core.run_kinds import TurnsMode
 
 # Start-up: every command module imports this one, so it imports only click and app.core.errors
 # when loaded; rich, SQLAlchemy, pydantic, kombu and alembic load when a command uses them.
@@ -385,8 +386,8 @@ def sampling_options(func: F) -> F:
         ),
         click.option(
             "--turns",
-            type=click.Choice(["last", "all", "each"]),
-            default="last",
+            type=click.Choice([mode.value for mode in TurnsMode]),
+            default=TurnsMode.LAST.value,
             show_default=True,
             help="last: regenerate the answer to the last user turn. all: regenerate every "
             "assistant turn in order, each prompt built from the regenerated history (a row "

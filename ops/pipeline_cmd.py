@@ -20,6 +20,7 @@ from app.core.errors import (
     RunMismatch,
     TokenizerError,
 )
+from app.core.run_kinds import TurnsMode
 from ops.options import (
     announce_embedded,
     broker_name,
@@ -56,7 +57,7 @@ def _template_choice(opts: dict[str, Any], existing: RunInfo | None) -> tuple[An
     given = TemplateChoice(opts.get("chat_template_name"), opts.get("chat_template_file"))
     passing = bool(opts.get("pass_turn_fields"))
     if existing is not None and given == TemplateChoice() and not passing:
-        return choice_of(existing.chat_pins)
+        return choice_of(existing.generation.chat_pins)
     return given, passing
 
 
@@ -99,7 +100,9 @@ def enqueue_input(
     if existing is not None:
         _check_pinned_files(existing, tokenizer_path)
     # a run created with --trust-remote-code keeps it: a later enqueue need not repeat it
-    trusted = opts["trust_remote_code"] or (existing is not None and existing.trust_remote_code)
+    trusted = opts["trust_remote_code"] or (
+        existing is not None and existing.generation.trust_remote_code
+    )
     template, pass_turn_fields = _template_choice(opts, existing)
     try:
         tokenizer = load_tokenizer(
@@ -125,7 +128,7 @@ def enqueue_input(
         samples_per_prompt=opts["samples_per_prompt"],
         chat_template_kwargs=kwargs,
         prompt_field=opts.get("prompt_field"),
-        turns=opts.get("turns", "last"),
+        turns=TurnsMode(opts.get("turns", TurnsMode.LAST)),
         tool_call_parser=opts.get("tool_call_parser"),
         parallel_calls=opts.get("parallel_calls") or constants.PARALLEL_CALLS_END,
         trust_remote_code=trusted,
@@ -146,7 +149,7 @@ def enqueue_input(
 
         # `--turns each`: the producer hands over one message's ids at a time (a conversation's
         # items stay in one message, even past batch_size)
-        whole = options.turns == "each"
+        whole = options.turns.boundary_samples
 
         def publisher(ids: list[int]) -> None:
             size = max(settings.batch_size, len(ids)) if whole else settings.batch_size
@@ -322,8 +325,8 @@ def pinned_folder_changes(run: RunInfo, tokenizer_path: str | None = None) -> li
     pinned, read before any of its code runs."""
     from app.prompts.tokenizer_files import folder_changes
 
-    folder = Path(tokenizer_path or run.tokenizer_path)
-    return folder_changes(folder, run.tokenizer_hash, run.tokenizer_files)
+    folder = Path(tokenizer_path or run.generation.tokenizer_path)
+    return folder_changes(folder, run.generation.tokenizer_hash, run.generation.tokenizer_files)
 
 
 def _check_pinned_files(run: RunInfo, tokenizer_path: str) -> None:
@@ -497,24 +500,27 @@ def export_cmd(
     if whole_conversation or fmt == "conversations" or exclude_file:
         # the run's pinned --trust-remote-code covers the code it was made with, not changed code
         changes = pinned_folder_changes(run)
-        if changes and run.trust_remote_code:
+        if changes and run.generation.trust_remote_code:
             raise RunMismatch(
-                f"the tokenizer files at {run.tokenizer_path} changed since run {run.name} "
-                f"pinned them, so their code is not run: {'; '.join(changes)}"
+                f"the tokenizer files at {run.generation.tokenizer_path} changed since run "
+                f"{run.name} pinned them, so their code is not run: {'; '.join(changes)}"
             )
         tokenizer = load_for_run(
-            run.tokenizer_path, trust_remote_code=run.trust_remote_code, chat_pins=run.chat_pins
+            run.generation.tokenizer_path,
+            trust_remote_code=run.generation.trust_remote_code,
+            chat_pins=run.generation.chat_pins,
         )
-        if whole_conversation and tokenizer.chat_template_hash != run.chat_template_hash:
+        if whole_conversation and tokenizer.chat_template_hash != run.generation.chat_template_hash:
             # the loss mask spans come from the run's own template
             raise ConfigurationError(
-                f"the chat template at {run.tokenizer_path} differs from the one run "
+                f"the chat template at {run.generation.tokenizer_path} differs from the one run "
                 f"{run.name} pinned; --whole-conversation needs the run's own template"
             )
         if changes:
             console.print(
-                f"[yellow]warning:[/yellow] the tokenizer at {escape(run.tokenizer_path)} "
-                f"changed since the run was created: {escape('; '.join(changes))}",
+                "[yellow]warning:[/yellow] the tokenizer at "
+                f"{escape(run.generation.tokenizer_path)} changed since the run was created: "
+                f"{escape('; '.join(changes))}",
                 markup=True,
                 soft_wrap=True,
             )

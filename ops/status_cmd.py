@@ -58,7 +58,9 @@ def status_cmd(run_name: str | None, as_json: bool, watch: bool, interval_s: flo
             for r, c in zip(runs, counts, strict=True)
             if c.failed
         }
-        endings = {r.name: reads.chain_endings(conn, r.id) for r in runs if r.turns == "all"}
+        endings = {
+            r.name: reads.chain_endings(conn, r.id) for r in runs if r.generation.turns.chains
+        }
     stopped_names = {r.name for r in runs if r.id in stopped}
     if not runs and not as_json:
         # an empty table would not say where it looked (a forgotten TOKENMILL_DATABASE_URL)

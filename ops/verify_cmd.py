@@ -125,7 +125,7 @@ def _server_rerender(run: RunInfo, settings: Settings) -> Iterator[Rerender | No
     stored items by the run's render server, as parity sends them; else None."""
     from app.prompts.chat_pins import rendered_on_server
 
-    if run.render_with is None or not rendered_on_server(run.chat_pins):
+    if run.generation.render_with is None or not rendered_on_server(run.generation.chat_pins):
         yield None
         return
     from app.core.errors import InputError, PermanentError
@@ -135,7 +135,7 @@ def _server_rerender(run: RunInfo, settings: Settings) -> Iterator[Rerender | No
     from workers.intake.images import StoredImages
 
     images = StoredImages(lambda: image_location(settings))
-    with render_client(run.render_with, settings) as client:
+    with render_client(run.generation.render_with, settings) as client:
 
         def rerender(items: Sequence[StoredItem]) -> list[list[int] | str]:
             requests: list[RenderRequest | str] = []
@@ -206,26 +206,29 @@ def _tokenizer(
     from ops.pipeline_cmd import pinned_folder_changes
 
     explicit = trust_remote_code
-    trust_remote_code = trust_remote_code or run.trust_remote_code
+    trust_remote_code = trust_remote_code or run.generation.trust_remote_code
     if override is not None:
         try:
             return load_for_run(
-                override, trust_remote_code=trust_remote_code, chat_pins=run.chat_pins
+                override, trust_remote_code=trust_remote_code, chat_pins=run.generation.chat_pins
             ), None
         except TokenizerError as exc:
             raise TokenizerError(f"--tokenizer: {exc}") from exc
     # the run's pin trusts the code the run was made with, not whatever the folder holds now:
     # changed files are a finding and are not loaded (an explicit --trust-remote-code loads them)
     changes = pinned_folder_changes(run) if not explicit else []
-    if changes and run.trust_remote_code:
+    if changes and run.generation.trust_remote_code:
         return None, (
-            f"the tokenizer files at {run.tokenizer_path} changed since the run pinned them, so "
+            f"the tokenizer files at {run.generation.tokenizer_path} changed since the run "
+            "pinned them, so "
             f"their code was not run and the chat template was not checked: {'; '.join(changes)}"
             "; pass --trust-remote-code to check with them anyway, or --tokenizer DIR"
         )
     try:
         return load_for_run(
-            run.tokenizer_path, trust_remote_code=trust_remote_code, chat_pins=run.chat_pins
+            run.generation.tokenizer_path,
+            trust_remote_code=trust_remote_code,
+            chat_pins=run.generation.chat_pins,
         ), None
     except TokenizerError as exc:
         return None, (

@@ -13,13 +13,16 @@ from sqlalchemy import Connection, insert, select, update
 from app.core.constants import NORMALIZATION_VERSION
 from app.core.contracts import SamplingParams
 from app.core.errors import NotFound, RunArchived, RunMismatch
+from app.core.run_kinds import RunKind, TurnsMode
 from app.ledger.common import as_utc, runs, utcnow
 from app.ledger.pin_checks import file_changes, pin_differences
 
 
 @dataclass(frozen=True)
 class RunSpec:
-    """What a run pins when it is created; a later enqueue must match it."""
+    """What a run pins when it is created; a later enqueue must match it. Flat as the CLI
+    gives it: the run's own settings (name, kind, weight version, storage, servers, driver)
+    read back as RunInfo's fields, the others as its GenerationSettings."""
 
     name: str
     tokenizer_path: str
@@ -31,7 +34,7 @@ class RunSpec:
     think_end_id: int | None
     eos_token_ids: list[int]
     # `--turns all`: every assistant turn regenerated, chained (pinned)
-    turns: str = "last"
+    turns: TurnsMode = TurnsMode.LAST
     # the tokenizer's own code allowed: export, verify, reports and later turns load it so too
     trust_remote_code: bool = False
     # `--render-with URL`: prompts built by that server's /v1/tokenize (pinned)
@@ -56,6 +59,12 @@ class RunSpec:
     servers: tuple[str, ...] | None = None
     # DRIVER_RUN: `tokenmill run` drives it (the fleet leaves it alone); None: the fleet's
     driver: str | None = None
+    kind: RunKind = RunKind.GENERATE
+
+    def __post_init__(self) -> None:
+        # the stored and CLI form is the mode's string: a spec built from it reads typed
+        object.__setattr__(self, "turns", TurnsMode(self.turns))
+        object.__setattr__(self, "kind", RunKind(self.kind))
 
 
 # runs.driver of a run `tokenmill run` drives
@@ -63,9 +72,10 @@ DRIVER_RUN = "run"
 
 
 @dataclass(frozen=True)
-class RunInfo:
-    id: int
-    name: str
+class GenerationSettings:
+    """What a generation run pins about templating, sampling and turns (runs.kind 'generate'):
+    read from the run's row with the rest of it."""
+
     tokenizer_path: str
     tokenizer_hash: str
     chat_template_hash: str
@@ -74,9 +84,7 @@ class RunInfo:
     samples_per_prompt: int
     think_end_id: int | None
     eos_token_ids: list[int]
-    fingerprint: dict[str, Any] | None
-    created_at: datetime
-    turns: str = "last"
+    turns: TurnsMode = TurnsMode.LAST
     trust_remote_code: bool = False
     render_with: str | None = None
     require_parity: bool = False
@@ -84,18 +92,32 @@ class RunInfo:
     # None: created before the rules were pinned (app.prompts.chat_path.check_version refuses it)
     normalization_version: str | None = None
     chat_pins: dict[str, Any] | None = None
-    weight_version: str | None = None
     reasoning_efforts: tuple[str | float, ...] = ()
-    # None: a run created before its storage was pinned (readers use their own setting)
-    storage_url: str | None = None
-    servers: tuple[str, ...] | None = None
-    driver: str | None = None
 
     @property
     def tool_call_parser(self) -> str | None:
         """`--turns all` on agentic rows: the pinned parser of the target's calls."""
         parser = (self.chat_pins or {}).get("tool_call_parser")
         return None if parser is None else str(parser)
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """A run as it reads back: what every run has (its name, kind, which servers serve it and
+    who drives it, where its files live) and what its kind pins (`generation`). A run-level
+    setting that is not about one kind (a scheduling attribute, say) is a field here."""
+
+    id: int
+    name: str
+    generation: GenerationSettings
+    fingerprint: dict[str, Any] | None
+    created_at: datetime
+    kind: RunKind = RunKind.GENERATE
+    weight_version: str | None = None
+    # None: a run created before its storage was pinned (readers use their own setting)
+    storage_url: str | None = None
+    servers: tuple[str, ...] | None = None
+    driver: str | None = None
 
     @property
     def fleet_run(self) -> bool:
@@ -122,13 +144,11 @@ _TURNS_KEY = "turns"
 _EFFORTS_KEY = "reasoning_effort_cycle"
 
 
-def _run_info(row: Any) -> RunInfo:
+def _generation(row: Any) -> GenerationSettings:
     pinned = dict(row.sampling_params)
-    turns = str(pinned.pop(_TURNS_KEY, "last"))
+    turns = TurnsMode(pinned.pop(_TURNS_KEY, TurnsMode.LAST))
     efforts = tuple(pinned.pop(_EFFORTS_KEY, ()))
-    return RunInfo(
-        id=row.id,
-        name=row.name,
+    return GenerationSettings(
         tokenizer_path=row.tokenizer_path,
         tokenizer_hash=row.tokenizer_hash,
         chat_template_hash=row.chat_template_hash,
@@ -137,8 +157,6 @@ def _run_info(row: Any) -> RunInfo:
         samples_per_prompt=row.samples_per_prompt,
         think_end_id=row.think_end_id,
         eos_token_ids=list(row.eos_token_ids or []),
-        fingerprint=row.fingerprint,
-        created_at=as_utc(row.created_at) or utcnow(),
         turns=turns,
         render_with=row.render_with,
         require_parity=bool(row.require_parity),
@@ -146,8 +164,19 @@ def _run_info(row: Any) -> RunInfo:
         tokenizer_files=dict(row.tokenizer_files) if row.tokenizer_files is not None else None,
         normalization_version=row.normalization_version,
         chat_pins=dict(row.chat_pins) if row.chat_pins is not None else None,
-        weight_version=row.weight_version,
         reasoning_efforts=efforts,
+    )
+
+
+def _run_info(row: Any) -> RunInfo:
+    return RunInfo(
+        id=row.id,
+        name=row.name,
+        generation=_generation(row),
+        fingerprint=row.fingerprint,
+        created_at=as_utc(row.created_at) or utcnow(),
+        kind=RunKind(row.kind),
+        weight_version=row.weight_version,
         storage_url=row.storage_url,
         servers=tuple(row.servers) if row.servers is not None else None,
         driver=row.driver,
@@ -157,49 +186,49 @@ def _run_info(row: Any) -> RunInfo:
 def run_differences(existing: RunInfo, spec: RunSpec) -> list[str]:
     """Lines naming every pinned setting in which spec differs from the existing run."""
     diffs: list[str] = []
+    gen = existing.generation
+    if existing.kind != spec.kind:
+        diffs.append(f"kind: {existing.kind} → {spec.kind}")
     if spec.tokenizer_files is None:  # a spec built by hand: the hashes alone
-        if existing.tokenizer_hash != spec.tokenizer_hash:
+        if gen.tokenizer_hash != spec.tokenizer_hash:
             diffs.append(
-                f"tokenizer: {existing.tokenizer_path} (hash {existing.tokenizer_hash[:12]}) → "
+                f"tokenizer: {gen.tokenizer_path} (hash {gen.tokenizer_hash[:12]}) → "
                 f"{spec.tokenizer_path} (hash {spec.tokenizer_hash[:12]})"
             )
     else:
         diffs += file_changes(
-            existing.tokenizer_hash,
-            existing.tokenizer_files,
+            gen.tokenizer_hash,
+            gen.tokenizer_files,
             spec.tokenizer_hash,
             spec.tokenizer_files,
             spec.legacy_tokenizer_hash or spec.tokenizer_hash,
         )
-    if existing.chat_template_hash != spec.chat_template_hash:
+    if gen.chat_template_hash != spec.chat_template_hash:
         diffs.append(
-            f"chat template hash: {existing.chat_template_hash[:12]} → "
-            f"{spec.chat_template_hash[:12]}"
+            f"chat template hash: {gen.chat_template_hash[:12]} → {spec.chat_template_hash[:12]}"
         )
-    if existing.chat_template_kwargs != spec.chat_template_kwargs:
+    if gen.chat_template_kwargs != spec.chat_template_kwargs:
         diffs.append(
-            f"chat template kwargs: {existing.chat_template_kwargs} → {spec.chat_template_kwargs}"
+            f"chat template kwargs: {gen.chat_template_kwargs} → {spec.chat_template_kwargs}"
         )
-    old, new = existing.sampling.to_json(), spec.sampling.to_json()
+    old, new = gen.sampling.to_json(), spec.sampling.to_json()
     for key in sorted(set(old) | set(new)):
         if old.get(key) != new.get(key):
             diffs.append(f"{key}: {old.get(key)} → {new.get(key)}")
-    if existing.samples_per_prompt != spec.samples_per_prompt:
-        diffs.append(
-            f"samples per prompt: {existing.samples_per_prompt} → {spec.samples_per_prompt}"
-        )
-    if existing.turns != spec.turns:
-        diffs.append(f"turns: {existing.turns} → {spec.turns}")
-    if existing.render_with != spec.render_with:
-        diffs.append(f"render with: {existing.render_with} → {spec.render_with}")
-    if existing.require_parity != spec.require_parity:
-        diffs.append(f"require parity: {existing.require_parity} → {spec.require_parity}")
+    if gen.samples_per_prompt != spec.samples_per_prompt:
+        diffs.append(f"samples per prompt: {gen.samples_per_prompt} → {spec.samples_per_prompt}")
+    if gen.turns != spec.turns:
+        diffs.append(f"turns: {gen.turns} → {spec.turns}")
+    if gen.render_with != spec.render_with:
+        diffs.append(f"render with: {gen.render_with} → {spec.render_with}")
+    if gen.require_parity != spec.require_parity:
+        diffs.append(f"require parity: {gen.require_parity} → {spec.require_parity}")
     if spec.chat_pins is not None:
-        diffs += pin_differences(existing.chat_pins, spec.chat_pins)
+        diffs += pin_differences(gen.chat_pins, spec.chat_pins)
     if existing.weight_version != spec.weight_version:
         diffs.append(f"weight version: {existing.weight_version} → {spec.weight_version}")
-    if existing.reasoning_efforts != spec.reasoning_efforts:
-        old_e, new_e = list(existing.reasoning_efforts), list(spec.reasoning_efforts)
+    if gen.reasoning_efforts != spec.reasoning_efforts:
+        old_e, new_e = list(gen.reasoning_efforts), list(spec.reasoning_efforts)
         diffs.append(f"reasoning effort cycle: {old_e} → {new_e}")
     if existing.driver != spec.driver:
         drivers = {None: "tokenmill enqueue (the fleet)", DRIVER_RUN: "tokenmill run"}
@@ -253,6 +282,7 @@ def get_or_create_run(conn: Connection, spec: RunSpec) -> tuple[RunInfo, bool]:
     conn.execute(
         insert(runs).values(
             name=spec.name,
+            kind=spec.kind.value,
             tokenizer_path=spec.tokenizer_path,
             tokenizer_hash=spec.tokenizer_hash,
             chat_template_hash=spec.chat_template_hash,
@@ -279,8 +309,8 @@ def get_or_create_run(conn: Connection, spec: RunSpec) -> tuple[RunInfo, bool]:
 
 def _pinned_sampling(spec: RunSpec) -> dict[str, Any]:
     pinned = spec.sampling.to_json()
-    if spec.turns != "last":
-        pinned[_TURNS_KEY] = spec.turns
+    if not spec.turns.final_only:
+        pinned[_TURNS_KEY] = spec.turns.value
     if spec.reasoning_efforts:
         pinned[_EFFORTS_KEY] = list(spec.reasoning_efforts)
     return pinned

@@ -53,4 +53,7 @@ def speculative_of(run: RunInfo) -> dict[str, Any] | None:
 
 def is_greedy(run: RunInfo) -> bool:
     """Greedy decoding, as SGLang decides it from the run's sampling."""
-    return run.sampling.temperature < GREEDY_TEMPERATURE or run.sampling.top_k == 1
+    return (
+        run.generation.sampling.temperature < GREEDY_TEMPERATURE
+        or run.generation.sampling.top_k == 1
+    )

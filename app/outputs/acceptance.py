@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from app.core.run_kinds import TurnsMode
+
 CONFIDENCE = 0.95
 DEFAULT_RESAMPLES = 1000
 # resamples drawn at once: bounds the index matrix to chunk x rows
@@ -306,11 +308,11 @@ def accept_report(
     return report
 
 
-def default_fields(rows: Sequence[AcceptRow], turns: str) -> list[str]:
+def default_fields(rows: Sequence[AcceptRow], turns: TurnsMode) -> list[str]:
     """category and source when the rows carry them, turn for boundary samples, output length."""
     present = {name for row in rows for name in row.metadata}
     fields: list[str] = [name for name in ("category", "source") if name in present]
-    if turns == "each":
+    if TurnsMode(turns).boundary_samples:
         fields.append(TURN_FIELD)
     fields.append(LENGTH_FIELD)
     return fields

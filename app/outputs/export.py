@@ -104,9 +104,9 @@ def assistant_turn(
     (`tool_calls.reasoning_interrupt_id`) ends the reasoning and stays in the answer, and without
     one everything is reasoning."""
     output = list(item.output_ids or [])
-    if item.finish_reason == "stop" and output and output[-1] in set(run.eos_token_ids):
+    if item.finish_reason == "stop" and output and output[-1] in set(run.generation.eos_token_ids):
         output = output[:-1]
-    think_end = run.think_end_id
+    think_end = run.generation.think_end_id
     reasoning_ids, answer_ids = split_reasoning(output, think_end)
     start = tokenizer.think_start_id
     prompt_opened = start is not None and bool(item.prompt_ids) and item.prompt_ids[-1] == start
@@ -152,7 +152,9 @@ def conversations_row(
             turns = image_parts(turns, uris)
         except ValueError as exc:
             raise ImageExportError(f"{item_label(item)}: {exc}") from None
-    parser = tool_calls.chain_parser(run.chat_pins, run.turns, item.tools, item.messages)
+    parser = tool_calls.chain_parser(
+        run.generation.chat_pins, run.generation.turns, item.tools, item.messages
+    )
     last = assistant_turn(item, run, tokenizer, parser)
     if parser is not None:  # an agentic chain: the calls parsed as the server parses them
         seed = tool_calls.item_seed(item.item_key, item.sample_index, item.turn_index)
@@ -180,7 +182,7 @@ def whole_conversation_row(
     mask on the last output and on every regenerated assistant turn inside the prompt (an
     image item's prompt served, its image tokens masked 0)."""
     output = item.output_ids or []
-    kwargs = run.chat_template_kwargs
+    kwargs = run.generation.chat_template_kwargs
     if item.chat_template_kwargs is not None:
         kwargs = item.chat_template_kwargs
     encode = template_encoder(tokenizer, kwargs, item.tools)
@@ -211,16 +213,16 @@ def whole_conversations(run: RunInfo, fmt: ExportFormat, *, per_turn: bool, whol
     whole regenerated conversation."""
     if per_turn and whole:
         raise ConfigurationError("choose one of --per-turn and --whole-conversation")
-    if whole and run.turns != "all":
+    if whole and not run.generation.turns.chains:
         raise ConfigurationError(
             f"--whole-conversation needs a run enqueued with --turns all; run {run.name} "
             + (
                 "holds boundary samples (--turns each), each on its original history"
-                if run.turns == "each"
+                if run.generation.turns.boundary_samples
                 else "regenerated only the last turn (its earlier assistant turns are the input's)"
             )
         )
-    if fmt == "conversations" and run.turns == "all":
+    if fmt == "conversations" and run.generation.turns.chains:
         return not per_turn
     return whole
 
@@ -246,13 +248,13 @@ def iter_rows(
                 yield item, whole_conversation_row(item, run, tokenizer, images)
             elif fmt == "specforge":
                 row = specforge_row(item, images)
-                if run.turns != "last":
+                if not run.generation.turns.final_only:
                     row["turn"] = item.turn_index
                 yield item, row
             else:
                 assert tokenizer is not None
                 row = conversations_row(item, run, tokenizer, images)
-                if run.turns == "each":
+                if run.generation.turns.boundary_samples:
                     row["turn"] = item.turn_index
                 yield item, row
 

@@ -84,10 +84,10 @@ def load_exclusion(path: Path, run: RunInfo, tokenizer: ChatTokenizer) -> Exclus
     """Render every prompt of FILE (JSONL, Parquet or a datasets folder) with the run's pinned
     template and kwargs; a line that cannot be read or rendered is an error naming it (a
     prompt silently skipped could leak into training)."""
-    if tokenizer.chat_template_hash != run.chat_template_hash:
+    if tokenizer.chat_template_hash != run.generation.chat_template_hash:
         raise ConfigurationError(
-            f"the chat template at {run.tokenizer_path} differs from the one run {run.name} "
-            "pinned; --exclude renders FILE's prompts with the run's own template"
+            f"the chat template at {run.generation.tokenizer_path} differs from the one run "
+            f"{run.name} pinned; --exclude renders FILE's prompts with the run's own template"
         )
     if not path.exists():
         raise ConfigurationError(f"--exclude {path}: no such file")
@@ -114,7 +114,9 @@ def load_exclusion(path: Path, run: RunInfo, tokenizer: ChatTokenizer) -> Exclus
             digests.add(prompt_digest(record.input_ids))
             continue
         kwargs = merge_template_kwargs(
-            run.chat_template_kwargs, record.chat_template_kwargs, record.reasoning_effort
+            run.generation.chat_template_kwargs,
+            record.chat_template_kwargs,
+            record.reasoning_effort,
         )
         assert record.messages is not None
         inputs = ChatInputs(

@@ -176,16 +176,17 @@ class VerifyReport:
 def tokenizer_findings(run: RunInfo, tokenizer: ChatTokenizer) -> list[str]:
     """Lines saying how the tokenizer differs from what the run pinned (none if it matches)."""
     found: list[str] = []
-    changes = tokenizer.changes_from(run.tokenizer_hash, run.tokenizer_files)
+    changes = tokenizer.changes_from(run.generation.tokenizer_hash, run.generation.tokenizer_files)
     if changes:
         found.append(
             f"the tokenizer files in {tokenizer.path} are not the ones the run pinned: "
             f"{'; '.join(changes)} (template mismatches below may come from this)"
         )
-    if tokenizer.chat_template_hash != run.chat_template_hash:
+    if tokenizer.chat_template_hash != run.generation.chat_template_hash:
         found.append(
             f"the chat template in {tokenizer.path} is not the one the run pinned: hash "
-            f"{tokenizer.chat_template_hash[:12]} now, {run.chat_template_hash[:12]} pinned "
+            f"{tokenizer.chat_template_hash[:12]} now, "
+            f"{run.generation.chat_template_hash[:12]} pinned "
             "(template mismatches below may come from this)"
         )
     return found
@@ -217,19 +218,19 @@ def verify_run(
     if tokenizer is not None:
         report.findings += tokenizer_findings(run, tokenizer)
         try:
-            check_version(run.normalization_version, run=run.name)
+            check_version(run.generation.normalization_version, run=run.name)
         except ConfigurationError as exc:
             # the prompts cannot be rebuilt with the rules they were made with
             report.findings.append(f"{exc}; the template check is skipped")
             tokenizer = None
-    stops = set(run.eos_token_ids) | set(run.sampling.stop_token_ids)
+    stops = set(run.generation.eos_token_ids) | set(run.generation.sampling.stop_token_ids)
     pending: list[StoredItem] = []
     with db.connect() as conn:
         report.failed = retries.failed_by_reason(conn, run.id)
         images = StoredImages(report, run_image_pins(conn, run.id), image_store, run.storage_url)
         for item in reads.iter_items(conn, run.id, storage_options=storage_options):
             report.items += 1
-            sent = run.sampling.for_sample(item.sample_index, item.row_sampling_params)
+            sent = run.generation.sampling.for_sample(item.sample_index, item.row_sampling_params)
             mine = stops | set(sent.get("stop_token_ids") or [])
             _check_finish(report, item, mine, sent.get("max_new_tokens"))
             _check_counts(report, item, images.check(item))
@@ -239,12 +240,16 @@ def verify_run(
             else:
                 pending.append(item)
                 if len(pending) >= TEMPLATE_BATCH:
-                    _check_templates(report, tokenizer, run.chat_template_kwargs, pending, rerender)
+                    _check_templates(
+                        report, tokenizer, run.generation.chat_template_kwargs, pending, rerender
+                    )
                     pending = []
             if report.items % 1000 == 0:
                 on_progress(report.items)
         if pending:
-            _check_templates(report, tokenizer, run.chat_template_kwargs, pending, rerender)
+            _check_templates(
+                report, tokenizer, run.generation.chat_template_kwargs, pending, rerender
+            )
         if export_url is not None and is_jsonl_export(export_url):
             result = check_jsonl_images(conn, run.id, Path(export_url), storage_options)
             report.export = ExportSummary(export_url, result.rows, result.shards, result.problems)

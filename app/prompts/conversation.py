@@ -8,14 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from app.core.contracts import Message
 from app.core.errors import InputError, TokenmillError
 from app.prompts.tokenization import ChatTokenizer
-
-TurnsMode = Literal["last", "all", "each"]
-TURNS_MODES: tuple[TurnsMode, ...] = ("last", "all", "each")
 
 # (messages, add_generation_prompt) → token ids, as the run's pinned chat template makes them
 Encode = Callable[[Sequence[Message], bool], list[int]]

@@ -17,6 +17,7 @@ from typing import IO, Any, cast
 
 from app.core.contracts import PromptRecord
 from app.core.errors import ConfigurationError, InputError
+from app.core.run_kinds import TurnsMode
 from app.prompts.chat_path import ContentFormat, json_type
 from app.prompts.input_formats import TableInput, iter_rows, open_table, prompt_columns
 from app.prompts.input_records import ReadRules, build_record
@@ -36,7 +37,7 @@ def read_prompts(
     field: str | None = None,
     content_format: ContentFormat = "string",
     pass_turn_fields: bool = False,
-    turns: str = "last",
+    turns: TurnsMode = TurnsMode.LAST,
     reorders_tool_results: bool = True,
     request_fields: bool = True,
 ) -> Iterator[PromptRecord | InputError]:
@@ -96,16 +97,19 @@ def read_prompts(
     else:
         records = _jsonl_records(path, max_line_bytes, rules)
     unit = "line" if table is None else "row"
-    return _unique(records if turns == "each" else _bad_turns_refused(records, unit, turns), unit)
+    return _unique(
+        records if TurnsMode(turns).boundary_samples else _bad_turns_refused(records, unit, turns),
+        unit,
+    )
 
 
 def _bad_turns_refused(
-    entries: Iterator[tuple[PromptRecord, bool] | InputError], unit: str, turns: str
+    entries: Iterator[tuple[PromptRecord, bool] | InputError], unit: str, turns: TurnsMode
 ) -> Iterator[tuple[PromptRecord, bool] | InputError]:
     for entry in entries:
         if isinstance(entry, InputError) or entry[0].bad_turn is None:
             yield entry
-        elif turns == "last" and entry[0].bad_turn_in_tail:
+        elif TurnsMode(turns).final_only and entry[0].bad_turn_in_tail:
             yield replace(entry[0], bad_turn=None, bad_turn_in_tail=False), entry[1]
         else:
             yield InputError(entry[0].bad_turn[1], entry[0].line, unit=unit)

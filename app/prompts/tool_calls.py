@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from app.core import constants
 from app.core.errors import InputError
+from app.core.run_kinds import TurnsMode
 
 if TYPE_CHECKING:
     from app.prompts.tokenization import ChatTokenizer
@@ -468,14 +469,14 @@ def item_seed(item_key: str, sample_index: int, turn_index: int) -> str:
 
 def chain_parser(
     chat_pins: Mapping[str, Any] | None,
-    turns: str,
+    turns: TurnsMode,
     tools: Sequence[Any] | None,
     messages: Sequence[Mapping[str, Any]] | None,
 ) -> str | None:
     """The run's tool-call parser if an item's chain is agentic (a `--turns all` run with a
     parser pinned, the row with tools or tool turns), else None: a plain chain."""
     parser = (chat_pins or {}).get("tool_call_parser")
-    if parser is None or turns != "all":
+    if parser is None or not TurnsMode(turns).chains:
         return None
     calls = any(t.get("role") == "tool" or t.get("tool_calls") for t in messages or [])
     return str(parser) if tools or calls else None

@@ -51,7 +51,9 @@ def acceptance_report_for(db: Engine, run: RunInfo) -> AcceptReport | None:
         if not spec_stats.run_has_spec_stats(conn, run.id):
             return None
     rows = load_rows(db, run)
-    return accept_report(run.name, speculative_of(run), rows, default_fields(rows, run.turns))
+    return accept_report(
+        run.name, speculative_of(run), rows, default_fields(rows, run.generation.turns)
+    )
 
 
 def _group_field(report: AcceptReport) -> str:
@@ -166,7 +168,7 @@ def build_compare_report(db: Engine, run_a: str, run_b: str, out_dir: Path, styl
     report = paired_report(
         Side(a.name, speculative_of(a), rows_a),
         Side(b.name, speculative_of(b), load_rows(db, b)),
-        default_fields(rows_a, a.turns),
+        default_fields(rows_a, a.generation.turns),
         greedy=is_greedy(a) and is_greedy(b),
     )
     out_dir.mkdir(parents=True, exist_ok=True)

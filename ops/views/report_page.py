@@ -96,7 +96,9 @@ def build_report(db: Engine, run_name: str, out_dir: Path) -> ReportResult:
         counts = reads.run_counts(conn, run)
         ranges = item_ranges(conn, run.id)
         data = accumulate(
-            iter_item_stats(conn, run.id), ranges, max_new_tokens=run.sampling.max_new_tokens
+            iter_item_stats(conn, run.id),
+            ranges,
+            max_new_tokens=run.generation.sampling.max_new_tokens,
         )
         failures = failure_reasons(conn, run.id)
         pauses: list[PausePeriod] = []
@@ -177,10 +179,10 @@ def warnings_for(counts: RunCounts, data: ReportData) -> list[str]:
 
 
 def _tokenizer_files(run: RunInfo) -> str:
-    if run.tokenizer_files is None:
+    if run.generation.tokenizer_files is None:
         return "not recorded (run older than the per-file manifest)"
     return ", ".join(
-        f"{name} ({digest[:8]})" for name, digest in sorted(run.tokenizer_files.items())
+        f"{name} ({digest[:8]})" for name, digest in sorted(run.generation.tokenizer_files.items())
     )
 
 
@@ -232,18 +234,24 @@ def render_page(
     config = _rows(
         [
             ("created", f"{run.created_at:%Y-%m-%d %H:%M:%S} UTC"),
-            ("tokenizer", f"{run.tokenizer_path} (hash {run.tokenizer_hash[:12]})"),
+            (
+                "tokenizer",
+                f"{run.generation.tokenizer_path} (hash {run.generation.tokenizer_hash[:12]})",
+            ),
             ("tokenizer files", _tokenizer_files(run)),
             (
                 "tokenizer code",
                 "the folder's own code (--trust-remote-code, pinned)"
-                if run.trust_remote_code
+                if run.generation.trust_remote_code
                 else "transformers only",
             ),
-            ("chat template hash", run.chat_template_hash[:12]),
-            ("chat template kwargs", json.dumps(run.chat_template_kwargs, sort_keys=True)),
-            ("sampling", json.dumps(run.sampling.to_json(), sort_keys=True)),
-            ("samples per prompt", str(run.samples_per_prompt)),
+            ("chat template hash", run.generation.chat_template_hash[:12]),
+            (
+                "chat template kwargs",
+                json.dumps(run.generation.chat_template_kwargs, sort_keys=True),
+            ),
+            ("sampling", json.dumps(run.generation.sampling.to_json(), sort_keys=True)),
+            ("samples per prompt", str(run.generation.samples_per_prompt)),
             ("server fingerprint", json.dumps(run.fingerprint, sort_keys=True)),
         ],
         ("setting", "value"),

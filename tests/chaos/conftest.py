@@ -388,7 +388,7 @@ class Deployment:
                 continue
             assert s.output_ids is not None and s.server in configs, s
             expected, finish = generate_output(
-                s.prompt_ids, run.sampling.for_sample(s.sample_index), configs[s.server]
+                s.prompt_ids, run.generation.sampling.for_sample(s.sample_index), configs[s.server]
             )
             assert s.output_ids == expected, f"{s.item_key}: output differs from the emulator's"
             want = finish["type"] if isinstance(finish, dict) else finish

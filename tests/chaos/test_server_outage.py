@@ -100,7 +100,9 @@ def assert_exact_and_once(db: Engine, run_name: str) -> list[reads.StoredItem]:
     assert [s for s in stored if s.status != "done"] == []
     assert {s.attempts for s in stored} == {1}, "an outage spent attempts"
     for s in stored:
-        expected, _ = generate_output(s.prompt_ids, run.sampling.for_sample(s.sample_index), CONFIG)
+        expected, _ = generate_output(
+            s.prompt_ids, run.generation.sampling.for_sample(s.sample_index), CONFIG
+        )
         assert s.output_ids == expected
     return stored
 

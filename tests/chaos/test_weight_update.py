@@ -61,7 +61,7 @@ def check_outputs(
         assert s.server is not None
         weights = replace(configs[s.server], weight_version=version)
         expected, _ = generate_output(
-            s.prompt_ids, run.sampling.for_sample(s.sample_index), weights
+            s.prompt_ids, run.generation.sampling.for_sample(s.sample_index), weights
         )
         assert s.output_ids == expected, s.item_key
     return stored

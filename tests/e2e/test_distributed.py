@@ -126,7 +126,7 @@ def test_two_workers_two_servers_exact_and_exactly_once(
         if s.messages:
             assert s.prompt_ids == tokenizer.apply(s.messages)
         expected, finish = generate_output(
-            s.prompt_ids, run.sampling.for_sample(s.sample_index), EMULATOR_CONFIG
+            s.prompt_ids, run.generation.sampling.for_sample(s.sample_index), EMULATOR_CONFIG
         )
         assert s.output_ids == expected
         assert s.finish_reason == finish["type"]

@@ -283,6 +283,6 @@ def check_fleet(
     assert {s.server for s in stored} == set(servers.values())
     for s in stored:
         expected, finish = generate_output(
-            s.prompt_ids, run.sampling.for_sample(s.sample_index), EMULATOR
+            s.prompt_ids, run.generation.sampling.for_sample(s.sample_index), EMULATOR
         )
         assert (s.output_ids, s.finish_reason) == (expected, finish["type"]), s.item_key

@@ -139,7 +139,9 @@ def test_turns_all_survive_a_killed_worker(
     for s in stored:
         assert s.attempts == 1
         assert s.prompt_ids == tokenizer.apply(s.messages or [])
-        expected, _ = generate_output(s.prompt_ids, run.sampling.for_sample(s.sample_index), CONFIG)
+        expected, _ = generate_output(
+            s.prompt_ids, run.generation.sampling.for_sample(s.sample_index), CONFIG
+        )
         assert s.output_ids == expected
         if s.turn_index:
             prev = by_turn[(s.item_key, s.sample_index, s.turn_index - 1)]

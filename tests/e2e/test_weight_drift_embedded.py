@@ -81,7 +81,7 @@ def test_one_server_updated_in_place_under_tokenmill_run(
     assert len({s.item_key for s in stored}) == ITEMS
     assert {s.weight_version for s in stored} == {"step-100"}
     for s in stored:
-        expected, _ = generate_output(s.prompt_ids, run.sampling.for_sample(0), CONFIG)
+        expected, _ = generate_output(s.prompt_ids, run.generation.sampling.for_sample(0), CONFIG)
         assert s.output_ids == expected, s.item_key
     changed = [m for kind, m in events if kind == "weights_changed"]
     assert changed and "weight_version: step-100 → step-200" in changed[0]

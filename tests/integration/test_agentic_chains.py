@@ -246,9 +246,11 @@ def test_agentic_chains_splice_cached_results_as_sglang_renders_them(
     with db.connect() as conn:
         found = list(reads.iter_items(conn, run_id, statuses=statuses))
         run = run_queries.get_run(conn, "agents")
-    assert (run.chat_pins or {})["tool_call_parser"] == (family.parser or "kimi_k2")
+    assert (run.generation.chat_pins or {})["tool_call_parser"] == (family.parser or "kimi_k2")
     in_order = parallel == constants.PARALLEL_CALLS_IN_ORDER
-    assert (run.chat_pins or {}).get("parallel_calls") == (parallel if in_order else None)
+    assert (run.generation.chat_pins or {}).get("parallel_calls") == (
+        parallel if in_order else None
+    )
     assert {i.status for i in found} == {"done"}
     chains: dict[str, list[reads.StoredItem]] = {}
     for item in sorted(found, key=lambda i: i.turn_index):

@@ -201,7 +201,7 @@ def test_every_template_input_reaches_the_prompt(
 
     with db.connect() as conn:
         run = run_queries.get_run(conn, "agentic")
-        assert run.normalization_version == NORMALIZATION_VERSION
+        assert run.generation.normalization_version == NORMALIZATION_VERSION
         count = select(func.count()).select_from(tool_sets).where(tool_sets.c.run_id == run.id)
         assert conn.execute(count).scalar_one() == 1  # one tools list, stored once
     again = enqueue_rows(db, agent, tmp_path, "agentic")

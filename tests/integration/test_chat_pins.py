@@ -48,7 +48,7 @@ def test_a_run_pins_its_template_choice_and_versions(
     assert first.exit_code == 0, first.output
     with pg_engine.connect() as conn:
         run = run_queries.get_run(conn, "pinned")
-    assert run.chat_pins == {
+    assert run.generation.chat_pins == {
         "chat_template_name": "default",
         "chat_template_file": None,
         "chat_template_file_hash": None,
@@ -83,9 +83,11 @@ def test_a_chat_template_file_is_pinned_by_its_hash(
     assert done.exit_code == 0, done.output
     with pg_engine.connect() as conn:
         run = run_queries.get_run(conn, "filed")
-    assert run.chat_pins is not None and run.chat_pins["chat_template_file"] == str(template)
-    tokenizer = load_for_run(folder, trust_remote_code=False, chat_pins=run.chat_pins)
-    assert tokenizer.chat_template_hash == run.chat_template_hash
+    assert run.generation.chat_pins is not None and run.generation.chat_pins[
+        "chat_template_file"
+    ] == str(template)
+    tokenizer = load_for_run(folder, trust_remote_code=False, chat_pins=run.generation.chat_pins)
+    assert tokenizer.chat_template_hash == run.generation.chat_template_hash
     template.write_text("{{ messages[0].content }}", encoding="utf-8")
     with pytest.raises(TokenizerError, match="changed since the run pinned it"):
-        load_for_run(folder, trust_remote_code=False, chat_pins=run.chat_pins)
+        load_for_run(folder, trust_remote_code=False, chat_pins=run.generation.chat_pins)

@@ -61,9 +61,12 @@ def test_a_custom_code_run_is_pinned(
     assert (report.inserted, report.skipped) == (ROWS, 0), report.to_json()
     with pg_engine.connect() as conn:
         run = run_queries.get_run(conn, "agentic")
-    assert run.tokenizer_path == str(folder.resolve())
-    assert run.trust_remote_code
-    assert run.tokenizer_files is not None and HELPER_MODULE in run.tokenizer_files
+    assert run.generation.tokenizer_path == str(folder.resolve())
+    assert run.generation.trust_remote_code
+    assert (
+        run.generation.tokenizer_files is not None
+        and HELPER_MODULE in run.generation.tokenizer_files
+    )
     with pg_engine.connect() as conn:
         pending = reads.iter_items(conn, run.id, statuses=("pending",))
         prompts = {i.item_key: i.prompt_ids for i in pending}

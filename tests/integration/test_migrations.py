@@ -45,3 +45,32 @@ def test_an_unmigrated_database_is_refused(tmp_path: object) -> None:
     engine = make_engine(f"sqlite:///{tmp_path}/empty.sqlite3")
     with pytest.raises(SchemaOutOfDate, match="tokenmill db upgrade"):
         check_current(engine)
+
+
+def test_runs_created_before_the_kind_column_generate(sqlite_engine: Engine) -> None:
+    """0021 adds runs.kind: a run written under 0020 reads back as a generation run."""
+    from alembic import command
+    from sqlalchemy import text
+
+    from app.core.run_kinds import RunKind, TurnsMode
+    from app.ledger import run_queries
+
+    config = alembic_config(str(sqlite_engine.url))
+    with sqlite_engine.begin() as conn:
+        config.attributes["connection"] = conn
+        command.downgrade(config, "0020")
+    assert "kind" not in {c["name"] for c in inspect(sqlite_engine).get_columns("runs")}
+    with sqlite_engine.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO runs (name, tokenizer_path, tokenizer_hash, chat_template_hash, "
+                "chat_template_kwargs, sampling_params, samples_per_prompt, eos_token_ids, "
+                "created_at) VALUES ('old', '/t', 'a', 'b', '{}', '{\"turns\": \"all\"}', 1, "
+                "'[]', '2026-12-01 00:00:00')"
+            )
+        )
+    upgrade(sqlite_engine)
+    with sqlite_engine.connect() as conn:
+        run = run_queries.get_run(conn, "old")
+    assert run.kind is RunKind.GENERATE
+    assert run.generation.turns is TurnsMode.ALL

@@ -168,8 +168,11 @@ def test_every_boundary_is_the_encoders(
     assert len(got) == 7
     continued = [i.assistant_prefix for i in items if i.item_key == "row4"]
     assert continued == [" Autumn moonlight"]
-    assert run.chat_pins is not None and run.chat_pins["template_on_server"] is True
-    assert len(run.chat_pins["server_render_sha256"]) == 64
+    assert (
+        run.generation.chat_pins is not None
+        and run.generation.chat_pins["template_on_server"] is True
+    )
+    assert len(run.generation.chat_pins["server_render_sha256"]) == 64
 
 
 def test_what_needs_a_local_template_says_so(

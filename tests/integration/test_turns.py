@@ -106,7 +106,7 @@ def test_chains_advance_from_the_regenerated_history(
     with pg_engine.connect() as conn:
         run = run_queries.get_run(conn, "mt")
         counts = reads.run_counts(conn, run)
-    assert run.turns == "all"
+    assert run.generation.turns == "all"
     assert (counts.pending, counts.waiting) == (6, 6) and not counts.finished
     items_by = rows(pg_engine, run.id)
     t0 = items_by[("c3", 0, 0)]

@@ -128,7 +128,7 @@ def test_each_boundary_is_an_item_on_its_original_history(
     assert report.inserted == 2 * (3 + 2 + 1)
     with db.connect() as conn:
         run = run_queries.get_run(conn, "agentic")
-    assert run.turns == "each"
+    assert run.generation.turns == "each"
     found = all_items(db, run.id)
     keys = sorted((i.item_key, i.sample_index, i.turn_index) for i in found)
     expected = sorted(
@@ -232,7 +232,7 @@ def test_turns_all_takes_tool_conversations_as_agentic_chains(
     assert report.errors == []
     with db.connect() as conn:
         run = run_queries.get_run(conn, "agentic")
-    assert run is not None and (run.chat_pins or {})["tool_call_parser"] == "kimi_k2"
+    assert run is not None and (run.generation.chat_pins or {})["tool_call_parser"] == "kimi_k2"
 
 
 def test_the_runner_claims_whole_conversations(

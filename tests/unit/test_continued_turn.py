@@ -16,7 +16,7 @@ import pytest
 from app.core.contracts import PromptRecord, SamplingParams
 from app.core.errors import InputError
 from app.ledger.reads import StoredItem
-from app.ledger.run_queries import RunInfo
+from app.ledger.run_queries import GenerationSettings, RunInfo
 from app.outputs.export import assistant_turn, specforge_row
 from app.prompts.chat_path import ChatInputs
 from app.prompts.inputs import read_prompts
@@ -155,9 +155,8 @@ def test_the_prefix_is_appended_without_its_bos(deepseek: ChatTokenizer) -> None
 
 
 def run_info() -> RunInfo:
-    return RunInfo(
-        1, "r", "/t", "a", "b", {}, SamplingParams(), 1, None, [], None, datetime.now(UTC)
-    )
+    settings = GenerationSettings("/t", "a", "b", {}, SamplingParams(), 1, None, [])
+    return RunInfo(1, "r", settings, None, datetime.now(UTC))
 
 
 def test_the_exports_record_the_prefix(deepseek: ChatTokenizer) -> None:

@@ -15,7 +15,7 @@ from app.core.contracts import GenerateResult, SamplingParams
 from app.core.errors import ConfigurationError
 from app.ledger import claims, outcomes, queue, run_queries
 from app.ledger.reads import StoredItem
-from app.ledger.run_queries import RunInfo
+from app.ledger.run_queries import GenerationSettings, RunInfo
 from app.outputs.export import assistant_turn, current_umask, export_run, specforge_row
 from app.prompts.tokenization import ChatTokenizer, load_tokenizer
 
@@ -28,20 +28,8 @@ def tokenizer(kimi_tokenizer_dir: Path) -> ChatTokenizer:
 
 
 def run_info() -> RunInfo:
-    return RunInfo(
-        1,
-        "r",
-        "/t",
-        "a",
-        "b",
-        {},
-        SamplingParams(),
-        1,
-        END_THINK,
-        [IM_END],
-        None,
-        datetime.now(UTC),
-    )
+    settings = GenerationSettings("/t", "a", "b", {}, SamplingParams(), 1, END_THINK, [IM_END])
+    return RunInfo(1, "r", settings, None, datetime.now(UTC))
 
 
 def stored(prompt: list[int], output: list[int], finish: str = "stop") -> StoredItem:

@@ -14,7 +14,8 @@ import pytest
 from app.core.constants import NORMALIZATION_VERSION
 from app.core.contracts import SamplingParams
 from app.core.errors import TokenizerError, TokenmillError
-from app.ledger.run_queries import RunInfo
+from app.core.run_kinds import TurnsMode
+from app.ledger.run_queries import GenerationSettings, RunInfo
 from app.prompts.chat_path import ChatInputs
 from app.prompts.template_pool import Templater
 from app.prompts.tokenization import ChatTokenizer, load_tokenizer
@@ -179,9 +180,7 @@ def test_later_turns_load_the_pinned_custom_code_and_refuse_a_changed_file(
 ) -> None:
     copy = Path(shutil.copytree(folder, tmp_path / "tok"))
     pinned = load_tokenizer(copy, trust_remote_code=True)
-    run = RunInfo(
-        id=1,
-        name="r",
+    settings = GenerationSettings(
         tokenizer_path=str(copy),
         tokenizer_hash=pinned.tokenizer_hash,
         chat_template_hash=pinned.chat_template_hash,
@@ -190,12 +189,13 @@ def test_later_turns_load_the_pinned_custom_code_and_refuse_a_changed_file(
         samples_per_prompt=1,
         think_end_id=pinned.think_end_id,
         eos_token_ids=pinned.eos_token_ids,
-        fingerprint=None,
-        created_at=datetime.now(UTC),
-        turns="all",
+        turns=TurnsMode.ALL,
         trust_remote_code=True,
         tokenizer_files=pinned.tokenizer_files,
         normalization_version=NORMALIZATION_VERSION,
+    )
+    run = RunInfo(
+        id=1, name="r", generation=settings, fingerprint=None, created_at=datetime.now(UTC)
     )
     assert TokenizerCache._load(run).tokenizer_hash == pinned.tokenizer_hash
     (copy / HELPER_MODULE).write_text("raise RuntimeError('must never run')\n")

@@ -10,13 +10,14 @@ from app.ledger.claims import ClaimedItem
 from workers.engine.backlog import Backlog
 from workers.engine.fake_client import FakeServer
 from workers.engine.hedging import ABORT_AGAIN_S, Hedges
+from workers.engine.policies import GenerationPolicy
 from workers.engine.room import RATE_WINDOW_S, InFlight, Room
 from workers.engine.window_types import Job, WindowConfig, WindowStats
 
 
 def job(item_id: int, **fields: object) -> Job:
     item = ClaimedItem(item_id, 1, 0, [1, 2], 0, item_key=f"k{item_id}")
-    made = Job(item=item, sampling=SamplingParams(seed=1))
+    made = Job(item=item, policy=GenerationPolicy(SamplingParams(seed=1)))
     for name, value in fields.items():
         setattr(made, name, value)
     return made

@@ -82,7 +82,9 @@ def _fail_chain(db: Engine, turn: WaitingTurn, reason: str, report: AdvanceRepor
 
 def agentic_parser(run: RunInfo, item: StoredItem) -> str | None:
     """The run's tool-call parser if this item's chain is agentic, else None."""
-    return tool_calls.chain_parser(run.chat_pins, run.turns, item.tools, item.messages)
+    return tool_calls.chain_parser(
+        run.generation.chat_pins, run.generation.turns, item.tools, item.messages
+    )
 
 
 def _regenerated_history(
@@ -105,7 +107,9 @@ def _regenerated_history(
         prev.messages or [],
         context,
         seed=tool_calls.item_seed(prev.item_key, prev.sample_index, prev.turn_index),
-        parallel=str((run.chat_pins or {}).get("parallel_calls", constants.PARALLEL_CALLS_END)),
+        parallel=str(
+            (run.generation.chat_pins or {}).get("parallel_calls", constants.PARALLEL_CALLS_END)
+        ),
     )
     if step.ending is None:
         return [*(dict(t) for t in prev.messages or []), *step.turns]
@@ -183,14 +187,16 @@ def _advance_one(
         return
     kwargs = prev.chat_template_kwargs
     if kwargs is None:
-        kwargs = run.chat_template_kwargs
+        kwargs = run.generation.chat_template_kwargs
     try:
         history = normalize_messages(history, tokenizer.content_format)
-        if run.render_with is not None:  # built by the run's render server, as at enqueue
+        if (
+            run.generation.render_with is not None
+        ):  # built by the run's render server, as at enqueue
             images = cache.stored_images(run.storage_url)
             sent = images.for_server(history) if image_urls(history) else history
             request = prompt_request(sent, kwargs, tools=prev.tools)
-            prompt_ids = cache.renderer(run.render_with).render_patiently(request)
+            prompt_ids = cache.renderer(run.generation.render_with).render_patiently(request)
         else:
             prompt_ids = tokenizer.apply(history, kwargs, prev.tools)
         check_turn_images(tokenizer, history, prompt_ids)
@@ -281,7 +287,7 @@ def advance(
 
 def agentic_run(run: RunInfo) -> bool:
     """Whether the run's chains can be agentic (`--turns all` with a tool-call parser)."""
-    return run.turns == "all" and (run.chat_pins or {}).get("tool_call_parser") is not None
+    return run.generation.turns.chains and run.generation.tool_call_parser is not None
 
 
 def publish_started(db: Engine, ids: list[int], publish: Callable[[list[int]], None]) -> None:

@@ -95,23 +95,28 @@ class TokenizerCache:
 
     @staticmethod
     def _load(run: RunInfo) -> ChatTokenizer:
-        check_version(run.normalization_version, run=run.name)
-        folder = Path(run.tokenizer_path)
+        check_version(run.generation.normalization_version, run=run.name)
+        folder = Path(run.generation.tokenizer_path)
         # hash the files before loading: the tokenizer's own code (trust_remote_code) only
         # runs if it is byte for byte what the run was enqueued with
-        changes = folder_changes(folder, run.tokenizer_hash, run.tokenizer_files)
+        changes = folder_changes(
+            folder, run.generation.tokenizer_hash, run.generation.tokenizer_files
+        )
         if changes:
             raise TokenmillError(
-                f"the tokenizer files at {run.tokenizer_path} changed since the run was "
+                f"the tokenizer files at {run.generation.tokenizer_path} changed since the run was "
                 f"created: {'; '.join(changes)}"
             )
         tokenizer = load_for_run(
-            folder, trust_remote_code=run.trust_remote_code, chat_pins=run.chat_pins
+            folder,
+            trust_remote_code=run.generation.trust_remote_code,
+            chat_pins=run.generation.chat_pins,
         )
-        if tokenizer.chat_template_hash != run.chat_template_hash:
+        if tokenizer.chat_template_hash != run.generation.chat_template_hash:
             raise TokenmillError(
-                f"the chat template at {run.tokenizer_path} differs from the run's "
-                f"(hash {tokenizer.chat_template_hash[:12]}, pinned {run.chat_template_hash[:12]})"
+                f"the chat template at {run.generation.tokenizer_path} differs from the run's "
+                f"(hash {tokenizer.chat_template_hash[:12]}, "
+                f"pinned {run.generation.chat_template_hash[:12]})"
             )
         return tokenizer
 

@@ -116,7 +116,7 @@ def versions_of(run: RunInfo, server_version: str | None) -> dict[str, str | Non
     """The client's and the server's versions side by side: the transformers the run's prompts
     were rendered with (and rendered as), the one installed here, the server's SGLang and the
     transformers that SGLang version pins (None where unknown)."""
-    pins = run.chat_pins or {}
+    pins = run.generation.chat_pins or {}
     return {
         "run_transformers": pins.get("transformers"),
         "run_renders_as": pins.get("renders_as"),
@@ -143,7 +143,7 @@ def item_request(
     parts as data URIs of the stored images (InputError if one cannot be read)."""
     kwargs = item.chat_template_kwargs
     if kwargs is None:
-        kwargs = run.chat_template_kwargs
+        kwargs = run.generation.chat_template_kwargs
     messages = item.messages or []
     if images is not None:
         messages = images.for_server(messages)

@@ -83,7 +83,7 @@ def reconcile(
     for info in run_infos:
         if not info.fleet_run:
             continue
-        if info.turns == "all":  # started turns are pending: the loop below publishes them
+        if info.generation.turns.chains:  # started turns are pending: the loop below publishes them
             # imported here: it brings the templating and the render client, which a
             # reconcile of runs without later turns never needs (tokenmill reconcile starts
             # faster)

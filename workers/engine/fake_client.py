@@ -21,7 +21,8 @@ from app.core.contracts import GenerateResult, SamplingParams
 from app.core.errors import PermanentError, RetryableError
 from app.ledger.claims import ClaimedItem
 from app.sglang.client import ProbeResult
-from workers.engine.window_types import Checked, GenerateClient
+from workers.engine.policies import GenerationPolicy
+from workers.engine.window_types import Checked, GenerateClient, KindPolicy
 
 # (input_ids, the server's call number from 1) → seconds the request takes, or what it raises;
 # a negative time runs until the request is aborted (30 s at most)
@@ -153,8 +154,8 @@ class FakePolicy:
     def new_client(self) -> GenerateClient:
         return (self.clients or self.server.client)()
 
-    def sampling_for_run(self, run_id: int) -> SamplingParams:
-        return self.sampling
+    def kind_policy(self, run_id: int) -> KindPolicy:
+        return GenerationPolicy(self.sampling)
 
     def paused(self) -> bool:
         return self.is_paused()

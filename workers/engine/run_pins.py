@@ -135,7 +135,11 @@ class RunPins:
         items wait on their conversation's server): hedging skips both."""
         with self._lock:
             refused = [run_id for run_id, ok in self._run_ok.items() if not ok]
-            refused += [run_id for run_id, info in self._runs.items() if info.turns == "each"]
+            refused += [
+                run_id
+                for run_id, info in self._runs.items()
+                if info.generation.turns.boundary_samples
+            ]
         return refused
 
     # --- the server -------------------------------------------------------------------------

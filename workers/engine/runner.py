@@ -198,7 +198,7 @@ class EmbeddedRunner:
             if report is None:  # the server did not answer: try again in a moment
                 return True
             status = self._parity[rt.server_name] = report.status
-        return self.run.require_parity and status == "differs"
+        return self.run.generation.require_parity and status == "differs"
 
     def _feed(self, rt: WorkerRuntime) -> None:
         while not self._stop.is_set():
@@ -218,7 +218,9 @@ class EmbeddedRunner:
             try:
                 # the window's one gate: it holds the room, and the claim fills it
                 admitted = rt.window.admit(
-                    256, lambda room: self._claim(rt, room), conversations=self.run.turns == "each"
+                    256,
+                    lambda room: self._claim(rt, room),
+                    conversations=self.run.generation.turns.boundary_samples,
                 )
             except Exception as exc:
                 log.warning(
@@ -235,7 +237,7 @@ class EmbeddedRunner:
         """Up to room items, or (boundary samples) every item of up to room conversations;
         text items only for a server that reads no images."""
         text_only = not rt.pins.reads_images()
-        if self.run.turns != "each":
+        if not self.run.generation.turns.boundary_samples:
             with self.db.begin() as conn:
                 return claims.claim_next(
                     conn,
@@ -302,7 +304,7 @@ class EmbeddedRunner:
             on_tick(counts)
             if counts.finished and all(rt.window.idle() for rt in self.runtimes):
                 return counts
-            if self.run.require_parity and all(
+            if self.run.generation.require_parity and all(
                 self._parity.get(rt.server_name) == "differs" for rt in self.runtimes
             ):
                 raise ConfigurationError(

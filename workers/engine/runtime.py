@@ -24,7 +24,7 @@ from collections.abc import Callable, Hashable
 from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
-from app.core.contracts import GenerateResult, SamplingParams
+from app.core.contracts import GenerateResult
 from app.core.images import ImageDrift
 from app.core.settings import Settings
 from app.ledger import claims, registry
@@ -38,11 +38,12 @@ from workers.engine.identity import server_name_for
 from workers.engine.image_checks import ImageChecks
 from workers.engine.image_data import ImageData
 from workers.engine.pause_watch import PauseWatch
+from workers.engine.policies import policy_for
 from workers.engine.run_pins import RunPins
 from workers.engine.run_stores import RunStores
 from workers.engine.server_state import ServerState
 from workers.engine.window import InflightWindow, WindowConfig
-from workers.engine.window_types import Checked
+from workers.engine.window_types import Checked, KindPolicy
 
 log = logging.getLogger(__name__)
 
@@ -182,13 +183,13 @@ class WorkerRuntime:
     def new_client(self) -> SGLangClient:
         return client_for(self.server_url, self.settings)
 
-    def sampling_for_run(self, run_id: int) -> SamplingParams:
-        return self.pins.run_info(run_id).sampling
+    def kind_policy(self, run_id: int) -> KindPolicy:
+        return policy_for(self.pins.run_info(run_id))
 
     def group_of(self, run_id: int, item_key: str) -> Hashable | None:
         """The conversation an item belongs to, for runs of boundary samples (`--turns
         each`): its items run on one server, one after another; None for other runs."""
-        if self.pins.run_info(run_id).turns != "each":
+        if not self.pins.run_info(run_id).generation.turns.boundary_samples:
             return None
         return (run_id, item_key)
 
@@ -254,7 +255,7 @@ class WorkerRuntime:
             item_id
             for item_id, run_id in candidates
             if pins.serves_run(run_id)
-            and pins.run_info(run_id).turns != "each"
+            and not pins.run_info(run_id).generation.turns.boundary_samples
             and pins.run_matches_server(run_id)
             and self.images.reaches(run_id)
         ]

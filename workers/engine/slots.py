@@ -23,7 +23,7 @@ from app.core.errors import (
     ServerUnavailable,
 )
 from app.ledger.claims import ClaimedItem
-from app.ledger.outcomes import Done, Failed, Outcome, Released
+from app.ledger.outcomes import Failed, Outcome, Released
 from app.storage.run_store import StorageUnreachable
 from workers.engine.window_hedges import HedgeGate
 from workers.engine.window_refusals import Refusals
@@ -165,7 +165,7 @@ class Slot:
         w.sent(job, rid)
         try:
             try:
-                result: GenerateResult | None = _send(client, job, rid, images)
+                result: GenerateResult | None = job.policy.send(client, job.item, rid, images)
             except GenerationError:
                 if not job.cancelled:
                     raise
@@ -227,7 +227,7 @@ class Slot:
             w.settle(Released(item.id, checked.refusal), job)
             return
         log_done(item, result, self._server, "")
-        w.settle(_done(item, result, checked, self._server), job)
+        w.settle(job.policy.outcome(item, result, checked, self._server), job)
         w.count_done(result)
 
     def _failed_permanently(self, job: Job, exc: PermanentError) -> None:
@@ -318,7 +318,7 @@ class Slot:
             w.hedging.hedge_dropped(job)
             return
         try:
-            result = _send(client, job, rid, images)
+            result = job.policy.send(client, job.item, rid, images)
         except Exception as exc:
             if isinstance(exc, ServerUnavailable):
                 w.mark_unavailable()
@@ -341,28 +341,9 @@ class Slot:
                 return
             log_done(item, result, self._server, " (hedge)")
             w.hedging.hedge_answered(job)
-            w.settle(_done(item, result, checked, self._server), job)
+            w.settle(job.policy.outcome(item, result, checked, self._server), job)
         finally:
             w.hedging.hedge_ended()
-
-
-def _send(client: GenerateClient, job: Job, rid: str, images: list[str] | None) -> GenerateResult:
-    """job's request: its prompt ids and sample's sampling params, and its images if any."""
-    item = job.item
-    params = job.sampling.for_sample(item.sample_index, item.row_sampling_params)
-    if images is None:
-        return client.generate(item.prompt_ids, params, rid)
-    return client.generate(item.prompt_ids, params, rid, image_data=images)
-
-
-def _done(item: ClaimedItem, result: GenerateResult, checked: Checked, server: str) -> Done:
-    return Done(
-        item.id,
-        result,
-        attempts_used=1,
-        server=server,
-        image_token_counts=checked.image_token_counts,
-    )
 
 
 def _server_gone(client: GenerateClient) -> bool:

@@ -121,7 +121,7 @@ class Admission(WindowGate):
         jobs = [
             Job(
                 item=c,
-                sampling=self.policy.sampling_for_run(c.run_id),
+                policy=self.policy.kind_policy(c.run_id),
                 group=self.policy.group_of(c.run_id, c.item_key),
             )
             for c in claimed

@@ -1,6 +1,7 @@
 """Records the in-flight window shares with its parts: its config and stats, the job of one
 claimed item, what the checks of a result decide, what its gate admitted, and the interfaces
-of the client a slot sends through and of the policy the window asks about its runs."""
+of the client a slot sends through, of a run kind's policy (what a slot sends and records),
+and of the policy the window asks about its runs."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Protocol
 
-from app.core.contracts import GenerateResult, SamplingParams
+from app.core.contracts import GenerateResult
 from app.ledger.claims import ClaimedItem
+from app.ledger.outcomes import Done
 from app.sglang.client import ProbeResult
 
 
@@ -30,6 +32,19 @@ class GenerateClient(Protocol):
     def close(self) -> None: ...
 
 
+class KindPolicy(Protocol):
+    """A run kind's part of the hot path (workers/engine/policies.py registers one per
+    RunKind): the request a slot sends for an item and the outcome its result records."""
+
+    def send(
+        self, client: GenerateClient, item: ClaimedItem, rid: str, images: list[str] | None
+    ) -> GenerateResult: ...
+
+    def outcome(
+        self, item: ClaimedItem, result: GenerateResult, checked: Checked, server: str
+    ) -> Done: ...
+
+
 class RunPolicy(Protocol):
     """What a window asks about the runs it serves and tells about their items: a worker's
     WorkerRuntime answers (it knows the runs' pins, the pause flags and the server); tests
@@ -39,7 +54,9 @@ class RunPolicy(Protocol):
         """A client of the window's server (each slot and the abort thread hold their own)."""
         ...
 
-    def sampling_for_run(self, run_id: int) -> SamplingParams: ...
+    def kind_policy(self, run_id: int) -> KindPolicy:
+        """The policy of the run's kind, bound to the run (what its items send and record)."""
+        ...
 
     def paused(self) -> bool:
         """Whether the server is paused (nothing is sent while it is)."""
@@ -157,7 +174,7 @@ class WindowStats:
 @dataclass
 class Job:
     item: ClaimedItem
-    sampling: SamplingParams
+    policy: KindPolicy  # its run kind's: the request sent, the outcome recorded
     tries: int = 0  # attempts made under this lease
     abandoned: bool = False  # given back while its request was still out
     hedge: bool = False  # a second copy of an item leased to another server

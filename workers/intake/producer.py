@@ -22,6 +22,7 @@ from app.core.constants import EVENT_RUN_CREATED
 from app.core.contracts import SamplingParams
 from app.core.errors import InputError
 from app.core.images import ImagePins
+from app.core.run_kinds import RunKind, TurnsMode
 from app.core.settings import Settings, get_settings
 from app.ledger import event_log, image_tokens, queue, removal, run_queries
 from app.prompts import request_fields, tool_calls
@@ -60,9 +61,9 @@ class EnqueueOptions:
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     # the field (column) holding the prompt, instead of the JSONL field names
     prompt_field: str | None = None
-    # "all": one item per assistant turn, chained (workers/intake/turns.py); "each": one independent
+    # "all": one item per assistant turn, chained (workers/chains/); "each": one independent
     # item per assistant turn on the original history (boundary samples); pinned by the run
-    turns: str = "last"
+    turns: TurnsMode = TurnsMode.LAST
     # `--tool-call-parser`: how "all" reads the target's calls on rows with tool turns (None:
     # SGLang's template detection); pinned by the run as chat_pins["tool_call_parser"]
     tool_call_parser: str | None = None
@@ -96,6 +97,12 @@ class EnqueueOptions:
     # the context length prompts are held to: the servers' own when `tokenmill run` read it
     # from their /server_info (app.sglang.limits), else None: the tokenizer folder's
     context_length: int | None = None
+    # what the run's items are for (its policy: workers/engine/policies.py); pinned by the run
+    kind: RunKind = RunKind.GENERATE
+
+    def __post_init__(self) -> None:
+        # the CLI's string form ("last", "all", "each") reads typed
+        object.__setattr__(self, "turns", TurnsMode(self.turns))
 
 
 def run_spec(
@@ -112,7 +119,7 @@ def run_spec(
         pins = with_server_render(pins, server_render)
     # the fields applied, by name: a run created when fewer were applied is not mixed with them
     pins["request_fields"] = list(request_fields.APPLIED) if options.request_fields else []
-    if options.turns == "all":
+    if options.turns.chains:
         vocab = tokenizer.hf_tokenizer.get_vocab()
         pins["tool_call_parser"] = tool_calls.choose_parser(
             options.tool_call_parser, vocab, tokenizer.template.text
@@ -141,6 +148,7 @@ def run_spec(
         storage_url=storage_url,
         servers=options.servers,
         driver=options.driver,
+        kind=options.kind,
     )
 
 
@@ -154,7 +162,7 @@ def checked_spec(
     for what needs a local template the folder lacks."""
     if (renderer is None) != (options.render_with is None):
         raise ValueError("a renderer is given exactly when options.render_with is set")
-    if options.turns == "all":
+    if options.turns.chains:
         # the next turn's history holds the answer split into reasoning and content
         tokenizer.require_local_template(
             "--turns all (each answer becomes the next turn's history)"
@@ -174,7 +182,7 @@ def open_run(
     with db.begin() as conn:
         run, created = run_queries.get_or_create_run(conn, spec)
         # later enqueues build prompts with the rules the run pinned (or are refused)
-        check_version(run.normalization_version, run=run.name)
+        check_version(run.generation.normalization_version, run=run.name)
         if not created:
             check_run_pins(image_tokens.run_image_pins(conn, run.id), image_pins, run.name)
         report.run_created = created
@@ -232,8 +240,8 @@ def plan_stage(
         options.turns,
         existing_keys=None if reporter.report.run_created else existing_keys,
         reporter=reporter,
-        efforts=run.reasoning_efforts,
-        tool_call_parser=run.tool_call_parser,
+        efforts=run.generation.reasoning_efforts,
+        tool_call_parser=run.generation.tool_call_parser,
         samples_per_prompt=options.samples_per_prompt,
         images=image_resolver(options, settings, run),
     )
@@ -286,14 +294,14 @@ def enqueue(
             run.id,
             publish,
             reporter,
-            group_size=options.batch_size if run.turns == "each" else None,
+            group_size=options.batch_size if run.generation.turns.boundary_samples else None,
         )
     )
     templater = Templater(tokenizer, options.template_processes)
     store = Store(
         db,
         run.id,
-        link_chains=options.turns == "all",
+        link_chains=run.generation.turns.chains,
         publisher=publisher,
         reporter=reporter,
         image_pins=tokenizer.image_pins,
@@ -312,7 +320,7 @@ def enqueue(
             reporter=reporter,
             image_pins=tokenizer.image_pins,
             no_pins=tokenizer.no_image_pins,
-            chat_pins=run.chat_pins if run.turns == "all" else None,
+            chat_pins=run.generation.chat_pins if run.generation.turns.chains else None,
         ),
         store,
         reporter,

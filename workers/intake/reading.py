@@ -10,6 +10,7 @@ from pathlib import Path
 
 from app.core.contracts import PromptRecord
 from app.core.errors import InputError
+from app.core.run_kinds import TurnsMode
 from app.prompts.chat_path import ContentFormat
 from app.prompts.conversation import TurnPlan
 from app.prompts.input_formats import open_table
@@ -54,7 +55,7 @@ class Reader:
         prompt_field: str | None,
         content_format: ContentFormat,
         pass_turn_fields: bool,
-        turns: str,
+        turns: TurnsMode,
         row_check: Callable[[PromptRecord], InputError | None] = lambda record: None,
         reorders_tool_results: bool = True,
         request_fields: bool = True,
@@ -105,7 +106,7 @@ class Planner:
 
     def __init__(
         self,
-        mode: str,
+        mode: TurnsMode,
         *,
         existing_keys: Callable[[Iterable[str]], set[str]] | None,
         reporter: Reporter,
@@ -114,7 +115,7 @@ class Planner:
         images: ImageResolver | None = None,
         tool_call_parser: str | None = None,
     ) -> None:
-        self._mode = mode
+        self._mode = TurnsMode(mode)
         # `--turns all`: the run's parser for rows with tool turns (None: they are refused)
         self._tool_call_parser = tool_call_parser
         self._images = images
@@ -147,9 +148,9 @@ class Planner:
         fresh = cycles.expand_efforts(fresh, self._efforts, self._samples_per_prompt)
         planned = PlannedChunk(fresh, chunk.lines)
         fail = self._reporter.fail
-        if self._mode == "all":  # template turn 0 now; later turns wait for it
+        if self._mode.chains:  # template turn 0 now; later turns wait for it
             planned.records = turns.first_turns(fresh, planned.plans, fail, self._tool_call_parser)
-        elif self._mode == "each":  # every boundary now, each on its original history
+        elif self._mode.boundary_samples:  # every boundary now, each on its original history
             planned.records, planned.turn_of = turns.boundary_records(fresh, fail)
         return planned
 

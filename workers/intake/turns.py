@@ -14,6 +14,7 @@ from sqlalchemy import Connection
 from app.core.constants import TOOL_CALL_PARSERS
 from app.core.contracts import PromptRecord
 from app.core.errors import InputError
+from app.core.run_kinds import TurnsMode
 from app.ledger import turns
 from app.ledger.queue import NewItem
 from app.prompts import tool_calls
@@ -122,7 +123,7 @@ def chain_items(
     for plan in later:
         history += plan.context
         later_images.append(refs_json(images_of(history, record)))
-    agentic = tool_calls.chain_parser(chat_pins, "all", record.tools, history) is not None
+    agentic = tool_calls.chain_parser(chat_pins, TurnsMode.ALL, record.tools, history) is not None
     first = NewItem(
         record.key,
         0,

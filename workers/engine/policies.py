@@ -1,0 +1,67 @@
+"""Each run kind's part of the hot path, in one registry keyed by `RunKind`: the request a
+slot sends for an item and the outcome its result records. The window asks the registry once
+per claimed item (`policy_for(run)`, through its RunPolicy's `kind_policy`) and the slot only
+calls the policy, so a new kind is a new policy class and one entry in `POLICIES`.
+
+Generation (`RunKind.GENERATE`) is the first: `POST /generate` with the item's prompt ids and
+its sample's sampling params (and its images), recorded as `Done` with the server's result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from app.core.contracts import GenerateResult, SamplingParams
+from app.core.errors import ConfigurationError
+from app.core.run_kinds import RunKind
+from app.ledger.claims import ClaimedItem
+from app.ledger.outcomes import Done
+from app.ledger.run_queries import RunInfo
+from workers.engine.window_types import Checked, GenerateClient, KindPolicy
+
+
+@dataclass(frozen=True)
+class GenerationPolicy:
+    """`RunKind.GENERATE`: sample the target's answer to the item's prompt."""
+
+    sampling: SamplingParams
+
+    def send(
+        self, client: GenerateClient, item: ClaimedItem, rid: str, images: list[str] | None
+    ) -> GenerateResult:
+        """The item's prompt ids and its sample's sampling params, and its images if any."""
+        params = self.sampling.for_sample(item.sample_index, item.row_sampling_params)
+        if images is None:
+            return client.generate(item.prompt_ids, params, rid)
+        return client.generate(item.prompt_ids, params, rid, image_data=images)
+
+    def outcome(
+        self, item: ClaimedItem, result: GenerateResult, checked: Checked, server: str
+    ) -> Done:
+        """The result as written: the answer, the server that made it, an image item's counts."""
+        return Done(
+            item.id,
+            result,
+            attempts_used=1,
+            server=server,
+            image_token_counts=checked.image_token_counts,
+        )
+
+
+def _generation(run: RunInfo) -> KindPolicy:
+    return GenerationPolicy(run.generation.sampling)
+
+
+# one entry per RunKind: how the policy of a run of that kind is made from the run
+POLICIES: Mapping[RunKind, Callable[[RunInfo], KindPolicy]] = {
+    RunKind.GENERATE: _generation,
+}
+
+
+def policy_for(run: RunInfo) -> KindPolicy:
+    """The policy of run's kind, bound to the run's settings."""
+    make = POLICIES.get(run.kind)
+    if make is None:
+        raise ConfigurationError(f"run {run.name}: no policy serves runs of kind {run.kind!r}")
+    return make(run)
