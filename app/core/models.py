@@ -100,7 +100,7 @@ runs = Table(
     _id(),
     _unique_name(),
     # what the run's items are for (app.core.run_kinds.RunKind); every run before 0021 generates
-    Column("kind", String(20), nullable=False, default="generate", server_default="generate"),
+    Column("kind", String(20), nullable=False, server_default="generate"),
     Column("tokenizer_path", Text, nullable=False),
     Column("tokenizer_hash", String(64), nullable=False),
     # sha256 of each file of the tokenizer folder but weights (None: a run older than 0005b)

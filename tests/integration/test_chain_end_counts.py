@@ -130,6 +130,19 @@ def test_the_catch_up_reads_the_marked_unended_last_turns_alone(db: Engine) -> N
         assert turns.unended_last_turns(conn, prev_ids=ids[:4]) == []
 
 
+def old_run(conn: Connection, name: str) -> int:
+    """A run as a ledger at 0019 holds it (the columns of the time), by its id."""
+    conn.execute(
+        text(
+            "INSERT INTO runs (name, tokenizer_path, tokenizer_hash, chat_template_hash, "
+            "chat_template_kwargs, sampling_params, samples_per_prompt, eos_token_ids, "
+            "created_at) VALUES (:n, '/t', 'a', 'b', '{}', '{}', 1, '[]', CURRENT_TIMESTAMP)"
+        ),
+        {"n": name},
+    )
+    return int(conn.execute(text("SELECT id FROM runs WHERE name = :n"), {"n": name}).scalar_one())
+
+
 @pytest.fixture(params=["sqlite", "postgresql"])
 def at_0019(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Engine]:
     """A ledger at the revision before the chain ending counters."""
@@ -160,7 +173,7 @@ def test_the_migration_counts_endings_and_marks_unended_last_turns(at_0019: Engi
     engine = at_0019
     postgres = engine.dialect.name == "postgresql"
     with engine.begin() as conn:
-        agent, plain = make_run(conn, "agent"), make_run(conn, "plain")
+        agent, plain = old_run(conn, "agent"), old_run(conn, "plain")
         pins = '{"tool_call_parser": "kimi_k2"}'
         turns_all = (
             'CAST(CAST(sampling_params AS jsonb) || \'{"turns": "all"}\' AS json)'
@@ -169,13 +182,13 @@ def test_the_migration_counts_endings_and_marks_unended_last_turns(at_0019: Engi
         )
         conn.execute(
             text(f"UPDATE runs SET sampling_params = {turns_all}, chat_pins = :p WHERE id = :r"),
-            {"p": pins, "r": agent.id},
+            {"p": pins, "r": agent},
         )
         for key in ("chain", "ended", "single", "archived"):
-            add_item(conn, agent.id, key)
-        add_item(conn, plain.id, "plain")
+            add_item(conn, agent, key)
+        add_item(conn, plain, "plain")
         # "chain" has a second turn that builds on its first
-        first = _item_id(conn, agent.id, "chain")
+        first = _item_id(conn, agent, "chain")
         conn.execute(
             text(
                 "INSERT INTO items (run_id, item_key, sample_index, turn_index, prev_item_id, "
@@ -188,10 +201,10 @@ def test_the_migration_counts_endings_and_marks_unended_last_turns(at_0019: Engi
         for key in ("ended", "archived"):
             conn.execute(
                 text("UPDATE items SET chain_end = :e WHERE id = :i"),
-                {"e": COMPLETE, "i": _item_id(conn, agent.id, key)},
+                {"e": COMPLETE, "i": _item_id(conn, agent, key)},
             )
         # an archived ending (as 0019 archives: the same columns, then gone from items)
-        moved = _item_id(conn, agent.id, "archived")
+        moved = _item_id(conn, agent, "archived")
         columns = "id, run_id, item_key, sample_index, turn_index, prompt_ids, prompt_tokens, "
         columns += "status, attempts, created_at, chain_end"
         conn.execute(
@@ -203,8 +216,8 @@ def test_the_migration_counts_endings_and_marks_unended_last_turns(at_0019: Engi
         conn.execute(text("DELETE FROM items WHERE id = :i"), {"i": moved})
     upgrade(engine)
     with engine.begin() as conn:
-        assert counted(conn, agent.id) == {COMPLETE: 2}
-        assert endings(conn, agent.id) == {COMPLETE: 2}
+        assert counted(conn, agent) == {COMPLETE: 2}
+        assert endings(conn, agent) == {COMPLETE: 2}
         marks = dict(
             conn.execute(
                 text("SELECT item_key || '/' || turn_index, ends_chain FROM items ORDER BY id")
@@ -212,15 +225,15 @@ def test_the_migration_counts_endings_and_marks_unended_last_turns(at_0019: Engi
         )
         assert {k for k, v in marks.items() if v} == {"chain/1", "single/0"}
         # the single turn is done and waits for its ending; the chain's last is not done yet
-        single = _item_id(conn, agent.id, "single")
-        assert turns.unended_last_turns(conn, run_id=agent.id) == [(single, agent.id)]
+        single = _item_id(conn, agent, "single")
+        assert turns.unended_last_turns(conn, run_id=agent) == [(single, agent)]
         # the triggers count what is recorded from now on
         assert turns.record_chain_end(conn, single, NO_CALL)
-        assert endings(conn, agent.id) == counted(conn, agent.id) == {COMPLETE: 2, NO_CALL: 1}
-        assert endings(conn, plain.id) == {}
+        assert endings(conn, agent) == counted(conn, agent) == {COMPLETE: 2, NO_CALL: 1}
+        assert endings(conn, plain) == {}
     config = alembic_config(engine.url.render_as_string(hide_password=False))
     with engine.begin() as conn:
         config.attributes["connection"] = conn
         command.downgrade(config, "0019")
     with engine.begin() as conn:
-        add_item(conn, plain.id, "after")
+        add_item(conn, plain, "after")

@@ -37,9 +37,9 @@ def test_the_pinned_flag_moves_to_its_column_and_back(sqlite_engine: Engine) -> 
         trusted, plain = run_queries.get_run(conn, "trusted"), run_queries.get_run(conn, "plain")
         stored = conn.execute(text("SELECT sampling_params FROM runs WHERE name = 'trusted'"))
         assert "trust_remote_code" not in stored.scalar_one()
-    assert (trusted.trust_remote_code, trusted.turns) == (True, "all")
-    assert trusted.tokenizer_files is None
-    assert plain.trust_remote_code is False
+    assert (trusted.generation.trust_remote_code, trusted.generation.turns) == (True, "all")
+    assert trusted.generation.tokenizer_files is None
+    assert plain.generation.trust_remote_code is False
     with sqlite_engine.begin() as conn:
         config.attributes["connection"] = conn
         command.downgrade(config, "0004")

@@ -242,7 +242,8 @@ def _fill(url: str, engine: Engine) -> Ledger:
             {"r": ending.id, "pins": '{"tool_call_parser": "kimi_k2"}'},
         )
         ending = run_queries.get_run_by_id(conn, ending.id)
-        assert ending.turns == "all" and ending.tool_call_parser == "kimi_k2"
+        assert ending.generation.turns == "all"
+        assert ending.generation.tool_call_parser == "kimi_k2"
         for server in ("gpu-a", "gpu-b", "gpu-c"):
             registry.upsert_server(conn, server, f"http://127.0.0.1:1/{server}")
         registry.set_workers(conn, "gpu-a", [OWNER])

@@ -118,7 +118,7 @@ def test_render_with_stores_the_servers_rendering(
             # the same tokenizer folder on both sides: the client's own templating agrees
             assert item.prompt_ids == tokenizer.apply(item.messages or [])
     with db.connect() as conn:
-        assert run_queries.get_run(conn, "rw").render_with == same.base_url
+        assert run_queries.get_run(conn, "rw").generation.render_with == same.base_url
     # pinned: enqueueing into the run with local templating is refused
     with pytest.raises(RunMismatch, match="render with"):
         producer.enqueue(db, tokenizer, options(path, "rw", None), publish=None)
