@@ -60,7 +60,7 @@ def servers_group(ctx: click.Context, as_json: bool) -> None:
     """
     if ctx.invoked_subcommand is not None:
         return
-    from app.ledger import counters, registry
+    from app.ledger import counters, registry, status_reads
 
     db = open_db()
     with db.connect() as conn:
@@ -87,7 +87,7 @@ def servers_group(ctx: click.Context, as_json: bool) -> None:
             _window_cell(sized.get(s.name)),
             _last_probe(s),
             _rendering(s),
-            current_error(s),
+            status_reads.current_error(s),
         ]
         for s, leased in rows
     ]
@@ -160,14 +160,6 @@ def _last_probe(server: registry.ServerInfo) -> str:
     if server.last_probe_at is None:
         return "—"
     return f"{_ago(server.last_probe_at)} {'ok' if server.last_probe_ok else 'failed'}"
-
-
-def current_error(server: registry.ServerInfo) -> str:
-    """The server's last error while it is current (its last probe failed); a healthy
-    server's old "Connection refused" is history, in `tokenmill events`."""
-    if server.last_probe_ok is not False or not server.last_error:
-        return ""
-    return server.last_error.splitlines()[0]
 
 
 def _urls(server: registry.ServerInfo) -> str:

@@ -12,9 +12,7 @@ from ops.options import err_console, get_settings, handle_errors, ledger_name, o
 from ops.views.text_table import Column, left_out_note, render
 
 if TYPE_CHECKING:
-    from sqlalchemy import Connection
-
-    from app.ledger import reads, registry, run_queries
+    from app.ledger import reads, run_queries, status_reads
 
 
 @click.command("status")
@@ -35,7 +33,7 @@ def status_cmd(run_name: str | None, as_json: bool, watch: bool, interval_s: flo
     Names and numbers are never cut: in a narrow terminal the columns queued, leased, pend,
     wait, trunc and out tokens are left out, in that order (--json has every count).
     """
-    from app.ledger import reads, registry, retries, run_queries
+    from app.ledger import status_reads
 
     db = open_db()
     if watch:
@@ -46,40 +44,36 @@ def status_cmd(run_name: str | None, as_json: bool, watch: bool, interval_s: flo
         watch_dashboard(db, run_name=run_name, interval_s=interval_s, console=err_console())
         return
     with db.connect() as conn:
-        runs = [run_queries.get_run(conn, run_name)] if run_name else run_queries.list_runs(conn)
-        counts = [reads.run_counts(conn, r) for r in runs]
-        servers = registry.list_servers(conn)
-        differing = _differing_servers(servers)
-        stopped = registry.stopped_enqueues(conn, [r.id for r in runs])
-        unserved = _unserved_images(conn, servers, runs, counts)
-        # read for the runs that have failed items only (their counters say so)
-        failed = {
-            r.name: retries.failed_by_reason(conn, r.id)
-            for r, c in zip(runs, counts, strict=True)
-            if c.failed
-        }
-        endings = {
-            r.name: reads.chain_endings(conn, r.id) for r in runs if r.generation.turns.chains
-        }
-    stopped_names = {r.name for r in runs if r.id in stopped}
-    if not runs and not as_json:
+        status = status_reads.read_status(conn, run_name)
+    if as_json:
+        found = _status_json(status)
+        print_json(found[0] if run_name else found)
+    elif not status.runs:
         # an empty table would not say where it looked (a forgotten TOKENMILL_DATABASE_URL)
         click.echo(f"no runs in the ledger {ledger_name(get_settings())}", err=True)
-        return
-    if as_json:
-        found = [
-            c.to_json()
-            | {
-                "rendering_differs": differing.get(c.run, []),
-                "enqueue_stopped": c.run in stopped_names,
-                "served_by": _served_by(r),
-                "failed_by_reason": dict(failed.get(c.run, [])),
-                "chain_endings": endings.get(c.run, {}),
-            }
-            for c, r in zip(counts, runs, strict=True)
-        ]
-        print_json(found[0] if run_name else found)
-        return
+    else:
+        _print_table(status.counts)
+        _print_notes(status)
+        _print_warnings(status)
+
+
+def _status_json(status: status_reads.RunsStatus) -> list[dict[str, Any]]:
+    """Each run's counts and what the table says beside them, for --json."""
+    return [
+        c.to_json()
+        | {
+            "rendering_differs": status.differing.get(c.run, []),
+            "enqueue_stopped": c.run in status.stopped,
+            "served_by": _served_by(r),
+            "failed_by_reason": dict(status.failed.get(c.run, [])),
+            "chain_endings": status.endings.get(c.run, {}),
+        }
+        for c, r in zip(status.counts, status.runs, strict=True)
+    ]
+
+
+def _print_table(counts: list[reads.RunCounts]) -> None:
+    """The counts per run, fitted to the terminal (a note on stderr names what was left out)."""
     # the waiting column (later turns of `--turns all` runs) only when some run has any
     fields = [
         (column, attr)
@@ -92,26 +86,20 @@ def status_cmd(run_name: str | None, as_json: bool, watch: bool, interval_s: flo
     note = left_out_note(dropped)
     if note:
         click.echo(note, err=True)
-    for r in runs:  # the binding of runs not open to the whole fleet
+
+
+def _print_notes(status: status_reads.RunsStatus) -> None:
+    """Below the table: the binding of runs not open to the whole fleet, failures by reason
+    and how agentic chains ended."""
+    for r in status.runs:
         if not r.fleet_run or r.servers is not None:
             click.echo(f"run {r.name}: served by {r.binding()}")
-    for name, reasons in failed.items():
+    for name, reasons in status.failed.items():
         click.echo("\n".join(failure_lines(name, reasons)))
-    for name, ended in endings.items():
+    for name, ended in status.endings.items():
         if ended:
             shown = ", ".join(f"{n} {reason}" for reason, n in ended.items())
             click.echo(f"run {name}: agentic chains ended: {shown}")
-    if stopped_names or any(differing.get(c.run) for c in counts):
-        _print_warnings(counts, stopped_names, differing)
-    for name in unserved:
-        from rich.markup import escape
-
-        err_console().print(
-            f"[yellow]run {escape(name)}: its image items wait[/yellow]: no registered server "
-            "understands images (their /model_info has_image_understanding is not true)",
-            markup=True,
-            soft_wrap=True,
-        )
 
 
 def _served_by(run: run_queries.RunInfo) -> dict[str, Any]:
@@ -133,39 +121,21 @@ def failure_lines(run: str, reasons: list[tuple[str, int]], *, shown: int = 10) 
     return lines
 
 
-def _unserved_images(
-    conn: Connection,
-    servers: list[registry.ServerInfo],
-    runs: list[run_queries.RunInfo],
-    counts: list[reads.RunCounts],
-) -> list[str]:
-    """The runs with image items to claim while every registered server whose fingerprint is
-    known understands no images (such servers never take them); none when one does."""
-    from app.ledger.claims import image_items_left
-
-    known = [s.fingerprint for s in servers if s.fingerprint]
-    if not known or any("images" in fingerprint for fingerprint in known):
-        return []
-    waiting = {c.run for c in counts if c.pending or c.queued}
-    return [r.name for r in runs if r.name in waiting and image_items_left(conn, r.id)]
-
-
-def _print_warnings(
-    counts: list[reads.RunCounts], stopped_names: set[str], differing: dict[str, list[str]]
-) -> None:
-    """Runs whose last enqueue stopped early and servers that render a run differently."""
+def _print_warnings(status: status_reads.RunsStatus) -> None:
+    """On stderr: runs whose last enqueue stopped early, servers that render a run differently
+    and runs whose image items no registered server takes."""
     from rich.markup import escape
 
     console = err_console()
-    for c in counts:
-        if c.run in stopped_names:
+    for c in status.counts:
+        if c.run in status.stopped:
             console.print(
                 f"[red]run {escape(c.run)}: its last enqueue stopped before the end of the input"
                 "[/red] (see `tokenmill events`); run the same enqueue again to complete it",
                 markup=True,
                 soft_wrap=True,
             )
-        for server in differing.get(c.run, []):
+        for server in status.differing.get(c.run, []):
             console.print(
                 f"[yellow]run {escape(c.run)}: server {escape(server)} renders its prompts "
                 f"differently[/yellow] (tokenmill parity {escape(c.run)} --server "
@@ -173,15 +143,13 @@ def _print_warnings(
                 markup=True,
                 soft_wrap=True,
             )
-
-
-def _differing_servers(servers: list[registry.ServerInfo]) -> dict[str, list[str]]:
-    """Run name → the servers whose last parity check of it found a difference."""
-    out: dict[str, list[str]] = {}
-    for server in servers:
-        for run in server.differing_runs():
-            out.setdefault(run, []).append(server.name)
-    return out
+    for name in status.unserved:
+        console.print(
+            f"[yellow]run {escape(name)}: its image items wait[/yellow]: no registered server "
+            "understands images (their /model_info has_image_understanding is not true)",
+            markup=True,
+            soft_wrap=True,
+        )
 
 
 # Names and numbers are never cut. A table wider than the terminal folds "out tokens", then

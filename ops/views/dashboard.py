@@ -21,7 +21,7 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from app.ledger.dashboard_queries import Dashboard, RunProgress, ServerRow, gather_dashboard
-from ops.fleet_cmd import current_error
+from app.ledger.status_reads import current_error
 from ops.views.text_table import Column, fit
 
 log = logging.getLogger(__name__)

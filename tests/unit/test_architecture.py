@@ -1,8 +1,8 @@
 """The layout rules of the house style, checked on the source: imports flow bench → ops → workers
 → app, the emulator (a second program) sits beside workers and only ops and bench import it, no
-import cycles (bench included), no module holding a third of the code, a docstring on each, no
-private name read across modules, no function over 100 lines, an `action` on every log line at
-INFO and above."""
+import cycles (bench included), no view (ops/views/) importing a command, no module holding a
+third of the code, a docstring on each, no private name read across modules, no function over
+100 lines, an `action` on every log line at INFO and above."""
 
 from __future__ import annotations
 
@@ -137,6 +137,24 @@ def test_the_workers_layering_check_sees_the_parts_meet() -> None:
     assert part_of("workers.engine.probes", WORKER_PARTS) == "workers.engine"
     assert part_of("workers.tasks", WORKER_PARTS) == "workers.tasks"
     assert "workers.control.health" in graph()["workers.engine.probes"]
+
+
+def is_command(module: str) -> bool:
+    return module.startswith("ops.") and module.count(".") == 1 and module.endswith("_cmd")
+
+
+def test_views_never_import_a_command() -> None:
+    """ops/views/ draws what commands read; what a view and a command share lives below both
+    (a read model in app/ledger), never in a command a view imports."""
+    wrong = [
+        f"{mod} imports {dep}"
+        for mod, deps in graph().items()
+        if mod.startswith("ops.views.")
+        for dep in deps
+        if is_command(dep)
+    ]
+    assert wrong == []
+    assert is_command("ops.fleet_cmd") and not is_command("ops.views.dashboard")
 
 
 def test_the_product_and_the_emulator_meet_only_in_app() -> None:

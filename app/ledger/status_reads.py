@@ -1,0 +1,86 @@
+"""The read models of `tokenmill status` and `tokenmill servers`: each run's counts with what
+the status table says beside them (servers rendering it differently, an enqueue that stopped
+early, image items no server takes, failures by reason, agentic chain endings), and a server's
+current error."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sqlalchemy import Connection
+
+from app.ledger import claims, reads, registry, retries, run_queries
+
+
+@dataclass(frozen=True)
+class RunsStatus:
+    """What `tokenmill status` shows of some runs, read in one transaction."""
+
+    runs: list[run_queries.RunInfo]
+    counts: list[reads.RunCounts]
+    # run name → the servers whose last parity check of it found a difference
+    differing: dict[str, list[str]]
+    # names of the runs whose last enqueue stopped before the end of its input
+    stopped: set[str]
+    # names of the runs whose image items wait for a server that understands images
+    unserved: list[str]
+    # run name → (reason, count), the most common first; only runs with failed items
+    failed: dict[str, list[tuple[str, int]]]
+    # run name → (ending → count) of its agentic chains; only `--turns all` runs
+    endings: dict[str, dict[str, int]]
+
+
+def read_status(conn: Connection, run_name: str | None) -> RunsStatus:
+    """The status of one run (`run_name`) or of every run."""
+    runs = [run_queries.get_run(conn, run_name)] if run_name else run_queries.list_runs(conn)
+    counts = [reads.run_counts(conn, r) for r in runs]
+    servers = registry.list_servers(conn)
+    stopped = registry.stopped_enqueues(conn, [r.id for r in runs])
+    return RunsStatus(
+        runs=runs,
+        counts=counts,
+        differing=differing_servers(servers),
+        stopped={r.name for r in runs if r.id in stopped},
+        unserved=unserved_images(conn, servers, runs, counts),
+        # read for the runs that have failed items only (their counters say so)
+        failed={
+            r.name: retries.failed_by_reason(conn, r.id)
+            for r, c in zip(runs, counts, strict=True)
+            if c.failed
+        },
+        endings={
+            r.name: reads.chain_endings(conn, r.id) for r in runs if r.generation.turns.chains
+        },
+    )
+
+
+def differing_servers(servers: list[registry.ServerInfo]) -> dict[str, list[str]]:
+    """Run name → the servers whose last parity check of it found a difference."""
+    out: dict[str, list[str]] = {}
+    for server in servers:
+        for run in server.differing_runs():
+            out.setdefault(run, []).append(server.name)
+    return out
+
+
+def unserved_images(
+    conn: Connection,
+    servers: list[registry.ServerInfo],
+    runs: list[run_queries.RunInfo],
+    counts: list[reads.RunCounts],
+) -> list[str]:
+    """The runs with image items to claim while every registered server whose fingerprint is
+    known understands no images (such servers never take them); none when one does."""
+    known = [s.fingerprint for s in servers if s.fingerprint]
+    if not known or any("images" in fingerprint for fingerprint in known):
+        return []
+    waiting = {c.run for c in counts if c.pending or c.queued}
+    return [r.name for r in runs if r.name in waiting and claims.image_items_left(conn, r.id)]
+
+
+def current_error(server: registry.ServerInfo) -> str:
+    """The server's last error while it is current (its last probe failed); a healthy
+    server's old "Connection refused" is history, in `tokenmill events`."""
+    if server.last_probe_ok is not False or not server.last_error:
+        return ""
+    return server.last_error.splitlines()[0]
