@@ -5,6 +5,7 @@ Thin: parse options, call workers/app functions, show progress and counts.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -43,7 +44,7 @@ if TYPE_CHECKING:
     from app.ledger.run_queries import RunInfo
     from app.outputs.export import ExportFormat
     from app.prompts.tokenization import ChatTokenizer
-    from workers.intake.producer import EnqueueReport
+    from workers.intake.producer import EnqueueOptions, EnqueueReport
 
 MAX_ERRORS_SHOWN = 50
 
@@ -75,24 +76,11 @@ def enqueue_input(
     from app.prompts.inputs import check_input
 
     check_input(input_path)  # at once, before the heavy imports and the tokenizer
-    from rich.markup import escape
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
     from app.prompts.inputs import parse_chat_template_kwargs
-    from app.prompts.tokenization import load_tokenizer
-    from app.sglang.limits import choose_context
-    from app.sglang.render import render_client
-    from workers.intake.producer import EnqueueOptions, enqueue
+    from workers.intake.producer import EnqueueOptions
 
-    console = err_console()
     settings = get_settings()
-    if publish:
-        check_broker(settings)  # a typo of the scheme, before anything is inserted
-        announce_embedded(settings, broker=True)
-    if driver is None:  # before anything is read or written: the fleet must reach the storage
-        from app.storage import run_store
-
-        run_store.check_fleet_storage(settings, run_store.pinned_url(settings))
+    _check_destinations(settings, publish=publish, fleet=driver is None)
     db = open_db(settings)
     kwargs = parse_chat_template_kwargs(opts["chat_template_kwargs"])
     existing = _existing_run(db, run)
@@ -103,24 +91,11 @@ def enqueue_input(
     trusted = opts["trust_remote_code"] or (
         existing is not None and existing.generation.trust_remote_code
     )
-    template, pass_turn_fields = _template_choice(opts, existing)
-    try:
-        tokenizer = load_tokenizer(
-            tokenizer_path,
-            trust_remote_code=trusted,
-            template=template,
-            pass_turn_fields=pass_turn_fields,
-            # the server renders: a folder without a chat template (DeepSeek-V3.2) is no error
-            server_renders=opts.get("render_with") is not None,
-        )
-    except TokenizerError as exc:
-        raise TokenizerError(f"--tokenizer: {exc}") from exc
+    tokenizer = _run_tokenizer(tokenizer_path, opts, existing, trusted=trusted)
     contexts = opts.get("server_contexts")
     if contexts is None and driver is None:  # the fleet's: its registered servers' own
         contexts = _fleet_contexts(db, settings, servers)
-    context = choose_context(contexts or {}, tokenizer.context_length)
-    if context.notice:
-        console.print(f"[yellow]{escape(context.notice)}[/yellow]", markup=True, soft_wrap=True)
+    context_length = _context_length(contexts or {}, tokenizer.context_length)
     options = EnqueueOptions(
         input_path=input_path,
         run=run,
@@ -140,35 +115,115 @@ def enqueue_input(
         image_root=opts.get("image_root"),
         servers=servers,
         driver=driver,
-        context_length=context.context_length,
+        context_length=context_length,
         request_fields=not opts.get("no_request_fields"),
     )
-    publisher = None
+    publisher = _publisher(options, settings) if publish else None
+    report = _enqueue_with_progress(db, tokenizer, options, publisher, settings)
+    _print_enqueue_report(report, db, options, settings, published=publish)
+    return report
+
+
+def _check_destinations(settings: Settings, *, publish: bool, fleet: bool) -> None:
+    """Before anything is read or written: a broker URL with a known scheme (when publishing)
+    and, for a fleet's run, storage the fleet reaches."""
     if publish:
-        from workers.intake.publish import publish_items
+        check_broker(settings)  # a typo of the scheme, before anything is inserted
+        announce_embedded(settings, broker=True)
+    if fleet:
+        from app.storage import run_store
 
-        # `--turns each`: the producer hands over one message's ids at a time (a conversation's
-        # items stay in one message, even past batch_size)
-        whole = options.turns.boundary_samples
+        run_store.check_fleet_storage(settings, run_store.pinned_url(settings))
 
-        def publisher(ids: list[int]) -> None:
-            size = max(settings.batch_size, len(ids)) if whole else settings.batch_size
-            publish_items(ids, batch_size=size, run=run)
 
-    shown = 0
+def _run_tokenizer(
+    tokenizer_path: str, opts: dict[str, Any], existing: RunInfo | None, *, trusted: bool
+) -> ChatTokenizer:
+    """The tokenizer of --tokenizer with the run's template choice (an existing run's pinned
+    one unless the options name another)."""
+    from app.prompts.tokenization import load_tokenizer
 
-    def on_error(error: InputError) -> None:
-        nonlocal shown
-        shown += 1
-        if shown <= MAX_ERRORS_SHOWN:
+    template, pass_turn_fields = _template_choice(opts, existing)
+    try:
+        return load_tokenizer(
+            tokenizer_path,
+            trust_remote_code=trusted,
+            template=template,
+            pass_turn_fields=pass_turn_fields,
+            # the server renders: a folder without a chat template (DeepSeek-V3.2) is no error
+            server_renders=opts.get("render_with") is not None,
+        )
+    except TokenizerError as exc:
+        raise TokenizerError(f"--tokenizer: {exc}") from exc
+
+
+def _context_length(contexts: dict[str, int | None], tokenizer_context: int | None) -> int | None:
+    """The context length prompts are held to (the servers' own, else the model folder's),
+    saying so when they differ."""
+    from rich.markup import escape
+
+    from app.sglang.limits import choose_context
+
+    context = choose_context(contexts, tokenizer_context)
+    if context.notice:
+        err_console().print(
+            f"[yellow]{escape(context.notice)}[/yellow]", markup=True, soft_wrap=True
+        )
+    return context.context_length
+
+
+def _publisher(options: EnqueueOptions, settings: Settings) -> Callable[[list[int]], None]:
+    """What hands the producer's new ids to the broker, a message per batch."""
+    from workers.intake.publish import publish_items
+
+    # `--turns each`: the producer hands over one message's ids at a time (a conversation's
+    # items stay in one message, even past batch_size)
+    whole = options.turns.boundary_samples
+
+    def publisher(ids: list[int]) -> None:
+        size = max(settings.batch_size, len(ids)) if whole else settings.batch_size
+        publish_items(ids, batch_size=size, run=options.run)
+
+    return publisher
+
+
+class _SkippedLines:
+    """Prints each skipped line as the producer reports it, the first MAX_ERRORS_SHOWN only."""
+
+    def __init__(self, input_path: Path) -> None:
+        self.input_path = input_path
+        self.shown = 0
+
+    def __call__(self, error: InputError) -> None:
+        from rich.markup import escape
+
+        console = err_console()
+        self.shown += 1
+        if self.shown <= MAX_ERRORS_SHOWN:
             console.print(
-                f"[yellow]skipped[/yellow] {escape(str(input_path))} {escape(str(error))}",
+                f"[yellow]skipped[/yellow] {escape(str(self.input_path))} {escape(str(error))}",
                 markup=True,
                 soft_wrap=True,
             )
-        elif shown == MAX_ERRORS_SHOWN + 1:
+        elif self.shown == MAX_ERRORS_SHOWN + 1:
             console.print("[yellow]… more skipped lines; see the counts below[/yellow]")
 
+
+def _enqueue_with_progress(
+    db: Any,
+    tokenizer: ChatTokenizer,
+    options: EnqueueOptions,
+    publisher: Callable[[list[int]], None] | None,
+    settings: Settings,
+) -> EnqueueReport:
+    """The producer's enqueue under a progress bar (on a terminal only)."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from app.sglang.render import render_client
+    from workers.intake.producer import enqueue
+
+    console = err_console()
+    input_path = options.input_path
     total_bytes = input_path.stat().st_size if input_path.is_file() else 0
     with Progress(
         TextColumn("enqueue"),
@@ -182,20 +237,30 @@ def enqueue_input(
         task = progress.add_task("enqueue", total=total_bytes or None, lines=0)
         renderer = render_client(options.render_with, settings) if options.render_with else None
         try:
-            report = enqueue(
+            return enqueue(
                 db,
                 tokenizer,
                 options,
                 publish=publisher,
                 renderer=renderer,
-                on_error=on_error,
+                on_error=_SkippedLines(input_path),
                 on_progress=lambda n: progress.update(task, lines=n),
             )
         except Exception as exc:
-            raise unpublished_error(exc, db, run, settings) from exc
+            raise unpublished_error(exc, db, options.run, settings) from exc
         finally:
             if renderer is not None:
                 renderer.close()
+
+
+def _print_enqueue_report(
+    report: EnqueueReport, db: Any, options: EnqueueOptions, settings: Settings, *, published: bool
+) -> None:
+    """What the enqueue did: counts, images, where the items went, which fields did what."""
+    from rich.markup import escape
+
+    console = err_console()
+    run = options.run
     console.print(
         f"run [bold]{escape(run)}[/bold]: {report.prompts} prompts read, {report.inserted} "
         f"items inserted, {report.published} published, {report.already_present} prompts "
@@ -219,7 +284,7 @@ def enqueue_input(
             soft_wrap=True,
         )
     where = f"ledger {ledger_name(settings)}"
-    if publish:
+    if published:
         where += f", broker {broker_name(settings)}"
     console.print(f"into {escape(where)}", markup=True, soft_wrap=True)
     for title, fields in (
@@ -234,7 +299,6 @@ def enqueue_input(
         if fields:
             counts = ", ".join(f"{escape(name)} ({n} rows)" for name, n in fields.items())
             console.print(f"fields {title}: {counts}", markup=True, soft_wrap=True)
-    return report
 
 
 def unpublished_error(exc: Exception, db: Any, run: str, settings: Settings) -> Exception:

@@ -15,10 +15,12 @@ from app.core.errors import TokenizerError
 from ops.options import get_settings, handle_errors, open_db, print_json
 
 if TYPE_CHECKING:
+    from rich.console import Console
+
     from app.core.settings import Settings
     from app.ledger.reads import StoredItem
     from app.ledger.run_queries import RunInfo
-    from app.outputs.verify import Rerender, VerifyReport
+    from app.outputs.verify import CheckTally, ExportSummary, Rerender, VerifyReport
     from app.prompts.tokenization import ChatTokenizer
 
 
@@ -248,57 +250,80 @@ def _print_summary(report: VerifyReport) -> None:
     from rich.console import Console
     from rich.markup import escape
 
-    from app.outputs.jsonl_checks import is_jsonl_export
-    from app.outputs.verify import CHECK_TITLES, IMAGE_CHECKS
-
     # the summary is the command's output: stdout (errors go to stderr through handle_errors)
     out = Console(highlight=False, soft_wrap=True)
     out.print(f"run [bold]{escape(report.run)}[/bold]: {report.items} finished items")
     for finding in report.findings:
         out.print(f"[red]finding:[/red] {escape(finding)}", soft_wrap=True)
-    if report.failed:
-        out.print(
-            f"[red]FAIL[/red] {'failed':<18} {report.failed_items} items failed, by reason "
-            f"(`tokenmill retry {escape(report.run)}` re-queues them):",
-            soft_wrap=True,
-        )
-        width = len(str(report.failed[0][1]))
-        for reason, n in report.failed:
-            out.print(f"       {n:>{width}}  {escape(reason)}", soft_wrap=True)
+    _print_failed(out, report)
     for tally in report.checks.values():
-        if tally.name in IMAGE_CHECKS and not (tally.checked or tally.not_checkable):
-            continue  # a run without images
-        status = "[red]FAIL[/red]" if tally.mismatches else "[green]ok[/green]  "
-        counts = f"{tally.checked} checked"
-        if tally.mismatches:
-            counts += f", {tally.mismatches} mismatched"
-        if tally.not_checkable:
-            counts += f", {tally.not_checkable} not checkable"
+        _print_check(out, tally)
+    if report.export is not None:
+        _print_export(out, report.export)
+    out.print(_verdict(report))
+
+
+def _print_failed(out: Console, report: VerifyReport) -> None:
+    """The run's failed items by reason, and the command that retries them."""
+    from rich.markup import escape
+
+    if not report.failed:
+        return
+    out.print(
+        f"[red]FAIL[/red] {'failed':<18} {report.failed_items} items failed, by reason "
+        f"(`tokenmill retry {escape(report.run)}` re-queues them):",
+        soft_wrap=True,
+    )
+    width = len(str(report.failed[0][1]))
+    for reason, n in report.failed:
+        out.print(f"       {n:>{width}}  {escape(reason)}", soft_wrap=True)
+
+
+def _print_check(out: Console, tally: CheckTally) -> None:
+    """One check's line (checked, mismatched, not checkable) and its example mismatches; an
+    image check only for a run with images."""
+    from rich.markup import escape
+
+    from app.outputs.verify import CHECK_TITLES, IMAGE_CHECKS
+
+    if tally.name in IMAGE_CHECKS and not (tally.checked or tally.not_checkable):
+        return  # a run without images
+    status = "[red]FAIL[/red]" if tally.mismatches else "[green]ok[/green]  "
+    counts = f"{tally.checked} checked"
+    if tally.mismatches:
+        counts += f", {tally.mismatches} mismatched"
+    if tally.not_checkable:
+        counts += f", {tally.not_checkable} not checkable"
+    out.print(
+        f"{status} {tally.name:<18} {counts:<40} {escape(CHECK_TITLES[tally.name])}",
+        soft_wrap=True,
+    )
+    for m in tally.examples:
         out.print(
-            f"{status} {tally.name:<18} {counts:<40} {escape(CHECK_TITLES[tally.name])}",
+            f"       item {m.item_id} (id {escape(repr(m.key))}, sample {m.sample}, "
+            f"turn {m.turn}): {escape(m.detail)}",
             soft_wrap=True,
         )
-        for m in tally.examples:
-            out.print(
-                f"       item {m.item_id} (id {escape(repr(m.key))}, sample {m.sample}, "
-                f"turn {m.turn}): {escape(m.detail)}",
-                soft_wrap=True,
-            )
-        if tally.mismatches > len(tally.examples):
-            out.print(f"       … and {tally.mismatches - len(tally.examples)} more")
-    if report.export is not None:
-        export = report.export
-        status = "[red]FAIL[/red]" if export.problems else "[green]ok[/green]  "
-        shards = "" if is_jsonl_export(export.url) else f"{export.shards} shards, "
-        out.print(
-            f"{status} export {escape(export.url)}: {shards}{export.rows} rows", soft_wrap=True
-        )
-        for problem in export.problems:
-            out.print(f"       {escape(problem)}", soft_wrap=True)
+    if tally.mismatches > len(tally.examples):
+        out.print(f"       … and {tally.mismatches - len(tally.examples)} more")
+
+
+def _print_export(out: Console, export: ExportSummary) -> None:
+    """The export's line (its shards and rows) and each problem found in it."""
+    from rich.markup import escape
+
+    from app.outputs.jsonl_checks import is_jsonl_export
+
+    status = "[red]FAIL[/red]" if export.problems else "[green]ok[/green]  "
+    shards = "" if is_jsonl_export(export.url) else f"{export.shards} shards, "
+    out.print(f"{status} export {escape(export.url)}: {shards}{export.rows} rows", soft_wrap=True)
+    for problem in export.problems:
+        out.print(f"       {escape(problem)}", soft_wrap=True)
+
+
+def _verdict(report: VerifyReport) -> str:
     if report.clean:
-        verdict = "[green]clean[/green]"
-    elif report.failed and report.failed_items and _only_failures(report):
-        verdict = "[red]not clean: failed items[/red]"
-    else:
-        verdict = "[red]mismatches found[/red]"
-    out.print(verdict)
+        return "[green]clean[/green]"
+    if report.failed and report.failed_items and _only_failures(report):
+        return "[red]not clean: failed items[/red]"
+    return "[red]mismatches found[/red]"

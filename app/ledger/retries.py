@@ -81,9 +81,26 @@ class RetryPlan:
         }
 
 
+# a chain: an item's key and sample; its turns are retried from one turn on
+Chain = tuple[str, int]
+# what a chosen failed turn becomes, besides a SKIP_* reason
+_PENDING = "pending"
+_WAITING = "waiting"
+_GOES_WITH_PREVIOUS = "goes with the failed turn before it"
+
+
 def plan_retry(conn: Connection, run_id: int, selection: RetrySelection) -> RetryPlan:
     """The failed items of the run that the selection takes, sorted into a plan. Reads the
     failed items of the run only (the partial index of failed items), never a done one."""
+    rows = _failed_rows(conn, run_id)
+    plan = RetryPlan()
+    roots, stuck = _plan_roots(plan, [r for r in rows if selection.takes(r)])
+    _plan_later_turns(plan, rows, roots, stuck, selection)
+    return plan
+
+
+def _failed_rows(conn: Connection, run_id: int) -> list[Any]:
+    """The run's failed items in id order, each with the status and finish of its turn before."""
     prev = items.alias("prev")
     stmt = (
         select(
@@ -102,29 +119,53 @@ def plan_retry(conn: Connection, run_id: int, selection: RetrySelection) -> Retr
         .where(items.c.run_id == run_id, items.c.status == ItemStatus.FAILED.value)
         .order_by(items.c.id)
     )
-    rows = list(conn.execute(stmt))
-    plan = RetryPlan()
-    roots: dict[tuple[str, int], int] = {}  # chain → the turn retried in it
-    stuck: dict[tuple[str, int], tuple[int, str]] = {}  # chain → the turn left failed, why
-    chosen = [r for r in rows if selection.takes(r)]
+    return list(conn.execute(stmt))
+
+
+def _retried_as(row: Any) -> str:
+    """What a chosen failed turn becomes: pending (it has its prompt), waiting (it failed as
+    its prompt was built), nothing of its own (a later turn of a failed one), or skipped, why."""
+    if row.turn_index == 0 or row.prev_status is None:
+        return _PENDING
+    if row.prev_status == ItemStatus.FAILED.value:
+        return _GOES_WITH_PREVIOUS
+    if row.prev_status != ItemStatus.DONE.value:
+        return SKIP_PREVIOUS_UNFINISHED
+    if row.prev_finish != "stop":
+        return SKIP_TRUNCATED
+    return _WAITING if row.started_at is None else _PENDING
+
+
+def _plan_roots(
+    plan: RetryPlan, chosen: list[Any]
+) -> tuple[dict[Chain, int], dict[Chain, tuple[int, str]]]:
+    """The chosen turns put back into the plan: chain → the turn retried in it, and chain → the
+    turn left failed and why."""
+    roots: dict[Chain, int] = {}
+    stuck: dict[Chain, tuple[int, str]] = {}
     for row in chosen:
         chain = (row.item_key, row.sample_index)
-        if row.turn_index == 0 or row.prev_status is None:
-            plan.pending.append(row.id)
-        elif row.prev_status == ItemStatus.FAILED.value:
-            continue  # a later turn of a failed one: goes with it, if that one is chosen
-        elif row.prev_status != ItemStatus.DONE.value:
-            stuck[chain] = (row.turn_index, SKIP_PREVIOUS_UNFINISHED)
+        verdict = _retried_as(row)
+        if verdict == _GOES_WITH_PREVIOUS:
+            continue  # goes with the failed turn before it, if that one is chosen
+        if verdict not in (_PENDING, _WAITING):
+            stuck[chain] = (row.turn_index, verdict)
             continue
-        elif row.prev_finish != "stop":
-            stuck[chain] = (row.turn_index, SKIP_TRUNCATED)
-            continue
-        elif row.started_at is None:  # it failed as its prompt was built
-            plan.waiting.append(row.id)
-        else:
-            plan.pending.append(row.id)
+        (plan.waiting if verdict == _WAITING else plan.pending).append(row.id)
         plan.by_reason[row.fail_reason or NO_REASON] += 1
         roots[chain] = row.turn_index
+    return roots, stuck
+
+
+def _plan_later_turns(
+    plan: RetryPlan,
+    rows: list[Any],
+    roots: dict[Chain, int],
+    stuck: dict[Chain, tuple[int, str]],
+    selection: RetrySelection,
+) -> None:
+    """The later turns of the retried chains (back to waiting with them), and the selected
+    turns that cannot be retried, counted by why."""
     taken = set(plan.pending) | set(plan.waiting)
     for row in rows:
         chain = (row.item_key, row.sample_index)
@@ -140,7 +181,6 @@ def plan_retry(conn: Connection, run_id: int, selection: RetrySelection) -> Retr
             and selection.takes(row)
         ):
             plan.skipped[SKIP_PREVIOUS_FAILED] += 1
-    return plan
 
 
 def apply_retry(conn: Connection, plan: RetryPlan) -> RetryPlan:

@@ -72,24 +72,38 @@ class ReadRules:
 def build_record(
     data: dict[str, Any], line_no: int, rules: ReadRules | None = None
 ) -> tuple[PromptRecord, bool]:
+    """The row as a record, and whether its key is the row's own `id` (else derived from its
+    content); BadRow names what is wrong with it."""
     rules = rules or ReadRules()
-    named = rules.field
     try:
         data = as_sglang_reads(data, "the row")
     except InputError as error:
         raise BadRow(error.reason) from None
-    if named is not None:
-        if data.get(named) is None:
-            raise BadRow(f"no value in the --field {named!r} (keys: {_key_list(data)})")
-        field, kind = named, _kind_of(data[named])
-    else:
-        found = next((name for name in PROMPT_FIELDS if data.get(name) is not None), None)
-        if found is None:
-            raise BadRow(
-                "no prompt field: expected one of 'messages', 'conversations', 'prompt' or "
-                f"'input_ids' (keys: {_key_list(data)})"
-            )
-        field = kind = found
+    row = _read_row(data, line_no, rules)
+    record = _ids_record(row) if row.kind == "input_ids" else _chat_record(row, rules)
+    return record, row.key is not None
+
+
+@dataclass(frozen=True)
+class _Row:
+    """What every record takes from its row: the prompt field and its kind, the row's own key,
+    system turn, metadata and sampling, and the top-level fields used as inputs."""
+
+    data: dict[str, Any]
+    line_no: int
+    field: str
+    kind: str  # "messages", "conversations", "prompt" or "input_ids"
+    key: str | None
+    system: str | None
+    used: tuple[str, ...]
+    metadata: dict[str, Any] | None
+    sampling: dict[str, Any] | None
+
+
+def _read_row(data: dict[str, Any], line_no: int, rules: ReadRules) -> _Row:
+    """The row's prompt field, key, system turn, LLaVA images (folded into its turns),
+    metadata and sampling."""
+    field, kind = _prompt_field(data, rules.field)
     key = _explicit_key(data.get("id"))
     system = _system_field(data.get("system"))
     used = [field] + [name for name in INPUT_FIELDS if data.get(name) is not None]
@@ -102,71 +116,99 @@ def build_record(
         sampling = parse_row_sampling(data.get("sampling_params"))
     except InputError as error:
         raise BadRow(error.reason) from None
-    if kind == "input_ids":
-        for name in ("system", "tools", "chat_template_kwargs", "reasoning_effort"):
-            if data.get(name) is not None:
-                raise BadRow(f"'{name}' cannot be combined with pre-tokenized '{field}'")
-        ids = _input_ids(data[field], field)
-        record = PromptRecord(
-            line_no,
-            key or content_key("input_ids", ids if sampling is None else [ids, sampling]),
-            input_ids=ids,
-            metadata=metadata,
-            prompt_fields=tuple(used),
-            sampling_params=sampling,
+    return _Row(data, line_no, field, kind, key, system, tuple(used), metadata, sampling)
+
+
+def _prompt_field(data: dict[str, Any], named: str | None) -> tuple[str, str]:
+    """The field the prompt is read from (`--field`, else the first of PROMPT_FIELDS present)
+    and its kind."""
+    if named is not None:
+        if data.get(named) is None:
+            raise BadRow(f"no value in the --field {named!r} (keys: {_key_list(data)})")
+        return named, _kind_of(data[named])
+    found = next((name for name in PROMPT_FIELDS if data.get(name) is not None), None)
+    if found is None:
+        raise BadRow(
+            "no prompt field: expected one of 'messages', 'conversations', 'prompt' or "
+            f"'input_ids' (keys: {_key_list(data)})"
         )
-        return record, key is not None
-    bad: BadTurn | None = None
-    if kind == "prompt":
-        turns = [_prompt_turn(data[field], field)]
-    else:
-        turns, bad = parse_turns_until_bad(data[field], field)
-    shift = 0
-    if system is not None:
-        if any(turn["role"] == "system" for turn in turns):
-            raise BadRow(f"both a 'system' field and a system turn in '{field}'")
-        turns.insert(0, {"role": "system", "content": system})
-        shift = 1
-        bad = bad and BadTurn(bad.index + 1, bad.reason)
-    turns, bad = _normalized_until_bad(turns, bad, field, rules)
-    unordered = tool_result_order_error(turns, field) if rules.reorders_tool_results else None
-    if unordered is not None and (bad is None or unordered[0] < bad.index):
-        # the boundaries before the out-of-order run keep (`--turns each`)
-        turns, bad = turns[: unordered[0]], BadTurn(unordered[0], unordered[1])
-    tools, continued, effort = _request_inputs(data, field, rules)
+    return found, found
+
+
+def _ids_record(row: _Row) -> PromptRecord:
+    """A pre-tokenized row: its ids, sent as they are (no template inputs beside them)."""
+    for name in ("system", "tools", "chat_template_kwargs", "reasoning_effort"):
+        if row.data.get(name) is not None:
+            raise BadRow(f"'{name}' cannot be combined with pre-tokenized '{row.field}'")
+    ids = _input_ids(row.data[row.field], row.field)
+    return PromptRecord(
+        row.line_no,
+        row.key or content_key("input_ids", ids if row.sampling is None else [ids, row.sampling]),
+        input_ids=ids,
+        metadata=row.metadata,
+        prompt_fields=row.used,
+        sampling_params=row.sampling,
+    )
+
+
+def _chat_record(row: _Row, rules: ReadRules) -> PromptRecord:
+    """A chat row: its turns up to the first bad one, its tools and request fields, and the
+    messages rendered as its prompt (a continued final turn left out, SGLang's prefill)."""
+    turns, bad, shift = _checked_turns(row, rules)
+    tools, continued, effort = _request_inputs(row.data, row.field, rules)
     # a continued final turn is in the prompt, so a bad trailing assistant turn is too
     in_tail = (
         bad is not None
         and not continued
-        and _in_trailing_assistant_turns(data[field], bad.index - shift)
+        and _in_trailing_assistant_turns(row.data[row.field], bad.index - shift)
     )
-    row_kwargs = _row_kwargs(data.get("chat_template_kwargs"))
+    row_kwargs = _row_kwargs(row.data.get("chat_template_kwargs"))
     if bad is not None and not any(turn["role"] != "assistant" for turn in turns):
         raise BadRow(bad.reason)  # no boundary before the bad turn
     prefix = assistant_prefix(turns) if continued and bad is None else None
     # a continued turn is left out, every turn before it rendered (SGLang's prefill)
-    messages = prompt_turns(list(turns if prefix is None else turns[:-1]), field)
+    messages = prompt_turns(list(turns if prefix is None else turns[:-1]), row.field)
     if prefix is not None:
         messages = list(turns[:-1])
-    record = PromptRecord(
-        line_no,
-        key
-        or content_key(
-            "messages", _key_content(messages, tools, row_kwargs, effort, sampling, prefix)
-        ),
+    key_content = _key_content(messages, tools, row_kwargs, effort, row.sampling, prefix)
+    return PromptRecord(
+        row.line_no,
+        row.key or content_key("messages", key_content),
         messages=messages,
         conversation=turns if len(turns) > len(messages) else None,
         tools=tools,
         chat_template_kwargs=row_kwargs,
         reasoning_effort=effort,
-        metadata=metadata,
-        prompt_fields=tuple(used),
+        metadata=row.metadata,
+        prompt_fields=row.used,
         bad_turn=None if bad is None else (bad.index, bad.reason),
         bad_turn_in_tail=in_tail,
-        sampling_params=sampling,
+        sampling_params=row.sampling,
         assistant_prefix=prefix,
     )
-    return record, key is not None
+
+
+def _checked_turns(row: _Row, rules: ReadRules) -> tuple[list[Message], BadTurn | None, int]:
+    """The row's turns (its system field first) normalized up to the first bad one, that bad
+    turn, and how far the system field shifted the row's own turn indexes."""
+    bad: BadTurn | None = None
+    if row.kind == "prompt":
+        turns = [_prompt_turn(row.data[row.field], row.field)]
+    else:
+        turns, bad = parse_turns_until_bad(row.data[row.field], row.field)
+    shift = 0
+    if row.system is not None:
+        if any(turn["role"] == "system" for turn in turns):
+            raise BadRow(f"both a 'system' field and a system turn in '{row.field}'")
+        turns.insert(0, {"role": "system", "content": row.system})
+        shift = 1
+        bad = bad and BadTurn(bad.index + 1, bad.reason)
+    turns, bad = _normalized_until_bad(turns, bad, row.field, rules)
+    unordered = tool_result_order_error(turns, row.field) if rules.reorders_tool_results else None
+    if unordered is not None and (bad is None or unordered[0] < bad.index):
+        # the boundaries before the out-of-order run keep (`--turns each`)
+        turns, bad = turns[: unordered[0]], BadTurn(unordered[0], unordered[1])
+    return turns, bad, shift
 
 
 def _request_inputs(
