@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import copy
 import json
-import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -67,9 +66,6 @@ from app.prompts.request_json import as_sglang_reads as as_sglang_reads
 from app.prompts.request_json import json_type as json_type
 from app.prompts.request_json import parse_tool_call_arguments as parse_tool_call_arguments
 from app.prompts.tool_schemas import checked_parameters
-from app.prompts.transformers_pin import imported_transformers
-
-logger = logging.getLogger(__name__)
 
 ContentFormat = Literal["string", "openai"]
 
@@ -101,10 +97,6 @@ GENERIC_FIELDS = (
     "tools",
     "prefix",
 )
-# Template text that makes SGLang treat content as a list of parts without looking further.
-_MULTIMODAL_WORDS = ("image", "audio", "video", "vision")
-# The loop variables SGLang recognizes in `{% for x in message['content'] %}`.
-_MESSAGE_VARIABLES = ("message", "msg", "m")
 # The fields of SGLang's Function model, in its order.
 _FUNCTION_FIELDS = ("description", "name", "parameters", "strict", "defer_loading")
 
@@ -142,66 +134,6 @@ def check_version(version: str | None, *, run: str | None = None) -> str:
             "version that created the run, or a new run"
         )
     return version
-
-
-# --- content format -----------------------------------------------------------------------------
-
-
-def detect_content_format(template: str | None) -> ContentFormat:
-    """`openai` when the template iterates over a message's content (or mentions image, audio,
-    video or vision anywhere), else `string`; a template that does not parse is `string`.
-
-    The template is parsed with transformers' own chat-template Jinja environment, as SGLang
-    does; the loop may be over `message`, `msg` or `m`, by key or attribute, through filters,
-    tests or slices (`message['content'] | list`, `message.content[1:]`).
-    """
-    if not template:
-        return "string"
-    if any(word in template for word in _MULTIMODAL_WORDS):
-        return "openai"
-    try:
-        import jinja2.nodes
-
-        imported_transformers()
-        from transformers.utils.chat_template_utils import _compile_jinja_template
-
-        tree = _compile_jinja_template(template).environment.parse(template)
-        loops = list(tree.find_all(jinja2.nodes.For))
-    except Exception as exc:  # SGLang reads a template it cannot parse as "string"
-        logger.debug("chat template does not parse (%s): content format 'string'", exc)
-        return "string"
-    for loop in loops:
-        if any(_reads_content(loop.iter, name) for name in _MESSAGE_VARIABLES):
-            return "openai"
-    return "string"
-
-
-def _reads_content(node: Any, variable: str) -> bool:
-    """Whether node is `variable['content']` / `variable.content`, possibly filtered, tested
-    or sliced."""
-    import jinja2.nodes as nodes
-
-    if isinstance(node, nodes.Filter):
-        return node.node is not None and _reads_content(node.node, variable)
-    if isinstance(node, nodes.Test):
-        return _reads_content(node.node, variable)
-    if isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Slice):
-        return _reads_content(node.node, variable)
-    if isinstance(node, nodes.Getitem):
-        return (
-            _is_load(node.node, variable)
-            and isinstance(node.arg, nodes.Const)
-            and node.arg.value == "content"
-        )
-    if isinstance(node, nodes.Getattr):
-        return _is_load(node.node, variable) and node.attr == "content"
-    return False
-
-
-def _is_load(node: Any, variable: str) -> bool:
-    import jinja2.nodes as nodes
-
-    return isinstance(node, nodes.Name) and node.ctx == "load" and node.name == variable
 
 
 # --- messages ---------------------------------------------------------------------------------
@@ -420,48 +352,6 @@ def tool_result_order_error(
                 "(it reads tool_call_id); give them in the order of the calls"
             )
     return None
-
-
-_ATTRIBUTE_FILTERS = frozenset({"map", "rejectattr", "selectattr"})
-
-
-def template_may_reorder_tool_results(template: str | None) -> bool:
-    """Whether SGLang 0.5.23 puts a template's tool results in call order before rendering
-    (`jinja_template_may_reorder_tool_results`): the template reads `tool_call_id` as an
-    attribute, a subscript, a `.get()` argument, or the attribute of map/selectattr/
-    rejectattr. None (the server renders, the template unknown here) counts as yes."""
-    if template is None:
-        return True
-    from jinja2 import nodes
-
-    try:  # parsed as SGLang parses it: with transformers' chat-template environment
-        imported_transformers()
-        from transformers.utils.chat_template_utils import _compile_jinja_template
-
-        ast = _compile_jinja_template(template).environment.parse(template)
-    except Exception:
-        return False
-
-    def named(node: Any) -> bool:
-        return isinstance(node, nodes.Const) and node.value == "tool_call_id"
-
-    if any(n.attr == "tool_call_id" for n in ast.find_all(nodes.Getattr)):
-        return True
-    if any(named(n.arg) for n in ast.find_all(nodes.Getitem)):
-        return True
-    for call in ast.find_all(nodes.Call):
-        target = call.node
-        is_get = isinstance(target, nodes.Getattr) and target.attr == "get"
-        if is_get and call.args and named(call.args[0]):
-            return True
-    for flt in ast.find_all(nodes.Filter):
-        if flt.name not in _ATTRIBUTE_FILTERS:
-            continue
-        if (flt.args and named(flt.args[0])) or any(
-            k.key == "attribute" and named(k.value) for k in flt.kwargs
-        ):
-            return True
-    return False
 
 
 def _tool_call(call: Any, where: str, *, parse: bool) -> dict[str, Any]:

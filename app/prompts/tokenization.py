@@ -21,17 +21,16 @@ from app.prompts.chat_path import (
     ChatInputs,
     ContentFormat,
     bare_function_tools,
-    detect_content_format,
     final_assistant_as_user,
     normalize_messages,
     normalize_tools,
-    template_may_reorder_tool_results,
     template_view,
 )
 from app.prompts.chat_pins import check_file_unchanged, choice_of, rendered_on_server
 from app.prompts.image_pins import read_image_pins
 from app.prompts.placeholders import check_placeholders, image_placeholders
 from app.prompts.template_choice import ChosenTemplate, TemplateChoice, choose_template
+from app.prompts.template_reading import detect_content_format, template_may_reorder_tool_results
 from app.prompts.tokenizer_config import (
     context_length_of,
     custom_code_class,

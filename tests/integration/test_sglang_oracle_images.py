@@ -21,7 +21,7 @@ from app.core.contracts import SamplingParams
 from app.core.errors import InputError
 from app.core.settings import get_settings
 from app.ledger import reads, run_queries
-from app.prompts.chat_path import template_may_reorder_tool_results
+from app.prompts.template_reading import template_may_reorder_tool_results
 from app.prompts.tokenization import load_tokenizer
 from tests.support.oracle_families import FAMILIES, family_folder
 from tests.support.sglang_chat_path import template_utils

@@ -17,13 +17,13 @@ from app.prompts.chat_path import (
     bare_function_tools,
     check_reasoning_effort,
     check_version,
-    detect_content_format,
     final_assistant_as_user,
     merge_template_kwargs,
     normalize_messages,
     parse_tools,
     resolve_reasoning_aliases,
 )
+from app.prompts.template_reading import detect_content_format
 from emulator.fixtures.kimi import CHAT_TEMPLATE
 from tests.support import sglang_chat_path as sglang
 

@@ -12,12 +12,8 @@ from typing import Any
 import pytest
 
 from app.core.errors import InputError
-from app.prompts.chat_path import (
-    detect_content_format,
-    image_urls,
-    normalize_messages,
-    template_view,
-)
+from app.prompts.chat_path import image_urls, normalize_messages, template_view
+from app.prompts.template_reading import detect_content_format
 from app.prompts.tokenization import load_tokenizer
 from emulator.fixtures.kimi import CHAT_TEMPLATE
 from tests.support import sglang_chat_path as sglang
