@@ -299,7 +299,6 @@ class ItemRanges:
     last_finished_at: datetime | None
     min_latency_s: float | None
     max_latency_s: float | None
-    max_prompt_tokens: int | None
     max_completion_tokens: int | None
 
 
@@ -313,15 +312,14 @@ def item_ranges(conn: Connection, run_id: int) -> ItemRanges:
                 func.max(t.c.finished_at),
                 func.min(t.c.latency_s),
                 func.max(t.c.latency_s),
-                func.max(t.c.prompt_tokens),
                 func.max(t.c.completion_tokens),
             ).where(t.c.run_id == run_id, t.c.status.in_(FINISHED))
         ).one()
         for t in (items, items_archive)
     ]
     lows = (0, 1, 3)
-    started, first, last, lat_min, lat_max, prompt_max, completion_max = (
-        _extreme([r[i] for r in rows], low=i in lows) for i in range(7)
+    started, first, last, lat_min, lat_max, completion_max = (
+        _extreme([r[i] for r in rows], low=i in lows) for i in range(6)
     )
     return ItemRanges(
         first_started_at=as_utc(started),
@@ -329,7 +327,6 @@ def item_ranges(conn: Connection, run_id: int) -> ItemRanges:
         last_finished_at=as_utc(last),
         min_latency_s=None if lat_min is None else float(lat_min),
         max_latency_s=None if lat_max is None else float(lat_max),
-        max_prompt_tokens=None if prompt_max is None else int(prompt_max),
         max_completion_tokens=None if completion_max is None else int(completion_max),
     )
 

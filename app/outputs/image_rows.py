@@ -45,8 +45,6 @@ from app.storage.shards import Location, write_object
 
 log = logging.getLogger(__name__)
 
-IMAGES_FOLDER = "images"
-
 
 class ImageExportError(TokenmillError):
     """An image item cannot be exported as the model saw it (its counts or images are missing

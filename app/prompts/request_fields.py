@@ -28,7 +28,6 @@ APPLIED = ("tool_choice", "continue_final_message")
 # ChatCompletionRequest (pydantic drops it; only /v1/tokenize's TokenizeRequest reads it), and
 # `parallel_tool_calls` reaches only its decoding constraints, never a template or an encoder
 NOT_APPLIED = ("add_generation_prompt", "parallel_tool_calls")
-CHOICES = ("auto", "required", "none")
 # SGLang's ChatCompletionRequest.continue_final_message: a pydantic bool, read in lax mode
 _BOOL = pydantic.TypeAdapter(bool)
 

@@ -191,7 +191,6 @@ def _deepseekv31(text: str, tools: Sequence[Mapping[str, Any]]) -> ParsedTurn:
 _PARSERS = {"kimi_k2": _kimi, "qwen25": _qwen25, "hermes": _hermes, "deepseekv31": _deepseekv31}
 # SGLang's ToolCallParserEnum maps "qwen" (the name its template detection gives) to qwen25's
 ALIASES = {"qwen": "qwen25"}
-KIMI_SECTION_TOKEN = _KIMI_SECTION
 
 
 # what ends an unterminated reasoning block for each parser's family: the tool-call start of

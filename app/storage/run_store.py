@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 from app.core.errors import ConfigurationError, NotFound, TokenmillError
 from app.core.network import is_loopback
 from app.core.settings import Settings
-from app.storage.shards import Location, StorageError, open_location, read_object, write_object
+from app.storage.shards import Location, StorageError, read_object, write_object
 
 LOCAL_PROTOCOLS = ("file", "local")
 
@@ -83,12 +83,6 @@ def check_fleet_storage(settings: Settings, storage_url: str) -> None:
     refusal = fleet_refusal(settings, storage_url)
     if refusal is not None:
         raise ConfigurationError(refusal)
-
-
-def run_location(settings: Settings, storage_url: str | None) -> Location:
-    """The run's storage (its pinned URL; a run older than the pin: TOKENMILL_STORAGE_URL),
-    opened with this process's TOKENMILL_STORAGE_OPTIONS (credentials stay per process)."""
-    return open_location(storage_url or settings.resolved_storage_url(), settings.storage_options)
 
 
 def marker_name(run_name: str) -> str:

@@ -114,11 +114,10 @@ def test_ranges_and_failure_reasons(db: Engine) -> None:
         last_finished_at=at(28),
         min_latency_s=1.5,
         max_latency_s=9.0,
-        max_prompt_tokens=50,
         max_completion_tokens=512,
     )
     assert reasons == [("HTTP 400: too long x", 2), ("(no error recorded)", 1), ("timeout", 1)]
-    assert nothing == dq.ItemRanges(None, None, None, None, None, None, None)
+    assert nothing == dq.ItemRanges(None, None, None, None, None, None)
 
 
 def test_server_events_include_the_state_before_the_window(db: Engine) -> None:

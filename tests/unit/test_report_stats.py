@@ -128,7 +128,7 @@ def item(
 
 
 def test_report_data_adds_up() -> None:
-    ranges = ItemRanges(at(0), at(2), at(60), 0.5, 8.0, 50, 256)
+    ranges = ItemRanges(at(0), at(2), at(60), 0.5, 8.0, 256)
     stream = [
         item(1, tokens=100, latency=0.5, finished=2),
         item(2, tokens=256, reason="length", latency=8.0, finished=30),
@@ -166,9 +166,7 @@ def test_report_data_adds_up() -> None:
 
 
 def test_an_empty_run_has_no_throughput_and_no_flags_but_unfinished() -> None:
-    empty = ReportData.for_ranges(
-        ItemRanges(None, None, None, None, None, None, None), max_new_tokens=64
-    )
+    empty = ReportData.for_ranges(ItemRanges(None, None, None, None, None, None), max_new_tokens=64)
     assert empty.throughput is None and empty.output_percentile(50) is None
     assert warnings_for(make_counts(total=3, pending=3), empty) == [
         "The run is not finished: 3 of 3 items remain."
@@ -176,7 +174,7 @@ def test_an_empty_run_has_no_throughput_and_no_flags_but_unfinished() -> None:
 
 
 def test_warnings_name_truncation_failure_and_empty_outputs() -> None:
-    ranges = ItemRanges(at(0), at(1), at(2), 1.0, 1.0, 5, 64)
+    ranges = ItemRanges(at(0), at(1), at(2), 1.0, 1.0, 64)
     stream = [item(i, tokens=64, reason="length") for i in range(2)]
     stream += [item(10 + i, tokens=0 if i == 0 else 5) for i in range(8)]
     stream += [item(99, "failed")]
