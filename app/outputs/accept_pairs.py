@@ -18,8 +18,8 @@ from app.outputs.acceptance import (
     AcceptRow,
     PairKey,
     bootstrap,
-    grouped,
     interval,
+    summarized,
     with_interval,
 )
 
@@ -248,7 +248,10 @@ def paired_report(
     keys_a = {r.pair_key for r in a.rows}
     matched = [(r, by_key_b[r.pair_key]) for r in a.rows if r.pair_key in by_key_b]
     with_stats = [(x, y) for x, y in matched if x.verify_ct > 0 and y.verify_ct > 0]
-    report = PairedReport(
+    overall, by = summarized(
+        with_stats, fields, paired_group, seed=seed, resamples=resamples, row_of=lambda p: p[0]
+    )
+    return PairedReport(
         run_a=a.run,
         run_b=b.run,
         speculative_a=a.speculative,
@@ -257,16 +260,8 @@ def paired_report(
         only_b=len(by_key_b) - len(matched),
         without_stats=len(matched) - len(with_stats),
         outputs=compare_outputs(matched, greedy=greedy),
-        overall=None,
+        overall=overall,
+        by=by,
         seed=seed,
         resamples=resamples,
     )
-    if not with_stats:
-        return report
-    report.overall = paired_group("overall", "all", with_stats, seed=seed, resamples=resamples)
-    for name in fields:
-        report.by[name] = [
-            paired_group(name, value, members, seed=seed, resamples=resamples)
-            for value, members in grouped(with_stats, name, lambda p: p[0])
-        ]
-    return report

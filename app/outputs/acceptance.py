@@ -12,7 +12,7 @@ import itertools
 import zlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -250,6 +250,44 @@ def grouped(
     return sorted(groups.items(), key=lambda kv: (kv[0] == MISSING, kv[0]))
 
 
+Member = TypeVar("Member")
+Summary = TypeVar("Summary")
+MemberIn = TypeVar("MemberIn", contravariant=True)
+SummaryOut = TypeVar("SummaryOut", covariant=True)
+
+
+class Summarize(Protocol[MemberIn, SummaryOut]):
+    """A group's summary from its members (`group_stats`, `accept_pairs.paired_group`)."""
+
+    def __call__(
+        self, name: str, value: str, members: Sequence[MemberIn], /, *, seed: int, resamples: int
+    ) -> SummaryOut: ...
+
+
+def summarized(
+    members: Sequence[Member],
+    fields: Sequence[str],
+    summarize: Summarize[Member, Summary],
+    *,
+    seed: int,
+    resamples: int,
+    row_of: Callable[[Any], AcceptRow] = lambda r: r,
+) -> tuple[Summary | None, dict[str, list[Summary]]]:
+    """The pipeline of both acceptance reports: the summary of all members (None when there
+    are none), and of each group of each field's values (row_of picks the row that decides)."""
+    if not members:
+        return None, {}
+    overall = summarize("overall", "all", members, seed=seed, resamples=resamples)
+    by = {
+        name: [
+            summarize(name, value, group, seed=seed, resamples=resamples)
+            for value, group in grouped(members, name, row_of)
+        ]
+        for name in fields
+    }
+    return overall, by
+
+
 @dataclass
 class AcceptReport:
     """`tokenmill accept RUN`: overall, then each asked field's groups."""
@@ -288,24 +326,17 @@ def accept_report(
 ) -> AcceptReport:
     """The acceptance of a run's done rows, overall and per value of each field."""
     with_stats = [r for r in rows if r.verify_ct > 0]
-    report = AcceptReport(
+    overall, by = summarized(with_stats, fields, group_stats, seed=seed, resamples=resamples)
+    return AcceptReport(
         run=run,
         speculative=speculative,
         done=len(rows),
         without_stats=len(rows) - len(with_stats),
-        overall=None,
+        overall=overall,
+        by=by,
         seed=seed,
         resamples=resamples,
     )
-    if not with_stats:
-        return report
-    report.overall = group_stats("overall", "all", with_stats, seed=seed, resamples=resamples)
-    for name in fields:
-        report.by[name] = [
-            group_stats(name, value, members, seed=seed, resamples=resamples)
-            for value, members in grouped(with_stats, name)
-        ]
-    return report
 
 
 def default_fields(rows: Sequence[AcceptRow], turns: TurnsMode) -> list[str]:
