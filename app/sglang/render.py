@@ -18,6 +18,7 @@ from typing import Any
 
 import httpx
 
+from app.core.backoff import Backoff
 from app.core.contracts import Message
 from app.core.errors import GenerationError, PermanentError, RetryableError, ServerUnavailable
 from app.core.settings import Settings
@@ -181,7 +182,7 @@ class RenderClient:
     def render_patiently(self, request: RenderRequest) -> list[int]:
         """One prompt, retried through outages (see the class); PermanentError is returned
         to the caller at once."""
-        delay = self.policy.backoff_s
+        delays = Backoff(self.policy.backoff_s, self.policy.backoff_max_s).delays()
         while True:
             try:
                 ids = self.render(request)
@@ -199,8 +200,7 @@ class RenderClient:
                         f"for {down_s:.0f}s (last error: {exc})"
                     ) from exc
                 self._outage(exc)
-                self._sleep(delay)
-                delay = min(delay * 2, self.policy.backoff_max_s)
+                self._sleep(next(delays))
             else:
                 self._outage(None)
                 return ids

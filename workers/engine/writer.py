@@ -11,6 +11,7 @@ from collections.abc import Callable
 from sqlalchemy import Engine
 from sqlalchemy.exc import InterfaceError, OperationalError
 
+from app.core.backoff import Backoff
 from app.ledger import outcomes
 from app.ledger.outcomes import Outcome
 from workers.engine.window_types import WindowConfig
@@ -18,6 +19,8 @@ from workers.engine.window_types import WindowConfig
 log = logging.getLogger(__name__)
 
 _STOP = object()
+# the database is down or restarting: the waits between attempts to write a batch
+WRITE_BACKOFF = Backoff(first_s=0.2, max_s=10.0)
 
 # (outcome, settles) pairs just committed, and the ids the commit released
 Written = Callable[[list[tuple[Outcome, bool]], list[int]], None]
@@ -70,8 +73,9 @@ class ResultWriter:
 
     def _write(self, entries: list[tuple[Outcome, bool]]) -> None:
         batch = [outcome for outcome, _ in entries]
-        delay_s = 0.2
+        delays = WRITE_BACKOFF.delays()
         while True:
+            delay_s = next(delays)
             try:
                 with self._db.begin() as conn:
                     released = outcomes.record_outcomes(
@@ -87,8 +91,6 @@ class ResultWriter:
                     delay_s,
                     extra={"action": "write_failed"},
                 )
-                time.sleep(delay_s)
-                delay_s = min(delay_s * 2, 10.0)
             except Exception:
                 # never drop a result; a bug here must be loud
                 log.exception(
@@ -97,6 +99,5 @@ class ResultWriter:
                     delay_s,
                     extra={"action": "write_failed"},
                 )
-                time.sleep(delay_s)
-                delay_s = min(delay_s * 2, 10.0)
+            time.sleep(delay_s)
         self._on_written(entries, released)
