@@ -37,6 +37,7 @@ from app.core.network import is_loopback
 from app.core.settings import Settings
 from app.ledger.metrics_queries import (
     LATENCY_BUCKETS_S,
+    ItemGroup,
     LatencyHistogram,
     LedgerSnapshot,
     read_snapshot,
@@ -73,64 +74,100 @@ def ledger_families(snapshot: LedgerSnapshot) -> list[Metric]:
     """The metric families the ledger snapshot holds (no I/O)."""
     known = {s.name for s in snapshot.servers}
     known |= {g.server for g in snapshot.groups if g.server is not None}
+    totals = _GroupTotals.of(snapshot, known)
+    generated, requests, flight = _server_item_families(totals)
+    return [
+        generated,
+        requests,
+        latency_family(snapshot, known),
+        flight,
+        *server_families(snapshot),
+        *window_families(snapshot),
+        *_run_families(totals),
+    ]
 
-    tokens: dict[str, int] = dict.fromkeys(known, 0)
-    outcomes: dict[tuple[str, str], int] = {(s, o): 0 for s in known for o in OUTCOMES}
-    in_flight: dict[str, int] = dict.fromkeys(known, 0)
-    run_items: dict[str, dict[str, int]] = {
-        run: dict.fromkeys((s.value for s in ItemStatus), 0) for run in snapshot.run_names
-    }
-    run_hedged: dict[str, dict[str, int]] = {
-        run: dict.fromkeys(
-            (ItemStatus.LEASED.value, ItemStatus.DONE.value, ItemStatus.FAILED.value), 0
+
+@dataclass
+class _GroupTotals:
+    """The snapshot's item groups summed by server and by run; every known server and every
+    run is listed, at zero when it has nothing."""
+
+    tokens: dict[str, int]
+    outcomes: dict[tuple[str, str], int]
+    in_flight: dict[str, int]
+    run_items: dict[str, dict[str, int]]
+    run_hedged: dict[str, dict[str, int]]
+    run_tokens: dict[str, int]
+
+    @classmethod
+    def of(cls, snapshot: LedgerSnapshot, known: set[str]) -> _GroupTotals:
+        hedge_statuses = (ItemStatus.LEASED.value, ItemStatus.DONE.value, ItemStatus.FAILED.value)
+        totals = cls(
+            tokens=dict.fromkeys(known, 0),
+            outcomes={(s, o): 0 for s in known for o in OUTCOMES},
+            in_flight=dict.fromkeys(known, 0),
+            run_items={
+                run: dict.fromkeys((s.value for s in ItemStatus), 0) for run in snapshot.run_names
+            },
+            run_hedged={run: dict.fromkeys(hedge_statuses, 0) for run in snapshot.run_names},
+            run_tokens=dict.fromkeys(snapshot.run_names, 0),
         )
-        for run in snapshot.run_names
-    }
-    run_tokens: dict[str, int] = dict.fromkeys(snapshot.run_names, 0)
-    for g in snapshot.groups:
+        for g in snapshot.groups:
+            totals.add(g)
+        return totals
+
+    def add(self, g: ItemGroup) -> None:
         server = g.server or NO_SERVER
-        by_status = run_items.setdefault(g.run, {})
+        by_status = self.run_items.setdefault(g.run, {})
         by_status[g.status] = by_status.get(g.status, 0) + g.items
         if g.hedged:
-            hedged = run_hedged.setdefault(g.run, {})
+            hedged = self.run_hedged.setdefault(g.run, {})
             hedged[g.status] = hedged.get(g.status, 0) + g.hedged
         if g.status == ItemStatus.DONE.value:
-            tokens[server] = tokens.get(server, 0) + g.completion_tokens
-            run_tokens[g.run] = run_tokens.get(g.run, 0) + g.completion_tokens
+            self.tokens[server] = self.tokens.get(server, 0) + g.completion_tokens
+            self.run_tokens[g.run] = self.run_tokens.get(g.run, 0) + g.completion_tokens
             key = (server, g.finish_reason or "unknown")
-            outcomes[key] = outcomes.get(key, 0) + g.items
+            self.outcomes[key] = self.outcomes.get(key, 0) + g.items
         elif g.status == ItemStatus.FAILED.value:
-            outcomes[(server, "failed")] = outcomes.get((server, "failed"), 0) + g.items
+            self.outcomes[(server, "failed")] = self.outcomes.get((server, "failed"), 0) + g.items
         elif g.status == ItemStatus.LEASED.value:
-            in_flight[server] = in_flight.get(server, 0) + g.items
+            self.in_flight[server] = self.in_flight.get(server, 0) + g.items
 
+
+def _server_item_families(totals: _GroupTotals) -> tuple[Metric, Metric, Metric]:
+    """Generated tokens, finished requests by outcome and items in flight, by server."""
     generated = CounterMetricFamily(
         PREFIX + "generated_tokens",
         "Output tokens of finished items, by the server that generated them.",
         labels=["server"],
     )
-    for server, n in sorted(tokens.items()):
+    for server, n in sorted(totals.tokens.items()):
         generated.add_metric([server], n)
     requests = CounterMetricFamily(
         PREFIX + "requests",
         "Finished items by server and outcome: stop, length (truncated) or failed.",
         labels=["server", "outcome"],
     )
-    for (server, outcome), n in sorted(outcomes.items()):
+    for (server, outcome), n in sorted(totals.outcomes.items()):
         requests.add_metric([server, outcome], n)
     flight = GaugeMetricFamily(
         PREFIX + "requests_in_flight",
         "Items leased to a server now (being generated or about to be sent).",
         labels=["server"],
     )
-    for server, n in sorted(in_flight.items()):
+    for server, n in sorted(totals.in_flight.items()):
         flight.add_metric([server], n)
+    return generated, requests, flight
+
+
+def _run_families(totals: _GroupTotals) -> list[Metric]:
+    """Items by status, hedged items by status and generated tokens, by run."""
     items = GaugeMetricFamily(
         PREFIX + "run_items",
         "Items of a run by status: waiting, pending, queued, leased, done, failed.",
         labels=["run", "status"],
     )
-    for run, by_status in run_items.items():
+    for run, by_status in totals.run_items.items():
         for status, n in sorted(by_status.items()):
             items.add_metric([run, status], n)
     hedged_items = GaugeMetricFamily(
@@ -139,25 +176,15 @@ def ledger_families(snapshot: LedgerSnapshot) -> list[Metric]:
         "(hedging), by status; items.server names the server whose result was kept.",
         labels=["run", "status"],
     )
-    for run, by_status in run_hedged.items():
+    for run, by_status in totals.run_hedged.items():
         for status, n in sorted(by_status.items()):
             hedged_items.add_metric([run, status], n)
     per_run = CounterMetricFamily(
         PREFIX + "run_generated_tokens", "Output tokens of a run's finished items.", labels=["run"]
     )
-    for run, n in run_tokens.items():
+    for run, n in totals.run_tokens.items():
         per_run.add_metric([run], n)
-    return [
-        generated,
-        requests,
-        latency_family(snapshot, known),
-        flight,
-        *server_families(snapshot),
-        *window_families(snapshot),
-        items,
-        hedged_items,
-        per_run,
-    ]
+    return [items, hedged_items, per_run]
 
 
 def latency_family(snapshot: LedgerSnapshot, known: set[str]) -> Metric:
