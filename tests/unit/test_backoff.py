@@ -1,4 +1,4 @@
-"""The one backoff schedule: doubling from the first wait, held at the ceiling, never overflowing."""
+"""The one backoff schedule: doubling from the first wait, held at the ceiling, no overflow."""
 
 from __future__ import annotations
 
