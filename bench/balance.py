@@ -66,15 +66,22 @@ CLAIM_THEN_WAIT = """
 import celery.signals
 
 def _claim_then_wait(rt, item_ids, *, requeue):
-    from app.ledger import claims
-    from workers.engine.generate import _release
+    from app.ledger import claims, outcomes
     ids = [int(i) for i in item_ids]
     with rt.db.begin() as conn:
         claimed = claims.claim_items(
             conn, ids, owner=rt.owner, server=rt.server_name, lease_s=rt.settings.lease_s
         )
     if claimed and not rt.window.wait_for_room(len(claimed)):
-        requeue(_release(rt, claimed, "stopping"), 0.0)
+        # given back without spending an attempt
+        with rt.db.begin() as conn:
+            released = outcomes.record_outcomes(
+                conn,
+                [outcomes.Released(c.id, "stopping") for c in claimed],
+                owner=rt.owner,
+                lease_s=rt.settings.lease_s,
+            )
+        requeue(released, 0.0)
         return {"claimed": 0}
     rt.window.submit(claimed)
     return {"claimed": len(claimed)}

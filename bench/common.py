@@ -1,6 +1,7 @@
-"""Shared helpers of the benchmarks: a private Postgres database, Redis db 12, emulators,
-`celery -A app worker` processes, synthetic prompts and the ledger; CPU meters and profiles are
-in meters.py, bare /generate clients in bare_client.py.
+"""Shared helpers of the benchmarks: a private Postgres database, Redis db 12, emulators and
+`celery -A app worker` processes (through the harness the tests use too: ops/processes.py and
+ops/emulator_proc.py), synthetic prompts and the ledger; CPU meters and profiles are in
+meters.py, bare /generate clients in bare_client.py.
 
 Every benchmark is run as `python bench/NAME.py` from the repository root; this module is
 imported as `common` (the script's folder is first on sys.path).
@@ -13,7 +14,6 @@ import contextlib
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import tempfile
@@ -28,6 +28,10 @@ from typing import Any
 
 import httpx
 from sqlalchemy import Engine, create_engine, func, select, text
+
+from ops import processes
+from ops.emulator_proc import EmulatorProcess, start_emulator
+from ops.processes import service_env as service_env
 
 ROOT = Path(__file__).resolve().parents[1]
 PG_ADMIN_URL = os.environ.get(
@@ -94,71 +98,27 @@ def redis_cpu_s(url: str = REDIS_URL) -> float:
     return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
 
 
-def service_env(pg_url: str, redis_url: str, data_dir: Path, **settings: str) -> dict[str, str]:
-    """This process's environment without TOKENMILL_* settings, plus Postgres, Redis and
-    `settings` (e.g. TOKENMILL_INFLIGHT="64")."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENMILL_")}
-    env["TOKENMILL_DATA_DIR"] = str(data_dir)
-    env["TOKENMILL_DATABASE_URL"] = pg_url
-    env["TOKENMILL_BROKER_URL"] = redis_url
-    env.update(settings)
-    return env
-
-
 def run_tokenmill(args: Sequence[str], env: dict[str, str], timeout_s: float = 1800) -> str:
     """`tokenmill ARGS` (as `python -m ops`) to completion; its stdout, or an error."""
-    done = subprocess.run(
-        [sys.executable, "-m", "ops", *args],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-    )
+    done = processes.tokenmill(args, env, timeout_s=timeout_s)
     if done.returncode != 0:
         raise RuntimeError(f"tokenmill {' '.join(args)} failed:\n{done.stdout}\n{done.stderr}")
     return done.stdout
 
 
 def start_worker(env: dict[str, str], name: str, log: Path) -> subprocess.Popen[bytes]:
-    """`celery -A app worker -E` as the README starts it (default log level WARNING)."""
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "celery",
-            "-A",
-            "app",
-            "worker",
-            "-E",
-            "-n",
-            f"{name}@%h",
-            "--without-mingle",
-            "--without-gossip",
-        ],
-        env=env,
-        cwd=ROOT,
-        stdout=log.open("wb"),
-        stderr=subprocess.STDOUT,
-    )
+    """`celery -A app worker -E` as the README starts it (celery's default log level, WARNING)."""
+    return processes.start_worker(env, name, log, loglevel=None)
 
 
 def stop_process(proc: subprocess.Popen[Any], timeout_s: float = 60) -> None:
     """SIGTERM (a warm shutdown for celery), then SIGKILL if it does not exit in time."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    processes.stop([proc], timeout_s)
 
 
 @contextlib.contextmanager
-def emulator(args: Sequence[str]) -> Iterator[Any]:
+def emulator(args: Sequence[str]) -> Iterator[EmulatorProcess]:
     """A fresh `python -m emulator --port 0 ARGS` process, stopped afterwards."""
-    from ops.emulator_proc import start_emulator
-
     proc = start_emulator(list(args))
     try:
         yield proc

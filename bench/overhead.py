@@ -216,7 +216,7 @@ def explain(db: Any, run: str, when: str) -> None:
         keys = list(conn.execute(select(t.c.item_key).where(t.c.id.in_(ids))).scalars())
         claim = (
             update(t)
-            .where(t.c.id.in_(ids[:8]), claims._claimable(datetime.now(UTC)))
+            .where(t.c.id.in_(ids[:8]), claims.claimable(datetime.now(UTC)))
             .values(status="leased")
             .returning(t.c.id)
         )
@@ -255,7 +255,7 @@ def run_tokenmill(
     try:
         wait_first_claim(db, run)
         meter = CpuMeter(
-            {"worker": worker.pid, "emulator": emu.process.pid}, db=db, redis_url=REDIS_URL
+            {"worker": worker.pid, "emulator": emu.popen.pid}, db=db, redis_url=REDIS_URL
         ).start()
         if args.profile is not None:
             args.profile.mkdir(parents=True, exist_ok=True)
@@ -309,7 +309,7 @@ def memory_mib(pid: int) -> tuple[float, float]:
 
 def run_bare(emu: Any, requests: list[Request], window: int, tag: str) -> dict[str, Any]:
     reqs = [Request(r.input_ids, r.sampling, f"{tag}-{r.rid}") for r in requests]
-    meter = CpuMeter({"emulator": emu.process.pid}).start()
+    meter = CpuMeter({"emulator": emu.popen.pid}).start()
     run = bare_client_run(emu.url, reqs, window=window)
     cpu = meter.stop()
     if run.errors:

@@ -97,11 +97,11 @@ def main() -> None:
         for label, window in plan:
             run = label if label != "local" else f"local-{local_runs}"
             local_runs += label == "local"
-            emu_cpu = proc_cpu_s(server.process.pid)
+            emu_cpu = proc_cpu_s(server.popen.pid)
             t0 = time.perf_counter()
             report = enqueue_run(db, tokenizer, path, run, server.url if window else None, window)
             wall_s = time.perf_counter() - t0
-            emu_cpu = proc_cpu_s(server.process.pid) - emu_cpu
+            emu_cpu = proc_cpu_s(server.popen.pid) - emu_cpu
             rows.append([run, wall_s, report.inserted / wall_s, emu_cpu])
             print(f"{run}: {report.inserted} items in {wall_s:.1f} s", flush=True)
         reference = prompts_of(db, "local-0")

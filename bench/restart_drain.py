@@ -67,9 +67,9 @@ def main() -> None:
                 time.sleep(0.05)
             at_signal = stats(leaving.url) or {}
             signalled = time.monotonic()
-            leaving.process.terminate()
+            leaving.popen.terminate()
             last = at_signal
-            while leaving.process.poll() is None:
+            while leaving.popen.poll() is None:
                 last = stats(leaving.url) or last
                 time.sleep(0.05)
             exited = time.monotonic()

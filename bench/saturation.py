@@ -209,7 +209,7 @@ def run_tokenmill_mode(
         log = data_dir / f"worker-{run}.log"
         started = time.monotonic()
         worker = start_worker(env, run, log)
-        meter = CpuMeter({"worker": worker.pid, "emulator": emu.process.pid}, db=db).start()
+        meter = CpuMeter({"worker": worker.pid, "emulator": emu.popen.pid}, db=db).start()
         profiler = None
         try:
             with StatsSampler(emu.url) as sampler:
@@ -257,7 +257,7 @@ def run_client_mode(
 ) -> dict[str, Any]:
     with emulator(emu_args) as emu:
         reqs = [Request(r.input_ids, r.sampling, f"{mode}-{r.rid}") for r in requests]
-        meter = CpuMeter({"emulator": emu.process.pid}).start()
+        meter = CpuMeter({"emulator": emu.popen.pid}).start()
         with StatsSampler(emu.url) as sampler:
             run = bare_client_run(emu.url, reqs, window=args.inflight, barrier=mode == "batch")
         cpu = meter.stop()

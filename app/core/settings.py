@@ -289,6 +289,18 @@ def _warn_unknown_env() -> None:
         log.warning("%s", line, extra={"action": "unknown_setting"})
 
 
+def child_environment(
+    extra: Mapping[str, str] | None = None, *, without_settings: bool = False
+) -> dict[str, str]:
+    """The environment for a child process: this process's (without any TOKENMILL_* variable
+    when without_settings: the child reads only the settings given), then extra."""
+    env = {
+        k: v for k, v in os.environ.items() if not (without_settings and k.startswith(ENV_PREFIX))
+    }
+    env.update(extra or {})
+    return env
+
+
 @functools.cache
 def get_settings() -> Settings:
     """The process's settings, read once; unknown TOKENMILL_* variables are warned about."""
@@ -300,6 +312,7 @@ def get_settings() -> Settings:
 __all__ = [
     "SecretStr",
     "Settings",
+    "child_environment",
     "describe_invalid",
     "fixed_inflight",
     "get_settings",

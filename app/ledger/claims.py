@@ -69,7 +69,7 @@ def _text_only() -> Any:
     return items.c.images.is_(None)
 
 
-def _claimable(now: datetime) -> Any:
+def claimable(now: datetime) -> Any:
     """Whether a row found by its id or key may be claimed (its status read as
     common.status_of_found says, so the rows come from the primary key or the run's keys)."""
     status = status_of_found()
@@ -94,7 +94,7 @@ def claim_items(
     if not ids:
         return []
     now = utcnow()
-    where = [items.c.id.in_(_in_id_order(conn, ids)), _claimable(now)]
+    where = [items.c.id.in_(_in_id_order(conn, ids)), claimable(now)]
     if text_only:
         where.append(_text_only())
     stmt = (
@@ -121,7 +121,7 @@ def claimable_image_items(conn: Connection, ids: Sequence[int]) -> list[int]:
     if not ids:
         return []
     stmt = select(items.c.id).where(
-        items.c.id.in_(list(ids)), items.c.images.is_not(None), _claimable(utcnow())
+        items.c.id.in_(list(ids)), items.c.images.is_not(None), claimable(utcnow())
     )
     return sorted(int(i) for i in conn.execute(stmt).scalars())
 
@@ -237,7 +237,7 @@ def claim_next_groups(
         _drop_keys_with_images(conn, run_id, keys, now)
     if not keys:
         return []
-    pick = select(items.c.id).where(_of_keys(run_id, keys), _claimable(now))
+    pick = select(items.c.id).where(_of_keys(run_id, keys), claimable(now))
     ids = list(conn.execute(pick).scalars())
     return claim_items(conn, ids, owner=owner, server=server, lease_s=lease_s, text_only=text_only)
 
@@ -258,7 +258,7 @@ def _drop_keys_with_images(
     with_images = select(items.c.item_key).where(
         _of_keys(run_id, keys),
         items.c.images.is_not(None),
-        _claimable(now),
+        claimable(now),
     )
     for key in conn.execute(with_images).scalars():
         keys.pop(key, None)

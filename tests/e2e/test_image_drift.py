@@ -159,7 +159,7 @@ def test_a_server_restarted_with_other_image_settings_is_paused(
     stays = start_emulator(list(flags))
     restarted = start_emulator_on(cfg, *flags)
     restarted.wait_ready()
-    url = restarted.base_url
+    url = restarted.url
     data = tmp_path / "data"
     runner = subprocess.Popen(
         [sys.executable, "-m", "ops", "run", str(rows), "--run", "restart", "--tokenizer",

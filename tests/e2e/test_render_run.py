@@ -37,16 +37,16 @@ def test_run_renders_every_turn_on_the_server(
     rows = write_rows(tmp_path / "rows.jsonl", chat_rows(16, tools=False))
     with running_emulator(EmulatorConfig(port=0, tokenizer=str(folder), **FAST)) as off:
         args = ["run", str(rows), "--run", "rendered", "--tokenizer", str(kimi_tokenizer_dir)]
-        args += ["--server", same.base_url, "--render-with", off.base_url, "--turns", "all"]
+        args += ["--server", same.url, "--render-with", off.url, "--turns", "all"]
         run = tokenmill([*args, "--max-new-tokens", "24", "--json"], env)
         assert run.returncode == 0, run.stderr
         counts = json.loads(run.stdout)
         assert counts["done"] == counts["total"] > 16  # the multi-turn rows made later turns
-        parity = tokenmill(["parity", "rendered", "--server", off.base_url, "--json"], env)
+        parity = tokenmill(["parity", "rendered", "--server", off.url, "--json"], env)
         assert parity.returncode == 0, parity.stderr
         report = json.loads(parity.stdout)
         assert report["checked"] == counts["total"] and report["mismatched"] == 0
-    local = tokenmill(["parity", "rendered", "--server", same.base_url, "--json"], env)
+    local = tokenmill(["parity", "rendered", "--server", same.url, "--json"], env)
     assert local.returncode == 1
     mismatches = json.loads(local.stdout)["mismatches"]
     assert len(mismatches) == counts["total"]
@@ -67,16 +67,16 @@ def test_run_renders_every_agentic_boundary_on_the_server(
     rows = write_rows(tmp_path / "rows.jsonl", agentic_rows(40))
     with running_emulator(EmulatorConfig(port=0, tokenizer=str(folder), **FAST)) as off:
         args = ["run", str(rows), "--run", "agents", "--tokenizer", str(kimi_tokenizer_dir)]
-        args += ["--server", same.base_url, "--render-with", off.base_url, "--turns", "each"]
+        args += ["--server", same.url, "--render-with", off.url, "--turns", "each"]
         run = tokenmill([*args, "--max-new-tokens", "24", "--json"], env)
         assert run.returncode == 0, run.stderr
         counts = json.loads(run.stdout)
         assert counts["done"] == counts["total"] == 120
-        parity = tokenmill(["parity", "agents", "--server", off.base_url, "--json"], env)
+        parity = tokenmill(["parity", "agents", "--server", off.url, "--json"], env)
         assert parity.returncode == 0, parity.stderr
         assert json.loads(parity.stdout)["equal"] == 120
     # the local template differs wherever a row does not turn thinking off itself
-    local = tokenmill(["parity", "agents", "--server", same.base_url, "--json"], env)
+    local = tokenmill(["parity", "agents", "--server", same.url, "--json"], env)
     assert local.returncode == 1
     thinking_off = [i for i in range(40) if i % 5 == 2]
     assert json.loads(local.stdout)["mismatched"] == 120 - 3 * len(thinking_off)
@@ -98,9 +98,9 @@ def test_require_parity_refuses_a_server_that_renders_differently(
                 "--tokenizer",
                 str(kimi_tokenizer_dir),
                 "--server",
-                off.base_url,
+                off.url,
                 "--render-with",
-                same.base_url,
+                same.url,
                 "--require-parity",
             ],
             env,

@@ -73,8 +73,8 @@ def test_a_sigtermed_server_exits_within_its_drain_and_nothing_fails(
     )
     try:
         wait_for("the first answers", lambda: stats(leaving)["completed"] >= 8, 120)
-        leaving.process.terminate()  # what `systemctl stop` sends
-        code = leaving.process.wait(timeout=60)
+        leaving.popen.terminate()  # what `systemctl stop` sends
+        code = leaving.popen.wait(timeout=60)
         still_running = run.poll() is None
         out, _ = run.communicate(timeout=300)
     finally:

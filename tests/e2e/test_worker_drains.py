@@ -47,8 +47,8 @@ def test_a_sigtermed_server_drains_under_celery_workers_and_nothing_fails(
     workers = start_server_workers(env, [leaving.url, staying.url], tmp_path)
     try:
         wait_for("answers from gpu-0", lambda: counts(pg_engine).done >= 8, 180)
-        leaving.process.terminate()
-        code = leaving.process.wait(timeout=60)
+        leaving.popen.terminate()
+        code = leaving.popen.wait(timeout=60)
         still_running = not counts(pg_engine).finished
         wait_for("the run's end", lambda: counts(pg_engine).finished, 300)
     finally:

@@ -164,7 +164,7 @@ def emu() -> Iterator[EmulatorProcess]:
 
 
 def post(emu: EmulatorProcess, body: Any) -> httpx.Response:
-    return httpx.post(f"{emu.base_url}/generate", json=body, timeout=20)
+    return httpx.post(f"{emu.url}/generate", json=body, timeout=20)
 
 
 def answer(emu: EmulatorProcess, body: Json) -> Any:
@@ -219,7 +219,7 @@ def test_success_shapes_decode(emu: EmulatorProcess) -> None:
 
 def test_stream_events_decode(emu: EmulatorProcess) -> None:
     contract = load_contract()
-    with httpx.stream("POST", f"{emu.base_url}/generate", json=STREAM_BODY, timeout=20) as r:
+    with httpx.stream("POST", f"{emu.url}/generate", json=STREAM_BODY, timeout=20) as r:
         lines = [line for line in r.iter_lines() if line]
     assert lines[-1] == "data: [DONE]"
     events = [decode_response(json.loads(line[len("data: ") :])) for line in lines[:-1]]
@@ -233,7 +233,7 @@ def test_abort_and_queue_full_shapes_decode(emu: EmulatorProcess) -> None:
     with ThreadPoolExecutor(max_workers=2) as pool:
         pending = pool.submit(post, emu, LONG_BATCH_BODY)
         deadline = time.monotonic() + 10
-        while httpx.get(f"{emu.base_url}/emulator/stats").json()["waiting"] != 1:
+        while httpx.get(f"{emu.url}/emulator/stats").json()["waiting"] != 1:
             assert time.monotonic() < deadline and not pending.done()
             time.sleep(0.01)
 
@@ -249,8 +249,8 @@ def test_abort_and_queue_full_shapes_decode(emu: EmulatorProcess) -> None:
             message="The request queue is full.", status_code=503
         )
 
-        httpx.post(f"{emu.base_url}/abort_request", json={"rid": "w_2"})
-        httpx.post(f"{emu.base_url}/abort_request", json={"abort_all": True})
+        httpx.post(f"{emu.url}/abort_request", json={"rid": "w_2"})
+        httpx.post(f"{emu.url}/abort_request", json={"abort_all": True})
         finished = pending.result(timeout=10)
         assert finished.status_code == 200
         answers = decode_response(finished.json())
@@ -269,17 +269,15 @@ def test_error_bodies_decode(emu: EmulatorProcess) -> None:
 
 def test_information_shapes_decode(emu: EmulatorProcess) -> None:
     contract = load_contract()
-    model = contract.GetModelInfoResponse.from_json_value(
-        httpx.get(f"{emu.base_url}/model_info").json()
-    )
+    model = contract.GetModelInfoResponse.from_json_value(httpx.get(f"{emu.url}/model_info").json())
     assert model.model_path == "moonshotai/Kimi-K2.5"
     assert model.weight_version == "default"
     assert model.is_generation
     server = contract.GetServerInfoResponse.from_json_value(
-        httpx.get(f"{emu.base_url}/server_info").json()
+        httpx.get(f"{emu.url}/server_info").json()
     )
     assert server.version == "0.5.23"
     assert server.port == emu.port
     assert server.internal_states and server.internal_states[0]["max_running_requests"] == 2
-    card = httpx.get(f"{emu.base_url}/v1/models").json()["data"][0]
+    card = httpx.get(f"{emu.url}/v1/models").json()["data"][0]
     assert contract.ModelCard.from_json_value(card).max_model_len == CFG.context_length

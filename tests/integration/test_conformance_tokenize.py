@@ -141,7 +141,7 @@ def tokenizer(kimi_tokenizer_dir: Path) -> ChatTokenizer:
 
 
 def post(emulator: EmulatorProcess, path: str, body: Any) -> httpx.Response:
-    return httpx.post(emulator.base_url + path, json=body, timeout=30)
+    return httpx.post(emulator.url + path, json=body, timeout=30)
 
 
 def protocol_accepts(model: Any, body: Json) -> bool:
@@ -221,7 +221,7 @@ def test_a_body_that_is_not_json_content_is_refused(
     protocol: ModuleType, emulator: EmulatorProcess
 ) -> None:
     response = httpx.post(
-        emulator.base_url + "/v1/tokenize",
+        emulator.url + "/v1/tokenize",
         content=b'{"prompt": "x"}',
         headers={"content-type": "text/plain"},
         timeout=30,

@@ -22,7 +22,7 @@ SAMPLING = {"max_new_tokens": 8, "temperature": 0.0}
 
 def test_routes_need_the_key_and_health_probes_do_not() -> None:
     with running_emulator(EmulatorConfig(api_key=KEY, step_ms=0)) as emu:
-        url = emu.base_url
+        url = emu.url
         body = {"input_ids": [1, 2, 3], "sampling_params": SAMPLING}
         assert httpx.get(f"{url}/health").status_code == 200
         assert httpx.get(f"{url}/health_generate").status_code == 200
@@ -41,13 +41,13 @@ def test_routes_need_the_key_and_health_probes_do_not() -> None:
 def test_the_worker_client_sends_the_configured_key() -> None:
     with running_emulator(EmulatorConfig(api_key=KEY, step_ms=0)) as emu:
         keyed = Settings(sglang_api_key=KEY)
-        with client_for(emu.base_url, keyed) as client:
+        with client_for(emu.url, keyed) as client:
             assert client.generate([5, 6, 7], SAMPLING, "rid-1").output_ids
             assert client.fingerprint().version
         assert KEY not in repr(keyed) and KEY not in str(keyed.model_dump())
         # the deployment's fault, not the item's: ServerUnavailable spends no attempt
         with (
-            client_for(emu.base_url, Settings()) as anonymous,
+            client_for(emu.url, Settings()) as anonymous,
             pytest.raises(ServerUnavailable, match="TOKENMILL_SGLANG_API_KEY"),
         ):
             anonymous.generate([5, 6, 7], SAMPLING, "rid-2")
@@ -71,7 +71,7 @@ def test_the_watchdog_reports_a_refused_key_as_auth_not_healthy() -> None:
 
     with running_emulator(EmulatorConfig(api_key=KEY, step_ms=0)) as emu:
         server = ServerInfo(
-            name="gpu-k", url=emu.base_url, state="healthy", state_since=None, paused=False,
+            name="gpu-k", url=emu.url, state="healthy", state_since=None, paused=False,
             paused_by=None, pause_reason=None, consecutive_failures=0, consecutive_successes=0,
             last_probe_at=None, last_probe_ok=None, last_probe_latency_s=None, last_error=None,
             fingerprint=None, restart_command=None, workers=[],

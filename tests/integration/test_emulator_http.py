@@ -37,7 +37,7 @@ HTTP = httpx.Client(timeout=20.0, limits=httpx.Limits(max_connections=64))
 
 def post(emu: EmulatorProcess, body: Any, timeout_s: float = 20.0) -> httpx.Response:
     """POST /generate; bodies meant to be valid go through SGLang's contract first."""
-    return HTTP.post(f"{emu.base_url}/generate", json=body, timeout=timeout_s)
+    return HTTP.post(f"{emu.url}/generate", json=body, timeout=timeout_s)
 
 
 def generate(emu: EmulatorProcess, body: Json, timeout_s: float = 20.0) -> Any:
@@ -48,7 +48,7 @@ def generate(emu: EmulatorProcess, body: Json, timeout_s: float = 20.0) -> Any:
 
 
 def get(emu: EmulatorProcess, path: str, timeout_s: float = 5.0) -> httpx.Response:
-    return HTTP.get(f"{emu.base_url}{path}", timeout=timeout_s)
+    return HTTP.get(f"{emu.url}{path}", timeout=timeout_s)
 
 
 def stats(emu: EmulatorProcess) -> Json:
@@ -159,7 +159,7 @@ def test_stream_sends_cumulative_output_ids_then_done(emu: EmulatorProcess) -> N
         "sampling_params": {"max_new_tokens": 12, "ignore_eos": True},
     }
     validate_request(body)
-    with httpx.stream("POST", f"{emu.base_url}/generate", json=body, timeout=20) as response:
+    with httpx.stream("POST", f"{emu.url}/generate", json=body, timeout=20) as response:
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("text/event-stream")
         lines = [line for line in response.iter_lines() if line]
@@ -177,7 +177,7 @@ def test_stream_sends_cumulative_output_ids_then_done(emu: EmulatorProcess) -> N
 def test_a_batch_stream_tags_events_with_their_index(emu: EmulatorProcess) -> None:
     body = {"input_ids": [[1], [2]], "stream": True, "sampling_params": {"max_new_tokens": 4}}
     validate_request(body)
-    with httpx.stream("POST", f"{emu.base_url}/generate", json=body, timeout=20) as response:
+    with httpx.stream("POST", f"{emu.url}/generate", json=body, timeout=20) as response:
         lines = [line for line in response.iter_lines() if line]
     events = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
     finals = {e["index"]: e for e in events if e["meta_info"]["finish_reason"] is not None}
@@ -239,7 +239,7 @@ def test_invalid_requests_are_400_with_an_error_message(
 
 
 def test_a_body_that_is_not_json_is_a_400(emu: EmulatorProcess) -> None:
-    response = HTTP.post(f"{emu.base_url}/generate", content=b"{nope", timeout=5)
+    response = HTTP.post(f"{emu.url}/generate", content=b"{nope", timeout=5)
     assert response.status_code == 400
     assert response.json()["object"] == "error"
 
@@ -301,7 +301,7 @@ def test_abort_by_rid_answers_200_with_an_abort_finish(
 ) -> None:
     pending = pool.submit(generate, emu, long_body("victim"))
     wait_until(lambda: stats(emu)["running"] == 1, watch=pending)
-    assert HTTP.post(f"{emu.base_url}/abort_request", json={"rid": "victim"}).status_code == 200
+    assert HTTP.post(f"{emu.url}/abort_request", json={"rid": "victim"}).status_code == 200
     answer = pending.result(timeout=10)
     assert answer["meta_info"]["finish_reason"] == {
         "type": "abort",
@@ -320,9 +320,9 @@ def test_abort_of_a_waiting_request_and_abort_all(
         "max_new_tokens": 3000, "ignore_eos": True}}  # fmt: skip
     pending = pool.submit(generate, emu, batch)
     wait_until(lambda: stats(emu)["running"] == 8 and stats(emu)["waiting"] == 1, watch=pending)
-    HTTP.post(f"{emu.base_url}/abort_request", json={"rid": "w_8"})
+    HTTP.post(f"{emu.url}/abort_request", json={"rid": "w_8"})
     wait_until(lambda: stats(emu)["waiting"] == 0)
-    HTTP.post(f"{emu.base_url}/abort_request", json={"abort_all": True})
+    HTTP.post(f"{emu.url}/abort_request", json={"abort_all": True})
     answers = pending.result(timeout=10)
     assert answers[8]["meta_info"]["finish_reason"] == {
         "type": "abort",
@@ -335,20 +335,20 @@ def test_abort_of_a_waiting_request_and_abort_all(
 def test_flush_cache_is_refused_while_requests_run(
     emu: EmulatorProcess, pool: ThreadPoolExecutor
 ) -> None:
-    assert HTTP.post(f"{emu.base_url}/flush_cache").status_code == 200
+    assert HTTP.post(f"{emu.url}/flush_cache").status_code == 200
     pending = pool.submit(generate, emu, long_body("busy"))
     wait_until(lambda: stats(emu)["running"] == 1, watch=pending)
-    refused = HTTP.post(f"{emu.base_url}/flush_cache")
+    refused = HTTP.post(f"{emu.url}/flush_cache")
     assert refused.status_code == 400
-    HTTP.post(f"{emu.base_url}/abort_request", json={"rid": "busy"})
+    HTTP.post(f"{emu.url}/abort_request", json={"rid": "busy"})
     pending.result(timeout=10)
-    assert HTTP.get(f"{emu.base_url}/flush_cache").status_code == 200
+    assert HTTP.get(f"{emu.url}/flush_cache").status_code == 200
 
 
 def test_pause_in_place_holds_requests_until_continue(
     emu: EmulatorProcess, pool: ThreadPoolExecutor
 ) -> None:
-    paused = HTTP.post(f"{emu.base_url}/pause_generation", json={"mode": "in_place"})
+    paused = HTTP.post(f"{emu.url}/pause_generation", json={"mode": "in_place"})
     assert paused.json() == {"message": "Generation paused successfully.", "status": "ok"}
     assert get(emu, "/ready").status_code == 503
     pending = pool.submit(
@@ -356,7 +356,7 @@ def test_pause_in_place_holds_requests_until_continue(
     )
     time.sleep(0.3)
     assert not pending.done()
-    resumed = HTTP.post(f"{emu.base_url}/continue_generation", json={})
+    resumed = HTTP.post(f"{emu.url}/continue_generation", json={})
     assert resumed.json()["status"] == "ok"
     assert pending.result(timeout=10)["meta_info"]["finish_reason"]["type"] in ("stop", "length")
     assert get(emu, "/ready").status_code == 200
@@ -365,12 +365,12 @@ def test_pause_in_place_holds_requests_until_continue(
 def test_pause_abort_aborts_what_runs(emu: EmulatorProcess, pool: ThreadPoolExecutor) -> None:
     running = pool.submit(generate, emu, long_body("p1"))
     wait_until(lambda: stats(emu)["running"] == 1, watch=running)
-    HTTP.post(f"{emu.base_url}/pause_generation", json={})
+    HTTP.post(f"{emu.url}/pause_generation", json={})
     assert running.result(timeout=10)["meta_info"]["finish_reason"]["type"] == "abort"
     held = pool.submit(generate, emu, {"input_ids": [8], "sampling_params": {"max_new_tokens": 2}})
     time.sleep(0.2)
     assert not held.done()
-    HTTP.post(f"{emu.base_url}/continue_generation")
+    HTTP.post(f"{emu.url}/continue_generation")
     assert held.result(timeout=10)["meta_info"]["finish_reason"]["type"] != "abort"
 
 
@@ -470,7 +470,7 @@ def test_a_full_waiting_queue_answers_503(pool: ThreadPoolExecutor) -> None:
         assert streamed.status_code == 200
         event = json.loads(streamed.text.split("\n\n")[0].removeprefix("data: "))
         assert event["meta_info"]["finish_reason"]["status_code"] == 503
-        HTTP.post(f"{process.base_url}/abort_request", json={"abort_all": True})
+        HTTP.post(f"{process.url}/abort_request", json={"abort_all": True})
         assert first.result(timeout=10)["meta_info"]["finish_reason"]["type"] == "abort"
         assert second.result(timeout=10)["meta_info"]["finish_reason"]["type"] == "abort"
         assert stats(process)["rejected_queue_full"] == 2
@@ -617,7 +617,7 @@ def test_step_ms_zero_answers_at_once_and_flags_come_from_the_environment() -> N
         assert (info["model_path"], info["weight_version"]) == ("org/other-model", "v7")
         assert info["reasoning_parser"] == "kimi_k2"
         sampling = {"max_new_tokens": 300}
-        with httpx.Client(base_url=process.base_url) as client:
+        with httpx.Client(base_url=process.url) as client:
             for i in range(300):
                 answer = client.post(
                     "/generate", json={"input_ids": [i + 1], "sampling_params": sampling}

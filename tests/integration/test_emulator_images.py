@@ -42,7 +42,7 @@ SAMPLING = {"max_new_tokens": 8, "temperature": 0.7, "sampling_seed": 11}
 
 
 def post(emu: EmulatorProcess, body: Json) -> httpx.Response:
-    return HTTP.post(f"{emu.base_url}/generate", json=body)
+    return HTTP.post(f"{emu.url}/generate", json=body)
 
 
 def generate(emu: EmulatorProcess, body: Json) -> Any:
@@ -209,21 +209,21 @@ def test_kimi_batch_images_and_the_context_check_on_expanded_length(tmp_path: Pa
                 "length (600 tokens)."
             }
         }
-        before = HTTP.get(f"{emu.base_url}/emulator/stats").json()["vision_tokens"]
+        before = HTTP.get(f"{emu.url}/emulator/stats").json()["vision_tokens"]
         generate(emu, body([7, MEDIA_PAD], [data_uri(png(300, 201))]))
-        after = HTTP.get(f"{emu.base_url}/emulator/stats").json()["vision_tokens"]
+        after = HTTP.get(f"{emu.url}/emulator/stats").json()["vision_tokens"]
         assert after - before == kimi_reference_count(300, 201)  # the encoder's prefill work
 
 
 def test_kimi_info_and_the_process_config_change_the_counts(kimi: EmulatorProcess) -> None:
-    assert HTTP.get(f"{kimi.base_url}/model_info").json()["has_image_understanding"] is True
-    info = HTTP.get(f"{kimi.base_url}/server_info").json()
+    assert HTTP.get(f"{kimi.url}/model_info").json()["has_image_understanding"] is True
+    info = HTTP.get(f"{kimi.url}/server_info").json()
     assert info["mm_process_config"] == {}
     assert info["enable_multimodal"] is True
     limits = {"in_patch_limit": 1024, "patch_limit_on_one_side": 40}
     cfg = dataclasses.replace(KIMI, mm_process_config=json.dumps({"image": limits}))
     with running_emulator(cfg) as emu:
-        info = HTTP.get(f"{emu.base_url}/server_info").json()
+        info = HTTP.get(f"{emu.url}/server_info").json()
         assert info["mm_process_config"] == {"image": limits}
         answer = generate(emu, body([1, MEDIA_PAD], [data_uri(png(1600, 900))]))
         count = kimi_reference_count(1600, 900, **limits)
@@ -238,9 +238,9 @@ def test_a_text_only_emulator_ignores_image_data() -> None:
         answer = generate(emu, body(ids, [data_uri(b"not even an image")]))
         assert answer["prompt_token_ids"] == ids
         assert "image_tokens" not in answer["meta_info"]
-        model = HTTP.get(f"{emu.base_url}/model_info").json()
+        model = HTTP.get(f"{emu.url}/model_info").json()
         assert model["has_image_understanding"] is False
-        assert HTTP.get(f"{emu.base_url}/server_info").json()["enable_multimodal"] is None
+        assert HTTP.get(f"{emu.url}/server_info").json()["enable_multimodal"] is None
 
 
 # --- Qwen -------------------------------------------------------------------------------
@@ -337,10 +337,10 @@ def test_qwen_process_config_changes_the_counts(qwen_folder: Path) -> None:
     bounds = {"min_pixels": 3136, "max_pixels": 100_000}
     cfg = qwen_config(qwen_folder, mm_process_config=json.dumps({"image": bounds}))
     with running_emulator(cfg) as emu:
-        model = HTTP.get(f"{emu.base_url}/model_info").json()
+        model = HTTP.get(f"{emu.url}/model_info").json()
         assert model["has_image_understanding"] is True
         assert model["model_type"] == "qwen2_5_vl"
-        info = HTTP.get(f"{emu.base_url}/server_info").json()
+        info = HTTP.get(f"{emu.url}/server_info").json()
         assert info["mm_process_config"] == {"image": bounds}
         ids = qwen_ids(qwen_folder, "Hi")
         answer = generate(emu, body(ids, [data_uri(png(1024, 768))]))

@@ -125,7 +125,7 @@ def test_the_prompt_log_holds_every_prompt_as_sent_and_its_weights(tmp_path: Pat
         "sampling_params": [{"max_new_tokens": 5, "temperature": 0.6}, {"max_new_tokens": 6}],
     }
     with running_emulator(cfg) as process:
-        assert httpx.post(f"{process.base_url}/generate", json=batch).status_code == 200
+        assert httpx.post(f"{process.url}/generate", json=batch).status_code == 200
     lines = [json.loads(line) for line in log.read_text().splitlines()]
     assert lines == [
         {"rid": "b_0", "input_ids": [1, 2], "sampling_params": batch["sampling_params"][0],

@@ -257,7 +257,7 @@ class Worker:
     released: list[int]
 
     def stats(self) -> dict[str, Any]:
-        stats: dict[str, Any] = httpx.get(f"{self.emulator.base_url}/emulator/stats").json()
+        stats: dict[str, Any] = httpx.get(f"{self.emulator.url}/emulator/stats").json()
         return stats
 
     def server_idle(self) -> bool:
@@ -277,7 +277,7 @@ def make_worker(
     rt = WorkerRuntime(
         settings,
         db=db,
-        server_url=emulator.base_url,
+        server_url=emulator.url,
         server_name=name,
         on_released=lambda ids, wait_s: released.extend(ids),
         backlog=backlog,

@@ -110,10 +110,10 @@ def test_render_with_sends_data_uris_and_parity_is_equal(
     assert producer.enqueue(pg_engine, tokenizer, local, publish=None).inserted == 3
     policy = RenderPolicy(wait_s=5.0, backoff_s=0.1, backoff_max_s=0.5)
     with RenderClient(
-        server.base_url, window=4, connect_timeout_s=2, timeout_s=30, policy=policy
+        server.url, window=4, connect_timeout_s=2, timeout_s=30, policy=policy
     ) as client:
         recording = Recording(client)
-        remote = producer.EnqueueOptions(path, "remote", sampling, render_with=server.base_url)
+        remote = producer.EnqueueOptions(path, "remote", sampling, render_with=server.url)
         report = producer.enqueue(
             pg_engine,
             tokenizer,
@@ -131,6 +131,6 @@ def test_render_with_sends_data_uris_and_parity_is_equal(
 
         with pg_engine.connect() as conn:
             run = run_queries.get_run(conn, "local")
-        parity = check_run(pg_engine, run, client, server=server.base_url)
+        parity = check_run(pg_engine, run, client, server=server.url)
     assert (parity.checked, parity.equal) == (3, 3)
     get_settings.cache_clear()

@@ -105,9 +105,9 @@ def test_render_with_stores_the_servers_rendering(
     db: Engine, tmp_path: Path, same: EmulatorProcess, tokenizer: ChatTokenizer
 ) -> None:
     path = write_rows(tmp_path / "rows.jsonl", chat_rows(40))
-    with client(same.base_url) as renderer:
+    with client(same.url) as renderer:
         report = producer.enqueue(
-            db, tokenizer, options(path, "rw", same.base_url), publish=None, renderer=renderer
+            db, tokenizer, options(path, "rw", same.url), publish=None, renderer=renderer
         )
         assert (report.inserted, report.skipped) == (40, 0)
         rows = stored(db, "rw")
@@ -118,7 +118,7 @@ def test_render_with_stores_the_servers_rendering(
             # the same tokenizer folder on both sides: the client's own templating agrees
             assert item.prompt_ids == tokenizer.apply(item.messages or [])
     with db.connect() as conn:
-        assert run_queries.get_run(conn, "rw").generation.render_with == same.base_url
+        assert run_queries.get_run(conn, "rw").generation.render_with == same.url
     # pinned: enqueueing into the run with local templating is refused
     with pytest.raises(RunMismatch, match="render with"):
         producer.enqueue(db, tokenizer, options(path, "rw", None), publish=None)
@@ -129,9 +129,9 @@ def test_render_with_through_a_different_template_stores_that_template(
 ) -> None:
     """The server decides: its template (thinking off) builds the prompts, not the local one."""
     path = write_rows(tmp_path / "rows.jsonl", chat_rows(8))
-    with client(off.base_url) as renderer:
+    with client(off.url) as renderer:
         producer.enqueue(
-            db, tokenizer, options(path, "off", off.base_url), publish=None, renderer=renderer
+            db, tokenizer, options(path, "off", off.url), publish=None, renderer=renderer
         )
     think, think_end = tokenizer.think_start_id, tokenizer.think_end_id
     for item in stored(db, "off"):
@@ -164,7 +164,7 @@ class KillingClient(RenderClient):
         self, server: EmulatorProcess, *, after: int, wait_s: float, then: Any = None
     ) -> None:
         super().__init__(
-            server.base_url,
+            server.url,
             window=8,
             connect_timeout_s=2,
             timeout_s=30,
@@ -199,7 +199,7 @@ def test_an_outage_longer_than_the_wait_stops_and_a_rerun_completes(
     path = write_rows(tmp_path / "rows.jsonl", chat_rows(lines))
     port = free_port()
     server = _restart_on(port, kimi_tokenizer_dir)
-    url = server.base_url
+    url = server.url
     try:
         # the server dies in the second chunk: the first is stored whole, nothing after it
         after = CHUNK_LINES + 100
@@ -247,7 +247,7 @@ def test_an_agentic_enqueue_waits_out_an_outage_and_loses_and_duplicates_nothing
     path = write_rows(tmp_path / "rows.jsonl", agentic_rows(rows))
     port = free_port()
     servers = [_restart_on(port, kimi_tokenizer_dir)]
-    url = servers[0].base_url
+    url = servers[0].url
 
     def restart_later() -> None:
         time.sleep(1.0)  # the enqueue meets a refused connection meanwhile
@@ -299,7 +299,7 @@ def local_run(tmp_path_factory: pytest.TempPathFactory, kimi_tokenizer_dir: Path
 def test_parity_is_equal_on_a_server_with_the_same_template(
     local_run: dict[str, str], same: EmulatorProcess
 ) -> None:
-    done = tokenmill(["parity", "local", "--server", same.base_url, "--json"], local_run)
+    done = tokenmill(["parity", "local", "--server", same.url, "--json"], local_run)
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     assert set(report) == {
@@ -314,7 +314,7 @@ def test_parity_is_equal_on_a_server_with_the_same_template(
     assert versions["run_transformers"] == transformers.__version__
     assert versions["run_renders_as"] == "5.19.0"
     assert versions["server_sglang"] is not None
-    text = tokenmill(["parity", "local", "--server", same.base_url], local_run)
+    text = tokenmill(["parity", "local", "--server", same.url], local_run)
     assert text.returncode == 0
     assert "40 checked, 40 equal, 0 mismatched" in text.stdout
     assert f"client: transformers {transformers.__version__}" in text.stdout
@@ -323,7 +323,7 @@ def test_parity_is_equal_on_a_server_with_the_same_template(
 def test_parity_reports_every_mismatch_with_a_readable_diff(
     local_run: dict[str, str], off: EmulatorProcess, tokenizer: ChatTokenizer
 ) -> None:
-    done = tokenmill(["parity", "local", "--server", off.base_url, "--json"], local_run)
+    done = tokenmill(["parity", "local", "--server", off.url, "--json"], local_run)
     assert done.returncode == 1, done.stderr
     report = json.loads(done.stdout)
     assert (report["checked"], report["equal"], report["mismatched"]) == (40, 0, 40)
@@ -334,7 +334,7 @@ def test_parity_reports_every_mismatch_with_a_readable_diff(
         assert (mismatch["stored_ids"], mismatch["server_ids"]) == ([], [tokenizer.think_end_id])
         assert (mismatch["stored"], mismatch["server"]) == ("", "</think>")
         assert mismatch["before"].endswith("<|im_assistant|>assistant<|im_middle|><think>")
-    text = tokenmill(["parity", "local", "--server", off.base_url], local_run)
+    text = tokenmill(["parity", "local", "--server", off.url], local_run)
     assert text.returncode == 1
     assert "40 checked, 0 equal, 40 mismatched" in text.stdout
     assert "first difference at token" in text.stdout
@@ -344,7 +344,7 @@ def test_parity_reports_every_mismatch_with_a_readable_diff(
 def test_parity_samples_with_a_seed_and_takes_a_registered_name(
     local_run: dict[str, str], off: EmulatorProcess
 ) -> None:
-    added = tokenmill(["servers", "add", "gpu-off", off.base_url], local_run)
+    added = tokenmill(["servers", "add", "gpu-off", off.url], local_run)
     assert added.returncode == 0, added.stderr
 
     def sampled(seed: int) -> list[int]:
@@ -362,9 +362,9 @@ def test_parity_samples_with_a_seed_and_takes_a_registered_name(
 def test_parity_on_a_server_that_renders_no_chat_fails_at_once_with_one_line(
     local_run: dict[str, str], bare: EmulatorProcess
 ) -> None:
-    added = tokenmill(["servers", "add", "gpu-bare", bare.base_url], local_run)
+    added = tokenmill(["servers", "add", "gpu-bare", bare.url], local_run)
     assert added.returncode == 0, added.stderr
-    for server in ("gpu-bare", bare.base_url):
+    for server in ("gpu-bare", bare.url):
         done = tokenmill(["parity", "local", "--server", server, "--sample", "200"], local_run)
         assert done.returncode == 2, (done.stdout, done.stderr)
         assert done.stdout == ""
@@ -403,8 +403,8 @@ def test_the_watchdog_preflight_records_parity_and_pauses_when_required(
     run_opts = options(path, "pre", None, require_parity=require_parity)
     producer.enqueue(db, tokenizer, run_opts, publish=None)
     with db.begin() as conn:
-        registry.upsert_server(conn, "gpu-same", same.base_url)
-        registry.upsert_server(conn, "gpu-off", off.base_url)
+        registry.upsert_server(conn, "gpu-same", same.url)
+        registry.upsert_server(conn, "gpu-off", off.url)
     settings = Settings(data_dir=tmp_path, successes_to_up=1, parity_sample=4)
     control = RecordingControl()
     gate = ParityGate(settings)
@@ -452,7 +452,7 @@ def test_the_preflight_on_a_server_that_renders_no_chat_records_one_unchecked_ev
     path = write_rows(tmp_path / "rows.jsonl", chat_rows(6))
     producer.enqueue(db, tokenizer, options(path, "nochat", None), publish=None)
     with db.begin() as conn:
-        registry.upsert_server(conn, "gpu-bare", bare.base_url)
+        registry.upsert_server(conn, "gpu-bare", bare.url)
     settings = Settings(data_dir=tmp_path, successes_to_up=1, parity_sample=4)
     for _ in range(2):  # the second round sees the server healthy already: no new check
         run_watchdog(db, settings, RecordingControl(), parity=ParityGate(settings))
@@ -487,7 +487,7 @@ def agentic_run(
 def test_agentic_boundaries_are_equal_on_a_server_with_the_same_template(
     agentic_run: dict[str, str], same: EmulatorProcess
 ) -> None:
-    done = tokenmill(["parity", "agents", "--server", same.base_url, "--json"], agentic_run)
+    done = tokenmill(["parity", "agents", "--server", same.url, "--json"], agentic_run)
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     assert (report["checked"], report["equal"], report["mismatched"]) == (120, 120, 0)
@@ -498,7 +498,7 @@ def test_agentic_boundaries_differ_where_the_templates_do(
 ) -> None:
     """Rows that turn thinking off render alike on both templates; every other prompt differs
     and is reported."""
-    done = tokenmill(["parity", "agents", "--server", off.base_url, "--json"], agentic_run)
+    done = tokenmill(["parity", "agents", "--server", off.url, "--json"], agentic_run)
     assert done.returncode == 1, done.stderr
     report = json.loads(done.stdout)
     thinking_off = {f"agent-{i:03d}" for i in range(40) if i % 5 == 2}

@@ -167,13 +167,13 @@ def test_a_drain_and_a_refused_key_are_their_own_states_on_a_real_server(
         running_emulator(EmulatorConfig(port=0, step_ms=0, api_key="k")) as locked,
     ):
         with db.begin() as conn:
-            registry.upsert_server(conn, "gpu-d", leaving.base_url)
-            registry.upsert_server(conn, "gpu-k", locked.base_url)
+            registry.upsert_server(conn, "gpu-d", leaving.url)
+            registry.upsert_server(conn, "gpu-k", locked.url)
         assert run_watchdog(db, settings, control) == {"gpu-d": "healthy", "gpu-k": "auth"}
-        with httpx.Client(base_url=leaving.base_url, timeout=30) as client:
+        with httpx.Client(base_url=leaving.url, timeout=30) as client:
             out = ThreadPoolExecutor(1).submit(client.post, "/generate", json=body)
             deadline = time.monotonic() + 10
-            while not httpx.get(f"{leaving.base_url}/emulator/stats").json()["running"]:
+            while not httpx.get(f"{leaving.url}/emulator/stats").json()["running"]:
                 assert time.monotonic() < deadline
                 time.sleep(0.02)
             leaving.terminate()

@@ -1,26 +1,21 @@
 """Run the SGLang emulator for a test: `python -m emulator` in a subprocess, killed afterwards.
 
-`running_emulator(cfg)` yields an `EmulatorProcess` (base_url, popen, captured output) once ready;
-`config_flags(cfg)` turns an EmulatorConfig into the matching command-line flags.
+`running_emulator(cfg)` yields an `EmulatorProcess` (ops.emulator_proc's: url, popen, captured
+output) once ready; `config_flags(cfg)` turns an EmulatorConfig into the matching command-line
+flags.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
-import signal
 import socket
-import subprocess
-import sys
-import threading
-import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-import httpx
-
 from emulator.config import EmulatorConfig
+from ops.emulator_proc import EmulatorProcess as EmulatorProcess
+from ops.emulator_proc import launch_emulator
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LISTENING_PREFIX = "listening on "
@@ -52,91 +47,6 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-class EmulatorProcess:
-    """A running `python -m emulator`; stdout and stderr lines are collected as they come."""
-
-    def __init__(
-        self, popen: subprocess.Popen[str], host: str, port: int | None, api_key: str | None = None
-    ) -> None:
-        self.popen = popen
-        self.host = host
-        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.port = port
-        self.stdout: list[str] = []
-        self.stderr: list[str] = []
-        self._changed = threading.Condition()
-        for stream, lines in ((popen.stdout, self.stdout), (popen.stderr, self.stderr)):
-            threading.Thread(target=self._pump, args=(stream, lines), daemon=True).start()
-
-    def _pump(self, stream: object, lines: list[str]) -> None:
-        for line in stream:  # type: ignore[attr-defined]
-            with self._changed:
-                lines.append(line.rstrip("\n"))
-                self._changed.notify_all()
-        with self._changed:
-            self._changed.notify_all()
-
-    @property
-    def base_url(self) -> str:
-        if self.port is None:
-            raise RuntimeError("the emulator has not bound its port yet")
-        return f"http://{self.host}:{self.port}"
-
-    def wait_for_line(self, text: str, timeout_s: float = 20.0, *, stderr: bool = False) -> str:
-        """The first output line containing `text` (stdout, or stderr where the logs go)."""
-        lines = self.stderr if stderr else self.stdout
-        deadline = time.monotonic() + timeout_s
-        with self._changed:
-            while True:
-                for line in lines:
-                    if text in line:
-                        return line
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 or self.popen.poll() is not None:
-                    raise TimeoutError(
-                        f"no line with {text!r} (exit {self.popen.poll()}); "
-                        f"stderr tail: {self.stderr[-5:]}"
-                    )
-                self._changed.wait(min(remaining, 0.1))
-
-    def wait_listening(self, timeout_s: float = 20.0) -> int:
-        line = self.wait_for_line(LISTENING_PREFIX, timeout_s)
-        self.port = int(line.rsplit(":", 1)[1])
-        return self.port
-
-    def wait_ready(self, timeout_s: float = 20.0) -> None:
-        """Until GET /ready answers 200 (after startup delay and warmup)."""
-        deadline = time.monotonic() + timeout_s
-        if self.port is None:
-            self.wait_listening(timeout_s)
-        while True:
-            with contextlib.suppress(httpx.HTTPError):
-                if (
-                    httpx.get(
-                        self.base_url + "/ready", timeout=1.0, headers=self.headers
-                    ).status_code
-                    == 200
-                ):
-                    return
-            if time.monotonic() > deadline or self.popen.poll() is not None:
-                raise TimeoutError(f"emulator not ready; stderr tail: {self.stderr[-5:]}")
-            time.sleep(0.02)
-
-    def terminate(self) -> None:
-        """SIGTERM: the graceful shutdown (drain, then exit 0)."""
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-
-    def stop(self, timeout_s: float = 10.0) -> int:
-        """SIGTERM, then SIGKILL if it has not exited in time; returns the exit code."""
-        self.terminate()
-        try:
-            return self.popen.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.popen.kill()
-            return self.popen.wait()
-
-
 def start_emulator(
     cfg: EmulatorConfig | None = None,
     *extra_flags: str,
@@ -144,21 +54,14 @@ def start_emulator(
 ) -> EmulatorProcess:
     """Start `python -m emulator` (port 0 unless the config names one); does not wait."""
     cfg = cfg or EmulatorConfig(port=0)
-    command = [sys.executable, "-m", "emulator", *config_flags(cfg), *extra_flags]
+    command = [*config_flags(cfg), *extra_flags]
     port: int | None = cfg.port or None
     if cfg.port == _DEFAULTS.port and "--port" not in extra_flags:
         command += ["--port", "0"]  # never the real default port in a test
         port = None
-    popen = subprocess.Popen(
-        command,
-        cwd=REPO_ROOT,
-        env={**os.environ, **(env or {})},
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+    return launch_emulator(
+        command, env=env, cwd=REPO_ROOT, host=cfg.host, port=port, api_key=cfg.api_key
     )
-    return EmulatorProcess(popen, cfg.host, port, cfg.api_key)
 
 
 @contextlib.contextmanager

@@ -1,52 +1,37 @@
-"""Real processes for end-to-end tests: the tokenmill CLI and `celery -A app worker`/`beat`,
-each with an environment that names only the services the test chose."""
+"""Real processes for end-to-end tests: the harness of ops.processes (the tokenmill CLI, celery
+workers and beat, environments naming only the services the test chose, stopping them) with the
+tests' defaults, a terminal for redrawn views, and waiting for what a test expects."""
 
 from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def clean_env(data_dir: Path, **settings: str) -> dict[str, str]:
-    """The test process's environment without any TOKENMILL_* setting, plus `settings`."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENMILL_")}
-    env["TOKENMILL_DATA_DIR"] = str(data_dir)
-    env.update(settings)
-    return env
+from ops import processes
+from ops.processes import ROOT as ROOT
+from ops.processes import clean_env as clean_env
+from ops.processes import start_celery as start_celery
+from ops.processes import start_worker as start_worker
+from ops.processes import stop as stop
+from ops.processes import tokenmill as tokenmill
 
 
 def service_env(pg_url: str, redis_url: str, data_dir: Path, **extra: str) -> dict[str, str]:
-    """Settings for a distributed deployment on the test's Postgres and Redis."""
-    return clean_env(
+    """Settings for a distributed deployment on the test's Postgres and Redis, with the tests'
+    small batches, window and heartbeat."""
+    return processes.service_env(
+        pg_url,
+        redis_url,
         data_dir,
-        TOKENMILL_DATABASE_URL=pg_url,
-        TOKENMILL_BROKER_URL=redis_url,
         TOKENMILL_BATCH_SIZE="4",
         TOKENMILL_INFLIGHT="8",
         TOKENMILL_HEARTBEAT_S="2",
         **extra,
-    )
-
-
-def tokenmill(
-    args: list[str], env: dict[str, str], cwd: Path = ROOT, timeout_s: float = 300
-) -> subprocess.CompletedProcess[str]:
-    """Run `tokenmill ARGS` (as `python -m ops`) to completion."""
-    return subprocess.run(
-        [sys.executable, "-m", "ops", *args],
-        env=env,
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
     )
 
 
@@ -104,23 +89,6 @@ def run_args(prompts: Path, run: str, tokenizer: Path, servers: list[str]) -> li
     return [*argv, "--max-new-tokens", "32"]
 
 
-def start_celery(kind: str, env: dict[str, str], log: Path, *args: str) -> subprocess.Popen[bytes]:
-    """`celery -A app worker|beat ARGS`, output to log."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "app", kind, "--loglevel", "INFO", *args],
-        env=env,
-        cwd=ROOT,
-        stdout=log.open("wb"),
-        stderr=subprocess.STDOUT,
-    )
-
-
-def start_worker(env: dict[str, str], name: str, log: Path) -> subprocess.Popen[bytes]:
-    return start_celery(
-        "worker", env, log, "-n", f"{name}@%h", "--without-mingle", "--without-gossip", "-E"
-    )
-
-
 def start_server_workers(
     env: dict[str, str], urls: list[str], folder: Path
 ) -> list[subprocess.Popen[bytes]]:
@@ -133,19 +101,6 @@ def start_server_workers(
         )
         for i, url in enumerate(urls)
     ]
-
-
-def stop(procs: list[subprocess.Popen[bytes]], timeout_s: float = 60) -> None:
-    """SIGTERM (a warm shutdown), then SIGKILL whatever is still there."""
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    for p in procs:
-        try:
-            p.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
 
 
 def wait_for(
