@@ -42,7 +42,8 @@ from ops.options import (
 if TYPE_CHECKING:
     from app.core.settings import Settings
     from app.ledger.run_queries import RunInfo
-    from app.outputs.export import ExportFormat
+    from app.outputs.export import ExportFormat, ExportReport
+    from app.outputs.split import Selection
     from app.prompts.tokenization import ChatTokenizer
     from workers.intake.producer import EnqueueOptions, EnqueueReport
 
@@ -549,56 +550,18 @@ def export_cmd(
 
         export_to_storage(run_name, out, weight_version, allow_mixed_weights, with_images)
         return
-    from rich.markup import escape
-
     from app.ledger import run_queries
     from app.outputs.export import export_run
-    from app.outputs.split import manifest_path
-    from app.prompts.tokenization import load_for_run
 
-    console = err_console()
     db = open_db()
     with db.connect() as conn:
         run = run_queries.get_run(conn, run_name)
-    tokenizer: ChatTokenizer | None = None
+    tokenizer = None
     if whole_conversation or fmt == "conversations" or exclude_file:
-        # the run's pinned --trust-remote-code covers the code it was made with, not changed code
-        changes = pinned_folder_changes(run)
-        if changes and run.generation.trust_remote_code:
-            raise RunMismatch(
-                f"the tokenizer files at {run.generation.tokenizer_path} changed since run "
-                f"{run.name} pinned them, so their code is not run: {'; '.join(changes)}"
-            )
-        tokenizer = load_for_run(
-            run.generation.tokenizer_path,
-            trust_remote_code=run.generation.trust_remote_code,
-            chat_pins=run.generation.chat_pins,
-        )
-        if whole_conversation and tokenizer.chat_template_hash != run.generation.chat_template_hash:
-            # the loss mask spans come from the run's own template
-            raise ConfigurationError(
-                f"the chat template at {run.generation.tokenizer_path} differs from the one run "
-                f"{run.name} pinned; --whole-conversation needs the run's own template"
-            )
-        if changes:
-            console.print(
-                "[yellow]warning:[/yellow] the tokenizer at "
-                f"{escape(run.generation.tokenizer_path)} changed since the run was created: "
-                f"{escape('; '.join(changes))}",
-                markup=True,
-                soft_wrap=True,
-            )
+        tokenizer = _export_tokenizer(run, whole_conversation=whole_conversation)
     selection = None
     if split_text or exclude_file:
-        from app.outputs.split import Selection, load_exclusion, parse_split
-
-        selection = Selection(
-            eval_fraction=parse_split(split_text) if split_text else None,
-            seed=split_seed,
-            exclusion=(
-                load_exclusion(exclude_file, run, tokenizer) if exclude_file and tokenizer else None
-            ),
-        )
+        selection = _export_selection(run, tokenizer, split_text, split_seed, exclude_file)
     report = export_run(
         db,
         run,
@@ -613,6 +576,77 @@ def export_cmd(
         with_images=with_images,
         text_only=text_only,
     )
+    _print_export_report(report, Path(out), selection, with_images=with_images, text_only=text_only)
+
+
+def _export_tokenizer(run: RunInfo, *, whole_conversation: bool) -> ChatTokenizer:
+    """The run's tokenizer with its pinned chat template (conversations, --whole-conversation,
+    --exclude): refused when its custom code changed, a warning when other files did."""
+    from rich.markup import escape
+
+    from app.prompts.tokenization import load_for_run
+
+    # the run's pinned --trust-remote-code covers the code it was made with, not changed code
+    changes = pinned_folder_changes(run)
+    if changes and run.generation.trust_remote_code:
+        raise RunMismatch(
+            f"the tokenizer files at {run.generation.tokenizer_path} changed since run {run.name} "
+            f"pinned them, so their code is not run: {'; '.join(changes)}"
+        )
+    tokenizer = load_for_run(
+        run.generation.tokenizer_path,
+        trust_remote_code=run.generation.trust_remote_code,
+        chat_pins=run.generation.chat_pins,
+    )
+    if whole_conversation and tokenizer.chat_template_hash != run.generation.chat_template_hash:
+        # the loss mask spans come from the run's own template
+        raise ConfigurationError(
+            f"the chat template at {run.generation.tokenizer_path} differs from the one run "
+            f"{run.name} pinned; --whole-conversation needs the run's own template"
+        )
+    if changes:
+        err_console().print(
+            f"[yellow]warning:[/yellow] the tokenizer at {escape(run.generation.tokenizer_path)} "
+            f"changed since the run was created: {escape('; '.join(changes))}",
+            markup=True,
+            soft_wrap=True,
+        )
+    return tokenizer
+
+
+def _export_selection(
+    run: RunInfo,
+    tokenizer: ChatTokenizer | None,
+    split_text: str | None,
+    split_seed: int,
+    exclude_file: Path | None,
+) -> Selection:
+    """Which rows go where: --split's held-out fraction and --exclude's prompts."""
+    from app.outputs.split import Selection, load_exclusion, parse_split
+
+    return Selection(
+        eval_fraction=parse_split(split_text) if split_text else None,
+        seed=split_seed,
+        exclusion=(
+            load_exclusion(exclude_file, run, tokenizer) if exclude_file and tokenizer else None
+        ),
+    )
+
+
+def _print_export_report(
+    report: ExportReport,
+    out: Path,
+    selection: Selection | None,
+    *,
+    with_images: bool,
+    text_only: bool,
+) -> None:
+    """What the export wrote: samples and tokens, images copied, the split's files."""
+    from rich.markup import escape
+
+    from app.outputs.split import manifest_path
+
+    console = err_console()
     left_out = f"; left out {report.image_rows_left_out} image samples" if text_only else ""
     console.print(
         f"wrote {report.rows} samples ({report.truncated} truncated, "
@@ -620,11 +654,11 @@ def export_cmd(
     )
     if with_images:
         console.print(
-            f"copied {report.images} images to {escape(str(Path(out).parent / 'images'))}; "
-            f"listed in {escape(str(manifest_path(Path(out))))}"
+            f"copied {report.images} images to {escape(str(out.parent / 'images'))}; "
+            f"listed in {escape(str(manifest_path(out)))}"
         )
     if selection is not None:
-        for line in selection.summary(Path(out)):
+        for line in selection.summary(out):
             console.print(escape(line))
 
 
