@@ -21,7 +21,7 @@ COMMANDS = {
     "enqueue": "ops.pipeline_cmd:enqueue_cmd",
     "run": "ops.run_cmd:run_cmd",
     "status": "ops.status_cmd:status_cmd",
-    "export": "ops.pipeline_cmd:export_cmd",
+    "export": "ops.export_cmd:export_cmd",
     "reconcile": "ops.pipeline_cmd:reconcile_cmd",
     "retry": "ops.retry_cmd:retry_cmd",
     "demo": "ops.demo_cmd:demo_cmd",
