@@ -1,8 +1,8 @@
 """The layout rules of the house style, checked on the source: imports flow bench → ops → workers
 → app, the emulator (a second program) sits beside workers and only ops and bench import it, no
 import cycles (bench included), no view (ops/views/) importing a command, no module holding a
-third of the code or over 600 lines, a docstring on each, no private name read across modules, no function over
-100 lines, an `action` on every log line at INFO and above."""
+third of the code or over 600 lines, a docstring on each, no private name read across modules,
+no function over 100 lines, an `action` on every log line at INFO and above."""
 
 from __future__ import annotations
 
