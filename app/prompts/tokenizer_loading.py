@@ -55,6 +55,15 @@ _BASE_CLASSES = ("PreTrainedTokenizer", "PreTrainedTokenizerBase")
 # from_pretrained, and a thread reaching a class another thread is importing fails to import
 # it (transformers itself is first imported through imported_transformers, for the same reason)
 _LOAD_LOCK = threading.Lock()
+# the components check_faithful compares, and the rest of a tokenizer.json that carries only
+# them (an empty vocabulary: the check never builds the declared model)
+_CHECKED_PARTS = ("pre_tokenizer", "normalizer")
+_UNK = "[UNK]"
+_EMPTY_TOKENIZER: dict[str, Any] = {
+    "version": "1.0",
+    "added_tokens": [],
+    "model": {"type": "WordLevel", "vocab": {}, "unk_token": _UNK},
+}
 
 
 def load_as_sglang(folder: Path, *, trust_remote_code: bool) -> Any:
@@ -129,6 +138,34 @@ def _declared(folder: Path) -> Any | None:
         raise TokenizerError(f"cannot read {file} to check the tokenizer: {exc}") from exc
 
 
+def _declared_parts(folder: Path) -> dict[str, Any] | None:
+    """tokenizer.json's pre-tokenizer and normalizer as the tokenizers library writes them back
+    (its defaults filled in), or None without the file; the vocabulary is not built."""
+    file = folder / "tokenizer.json"
+    if not file.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    try:
+        declared = json.loads(file.read_text(encoding="utf-8"))
+        parts = {part: declared.get(part) for part in _CHECKED_PARTS}
+        raw = Tokenizer.from_str(json.dumps({**_EMPTY_TOKENIZER, **parts}))
+        return _parts_json(raw.pre_tokenizer, raw.normalizer)
+    except Exception as exc:  # the loader itself read it, so this is the check's own failure
+        raise TokenizerError(f"cannot read {file} to check the tokenizer: {exc}") from exc
+
+
+def _parts_json(pre_tokenizer: Any, normalizer: Any) -> dict[str, Any]:
+    """The JSON of a pre-tokenizer and a normalizer, as a tokenizer holding only them writes it."""
+    from tokenizers import Tokenizer, models
+
+    holder = Tokenizer(models.WordLevel({}, unk_token=_UNK))
+    holder.pre_tokenizer = pre_tokenizer
+    holder.normalizer = normalizer
+    written: dict[str, Any] = json.loads(holder.to_str())
+    return {part: written.get(part) for part in _CHECKED_PARTS}
+
+
 def restore_declared_components(tokenizer: Any, folder: Path) -> None:
     """tokenizer.json's pre-tokenizer and decoder, where the class replaced the pre-tokenizer
     with one of another kind."""
@@ -183,12 +220,12 @@ def fix_special_tokens_pattern(tokenizer: Any) -> None:
 def check_faithful(tokenizer: Any, folder: Path) -> None:
     """TokenizerError when the pre-tokenizer or normalizer in use is not tokenizer.json's."""
     backend: Any = getattr(tokenizer, "_tokenizer", None)
-    raw: Any = _declared(folder) if backend is not None else None
-    if raw is None:
+    declared_json = _declared_parts(folder) if backend is not None else None
+    if declared_json is None:
         return
-    declared_json, loaded_json = json.loads(raw.to_str()), json.loads(backend.to_str())
+    loaded_json = _parts_json(backend.pre_tokenizer, backend.normalizer)
     forced = class_forced_by_model_type(folder)
-    for part in ("pre_tokenizer", "normalizer"):
+    for part in _CHECKED_PARTS:
         declared, loaded = _effective(declared_json.get(part)), _effective(loaded_json.get(part))
         if declared == loaded:
             continue

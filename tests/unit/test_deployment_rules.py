@@ -128,6 +128,29 @@ def test_a_tokenizer_unfaithful_to_its_file_is_refused_until_restored() -> None:
     assert tokenizer.decode(ids) == " is the capital of France?"
 
 
+def test_the_faithful_check_compares_the_normalizer_and_reads_an_empty_sequence_as_none(
+    tmp_path: Path,
+) -> None:
+    """A normalizer other than tokenizer.json's is refused, naming both; a Sequence of no
+    normalizers is none; a tokenizer.json the check cannot read is the check's own error."""
+    from tokenizers import Tokenizer, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    raw = Tokenizer(models.WordLevel({"[UNK]": 0, "hi": 1}, unk_token="[UNK]"))
+    raw.normalizer = normalizers.Sequence([])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="[UNK]")
+    tokenizer.save_pretrained(tmp_path)
+    check_faithful(tokenizer, tmp_path)
+    tokenizer._tokenizer.normalizer = None
+    check_faithful(tokenizer, tmp_path)
+    tokenizer._tokenizer.normalizer = normalizers.NFC()
+    with pytest.raises(TokenizerError, match=r"normalizer .*declared none, in use NFC"):
+        check_faithful(tokenizer, tmp_path)
+    (tmp_path / "tokenizer.json").write_text("{", encoding="utf-8")
+    with pytest.raises(TokenizerError, match=r"cannot read .*tokenizer\.json to check"):
+        check_faithful(tokenizer, tmp_path)
+
+
 def test_an_image_placeholder_written_as_text_is_refused() -> None:
     turns = [{"role": "user", "content": "look <|media_pad|> here"}]
     with pytest.raises(InputError, match=r"messages\[0\].*<\|media_pad\|>"):
