@@ -1,11 +1,13 @@
 """Fixtures shared by every layer: real Postgres and Redis, SQLite ledgers, the fixture tokenizer.
 
-Integration tests get a private Postgres database for the session, emptied between tests.
+Integration tests get a private Postgres database for the session, emptied between tests; a
+SQLite ledger is a copy of one file migrated once per session.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -71,10 +73,30 @@ def pg_engine(pg_url: str) -> Iterator[Engine]:
     engine.dispose()
 
 
-@pytest.fixture
-def sqlite_engine(tmp_path: Path) -> Iterator[Engine]:
-    engine = make_engine(f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
+@pytest.fixture(scope="session")
+def sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A SQLite ledger file migrated to head once per session, its WAL folded in: tests copy it
+    (`migrated_sqlite`) rather than run every revision again."""
+    file = tmp_path_factory.mktemp("sqlite-template") / "ledger.sqlite3"
+    engine = make_engine(f"sqlite:///{file}")
     upgrade(engine)
+    with engine.connect() as conn:
+        conn.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
+    engine.dispose()
+    return file
+
+
+def migrated_sqlite(template: Path, file: Path) -> Engine:
+    """An engine on a copy of the migrated template at file (its folder made if missing)."""
+    file.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(template, file)
+    return make_engine(f"sqlite:///{file}")
+
+
+@pytest.fixture
+def sqlite_engine(tmp_path: Path, sqlite_template: Path) -> Iterator[Engine]:
+    """A SQLite ledger at head of its own (tmp_path/ledger.sqlite3)."""
+    engine = migrated_sqlite(sqlite_template, tmp_path / "ledger.sqlite3")
     yield engine
     engine.dispose()
 

@@ -30,13 +30,12 @@ from app.ledger import claims, queue, registry, run_queries
 from app.ledger import outcomes as ledger_outcomes
 from app.ledger.claims import claimable_image_items, text_items_left
 from app.ledger.common import items, runs
-from app.ledger.database import make_engine
 from app.ledger.image_tokens import note_image_tokens, pin_image_settings
-from app.ledger.migrate import upgrade
 from app.ledger.outcomes import Done
 from app.storage.image_store import put_image
 from app.storage.shards import open_location
 from ops.emulator_proc import start_emulator
+from tests.conftest import migrated_sqlite
 from tests.support.procs import clean_env, tokenmill
 from tests.support.runs import make_run
 from workers.engine import fake_client
@@ -484,10 +483,9 @@ def ledger_id(db: Engine, run: run_queries.RunInfo) -> int:
 
 
 def test_status_says_why_image_items_wait_when_no_registered_server_reads_images(
-    tmp_path: Path, pictures: list[ImageRef]
+    tmp_path: Path, pictures: list[ImageRef], sqlite_template: Path
 ) -> None:
-    engine = make_engine(f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
-    upgrade(engine)
+    engine = migrated_sqlite(sqlite_template, tmp_path / "ledger.sqlite3")
     run = image_run(engine, "pics")
     add(engine, run, "p", [1, PAD], pictures[:1])
     text_only = ServerFingerprint(model_path="m", version="0.5.23").to_json()

@@ -11,8 +11,7 @@ from sqlalchemy import update
 
 from app.ledger import event_log, registry
 from app.ledger.common import items
-from app.ledger.database import make_engine
-from app.ledger.migrate import upgrade
+from tests.conftest import migrated_sqlite
 from tests.support.procs import clean_env, tokenmill
 from tests.support.runs import add_item, make_run
 
@@ -29,9 +28,10 @@ def header_of(lines: list[str]) -> list[str]:
     return " ".join(lines[: lines.index(next(x for x in lines if "───" in x))]).split()
 
 
-def test_names_and_numbers_are_whole_and_waiting_shows_only_when_used(tmp_path: Path) -> None:
-    engine = make_engine(f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
-    upgrade(engine)
+def test_names_and_numbers_are_whole_and_waiting_shows_only_when_used(
+    tmp_path: Path, sqlite_template: Path
+) -> None:
+    engine = migrated_sqlite(sqlite_template, tmp_path / "ledger.sqlite3")
     with engine.begin() as conn:
         run = make_run(conn, LONG_RUN)
         for i in range(12):
@@ -57,8 +57,7 @@ def test_names_and_numbers_are_whole_and_waiting_shows_only_when_used(tmp_path: 
 
     short = tmp_path / "short"
     short.mkdir()
-    engine = make_engine(f"sqlite:///{short / 'ledger.sqlite3'}")
-    upgrade(engine)
+    engine = migrated_sqlite(sqlite_template, short / "ledger.sqlite3")
     with engine.begin() as conn:
         add_item(conn, make_run(conn, "r1").id, "k", completion_tokens=5)
     lines, err = run_tokenmill(short, "status")
@@ -69,9 +68,10 @@ NAME = "localhost:30000"  # what a worker names its server from a loopback URL
 URL = "http://gpu-node-a.cluster.example.internal:30000"
 
 
-def test_servers_keep_names_and_urls_whole_and_show_only_a_current_error(tmp_path: Path) -> None:
-    engine = make_engine(f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
-    upgrade(engine)
+def test_servers_keep_names_and_urls_whole_and_show_only_a_current_error(
+    tmp_path: Path, sqlite_template: Path
+) -> None:
+    engine = migrated_sqlite(sqlite_template, tmp_path / "ledger.sqlite3")
     with engine.begin() as conn:
         for name in (NAME, "gpu-b"):
             registry.upsert_server(conn, name, URL.replace("node-a", name.split(":")[0]))
