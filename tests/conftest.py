@@ -25,6 +25,7 @@ from app.ledger.database import make_engine
 from app.ledger.migrate import upgrade
 
 if TYPE_CHECKING:
+    from app.prompts.tokenization import ChatTokenizer
     from tests.support.sglang_http.harness import SGLangServer
 
 # Tests run the commands users type (`tokenmill`, `celery -A app worker`) by name: they are the
@@ -114,6 +115,15 @@ def kimi_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from emulator.fixtures.kimi import ensure_kimi_tokenizer
 
     return ensure_kimi_tokenizer(tmp_path_factory.mktemp("tokenizers"))
+
+
+@pytest.fixture(scope="session")
+def kimi_tokenizer(kimi_tokenizer_dir: Path) -> ChatTokenizer:
+    """The fixture tokenizer loaded once per session, for tests that only read it (a test
+    that changes its tokenizer loads its own)."""
+    from app.prompts.tokenization import load_tokenizer
+
+    return load_tokenizer(kimi_tokenizer_dir)
 
 
 @pytest.fixture(scope="session")

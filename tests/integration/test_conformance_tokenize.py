@@ -136,8 +136,8 @@ def emulator(kimi_tokenizer_dir: Path) -> Iterator[EmulatorProcess]:
 
 
 @pytest.fixture(scope="module")
-def tokenizer(kimi_tokenizer_dir: Path) -> ChatTokenizer:
-    return load_tokenizer(kimi_tokenizer_dir)
+def tokenizer(kimi_tokenizer: ChatTokenizer) -> ChatTokenizer:
+    return kimi_tokenizer
 
 
 def post(emulator: EmulatorProcess, path: str, body: Any) -> httpx.Response:

@@ -15,7 +15,7 @@ from sqlalchemy import Engine
 from app.core.contracts import SamplingParams
 from app.core.errors import InputError
 from app.ledger import reads, run_queries
-from app.prompts.tokenization import ChatTokenizer, load_tokenizer
+from app.prompts.tokenization import ChatTokenizer
 from workers.intake.producer import EnqueueOptions, enqueue
 
 ROWS: list[dict[str, Any]] = [
@@ -34,8 +34,8 @@ ROWS: list[dict[str, Any]] = [
 
 
 @pytest.fixture(scope="module")
-def tokenizer(kimi_tokenizer_dir: Path) -> ChatTokenizer:
-    return load_tokenizer(kimi_tokenizer_dir)
+def tokenizer(kimi_tokenizer: ChatTokenizer) -> ChatTokenizer:
+    return kimi_tokenizer
 
 
 def stored(db: Engine, run_name: str) -> list[tuple[Any, ...]]:

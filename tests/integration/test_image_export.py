@@ -19,7 +19,7 @@ from app.outputs.export import export_run
 from app.outputs.image_rows import ImageExportError
 from app.outputs.parquet_export import check_export, export_parquet
 from app.outputs.verify import CHECK_PROMPT, verify_run
-from app.prompts.tokenization import ChatTokenizer, load_tokenizer
+from app.prompts.tokenization import ChatTokenizer
 from app.storage.image_store import image_uri
 from tests.support.image_exports import run_readme_snippet
 from tests.support.image_runs import PAD, count_image_reads, make_image_run, served
@@ -28,8 +28,8 @@ from workers.control.compaction import compact_run
 
 
 @pytest.fixture(scope="module")
-def tokenizer(kimi_tokenizer_dir: Path) -> ChatTokenizer:
-    return load_tokenizer(kimi_tokenizer_dir)
+def tokenizer(kimi_tokenizer: ChatTokenizer) -> ChatTokenizer:
+    return kimi_tokenizer
 
 
 def read_jsonl(path: Path) -> dict[str, dict[str, Any]]:

@@ -12,13 +12,13 @@ from sqlalchemy import Engine
 from app.core.contracts import SamplingParams
 from app.core.errors import RunMismatch
 from app.ledger import reads, run_queries
-from app.prompts.tokenization import ChatTokenizer, load_tokenizer
+from app.prompts.tokenization import ChatTokenizer
 from workers.intake.producer import EnqueueOptions, enqueue
 
 
 @pytest.fixture(scope="module")
-def tokenizer(kimi_tokenizer_dir: Path) -> ChatTokenizer:
-    return load_tokenizer(kimi_tokenizer_dir)
+def tokenizer(kimi_tokenizer: ChatTokenizer) -> ChatTokenizer:
+    return kimi_tokenizer
 
 
 def write_lines(path: Path, lines: list[str]) -> Path:

@@ -18,7 +18,7 @@ from app.core.contracts import SamplingParams
 from app.core.errors import PermanentError
 from app.core.settings import get_settings
 from app.ledger import reads, run_queries
-from app.prompts.tokenization import ChatTokenizer, load_tokenizer
+from app.prompts.tokenization import ChatTokenizer
 from app.sglang.render import RenderClient, RenderPolicy, RenderRequest
 from emulator.config import EmulatorConfig
 from tests.support.emulator import EmulatorProcess, running_emulator
@@ -35,8 +35,8 @@ def server(kimi_tokenizer_dir: Path) -> Iterator[EmulatorProcess]:
 
 
 @pytest.fixture(scope="module")
-def tokenizer(kimi_tokenizer_dir: Path) -> ChatTokenizer:
-    return load_tokenizer(kimi_tokenizer_dir)
+def tokenizer(kimi_tokenizer: ChatTokenizer) -> ChatTokenizer:
+    return kimi_tokenizer
 
 
 class Recording:

@@ -23,7 +23,7 @@ from app.core.errors import RetryableError, RunMismatch
 from app.core.settings import Settings, get_settings
 from app.ledger import reads, registry, run_queries
 from app.ledger.common import items
-from app.prompts.tokenization import ChatTokenizer, load_tokenizer
+from app.prompts.tokenization import ChatTokenizer
 from app.sglang.render import (
     RenderClient,
     RenderPolicy,
@@ -68,8 +68,8 @@ def bare() -> Iterator[EmulatorProcess]:
 
 
 @pytest.fixture(scope="module")
-def tokenizer(kimi_tokenizer_dir: Path) -> ChatTokenizer:
-    return load_tokenizer(kimi_tokenizer_dir)
+def tokenizer(kimi_tokenizer: ChatTokenizer) -> ChatTokenizer:
+    return kimi_tokenizer
 
 
 def client(url: str, wait_s: float = 5.0, window: int = 8) -> RenderClient:

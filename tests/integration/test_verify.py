@@ -23,7 +23,7 @@ from app.outputs.verify import (
     CHECK_TEMPLATE,
     verify_run,
 )
-from app.prompts.tokenization import ChatTokenizer, load_tokenizer
+from app.prompts.tokenization import ChatTokenizer
 from ops.cli import cli
 from tests.support.procs import clean_env, tokenmill
 from workers.intake.producer import EnqueueOptions, enqueue
@@ -47,8 +47,8 @@ LINES = [
 
 
 @pytest.fixture(scope="module")
-def tokenizer(kimi_tokenizer_dir: Path) -> ChatTokenizer:
-    return load_tokenizer(kimi_tokenizer_dir)
+def tokenizer(kimi_tokenizer: ChatTokenizer) -> ChatTokenizer:
+    return kimi_tokenizer
 
 
 def build_run(

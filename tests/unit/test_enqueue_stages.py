@@ -15,7 +15,7 @@ from app.core.contracts import PromptRecord
 from app.core.errors import InputError, PermanentError
 from app.ledger import queue, run_queries
 from app.prompts.template_pool import Templater
-from app.prompts.tokenization import ChatTokenizer, load_tokenizer
+from app.prompts.tokenization import ChatTokenizer
 from app.sglang.render import RenderRequest
 from workers.intake.prompting import (
     ItemBuilder,
@@ -54,8 +54,8 @@ def chat(line: int, key: str, messages: list[dict[str, str]] = USER) -> PromptRe
 
 
 @pytest.fixture(scope="module")
-def tokenizer(kimi_tokenizer_dir: Path) -> ChatTokenizer:
-    return load_tokenizer(kimi_tokenizer_dir)
+def tokenizer(kimi_tokenizer: ChatTokenizer) -> ChatTokenizer:
+    return kimi_tokenizer
 
 
 # --- read ------------------------------------------------------------------------------------

@@ -17,14 +17,14 @@ from app.ledger import claims, outcomes, queue, run_queries
 from app.ledger.reads import StoredItem
 from app.ledger.run_queries import GenerationSettings, RunInfo
 from app.outputs.export import assistant_turn, current_umask, export_run, specforge_row
-from app.prompts.tokenization import ChatTokenizer, load_tokenizer
+from app.prompts.tokenization import ChatTokenizer
 
 THINK, END_THINK, IM_END = 163606, 163607, 163586
 
 
 @pytest.fixture(scope="module")
-def tokenizer(kimi_tokenizer_dir: Path) -> ChatTokenizer:
-    return load_tokenizer(kimi_tokenizer_dir)
+def tokenizer(kimi_tokenizer: ChatTokenizer) -> ChatTokenizer:
+    return kimi_tokenizer
 
 
 def run_info() -> RunInfo:

@@ -45,8 +45,8 @@ U = {"role": "user", "content": "What is 2 + 2?"}
 
 
 @pytest.fixture(scope="module")
-def kimi(kimi_tokenizer_dir: Path) -> ChatTokenizer:
-    return load_tokenizer(kimi_tokenizer_dir)
+def kimi(kimi_tokenizer: ChatTokenizer) -> ChatTokenizer:
+    return kimi_tokenizer
 
 
 @pytest.fixture
