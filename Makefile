@@ -42,10 +42,13 @@ sglang-server-tests: sglang-server-deps
 	$(PYTHON) -m pytest -q -p no:cacheprovider tests/e2e/test_sglang_server.py
 
 # two pytest workers, a test file's tests in one of them (each session has its own database
-# and redis-server); PYTEST_WORKERS=0 runs the suite in one process
+# and redis-server); PYTEST_WORKERS=0 runs the suite in one process. The files go out in
+# collection order (chaos, e2e, integration, unit), not most tests first: the long files with
+# few tests start early and the many short unit files fill both workers at the end
 PYTEST_WORKERS ?= 2
 test: lint typecheck transformers-519 sglang-server-deps
-	$(PYTHON) -m pytest -q -p no:cacheprovider --durations=15 -n $(PYTEST_WORKERS) --dist loadfile
+	$(PYTHON) -m pytest -q -p no:cacheprovider --durations=15 -n $(PYTEST_WORKERS) --dist loadfile \
+		--no-loadscope-reorder
 	$(MAKE) oracle-519
 
 demo:
