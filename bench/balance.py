@@ -289,7 +289,19 @@ def one_round(
 
 
 def report(args: argparse.Namespace, counts: Any, rows: Any, sampler: LeaseSampler) -> None:
+    """One round's figures: per server, the finishes against each other, the servers' last busy
+    moments and what hedging cost."""
     t0 = min(r.started_at for r in rows).timestamp()
+    per = _per_server(rows, t0)
+    median = statistics.median(r.latency_s for r in rows)
+    _print_finishes(args, counts, rows, sampler, per, t0, median)
+    _print_busy(sampler, t0, median)
+    _print_hedging(rows, sampler)
+
+
+def _per_server(rows: Any, t0: float) -> dict[str, dict[str, Any]]:
+    """Each server's items done, median item time and last finish (from the first claim), and
+    their table."""
     per: dict[str, dict[str, Any]] = {}
     for name in SERVERS:
         mine = [r for r in rows if r.server == name]
@@ -298,7 +310,6 @@ def report(args: argparse.Namespace, counts: Any, rows: Any, sampler: LeaseSampl
             "last": max(r.finished_at.timestamp() for r in mine) - t0 if mine else 0.0,
             "median": statistics.median(r.latency_s for r in mine) if mine else 0.0,
         }
-    median = statistics.median(r.latency_s for r in rows)
     table_rows = [[n, per[n]["items"], per[n]["median"], per[n]["last"]] for n in SERVERS]
     print(
         table(
@@ -306,6 +317,19 @@ def report(args: argparse.Namespace, counts: Any, rows: Any, sampler: LeaseSampl
             table_rows,
         )
     )
+    return per
+
+
+def _print_finishes(
+    args: argparse.Namespace,
+    counts: Any,
+    rows: Any,
+    sampler: LeaseSampler,
+    per: dict[str, dict[str, Any]],
+    t0: float,
+    median: float,
+) -> None:
+    """How far apart the servers finished, and what the later one still held."""
     ratio = per["fast"]["items"] / max(1, per["slow"]["items"])
     gap = abs(per["fast"]["last"] - per["slow"]["last"])
     later = max(SERVERS, key=lambda n: per[n]["last"])
@@ -333,6 +357,10 @@ def report(args: argparse.Namespace, counts: Any, rows: Any, sampler: LeaseSampl
         f"when {earlier} finished its last item, {later} still held "
         f"{held.get(later, 0)} leased items; done {counts.done}, failed {counts.failed}"
     )
+
+
+def _print_busy(sampler: LeaseSampler, t0: float, median: float) -> None:
+    """The last moment each server ran a request, as its emulator's samples saw it."""
     busy = {n: sampler.last_busy(n) for n in SERVERS}
     if all(b is not None for b in busy.values()):
         last = {n: float(busy[n] or 0.0) - t0 for n in SERVERS}
@@ -342,6 +370,10 @@ def report(args: argparse.Namespace, counts: Any, rows: Any, sampler: LeaseSampl
             + ", ".join(f"{n} {last[n]:.2f} s" for n in SERVERS)
             + f"; {busy_gap:.2f} s apart = {busy_gap / median:.2f} median item times"
         )
+
+
+def _print_hedging(rows: Any, sampler: LeaseSampler) -> None:
+    """Items hedged and won by their copy, requests aborted, tokens spent on copies that lost."""
     hedged = [r for r in rows if r.hedge_owner is not None]
     # the owner id names the worker's server: host:pid:server:random
     won = [r for r in hedged if f":{r.server}:" in r.hedge_owner]
