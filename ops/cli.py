@@ -75,7 +75,11 @@ def cli(log_level: str, log_format: str | None) -> None:
     TOKENMILL_BROKER_URL and TOKENMILL_STORAGE_URL; unset, everything runs embedded on this
     machine. `tokenmill config` shows the effective configuration.
     """
+    from app.core.process_name import name_process
+
     setup_logging(log_level, log_format)
+    # its connections say which command holds them (pg_stat_activity's application_name)
+    name_process(f"tokenmill {click.get_current_context().invoked_subcommand or ''}".strip())
 
 
 @cli.group("db")

@@ -14,6 +14,7 @@ from typing import Any
 
 from celery.app import trace
 from celery.signals import (
+    beat_init,
     celeryd_init,
     setup_logging,
     worker_ready,
@@ -31,6 +32,7 @@ from app.core.constants import (
     WORK_QUEUE,
 )
 from app.core.locks import exclusive
+from app.core.process_name import name_process
 from app.core.settings import Settings, get_settings
 from app.ledger import registry
 from app.ledger.database import get_engine
@@ -121,6 +123,11 @@ def _setup_logging(loglevel: Any = None, logfile: str | None = None, **_: Any) -
     _configure_logging(loglevel, logfile)
 
 
+@beat_init.connect
+def _name_beat(**_: Any) -> None:
+    name_process("tokenmill-beat")
+
+
 @celeryd_init.connect
 def _claim_identity(sender: str | None = None, instance: Any = None, **_: Any) -> None:
     """Name this worker by the rule unless `-n` named it, and refuse it (exit 2, one line)
@@ -129,6 +136,7 @@ def _claim_identity(sender: str | None = None, instance: Any = None, **_: Any) -
     settings = get_settings()
     given = None if sender in (None, default_nodename(None)) else sender
     mine = WorkerIdentity.of(settings, given)
+    name_process(f"tokenmill-worker {mine.server_name}")  # before its first connection
     if instance is not None and given is None:
         instance.hostname = mine.worker_name
         trace.setup_worker_optimizations(instance.app, mine.worker_name)  # tasks' hostname

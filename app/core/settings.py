@@ -39,6 +39,13 @@ class Settings(BaseSettings):
 
     data_dir: Path = Field(default_factory=default_data_dir)
     database_url: str | None = None
+    # Postgres connections a process holds at most: a shared pool of db_pool - 1 (a worker's
+    # group commits, claims and background threads take turns on it) and one of its own for
+    # each window's lease heartbeat; whatever the window's size
+    db_pool: int = Field(default=4, ge=2, le=256)
+    # the database URL goes through a transaction pooler (PgBouncer, pool_mode = transaction):
+    # psycopg then prepares no server-side statement (no state outlives a transaction)
+    db_pooler: bool = False
     broker_url: str | None = None
     storage_url: str | None = None
     # passed to fsspec as the filesystem's options, e.g. for s3fs
@@ -236,12 +243,6 @@ def redact_url(url: str) -> str:
     return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
 
 
-def fixed_inflight(settings: Settings, auto: int) -> int:
-    """TOKENMILL_INFLIGHT as a number: itself when fixed, else `auto` (for what is sized once,
-    before the server's capacity is known: the ledger's connection pool)."""
-    return auto if settings.inflight == "auto" else settings.inflight
-
-
 def setting_env_names() -> list[str]:
     """The environment variable of every setting, e.g. TOKENMILL_INFLIGHT."""
     return [ENV_PREFIX + name.upper() for name in Settings.model_fields]
@@ -314,7 +315,6 @@ __all__ = [
     "Settings",
     "child_environment",
     "describe_invalid",
-    "fixed_inflight",
     "get_settings",
     "normalize_database_url",
     "redact_options",

@@ -1,21 +1,30 @@
 """Database engines and sessions, created lazily once per process (never at import time).
 
-SQLite (embedded default) gets WAL and a busy timeout; Postgres gets a pre-pinged pool.
+SQLite (embedded default) gets WAL and a busy timeout; Postgres gets a pre-pinged pool of a fixed
+size (TOKENMILL_DB_POOL), each connection named after its process (`application_name`).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
+import weakref
 from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Connection, Engine, create_engine, event, text
+from sqlalchemy.pool import ConnectionPoolEntry, NullPool, PoolProxiedConnection
 
-from app.core.settings import Settings, fixed_inflight, get_settings
+from app.core import process_name
+from app.core.settings import Settings, get_settings
+
+log = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _engines: dict[tuple[int, str], Engine] = {}
+_dedicated: dict[tuple[int, str, str], Engine] = {}
+_connect_args: weakref.WeakKeyDictionary[Engine, dict[str, Any]] = weakref.WeakKeyDictionary()
 
 
 def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
@@ -68,8 +77,21 @@ def pin_index_plans(conn: Connection) -> None:
     )
 
 
-def make_engine(url: str, *, pool_size: int = 8) -> Engine:
-    """A new engine for url; callers normally want `get_engine()`."""
+def postgres_connect_args(*, pooler: bool) -> dict[str, Any]:
+    """psycopg's connection arguments: the process's name (app/core/process_name.py: an
+    engine keeps the name its process had when it was made) and, behind a transaction pooler
+    (PgBouncer's pool_mode=transaction), no server-side prepared statements (psycopg prepares
+    a statement after 5 runs on a connection; the next transaction may run on another server
+    connection, which never saw it)."""
+    args: dict[str, Any] = {"application_name": process_name.process_name()}
+    if pooler:
+        args["prepare_threshold"] = None
+    return args
+
+
+def make_engine(url: str, *, pool_size: int = 8, pooler: bool = False) -> Engine:
+    """A new engine for url, holding at most pool_size connections (Postgres); callers
+    normally want `get_engine()`."""
     if url.startswith("sqlite"):
         path = url.split("///", 1)[-1]
         if path and path != ":memory:":
@@ -77,23 +99,91 @@ def make_engine(url: str, *, pool_size: int = 8) -> Engine:
         engine = create_engine(url, connect_args={"timeout": 30, "check_same_thread": False})
         event.listen(engine, "connect", _sqlite_pragmas)
         return engine
-    return create_engine(
+    args = postgres_connect_args(pooler=pooler)
+    engine = create_engine(
         url,
         pool_pre_ping=True,
         pool_size=pool_size,
-        max_overflow=pool_size,
+        max_overflow=0,  # the bound: a thread waits for a connection instead of opening one
         pool_recycle=1800,
+        connect_args=args,
     )
+    _connect_args[engine] = args
+    _NestedCheckouts().watch(engine)
+    return engine
+
+
+class _NestedCheckouts:
+    """Warns when a thread takes a second connection of a bounded pool while it holds one:
+    with every connection held that way, each such thread waits for the others for good
+    (until the pool's timeout). Nothing in tokenmill does; the warning says where if it
+    starts to."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: dict[int, int] = {}  # thread id → connections it holds
+        self._warned = False
+
+    def watch(self, engine: Engine) -> None:
+        event.listen(engine, "checkout", self._checkout)
+        event.listen(engine, "checkin", self._checkin)
+
+    def _checkout(
+        self, _dbapi: Any, record: ConnectionPoolEntry, _proxy: PoolProxiedConnection
+    ) -> None:
+        thread = threading.get_ident()
+        record.info["tm_thread"] = thread
+        with self._lock:
+            held = self._held.get(thread, 0)
+            self._held[thread] = held + 1
+            warn, self._warned = held and not self._warned, self._warned or bool(held)
+        if warn:
+            log.warning(
+                "thread %s took a second database connection while holding one "
+                "(a bounded pool can run out that way)",
+                threading.current_thread().name,
+                extra={"action": "nested_checkout"},
+                stack_info=True,
+            )
+
+    def _checkin(self, _dbapi: Any, record: ConnectionPoolEntry) -> None:
+        thread = record.info.pop("tm_thread", None)
+        if thread is None:
+            return
+        with self._lock:
+            left = self._held.get(thread, 0) - 1
+            if left > 0:
+                self._held[thread] = left
+            else:
+                self._held.pop(thread, None)
 
 
 def get_engine(settings: Settings | None = None) -> Engine:
-    """The engine of this process for the configured database (a forked child gets its own)."""
+    """The engine of this process for the configured database (a forked child gets its own):
+    a pool of TOKENMILL_DB_POOL - 1 connections shared by its threads (the one left is a
+    lease heartbeat's, `dedicated_connection`)."""
     settings = settings or get_settings()
     url = settings.resolved_database_url()
     key = (os.getpid(), url)
     with _lock:
         engine = _engines.get(key)
         if engine is None:
-            engine = make_engine(url, pool_size=max(4, min(fixed_inflight(settings, 64) // 4, 32)))
+            engine = make_engine(url, pool_size=settings.db_pool - 1, pooler=settings.db_pooler)
             _engines[key] = engine
         return engine
+
+
+def dedicated_connection(db: Engine) -> Connection:
+    """A connection of its own for a thread that must never wait on the pool (a lease
+    heartbeat): outside db's shared pool, with the arguments of db's connections (its name, its
+    pooler's rule), closed for good when the caller closes it."""
+    if db.dialect.name != "postgresql":
+        return db.connect()
+    args = _connect_args.get(db) or postgres_connect_args(pooler=False)
+    key = (os.getpid(), db.url.render_as_string(hide_password=False), repr(sorted(args.items())))
+    with _lock:
+        engine = _dedicated.get(key)
+        if engine is None:
+            engine = create_engine(db.url, poolclass=NullPool, connect_args=args)
+            _dedicated[key] = engine
+    return engine.connect()
