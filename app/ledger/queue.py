@@ -141,7 +141,7 @@ def _copy_processor(conn: Connection, type_: Any) -> Any:
 
 
 def _copy_insert_items(conn: Connection, rows: Sequence[dict[str, Any]]) -> int:
-    """Postgres: COPY the rows into a session-private temporary table, then one INSERT ...
+    """Postgres: COPY the rows into a temporary table of this transaction, then one INSERT ...
     SELECT ... ON CONFLICT DO NOTHING; its row count is exactly the number of new items.
     A multi-row INSERT of 512 prompts spent most of its time in psycopg building one huge
     statement (holding the GIL the templating needs); COPY streams the values instead."""
@@ -150,15 +150,18 @@ def _copy_insert_items(conn: Connection, rows: Sequence[dict[str, Any]]) -> int:
     # JSON → its text), so the COPY carries exactly what the INSERT would have
     processors = [_copy_processor(conn, items.c[c].type) for c in columns]
     names = ", ".join(columns)
-    # one load table per column set, so a pooled session never COPYs into a stale shape
+    # one load table per column set, so a second call in the transaction never COPYs into
+    # another shape
     load = f"{_ITEMS_LOAD}_{zlib.crc32(names.encode()):08x}"
     dbapi = conn.connection.driver_connection
     assert dbapi is not None
     with dbapi.cursor() as cur:
-        # same column types as items, no constraints; rows vanish at commit, and the explicit
-        # TRUNCATE below keeps a second call in the same transaction from seeing these ones
+        # same column types as items, no constraints; the table is dropped at commit (nothing
+        # outlives the transaction: behind PgBouncer's transaction pooling the next one may
+        # run on another server connection), and the explicit TRUNCATE below keeps a second
+        # call in the same transaction from seeing these rows
         cur.execute(
-            f"CREATE TEMP TABLE IF NOT EXISTS {load} ON COMMIT DELETE ROWS AS "
+            f"CREATE TEMP TABLE IF NOT EXISTS {load} ON COMMIT DROP AS "
             f"SELECT {names}, 0::bigint AS load_ord FROM items WITH NO DATA"
         )
         with cur.copy(f"COPY {load} ({names}, load_ord) FROM STDIN") as copy:
