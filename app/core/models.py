@@ -238,6 +238,7 @@ def _item_columns() -> list[Column[Any]]:
     ]
 
 
+LEASE_SET = "lease_expires_at IS NOT NULL"
 # the predicate of ix_items_unended, as each dialect renders `items.c.ends_chain` in a WHERE
 UNENDED_PG = "ends_chain AND status = 'done' AND chain_end IS NULL"
 UNENDED_SQLITE = "ends_chain = 1 AND status = 'done' AND chain_end IS NULL"
@@ -252,10 +253,14 @@ items = Table(
     # keyset pages of one status of a run (export, verify, report, reconcile) and the
     # "anything left to claim?" probe: one range of this index, in id order, no sort
     Index("ix_items_run_status_id", "run_id", "status", "id"),
-    Index("ix_items_prev_item", "prev_item_id"),
-    Index("ix_items_status_lease", "status", "lease_expires_at"),
-    Index("ix_items_server_status", "server", "status"),
-    Index("ix_items_server_finished", "server", "finished_at"),
+    # Partial on the column that is NULL until an item gets that far (migration 0021): an
+    # item's insert and its updates before then add no entry (every update of a row that is
+    # not HOT adds one to each index whose predicate it meets); every lookup of these
+    # indexes is by equality or a range of that column, which implies the predicate.
+    _partial("ix_items_prev_item", ("prev_item_id",), "prev_item_id IS NOT NULL"),
+    _partial("ix_items_status_lease", ("status", "lease_expires_at"), LEASE_SET),
+    _partial("ix_items_server_status", ("server", "status"), "server IS NOT NULL"),
+    _partial("ix_items_server_finished", ("server", "finished_at"), "finished_at IS NOT NULL"),
     # Partial indexes hold only what the periodic queries look at (the active part of the
     # table), so their plans are the same whatever the planner's statistics say.
     _partial("ix_items_leased_started", ("started_at", "id"), "status = 'leased'"),

@@ -391,15 +391,29 @@ def finished_among(conn: Connection, ids: Sequence[int]) -> set[int]:
     return {int(item_id) for item_id, status in rows if status in final}
 
 
-def extend_leases(conn: Connection, *, owner: str, lease_s: float) -> int:
-    """Heartbeat: push out the expiry of every lease this owner holds.
+def extend_leases(
+    conn: Connection, *, owner: str, lease_s: float, heartbeat_s: float | None = None
+) -> int:
+    """Heartbeat: push out the expiry of this owner's leases that are past half their term.
+
+    A lease with more than max(lease_s / 2, 2 * heartbeat_s) left is left alone: every renewal
+    rewrites the item's row and its index entries (bench/fleet.py), so a row is rewritten once
+    per half term (every 150 s by default) instead of at every beat (30 s), and a lease still
+    has two beats' worth left when its turn comes. Without heartbeat_s, every lease past half
+    its term.
 
     On Postgres the rows are locked by a `FOR UPDATE SKIP LOCKED` query first: a row that a
     result write holds is being finished (or its retry extends the lease itself), and
     waiting for it while holding other rows is how a heartbeat deadlocked against its own
     worker's writer."""
-    mine = and_(items.c.lease_owner == owner, items.c.status == ItemStatus.LEASED.value)
-    stmt = update(items).values(lease_expires_at=utcnow() + timedelta(seconds=lease_s))
+    now = utcnow()
+    renew_below_s = max(lease_s / 2, 2 * (heartbeat_s or 0.0))
+    mine = and_(
+        items.c.lease_owner == owner,
+        items.c.status == ItemStatus.LEASED.value,
+        items.c.lease_expires_at < now + timedelta(seconds=renew_below_s),
+    )
+    stmt = update(items).values(lease_expires_at=now + timedelta(seconds=lease_s))
     if conn.dialect.name != "postgresql":
         return conn.execute(stmt.where(mine)).rowcount
     # a CTE is locked once (as an IN subquery it was run again for every lease: O(leases²)),

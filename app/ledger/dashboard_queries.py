@@ -44,7 +44,12 @@ class RecentCompletions:
 def servers_seen(conn: Connection) -> list[str]:
     """Every server name on any item, by a loose index scan: one index probe per server,
     however many items there are (a DISTINCT would read the whole index)."""
-    seen = select(func.min(items.c.server).label("server")).cte("seen", recursive=True)
+    # "IS NOT NULL" names the predicate of the server's index (partial: items sent somewhere)
+    seen = (
+        select(func.min(items.c.server).label("server"))
+        .where(items.c.server.is_not(None))
+        .cte("seen", recursive=True)
+    )
     following = (
         select(func.min(items.c.server)).where(items.c.server > seen.c.server).scalar_subquery()
     )

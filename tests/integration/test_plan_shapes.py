@@ -149,6 +149,7 @@ EXEMPT: dict[str, str] = {
         "that server's items, not periodic",
     ),
     "database.get_engine": "no statement",
+    "database.dedicated_connection": "no statement (a connection for the lease heartbeat)",
     "database.limit_periodic": "sets a statement timeout",
     "common.utcnow": "no statement",
 }

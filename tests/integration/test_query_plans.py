@@ -242,7 +242,8 @@ def test_a_heartbeat_skips_rows_a_result_write_holds(pg_engine: Engine) -> None:
         new = [queue.NewItem(f"k{i}", 0, i, None, [1, 2, 3]) for i in range(2)]
         queue.insert_items(conn, run.id, new)
         a, b = queue.pending_ids(conn, run.id)
-        claims.claim_items(conn, [a, b], owner="w", server="s", lease_s=60)
+        # leases past half their term: the heartbeat below renews them
+        claims.claim_items(conn, [a, b], owner="w", server="s", lease_s=20)
     result = contracts.GenerateResult("r", [5, 6], "stop", 6, 3, 2, 0, 0.1)
     writer = pg_engine.connect()
     heartbeat = pg_engine.connect()

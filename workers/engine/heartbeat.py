@@ -29,7 +29,12 @@ def renew_leases(db: Engine, owner: str, config: WindowConfig, stopping: threadi
                     conn = dedicated_connection(db)
                 with conn.begin():
                     limit_periodic(conn, timeout_s=max(1.0, config.heartbeat_s))
-                    claims.extend_leases(conn, owner=owner, lease_s=config.lease_s)
+                    claims.extend_leases(
+                        conn,
+                        owner=owner,
+                        lease_s=config.lease_s,
+                        heartbeat_s=config.heartbeat_s,
+                    )
             except Exception as exc:
                 log.warning(
                     "lease heartbeat failed (%s); retrying next beat",
