@@ -23,7 +23,7 @@ from ops.options import (
     print_json,
     setting_option,
 )
-from ops.views.text_table import Column, left_out_note, render
+from ops.views.text_table import Column, count_states, left_out_note, render
 
 if TYPE_CHECKING:
     from sqlalchemy import Connection
@@ -92,10 +92,27 @@ def servers_group(ctx: click.Context, as_json: bool) -> None:
         for s, leased in rows
     ]
     lines, dropped = render(SERVER_COLUMNS, cells)
+    if rows:
+        # a fleet of hundreds of servers is read from this line first
+        click.echo(servers_summary(rows))
     click.echo("\n".join(lines))
     note = left_out_note(dropped)
     if note:
         click.echo(note, err=True)
+
+
+def servers_summary(rows: list[tuple[registry.ServerInfo, int]]) -> str:
+    """One line over the servers table: how many servers in each state (most first), paused,
+    workers and items in flight, e.g. `256 servers: 250 healthy, 6 down; 6 paused; 64 workers;
+    17,408 in flight`."""
+    by_state = count_states(server.state for server, _ in rows)
+    paused = sum(1 for server, _ in rows if server.paused)
+    workers = sum(len(server.workers) for server, _ in rows)
+    in_flight = sum(leased for _, leased in rows)
+    return (
+        f"{len(rows)} servers: {by_state}; {paused} paused; {workers} workers; "
+        f"{in_flight:,} in flight"
+    )
 
 
 # Names and URLs are never cut. A table wider than the terminal folds the rendering and the

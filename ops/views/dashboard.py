@@ -22,7 +22,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from app.ledger.dashboard_queries import Dashboard, RunProgress, ServerRow, gather_dashboard
 from app.ledger.status_reads import current_error
-from ops.views.text_table import Column, fit
+from ops.views.text_table import Column, count_states, fit
 
 log = logging.getLogger(__name__)
 
@@ -192,9 +192,38 @@ SERVER_COLUMNS = [
 ]
 
 
+# a fleet's servers beyond this many: the ones that need a look (not healthy, or paused) first,
+# the rest counted in the caption
+SERVER_ROWS_SHOWN = 24
+
+
+def servers_title(servers: list[ServerRow]) -> str:
+    """The servers table's title: how many, by state (most first), paused and in flight."""
+    if not servers:
+        return "servers"
+    by_state = count_states(row.info.state if row.info else "unregistered" for row in servers)
+    paused = sum(1 for row in servers if row.info is not None and row.info.paused)
+    in_flight = sum(row.in_flight for row in servers)
+    return f"servers: {len(servers)} ({by_state}); {paused} paused; {in_flight:,} in flight"
+
+
+def _shown(servers: list[ServerRow]) -> tuple[list[ServerRow], int]:
+    """The rows drawn and how many are left out: all of a small fleet in its order; of a large
+    one, the servers that need a look first (not healthy, or paused), then the others."""
+    if len(servers) <= SERVER_ROWS_SHOWN:
+        return servers, 0
+
+    def calm(row: ServerRow) -> bool:
+        return row.info is not None and row.info.state == "healthy" and not row.info.paused
+
+    ordered = sorted(servers, key=calm)  # stable: each part keeps its order
+    return ordered[:SERVER_ROWS_SHOWN], len(servers) - SERVER_ROWS_SHOWN
+
+
 def _servers_table(servers: list[ServerRow], now: datetime, width: int | None) -> Table:
     rows: list[list[Cell]] = []
-    for row in servers:
+    shown, not_shown = _shown(servers)
+    for row in shown:
         paused, probe = _paused(row), _probe(row, now)
         rows.append(
             [
@@ -210,7 +239,19 @@ def _servers_table(servers: list[ServerRow], now: datetime, width: int | None) -
                 _text(current_error(row.info) if row.info else ""),
             ]
         )
-    return _fitted("servers", SERVER_COLUMNS, rows, width, empty="no servers registered or working")
+    caption = (
+        f"({not_shown} more servers not shown: those that need a look come first)"
+        if not_shown
+        else None
+    )
+    return _fitted(
+        servers_title(servers),
+        SERVER_COLUMNS,
+        rows,
+        width,
+        empty="no servers registered or working",
+        caption=caption,
+    )
 
 
 EVENT_COLUMNS = [Column("at (UTC)"), Column("kind"), Column("server"), Column("message", wrap=24)]

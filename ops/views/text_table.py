@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import shutil
 import textwrap
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 GAP = 2  # spaces between columns
@@ -153,3 +154,12 @@ def left_out_note(dropped: Sequence[str], width: int | None = None) -> str | Non
         return None
     shown = terminal_width() if width is None else width
     return f"(left out at {shown} columns: {', '.join(dropped)}; --json has every field)"
+
+
+def count_states(states: Iterable[str]) -> str:
+    """`250 healthy, 6 down`: how many of each state, the most common first (the summary line
+    over a table of many servers)."""
+    counts = Counter(states)
+    return ", ".join(
+        f"{n} {state}" for state, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+    )
