@@ -8,7 +8,8 @@ servers are stand-ins in this process: one small HTTP server per port answering
 tens to hundreds of milliseconds), `/health` and `/model_info` at once. It times:
 
 - the watchdog's round (workers/control/watchdog.py run_watchdog: every server probed, its
-  verdict recorded), for each --probe-ms, against its period (TOKENMILL_WATCHDOG_INTERVAL_S);
+  verdict recorded), for each --probe-ms and each --probes-at-once, against its period
+  (TOKENMILL_WATCHDOG_INTERVAL_S);
 - `tokenmill servers`, `tokenmill status` and `tokenmill reconcile` as an operator runs them
   (`python -m ops ...`, start-up included), and the lines `servers` prints;
 - the dashboard (`status --watch`): one tick's queries and its frame at 160 columns, its lines;
@@ -45,7 +46,7 @@ from app.ledger.dashboard_queries import gather_dashboard
 from app.ledger.database import limit_periodic, make_engine
 from app.ledger.migrate import upgrade
 from ops.views.dashboard import render_dashboard
-from workers.control.watchdog import run_watchdog
+from workers.control import watchdog
 
 ROOT = Path(__file__).resolve().parents[1]
 IN_FLIGHT = 64  # items leased to each server
@@ -121,7 +122,7 @@ def watchdog_rounds(db: Engine, settings: Settings, probe_ms: int) -> list[float
     seconds = []
     for _ in range(ROUNDS):
         started = time.monotonic()
-        states = run_watchdog(db, settings, NoControl())
+        states = watchdog.run_watchdog(db, settings, NoControl())
         seconds.append(time.monotonic() - started)
         bad = {s for s in states.values() if s not in ("healthy", "suspect", "unknown")}
         if bad:
@@ -214,6 +215,11 @@ def main() -> None:
     parser.add_argument("--servers", type=int, default=256)
     parser.add_argument("--workers", type=int, default=64)
     parser.add_argument("--probe-ms", default="0,500", help="comma-separated probe latencies")
+    parser.add_argument(
+        "--probes-at-once",
+        default=f"16,{watchdog.PROBES_AT_ONCE}",
+        help="comma-separated watchdog concurrencies to time (16: before issue 40)",
+    )
     args = parser.parse_args()
     cluster = Cluster({"max_connections": "200"})
     cluster.start()
@@ -226,15 +232,17 @@ def main() -> None:
         period = settings.watchdog_interval_s
         with stand_in_servers(args.servers) as urls, tempfile.TemporaryDirectory() as data:
             fleet_ledger(db, urls, args.workers)
-            for probe_ms in (int(p) for p in args.probe_ms.split(",")):
-                rounds = watchdog_rounds(db, settings, probe_ms)
-                rows.append(
-                    [
-                        f"watchdog round, probes answering in {probe_ms} ms",
-                        f"{statistics.median(rounds):.2f} s (period {period:g} s)",
-                        "",
-                    ]
-                )
+            for at_once in (int(n) for n in args.probes_at_once.split(",")):
+                watchdog.PROBES_AT_ONCE = at_once
+                for probe_ms in (int(p) for p in args.probe_ms.split(",")):
+                    rounds = watchdog_rounds(db, settings, probe_ms)
+                    rows.append(
+                        [
+                            f"watchdog round, {at_once} probes at once answering in {probe_ms} ms",
+                            f"{statistics.median(rounds):.2f} s (period {period:g} s)",
+                            "",
+                        ]
+                    )
             for name, argv in (
                 ("tokenmill servers", ["servers"]),
                 ("tokenmill status", ["status"]),
@@ -255,8 +263,9 @@ def main() -> None:
     when = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     print(
         f"bench/fleet_control.py --servers {args.servers} --workers {args.workers} "
-        f"--probe-ms {args.probe_ms}, {when}, {os.cpu_count()} cores, load average "
-        f"{os.getloadavg()[0]:.1f}; medians of {ROUNDS} rounds / {REPEAT} runs"
+        f"--probe-ms {args.probe_ms} --probes-at-once {args.probes_at_once}, {when}, "
+        f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}; "
+        f"medians of {ROUNDS} rounds / {REPEAT} runs"
     )
     print_table(["what", "took", "output"], rows)
 
