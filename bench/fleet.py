@@ -353,6 +353,23 @@ def measure(cluster: Cluster, db: Engine, name: str, run: Any) -> Phase:
     )
 
 
+def item_total(enqueue: Phase, work: Phase, revision: str) -> Phase:
+    """An item's whole cost: its enqueue and its work, per item of the run."""
+    return Phase(
+        name=f"enqueue + work ({revision})",
+        items=work.items,
+        payload=enqueue.payload + work.payload,
+        statements=enqueue.statements + work.statements,
+        commits=enqueue.commits + work.commits,
+        rows=enqueue.rows + work.rows,
+        cpu_s=enqueue.cpu_s + work.cpu_s,
+        wall_s=enqueue.wall_s + work.wall_s,
+        wal=[*enqueue.wal, *work.wal],
+        connections=work.connections,
+        top=[],
+    )
+
+
 def ledger_phases(cluster: Cluster, revision: str, args: argparse.Namespace) -> list[Phase]:
     url = cluster.create_database(f"bench_{revision}")
     db = make_engine(url, pool_size=2)
@@ -385,6 +402,7 @@ def ledger_phases(cluster: Cluster, revision: str, args: argparse.Namespace) -> 
     ]
     if phases[1].items != args.items:
         raise SystemExit(f"{revision}: {phases[1].items} of {args.items} items done")
+    phases.append(item_total(phases[0], phases[1], revision))
     phases.append(renewals(cluster, db, revision, args))
     db.dispose()
     return phases
@@ -441,7 +459,7 @@ def row_of(phase: Phase) -> list[str]:
         f"{phase.per_item(phase.wal_bytes):,.0f}",
         f"{phase.per_item(phase.payload):,.0f}",
         f"{phase.per_item(overhead):,.0f}",
-        f"{overhead / max(1, phase.payload):.2f}",
+        f"{overhead / phase.payload:.2f}" if phase.payload else "—",
         f"{phase.per_item(written):.2f} ({hot:.0f}% HOT)",
         f"{1000 * phase.per_item(phase.cpu_s):.3f}",
         f"{phase.items / phase.wall_s:,.0f}",
@@ -502,7 +520,7 @@ def main() -> None:
         ["phase", *groups],
         [[p.name, *(f"{dict(wal_breakdown(p)).get(g, 0.0):,.0f}" for g in groups)] for p in phases],
     )
-    for phase in phases:
+    for phase in (p for p in phases if p.top):
         print(f"\n{phase.name}: the statements that wrote the most WAL (bytes per item)")
         print_table(
             ["statement", "calls", "WAL B/item"],

@@ -209,8 +209,13 @@ def unended_last_turns(
     if prev_ids is not None:
         stmt = stmt.where(items.c.id.in_(list(prev_ids)))
     if run_id is not None:
-        # ordered as the index is, so the page is one range of it
-        stmt = stmt.where(items.c.run_id == run_id).order_by(items.c.run_id, items.c.id)
+        # ordered as the index is, so the page is one range of it. The run is a range of one
+        # value, not an equality: with an equality the primary key delivers the order too,
+        # and with stale statistics a walk of it past the run's done items looked as cheap
+        # (sorts are priced out: pin_index_plans)
+        pin_index_plans(conn)
+        stmt = stmt.where(items.c.run_id.between(run_id, run_id))
+        stmt = stmt.order_by(items.c.run_id, items.c.id)
     else:
         stmt = stmt.order_by(items.c.id)
     return [(int(item_id), int(run)) for item_id, run in conn.execute(stmt)]
