@@ -3,11 +3,12 @@ with many workers on one Postgres (issue 40).
 
 A private Postgres cluster (bench/fleet_cluster.py: its own WAL, commits and processes, so a
 loaded machine's other databases do not count) holds the ledger. An enqueue inserts the items
-(prompts of 50-200 ids) and marks them queued, as `tokenmill enqueue` does, in batches of 512.
-Then --workers stand-in workers, each a process of its own as `celery -A app worker` is, take
-messages of --batch ids from a shared queue (standing in for Redis) and run the worker's ledger
-path against a server that answers at once: per message the key lookup and the claim
-(app.ledger.claims, as workers/engine/generate.py), each result (~60 output ids) through the
+(prompts of --prompt-ids, 50-200 ids by default) and marks them queued, as `tokenmill enqueue`
+does, in batches of 512. Then --workers stand-in workers, each a process of its own as
+`celery -A app worker` is, take messages of --batch ids from a shared queue (standing in for
+Redis) and run the worker's ledger path against a server that answers at once: per message the
+key lookup and the claim (app.ledger.claims, as workers/engine/generate.py), each result
+(--output-ids, 60 by default) through the
 worker's group-commit writer (workers/engine/writer.py ResultWriter), and the lease heartbeat
 (workers/engine/heartbeat.py) on its own connection; every pool is the default
 TOKENMILL_DB_POOL's.
@@ -52,7 +53,18 @@ CLAIM_THREADS = 4  # TOKENMILL_WORKER_THREADS' default: Celery threads taking me
 SHARED_POOL = 3  # TOKENMILL_DB_POOL's default less the heartbeat's own connection
 ENQUEUE_BATCH = 512
 RENEWED = 2048  # leased items one measured heartbeat renews
-OUTPUT_IDS = 60
+
+
+@dataclass(frozen=True)
+class Shape:
+    """An item's ids: its prompt's (uniform between two lengths) and its output's."""
+
+    prompt_min: int = 50
+    prompt_max: int = 200
+    output: int = 60
+
+
+SMALL = Shape()  # the issue's measured fleet: prompts of 50-200 ids, outputs of ~60
 ID_BYTES = 4  # app.core.models.TokenArray: packed 32-bit ids
 BEFORE = "0020"  # the schema before issue 40's migration
 # a private cluster at Postgres' defaults but for room for every worker's connections
@@ -180,7 +192,7 @@ def create_run(db: Engine, name: str) -> int:
         tokenizer_hash="0" * 64,
         chat_template_hash="0" * 64,
         chat_template_kwargs={},
-        sampling=SamplingParams(max_new_tokens=OUTPUT_IDS, temperature=0.7, seed=1),
+        sampling=SamplingParams(max_new_tokens=60, temperature=0.7, seed=1),
         samples_per_prompt=1,
         think_end_id=None,
         eos_token_ids=[2],
@@ -190,7 +202,9 @@ def create_run(db: Engine, name: str) -> int:
     return run.id
 
 
-def enqueue(db: Engine, run_id: int, items: int, seed: int) -> tuple[list[int], int]:
+def enqueue(
+    db: Engine, run_id: int, items: int, seed: int, shape: Shape = SMALL
+) -> tuple[list[int], int]:
     """Insert and queue the items in batches of ENQUEUE_BATCH; their ids and prompt bytes."""
     rng = random.Random(seed)
     ids: list[int] = []
@@ -198,7 +212,8 @@ def enqueue(db: Engine, run_id: int, items: int, seed: int) -> tuple[list[int], 
     for start in range(0, items, ENQUEUE_BATCH):
         batch = []
         for n in range(start, min(items, start + ENQUEUE_BATCH)):
-            prompt = [rng.randrange(3, 160_000) for _ in range(rng.randint(50, 200))]
+            length = rng.randint(shape.prompt_min, shape.prompt_max)
+            prompt = [rng.randrange(3, 160_000) for _ in range(length)]
             payload += len(prompt) * ID_BYTES
             batch.append(
                 queue.NewItem(
@@ -214,9 +229,9 @@ def enqueue(db: Engine, run_id: int, items: int, seed: int) -> tuple[list[int], 
     return ids, payload
 
 
-def _result(item: claims.ClaimedItem) -> Done:
+def _result(item: claims.ClaimedItem, shape: Shape) -> Done:
     rng = random.Random(item.id)
-    output = [rng.randrange(3, 160_000) for _ in range(OUTPUT_IDS)]
+    output = [rng.randrange(3, 160_000) for _ in range(shape.output)]
     return Done(
         item.id,
         GenerateResult(
@@ -225,16 +240,16 @@ def _result(item: claims.ClaimedItem) -> Done:
             finish_reason="length",
             matched_stop=None,
             prompt_tokens=len(item.prompt_ids),
-            completion_tokens=OUTPUT_IDS,
+            completion_tokens=shape.output,
             cached_tokens=0,
             e2e_latency_s=0.05,
             weight_version="1",
-            sampling_params={"max_new_tokens": OUTPUT_IDS, "temperature": 0.7, "seed": item.id},
+            sampling_params={"max_new_tokens": shape.output, "temperature": 0.7, "seed": item.id},
         ),
     )
 
 
-def stand_in(index: int, url: str, messages: Any, writer_batch: int) -> None:
+def stand_in(index: int, url: str, messages: Any, writer_batch: int, shape: Shape) -> None:
     """One worker process: CLAIM_THREADS claiming messages, a group-commit writer and a lease
     heartbeat, on a pool of SHARED_POOL connections and the heartbeat's own."""
     server = f"bench-{index}:30000"
@@ -268,7 +283,7 @@ def stand_in(index: int, url: str, messages: Any, writer_batch: int) -> None:
                     conn, ids, owner=owner, server=server, lease_s=config.lease_s
                 )
             for item in claimed:
-                writer.put(_result(item), True)
+                writer.put(_result(item, shape), True)
 
     claimers = [threading.Thread(target=claim_loop) for _ in range(CLAIM_THREADS)]
     for thread in [*background, *claimers]:
@@ -282,6 +297,11 @@ def stand_in(index: int, url: str, messages: Any, writer_batch: int) -> None:
     db.dispose()
 
 
+def shape_of(args: argparse.Namespace) -> Shape:
+    low, high = (int(n) for n in args.prompt_ids.split(","))
+    return Shape(low, high, args.output_ids)
+
+
 def work(url: str, ids: list[int], args: argparse.Namespace) -> None:
     """Every id through --workers stand-ins."""
     context = multiprocessing.get_context("fork")
@@ -291,7 +311,7 @@ def work(url: str, ids: list[int], args: argparse.Namespace) -> None:
     for _ in range(args.workers * CLAIM_THREADS):
         messages.put(None)
     procs = [
-        context.Process(target=stand_in, args=(i, url, messages, args.writer_batch))
+        context.Process(target=stand_in, args=(i, url, messages, args.writer_batch, shape_of(args)))
         for i in range(args.workers)
     ]
     for proc in procs:
@@ -381,7 +401,7 @@ def ledger_phases(cluster: Cluster, revision: str, args: argparse.Namespace) -> 
     queued: list[int] = []
 
     def do_enqueue() -> tuple[int, int]:
-        ids, payload = enqueue(db, run_id, args.items, seed=args.seed)
+        ids, payload = enqueue(db, run_id, args.items, seed=args.seed, shape=shape_of(args))
         queued.extend(ids)
         return len(ids), payload
 
@@ -498,6 +518,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32, help="ids per message")
     parser.add_argument("--writer-batch", type=int, default=256, help="outcomes per commit")
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument(
+        "--prompt-ids", default="50,200", help="a prompt's length in ids: MIN,MAX (uniform)"
+    )
+    parser.add_argument("--output-ids", type=int, default=60, help="an output's length in ids")
     parser.add_argument("--compare", action="store_true", help=f"also at migration {BEFORE}")
     args = parser.parse_args()
     cluster = Cluster(CLUSTER_SETTINGS)
@@ -510,7 +534,8 @@ def main() -> None:
     when = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     print(
         f"bench/fleet.py --workers {args.workers} --items {args.items} --batch {args.batch} "
-        f"--writer-batch {args.writer_batch}{' --compare' if args.compare else ''}, {when}, "
+        f"--writer-batch {args.writer_batch} --prompt-ids {args.prompt_ids} "
+        f"--output-ids {args.output_ids}{' --compare' if args.compare else ''}, {when}, "
         f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}"
     )
     print_table(HEADERS, [row_of(p) for p in phases])
