@@ -88,12 +88,14 @@ def test_servers_keep_names_and_urls_whole_and_show_only_a_current_error(
     text = "\n".join(lines)
     assert NAME in text and URL.replace("node-a", "localhost") in text
     assert "local…" not in text and "http:…" not in text
-    assert header_of(lines) == ["name", "url", "state"]
+    # a summary line over the table
+    assert lines[0] == "2 servers: 1 down, 1 healthy; 0 paused; 0 workers; 0 in flight"
+    assert header_of(lines[1:]) == ["name", "url", "state"]
     assert "left out at 80 columns: last probe, workers, in flight, rendering, last error, " in err
 
     lines, err = run_tokenmill(tmp_path, "servers", columns=200)
     assert "left out" not in err
-    rows = {line.split()[0]: line for line in lines[2:]}
+    rows = {line.split()[0]: line for line in lines[3:]}
     assert rows["gpu-b"].rstrip().endswith("timed out")  # its last probe failed: current
     assert "Connection refused" not in rows[NAME]  # history: the server is healthy again
     assert rows[NAME].split()[2] == "healthy"
