@@ -35,8 +35,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from fleet import create_run, enqueue, print_table
+from fleet import create_run, enqueue
 from fleet_cluster import Cluster, _free_port
+from fleet_phase import print_table
 from rich.console import Console
 from sqlalchemy import Engine
 
