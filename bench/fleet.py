@@ -18,7 +18,7 @@ as it does in a ledger much larger than what one checkpoint interval touches) an
 item: commits, statements, WAL bytes (from pg_waldump: the ids' bytes, the payload, and the
 rest, by record kind), rows written (HOT share of the updates), Postgres CPU ms (every process
 of the cluster), the connections held, and the items/s the phase sustained. --compare runs the
-same work on the ledger at migration 0020 (before issue 40's) and at head, in one run. A last
+same work on the ledger just before issue 40's migration and at head, in one run. A last
 phase renews RENEWED leases once (one heartbeat): the cost of each renewal, which a long
 generation pays every lease_s / 2.
 """
@@ -42,7 +42,7 @@ from app.core.contracts import GenerateResult, SamplingParams
 from app.core.process_name import name_process
 from app.ledger import claims, queue, run_queries
 from app.ledger.database import make_engine
-from app.ledger.migrate import upgrade
+from app.ledger.migrate import alembic_config, upgrade
 from app.ledger.outcomes import Done
 from workers.engine.heartbeat import renew_leases
 from workers.engine.window_types import WindowConfig
@@ -65,7 +65,7 @@ class Shape:
 
 SMALL = Shape()  # the issue's measured fleet: prompts of 50-200 ids, outputs of ~60
 ID_BYTES = 4  # app.core.models.TokenArray: packed 32-bit ids
-BEFORE = "0020"  # the schema before issue 40's migration
+LEAN_ROWS = "_lean_item_rows.py"  # issue 40's migration, found by its file name
 # a private cluster at Postgres' defaults but for room for every worker's connections
 CLUSTER_SETTINGS = {
     "max_connections": "400",
@@ -73,6 +73,18 @@ CLUSTER_SETTINGS = {
     "shared_preload_libraries": "pg_stat_statements",
     "pg_stat_statements.track": "all",
 }
+
+
+def before_lean_rows() -> str:
+    """The revision just before issue 40's migration (its down_revision): the schema --compare
+    measures against, whatever number the migration has."""
+    from alembic.script import ScriptDirectory
+
+    script = ScriptDirectory.from_config(alembic_config("sqlite://"))
+    for rev in script.walk_revisions():
+        if rev.path.endswith(LEAN_ROWS) and isinstance(rev.down_revision, str):
+            return rev.down_revision
+    raise SystemExit(f"no migration *{LEAN_ROWS} in {script.dir}")
 
 
 def create_run(db: Engine, name: str) -> int:
@@ -267,6 +279,7 @@ def renewals(cluster: Cluster, db: Engine, revision: str, args: argparse.Namespa
 
 
 def main() -> None:
+    before = before_lean_rows()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", type=int, default=16, help="stand-in worker processes")
     parser.add_argument("--items", type=int, default=24_000)
@@ -277,12 +290,12 @@ def main() -> None:
         "--prompt-ids", default="50,200", help="a prompt's length in ids: MIN,MAX (uniform)"
     )
     parser.add_argument("--output-ids", type=int, default=60, help="an output's length in ids")
-    parser.add_argument("--compare", action="store_true", help=f"also at migration {BEFORE}")
+    parser.add_argument("--compare", action="store_true", help=f"also at migration {before}")
     args = parser.parse_args()
     cluster = Cluster(CLUSTER_SETTINGS)
     cluster.start()
     try:
-        revisions = [BEFORE, "head"] if args.compare else ["head"]
+        revisions = [before, "head"] if args.compare else ["head"]
         phases = [p for revision in revisions for p in ledger_phases(cluster, revision, args)]
     finally:
         cluster.stop()

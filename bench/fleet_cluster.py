@@ -40,7 +40,7 @@ class Cluster:
     def __init__(self, settings: dict[str, str]) -> None:
         self.folder = Path(tempfile.mkdtemp(prefix="tm-bench-pg-"))
         self.data = self.folder / "data"
-        self.port = _free_port()
+        self.port = free_port()
         self.settings = settings
         self.log = self.folder / "postgres.log"
         if os.geteuid() == 0:
@@ -147,7 +147,7 @@ def _proc_cpu_s(pid: int, *, children: bool) -> float:
     return ticks / CLK_TCK
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]

@@ -36,7 +36,7 @@ from typing import Any
 
 import httpx
 from fleet import create_run, enqueue
-from fleet_cluster import Cluster, _free_port
+from fleet_cluster import Cluster, free_port
 from fleet_phase import print_table
 from rich.console import Console
 from sqlalchemy import Engine
@@ -174,7 +174,7 @@ def dashboard_tick(db: Engine) -> tuple[float, list[str]]:
 
 
 def metrics_scrape(url: str, data_dir: Path) -> tuple[float, int]:
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENMILL_")}
     env |= {
         "TOKENMILL_DATABASE_URL": url,

@@ -253,10 +253,10 @@ items = Table(
     # keyset pages of one status of a run (export, verify, report, reconcile) and the
     # "anything left to claim?" probe: one range of this index, in id order, no sort
     Index("ix_items_run_status_id", "run_id", "status", "id"),
-    # Partial on the column that is NULL until an item gets that far (migration 0021): an
-    # item's insert and its updates before then add no entry (every update of a row that is
-    # not HOT adds one to each index whose predicate it meets); every lookup of these
-    # indexes is by equality or a range of that column, which implies the predicate.
+    # Partial on the column that is NULL until an item gets that far (migration
+    # lean_item_rows): an item's insert and its updates before then add no entry (every update
+    # of a row that is not HOT adds one to each index whose predicate it meets); every lookup
+    # of these indexes is by equality or a range of that column, which implies the predicate.
     _partial("ix_items_prev_item", ("prev_item_id",), "prev_item_id IS NOT NULL"),
     _partial("ix_items_status_lease", ("status", "lease_expires_at"), LEASE_SET),
     _partial("ix_items_server_status", ("server", "status"), "server IS NOT NULL"),
