@@ -111,13 +111,15 @@ PauseReason = Literal[
 ]
 
 # How an on-policy agentic chain ends (app.prompts.tool_calls.chain_ending): the dataset's
-# conversation reached its end, or the regenerated turn stopped matching the cached tool results.
+# conversation reached its end, the regenerated turn stopped matching the cached tool results,
+# or it hit max_new_tokens (truncated: the loop has no whole turn to go on from).
 CHAIN_END_COMPLETE = "complete"
 CHAIN_END_NO_CALL = "no_call"
 CHAIN_END_OTHER_TOOL = "other_tool"
 CHAIN_END_PARALLEL_CALLS = "parallel_calls"
 CHAIN_END_MALFORMED_CALL = "malformed_call"
 CHAIN_END_RESULTS_EXHAUSTED = "results_exhausted"
+CHAIN_END_TRUNCATED = "truncated"
 CHAIN_ENDINGS = (
     CHAIN_END_COMPLETE,
     CHAIN_END_NO_CALL,
@@ -125,6 +127,7 @@ CHAIN_ENDINGS = (
     CHAIN_END_PARALLEL_CALLS,
     CHAIN_END_MALFORMED_CALL,
     CHAIN_END_RESULTS_EXHAUSTED,
+    CHAIN_END_TRUNCATED,
 )
 
 # the tool-call parsers app.prompts.tool_calls implements, by SGLang's `--tool-call-parser` name

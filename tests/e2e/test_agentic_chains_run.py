@@ -16,7 +16,7 @@ import pytest
 
 from app.core import constants
 from ops.emulator_proc import start_emulator
-from tests.support.agentic_chains import FAMILIES, Family, Parses, agentic_row, sglang_chain
+from tests.support.agentic_chains import FAMILIES, Parses, agentic_row, sglang_chain
 from tests.support.procs import clean_env, tokenmill
 
 pytestmark = pytest.mark.e2e
@@ -24,10 +24,18 @@ pytestmark = pytest.mark.e2e
 ROWS = 100
 
 
-@pytest.mark.parametrize("family", [FAMILIES["kimi"], FAMILIES["hermes"]], ids=["kimi", "hermes"])
-def test_agentic_chains_run_end_to_end_as_sglang_renders_them(
-    tmp_path: Path, family: Family
-) -> None:
+# (family, the emulator's length draws, --max-new-tokens): answers that always fit, and draws
+# longer than max_new_tokens, whose turns are cut there and end their chains (`truncated`)
+CASES = {
+    "kimi": (FAMILIES["kimi"], ("--median-tokens", "6", "--sigma", "0"), 96),
+    "hermes": (FAMILIES["hermes"], ("--median-tokens", "6", "--sigma", "0"), 96),
+    "kimi-cut": (FAMILIES["kimi"], ("--median-tokens", "20", "--sigma", "0.6"), 32),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_agentic_chains_run_end_to_end_as_sglang_renders_them(tmp_path: Path, case: str) -> None:
+    family, lengths, max_new_tokens = CASES[case]
     folder = family.tokenizer(tmp_path)
     rows = [agentic_row(n) for n in range(ROWS)]
     path = tmp_path / "rows.jsonl"
@@ -37,10 +45,7 @@ def test_agentic_chains_run_end_to_end_as_sglang_renders_them(
         [
             "--step-ms",
             "1",
-            "--median-tokens",
-            "6",
-            "--sigma",
-            "0",
+            *lengths,
             "--tokenizer",
             str(folder),
             *family.emulator_flags,
@@ -53,7 +58,7 @@ def test_agentic_chains_run_end_to_end_as_sglang_renders_them(
                 *args,
                 *family.run_flags,
                 "--max-new-tokens",
-                "96",
+                str(max_new_tokens),
                 "--seed",
                 "1",
                 "--server",
@@ -67,7 +72,9 @@ def test_agentic_chains_run_end_to_end_as_sglang_renders_them(
     verified = tokenmill(["verify", "agents"], env)
     assert verified.returncode == 0 and "clean" in verified.stdout, verified.stdout
     status = tokenmill(["status", "agents", "--json"], env)
-    endings = json.loads(status.stdout)["chain_endings"]
+    shown = json.loads(status.stdout)
+    endings = shown["chain_endings"]
+    assert shown["failed"] == 0, shown
     out = tmp_path / "turns.jsonl"
     exported = tokenmill(["export", "agents", "--format", "specforge", "--out", str(out)], env)
     assert exported.returncode == 0, exported.stderr
@@ -99,5 +106,16 @@ def test_agentic_chains_run_end_to_end_as_sglang_renders_them(
         recounted[chain.ending] += 1
     assert endings == dict(sorted(recounted.items()))
     assert sum(len(turns) - 1 for turns in split.values()) > 0  # chained prompts were checked
-    # the emulator's draws reach every ending of a chain but parallel calls in the dataset
-    assert set(recounted) == set(constants.CHAIN_ENDINGS), recounted
+    if max_new_tokens < 96:
+        # turns cut at max_new_tokens end their chains, counted as such, nothing failed, and
+        # no command offered to re-queue them
+        assert recounted[constants.CHAIN_END_TRUNCATED] > 0, recounted
+        text = tokenmill(["status", "agents"], env).stdout
+        ended = ", ".join(f"{n} {reason}" for reason, n in endings.items())
+        assert f"run agents: agentic chains ended: {ended}" in text, text
+        assert "retry" not in text + verified.stdout, text + verified.stdout
+        return
+    # the emulator's draws reach every ending of a chain but parallel calls in the dataset and
+    # truncation (its answers all fit max_new_tokens)
+    reached = set(constants.CHAIN_ENDINGS) - {constants.CHAIN_END_TRUNCATED}
+    assert set(recounted) == reached, recounted

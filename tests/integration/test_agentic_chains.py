@@ -67,6 +67,7 @@ def _conversation(calls: list[list[str]], follow_up: bool = False) -> list[dict[
 
 TWO = [["get_weather"], ["search"]]
 EOS = SPECIAL_TOKENS_BY_NAME[IM_END]
+MAX_NEW_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,8 @@ class Script:
     """A row and what the target generates at each of its turns, with how its chain ends."""
 
     calls: list[list[str]]
-    actions: list[str]  # per turn: a tool name (one call), "parallel", "malformed", "text"
+    # per turn: a tool name (one call), "parallel", "malformed", "text", "cut" (max_new_tokens)
+    actions: list[str]
     ending: str
     follow_up: bool = False
 
@@ -111,6 +113,10 @@ SCRIPTS = [
         constants.CHAIN_END_RESULTS_EXHAUSTED,
         True,
     ),
+    # a turn cut at max_new_tokens ends the chain there, the first, a middle or the last one
+    Script(TWO, ["cut"], constants.CHAIN_END_TRUNCATED),
+    Script(TWO, ["get_weather", "cut"], constants.CHAIN_END_TRUNCATED),
+    Script(TWO, ["get_weather", "search", "cut"], constants.CHAIN_END_TRUNCATED),
 ]
 
 
@@ -147,7 +153,7 @@ def _output_text(family: Family, action: str, key: str, turn: int) -> str:
     action = action.removeprefix("early:")
     if action == "unclosed":
         return ""
-    if action == "text":
+    if action in ("text", "cut"):
         return f"Answer {key} {turn}."
     if action == "parallel":
         return family.call_text(["get_weather", "search"])
@@ -163,6 +169,9 @@ def _result(
     closed by </think> unless the action says otherwise: "early:NAME" opens the call section
     before any </think>, "unclosed" never closes it and says nothing else."""
     encode = tokenizer.hf_tokenizer.encode
+    if action == "cut":  # max_new_tokens of text, no stop: reasoning never closed, or text
+        ids = encode(f"{text} " * MAX_NEW_TOKENS, add_special_tokens=False)[:MAX_NEW_TOKENS]
+        return GenerateResult("r", ids, "length", None, prompt_tokens, len(ids), 0, 0.1)
     ids: list[int] = []
     if family.reasoning_parser is not None:
         assert tokenizer.think_end_id is not None
@@ -200,7 +209,7 @@ def _run_chains(
     options = EnqueueOptions(
         path,
         "agents",
-        SamplingParams(max_new_tokens=64, seed=1),
+        SamplingParams(max_new_tokens=MAX_NEW_TOKENS, seed=1),
         turns="all",
         tool_call_parser=family.parser,
         parallel_calls=parallel,
@@ -294,7 +303,7 @@ def test_agentic_chains_splice_cached_results_as_sglang_renders_them(
         final = last["conversations"][-1]
         calls = [c["function"]["name"] for c in final.get("tool_calls", [])]
         action = scripts[int(key)].actions[-1]
-        expected = {"parallel": ["get_weather", "search"], "malformed": [], "text": []}
+        expected = {"parallel": ["get_weather", "search"], "malformed": [], "text": [], "cut": []}
         assert calls == expected.get(action, [action]), key
     if family.name == "kimi":
         return  # its template drops earlier reasoning: no whole-conversation mask exists

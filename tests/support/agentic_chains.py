@@ -1,7 +1,8 @@
 """Agentic rows for the on-policy chain tests, the emulated model families that answer them, and
 each row's chain as an agent loop against SGLang 0.5.23 makes it: the wheel's parse of every
 output (SGLangAgentLoop, all outputs in one run of the wheel), the history it sends back, the
-next prompt the chat path renders, and where the rules of docs/inputs.md end the chain."""
+next prompt the chat path renders, and where the rules of docs/inputs.md end the chain (a
+turn cut at max_new_tokens ends it there)."""
 
 from __future__ import annotations
 
@@ -158,6 +159,8 @@ def sglang_chain(
         if output is None:
             return Chain(turns, None)
         turns.append((prompt, output))
+        if not output or output[-1] != EOS:  # finish reason length: the loop has no whole turn
+            return Chain(turns, constants.CHAIN_END_TRUNCATED)
         answer = parses(output, tools)
         nxt = assistant_at[k + 1] if k + 1 < len(assistant_at) else len(conversation)
         dataset_next = conversation[at + 1 : nxt]

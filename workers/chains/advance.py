@@ -37,7 +37,7 @@ ADVANCE_PAGE = 500
 @dataclass
 class AdvanceReport:
     started: list[int] = field(default_factory=list)  # waiting → pending
-    failed: int = 0  # later turns failed because an earlier one failed or was truncated
+    failed: int = 0  # later turns failed: an earlier one failed (or, plain chains, was truncated)
     blocked: int = 0  # left waiting: the run's tokenizer cannot be used
     ended: dict[str, int] = field(default_factory=dict)  # agentic chains ended, by reason
 
@@ -113,6 +113,14 @@ def _regenerated_history(
     )
     if step.ending is None:
         return [*(dict(t) for t in prev.messages or []), *step.turns]
+    _end_chain(db, turn, step.ending, report)
+    return None
+
+
+def _end_chain(db: Engine, turn: WaitingTurn, ending: str, report: AdvanceReport) -> None:
+    """An agentic chain ends at the turn before this waiting one: its ending recorded there,
+    this turn and the later ones dropped."""
+    prev = turn.prev
     with db.begin() as conn:
         dropped = turns.end_chain(
             conn,
@@ -121,20 +129,19 @@ def _regenerated_history(
             turn.item_key,
             turn.sample_index,
             turn.turn_index,
-            step.ending,
+            ending,
         )
-    report.ended[step.ending] = report.ended.get(step.ending, 0) + 1
+    report.ended[ending] = report.ended.get(ending, 0) + 1
     log.info(
         "run %d key %s sample %d: chain ended at turn %d (%s), %d later turns dropped",
         turn.run_id,
         turn.item_key,
         turn.sample_index,
         prev.turn_index,
-        step.ending,
+        ending,
         dropped,
         extra={"action": "chain_ended"},
     )
-    return None
 
 
 def _record_final_endings(
@@ -153,12 +160,15 @@ def _record_final_endings(
         if parser is None:
             plain.append(item.id)
             continue
-        tokenizer = cache.tokenizer(db, run)
-        if tokenizer is None:
-            report.blocked += 1
-            continue
-        answer = assistant_turn(item, run, tokenizer, parser)["content"]
-        ending = tool_calls.final_ending(parser, answer, item.tools or [])
+        if item.finish_reason != "stop":
+            ending = constants.CHAIN_END_TRUNCATED  # the last turn hit max_new_tokens
+        else:
+            tokenizer = cache.tokenizer(db, run)
+            if tokenizer is None:
+                report.blocked += 1
+                continue
+            answer = assistant_turn(item, run, tokenizer, parser)["content"]
+            ending = tool_calls.final_ending(parser, answer, item.tools or [])
         with db.begin() as conn:
             if turns.record_chain_end(conn, item.id, ending):
                 report.ended[ending] = report.ended.get(ending, 0) + 1
@@ -174,10 +184,16 @@ def _advance_one(
     if prev.status == "failed":
         _fail_chain(db, turn, f"turn {prev.turn_index} failed: {prev.error}", report)
         return
-    if prev.finish_reason != "stop":
-        _fail_chain(db, turn, f"turn {prev.turn_index} was truncated at max_new_tokens", report)
-        return
     run = cache.run(db, turn.run_id)
+    if prev.finish_reason != "stop":
+        # an agent loop ends at a truncated turn (no whole turn to go on from); a plain
+        # chain's dataset turns would follow a reply the dataset never had: they fail
+        if agentic_parser(run, prev) is not None:
+            _end_chain(db, turn, constants.CHAIN_END_TRUNCATED, report)
+        else:
+            reason = f"turn {prev.turn_index} was truncated at max_new_tokens"
+            _fail_chain(db, turn, reason, report)
+        return
     tokenizer = cache.tokenizer(db, run)
     if tokenizer is None:
         report.blocked += 1
