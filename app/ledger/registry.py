@@ -15,11 +15,13 @@ from sqlalchemy import Connection, delete, func, insert, select, update
 from app.core.constants import (
     EVENT_ENQUEUE_STOPPED,
     EVENT_ENQUEUED,
+    EVENT_STATE,
     PAUSED_BY_WATCHDOG,
     PauseReason,
 )
 from app.core.errors import NotFound
 from app.core.models import ItemStatus
+from app.ledger import event_log
 from app.ledger.claims import run_has_items
 from app.ledger.common import as_utc, events, items, runs, servers, utcnow
 from app.ledger.database import pin_index_plans
@@ -249,27 +251,38 @@ def record_probe(
     conn: Connection,
     name: str,
     *,
+    expected: str | None = None,
     state: str,
     failures: int,
     successes: int,
     ok: bool,
     latency_s: float | None,
     error: str | None,
-) -> None:
-    before = get_server(conn, name)
-    values = _probe_values(before.state, state, ok, latency_s, error)
-    values.update(consecutive_failures=failures, consecutive_successes=successes)
+) -> bool:
+    """The watchdog's probe: its last probe, and its state machine's verdict `state` stepped
+    from `expected` (the state it read; None: the state now) with its counters. False when
+    another writer changed the state since it read it: the verdict does not stand (the
+    counters start again)."""
+    if expected is None:
+        expected = str(get_server(conn, name).state)
+    if state != expected:
+        stands = change_state(conn, name, expected=expected, to=state, error=error, by="watchdog")
+    else:
+        now = conn.execute(select(servers.c.state).where(servers.c.name == name)).scalar()
+        stands = now == expected
+    values = _probe_values(ok, latency_s, error)
+    if stands:
+        values.update(consecutive_failures=failures, consecutive_successes=successes)
+    else:
+        values.update(consecutive_failures=0, consecutive_successes=0)
     conn.execute(update(servers).where(servers.c.name == name).values(**values))
+    return stands
 
 
-def _probe_values(
-    before: str, state: str, ok: bool, latency_s: float | None, error: str | None
-) -> dict[str, Any]:
-    """The columns a probe sets: the state it saw (and since when, if it changed), the last
-    probe's time and result, and its error."""
+def _probe_values(ok: bool, latency_s: float | None, error: str | None) -> dict[str, Any]:
+    """The columns a probe sets besides the state: the last probe's time, result and error."""
     now = utcnow()
     values: dict[str, Any] = {
-        "state": state,
         "last_probe_at": now,
         "last_probe_ok": ok,
         "last_probe_latency_s": latency_s,
@@ -277,9 +290,40 @@ def _probe_values(
     }
     if error is not None:
         values["last_error"] = error[:1000]
-    if before != state:
-        values["state_since"] = now
     return values
+
+
+# the states a probe's error is shown beside in the timeline
+_STATES_WITH_ERRORS = ("suspect", "down", "auth", "draining")
+
+
+def change_state(
+    conn: Connection, name: str, *, expected: str, to: str, error: str | None, by: str
+) -> bool:
+    """The one writer of a server's state changes, whoever probed (the watchdog, a worker or
+    `tokenmill run`, a restart): the state moves from `expected` to `to` only if it still is
+    `expected` (a conditional UPDATE: of two writers that saw the same change one records it),
+    and the change goes on the timeline (a `state` event naming the writer) in the same
+    transaction. False when the state was not `expected` any more: nothing is written."""
+    now = utcnow()
+    stmt = (
+        update(servers)
+        .where(servers.c.name == name, servers.c.state == expected)
+        .values(state=to, state_since=now, updated_at=now)
+    )
+    if expected == to or conn.execute(stmt).rowcount != 1:
+        return False
+    message = f"{name}: {expected} → {to}"
+    if error and to in _STATES_WITH_ERRORS:
+        message += f" ({error})"
+    event_log.record_event(
+        conn,
+        EVENT_STATE,
+        message,
+        server=name,
+        details={"from": expected, "to": to, "error": error, "by": by},
+    )
+    return True
 
 
 def note_probe(
@@ -290,23 +334,34 @@ def note_probe(
     ok: bool,
     latency_s: float | None,
     error: str | None,
+    by: str,
 ) -> str | None:
     """A probe made by `tokenmill run`, a worker or a restart (not the watchdog's state
-    machine): the last probe, its time and result, and the state it saw (a healthy one of a
-    server the watchdog paused keeps the watchdog's state); the state before (None: the server
-    is not registered, nothing is written)."""
+    machine): the last probe, its time and result, and the state it saw, changed through
+    change_state; the state before (None: the server is not registered, nothing is written).
+
+    What such a probe sees does not overrule what the ledger knows: a healthy one of a server
+    the watchdog paused, or found suspect, keeps the watchdog's state (a hung scheduler keeps
+    /health at 200; the watchdog's own generation checks and thresholds decide); a 503 from a server that is down or
+    recovering is one starting, not draining; a recovering one of a healthy server stays
+    healthy (recovering is the way up from down)."""
     row = conn.execute(
         select(servers.c.state, servers.c.paused, servers.c.paused_by).where(servers.c.name == name)
     ).first()
     if row is None:
         return None
-    if state == "healthy" and row.paused and row.paused_by == PAUSED_BY_WATCHDOG:
-        # a liveness 200 does not overrule the watchdog's generation check: a hung scheduler
-        # keeps /health at 200; the watchdog's own thresholds bring the server back
-        state = str(row.state)
-    values = _probe_values(row.state, state, ok, latency_s, error)
+    before = str(row.state)
+    kept = (
+        (state == "healthy" and row.paused and row.paused_by == PAUSED_BY_WATCHDOG)
+        or (state == "healthy" and before == "suspect")
+        or (state == "draining" and before in ("down", "recovering"))
+        or (state == "recovering" and before == "healthy")
+    )
+    if not kept:
+        change_state(conn, name, expected=before, to=state, error=error, by=by)
+    values = _probe_values(ok, latency_s, error)
     conn.execute(update(servers).where(servers.c.name == name).values(**values))
-    return str(row.state)
+    return before
 
 
 def set_fingerprint(conn: Connection, name: str, fingerprint: dict[str, Any]) -> None:

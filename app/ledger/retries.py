@@ -219,6 +219,18 @@ def _reset(conn: Connection, ids: Sequence[int], status: str) -> list[int]:
     return sorted(changed)
 
 
+def still_failed(conn: Connection, ids: Sequence[int]) -> list[int]:
+    """Those of these items that are failed now (a retry since puts them back), in id order."""
+    found: list[int] = []
+    for i in range(0, len(ids), RETRY_PAGE):
+        page = sorted(ids[i : i + RETRY_PAGE])
+        stmt = select(items.c.id).where(
+            items.c.id.in_(page), items.c.status == ItemStatus.FAILED.value
+        )
+        found += conn.execute(stmt).scalars()
+    return sorted(found)
+
+
 def failed_by_reason(conn: Connection, run_id: int) -> list[tuple[str, int]]:
     """The run's failed items counted by reason, the most common first (archived rows
     included): a read of the failed items only."""

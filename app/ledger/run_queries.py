@@ -333,6 +333,12 @@ def pin_fingerprint(conn: Connection, run_id: int, fingerprint: dict[str, Any]) 
     return dict(pinned or {})
 
 
+def run_name(conn: Connection, run_id: int) -> str | None:
+    """The run's name (None: no such run, e.g. deleted)."""
+    name: str | None = conn.execute(select(runs.c.name).where(runs.c.id == run_id)).scalar()
+    return name
+
+
 def run_storage_url(conn: Connection, run_id: int) -> str | None:
     """The storage URL the run pinned (None: a run older than the pin)."""
     stmt = select(runs.c.storage_url).where(runs.c.id == run_id)

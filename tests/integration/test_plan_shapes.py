@@ -80,6 +80,7 @@ EXEMPT: dict[str, str] = {
             "turns.record_chain_end",
             "turns.unmark_plain_chains",
             "image_tokens.note_image_tokens",
+            "retries.still_failed",
         ),
         "reads or writes the rows of the ids, keys or owner it is given, through their keys",
     ),
@@ -121,6 +122,7 @@ EXEMPT: dict[str, str] = {
             "run_queries.get_run",
             "run_queries.get_run_by_id",
             "run_queries.run_archived",
+            "run_queries.run_name",
             "spec_stats.run_has_spec_stats",
             "counters.fold_shards",
         ),
@@ -131,7 +133,7 @@ EXEMPT: dict[str, str] = {
         "`tokenmill report`'s page: sums over the whole run by design, not a periodic read",
     ),
     **dict.fromkeys(
-        ("registry.delete_server", "registry.note_probe"),
+        ("registry.delete_server", "registry.note_probe", "registry.change_state"),
         "the servers table, by the server's name",
     ),
     **dict.fromkeys(

@@ -200,15 +200,30 @@ def test_a_chain_resumes_from_the_retried_turn(pg_engine: Engine) -> None:
     assert [t.id for t in ready] == [c[1]]
 
 
+def failed_items(db: Engine, run_id: int, n: int, error: str) -> list[int]:
+    """n items of the run, failed with error as a worker records them; their ids."""
+    with db.begin() as conn:
+        keys = [f"k{run_id}-{len(ids_by_key(conn, run_id)) + i}" for i in range(n)]
+        for key in keys:
+            add_item(conn, run_id, key, status="pending")
+        ids = ids_by_key(conn, run_id)
+        for key in keys:
+            fail(conn, ids[key], error)
+    return [ids[k] for k in keys]
+
+
 def test_a_workers_failures_are_one_event_per_reason_and_interval(pg_engine: Engine) -> None:
     now = [0.0]
     with pg_engine.begin() as conn:
         run = make_run(conn, "digest")
+    too_long = failed_items(pg_engine, run.id, 199, TOO_LONG.format(n=5001))
+    (missing,) = failed_items(pg_engine, run.id, 1, MISSING.format(sha="ab" * 32))
+    (later,) = failed_items(pg_engine, run.id, 1, TOO_LONG.format(n=7000))
     digest = FailureDigest(pg_engine, "gpu-a", interval_s=60.0, clock=lambda: now[0])
-    digest.add(run.id, 1, TOO_LONG.format(n=5001))
-    for i in range(2, 200):
+    digest.add(run.id, too_long[0], TOO_LONG.format(n=5001))
+    for i in too_long[1:]:
         digest.add(run.id, i, TOO_LONG.format(n=5000 + i))
-    digest.add(run.id, 500, MISSING.format(sha="ab" * 32))
+    digest.add(run.id, missing, MISSING.format(sha="ab" * 32))
     now[0] = 30.0
     digest.flush()  # the interval is not over: nothing more
     with pg_engine.connect() as conn:
@@ -217,12 +232,13 @@ def test_a_workers_failures_are_one_event_per_reason_and_interval(pg_engine: Eng
         (EVENT_ITEM_FAILED, 1),
         (EVENT_ITEM_FAILED, 1),
     ]
-    assert "item 1 of run" in first[0].message and "5001 tokens" in first[0].message
+    assert f"item {too_long[0]} of run digest " in first[0].message
+    assert "5001 tokens" in first[0].message
     now[0] = 61.0
     digest.flush()
     now[0] = 200.0
     digest.flush()  # quiet for an interval: forgotten, so the next one is reported at once
-    digest.add(run.id, 900, TOO_LONG.format(n=7000))
+    digest.add(run.id, later, TOO_LONG.format(n=7000))
     with pg_engine.connect() as conn:
         events = registry.list_events(conn, run_id=run.id)
     summed = [e for e in events if e.details and e.details["count"] > 1]
@@ -230,5 +246,40 @@ def test_a_workers_failures_are_one_event_per_reason_and_interval(pg_engine: Eng
     assert summed[0].details is not None
     assert summed[0].details["count"] == 198
     assert summed[0].details["reason"] == failure_reason(TOO_LONG.format(n=1))
-    assert summed[0].message.startswith("198 more items of run")
-    assert "item 900" in events[-1].message
+    assert summed[0].message.startswith("198 more items of run digest failed on gpu-a")
+    assert f"item {later} of run digest" in events[-1].message
+
+
+def test_a_digest_counts_only_the_failures_no_retry_put_back(pg_engine: Engine) -> None:
+    """A sum reported after `tokenmill retry` names the items still failed; none left, none."""
+    now = [0.0]
+    with pg_engine.begin() as conn:
+        run = make_run(conn, "agents")
+    first, *rest = failed_items(pg_engine, run.id, 244, TOO_LONG.format(n=5001))
+    digest = FailureDigest(pg_engine, "gpu-a", interval_s=30.0, clock=lambda: now[0])
+    for i in [first, *rest]:
+        digest.add(run.id, i, TOO_LONG.format(n=5001))
+    with pg_engine.begin() as conn:  # the operator retries them all
+        retries.apply_retry(conn, retries.plan_retry(conn, run.id, RetrySelection()))
+    now[0] = 31.0
+    digest.flush()
+    with pg_engine.connect() as conn:
+        events = registry.list_events(conn, run_id=run.id)
+    assert [e.details and e.details["count"] for e in events] == [1]  # the first, at once
+    assert events[0].message.startswith(f"item {first} of run agents failed on gpu-a")
+    # failures of the next interval, some of them retried before it is reported
+    again = failed_items(pg_engine, run.id, 10, TOO_LONG.format(n=5001))
+    for i in again:
+        digest.add(run.id, i, TOO_LONG.format(n=5001))
+    with pg_engine.begin() as conn:
+        retries.apply_retry(conn, retries.plan_retry(conn, run.id, RetrySelection()))
+    for i in again[:3]:
+        with pg_engine.begin() as conn:
+            fail(conn, i, TOO_LONG.format(n=5001))
+    now[0] = 62.0
+    digest.flush()
+    with pg_engine.connect() as conn:
+        events = registry.list_events(conn, run_id=run.id)
+    assert len(events) == 2
+    assert events[-1].message.startswith("3 more items of run agents failed on gpu-a")
+    assert events[-1].details is not None and events[-1].details["items"] == again[:3]

@@ -187,3 +187,51 @@ def test_a_drain_and_a_refused_key_are_their_own_states_on_a_real_server(
     timeline = kinds(db)
     assert any(k.startswith("state:gpu-d: healthy → draining") for k in timeline), timeline
     assert any(k.startswith("state:gpu-d: draining → down") for k in timeline), timeline
+
+
+def test_each_state_change_is_recorded_once_by_whichever_writer_saw_it_first(db: Engine) -> None:
+    """The worker's probe, the watchdog and a restart share one guarded change of state: a
+    writer that read a state another has changed since records nothing, and what a liveness
+    probe sees never overrules the ledger (a starting server is no drain, a healthy one does not
+    go back to recovering, a suspect one is the watchdog's to judge)."""
+    probe = {"ok": True, "latency_s": 0.01, "error": None}
+    watchdog = {"failures": 0, "successes": 2, "ok": True, "latency_s": 0.01, "error": None}
+    with db.begin() as conn:
+        registry.upsert_server(conn, "gpu-a", "http://a:30000")
+        assert registry.record_probe(conn, "gpu-a", expected="unknown", state="healthy", **watchdog)
+        # the worker sees the drain first; the watchdog's tick had read healthy: not recorded
+        registry.note_probe(
+            conn, "gpu-a", **probe | {"state": "draining", "ok": False}, by="worker"
+        )
+        stale = watchdog | {"failures": 1, "ok": False}
+        assert not registry.record_probe(
+            conn, "gpu-a", expected="healthy", state="suspect", **stale
+        )
+        registry.note_probe(conn, "gpu-a", **probe | {"state": "down", "ok": False}, by="worker")
+        # the new server's loading 503s: a starting server, not a drain
+        registry.note_probe(
+            conn, "gpu-a", **probe | {"state": "draining", "ok": False}, by="worker"
+        )
+        registry.note_probe(conn, "gpu-a", **probe, state="recovering", by="restart")
+        registry.note_probe(conn, "gpu-a", **probe, state="healthy", by="worker")
+        registry.note_probe(conn, "gpu-a", **probe, state="recovering", by="restart")
+        assert not registry.record_probe(
+            conn, "gpu-a", expected="down", state="recovering", **watchdog
+        )
+        # a liveness 200 leaves a server the watchdog found suspect to the watchdog
+        assert registry.record_probe(conn, "gpu-a", expected="healthy", state="suspect", **stale)
+        registry.note_probe(conn, "gpu-a", **probe, state="healthy", by="worker")
+        assert registry.get_server(conn, "gpu-a").state == "suspect"
+        changes = [
+            ((e.details or {})["from"], (e.details or {})["to"], (e.details or {})["by"])
+            for e in registry.list_events(conn, server="gpu-a")
+            if e.kind == "state"
+        ]
+    assert changes == [
+        ("unknown", "healthy", "watchdog"),
+        ("healthy", "draining", "worker"),
+        ("draining", "down", "worker"),
+        ("down", "recovering", "restart"),
+        ("recovering", "healthy", "worker"),
+        ("healthy", "suspect", "watchdog"),
+    ]

@@ -109,13 +109,19 @@ def test_a_probe_is_noted_on_a_registered_server_only(sqlite_engine: Engine) -> 
     with sqlite_engine.begin() as conn:
         assert (
             registry.note_probe(
-                conn, "nobody:1", state="healthy", ok=True, latency_s=0.1, error=None
+                conn, "nobody:1", state="healthy", ok=True, latency_s=0.1, error=None, by="worker"
             )
             is None
         )
         registry.upsert_server(conn, "gpu-a:30000", "http://gpu-a:30000")
         was = registry.note_probe(
-            conn, "gpu-a:30000", state="draining", ok=False, latency_s=0.01, error="HTTP 503"
+            conn,
+            "gpu-a:30000",
+            state="draining",
+            ok=False,
+            latency_s=0.01,
+            error="HTTP 503",
+            by="worker",
         )
         server = registry.get_server(conn, "gpu-a:30000")
     assert was == "unknown"

@@ -195,10 +195,17 @@ def restart_server(
 
 
 def _note_probe(db: Engine, name: str, probe: Probe, state: str) -> None:
-    """`tokenmill servers` shows what the restart saw."""
+    """`tokenmill servers` shows what the restart saw, and `tokenmill events` its state changes
+    (healthy → down as the command takes the server away, … → healthy as it comes back)."""
     with db.begin() as conn:
         registry.note_probe(
-            conn, name, state=state, ok=probe.ok, latency_s=probe.latency_s, error=probe.error
+            conn,
+            name,
+            state=state,
+            ok=probe.ok,
+            latency_s=probe.latency_s,
+            error=probe.error,
+            by="restart",
         )
 
 

@@ -16,7 +16,6 @@ from sqlalchemy import Engine
 
 from app.core.constants import (
     EVENT_FINGERPRINT_MISMATCH,
-    EVENT_STATE,
     PAUSED_BY_FINGERPRINT,
     PAUSED_BY_PARITY,
     PAUSED_BY_WATCHDOG,
@@ -141,7 +140,11 @@ def check_server(
     With a parity gate, a healthy server re-renders a sample of each active run's prompts the
     first time it is seen for that run (and again whenever it is admitted back)."""
     judged = _judge(db, prober, server, thresholds=thresholds, stall_s=stall_s)
-    _record(db, server, judged)
+    if not _record(db, server, judged):
+        # the state moved under this tick: the next one steps from where it is now
+        with db.connect() as conn:
+            now = registry.get_server(conn, server.name)
+        return Verdict(Health(now.state), 0, 0)
     verdict = judged.verdict
     if verdict.state == Health.HEALTHY and judged.probe.model is not None and server.fingerprint:
         server = _weights_seen(db, control, server, judged.probe.model)
@@ -178,13 +181,16 @@ def _judge(
     return Judged(probe, previous, verdict, stalled, error)
 
 
-def _record(db: Engine, server: ServerInfo, judged: Judged) -> None:
-    """The probe in the ledger, and an event (and a log line) when the state changes."""
+def _record(db: Engine, server: ServerInfo, judged: Judged) -> bool:
+    """The probe in the ledger, and the state change (an event and a log line) through the
+    registry's one writer of state changes; False when another writer changed the state since
+    this tick read it (a worker's probe saw the server first): the verdict does not stand."""
     previous, verdict, error = judged.previous, judged.verdict, judged.error
     with db.begin() as conn:
-        registry.record_probe(
+        stands = registry.record_probe(
             conn,
             server.name,
+            expected=previous.state.value,
             state=verdict.state.value,
             failures=verdict.failures,
             successes=verdict.successes,
@@ -192,19 +198,12 @@ def _record(db: Engine, server: ServerInfo, judged: Judged) -> None:
             latency_s=judged.probe.latency_s,
             error=error,
         )
-        if verdict.state == previous.state:
-            return
+    if stands and verdict.state != previous.state:
         message = f"{server.name}: {previous.state.value} → {verdict.state.value}"
         if error and verdict.state in (Health.SUSPECT, Health.DOWN, Health.AUTH):
             message += f" ({error})"
-        event_log.record_event(
-            conn,
-            EVENT_STATE,
-            message,
-            server=server.name,
-            details={"from": previous.state.value, "to": verdict.state.value, "error": error},
-        )
         log.warning(message, extra={"action": "server_state"})
+    return stands
 
 
 def _weights_seen(

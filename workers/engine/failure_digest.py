@@ -2,7 +2,9 @@
 event for the first failure of a reason in a run, then one of each per interval with the count.
 
 At 100K items a cause that fails them all (a wrong storage URL, a context length) gives a
-line and an event a minute per worker and reason, not 100K of each.
+line and an event a minute per worker and reason, not 100K of each. A sum counts only the
+items still failed when it is reported: those `tokenmill retry` put back since are left out
+(a sum with none left is not reported). Runs are named by name.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from sqlalchemy import Engine
 
 from app.core.constants import EVENT_ITEM_FAILED
 from app.core.failures import failure_reason
-from app.ledger import event_log
+from app.ledger import event_log, retries, run_queries
 
 log = logging.getLogger(__name__)
 
@@ -30,8 +32,7 @@ EXAMPLE_IDS = 5
 @dataclass
 class _Tally:
     since: float
-    count: int = 0
-    item_ids: list[int] = field(default_factory=list)
+    item_ids: list[int] = field(default_factory=list)  # every failure summed, not yet reported
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,7 @@ class FailureDigest:
         self._clock = clock
         self._lock = threading.Lock()
         self._tallies: dict[tuple[int, str], _Tally] = {}
+        self._names: dict[int, str] = {}  # run id → name
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -85,9 +87,7 @@ class FailureDigest:
         with self._lock:
             tally = self._tallies.get(key)
             if tally is not None:
-                tally.count += 1
-                if len(tally.item_ids) < EXAMPLE_IDS:
-                    tally.item_ids.append(item_id)
+                tally.item_ids.append(item_id)
                 return
             self._tallies[key] = _Tally(since=self._clock())
         self._report(_Report(run_id, reason, 1, [item_id], error, None))
@@ -101,15 +101,46 @@ class FailureDigest:
             for key, tally in list(self._tallies.items()):
                 if not everything and now - tally.since < self._interval_s:
                     continue
-                if tally.count:
+                if tally.item_ids:
                     run_id, reason = key
                     window = now - tally.since
-                    due.append(_Report(run_id, reason, tally.count, tally.item_ids, None, window))
+                    ids = tally.item_ids
+                    due.append(_Report(run_id, reason, len(ids), ids, None, window))
                     self._tallies[key] = _Tally(since=now)
                 else:
                     del self._tallies[key]
         for report in due:
-            self._report(report)
+            kept = self._still_failed(report)
+            if kept is not None:
+                self._report(kept)
+
+    def _still_failed(self, r: _Report) -> _Report | None:
+        """The sum over the items still failed (None: a retry put them all back)."""
+        try:
+            with self._db.connect() as conn:
+                ids = retries.still_failed(conn, r.item_ids)
+        except Exception as exc:  # reported as summed: the ledger has the truth
+            log.warning(
+                "could not re-read summed failures (%s)", exc, extra={"action": "event_failed"}
+            )
+            ids = r.item_ids
+        if not ids:
+            return None
+        return _Report(r.run_id, r.reason, len(ids), ids, None, r.interval_s)
+
+    def _run_name(self, run_id: int) -> str:
+        """The run's name for a message (its id only when it is gone)."""
+        name = self._names.get(run_id)
+        if name is None:
+            try:
+                with self._db.connect() as conn:
+                    name = run_queries.run_name(conn, run_id)
+            except Exception:  # named by id this once: the event still carries run_id
+                return f"#{run_id}"
+            if name is None:
+                return f"#{run_id}"
+            self._names[run_id] = name
+        return name
 
     def _loop(self) -> None:
         while not self._stop.wait(min(self._interval_s, 5.0)):
@@ -123,12 +154,13 @@ class FailureDigest:
 
     def _report(self, r: _Report) -> None:
         fields = {"action": "item_failed", "run_id": r.run_id, "server": self._server}
+        run = self._run_name(r.run_id)
         if r.interval_s is None:
-            what = f"item {r.item_ids[0]} of run {r.run_id} failed on {self._server}"
+            what = f"item {r.item_ids[0]} of run {run} failed on {self._server}"
             message = f"{what}: {r.error}"
         else:
             what = (
-                f"{r.count} more items of run {r.run_id} failed on {self._server} in the "
+                f"{r.count} more items of run {run} failed on {self._server} in the "
                 f"last {r.interval_s:.0f}s"
             )
             message = f"{what}: {r.reason}"
@@ -140,7 +172,7 @@ class FailureDigest:
         details = {
             "reason": r.reason,
             "count": r.count,
-            "items": r.item_ids,
+            "items": r.item_ids[:EXAMPLE_IDS],
             "interval_s": None if r.interval_s is None else round(r.interval_s, 1),
         }
         try:

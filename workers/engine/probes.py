@@ -23,9 +23,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from app.core.constants import EVENT_STATE
 from app.core.errors import AuthRequired, GenerationError
-from app.ledger import event_log, registry
+from app.ledger import registry
 from app.sglang.client import ProbeResult, SGLangClient
 from app.sglang.draining import is_drain, refused_at_once
 from workers.control.health import Health
@@ -125,7 +124,7 @@ class ServerProbe:
                 seen = self._key_check(self._client, seen)
         self._apply(seen)
         before, self.state = self.state, seen.state
-        self._record(before, seen)
+        self._record(seen)
         if before is not seen.state:
             self._on_change(before, seen)
         return seen
@@ -174,31 +173,22 @@ class ServerProbe:
             server.drained()
             self._drain_started = None
 
-    def _record(self, before: Health | None, seen: Seen) -> None:
-        """The last probe in the ledger (a registered server only), and a timeline event when
-        the state changes."""
+    def _record(self, seen: Seen) -> None:
+        """The last probe in the ledger (a registered server only); a state change goes on the
+        timeline through the registry's one writer of state changes (app.ledger.registry
+        change_state), which the watchdog and restarts share."""
         name = self.rt.server_name
         try:
             with self.rt.db.begin() as conn:
-                was = registry.note_probe(
+                registry.note_probe(
                     conn,
                     name,
                     state=seen.state.value,
                     ok=seen.ok,
                     latency_s=seen.latency_s,
                     error=seen.error,
+                    by="worker",
                 )
-                if was is not None and was != seen.state.value and before is not seen.state:
-                    message = f"{name}: {was} → {seen.state.value}"
-                    if seen.error:
-                        message += f" ({seen.error})"
-                    event_log.record_event(
-                        conn,
-                        EVENT_STATE,
-                        message,
-                        server=name,
-                        details={"from": was, "to": seen.state.value, "error": seen.error},
-                    )
         except Exception as exc:
             log.warning(
                 "could not record the probe of %s (%s)",
