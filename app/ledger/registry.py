@@ -342,9 +342,9 @@ def note_probe(
 
     What such a probe sees does not overrule what the ledger knows: a healthy one of a server
     the watchdog paused, or found suspect, keeps the watchdog's state (a hung scheduler keeps
-    /health at 200; the watchdog's own generation checks and thresholds decide); a 503 from a server that is down or
-    recovering is one starting, not draining; a recovering one of a healthy server stays
-    healthy (recovering is the way up from down)."""
+    /health at 200; the watchdog's own generation checks and thresholds decide); a 503 from a
+    server that is down or recovering is one starting, not draining; a recovering one of a
+    healthy server stays healthy (recovering is the way up from down)."""
     row = conn.execute(
         select(servers.c.state, servers.c.paused, servers.c.paused_by).where(servers.c.name == name)
     ).first()

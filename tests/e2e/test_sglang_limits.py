@@ -6,6 +6,7 @@ named. What the server received is read from its own access log (`--log-level-ht
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import signal
@@ -323,10 +324,12 @@ def test_a_sigterm_mid_run_fails_nothing(
             # systemd starts it again on its port: the fleet sees it come back
             port = int(leaving.base_url.rsplit(":", 1)[1])
             with harness.running_sglang_server(model, log, *LOGGED, env=server_env, port=port):
-                back = ("down", "healthy")
+                # straight from down (its worker's probe), or through recovering when the
+                # watchdog paused it meanwhile
+                back = {("down", "healthy"), ("recovering", "healthy")}
                 wait_for(
                     "gpu-0 seen healthy again",
-                    lambda: back in events_moves(fleet_env, tmp_path, "gpu-0"),
+                    lambda: bool(back & set(events_moves(fleet_env, tmp_path, "gpu-0"))),
                     120,
                     lambda: str(events_moves(fleet_env, tmp_path, "gpu-0")),
                 )
@@ -357,3 +360,6 @@ def test_a_sigterm_mid_run_fails_nothing(
     assert "server gpu-0 drains" in (tmp_path / "worker0.log").read_text()
     moves = events_moves(fleet_env, tmp_path, "gpu-0")
     assert ("healthy", "draining") in moves and ("draining", "down") in moves, moves
+    # one way down and one way up: each change starts where the one before it ended
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(moves)), moves
+    assert [to for _, to in moves[moves.index(("healthy", "draining")) :]].count("healthy") == 1
