@@ -13,9 +13,11 @@ from pydantic import ValidationError
 
 from app.core.broker_url import check_broker_url
 from app.core.constants import (
+    BROKER_PRIORITY_STEPS,
     COMPACT_TASK,
     CONTROL_QUEUE,
     GENERATE_TASK,
+    PRIORITY_SEP,
     RECONCILE_TASK,
     WATCHDOG_TASK,
     WORK_QUEUE,
@@ -35,6 +37,11 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "socket_connect_timeout": 10,
         "health_check_interval": 25,
         "retry_on_timeout": True,
+        # one list per step of a message's priority (kombu serves step 0 first): a run's
+        # priority rides on its messages (workers/intake/publish.py); the steps are the
+        # queue's keys, so a consumer's cancel and add cover them all
+        "priority_steps": list(BROKER_PRIORITY_STEPS),
+        "sep": PRIORITY_SEP,
     }
     if broker_url.startswith("filesystem://"):
         folder = settings.broker_folder()

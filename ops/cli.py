@@ -41,6 +41,7 @@ COMMANDS = {
     "verify": "ops.verify_cmd:verify_cmd",
     "parity": "ops.parity_cmd:parity_cmd",
     "accept": "ops.accept_cmd:accept_cmd",
+    "priority": "ops.priority_cmd:priority_cmd",
 }
 
 

@@ -552,3 +552,14 @@ field_option = click.option(
     help="The field (Parquet/datasets column) holding the prompt: turns, a prompt string or "
     "token ids.",
 )
+
+priority_option = click.option(
+    "--priority",
+    type=int,
+    default=None,
+    metavar="N",
+    show_default="0",
+    help="The run's priority, higher first: free slots of the fleet go to the highest-priority "
+    "run with items, runs of one priority share them round robin; nothing in flight is "
+    "aborted. Pinned by the run; `tokenmill priority RUN N` changes a live run's.",
+)

@@ -35,6 +35,7 @@ from ops.options import (
     ledger_name,
     open_db,
     print_json,
+    priority_option,
     render_options,
     sampling_options,
 )
@@ -114,10 +115,13 @@ def enqueue_input(
         image_root=opts.get("image_root"),
         servers=servers,
         driver=driver,
+        priority=opts.get("priority"),
         context_length=context_length,
         request_fields=not opts.get("no_request_fields"),
     )
-    publisher = _publisher(options, settings) if publish else None
+    # the messages carry the run's priority (a later enqueue's is the run's own)
+    priority = _run_priority(options.priority, existing)
+    publisher = _publisher(options, settings, priority) if publish else None
     report = _enqueue_with_progress(db, tokenizer, options, publisher, settings)
     _print_enqueue_report(report, db, options, settings, published=publish)
     return report
@@ -171,8 +175,11 @@ def _context_length(contexts: dict[str, int | None], tokenizer_context: int | No
     return context.context_length
 
 
-def _publisher(options: EnqueueOptions, settings: Settings) -> Callable[[list[int]], None]:
-    """What hands the producer's new ids to the broker, a message per batch."""
+def _publisher(
+    options: EnqueueOptions, settings: Settings, priority: int
+) -> Callable[[list[int]], None]:
+    """What hands the producer's new ids to the broker, a message per batch at the run's
+    priority."""
     from workers.intake.publish import publish_items
 
     # `--turns each`: the producer hands over one message's ids at a time (a conversation's
@@ -181,7 +188,7 @@ def _publisher(options: EnqueueOptions, settings: Settings) -> Callable[[list[in
 
     def publisher(ids: list[int]) -> None:
         size = max(settings.batch_size, len(ids)) if whole else settings.batch_size
-        publish_items(ids, batch_size=size, run=options.run)
+        publish_items(ids, batch_size=size, run=options.run, priority=priority)
 
     return publisher
 
@@ -325,6 +332,13 @@ def unpublished_error(exc: Exception, db: Any, run: str, settings: Settings) -> 
     )
 
 
+def _run_priority(given: int | None, existing: RunInfo | None) -> int:
+    """The priority the run's messages carry: --priority, else the existing run's, else 0."""
+    if given is not None:
+        return given
+    return existing.priority if existing is not None else 0
+
+
 def _render_url(url: str | None) -> str | None:
     if url is None:
         return None
@@ -430,6 +444,7 @@ def _unit(report: EnqueueReport) -> str:
 @field_option
 @sampling_options
 @render_options
+@priority_option
 @handle_errors
 def enqueue_cmd(
     input_path: Path, run_name: str, tokenizer_path: str, as_json: bool, **opts: Any
@@ -454,11 +469,10 @@ def reconcile_cmd(run_name: str | None) -> None:
     announce_embedded(settings, broker=True)
     db = open_db(settings)
     from workers.control.reconcile import reconcile
-    from workers.intake.publish import publish_items
+    from workers.intake.publish import publish_by_priority
 
-    def publish(ids: list[int], wait_s: float) -> None:
-        if ids:
-            publish_items(ids, batch_size=settings.batch_size, countdown_s=wait_s)
+    def publish(ids: list[int], wait_s: float) -> None:  # each with its run's priority
+        publish_by_priority(db, ids, batch_size=settings.batch_size, countdown_s=wait_s)
 
     report = reconcile(db, settings, run=run_name, publish=publish)
     print_json(report.to_json())

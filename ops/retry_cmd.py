@@ -171,7 +171,9 @@ def _publish(db: Engine, settings: Settings, run: RunInfo, plan: RetryPlan) -> N
             ids += advance(db, shared_cache(), run_id=run.id).started
         for i in range(0, len(ids), settings.batch_size):
             chunk = ids[i : i + settings.batch_size]
-            publish_items(chunk, batch_size=settings.batch_size, run=run.name)
+            publish_items(
+                chunk, batch_size=settings.batch_size, run=run.name, priority=run.priority
+            )
             with db.begin() as conn:
                 queue.mark_queued(conn, chunk)
     except Exception as exc:

@@ -22,6 +22,7 @@ from ops.options import (
     handle_errors,
     open_db,
     print_json,
+    priority_option,
     render_options,
     sampling_options,
 )
@@ -48,6 +49,7 @@ if TYPE_CHECKING:
 @field_option
 @sampling_options
 @render_options
+@priority_option
 @handle_errors
 def run_cmd(
     input_path: Path,

@@ -65,6 +65,7 @@ def _status_json(status: status_reads.RunsStatus) -> list[dict[str, Any]]:
             "rendering_differs": status.differing.get(c.run, []),
             "enqueue_stopped": c.run in status.stopped,
             "served_by": _served_by(r),
+            "priority": r.priority,
             "failed_by_reason": dict(status.failed.get(c.run, [])),
             "chain_endings": status.endings.get(c.run, {}),
         }
@@ -89,11 +90,14 @@ def _print_table(counts: list[reads.RunCounts]) -> None:
 
 
 def _print_notes(status: status_reads.RunsStatus) -> None:
-    """Below the table: the binding of runs not open to the whole fleet, failures by reason
-    and how agentic chains ended."""
+    """Below the table: the binding of runs not open to the whole fleet, priorities other
+    than the default, failures by reason and how agentic chains ended."""
     for r in status.runs:
         if not r.fleet_run or r.servers is not None:
             click.echo(f"run {r.name}: served by {r.binding()}")
+    for r in status.runs:  # the priority of runs that have one (0 is every run's by default)
+        if r.priority:
+            click.echo(f"run {r.name}: priority {r.priority} (higher first)")
     for name, reasons in status.failed.items():
         click.echo("\n".join(failure_lines(name, reasons)))
     for name, ended in status.endings.items():

@@ -56,7 +56,7 @@ from workers.engine.identity import (
 )
 from workers.engine.probes import Seen, ServerProbe, auth_line
 from workers.engine.runtime import WorkerRuntime
-from workers.intake.publish import publish_items
+from workers.intake.publish import publish_by_priority
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +71,12 @@ _runtime_lock = threading.Lock()
 
 
 def requeue(ids: list[int], countdown_s: float) -> None:
+    """Publish ids again, each with its run's priority (ids of any runs)."""
     if ids:
-        publish_items(ids, batch_size=get_settings().batch_size, countdown_s=countdown_s)
+        settings = get_settings()
+        publish_by_priority(
+            get_engine(settings), ids, batch_size=settings.batch_size, countdown_s=countdown_s
+        )
 
 
 def runtime() -> WorkerRuntime:

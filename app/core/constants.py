@@ -13,6 +13,13 @@ WATCHDOG_TASK = "tokenmill.watchdog"
 COMPACT_TASK = "tokenmill.compact"
 
 WORK_QUEUE = "generate"
+# kombu's Redis transport keeps one list per step of a queue's message priority and serves
+# step 0 first (workers/intake/publish.py maps a run's priority onto them)
+BROKER_PRIORITY_STEPS: Final = tuple(range(10))
+PRIORITY_SEP: Final = "\x06\x16"  # between the queue's name and its step (kombu's default)
+# how often a worker reads the runs' priorities and claimable counts again (its claim order):
+# `tokenmill priority` reaches every worker within this long
+PRIORITY_REFRESH_S: Final = 2.0
 CONTROL_QUEUE = "tokenmill.control"
 
 REDIS_PREFIX = "tokenmill:"
@@ -66,6 +73,8 @@ EVENT_ITEM_FAILED: Final = "item_failed"
 EVENT_RETRIED: Final = "retried"
 # `tokenmill servers remove`: a server left the registry
 EVENT_SERVER_REMOVED: Final = "server_removed"
+# `tokenmill priority RUN N`: a run's priority changed
+EVENT_PRIORITY: Final = "priority"
 
 EventKind = Literal[
     "run_created",
@@ -88,6 +97,7 @@ EventKind = Literal[
     "item_failed",
     "retried",
     "server_removed",
+    "priority",
 ]
 
 # Who paused a server (`servers.paused_by`): an operator's pause is never lifted by the watchdog.

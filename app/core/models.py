@@ -136,6 +136,10 @@ runs = Table(
     Column("servers", JSON, nullable=True),
     # "run": `tokenmill run` drives it, the fleet leaves it alone (null: a fleet run)
     Column("driver", String(20), nullable=True),
+    # free slots go to the highest-priority run first, runs of one priority share them
+    # (`enqueue --priority N`, `tokenmill priority RUN N`; migration run_priority); only a
+    # server default, as kind's: an insert at a revision before it names no priority
+    Column("priority", Integer, nullable=False, server_default=text("0")),
     # set when the run's items moved to items_archive (`tokenmill archive`); no more enqueues
     _when("archived_at"),
     # the archived run's counts and token sums, taken once its rows left the hot table (the

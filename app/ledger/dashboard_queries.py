@@ -122,6 +122,8 @@ class RunProgress:
     recent_finished: int
     recent_tokens: int
     window_s: float
+    # the run's priority (higher first; 0 by default)
+    priority: int = 0
 
     @property
     def finished(self) -> int:
@@ -199,7 +201,9 @@ def gather_dashboard(
         if r.server is not None:
             by_server[r.server] = by_server.get(r.server, 0) + r.output_tokens
     runs = [
-        RunProgress(reads.run_counts(conn, run), *by_run.get(run.id, (0, 0)), window_s)
+        RunProgress(
+            reads.run_counts(conn, run), *by_run.get(run.id, (0, 0)), window_s, run.priority
+        )
         for run in shown
     ]
     inflight = inflight_by_server(conn)

@@ -53,11 +53,18 @@ class LedgerSnapshot:
     servers: list[ServerInfo]
     # each server's window as its live workers keep it (app.ledger.windows)
     windows: dict[str, ServerWindow] = field(default_factory=dict)
+    # each run's priority (higher first), by name
+    run_priorities: dict[str, int] = field(default_factory=dict)
 
 
 def run_names(conn: Connection) -> list[str]:
     """Every run, including those without items yet."""
     return list(conn.execute(select(runs.c.name).order_by(runs.c.id)).scalars())
+
+
+def run_priorities(conn: Connection) -> dict[str, int]:
+    """Every run's priority, by name."""
+    return {str(r[0]): int(r[1]) for r in conn.execute(select(runs.c.name, runs.c.priority))}
 
 
 def item_groups(conn: Connection) -> list[ItemGroup]:
@@ -122,4 +129,5 @@ def read_snapshot(engine: Engine) -> LedgerSnapshot:
                 latencies=latency_histograms(conn),
                 servers=servers,
                 windows={name: w for name, w in sized.items() if w is not None},
+                run_priorities=run_priorities(conn),
             )

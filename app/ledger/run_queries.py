@@ -4,6 +4,7 @@ its storage URL and which servers serve it."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -14,7 +15,7 @@ from app.core.constants import NORMALIZATION_VERSION
 from app.core.contracts import SamplingParams
 from app.core.errors import NotFound, RunArchived, RunMismatch
 from app.core.run_kinds import RunKind, TurnsMode
-from app.ledger.common import as_utc, runs, utcnow
+from app.ledger.common import as_utc, items, runs, utcnow
 from app.ledger.pin_checks import file_changes, pin_differences
 
 
@@ -60,6 +61,8 @@ class RunSpec:
     # DRIVER_RUN: `tokenmill run` drives it (the fleet leaves it alone); None: the fleet's
     driver: str | None = None
     kind: RunKind = RunKind.GENERATE
+    # `--priority N`: higher first (None: 0 for a new run, the run's own for a later enqueue)
+    priority: int | None = None
 
     def __post_init__(self) -> None:
         # the stored and CLI form is the mode's string: a spec built from it reads typed
@@ -118,6 +121,8 @@ class RunInfo:
     storage_url: str | None = None
     servers: tuple[str, ...] | None = None
     driver: str | None = None
+    # free slots go to the highest-priority run first (changed live by `tokenmill priority`)
+    priority: int = 0
 
     @property
     def fleet_run(self) -> bool:
@@ -180,6 +185,7 @@ def _run_info(row: Any) -> RunInfo:
         storage_url=row.storage_url,
         servers=tuple(row.servers) if row.servers is not None else None,
         driver=row.driver,
+        priority=int(row.priority),
     )
 
 
@@ -235,6 +241,11 @@ def run_differences(existing: RunInfo, spec: RunSpec) -> list[str]:
         diffs.append(
             f"driven by: {drivers.get(existing.driver, existing.driver)} → "
             f"{drivers.get(spec.driver, spec.driver)}"
+        )
+    if spec.priority is not None and existing.priority != spec.priority:
+        diffs.append(
+            f"priority: {existing.priority} → {spec.priority} "
+            f"(`tokenmill priority {existing.name} {spec.priority}` changes a live run's)"
         )
     if spec.servers is not None and existing.servers != spec.servers:
         old_s = "any" if existing.servers is None else " ".join(existing.servers)
@@ -302,6 +313,7 @@ def get_or_create_run(conn: Connection, spec: RunSpec) -> tuple[RunInfo, bool]:
             storage_url=spec.storage_url,
             servers=list(spec.servers) if spec.servers is not None else None,
             driver=spec.driver,
+            priority=spec.priority or 0,
         )
     )
     return get_run(conn, spec.name), True
@@ -344,3 +356,30 @@ def run_storage_url(conn: Connection, run_id: int) -> str | None:
     stmt = select(runs.c.storage_url).where(runs.c.id == run_id)
     url: str | None = conn.execute(stmt).scalar()
     return url
+
+
+def set_priority(conn: Connection, name: str, priority: int) -> int:
+    """Give the run named name this priority; returns the priority it had (NotFound if none)."""
+    before = get_run(conn, name).priority
+    conn.execute(update(runs).where(runs.c.name == name).values(priority=priority))
+    return before
+
+
+def run_priorities(conn: Connection, run_ids: Iterable[int] | None = None) -> dict[int, int]:
+    """run id → priority, of these runs (every run without ids): one small read of runs."""
+    stmt = select(runs.c.id, runs.c.priority)
+    if run_ids is not None:
+        stmt = stmt.where(runs.c.id.in_(sorted(set(run_ids))))
+    return {int(r[0]): int(r[1]) for r in conn.execute(stmt)}
+
+
+def item_priorities(conn: Connection, ids: Sequence[int]) -> dict[int, int]:
+    """item id → its run's priority, for these items (a requeue of ids of any runs)."""
+    if not ids:
+        return {}
+    stmt = (
+        select(items.c.id, runs.c.priority)
+        .join(runs, runs.c.id == items.c.run_id)
+        .where(items.c.id.in_(list(ids)))
+    )
+    return {int(r[0]): int(r[1]) for r in conn.execute(stmt)}

@@ -134,9 +134,11 @@ def _runs_table(runs: list[RunProgress], not_shown: int, width: int | None) -> T
         finished = f"{run.finished}/{c.total} {pct:3.0f}%" + (
             f" ({c.waiting} waiting)" if c.waiting else ""  # later turns of chains
         )
+        # a run of another priority than the default says so beside its name
+        name = f"{c.run} (priority {run.priority})" if run.priority else c.run
         rows.append(
             [
-                _text(c.run),
+                _text(name),
                 (
                     "#" * BAR_WIDTH,
                     ProgressBar(total=max(c.total, 1), completed=run.finished, width=BAR_WIDTH),

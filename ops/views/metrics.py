@@ -30,7 +30,7 @@ from prometheus_client.metrics_core import (
 from prometheus_client.registry import Collector
 from sqlalchemy import Engine
 
-from app.core.constants import WORK_QUEUE
+from app.core.constants import PRIORITY_SEP, WORK_QUEUE
 from app.core.errors import ConfigurationError
 from app.core.models import ItemStatus
 from app.core.network import is_loopback
@@ -42,7 +42,6 @@ from app.ledger.metrics_queries import (
     LedgerSnapshot,
     read_snapshot,
 )
-from workers.control.broker_scan import PRIORITY_SEP
 from workers.control.health import Health
 
 log = logging.getLogger(__name__)
@@ -84,6 +83,7 @@ def ledger_families(snapshot: LedgerSnapshot) -> list[Metric]:
         *server_families(snapshot),
         *window_families(snapshot),
         *_run_families(totals),
+        _priority_family(snapshot),
     ]
 
 
@@ -185,6 +185,18 @@ def _run_families(totals: _GroupTotals) -> list[Metric]:
     for run, n in totals.run_tokens.items():
         per_run.add_metric([run], n)
     return [items, hedged_items, per_run]
+
+
+def _priority_family(snapshot: LedgerSnapshot) -> Metric:
+    """Each run's priority."""
+    priority = GaugeMetricFamily(
+        PREFIX + "run_priority",
+        "A run's priority: free slots go to the highest-priority run with items first.",
+        labels=["run"],
+    )
+    for run, n in snapshot.run_priorities.items():
+        priority.add_metric([run], n)
+    return priority
 
 
 def latency_family(snapshot: LedgerSnapshot, known: set[str]) -> Metric:

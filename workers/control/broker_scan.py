@@ -13,13 +13,12 @@ from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from typing import Any, cast
 
-from app.core.constants import GENERATE_TASK, WORK_QUEUE
+from app.core.constants import GENERATE_TASK, PRIORITY_SEP, WORK_QUEUE
 from app.core.errors import BrokerUnavailable
 from app.core.settings import redact_url
 
 log = logging.getLogger(__name__)
 
-PRIORITY_SEP = "\x06\x16"
 UNACKED_KEY = "unacked"
 UNACKED_INDEX_KEY = "unacked_index"  # delivery tag -> time of delivery
 # ids a message carries at TOKENMILL_BATCH_SIZE's default: only sizes the first chunk read

@@ -94,6 +94,8 @@ class EnqueueOptions:
     servers: tuple[str, ...] | None = None
     # run_queries.DRIVER_RUN: `tokenmill run` drives the run, the fleet leaves it alone
     driver: str | None = None
+    # `--priority N`: higher first (pinned; None: 0 for a new run, a later enqueue keeps it)
+    priority: int | None = None
     # the context length prompts are held to: the servers' own when `tokenmill run` read it
     # from their /server_info (app.sglang.limits), else None: the tokenizer folder's
     context_length: int | None = None
@@ -149,6 +151,7 @@ def run_spec(
         servers=options.servers,
         driver=options.driver,
         kind=options.kind,
+        priority=options.priority,
     )
 
 
