@@ -467,3 +467,16 @@ def check(engine: Engine, run_id: int | None = None, *, repair_drift: bool = Fal
         with engine.begin() as conn:
             repair(conn, run_id)
     return drift
+
+
+def claimable_by_run(conn: Connection) -> dict[int, int]:
+    """run id → its items waiting for a worker (pending or queued), for runs that have any:
+    the counters' rows of two statuses, summed over their shards (a worker's claim order
+    reads it every few seconds, so never the items themselves)."""
+    c = item_counts.c
+    stmt = (
+        select(c.run_id, func.sum(c.item_count))
+        .where(c.status.in_((ItemStatus.PENDING.value, ItemStatus.QUEUED.value)))
+        .group_by(c.run_id)
+    )
+    return {int(run): int(n) for run, n in conn.execute(stmt) if n and int(n) > 0}

@@ -11,6 +11,7 @@ from app.core.contracts import SamplingParams
 from app.ledger import claims, common, queue, run_queries
 from workers.engine.fake_client import FakePolicy
 from workers.engine.generate import handle_message
+from workers.engine.scheduling import ClaimOrder, read_work
 from workers.engine.server_state import ServerState
 from workers.engine.window import InflightWindow, WindowConfig
 
@@ -46,6 +47,10 @@ class FakeRuntime:
     server_name: str = "fake"
     is_paused: bool = False
     pins: FakePins = field(default_factory=FakePins)
+    claim_order: ClaimOrder = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.claim_order = ClaimOrder(lambda: read_work(self.db))
 
     def paused(self) -> bool:
         return self.is_paused
@@ -53,6 +58,12 @@ class FakeRuntime:
     @property
     def server_state(self) -> ServerState:
         return self.window.server_state
+
+    def run_priority(self, run_id: int) -> int:
+        return 0
+
+    def claims_ahead(self, run_id: int) -> bool:
+        return True
 
 
 def setup(db: Engine, n: int, policy: FakePolicy | None = None) -> tuple[FakeRuntime, list[int]]:
@@ -154,3 +165,57 @@ def test_a_conversation_is_one_unit_of_room_and_never_split(sqlite_engine: Engin
     assert sent_back == [(extra[3:], 0.0)]
     assert set(extra[:3]) <= leased(sqlite_engine)
     assert rt.window.outstanding == 5  # one more unit: the new conversation
+
+
+def other_run(db: Engine, name: str, n: int, priority: int) -> list[int]:
+    """A second run of n pending items at this priority; its ids."""
+    spec = run_queries.RunSpec(
+        name, "/t", "a" * 64, "b" * 64, {}, SamplingParams(), 1, None, [2], priority=priority
+    )
+    with db.begin() as conn:
+        info, _ = run_queries.get_or_create_run(conn, spec)
+        queue.insert_items(
+            conn, info.id, [queue.NewItem(f"{name}{i}", 0, i, None, [5, i]) for i in range(n)]
+        )
+        return queue.pending_ids(conn, info.id)
+
+
+def test_a_message_of_a_big_run_claims_an_urgent_runs_items_first(sqlite_engine: Engine) -> None:
+    rt, ids = setup(sqlite_engine, 10)  # the big run; the window holds 6
+    urgent = other_run(sqlite_engine, "u", 3, priority=10)
+    sent_back: list[tuple[list[int], float]] = []
+    out = handle_message(rt, ids[:8], requeue=lambda b, s: sent_back.append((b, s)))  # type: ignore[arg-type]
+    # the urgent run's 3 items first (from the ledger), then the message's own: the rest of
+    # the message goes back unclaimed, none of it leased
+    assert out["claimed"] == 6 and out["ahead"] == 3 and out["priority"] == 0
+    assert leased(sqlite_engine) == set(urgent) | set(ids[:3])
+    assert sent_back == [(ids[3:8], 0.0)]
+
+
+def test_runs_of_one_priority_share_the_room(sqlite_engine: Engine) -> None:
+    rt, ids = setup(sqlite_engine, 10)
+    third = other_run(sqlite_engine, "c", 4, priority=0)
+    handle_message(rt, ids[:8], requeue=lambda b, s: None)  # type: ignore[arg-type]
+    assert leased(sqlite_engine) == set(third[:3]) | set(ids[:3])
+
+
+def test_a_priority_changed_in_the_ledger_reaches_the_order_at_its_refresh(
+    sqlite_engine: Engine,
+) -> None:
+    rt, ids = setup(sqlite_engine, 10)
+    later = other_run(sqlite_engine, "d", 4, priority=-1)
+    now = [0.0]
+    order = ClaimOrder(lambda: read_work(sqlite_engine), refresh_s=2.0, clock=lambda: now[0])
+    with sqlite_engine.connect() as conn:
+        run_id, d = (run_queries.get_run(conn, name).id for name in ("r", "d"))
+
+    def plan() -> dict[int, int]:
+        return dict(order.plan(4, {run_id: 8}, priority_of=lambda r: 0, from_ledger=lambda r: True))
+
+    assert plan() == {run_id: 4}
+    with sqlite_engine.begin() as conn:
+        assert run_queries.set_priority(conn, "d", 10) == -1  # `tokenmill priority d 10`
+    assert plan() == {run_id: 4}  # not yet read again
+    now[0] += 2.0
+    assert plan() == {d: 4} and len(later) == 4
+    assert len(ids) == 10 and rt.window.outstanding == 0

@@ -61,6 +61,39 @@ def _units(
     return units, bool(index)
 
 
+class _Hand:
+    """The message's ids not yet claimed, by run, in message order."""
+
+    def __init__(self, ids: list[int], keys: dict[int, tuple[int, str]]) -> None:
+        self._by_run: dict[int, list[int]] = {}
+        for item_id in ids:
+            if item_id in keys:  # an id the ledger no longer has is nobody's to claim
+                self._by_run.setdefault(keys[item_id][0], []).append(item_id)
+
+    def __bool__(self) -> bool:
+        return any(self._by_run.values())
+
+    def __contains__(self, run_id: int) -> bool:
+        return bool(self._by_run.get(run_id))
+
+    def counts(self) -> dict[int, int]:
+        return {run: len(ids) for run, ids in self._by_run.items() if ids}
+
+    def take(self, run_id: int, n: int) -> list[int]:
+        ids = self._by_run.get(run_id, [])
+        taken, self._by_run[run_id] = ids[:n], ids[n:]
+        return taken
+
+    def take_any(self, n: int) -> list[int]:
+        taken: list[int] = []
+        for run_id in list(self._by_run):
+            taken += self.take(run_id, n - len(taken))
+        return taken
+
+    def ids(self) -> list[int]:
+        return [i for ids in self._by_run.values() for i in ids]
+
+
 class _Intake:
     """One message's claims, in the room the window holds for each share: what was taken
     (sent), skipped (taken or finished elsewhere), passed over (image items a server that
@@ -75,12 +108,16 @@ class _Intake:
         self.refused: list[claims.ClaimedItem] = []
         self.skipped = 0
         self.passed = 0
+        self.ahead = 0  # items claimed from the ledger ahead of the message's own
 
     def claim_first(self, units: list[list[int]], n: int) -> list[claims.ClaimedItem]:
         """Claim the first n units' items; the ones this server may run, for the window to
         send (n: the units of room the window holds)."""
+        return self.claim_ids([i for unit in units[:n] for i in unit])
+
+    def claim_ids(self, take: list[int]) -> list[claims.ClaimedItem]:
+        """Claim these ids of the message; the ones this server may run, for the window."""
         rt, wait_s = self.rt, self.rt.settings.unavailable_wait_s
-        take = [i for unit in units[:n] for i in unit]
         with rt.db.begin() as conn:
             claimed = claims.claim_items(
                 conn,
@@ -100,6 +137,46 @@ class _Intake:
             self.requeue(passed_over, wait_s)
             self.passed += len(passed_over)
         self.skipped += len(take) - len(claimed) - len(passed_over)
+        return self.checked(claimed)
+
+    def claim_in_order(self, hand: _Hand, n: int) -> list[claims.ClaimedItem]:
+        """Claim n units of room in this worker's claim order (workers/engine/scheduling.py):
+        each run's share from the message's ids when the message holds them, else (or for
+        what they lack) from the ledger; room the order leaves, from the message's ids."""
+        rt = self.rt
+        plan = rt.claim_order.plan(
+            n, hand.counts(), priority_of=rt.run_priority, from_ledger=rt.claims_ahead
+        )
+        sent: list[claims.ClaimedItem] = []
+        for run_id, k in plan:
+            got = self.claim_ids(hand.take(run_id, k)) if run_id in hand else []
+            if len(got) < k and rt.claims_ahead(run_id):
+                got += self.claim_ahead(run_id, k - len(got))
+            sent += got
+        if len(sent) < n and hand:
+            sent += self.claim_ids(hand.take_any(n - len(sent)))
+        return sent
+
+    def claim_ahead(self, run_id: int, n: int) -> list[claims.ClaimedItem]:
+        """Claim up to n of the run's waiting items from the ledger (the claim order put the
+        run ahead of the message's own); the ones this server may run."""
+        rt = self.rt
+        with rt.db.begin() as conn:
+            claimed = claims.claim_next(
+                conn,
+                owner=rt.owner,
+                server=rt.server_name,
+                lease_s=rt.settings.lease_s,
+                limit=n,
+                run_id=run_id,
+                text_only=self.text_only,
+            )
+        self.ahead += len(claimed)
+        return self.checked(claimed)
+
+    def checked(self, claimed: list[claims.ClaimedItem]) -> list[claims.ClaimedItem]:
+        """The claimed items this server may run; the others are released and sent back."""
+        rt, wait_s = self.rt, self.rt.settings.unavailable_wait_s
         refused = [c for c in claimed if not rt.pins.run_matches_server(c.run_id)]
         if refused:
             self.requeue(_release(rt, refused, "server fingerprint differs from the run's"), wait_s)
@@ -164,17 +241,11 @@ def handle_message(
     ids = [i for i in ids if i not in foreign]
     units, conversations = _units(rt, ids, keys)  # a conversation is one unit: one server
     intake = _Intake(rt, requeue)
-    while units:
-        admitted = rt.window.admit(
-            len(units),
-            partial(intake.claim_first, units),
-            timeout_s=max(0.0, deadline - time.monotonic()),
-            conversations=conversations,
-        )
-        if not admitted.held:
-            break
-        units = units[admitted.held :]
-    rest = [i for unit in units for i in unit]
+    if conversations:
+        rest = _admit_units(rt, intake, units, deadline)
+    else:
+        rest = _admit_in_order(rt, intake, _Hand(ids, keys), deadline)
+        intake.skipped += len([i for i in ids if i not in keys])
     if rest:
         requeue(rest, wait_s if rt.window.unavailable() or rt.paused() else 0.0)
         log.debug("message of %d items: %d sent back unclaimed (no room)", len(ids), len(rest))
@@ -193,9 +264,46 @@ def handle_message(
             rt.server_name,
             extra={"action": "images_sent_back"},
         )
+    first_run = next((keys[i][0] for i in ids if i in keys), None)
     return {
         "claimed": len(intake.accepted),
         "skipped": intake.skipped,
         "deferred": len(intake.refused) + len(rest) + intake.passed + len(foreign),
+        # of the claimed, the items of runs ahead in the claim order (the message's went back)
+        "ahead": intake.ahead,
+        "priority": 0 if first_run is None else rt.claim_order.priority(first_run),
         "server": rt.server_name,
     }
+
+
+def _admit_units(
+    rt: WorkerRuntime, intake: _Intake, units: list[list[int]], deadline: float
+) -> list[int]:
+    """Claim the message's conversations in message order as room comes (a conversation is
+    one unit: one server); the ids left unclaimed."""
+    while units:
+        admitted = rt.window.admit(
+            len(units),
+            partial(intake.claim_first, units),
+            timeout_s=max(0.0, deadline - time.monotonic()),
+            conversations=True,
+        )
+        if not admitted.held:
+            break
+        units = units[admitted.held :]
+    return [i for unit in units for i in unit]
+
+
+def _admit_in_order(rt: WorkerRuntime, intake: _Intake, hand: _Hand, deadline: float) -> list[int]:
+    """Claim as room comes, in the claim order: the room may go to other runs' items (the
+    message's ids then go back); the ids left unclaimed. Ends when no room comes by the
+    deadline or a claim finds nothing."""
+    while hand:
+        admitted = rt.window.admit(
+            len(hand.ids()),
+            partial(intake.claim_in_order, hand),
+            timeout_s=max(0.0, deadline - time.monotonic()),
+        )
+        if not admitted.held or not admitted.items:
+            break
+    return hand.ids()

@@ -41,6 +41,7 @@ from workers.engine.pause_watch import PauseWatch
 from workers.engine.policies import policy_for
 from workers.engine.run_pins import RunPins
 from workers.engine.run_stores import RunStores
+from workers.engine.scheduling import ClaimOrder, read_work
 from workers.engine.server_state import ServerState
 from workers.engine.window import InflightWindow, WindowConfig
 from workers.engine.window_types import Checked, KindPolicy
@@ -93,6 +94,8 @@ class WorkerRuntime:
             on_auth=lambda message: self.server_state.needs_key(message),
             on_weights_noted=lambda: self.pauses.reread(),
         )
+        # whose items free room takes: the highest priority first, one priority round robin
+        self.claim_order = ClaimOrder(lambda: read_work(db))
         # resumed: the server's configuration may have changed meanwhile (a restart, weights)
         n = autosize.start_size(settings)
         self.server_state = ServerState(
@@ -177,6 +180,25 @@ class WorkerRuntime:
                 exc,
                 extra={"action": "unregister_failed"},
             )
+
+    # --- the claim order (workers/engine/scheduling.py) ------------------------------------
+
+    def run_priority(self, run_id: int) -> int:
+        """The run's priority as this worker first read it (the claim order reads it again
+        every few seconds for runs with items waiting)."""
+        return self.pins.run_info(run_id).priority
+
+    def claims_ahead(self, run_id: int) -> bool:
+        """Whether this worker may claim the run's items from the ledger ahead of its
+        message's: a fleet run it serves, not refused here, whose items run one by one
+        (not `--turns all` chains nor `--turns each` conversations, which keep their order)."""
+        pins = self.pins
+        return (
+            pins.only_run is None
+            and pins.serves_run(run_id)
+            and not pins.refuses_run(run_id)
+            and pins.run_info(run_id).generation.turns.final_only
+        )
 
     # --- the window's RunPolicy -------------------------------------------------------------
 
