@@ -338,6 +338,19 @@ def _option(flag: str, *names: str, **kwargs: Any) -> Callable[[F], F]:
     help="Vision-encoder time added to the prefill, per 1,000 image tokens not cached.",
 )
 @_option(
+    "--enable-priority-scheduling",
+    is_flag=True,
+    default=False,
+    help="Admit waiting requests by their `priority` (SGLang's flag; higher first), first "
+    "come first served within one priority; /server_info says so.",
+)
+@_option(
+    "--schedule-low-priority-values-first",
+    is_flag=True,
+    default=False,
+    help="With --enable-priority-scheduling: lower priority values first (SGLang's flag).",
+)
+@_option(
     "--log-level",
     type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
     default="INFO",

@@ -64,6 +64,11 @@ class EmulatorConfig:
     # SGLang's chunked_prefill_size, as /server_info reports it
     chunked_prefill_size: int = 8192
     step_ms: float = 5.0
+    # SGLang's --enable-priority-scheduling: waiting requests are admitted by their `priority`
+    # (higher first, or lower first with --schedule-low-priority-values-first), first come
+    # first served within one; a request without one counts as 0. Not emulated: preemption
+    enable_priority_scheduling: bool = False
+    schedule_low_priority_values_first: bool = False
     prefill_ms_per_1k_tokens: float = 2.0
     # the prefix cache (SGLang's radix cache): tokens it holds before evicting the least
     # recently used; None: the KV pool's size (max_running x context_length), 0: no cache
@@ -257,6 +262,8 @@ class EmulatorConfig:
             "max_total_tokens": self.max_total_tokens,
             "chunked_prefill_size": self.chunked_prefill_size,
             "max_queued_requests": self.max_queued,
+            "enable_priority_scheduling": self.enable_priority_scheduling,
+            "schedule_low_priority_values_first": self.schedule_low_priority_values_first,
             "reasoning_parser": self.reasoning_parser,
             "tool_call_parser": None,
             "weight_version": self.weight_version,

@@ -47,6 +47,9 @@ class ItemRequest:
     image_spans: tuple[tuple[int, int], ...] = ()
     # with images: the ids as the request sent them (input_ids are the served ones)
     sent_ids: list[int] | None = None
+    # the request's `priority` (None: it named none); orders the waiting queue only on a
+    # server with priority scheduling, as SGLang's
+    priority: int | None = None
 
     @property
     def key_ids(self) -> list[int]:
@@ -99,6 +102,7 @@ def parse_generate(
     common = {
         "return_prompt_token_ids": bool(body.get("return_prompt_token_ids")),
         "require_reasoning": bool(body.get("require_reasoning")),
+        "priority": body.get("priority"),
     }
     served = _served_prompts(body, prompts, images)
     items = []

@@ -224,7 +224,7 @@ class Scheduler:
 
     def submit(self, jobs: list[Job]) -> None:
         for job in jobs:
-            self._waiting.append(job)
+            self._enter_waiting(job)
             self._by_rid[job.item.rid] = job
             if not job.item.internal:
                 self.counters.requests += 1
@@ -232,6 +232,23 @@ class Scheduler:
         if limit is not None and self.counters.requests >= limit:
             self.hang()
         self._wakeup.set()
+
+    def _rank(self, job: Job) -> int:
+        """A waiting job's place by priority (higher ranks go first)."""
+        priority = job.item.priority or 0
+        return -priority if self.cfg.schedule_low_priority_values_first else priority
+
+    def _enter_waiting(self, job: Job) -> None:
+        """Queue job: at the end, or with priority scheduling behind every waiting job of its
+        rank or above (first come, first served within one priority)."""
+        if not self.cfg.enable_priority_scheduling:
+            self._waiting.append(job)
+            return
+        rank = self._rank(job)
+        at = len(self._waiting)
+        while at > 0 and self._rank(self._waiting[at - 1]) < rank:
+            at -= 1
+        self._waiting.insert(at, job)
 
     def abort(self, rid: str) -> None:
         """Abort by rid as SGLang does: the rid must be live, then every rid it prefixes goes."""

@@ -275,7 +275,8 @@ def hedge_candidates(
     """(item id, run id) of up to `limit` items worth a second copy on `server` ("hedging"):
     leased to another server, not hedged yet, in runs with nothing left to claim (the end of
     a run, when `server` would otherwise idle) and not in skip_runs (runs `server` may not
-    serve); the longest-running first. text_only: items without images only."""
+    serve); the highest-priority run's first (the claim order's), then the longest-running.
+    text_only: items without images only."""
     if limit <= 0:
         return []
     pin_index_plans(conn)
@@ -294,8 +295,9 @@ def hedge_candidates(
         return []
     pick = (
         select(items.c.id, items.c.run_id)
+        .join(runs, runs.c.id == items.c.run_id)
         .where(live, items.c.run_id.in_(ending), *([_text_only()] if text_only else []))
-        .order_by(items.c.started_at, items.c.id)
+        .order_by(runs.c.priority.desc(), items.c.started_at, items.c.id)
         .limit(limit)
     )
     return [(int(r[0]), int(r[1])) for r in conn.execute(pick)]

@@ -191,6 +191,7 @@ class SGLangClient:
         *,
         return_prompt_token_ids: bool = False,
         image_data: Sequence[str] | None = None,
+        priority: int | None = None,
     ) -> dict[str, Any]:
         """The exact JSON body `generate` sends (one prompt, non-streaming). With image_data
         (one `data:` URI per image, in prompt order; input_ids hold one placeholder each) the
@@ -206,6 +207,10 @@ class SGLangClient:
             body["image_data"] = list(image_data)
         if return_prompt_token_ids or image_data:
             body["return_prompt_token_ids"] = True
+        if priority is not None:
+            # the server's own queue order (`--enable-priority-scheduling`): only for a server
+            # that says it schedules by priority (another may abort a request that names one)
+            body["priority"] = priority
         return body
 
     def generate(
@@ -216,11 +221,13 @@ class SGLangClient:
         *,
         return_prompt_token_ids: bool = False,
         image_data: Sequence[str] | None = None,
+        priority: int | None = None,
     ) -> GenerateResult:
         """Generate for one prompt; return only a finished (stop or length) result.
 
         image_data: the prompt's images as `data:` URIs (see `image_data_uri`), in the order
         of its placeholders; the result then carries the served `prompt_token_ids`.
+        priority: SGLang's request priority, in the server's own direction (None: not sent).
 
         Raises PermanentError (bad request: fix the item, not the server), RetryableError
         (timeouts, resets, 5xx, a full queue, a plain abort, a malformed answer) or
@@ -236,6 +243,7 @@ class SGLangClient:
             rid,
             return_prompt_token_ids=return_prompt_token_ids,
             image_data=image_data,
+            priority=priority,
         )
         content = json.dumps(body, separators=(",", ":")).encode()
         started_s = time.monotonic()

@@ -52,6 +52,7 @@ class FakeServer:
     calls_by_prompt: dict[int, int] = field(default_factory=dict)  # by the prompt's last id
     sent: dict[int, list[str]] = field(default_factory=dict)  # rids by the prompt's last id
     aborted: list[str] = field(default_factory=list)
+    priorities: dict[str, int] = field(default_factory=dict)  # by rid, of requests that had one
     log: list[LogEntry] = field(default_factory=list)
     _ends: dict[str, threading.Event] = field(default_factory=dict)
 
@@ -90,9 +91,12 @@ class FakeGenerateClient:
         rid: str,
         *,
         image_data: list[str] | None = None,
+        priority: int | None = None,
     ) -> GenerateResult:
         server = self.server
         with server.lock:
+            if priority is not None:
+                server.priorities[rid] = priority
             server.calls += 1
             call = server.calls
             server.in_flight += 1
@@ -150,12 +154,16 @@ class FakePolicy:
     on_failed: Callable[[int, int, str], None] = lambda run_id, item_id, error: None
     hedges: Callable[[int], list[ClaimedItem]] = lambda limit: []
     unmark: Callable[[list[int]], None] = lambda ids: None
+    priority_of: Callable[[int], int | None] = lambda run_id: None
 
     def new_client(self) -> GenerateClient:
         return (self.clients or self.server.client)()
 
     def kind_policy(self, run_id: int) -> KindPolicy:
         return GenerationPolicy(self.sampling)
+
+    def request_priority(self, run_id: int) -> int | None:
+        return self.priority_of(run_id)
 
     def paused(self) -> bool:
         return self.is_paused()

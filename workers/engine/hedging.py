@@ -177,7 +177,15 @@ class HedgeRound:
         def copies(free: int) -> list[Job]:
             # asked while the window holds its free slots, so that a claim cannot take them
             found[:] = policy.find_hedges(free)[:free]
-            return [Job(item=c, policy=policy.kind_policy(c.run_id), hedge=True) for c in found]
+            return [
+                Job(
+                    item=c,
+                    policy=policy.kind_policy(c.run_id),
+                    hedge=True,
+                    priority=policy.request_priority(c.run_id),
+                )
+                for c in found
+            ]
 
         queued = w.admit_hedges(copies)
         if queued is None:  # stopping: never sent, let others hedge

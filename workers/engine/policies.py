@@ -28,10 +28,21 @@ class GenerationPolicy:
     sampling: SamplingParams
 
     def send(
-        self, client: GenerateClient, item: ClaimedItem, rid: str, images: list[str] | None
+        self,
+        client: GenerateClient,
+        item: ClaimedItem,
+        rid: str,
+        images: list[str] | None,
+        *,
+        priority: int | None = None,
     ) -> GenerateResult:
-        """The item's prompt ids and its sample's sampling params, and its images if any."""
+        """The item's prompt ids and its sample's sampling params, and its images if any;
+        priority: the request's (SGLang's own queue order), sent only when given."""
         params = self.sampling.for_sample(item.sample_index, item.row_sampling_params)
+        if priority is not None:  # the server schedules by priority: its queue orders too
+            return client.generate(
+                item.prompt_ids, params, rid, image_data=images, priority=priority
+            )
         if images is None:
             return client.generate(item.prompt_ids, params, rid)
         return client.generate(item.prompt_ids, params, rid, image_data=images)

@@ -41,7 +41,7 @@ from workers.engine.pause_watch import PauseWatch
 from workers.engine.policies import policy_for
 from workers.engine.run_pins import RunPins
 from workers.engine.run_stores import RunStores
-from workers.engine.scheduling import ClaimOrder, read_work
+from workers.engine.scheduling import ClaimOrder, ServerPriority, read_work
 from workers.engine.server_state import ServerState
 from workers.engine.window import InflightWindow, WindowConfig
 from workers.engine.window_types import Checked, KindPolicy
@@ -90,12 +90,14 @@ class WorkerRuntime:
             only_run=only_run,
             new_client=self.new_client,
             images=self.images,
-            on_fingerprint_read=lambda: self.sizer.reread(),
+            on_fingerprint_read=self._fingerprint_read,
             on_auth=lambda message: self.server_state.needs_key(message),
             on_weights_noted=lambda: self.pauses.reread(),
         )
         # whose items free room takes: the highest priority first, one priority round robin
         self.claim_order = ClaimOrder(lambda: read_work(db))
+        # the server's own queue order, when it schedules by request priority
+        self.server_priority = ServerPriority(self._server_info)
         # resumed: the server's configuration may have changed meanwhile (a restart, weights)
         n = autosize.start_size(settings)
         self.server_state = ServerState(
@@ -187,6 +189,25 @@ class WorkerRuntime:
         """The run's priority as this worker first read it (the claim order reads it again
         every few seconds for runs with items waiting)."""
         return self.pins.run_info(run_id).priority
+
+    def request_priority(self, run_id: int) -> int | None:
+        """The priority the run's requests carry when the server schedules by priority: the
+        run's as last read (the claim order's, or its pin), in the server's direction."""
+        work = self.claim_order.work().get(run_id)
+        rank = work.priority if work is not None else self.run_priority(run_id)
+        return self.server_priority.request_priority(rank)
+
+    def _server_info(self) -> dict[str, object]:
+        client = self.new_client()
+        try:
+            return client.server_info()
+        finally:
+            client.close()
+
+    def _fingerprint_read(self) -> None:
+        """The server's fingerprint was read anew: its capacity and scheduling may differ."""
+        self.sizer.reread()
+        self.server_priority.forget()
 
     def claims_ahead(self, run_id: int) -> bool:
         """Whether this worker may claim the run's items from the ledger ahead of its

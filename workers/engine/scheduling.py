@@ -147,3 +147,62 @@ class ClaimOrder:
             grants[run] = grants.get(run, 0) + 1
             given += 1
         return given
+
+
+# a server whose /server_info could not be read is asked again after this long (meanwhile its
+# requests carry no priority: a server that does not schedule by one may abort a request that
+# names one)
+SERVER_INFO_RETRY_S = 10.0
+
+
+class ServerPriority:
+    """Whether the server orders its own queue by request priority (SGLang's
+    `--enable-priority-scheduling`), and in which direction: `/server_info` says, read once
+    and again after forget() (the server restarted, its fingerprint was read anew).
+
+    read: the server's /server_info."""
+
+    def __init__(
+        self,
+        read: Callable[[], Mapping[str, object]],
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._read = read
+        self._clock = clock
+        self._lock = threading.Lock()
+        # +1: higher values first (SGLang's default); -1: lower first; 0: no priority scheduling
+        self._direction: int | None = None
+        self._retry_at = 0.0
+
+    def forget(self) -> None:
+        with self._lock:
+            self._direction = None
+            self._retry_at = 0.0
+
+    def direction(self) -> int:
+        with self._lock:
+            known, retry_at = self._direction, self._retry_at
+        if known is not None:
+            return known
+        if self._clock() < retry_at:
+            return 0
+        try:
+            info = self._read()
+        except Exception as exc:
+            log.debug("server_info not read for request priorities (%s)", exc)
+            with self._lock:
+                self._retry_at = self._clock() + SERVER_INFO_RETRY_S
+            return 0
+        found = 0
+        if info.get("enable_priority_scheduling") is True:
+            found = -1 if info.get("schedule_low_priority_values_first") is True else 1
+        with self._lock:
+            self._direction = found
+        return found
+
+    def request_priority(self, run_priority: int) -> int | None:
+        """What a request of a run of run_priority carries: the run's priority in the server's
+        direction, or None (sent without one) when the server does not schedule by it."""
+        direction = self.direction()
+        return None if direction == 0 else direction * run_priority

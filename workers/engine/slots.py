@@ -165,7 +165,9 @@ class Slot:
         w.sent(job, rid)
         try:
             try:
-                result: GenerateResult | None = job.policy.send(client, job.item, rid, images)
+                result: GenerateResult | None = job.policy.send(
+                    client, job.item, rid, images, priority=job.priority
+                )
             except GenerationError:
                 if not job.cancelled:
                     raise
@@ -318,7 +320,7 @@ class Slot:
             w.hedging.hedge_dropped(job)
             return
         try:
-            result = job.policy.send(client, job.item, rid, images)
+            result = job.policy.send(client, job.item, rid, images, priority=job.priority)
         except Exception as exc:
             if isinstance(exc, ServerUnavailable):
                 w.mark_unavailable()

@@ -123,6 +123,7 @@ class Admission(WindowGate):
                 item=c,
                 policy=self.policy.kind_policy(c.run_id),
                 group=self.policy.group_of(c.run_id, c.item_key),
+                priority=self.policy.request_priority(c.run_id),
             )
             for c in claimed
         ]

@@ -23,6 +23,7 @@ class GenerateClient(Protocol):
         rid: str,
         *,
         image_data: list[str] | None = None,
+        priority: int | None = None,
     ) -> GenerateResult: ...
 
     def health(self, path: str = ...) -> ProbeResult: ...
@@ -37,7 +38,13 @@ class KindPolicy(Protocol):
     RunKind): the request a slot sends for an item and the outcome its result records."""
 
     def send(
-        self, client: GenerateClient, item: ClaimedItem, rid: str, images: list[str] | None
+        self,
+        client: GenerateClient,
+        item: ClaimedItem,
+        rid: str,
+        images: list[str] | None,
+        *,
+        priority: int | None = None,
     ) -> GenerateResult: ...
 
     def outcome(
@@ -84,6 +91,11 @@ class RunPolicy(Protocol):
 
     def failed(self, run_id: int, item_id: int, error: str) -> None:
         """An item failed for good, as it is settled (the failure digest logs and counts it)."""
+        ...
+
+    def request_priority(self, run_id: int) -> int | None:
+        """The priority the run's requests carry to the server (SGLang's own queue order),
+        None when the server does not schedule by priority."""
         ...
 
     def find_hedges(self, limit: int) -> list[ClaimedItem]:
@@ -184,3 +196,4 @@ class Job:
     cancelled_at: float = 0.0
     group: Hashable | None = None  # its conversation (`--turns each`), sent one at a time
     pushed_back: int = 0  # refused as full in a row (back-pressure): its backoff grows
+    priority: int | None = None  # sent as the request's priority (None: not sent)
