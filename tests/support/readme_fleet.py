@@ -60,6 +60,7 @@ RUN_AS_PRINTED: dict[tuple[str, str | None], str] = {
             "Metrics",
         )
     },
+    ("ops/README.md", "A run is urgent"): "tests/e2e/test_fleet_priority.py",
     ("ops/README.md", "Logs"): GUIDES_TEST,
     ("ops/README.md", "Load new weights"): GUIDES_TEST,
 }
