@@ -11,6 +11,7 @@ from sqlalchemy import Engine
 
 from app.core.errors import NotFound
 from app.ledger import dashboard_queries as dq
+from app.ledger import run_queries
 from ops.views.dashboard import duration, render_dashboard, watch
 from tests.support.runs import seed_fleet
 
@@ -161,3 +162,15 @@ def test_render_at_80_columns_keeps_names_and_leaves_columns_out_in_order(fleet:
     assert "(left out at this width: workers" in text
     # gpu-b's probe failed: its error is current, folded at a space, not cut
     assert "connection refused" in " ".join(text.split())
+
+
+def test_a_run_of_another_priority_says_so_beside_its_name(fleet: Engine) -> None:
+    with fleet.begin() as conn:
+        run_queries.set_priority(conn, "r2", 10)
+    with fleet.connect() as conn:
+        board = dq.gather_dashboard(conn, now=T)
+    console = Console(record=True, width=200, color_system=None)
+    console.print(render_dashboard(board, interval_s=0.5))
+    text = console.export_text()
+    assert "r2 (priority 10)" in text
+    assert "r1 (priority" not in text  # the default priority is not shown

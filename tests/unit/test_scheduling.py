@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections import Counter
 
 from app.core.constants import BROKER_PRIORITY_STEPS
+from app.ledger.metrics_queries import LedgerSnapshot
+from ops.views.metrics import ledger_families
 from workers.engine.scheduling import ClaimOrder, RunWork
 from workers.intake.publish import DEFAULT_STEP, broker_priority
 
@@ -105,3 +107,15 @@ def test_broker_priorities_order_runs_as_their_priorities() -> None:
     assert broker_priority(10) == BROKER_PRIORITY_STEPS[0]  # Redis serves step 0 first
     assert broker_priority(1) < broker_priority(0) < broker_priority(-1)
     assert broker_priority(-100) == BROKER_PRIORITY_STEPS[-1]
+
+
+def test_metrics_show_each_runs_priority() -> None:
+    snapshot = LedgerSnapshot(
+        run_names=["big", "eval"],
+        groups=[],
+        latencies=[],
+        servers=[],
+        run_priorities={"big": 0, "eval": 10},
+    )
+    (family,) = [f for f in ledger_families(snapshot) if f.name == "tokenmill_run_priority"]
+    assert {s.labels["run"]: s.value for s in family.samples} == {"big": 0, "eval": 10}

@@ -4,7 +4,7 @@ retries that spend attempts, outages that do not, permanent failures, clean shut
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 from sqlalchemy import Engine
@@ -24,6 +24,7 @@ def make_window(
     max_attempts: int = 3,
     released: list[int] | None = None,
     server_up: bool = True,
+    priority_of: Callable[[int], int | None] = lambda run_id: None,
 ) -> tuple[InflightWindow, FakeServer]:
     server = FakeServer(script, up=server_up)
 
@@ -44,6 +45,7 @@ def make_window(
         policy=FakePolicy(
             server,
             on_released=lambda ids, wait_s: (released if released is not None else []).extend(ids),
+            priority_of=priority_of,
         ),
     )
     return window, server
@@ -352,3 +354,21 @@ def test_a_resize_moves_the_slots_and_the_room_without_a_restart(
     wait_idle(window)
     assert server.peak <= 2
     assert {r.status for r in statuses(sqlite_engine, run).values()} == {"done"}
+
+
+def test_requests_carry_the_priority_the_policy_gives_their_run(
+    sqlite_engine: Engine, run: run_queries.RunInfo, started: list[InflightWindow]
+) -> None:
+    # a server that schedules by priority: each request names its run's; another: none
+    window, server = make_window(sqlite_engine, lambda ids, call: 0.0, priority_of=lambda r: 7)
+    started.append(window)
+    window.start()
+    feed(sqlite_engine, window, run, 6)
+    wait_idle(window)
+    assert sorted(server.priorities.values()) == [7] * 6
+    plain, plain_server = make_window(sqlite_engine, lambda ids, call: 0.0)
+    started.append(plain)
+    plain.start()
+    feed(sqlite_engine, plain, run, 3, key="p")
+    wait_idle(plain)
+    assert plain_server.priorities == {} and plain_server.calls == 3
