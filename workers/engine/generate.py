@@ -271,7 +271,7 @@ def handle_message(
         "deferred": len(intake.refused) + len(rest) + intake.passed + len(foreign),
         # of the claimed, the items of runs ahead in the claim order (the message's went back)
         "ahead": intake.ahead,
-        "priority": 0 if first_run is None else rt.claim_order.priority(first_run),
+        "priority": 0 if first_run is None else rt.run_priority(first_run),
         "server": rt.server_name,
     }
 

@@ -186,16 +186,15 @@ class WorkerRuntime:
     # --- the claim order (workers/engine/scheduling.py) ------------------------------------
 
     def run_priority(self, run_id: int) -> int:
-        """The run's priority as this worker first read it (the claim order reads it again
-        every few seconds for runs with items waiting)."""
-        return self.pins.run_info(run_id).priority
+        """The run's priority now: as the claim order last read it (every few seconds, for the
+        runs with items waiting), else as the run's pin was first read here."""
+        work = self.claim_order.work().get(run_id)
+        return work.priority if work is not None else self.pins.run_info(run_id).priority
 
     def request_priority(self, run_id: int) -> int | None:
         """The priority the run's requests carry when the server schedules by priority: the
         run's as last read (the claim order's, or its pin), in the server's direction."""
-        work = self.claim_order.work().get(run_id)
-        rank = work.priority if work is not None else self.run_priority(run_id)
-        return self.server_priority.request_priority(rank)
+        return self.server_priority.request_priority(self.run_priority(run_id))
 
     def _server_info(self) -> dict[str, object]:
         client = self.new_client()

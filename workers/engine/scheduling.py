@@ -111,7 +111,9 @@ class ClaimOrder:
         supply: dict[int, int] = {}
         ranks: dict[int, int] = {}
         for run, n in in_hand.items():
-            supply[run] = n
+            # beyond the message's ids, the run's items waiting in the ledger
+            waiting = work[run].waiting if run in work and from_ledger(run) else 0
+            supply[run] = max(n, waiting)
             ranks[run] = work[run].priority if run in work else priority_of(run)
         for run, w in work.items():
             if run not in in_hand and w.waiting > 0 and from_ledger(run):
