@@ -515,7 +515,14 @@ def test_hedges_give_their_slots_back_when_real_work_arrives(pg_engine: Engine) 
         fast_stats = fast.rt.window.stats
         ending_rows, new_rows = rows(pg_engine, held), rows(pg_engine, fresh)
 
-    assert outcome == {"claimed": 3, "skipped": 0, "deferred": 0, "server": "fast"}
+    assert outcome == {
+        "claimed": 3,
+        "skipped": 0,
+        "deferred": 0,
+        "ahead": 0,
+        "priority": 0,
+        "server": "fast",
+    }
     assert requeued == []
     # both hedges made room (aborted on the fast server) instead of holding the new items back
     assert (fast_stats.hedges, fast_stats.cancelled, fast_stats.hedge_results) == (2, 2, 0)

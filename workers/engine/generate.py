@@ -149,9 +149,14 @@ class _Intake:
         )
         sent: list[claims.ClaimedItem] = []
         for run_id, k in plan:
-            got = self.claim_ids(hand.take(run_id, k)) if run_id in hand else []
-            if len(got) < k and rt.claims_ahead(run_id):
-                got += self.claim_ahead(run_id, k - len(got))
+            # the message's ids first; from the ledger what they lack or others took (never
+            # in place of ids refused here: those went back, for another server)
+            taken = hand.take(run_id, k)
+            skipped = self.skipped
+            got = self.claim_ids(taken) if taken else []
+            short = k - len(taken) + self.skipped - skipped
+            if short > 0 and rt.claims_ahead(run_id):
+                got += self.claim_ahead(run_id, short)
             sent += got
         if len(sent) < n and hand:
             sent += self.claim_ids(hand.take_any(n - len(sent)))

@@ -210,14 +210,16 @@ class WorkerRuntime:
 
     def claims_ahead(self, run_id: int) -> bool:
         """Whether this worker may claim the run's items from the ledger ahead of its
-        message's: a fleet run it serves, not refused here, whose items run one by one
-        (not `--turns all` chains nor `--turns each` conversations, which keep their order)."""
+        message's: a fleet run it serves, not refused here (its fingerprint, or images in a
+        storage this worker does not reach), whose items run one by one (not `--turns all`
+        chains nor `--turns each` conversations, which keep their order)."""
         pins = self.pins
         return (
             pins.only_run is None
             and pins.serves_run(run_id)
             and not pins.refuses_run(run_id)
             and pins.run_info(run_id).generation.turns.final_only
+            and (self.images.pins(run_id) is None or self.images.reaches(run_id))
         )
 
     # --- the window's RunPolicy -------------------------------------------------------------
