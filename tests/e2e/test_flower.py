@@ -191,7 +191,9 @@ def test_flower_shows_readable_tasks_and_the_worker_logs_json(
         assert re.fullmatch(r"run=fl1 \[[1-4] items: \d+\.\.\d+\]", task["args"]), task["args"]
         result = ast.literal_eval(task["result"])
         assert result["server"] == "gpu-f"
-        assert set(result) == {"claimed", "skipped", "deferred", "server", "window"}
+        fields = ("claimed", "skipped", "deferred", "ahead", "priority", "server", "window")
+        assert set(result) == set(fields)
+        assert result["priority"] == 0  # the run's (Flower's result line shows it)
         assert re.fullmatch(r"(auto|fixed): \d+( \(max_running \d+\))?( · .+)?", result["window"])
     assert "run=fl1 [4 items: 1..4]" in {t["args"] for t in tasks.values()}
     assert not INT_LIST.search(raw)
