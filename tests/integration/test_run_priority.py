@@ -9,6 +9,7 @@ import json
 from datetime import timedelta
 from pathlib import Path
 
+import pytest
 import redis
 from celery import Celery
 from sqlalchemy import Engine, update
@@ -16,6 +17,7 @@ from sqlalchemy import Engine, update
 from app.celery_app import celery_config
 from app.core.constants import WORK_QUEUE
 from app.core.contracts import SamplingParams
+from app.core.errors import RunMismatch
 from app.core.settings import Settings
 from app.ledger import common, queue, run_queries
 from app.ledger.common import items
@@ -111,3 +113,29 @@ def test_a_reconcile_after_a_broker_flush_keeps_the_order(
     assert set(order[:8]) == set(urgent)
     assert set(order[8:48]) == set(big)
     assert set(order[48:]) == set(later)
+
+
+def test_a_run_pins_its_priority_and_a_later_enqueue_may_not_change_it(db: Engine) -> None:
+    def spec(priority: int | None) -> run_queries.RunSpec:
+        return run_queries.RunSpec(
+            "eval", "/t", "a" * 64, "b" * 64, {}, SamplingParams(), 1, None, [2], priority=priority
+        )
+
+    with db.begin() as conn:
+        created, new = run_queries.get_or_create_run(conn, spec(10))
+        assert new and created.priority == 10
+        # a later enqueue that names no priority, or the same one, joins the run
+        assert run_queries.get_or_create_run(conn, spec(None)) == (created, False)
+        assert run_queries.get_or_create_run(conn, spec(10))[0].priority == 10
+        with pytest.raises(RunMismatch, match=r"priority: 10 → 3 \(`tokenmill priority eval 3`"):
+            run_queries.get_or_create_run(conn, spec(3))
+        assert run_queries.set_priority(conn, "eval", 3) == 10
+        assert run_queries.get_or_create_run(conn, spec(3))[0].priority == 3
+        default, _ = run_queries.get_or_create_run(
+            conn,
+            run_queries.RunSpec(
+                "plain", "/t", "a" * 64, "b" * 64, {}, SamplingParams(), 1, None, [2]
+            ),
+        )
+        assert default.priority == 0
+        assert run_queries.run_priorities(conn) == {created.id: 3, default.id: 0}
