@@ -219,3 +219,26 @@ def test_a_priority_changed_in_the_ledger_reaches_the_order_at_its_refresh(
     now[0] += 2.0
     assert plan() == {d: 4} and len(later) == 4
     assert len(ids) == 10 and rt.window.outstanding == 0
+
+
+def test_conversations_outranked_go_back_whole_and_their_room_to_the_run_ahead(
+    sqlite_engine: Engine,
+) -> None:
+    rt, _ = setup(
+        sqlite_engine,
+        0,
+        FakePolicy(
+            conversation_of=lambda run_id, key: (run_id, key) if key.startswith("c") else None
+        ),
+    )
+    spec = run_queries.RunSpec("r", "/t", "a" * 64, "b" * 64, {}, SamplingParams(), 1, None, [2])
+    with sqlite_engine.begin() as conn:
+        info, _ = run_queries.get_or_create_run(conn, spec)
+        new = [queue.NewItem(f"c{c}", 0, c, None, [1, t], t) for c in range(2) for t in range(3)]
+        queue.insert_items(conn, info.id, new)
+        ids = queue.pending_ids(conn, info.id)
+    urgent = other_run(sqlite_engine, "u", 2, priority=10)
+    sent_back: list[tuple[list[int], float]] = []
+    out = handle_message(rt, ids, requeue=lambda b, s: sent_back.append((b, s)))  # type: ignore[arg-type]
+    assert out["ahead"] == 2 and leased(sqlite_engine) == set(urgent)
+    assert sent_back == [(ids, 0.0)]  # both conversations, whole, unclaimed

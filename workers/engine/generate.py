@@ -246,7 +246,12 @@ def handle_message(
     ids = [i for i in ids if i not in foreign]
     units, conversations = _units(rt, ids, keys)  # a conversation is one unit: one server
     intake = _Intake(rt, requeue)
-    if conversations:
+    if conversations and _outranked(rt, ids, keys):
+        # a run ahead of the message's conversations: its items take the room, and the
+        # conversations go back whole (never split) for when their turn comes
+        _admit_ahead(rt, intake, len(units), deadline)
+        rest = ids
+    elif conversations:
         rest = _admit_units(rt, intake, units, deadline)
     else:
         rest = _admit_in_order(rt, intake, _Hand(ids, keys), deadline)
@@ -297,6 +302,21 @@ def _admit_units(
             break
         units = units[admitted.held :]
     return [i for unit in units for i in unit]
+
+
+def _outranked(rt: WorkerRuntime, ids: list[int], keys: dict[int, tuple[int, str]]) -> bool:
+    """Whether every run of the message ranks below a run this worker may claim ahead."""
+    ranks = [rt.run_priority(keys[i][0]) for i in ids if i in keys]
+    return bool(ranks) and rt.claim_order.outranked(max(ranks), from_ledger=rt.claims_ahead)
+
+
+def _admit_ahead(rt: WorkerRuntime, intake: _Intake, units: int, deadline: float) -> None:
+    """The room of a message that goes back, for the runs ahead of it (one claim)."""
+    rt.window.admit(
+        units,
+        partial(intake.claim_in_order, _Hand([], {})),
+        timeout_s=max(0.0, deadline - time.monotonic()),
+    )
 
 
 def _admit_in_order(rt: WorkerRuntime, intake: _Intake, hand: _Hand, deadline: float) -> list[int]:

@@ -95,6 +95,15 @@ class ClaimOrder:
         work = self.work().get(run_id)
         return 0 if work is None else work.priority
 
+    def outranked(self, priority: int, *, from_ledger: Callable[[int], bool]) -> bool:
+        """Whether a run of a higher priority than this has items waiting that this worker
+        may claim from the ledger (a message of `--turns each` conversations then goes back
+        whole, and its room goes to that run)."""
+        return any(
+            w.priority > priority and w.waiting > 0 and from_ledger(run)
+            for run, w in self.work().items()
+        )
+
     def plan(
         self,
         room: int,
