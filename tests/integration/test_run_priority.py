@@ -19,7 +19,7 @@ from app.core.constants import WORK_QUEUE
 from app.core.contracts import SamplingParams
 from app.core.errors import RunMismatch
 from app.core.settings import Settings
-from app.ledger import common, queue, run_queries
+from app.ledger import claims, common, queue, run_queries
 from app.ledger.common import items
 from app.ledger.database import make_engine
 from app.ledger.migrate import upgrade
@@ -139,3 +139,25 @@ def test_a_run_pins_its_priority_and_a_later_enqueue_may_not_change_it(db: Engin
         )
         assert default.priority == 0
         assert run_queries.run_priorities(conn) == {created.id: 3, default.id: 0}
+
+
+def test_hedges_go_to_the_highest_priority_runs_end_first(db: Engine) -> None:
+    with db.begin() as conn:
+        ids = {}
+        big = make_run(conn, "big")
+        urgent = make_run(conn, "urgent")
+        run_queries.set_priority(conn, "urgent", 10)
+        for run in (big, urgent):
+            queue.insert_items(
+                conn,
+                run.id,
+                [queue.NewItem(f"{run.name}{i}", 0, i, None, [1, i]) for i in range(2)],
+            )
+            ids[run.name] = queue.pending_ids(conn, run.id)
+            claims.claim_items(conn, ids[run.name], owner="a-worker", server="a", lease_s=600)
+        # the big run's items have run longer: without priorities they would be hedged first
+        old = common.utcnow() - timedelta(seconds=60)
+        conn.execute(update(items).where(items.c.id.in_(ids["big"])).values(started_at=old))
+    with db.connect() as conn:
+        found = claims.hedge_candidates(conn, server="b", limit=3)
+    assert [run_id for _, run_id in found] == [urgent.id, urgent.id, big.id]
