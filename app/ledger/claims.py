@@ -293,14 +293,25 @@ def hedge_candidates(
     ending = [r for r in leased_runs if r not in skip_runs and not claimable_left(conn, r)]
     if not ending:
         return []
-    pick = (
-        select(items.c.id, items.c.run_id)
-        .join(runs, runs.c.id == items.c.run_id)
-        .where(live, items.c.run_id.in_(ending), *([_text_only()] if text_only else []))
-        .order_by(runs.c.priority.desc(), items.c.started_at, items.c.id)
-        .limit(limit)
-    )
-    return [(int(r[0]), int(r[1])) for r in conn.execute(pick)]
+    # one read of the runs' priorities, then the oldest leases of each priority in turn (each
+    # step walks the lease index in its order; a join sorting by priority would sort them all)
+    priority_of = {
+        int(r[0]): int(r[1])
+        for r in conn.execute(select(runs.c.id, runs.c.priority).where(runs.c.id.in_(ending)))
+    }
+    picked: list[tuple[int, int]] = []
+    for level in sorted(set(priority_of.values()), reverse=True):
+        level_runs = [r for r in ending if priority_of.get(r) == level]
+        pick = (
+            select(items.c.id, items.c.run_id)
+            .where(live, items.c.run_id.in_(level_runs), *([_text_only()] if text_only else []))
+            .order_by(items.c.started_at, items.c.id)
+            .limit(limit - len(picked))
+        )
+        picked += [(int(r[0]), int(r[1])) for r in conn.execute(pick)]
+        if len(picked) >= limit:
+            break
+    return picked
 
 
 def claimable_left(conn: Connection, run_id: int) -> bool:

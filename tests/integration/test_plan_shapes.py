@@ -81,6 +81,7 @@ EXEMPT: dict[str, str] = {
             "turns.unmark_plain_chains",
             "image_tokens.note_image_tokens",
             "retries.still_failed",
+            "run_queries.item_priorities",
         ),
         "reads or writes the rows of the ids, keys or owner it is given, through their keys",
     ),
@@ -125,6 +126,7 @@ EXEMPT: dict[str, str] = {
             "run_queries.run_name",
             "spec_stats.run_has_spec_stats",
             "counters.fold_shards",
+            "run_queries.run_priorities",
         ),
         "servers, runs, events, pins or counters: tables of the fleet's size, by their keys",
     ),
@@ -149,6 +151,10 @@ EXEMPT: dict[str, str] = {
         ("registry.has_served", "registry.leases_by_run"),
         "`servers remove` and a worker that stops without ever reaching its server: one read of "
         "that server's items, not periodic",
+    ),
+    "counters.claimable_by_run": (
+        "the counters' rows of two statuses (a few per run, never the items), which a worker's "
+        "claim order reads every 2 s"
     ),
     "database.get_engine": "no statement",
     "database.dedicated_connection": "no statement (a connection for the lease heartbeat)",

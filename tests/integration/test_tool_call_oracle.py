@@ -103,8 +103,9 @@ def test_the_client_parse_equals_the_wheels_detectors() -> None:
         assert got == answer["calls"], case
         endings.add(tool_calls.chain_ending(ours, "get_weather"))
         endings.add(tool_calls.chain_ending(ours, None))
-    # the corpus reaches every way a chain can end, and the way it goes on
-    assert endings == {*constants.CHAIN_ENDINGS, None}
+    # the corpus reaches every way a parsed turn can end a chain, and the way it goes on (a turn
+    # cut at max_new_tokens ends its chain before any parse: `truncated`)
+    assert endings == {*constants.CHAIN_ENDINGS, None} - {"truncated"}
     assert any("error" in a for a in answers)
 
 
