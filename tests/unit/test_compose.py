@@ -522,6 +522,19 @@ def test_worker_is_bound_to_the_emulator_and_drains_on_stop() -> None:
         assert dependency in worker["depends_on"], f"worker must wait for {dependency}"
 
 
+def test_worker_sizes_its_window_by_its_server_unless_told(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The README's default (`auto`) is what the compose worker runs; a fixed window is opt-in."""
+    from app.core.settings import Settings
+
+    for key in [k for k in os.environ if k.startswith("TOKENMILL_")]:
+        monkeypatch.delenv(key)
+    for key, value in service_environment(services()["worker"]).items():
+        monkeypatch.setenv(key, value)
+    assert Settings().inflight == "auto" == Settings.model_fields["inflight"].default
+    fixed = interpolate(raw_compose(), {**TEST_ENV, "TOKENMILL_INFLIGHT": "64"})
+    assert service_environment(fixed["services"]["worker"])["TOKENMILL_INFLIGHT"] == "64"
+
+
 # --- healthchecks that run project code ----------------------------------------------------------
 
 
