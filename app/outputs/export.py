@@ -30,7 +30,7 @@ from app.outputs.image_rows import (
 )
 from app.outputs.provenance import provenance, weight_filter
 from app.outputs.split import Selection, eval_path, manifest_path
-from app.prompts import tool_calls
+from app.prompts import chat_path, tool_calls
 from app.prompts.conversation import check_specforge_row, template_encoder, whole_conversation_mask
 from app.prompts.tokenization import ChatTokenizer, split_reasoning
 from app.storage.shards import Location, open_location
@@ -103,35 +103,58 @@ def assistant_turn(
     reasoning block the template or the output opened, the parser family's tool-call start
     (`tool_calls.reasoning_interrupt_id`) ends the reasoning and stays in the answer, and without
     one everything is reasoning."""
+    reasoning_ids, answer_ids = _reasoning_and_answer(item, run, tokenizer, parser)
+    prefix = item.assistant_prefix or ""
+    answer = tokenizer.decode(answer_ids)
+    if reasoning_ids is None:
+        return {"role": "assistant", "content": prefix + answer}
+    reasoning = _without_think_starts(reasoning_ids, tokenizer.think_start_id, parser)
+    return {
+        "role": "assistant",
+        "content": answer,
+        "reasoning_content": prefix + tokenizer.decode(reasoning),
+    }
+
+
+def _generated_ids(item: StoredItem, run: RunInfo) -> list[int]:
+    """The output ids without the end-of-sequence id a stopped generation ends with."""
     output = list(item.output_ids or [])
     if item.finish_reason == "stop" and output and output[-1] in set(run.generation.eos_token_ids):
         output = output[:-1]
-    think_end = run.generation.think_end_id
-    reasoning_ids, answer_ids = split_reasoning(output, think_end)
+    return output
+
+
+def _reasoning_and_answer(
+    item: StoredItem, run: RunInfo, tokenizer: ChatTokenizer, parser: str | None
+) -> tuple[list[int] | None, list[int]]:
+    """The output split into reasoning (None: no reasoning block) and answer ids."""
+    output = _generated_ids(item, run)
+    reasoning_ids, answer_ids = split_reasoning(output, run.generation.think_end_id)
+    if reasoning_ids is not None or run.generation.think_end_id is None:
+        return reasoning_ids, answer_ids
     start = tokenizer.think_start_id
     prompt_opened = start is not None and bool(item.prompt_ids) and item.prompt_ids[-1] == start
-    if reasoning_ids is None and think_end is not None:
-        if parser is not None and (prompt_opened or (start is not None and start in output)):
-            interrupt = tool_calls.reasoning_interrupt_id(parser, tokenizer)
-            if interrupt is not None and interrupt in output:
-                at = output.index(interrupt)
-                reasoning_ids, answer_ids = output[:at], output[at:]
-            else:  # as SGLang reads an unterminated block: all reasoning
-                reasoning_ids, answer_ids = output, []
-        elif item.finish_reason == "length" and prompt_opened:
-            # cut off before `</think>`, in the thinking block the prompt opened
-            reasoning_ids, answer_ids = output, []
-    prefix = item.assistant_prefix or ""
-    turn: dict[str, Any] = {"role": "assistant", "content": tokenizer.decode(answer_ids)}
-    if reasoning_ids is None:
-        turn["content"] = prefix + turn["content"]
-        return turn
-    if reasoning_ids and start is not None and reasoning_ids[0] == start:
-        reasoning_ids = reasoning_ids[1:]
-        while parser is not None and reasoning_ids[:1] == [start]:  # SGLang strips every one
-            reasoning_ids = reasoning_ids[1:]
-    turn["reasoning_content"] = prefix + tokenizer.decode(reasoning_ids)
-    return turn
+    opened = prompt_opened or (start is not None and start in output)
+    if parser is not None and opened:
+        interrupt = tool_calls.reasoning_interrupt_id(parser, tokenizer)
+        if interrupt is not None and interrupt in output:
+            at = output.index(interrupt)
+            return output[:at], output[at:]
+        return output, []  # as SGLang reads an unterminated block: all reasoning
+    if item.finish_reason == "length" and prompt_opened:
+        return output, []  # cut off before `</think>`, in the thinking block the prompt opened
+    return reasoning_ids, answer_ids
+
+
+def _without_think_starts(reasoning: list[int], start: int | None, parser: str | None) -> list[int]:
+    """The reasoning without its opening `<think>` id (an agentic chain's: without every one,
+    as SGLang's reasoning parser strips them)."""
+    if start is None or reasoning[:1] != [start]:
+        return reasoning
+    reasoning = reasoning[1:]
+    while parser is not None and reasoning[:1] == [start]:
+        reasoning = reasoning[1:]
+    return reasoning
 
 
 def conversations_row(
@@ -159,6 +182,9 @@ def conversations_row(
     if parser is not None:  # an agentic chain: the calls parsed as the server parses them
         seed = tool_calls.item_seed(item.item_key, item.sample_index, item.turn_index)
         last = tool_calls.final_message(parser, last, item.tools or [], seed, turns)
+        # its calls in the shape the history's take (SGLang's ToolCall: `arguments` an object,
+        # `index`), so each field of the row has one type whatever the turn
+        last = chat_path.normalize_turn(last, "string", "last turn", pass_turn_fields=True)
         row["tool_call_parser"] = parser
         if item.chain_end is not None:
             row["chain_end"] = item.chain_end
