@@ -1,5 +1,6 @@
 """`tokenmill delete RUN`: the run, its items, compacted shards and events leave the ledger
-and storage; refused while work is in flight unless `--force`.
+and storage; refused while work is in flight unless `--force`. Once the run has left the
+ledger the command succeeds: shards the storage would not let go of are a warning.
 
 Exports written with `tokenmill export` are the user's files and stay where they are.
 """
@@ -8,7 +9,14 @@ from __future__ import annotations
 
 import click
 
-from ops.options import err_console, get_settings, handle_errors, open_db, print_json
+from ops.options import (
+    err_console,
+    first_line,
+    get_settings,
+    handle_errors,
+    open_db,
+    print_json,
+)
 
 
 @click.command("delete")
@@ -30,7 +38,6 @@ def delete_cmd(run_name: str, force: bool, as_json: bool) -> None:
 
     from app.core.errors import ConfigurationError
     from app.ledger import reads, removal, run_queries
-    from app.storage.shards import StorageError
     from workers.control.compaction import remove_run_shards
 
     settings = get_settings()
@@ -53,13 +60,21 @@ def delete_cmd(run_name: str, force: bool, as_json: bool) -> None:
         deleted += page
     with db.begin() as conn:
         removal.delete_run_row(conn, run.id, run.name)
+    folder = run.storage_url or settings.resolved_storage_url()
     try:
         shards = remove_run_shards(settings, run)
-    except OSError as exc:
-        raise StorageError(
-            f"run {run.name!r} left the ledger, but its shards under "
-            f"{run.storage_url or settings.resolved_storage_url()} could not be removed: {exc}"
-        ) from exc
+    except Exception as exc:  # the run is gone whatever the storage says: it is no failure
+        left = f"its compacted shards under {folder} could not be removed ({first_line(exc)})"
+        if as_json:
+            print_json({"run": run.name, "items": deleted, "shards": None, "shards_left": left})
+            return
+        err_console().print(
+            f"deleted run [bold]{escape(run.name)}[/bold]: {deleted} items and its events; "
+            f"[yellow]warning:[/yellow] {escape(left)}: remove them with the storage's own tools",
+            markup=True,
+            soft_wrap=True,
+        )
+        return
     if as_json:
         print_json({"run": run.name, "items": deleted, "shards": len(shards)})
         return

@@ -216,7 +216,9 @@ def handle_errors(func: F) -> F:
             message = _error_line(exc)
             if message is None:
                 raise
-            _fail(message)
+            # what the failure left behind, added where it happened (`exc.add_note`)
+            notes = [_scrub(str(note)) for note in getattr(exc, "__notes__", ())]
+            _fail("; ".join([message, *notes]))
 
     return wrapper  # type: ignore[return-value]
 
@@ -233,18 +235,18 @@ def _error_line(exc: Exception) -> str | None:
         if isinstance(exc, SQLAlchemyError):
             # A DBAPIError's own text appends SQL and parameters: keep the driver's message.
             cause = exc.orig if isinstance(exc, DBAPIError) and exc.orig is not None else exc
-            return f"the database {_redacted_url('database')} failed: {_first_line(cause)}"
+            return f"the database {_redacted_url('database')} failed: {first_line(cause)}"
     if "kombu" in sys.modules:
         from kombu.exceptions import OperationalError as BrokerError
 
         if isinstance(exc, BrokerError):
-            return f"the broker {_redacted_url('broker')} failed: {_first_line(exc)}"
+            return f"the broker {_redacted_url('broker')} failed: {first_line(exc)}"
     if "botocore" in sys.modules:  # s3fs lets botocore's own errors through (no credentials)
         from botocore.exceptions import BotoCoreError
 
         if isinstance(exc, BotoCoreError):
             return _scrub(
-                f"the object storage failed: {_first_line(exc)} (TOKENMILL_STORAGE_OPTIONS or "
+                f"the object storage failed: {first_line(exc)} (TOKENMILL_STORAGE_OPTIONS or "
                 "the AWS environment gives its credentials and endpoint)"
             )
     if "pydantic" in sys.modules:
@@ -312,7 +314,7 @@ def _scrub(text: str) -> str:
     return text
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
     """The first line of an exception's message, passwords scrubbed (drivers may quote DSNs)."""
     text = str(exc).strip()
     return _scrub(text.splitlines()[0]) if text else type(exc).__name__

@@ -331,10 +331,16 @@ def enqueue(
         ahead=templater.processes,
     )
     try:
-        pipeline.run(db, run.id)
-    finally:
-        templater.close()
-        store.close()
+        try:
+            pipeline.run(db, run.id)
+        finally:
+            templater.close()
+            store.close()  # the last chunk's write done (or failed) before the run is judged
+    except Exception as exc:
+        note = left_behind(db, run, report, exc)
+        if note is not None:
+            exc.add_note(note)  # the command's error line ends with it
+        raise
     if publisher is not None:
         publisher.publish_pending()
     if report.inserted == 0 and report.already_present == 0:
@@ -349,8 +355,7 @@ def nothing_usable(
     created is deleted again, so nothing is left behind that holds no work."""
     first = f"; the first: {report.errors[0]}" if report.errors else ""
     if report.run_created:
-        with db.begin() as conn:
-            removal.delete_run_row(conn, run.id, run.name)
+        _remove_created_run(db, run)
         outcome = f"run {run.name} was not created"
     else:
         outcome = f"run {run.name} is unchanged"
@@ -358,6 +363,41 @@ def nothing_usable(
         f"no prompt of {str(path)!r} could be used ({report.skipped} {unit}s skipped{first}); "
         f"{outcome}"
     )
+
+
+def left_behind(
+    db: Engine, run: run_queries.RunInfo, report: EnqueueReport, exc: Exception
+) -> str | None:
+    """What an enqueue that failed (storage, broker, a server) leaves of the run it created: a
+    run that holds no item yet is deleted again (it would pin the storage that failed, and a
+    second enqueue with the storage fixed starts afresh); one that holds items stays, said so
+    with the way to go on or remove it. None for a run that existed before."""
+    if not report.run_created:
+        return None
+    if report.inserted == 0:
+        try:
+            _remove_created_run(db, run)
+        except Exception as removal_error:  # the ledger failed too: say what is left
+            log.warning(
+                "run %s: removing it failed: %s",
+                run.name,
+                removal_error,
+                extra={"action": "enqueue_cleanup_failed"},
+            )
+            return f"run {run.name} was created empty: `tokenmill delete {run.name}` removes it"
+        return f"run {run.name} was not created"
+    if isinstance(exc, RenderServerUnavailable):
+        return None  # its message says what was stored and how to complete the run
+    return (
+        f"run {run.name} was created and holds {report.inserted} items: the same enqueue again "
+        f"completes it, `tokenmill delete {run.name}` removes it"
+    )
+
+
+def _remove_created_run(db: Engine, run: run_queries.RunInfo) -> None:
+    """Delete the run this enqueue created and left empty (its events go with it)."""
+    with db.begin() as conn:
+        removal.delete_run_row(conn, run.id, run.name)
 
 
 class EnqueuePipeline:
