@@ -25,6 +25,7 @@ from app.ledger import event_log
 from app.ledger.claims import run_has_items
 from app.ledger.common import as_utc, events, items, runs, servers, utcnow
 from app.ledger.database import pin_index_plans
+from app.ledger.run_queries import DRIVER_RUN
 
 MAX_WORKERS_LISTED = 32
 
@@ -413,8 +414,10 @@ def stopped_enqueues(conn: Connection, run_ids: list[int]) -> set[int]:
     return {int(r) for r in conn.execute(stmt).scalars()}
 
 
-def active_runs(conn: Connection) -> list[tuple[int, str, bool]]:
-    """(run id, run name, require_parity) of runs that still have unfinished items."""
+def active_runs(conn: Connection, server: str | None = None) -> list[tuple[int, str, bool]]:
+    """(run id, run name, require_parity) of runs that still have unfinished items; with server,
+    only the runs its fleet workers may serve (not one `tokenmill run` drives, nor one bound
+    to other servers by `enqueue --servers`)."""
     unfinished = (
         select(items.c.run_id)
         .where(
@@ -425,8 +428,13 @@ def active_runs(conn: Connection) -> list[tuple[int, str, bool]]:
         )
         .exists()
     )
-    stmt = select(runs.c.id, runs.c.name, runs.c.require_parity).where(unfinished)
-    return [(r.id, r.name, bool(r.require_parity)) for r in conn.execute(stmt.order_by(runs.c.id))]
+    stmt = select(runs.c.id, runs.c.name, runs.c.require_parity, runs.c.driver, runs.c.servers)
+    return [
+        (r.id, r.name, bool(r.require_parity))
+        for r in conn.execute(stmt.where(unfinished).order_by(runs.c.id))
+        if server is None
+        or (r.driver != DRIVER_RUN and (r.servers is None or server in r.servers))
+    ]
 
 
 @dataclass(frozen=True)

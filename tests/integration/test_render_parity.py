@@ -466,6 +466,30 @@ def test_the_preflight_on_a_server_that_renders_no_chat_records_one_unchecked_ev
     assert info.parity["nochat"]["checked"] == 0 and not info.paused
 
 
+def test_the_preflight_checks_only_runs_the_server_may_serve(
+    db: Engine, tmp_path: Path, same: EmulatorProcess, tokenizer: ChatTokenizer
+) -> None:
+    """A run `tokenmill run` drives, or one bound to other servers, costs a fleet server no
+    parity check: it never serves their items."""
+    path = write_rows(tmp_path / "rows.jsonl", chat_rows(6))
+    producer.enqueue(db, tokenizer, options(path, "fleet", None), publish=None)
+    embedded = options(path, "embedded", None, driver=run_queries.DRIVER_RUN)
+    producer.enqueue(db, tokenizer, embedded, publish=None)
+    with db.begin() as conn:
+        registry.upsert_server(conn, "gpu-same", same.url)
+        registry.upsert_server(conn, "gpu-other", same.url + "/other")
+    bound = options(path, "bound", None, servers=("gpu-other",))
+    producer.enqueue(db, tokenizer, bound, publish=None)
+    settings = Settings(data_dir=tmp_path, successes_to_up=1, parity_sample=4)
+    gate = ParityGate(settings)
+    with db.connect() as conn:
+        server = registry.get_server(conn, "gpu-same")
+    assert gate.blocking_runs(db, server, again=True) == []
+    with db.connect() as conn:
+        checked = registry.get_server(conn, "gpu-same").parity or {}
+    assert set(checked) == {"fleet"}
+
+
 # --- the agentic corpus as boundary samples ------------------------------------------------------
 
 

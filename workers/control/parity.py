@@ -350,7 +350,9 @@ class ParityGate:
     def blocking_runs(self, db: Engine, server: registry.ServerInfo, *, again: bool) -> list[str]:
         """`--require-parity` runs whose prompts the server renders differently."""
         with db.connect() as conn:
-            active = registry.active_runs(conn)
+            # a run the server never serves (`tokenmill run`'s, one bound elsewhere) is not its
+            # to check: a check would cost the server renders for nothing
+            active = registry.active_runs(conn, server.name)
         known = server.parity or {}
         blocking = []
         for run_id, name, required in active:
