@@ -432,8 +432,7 @@ def active_runs(conn: Connection, server: str | None = None) -> list[tuple[int, 
     return [
         (r.id, r.name, bool(r.require_parity))
         for r in conn.execute(stmt.where(unfinished).order_by(runs.c.id))
-        if server is None
-        or (r.driver != DRIVER_RUN and (r.servers is None or server in r.servers))
+        if server is None or (r.driver != DRIVER_RUN and (r.servers is None or server in r.servers))
     ]
 
 
