@@ -90,10 +90,11 @@ def _print_table(counts: list[reads.RunCounts]) -> None:
 
 
 def _print_notes(status: status_reads.RunsStatus) -> None:
-    """Below the table: the binding of runs not open to the whole fleet, priorities other
-    than the default, failures by reason and how agentic chains ended."""
-    for r in status.runs:
-        if not r.fleet_run or r.servers is not None:
+    """Below the table: the binding of runs not open to the whole fleet (while they have work
+    left; a finished run's is in --json), priorities other than the default, failures by reason
+    and how agentic chains ended."""
+    for r, c in zip(status.runs, status.counts, strict=True):
+        if (not r.fleet_run or r.servers is not None) and not c.finished:
             click.echo(f"run {r.name}: served by {r.binding()}")
     for r in status.runs:  # the priority of runs that have one (0 is every run's by default)
         if r.priority:

@@ -107,3 +107,28 @@ def test_servers_keep_names_and_urls_whole_and_show_only_a_current_error(
         message in " ".join(" ".join(lines[2:]).split())
     )
     assert len([line for line in lines[2:] if line.startswith(" ")]) >= 1  # folded, not cut
+
+
+def test_the_binding_of_a_tokenmill_run_run_is_said_while_it_has_work_left(
+    tmp_path: Path, sqlite_template: Path
+) -> None:
+    """`served by tokenmill run only` beside a run with work left; a finished run's binding is
+    in --json only (the table stays the table, however many such runs the ledger holds)."""
+    import json
+
+    from app.core.models import runs
+    from app.ledger.run_queries import DRIVER_RUN
+
+    engine = migrated_sqlite(sqlite_template, tmp_path / "ledger.sqlite3")
+    with engine.begin() as conn:
+        for name, status in (("finished", "done"), ("going", "pending")):
+            run = make_run(conn, name)
+            conn.execute(update(runs).where(runs.c.id == run.id).values(driver=DRIVER_RUN))
+            add_item(conn, run.id, "k0")
+            add_item(conn, run.id, "k1", status=status)
+    lines, _ = run_tokenmill(tmp_path, "status")
+    assert [line for line in lines if "served by" in line] == [
+        "run going: served by `tokenmill run` only (its --server URLs; the fleet leaves it alone)"
+    ]
+    shown = tokenmill(["status", "finished", "--json"], clean_env(tmp_path))
+    assert json.loads(shown.stdout)["served_by"] == {"driver": "run", "servers": None}
