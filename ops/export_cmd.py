@@ -14,6 +14,7 @@ from app.core.errors import (
     RunMismatch,
 )
 from ops.options import (
+    counted,
     err_console,
     handle_errors,
     open_db,
@@ -230,8 +231,8 @@ def _print_export_report(
     console = err_console()
     left_out = f"; left out {report.image_rows_left_out} image samples" if text_only else ""
     console.print(
-        f"wrote {report.rows} samples ({report.truncated} truncated, "
-        f"{report.tokens} tokens) to {escape(str(report.path))}{left_out}"
+        f"wrote {counted(report.rows, 'sample')} ({report.truncated} truncated, "
+        f"{counted(report.tokens, 'token')}) to {escape(str(report.path))}{left_out}"
     )
     if with_images:
         console.print(

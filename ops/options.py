@@ -314,6 +314,11 @@ def _scrub(text: str) -> str:
     return text
 
 
+def counted(n: int, noun: str, plural: str | None = None) -> str:
+    """`1 row`, `2 rows`: a count with its noun in the number it takes."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
+
+
 def first_line(exc: BaseException) -> str:
     """The first line of an exception's message, passwords scrubbed (drivers may quote DSNs)."""
     text = str(exc).strip()

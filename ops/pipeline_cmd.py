@@ -28,6 +28,7 @@ from ops.options import (
     build_efforts,
     build_sampling,
     check_broker,
+    counted,
     err_console,
     field_option,
     get_settings,
@@ -303,7 +304,9 @@ def _print_enqueue_report(
         ),
     ):
         if fields:
-            counts = ", ".join(f"{escape(name)} ({n} rows)" for name, n in fields.items())
+            counts = ", ".join(
+                f"{escape(name)} ({counted(n, 'row')})" for name, n in fields.items()
+            )
             console.print(f"fields {title}: {counts}", markup=True, soft_wrap=True)
 
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from ops.options import (
+    counted,
     err_console,
     field_option,
     get_settings,
@@ -149,6 +150,17 @@ def server_contexts(settings: Settings, servers: list[str]) -> dict[str, int | N
     return read_contexts(settings, {server_name_for(url.rstrip("/")): url for url in servers})
 
 
+def interrupted_line(inflight: int, drain_timeout_s: float) -> str:
+    """What the first Ctrl-C says it waits for (nothing in flight: that it stops at once)."""
+    if inflight == 0:
+        return f"interrupted: nothing in flight, stopping. {CONTINUE}"
+    requests = counted(inflight, "request")
+    return (
+        f"interrupted: waiting up to {drain_timeout_s:.0f}s for the {requests} in flight to "
+        f"finish (their results are kept); Ctrl-C again to stop now. {CONTINUE}"
+    )
+
+
 def _stop_interrupted(runner: EmbeddedRunner, settings: Settings, again: str) -> None:
     """Ctrl-C: say at once what the stop waits for and how to go on, then count the drain
     down; a second Ctrl-C stops at once (what was in flight stays leased to this dead process,
@@ -158,17 +170,12 @@ def _stop_interrupted(runner: EmbeddedRunner, settings: Settings, again: str) ->
     from ops.views.progress import Line, Progress
 
     console = err_console()
-    _say_continue(
-        f"interrupted: waiting up to {settings.drain_timeout_s:.0f}s for the "
-        f"{runner.inflight()} requests in flight to finish (their results are kept); Ctrl-C "
-        f"again to stop now. {CONTINUE}",
-        again,
-    )
+    _say_continue(interrupted_line(runner.inflight(), settings.drain_timeout_s), again)
 
     def stop_now(signum: int, frame: object) -> None:
         _say_continue(
-            f"stopped now; the {runner.inflight()} requests that were in flight go back to "
-            f"the queue when the run continues. {CONTINUE}",
+            f"stopped now; the {counted(runner.inflight(), 'request')} that were in flight go "
+            f"back to the queue when the run continues. {CONTINUE}",
             again,
         )
         os._exit(130)  # now, without waiting for the threads still draining
@@ -181,7 +188,7 @@ def _stop_interrupted(runner: EmbeddedRunner, settings: Settings, again: str) ->
         while stopping.is_alive():
             left_s = max(0.0, deadline - time.monotonic())
             inflight = runner.inflight()
-            text = f"draining: {inflight} requests in flight, {left_s:.0f}s left"
+            text = f"draining: {counted(inflight, 'request')} in flight, {left_s:.0f}s left"
             progress.show([Line("drain", text, (inflight, int(left_s // DRAIN_LINE_EVERY_S)))])
             stopping.join(0.25)
     counts = runner.counts()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import click
 
-from ops.options import err_console, get_settings, handle_errors, open_db, print_json
+from ops.options import counted, err_console, get_settings, handle_errors, open_db, print_json
 
 
 def export_to_storage(
@@ -44,13 +44,13 @@ def export_to_storage(
         )
     except OSError as exc:  # fsspec/s3fs report storage failures as OSError subclasses
         raise StorageError(f"writing the export to {out} failed: {exc}") from exc
-    removed = f"; removed {len(report.removed)} old shards" if report.removed else ""
+    removed = f"; removed {counted(len(report.removed), 'old shard')}" if report.removed else ""
     if with_images:
-        removed += f"; copied {report.images} images to images/"
+        removed += f"; copied {counted(report.images, 'image')} to images/"
     err_console().print(
-        f"wrote {report.rows} samples ({report.truncated} truncated, {report.tokens} tokens) "
-        f"in {len(report.shards)} Parquet shards and .manifest.json to {escape(report.url)}"
-        f"{removed}"
+        f"wrote {counted(report.rows, 'sample')} ({report.truncated} truncated, "
+        f"{counted(report.tokens, 'token')}) in {counted(len(report.shards), 'Parquet shard')} "
+        f"and .manifest.json to {escape(report.url)}{removed}"
     )
 
 
@@ -90,11 +90,11 @@ def compact_cmd(run_name: str, force: bool, as_json: bool) -> None:
         print_json(report.to_json())
         return
     line = (
-        f"run [bold]{escape(run.name)}[/bold]: {report.compacted} items compacted into "
-        f"{len(report.shards)} shards"
+        f"run [bold]{escape(run.name)}[/bold]: {counted(report.compacted, 'item')} compacted "
+        f"into {counted(len(report.shards), 'shard')}"
     )
     if report.orphans_removed:
-        line += f", {len(report.orphans_removed)} unreferenced shards removed"
+        line += f", {counted(len(report.orphans_removed), 'unreferenced shard')} removed"
     if report.skipped:
         line += f" ({escape(report.skipped)})"
     err_console().print(line, markup=True, soft_wrap=True)

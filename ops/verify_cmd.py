@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import click
 
 from app.core.errors import TokenizerError
-from ops.options import get_settings, handle_errors, open_db, print_json
+from ops.options import counted, get_settings, handle_errors, open_db, print_json
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -315,8 +315,11 @@ def _print_export(out: Console, export: ExportSummary) -> None:
     from app.outputs.jsonl_checks import is_jsonl_export
 
     status = "[red]FAIL[/red]" if export.problems else "[green]ok[/green]  "
-    shards = "" if is_jsonl_export(export.url) else f"{export.shards} shards, "
-    out.print(f"{status} export {escape(export.url)}: {shards}{export.rows} rows", soft_wrap=True)
+    shards = "" if is_jsonl_export(export.url) else f"{counted(export.shards, 'shard')}, "
+    out.print(
+        f"{status} export {escape(export.url)}: {shards}{counted(export.rows, 'row')}",
+        soft_wrap=True,
+    )
     for problem in export.problems:
         out.print(f"       {escape(problem)}", soft_wrap=True)
 

@@ -99,7 +99,7 @@ KEY_OUTPUT = {
         "--export",
     ): f'"rows": {PROMPTS},\n    "shards": 1,\n    "problems": []',
     ("tokenmill", "compact", "r1"): f"({PROMPTS} finished items wait, fewer than",
-    ("tokenmill", "compact", "r1", "--all"): f"run r1: {PROMPTS} items compacted into 1 shards",
+    ("tokenmill", "compact", "r1", "--all"): f"run r1: {PROMPTS} items compacted into 1 shard",
     ("tokenmill", "archive"): f"{PROMPTS} items moved to the archive",
 }
 
