@@ -7,7 +7,12 @@ imports the libraries it needs (SQLAlchemy, rich, pyarrow, alembic, httpx...) wh
 
 from __future__ import annotations
 
+import functools
 import importlib
+import io
+import re
+from collections.abc import Callable
+from typing import IO, Any
 
 import click
 
@@ -46,7 +51,28 @@ COMMANDS = {
 
 
 class LazyGroup(click.Group):
-    """A click group whose COMMANDS are imported on first use."""
+    """A click group whose COMMANDS are imported on first use; click's own errors (parsing the
+    command line) in the house wording."""
+
+    def make_context(
+        self,
+        info_name: str | None,
+        args: list[str],
+        parent: click.Context | None = None,
+        **extra: Any,
+    ) -> click.Context:
+        try:
+            return super().make_context(info_name, args, parent, **extra)
+        except click.ClickException as exc:
+            _in_house_words(exc)
+            raise
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except click.ClickException as exc:
+            _in_house_words(exc)
+            raise
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted({*super().list_commands(ctx), *COMMANDS})
@@ -56,6 +82,22 @@ class LazyGroup(click.Group):
             module, attr = COMMANDS[cmd_name].split(":")
             self.add_command(getattr(importlib.import_module(module), attr), cmd_name)
         return super().get_command(ctx, cmd_name)
+
+
+def _in_house_words(exc: click.ClickException) -> None:
+    """Have exc shown as every other error line is: click's usage and hint lines as click
+    writes them, then `error: …` where click writes `Error: …`."""
+    if not isinstance(exc.show, functools.partial):  # not yet (a subcommand's, passing up)
+        exc.show = functools.partial(_show_in_house_words, exc.show)  # type: ignore[method-assign]
+
+
+def _show_in_house_words(
+    show: Callable[[IO[Any] | None], None], file: IO[Any] | None = None
+) -> None:
+    shown = io.StringIO()
+    show(shown)
+    text = re.sub(r"^Error: ", "error: ", shown.getvalue(), count=1, flags=re.MULTILINE)
+    click.echo(text, file=file, err=file is None, nl=False)
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})

@@ -20,3 +20,21 @@ def test_an_interrupt_with_nothing_in_flight_waits_for_nothing() -> None:
     one = interrupted_line(1, 30)
     assert one.startswith("interrupted: waiting up to 30s for the 1 request in flight to finish")
     assert "the 7 requests in flight" in interrupted_line(7, 30)
+
+
+def test_click_s_usage_errors_take_the_house_wording() -> None:
+    """`error: …` as every other error line, with click's usage and hint lines kept."""
+    from click.testing import CliRunner
+
+    from ops.cli import cli
+
+    for args, message in (
+        (["status", "--bogus"], "error: No such option '--bogus'."),
+        (["statuss"], "error: No such command 'statuss'."),
+        (["db", "upgradee"], "error: No such command 'upgradee'."),
+        (["export", "r1", "--format", "x", "--out", "y"], "error: Invalid value for '--format'"),
+    ):
+        result = CliRunner().invoke(cli, args, prog_name="tokenmill")
+        assert result.exit_code == 2, result.output
+        assert message in result.stderr and "Error:" not in result.stderr, result.stderr
+        assert result.stderr.startswith("Usage: tokenmill"), result.stderr
