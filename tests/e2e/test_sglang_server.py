@@ -133,7 +133,8 @@ def test_update_weights_to_a_missing_path_pauses_nothing(
     assert update.returncode == 1, update.stderr
     assert f"--model-path {missing} does not exist on gpu-a" in update.stderr
     assert "nothing was paused" in update.stderr
-    assert update.stderr.splitlines()[-1] == shlex.join(["tokenmill", *argv])
+    # the same command would fail the same way: it is not offered to run again
+    assert "To update again" not in update.stderr and shlex.join(argv) not in update.stderr
     after = httpx.get(f"{url}/model_info", timeout=10).json()
     assert (after["model_path"], after["weight_version"]) == (
         before["model_path"],

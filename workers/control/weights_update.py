@@ -99,7 +99,9 @@ def update_weights(
         server = registry.get_server(conn, name)
     refusal = _preflight(server, model_path, prober or HttpProber(settings))
     if refusal is not None:
-        return UpdateResult(False, f"{refusal}; nothing was paused", again=request.command())
+        why, as_is = refusal
+        again = request.command() if as_is else None
+        return UpdateResult(False, f"{why}; nothing was paused", again=again)
     checked = path_checked_here(server, model_path)
     target = request.weight_version or model_path
     earlier_pause = server.paused_by if server.paused else None
@@ -132,9 +134,10 @@ def update_weights(
     finally:
         client.close()
     if request.weight_version is not None and fingerprint.weight_version != request.weight_version:
+        # the server loaded the weights and ignored the version: the same command would too
         return _give_up(
             db, request, f"/model_info reports weight_version {fingerprint.weight_version}, "
-            f"not {request.weight_version}"
+            f"not {request.weight_version}", again=False,
         )  # fmt: skip
     with db.begin() as conn:
         registry.set_fingerprint(conn, name, fingerprint.to_json())
@@ -142,19 +145,22 @@ def update_weights(
     return _finish(db, control, name, fingerprint.weight_version, verdict, earlier_pause)
 
 
-def _preflight(server: ServerInfo, model_path: str, prober: Prober) -> str | None:
-    """Why the update must not start (None: it may): the server does not answer, or the path
-    is local to it and missing."""
+def _preflight(server: ServerInfo, model_path: str, prober: Prober) -> tuple[str, bool] | None:
+    """Why the update must not start (None: it may), and whether the same command can work once
+    that is fixed: the server does not answer (start it, then again), or the path is local to it
+    and missing (a command with the right path is another command)."""
     probe = prober.probe(server)
     if not probe.ok:
         return (
             f"{server.name} does not answer ({probe.error or 'down'}): start it (or `tokenmill "
-            f"restart {server.name}`), then update its weights"
+            f"restart {server.name}`), then update its weights",
+            True,
         )
     if path_checked_here(server, model_path) and not os.path.exists(model_path):
         return (
             f"--model-path {model_path} does not exist on {server.name} (it runs on this "
-            "machine, where the path was looked for)"
+            "machine, where the path was looked for): give the path of a checkpoint there",
+            False,
         )
     return None
 
@@ -216,8 +222,14 @@ def _finish(
     return UpdateResult(True, message, resumed, verdict.accepting, verdict.refusing, paused)
 
 
-def _give_up(db: Engine, request: UpdateRequest, why: str) -> UpdateResult:
+def _give_up(db: Engine, request: UpdateRequest, why: str, *, again: bool = True) -> UpdateResult:
+    """The update failed after the pause; again: whether the same command can work once the
+    cause is fixed (it is printed to run), or would fail the same way (it is not)."""
     name = request.name
+    if not again:
+        message = f"{name} stays paused: {why}. `tokenmill resume --server {name}` resumes it"
+        _event(db, name, message)
+        return UpdateResult(False, message, paused=True)
     message = (
         f"{name} stays paused: {why}. Fix it and update again, or `tokenmill resume --server "
         f"{name}`"
