@@ -51,8 +51,10 @@ class Settings(BaseSettings):
     # passed to fsspec as the filesystem's options, e.g. for s3fs
     # {"endpoint_url": "http://127.0.0.1:9000", "key": "...", "secret": "..."} (a JSON object)
     storage_options: dict[str, Any] = Field(default_factory=dict)
-    # every process of the fleet runs on this machine (or sees the storage folder at the same
-    # path): a local storage folder is then allowed with a ledger or broker beyond loopback
+    # every process of the fleet sees the local storage folder at the same path (one machine,
+    # or a folder every node mounts there: NFS): a local storage folder is then allowed with a
+    # ledger or broker beyond loopback. single_machine is its older name and means the same
+    storage_shared: bool = False
     single_machine: bool = False
     # rows per Parquet shard, of exports and of compaction
     shard_rows: int = Field(default=50_000, ge=1)

@@ -56,8 +56,8 @@ def reachable_elsewhere(url: str) -> bool:
 
 def fleet_refusal(settings: Settings, storage_url: str) -> str | None:
     """Why an enqueue into storage_url is refused (a shared ledger or broker with a local
-    storage folder, and no TOKENMILL_SINGLE_MACHINE), naming the setting to make; None if not."""
-    if settings.single_machine or not is_local(storage_url):
+    storage folder, and no TOKENMILL_STORAGE_SHARED), naming the setting to make; None if not."""
+    if settings.storage_shared or settings.single_machine or not is_local(storage_url):
         return None
     shared = [
         name
@@ -72,9 +72,9 @@ def fleet_refusal(settings: Settings, storage_url: str) -> str | None:
     return (
         f"{' and '.join(shared)} can be reached from other machines, but the storage is the "
         f"local folder {storage_url}, which workers and exports on other machines or in other "
-        "folders do not see: set TOKENMILL_STORAGE_URL=s3://BUCKET/PREFIX (or a folder every "
-        "node mounts at the same path), or TOKENMILL_SINGLE_MACHINE=true if every process runs "
-        "on this machine"
+        "folders may not see: set TOKENMILL_STORAGE_URL=s3://BUCKET/PREFIX, or "
+        "TOKENMILL_STORAGE_SHARED=true if every process sees this folder at this path (they "
+        "all run on this machine, or every node mounts it there, as an NFS folder)"
     )
 
 

@@ -160,7 +160,7 @@ def test_readme_distributed_without_a_shared_store_is_refused_at_enqueue(
     )
     assert done.returncode != 0
     assert "TOKENMILL_STORAGE_URL=s3://" in done.stderr, done.stderr
-    assert "TOKENMILL_BROKER_URL" in done.stderr and "TOKENMILL_SINGLE_MACHINE=true" in done.stderr
+    assert "TOKENMILL_BROKER_URL" in done.stderr and "TOKENMILL_STORAGE_SHARED=true" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
     with pg_engine.connect() as conn:
         assert conn.execute(select(func.count()).select_from(runs)).scalar() == 0

@@ -52,14 +52,17 @@ def test_a_shared_ledger_or_broker_with_a_local_store_is_refused(
         assert refusal is None
         return
     assert refusal is not None and refused in refusal
-    assert "TOKENMILL_STORAGE_URL=s3://" in refusal and "TOKENMILL_SINGLE_MACHINE=true" in refusal
+    assert "TOKENMILL_STORAGE_URL=s3://" in refusal and "TOKENMILL_STORAGE_SHARED=true" in refusal
+    assert "NFS" in refusal
     with pytest.raises(ConfigurationError):
         run_store.check_fleet_storage(s, run_store.pinned_url(s))
-    # the user states that everything runs on one machine (or sees the folder at one path)
-    one = settings(
-        tmp_path, database_url=database, broker_url=broker, storage_url=storage, single_machine=True
-    )
-    assert run_store.fleet_refusal(one, run_store.pinned_url(one)) is None
+    # the user states that every process sees the folder at one path (a shared NFS folder, or
+    # one machine: TOKENMILL_SINGLE_MACHINE, the older name, says the same)
+    for shared in ({"storage_shared": True}, {"single_machine": True}):
+        seen = settings(
+            tmp_path, database_url=database, broker_url=broker, storage_url=storage, **shared
+        )
+        assert run_store.fleet_refusal(seen, run_store.pinned_url(seen)) is None
 
 
 def test_the_marker_tells_the_runs_storage_from_a_folder_of_the_same_path(tmp_path: Path) -> None:
