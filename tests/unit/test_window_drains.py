@@ -5,9 +5,11 @@ server; the ledger keeps the last probe of a registered server only."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
+import pytest
 from sqlalchemy import Engine
 
 from app.core.errors import BackPressure
@@ -208,6 +210,45 @@ def test_a_worker_whose_server_is_down_takes_no_messages_until_it_answers() -> N
     rt.server_state.probed(None)
     enforcer.check()
     assert control.calls == ["cancel", "add"]
+
+
+def test_a_pause_is_said_once_however_often_the_cancel_is_sent_or_its_reason_changes(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A worker pointed at a wrong port: its own probe holds it (down), then the watchdog pauses
+    the server, while the consumer still runs until the cancel broadcast reaches it. One line
+    says it stopped, one that it consumes again."""
+    from app.core.constants import PAUSED_BY_WATCHDOG
+    from workers.engine.enforcer import PauseEnforcer
+
+    rt, control = _Runtime(), _Control()
+    consuming = [True]
+    enforcer = PauseEnforcer(
+        rt,  # type: ignore[arg-type]
+        "w1@host",
+        control,
+        1.0,
+        consuming_now=lambda: consuming[0],
+    )
+    rt.server_state.probed("cannot connect: Connection refused")
+    with caplog.at_level(logging.WARNING, logger="workers.engine.enforcer"):
+        enforcer.check()
+        enforcer.check()  # the broadcast not applied yet: the consumer still runs
+        rt.pauses.by = PAUSED_BY_WATCHDOG
+        enforcer.check()
+        consuming[0] = False
+        enforcer.check()
+        rt.server_state.probed(None)
+        rt.pauses.by = None
+        enforcer.check()
+        enforcer.check()  # not re-added yet
+    said = [r.getMessage() for r in caplog.records]
+    assert said == [
+        "server gpu-a:30000 is paused (it is down: cannot connect: Connection refused): w1@host "
+        "stops consuming",
+        "server gpu-a:30000 resumed: w1@host consumes again",
+    ], said
+    assert control.calls[:2] == ["cancel", "cancel"] and "add" in control.calls
 
 
 def test_a_probe_records_a_down_server_on_its_window_until_it_answers() -> None:

@@ -35,6 +35,10 @@ class PauseEnforcer:
         self.control = control
         self.interval_s = interval_s
         self.consuming: bool | None = None  # unknown until the first check
+        # whether the log last said the consumer stopped: one line per pause, however often
+        # the cancel is sent again (a broadcast not yet applied) or the pause's reason changes
+        # (the worker's own probe first, then the watchdog)
+        self._said_paused = False
         self._abandoned = False
         self._lock = threading.Lock()  # its timer and the probe thread both check
         self._stop = threading.Event()
@@ -63,23 +67,27 @@ class PauseEnforcer:
             # someone else's cancel_consumer/add_consumer reached us: look at what is true
             self.consuming = actual
         if paused and self.consuming is not False:
-            log.warning(
-                "server %s is paused (%s): %s stops consuming",
-                self.rt.server_name,
-                by,
-                self.worker,
-                extra={"action": "consumer_paused"},
-            )
+            if not self._said_paused:
+                log.warning(
+                    "server %s is paused (%s): %s stops consuming",
+                    self.rt.server_name,
+                    by,
+                    self.worker,
+                    extra={"action": "consumer_paused"},
+                )
+                self._said_paused = True
             self.control.cancel_consumer([self.worker])
             self.consuming = False
         elif not paused and self.consuming is not True:
             if self.consuming is False:
-                log.warning(
-                    "server %s resumed: %s consumes again",
-                    self.rt.server_name,
-                    self.worker,
-                    extra={"action": "consumer_resumed"},
-                )
+                if self._said_paused:
+                    log.warning(
+                        "server %s resumed: %s consumes again",
+                        self.rt.server_name,
+                        self.worker,
+                        extra={"action": "consumer_resumed"},
+                    )
+                    self._said_paused = False
                 self.control.add_consumer([self.worker])
             self.consuming = True
         # a drained or key-refusing server keeps its requests out; a down or stalled one not
