@@ -16,6 +16,7 @@ import click
 from app.core.constants import PAUSED_BY_OPERATOR
 from app.core.errors import ConfigurationError
 from ops.options import (
+    counted,
     err_console,
     get_settings,
     handle_errors,
@@ -33,13 +34,17 @@ if TYPE_CHECKING:
     from workers.control.restart import RestartProgress
 
 
+# a load reading older than this is aged in `servers` (workers read it every
+# TOKENMILL_AUTOSIZE_PROBE_S, 2 s, and write it every 5 s)
+STALE_LOAD_S = 15.0
+
+
 def _ago(at: datetime | None) -> str:
     from app.ledger.common import utcnow
 
     if at is None:
         return "—"
-    seconds = (utcnow() - at).total_seconds()
-    return f"{seconds:.0f}s ago" if seconds < 120 else f"{seconds / 60:.0f}m ago"
+    return _ago_s((utcnow() - at).total_seconds())
 
 
 @click.group("servers", invoke_without_command=True)
@@ -48,15 +53,18 @@ def _ago(at: datetime | None) -> str:
 @handle_errors
 def servers_group(ctx: click.Context, as_json: bool) -> None:
     """List the SGLang servers: URL (and the workers' own URL below it when it differs), state,
-    pause, workers, in flight, window, last probe and error.
+    pause, workers, leased items, window, last probe and error.
 
-    The window is what the server's workers keep in flight together: `auto: 272 (max_running
-    256)` (sized by the server) or `fixed: 64` (TOKENMILL_INFLIGHT), and below it the server's
-    running and queued requests at the last reading and why the size last changed.
+    leased: the items leased to the server's workers (being generated, or waiting in a worker's
+    backlog for a free slot), so it may exceed the window. The window is the requests the
+    server's workers keep in flight together: `auto: 272 requests (max_running 256)` (sized by
+    the server) or `fixed: 64 requests` (TOKENMILL_INFLIGHT), and below it the server's running
+    and queued requests at the workers' last reading (aged when stale: `read 40s ago`) and why
+    the size last changed.
 
-    Names and URLs are never cut: in a narrow terminal the columns last probe, workers, in
-    flight, rendering, last error, weights, paused and window are left out, in that order
-    (--json has all).
+    Names and URLs are never cut: in a narrow terminal the columns last probe, workers, leased,
+    rendering, last error, weights, paused and window are left out, in that order (--json has
+    all).
     """
     if ctx.invoked_subcommand is not None:
         return
@@ -70,7 +78,13 @@ def servers_group(ctx: click.Context, as_json: bool) -> None:
     if as_json:
         print_json(
             [
-                s.to_json() | {"in_flight": leased, "window": _window_json(sized.get(s.name))}
+                s.to_json()
+                | {
+                    # items leased (with the workers' backlogs); the window counts requests
+                    "in_flight": leased,
+                    "leased": leased,
+                    "window": _window_json(sized.get(s.name)),
+                }
                 for s, leased in rows
             ]
         )
@@ -103,20 +117,17 @@ def servers_group(ctx: click.Context, as_json: bool) -> None:
 
 def servers_summary(rows: list[tuple[registry.ServerInfo, int]]) -> str:
     """One line over the servers table: how many servers in each state (most first), paused,
-    workers and items in flight, e.g. `256 servers: 250 healthy, 6 down; 6 paused; 64 workers;
-    17,408 in flight`."""
+    workers and items leased (the `leased` column's sum), e.g. `256 servers: 250 healthy, 6 down;
+    6 paused; 64 workers; 17,408 leased`."""
     by_state = count_states(server.state for server, _ in rows)
     paused = sum(1 for server, _ in rows if server.paused)
     workers = sum(len(server.workers) for server, _ in rows)
-    in_flight = sum(leased for _, leased in rows)
-    return (
-        f"{len(rows)} servers: {by_state}; {paused} paused; {workers} workers; "
-        f"{in_flight:,} in flight"
-    )
+    leased = sum(count for _, count in rows)
+    return f"{len(rows)} servers: {by_state}; {paused} paused; {workers} workers; {leased:,} leased"
 
 
 # Names and URLs are never cut. A table wider than the terminal folds the rendering and the
-# last error, then leaves out last probe, workers, in flight, rendering, last error, weights,
+# last error, then leaves out last probe, workers, leased, rendering, last error, weights,
 # paused and window, in that order; name, url and state always stay.
 SERVER_COLUMNS = (
     Column("name"),
@@ -125,7 +136,7 @@ SERVER_COLUMNS = (
     Column("paused", drop=7, wrap=16),
     Column("weights", drop=6),
     Column("workers", right=True, drop=2),
-    Column("in flight", right=True, drop=3),
+    Column("leased", right=True, drop=3),
     Column("window", drop=8),
     Column("last probe", drop=1),
     Column("rendering", drop=4, wrap=12),
@@ -148,17 +159,32 @@ def _window_json(window: windows.ServerWindow | None) -> dict[str, object] | Non
 
 
 def _window_cell(window: windows.ServerWindow | None) -> str:
-    """`auto: 272 (max_running 256)`, and below it `running 256 · queued 16 · kv-bound`."""
+    """`auto: 272 requests (max_running 256)`, and below it the server's load at the workers'
+    last reading, aged when it is stale (`server: running 256 · queued 16, read 40s ago`), and
+    why the size last changed."""
+    from app.ledger.common import utcnow
+
     if window is None:
         return "—"
     facts = []
-    if window.running is not None:
-        facts.append(f"running {window.running}")
-    if window.queued is not None:
-        facts.append(f"queued {window.queued}")
+    load = [
+        f"{label} {n}"
+        for label, n in (("running", window.running), ("queued", window.queued))
+        if n is not None
+    ]
+    if load:
+        age_s = window.load_age_s(utcnow())
+        stale = f", read {_ago_s(age_s)}" if age_s is not None and age_s > STALE_LOAD_S else ""
+        facts.append("server: " + " · ".join(load) + stale)
     if window.reason:
         facts.append(window.reason)
-    return window.describe() + ("\n" + " · ".join(facts) if facts else "")
+    text = f"{window.mode}: {counted(window.size, 'request')}"
+    text += f" (max_running {window.max_running})" if window.max_running else ""
+    return text + ("\n" + " · ".join(facts) if facts else "")
+
+
+def _ago_s(seconds: float) -> str:
+    return f"{seconds:.0f}s ago" if seconds < 120 else f"{seconds / 60:.0f}m ago"
 
 
 def _paused(server: registry.ServerInfo) -> str:

@@ -475,4 +475,5 @@ server_windows = Table(
     Column("reason", Text, nullable=True),  # of the last change of size
     _when("changed_at"),
     _when("updated_at", nullable=False),
+    _when("loads_at"),  # when running/queued were read (a stale reading is aged, not shown as now)
 )

@@ -11,12 +11,12 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Connection, delete, select, update
+from sqlalchemy import Connection, delete, or_, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
 from app.core.models import server_windows
-from app.ledger.common import as_utc, utcnow
+from app.ledger.common import as_utc, servers, utcnow
 
 FRESH_S = 30.0  # a row older than this is a worker gone: its share goes to the others
 
@@ -34,6 +34,7 @@ class WindowRow:
     reason: str | None = None
     changed_at: datetime | None = None
     updated_at: datetime | None = None
+    loads_at: datetime | None = None  # when running and queued were read
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -47,6 +48,7 @@ class WindowRow:
             "reason": self.reason,
             "changed_at": self.changed_at.isoformat() if self.changed_at else None,
             "updated_at": self.updated_at.isoformat() if self.updated_at else None,
+            "loads_at": self.loads_at.isoformat() if self.loads_at else None,
         }
 
 
@@ -64,6 +66,7 @@ def record_window(conn: Connection, row: WindowRow) -> None:
         "reason": row.reason,
         "changed_at": row.changed_at,
         "updated_at": utcnow(),
+        "loads_at": row.loads_at,
     }
     changed = {k: v for k, v in values.items() if k not in ("server", "owner")}
     if conn.dialect.name == "postgresql":
@@ -93,16 +96,20 @@ def drop_window(conn: Connection, server: str, owner: str) -> None:
 
 
 def sharing_owners(conn: Connection, server: str, *, fresh_s: float) -> list[str]:
-    """The workers (lease owners) whose row of this server was written in the last fresh_s."""
+    """The workers (lease owners) whose row of this server was written in the last fresh_s. A
+    server registered under several names (one URL) is one server: the workers of each name
+    share its one capacity, so two registrations do not each take all of it."""
     since = utcnow() - timedelta(seconds=fresh_s)
+    url = select(servers.c.url).where(servers.c.name == server).scalar_subquery()
+    same_server = select(servers.c.name).where(servers.c.url == url)
     rows = conn.execute(
         select(server_windows.c.owner).where(
-            server_windows.c.server == server,
+            or_(server_windows.c.server == server, server_windows.c.server.in_(same_server)),
             server_windows.c.updated_at >= since,
             server_windows.c.mode == "auto",
         )
     )
-    return [r.owner for r in rows]
+    return sorted({r.owner for r in rows})
 
 
 def _row(r: Any) -> WindowRow:
@@ -118,6 +125,7 @@ def _row(r: Any) -> WindowRow:
         reason=r.reason,
         changed_at=as_utc(r.changed_at),
         updated_at=as_utc(r.updated_at),
+        loads_at=as_utc(r.loads_at),
     )
 
 
@@ -150,6 +158,11 @@ class ServerWindow:
     queued: int | None
     reason: str | None
     workers: int
+    loads_at: datetime | None = None  # when running and queued were read
+
+    def load_age_s(self, now: datetime) -> float | None:
+        """How old the running and queued figures are (None: never read)."""
+        return None if self.loads_at is None else max(0.0, (now - self.loads_at).total_seconds())
 
     def describe(self) -> str:
         """`auto: 272 (max_running 256)`, or `fixed: 64`."""
@@ -165,6 +178,7 @@ class ServerWindow:
             "queued": self.queued,
             "reason": self.reason,
             "workers": self.workers,
+            "loads_at": self.loads_at.isoformat() if self.loads_at else None,
             "text": self.describe(),
         }
 
@@ -186,4 +200,5 @@ def server_window(rows: list[WindowRow]) -> ServerWindow | None:
         queued=latest.queued,
         reason=last_change.reason if last_change else latest.reason,
         workers=len(rows),
+        loads_at=latest.loads_at,
     )

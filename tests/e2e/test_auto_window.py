@@ -144,7 +144,7 @@ def test_two_workers_on_one_server_share_its_capacity(
         # together they kept the batch full and at most the margin queued, never 2x
         assert SLOTS <= watch.peak <= TOP, watch.peak
         listed = tokenmill(["servers"], env)
-        assert f"auto: {TOP} (max_running {SLOTS})" in listed.stdout, listed.stdout
+        assert f"auto: {TOP} requests (max_running {SLOTS})" in listed.stdout, listed.stdout
     finally:
         stop(workers)
 

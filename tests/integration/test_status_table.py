@@ -89,9 +89,9 @@ def test_servers_keep_names_and_urls_whole_and_show_only_a_current_error(
     assert NAME in text and URL.replace("node-a", "localhost") in text
     assert "local…" not in text and "http:…" not in text
     # a summary line over the table
-    assert lines[0] == "2 servers: 1 down, 1 healthy; 0 paused; 0 workers; 0 in flight"
+    assert lines[0] == "2 servers: 1 down, 1 healthy; 0 paused; 0 workers; 0 leased"
     assert header_of(lines[1:]) == ["name", "url", "state"]
-    assert "left out at 80 columns: last probe, workers, in flight, rendering, last error, " in err
+    assert "left out at 80 columns: last probe, workers, leased, rendering, last error, " in err
 
     lines, err = run_tokenmill(tmp_path, "servers", columns=200)
     assert "left out" not in err

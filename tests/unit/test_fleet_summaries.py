@@ -48,7 +48,7 @@ def fleet(count: int) -> list[ServerInfo]:
 def test_servers_prints_a_summary_line() -> None:
     rows = [(s, 64) for s in fleet(256)]
     assert servers_summary(rows) == (
-        "256 servers: 220 healthy, 26 down, 10 suspect; 26 paused; 256 workers; 16,384 in flight"
+        "256 servers: 220 healthy, 26 down, 10 suspect; 26 paused; 256 workers; 16,384 leased"
     )
 
 

@@ -15,6 +15,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from datetime import datetime
 from typing import Protocol
 
 from sqlalchemy import Connection, Engine
@@ -88,6 +89,7 @@ class WindowSizer:
         self.capacity: Capacity | None = None
         self.controller: sizing.Controller | None = None
         self.load: Load | None = None
+        self.loads_at: datetime | None = None  # when self.load was read
         self.has_loads: bool | None = None  # None: not asked yet
         self.reason = "start" if self.auto else sizing.REASON_FIXED
         self.changed_at = utcnow()
@@ -238,6 +240,7 @@ class WindowSizer:
             return None
         self.has_loads = True
         self.load = load
+        self.loads_at = utcnow()
         return load
 
     def _take_capacity(self, capacity: Capacity) -> None:
@@ -368,5 +371,6 @@ class WindowSizer:
                 queued=self.load.waiting if self.load else None,
                 reason=self.reason,
                 changed_at=self.changed_at,
+                loads_at=self.loads_at if self.load else None,
             ),
         )
