@@ -9,8 +9,8 @@ import math
 import random
 from bisect import bisect_right
 from collections import Counter
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 
 from app.core.models import ItemStatus
@@ -163,6 +163,23 @@ def pause_periods(
     return periods
 
 
+def serving_pauses(
+    pauses: Iterable[PausePeriod], servers: Mapping[str, ServerTotals]
+) -> list[PausePeriod]:
+    """The pauses of the servers that served the run, clipped to the span each served it (its
+    first item's start to its last item's end): a server that never took an item of the run,
+    or a pause before it joined or after it left, says nothing about the run's throughput."""
+    clipped = []
+    for p in pauses:
+        totals = servers.get(p.server)
+        if totals is None or totals.first_at is None or totals.last_at is None:
+            continue
+        start, end = max(p.start, totals.first_at), min(p.end, totals.last_at)
+        if start < end:
+            clipped.append(replace(p, start=start, end=end, open=p.open and end == p.end))
+    return clipped
+
+
 @dataclass
 class ServerTotals:
     done: int = 0
@@ -171,6 +188,16 @@ class ServerTotals:
     output_tokens: int = 0
     latency_sum_s: float = 0.0
     latency_n: int = 0
+    # the span the server served the run: its first item's start, its last item's end
+    first_at: datetime | None = None
+    last_at: datetime | None = None
+
+    def served(self, started_at: datetime | None, finished_at: datetime | None) -> None:
+        """Widen the span by one item's times."""
+        for at in (started_at, finished_at):
+            if at is not None:
+                self.first_at = at if self.first_at is None else min(self.first_at, at)
+                self.last_at = at if self.last_at is None else max(self.last_at, at)
 
     @property
     def mean_latency_s(self) -> float | None:
@@ -223,6 +250,7 @@ class ReportData:
             return
         server = item.server or UNKNOWN_SERVER
         totals = self.servers.setdefault(server, ServerTotals())
+        totals.served(item.started_at, item.finished_at)
         if item.status == ItemStatus.FAILED.value:
             self.failed += 1
             totals.failed += 1

@@ -52,8 +52,10 @@ FIGURES = (
     (
         "throughput.png",
         "Throughput over time",
-        "Output tokens per second per server; hatched spans are periods the server was paused "
-        "(paused / resumed events). Dips outside a pause point at a slow or stuck server.",
+        "Output tokens per second per server; hatched spans are periods a server that served "
+        "this run was paused while it served it (paused / resumed events; servers that never "
+        "took an item of the run are not shown). Dips outside a pause point at a slow or "
+        "stuck server.",
     ),
     (
         "latency.png",
@@ -87,7 +89,7 @@ def build_report(db: Engine, run_name: str, out_dir: Path) -> ReportResult:
         iter_item_stats,
         server_events,
     )
-    from app.outputs.report_stats import accumulate, pause_periods
+    from app.outputs.report_stats import accumulate, pause_periods, serving_pauses
     from ops.views import report_plots  # matplotlib loads only when a report is made
     from ops.views.report_accept import acceptance_report_for, acceptance_section, draw_acceptance
 
@@ -113,13 +115,17 @@ def build_report(db: Engine, run_name: str, out_dir: Path) -> ReportResult:
                 since=tp.start,
                 until=tp.end,
             )
+    # a server that never served the run is no part of its story; the plot shades a pause
+    # only while the server served the run, the table lists its whole pause
+    pauses = [p for p in pauses if p.server in data.servers]
     out_dir.mkdir(parents=True, exist_ok=True)
-    names = set(data.servers) | {p.server for p in pauses}
-    colors = report_plots.server_colors(sorted(names))
+    colors = report_plots.server_colors(sorted(data.servers))
     images = [
         report_plots.output_lengths(data, out_dir / FIGURES[0][0]),
         report_plots.finish_reasons(data, out_dir / FIGURES[1][0]),
-        report_plots.throughput(data, pauses, colors, out_dir / FIGURES[2][0]),
+        report_plots.throughput(
+            data, serving_pauses(pauses, data.servers), colors, out_dir / FIGURES[2][0]
+        ),
         report_plots.latency(data, colors, out_dir / FIGURES[3][0]),
         report_plots.prompt_vs_output(data, out_dir / FIGURES[4][0]),
     ]

@@ -135,6 +135,7 @@ def test_server_events_include_the_state_before_the_window(db: Engine) -> None:
 def test_build_report_from_each_database(db: Engine, tmp_path: Path) -> None:
     with db.begin() as conn:
         seed_report_run(conn, T, items_per_server=40)
+        add_event(conn, "paused", "gpu-idle", T)  # a server that never served the run
     result = build_report(db, "rep", tmp_path / "out")
     assert result.items == 80 and result.index == tmp_path / "out" / "index.html"
     for image in result.images:
@@ -142,6 +143,7 @@ def test_build_report_from_each_database(db: Engine, tmp_path: Path) -> None:
     page = result.index.read_text()
     assert "<h1>Run rep</h1>" in page and page.count("<img ") == 5
     assert "<td>gpu-b</td><td>2031-05-04 12:08:00</td><td>2031-05-04 12:12:00</td>" in page
+    assert "gpu-idle" not in page
 
 
 def test_a_run_with_nothing_finished_still_gets_a_page(db: Engine, tmp_path: Path) -> None:

@@ -13,11 +13,13 @@ from app.outputs.report_stats import (
     Histogram,
     ReportData,
     Reservoir,
+    ServerTotals,
     Throughput,
     accumulate,
     log_edges,
     nice_bin_width_s,
     pause_periods,
+    serving_pauses,
 )
 from ops.views.report_page import warnings_for
 from tests.support.runs import make_counts
@@ -101,6 +103,31 @@ def test_pause_periods_pair_pauses_with_resumes() -> None:
         ("a", at(0), at(10), False, at(-50)),
         ("b", at(20), at(40), False, at(20)),
         ("a", at(90), at(100), True, at(90)),
+    ]
+
+
+def test_only_servers_that_served_the_run_are_shaded_only_while_they_did() -> None:
+    pauses = pause_periods(
+        [
+            ServerEvent(at(0), "paused", "idle"),  # never took an item of the run
+            ServerEvent(at(5), "paused", "a"),  # began before a joined (at 20): shaded from 20
+            ServerEvent(at(25), "resumed", "a"),
+            ServerEvent(at(40), "paused", "a"),  # while a served: shaded
+            ServerEvent(at(50), "resumed", "a"),
+            ServerEvent(at(80), "paused", "a"),  # after a's last item (at 70): not shaded
+        ],
+        paused_kind="paused",
+        resumed_kind="resumed",
+        since=at(0),
+        until=at(100),
+    )
+    served = ServerTotals()
+    served.served(at(20), at(30))
+    served.served(at(60), at(70))
+    shaded = serving_pauses(pauses, {"a": served})
+    assert [(p.server, p.start, p.end, p.open) for p in shaded] == [
+        ("a", at(20), at(25), False),
+        ("a", at(40), at(50), False),
     ]
 
 
