@@ -159,28 +159,28 @@ def _window_json(window: windows.ServerWindow | None) -> dict[str, object] | Non
 
 
 def _window_cell(window: windows.ServerWindow | None) -> str:
-    """`auto: 272 requests (max_running 256)`, and below it the server's load at the workers'
-    last reading, aged when it is stale (`server: running 256 · queued 16, read 40s ago`), and
-    why the size last changed."""
+    """`auto: 272 requests (max_running 256)`, and below it, a line each, the server's load at
+    the workers' last reading (`server: running 256 · queued 16`), its age when it is stale
+    (`read 40s ago`), and why the size last changed."""
     from app.ledger.common import utcnow
 
     if window is None:
         return "—"
-    facts = []
+    text = f"{window.mode}: {counted(window.size, 'request')}"
+    lines = [text + (f" (max_running {window.max_running})" if window.max_running else "")]
     load = [
         f"{label} {n}"
         for label, n in (("running", window.running), ("queued", window.queued))
         if n is not None
     ]
     if load:
+        lines.append("server: " + " · ".join(load))
         age_s = window.load_age_s(utcnow())
-        stale = f", read {_ago_s(age_s)}" if age_s is not None and age_s > STALE_LOAD_S else ""
-        facts.append("server: " + " · ".join(load) + stale)
+        if age_s is not None and age_s > STALE_LOAD_S:
+            lines.append(f"read {_ago_s(age_s)}")
     if window.reason:
-        facts.append(window.reason)
-    text = f"{window.mode}: {counted(window.size, 'request')}"
-    text += f" (max_running {window.max_running})" if window.max_running else ""
-    return text + ("\n" + " · ".join(facts) if facts else "")
+        lines.append(window.reason)
+    return "\n".join(lines)
 
 
 def _ago_s(seconds: float) -> str:
