@@ -67,6 +67,8 @@ class ReadRules:
     reorders_tool_results: bool = True
     # the row's tool_choice applied as SGLang applies it (else kept as metadata only)
     request_fields: bool = True
+    # the server renders every tool for a named tool_choice (SGLang's DeepSeek-V3.2 encoder)
+    renders_every_tool: bool = False
 
 
 def build_record(
@@ -222,7 +224,8 @@ def _request_inputs(
             data.get("continue_final_message")
         )
         if rules.request_fields:
-            tools = tools_for_choice(tools, data.get("tool_choice"))
+            choice = data.get("tool_choice")
+            tools = tools_for_choice(tools, choice, every_tool=rules.renders_every_tool)
         return tools, continued, check_reasoning_effort(data.get("reasoning_effort"))
     except InputError as error:
         raise BadRow(error.reason) from None

@@ -40,6 +40,7 @@ def read_prompts(
     turns: TurnsMode = TurnsMode.LAST,
     reorders_tool_results: bool = True,
     request_fields: bool = True,
+    renders_every_tool: bool = False,
 ) -> Iterator[PromptRecord | InputError]:
     """Yield a PromptRecord or an InputError for every non-blank line of a JSONL file, or for
     every row of a Parquet / datasets input (see `app.prompts.input_formats`; errors say "row N").
@@ -90,7 +91,12 @@ def read_prompts(
     path = Path(path)
     table = open_table(path)
     rules = ReadRules(
-        field, content_format, pass_turn_fields, reorders_tool_results, request_fields
+        field,
+        content_format,
+        pass_turn_fields,
+        reorders_tool_results,
+        request_fields,
+        renders_every_tool,
     )
     if table is not None:
         records = _table_records(table, rules)

@@ -5,9 +5,10 @@ combinations its request validation refuses (`_validate_request`) are refused wi
 (`_handle_last_assistant_message`, `_append_assistant_prefix_to_prompt_ids`).
 
 `"none"` renders no tools; a named choice (`{"type": "function", "function": {"name": N}}`) only
-the tool named N; `"auto"` and `"required"` every tool (`"required"` constrains decoding, which
-`/generate` does not do, but not the prompt). The field stays in the row's metadata, so every
-sample records it.
+the tool named N (on the DeepSeek-V3.2 encoder path, which puts `request.tools` in the prompt
+whenever the choice leaves any, every tool); `"auto"` and `"required"` every tool (`"required"`
+constrains decoding, which `/generate` does not do, but not the prompt). The field stays in the
+row's metadata, so every sample records it.
 """
 
 from __future__ import annotations
@@ -33,10 +34,11 @@ _BOOL = pydantic.TypeAdapter(bool)
 
 
 def tools_for_choice(
-    tools: list[dict[str, Any]] | None, choice: Any
+    tools: list[dict[str, Any]] | None, choice: Any, *, every_tool: bool = False
 ) -> list[dict[str, Any]] | None:
     """The tools the template renders for a row's tool_choice (absent or None: "auto", as
-    SGLang defaults it); InputError with SGLang's message for what it refuses."""
+    SGLang defaults it); InputError with SGLang's message for what it refuses. every_tool: the
+    server's path renders every tool of the request for a named choice (DeepSeek-V3.2's)."""
     if choice is None or choice == "auto":
         return tools
     if choice == "none":
@@ -51,7 +53,7 @@ def tools_for_choice(
     chosen = [t for t in tools if (t.get("function") or {}).get("name") == name]
     if not chosen:
         raise InputError(f"Tool '{name}' not found in tools list.")
-    return chosen
+    return tools if every_tool else chosen
 
 
 def _named(choice: Any) -> str:

@@ -36,6 +36,7 @@ from app.prompts.tokenizer_config import (
     custom_code_class,
     default_template,
     eos_token_ids_of,
+    renders_with_dsv32_encoder,
     single_token_id,
 )
 from app.prompts.tokenizer_files import (
@@ -304,6 +305,14 @@ class ChatTokenizer:
     def no_image_pins(self) -> str:
         """Why image_pins is None (an image row is refused with it); "" when it is not."""
         return self._no_image_pins
+
+    @property
+    def renders_every_tool(self) -> bool:
+        """Whether the server renders every tool of a request whatever tool a named tool_choice
+        picks: SGLang's DeepSeek-V3.2 encoder path does (`request.tools` when the choice leaves
+        any), its Jinja path and its other encoders render the chosen one."""
+        has_template = getattr(self._tokenizer, "chat_template", None) is not None
+        return self._chosen.on_server and renders_with_dsv32_encoder(self._path, has_template)
 
     @property
     def reorders_tool_results(self) -> bool:

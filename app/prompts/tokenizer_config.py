@@ -68,6 +68,22 @@ def eos_token_ids_of(tokenizer: Any, folder: Path) -> list[int]:
     return found
 
 
+def renders_with_dsv32_encoder(folder: Path, has_chat_template: bool) -> bool:
+    """Whether SGLang 0.5.23 renders this folder with its DeepSeek-V3.2 encoder (`encoding_dsv32`,
+    chosen by `chat_encoding.resolve_chat_encoding_spec`): a DeepseekV3 architecture (V3.2's
+    `DeepseekV32ForCausalLM` among them) with no chat template, and none of the encoders its
+    rules take first (V4.1, V4, Kimi-K3, Inkling)."""
+    config = _read_json(folder / "config.json") or {}
+    architectures = config.get("architectures")
+    arch = architectures[0] if isinstance(architectures, list) and architectures else ""
+    arch = arch if isinstance(arch, str) else ""
+    if config.get("model_type") == "deepseek_v41" or any(
+        name in arch for name in ("DeepseekV41", "DeepseekV4", "KimiK3", "Inkling")
+    ):
+        return False
+    return "DeepseekV3" in arch and not has_chat_template
+
+
 def context_length_of(tokenizer: Any, folder: Path) -> int | None:
     config = _read_json(folder / "config.json") or {}
     # Multimodal models (Kimi-K2.5 among them) keep the language model's limits in text_config.

@@ -29,6 +29,14 @@ from tests.support.sglang_server import DSV32_MEMBER, _wheel_module, tokenize_as
 from workers.intake.producer import EnqueueOptions, enqueue
 
 Json = dict[str, Any]
+TIME: Json = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "Current time in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
 ROWS: list[Json] = [
     {"messages": [{"role": "user", "content": "Paris is the capital of France?"}]},
     {
@@ -64,6 +72,12 @@ ROWS: list[Json] = [
             {"role": "assistant", "content": " Autumn moonlight"},
         ],
         "continue_final_message": True,
+    },
+    # a tool_choice naming one function: the encoder path renders every tool of the request
+    {
+        "messages": [{"role": "user", "content": "Weather in Paris?"}],
+        "tools": [WEATHER, TIME],
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
     },
 ]
 
@@ -111,8 +125,9 @@ def _bodies() -> list[Json]:
             cuts[-1] = row["messages"]
         for cut in cuts:
             body: Json = {"messages": cut}
-            if "tools" in row:
-                body["tools"] = row["tools"]
+            for key in ("tools", "tool_choice"):  # a tool_choice: as a chat completion
+                if key in row:
+                    body[key] = row[key]
             if cut is row["messages"] and row.get("continue_final_message"):
                 body["continue_final_message"] = True
             bodies.append(body)
@@ -165,7 +180,10 @@ def test_every_boundary_is_the_encoders(
         items = list(reads.iter_items(conn, run.id, statuses=("pending",)))
     got = [i.prompt_ids for i in sorted(items, key=lambda i: (int(i.item_key[3:]), i.turn_index))]
     assert got == expected[1:]
-    assert len(got) == 7
+    assert len(got) == 8
+    # the named tool_choice's row holds both tools, as the encoder renders them
+    named = next(i for i in items if i.item_key == "row5")
+    assert [t["function"]["name"] for t in named.tools or []] == ["get_weather", "get_time"]
     continued = [i.assistant_prefix for i in items if i.item_key == "row4"]
     assert continued == [" Autumn moonlight"]
     assert (
@@ -212,4 +230,4 @@ def test_the_cli_enqueues_it_and_parity_is_equal(
     parity = tokenmill(["parity", "v32", "--server", dsv32_server, "--json"], env)
     assert parity.returncode == 0, parity.stdout + parity.stderr
     report = json.loads(parity.stdout)
-    assert report["checked"] == report["equal"] == 7
+    assert report["checked"] == report["equal"] == 8

@@ -276,6 +276,7 @@ def enqueue(
         pass_turn_fields=tokenizer.pass_turn_fields,
         turns=options.turns,
         reorders_tool_results=tokenizer.reorders_tool_results,
+        renders_every_tool=renderer is not None and tokenizer.renders_every_tool,
         request_fields=options.request_fields,
         # a row's own sampling_params must be what SGLang takes for each of its samples
         row_check=lambda record: cycles.row_error(

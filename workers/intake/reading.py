@@ -59,6 +59,7 @@ class Reader:
         row_check: Callable[[PromptRecord], InputError | None] = lambda record: None,
         reorders_tool_results: bool = True,
         request_fields: bool = True,
+        renders_every_tool: bool = False,
     ) -> None:
         self._entries = read_prompts(
             path,
@@ -68,6 +69,7 @@ class Reader:
             turns=turns,
             reorders_tool_results=reorders_tool_results,
             request_fields=request_fields,
+            renders_every_tool=renders_every_tool,
         )
         # errors name a "row" of a Parquet or datasets input, a "line" of JSONL
         self.unit = "row" if open_table(path) is not None else "line"
