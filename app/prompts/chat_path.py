@@ -22,6 +22,11 @@ The rules, read from `sglang/srt/entrypoints/openai/serving_chat.py`, `protocol.
   "image"}`, and `image_urls` the images in the order SGLang collects them. A `string`
   template drops image parts in SGLang (no placeholder would stand for the image), so there
   an image part is refused; so are video and audio parts, which tokenmill does not take.
+- A thinking part (`{"type": "thinking" | "reasoning", "thinking" | "text"}`) of an assistant
+  turn is checked as SGLang's request model checks it and left out of the turn, as its chat
+  path leaves it out in either format; in another role it is refused with SGLang's message.
+- A turn's own `tools` (a system turn's) must be a list, as in SGLang's request model (a JSON
+  string, read for a row's top-level `tools`, is its 400 there).
 - Tools (the request's `tools`) take the shape of SGLang's `Tool` model: `{"type",
   "function": {...}, "defer_loading"}`, the function's keys in the order given, `description`
   and `parameters` added as null when missing, `strict` / `defer_loading` only when given.
@@ -80,6 +85,9 @@ _TEXT_PART_TYPES = ("text",)
 # Image part types: SGLang's two (`image_url`, `input_image`) and the `{"type": "image",
 # "image": url}` spelling of Hugging Face processors, read as an image_url part.
 IMAGE_PART_TYPES = ("image_url", "input_image", "image")
+# An assistant turn's reasoning as a content part (SGLang's ContentThinkingPart): accepted as
+# its request model accepts it, and left out of the rendered turn, as its chat path leaves it out.
+THINKING_PART_TYPES = ("thinking", "reasoning")
 # Media tokenmill does not take (SGLang's video and audio parts, and their other spellings).
 MEDIA_PART_TYPES = ("video_url", "video", "input_video", "audio_url", "input_audio", "audio")
 # The roles whose image parts the templates render (Kimi-K2.5 renders tool results' too).
@@ -202,6 +210,13 @@ def normalize_turn(
         ]
     if isinstance(out.get("tools"), list):  # tools declared on a system turn
         out["tools"] = normalize_tools(out["tools"], f"{where}.tools")
+    elif out.get("tools") is not None and out.get("role") != "user":
+        # a turn's tools are a list in SGLang's request model (no JSON string read, unlike a
+        # row's top-level tools): it answers 400 "tools: Input should be a valid list"
+        raise InputError(
+            f"{where}.tools must be a list of tools, not a JSON {json_type(out['tools'])} "
+            "(SGLang answers 400: Input should be a valid list)"
+        )
     if out.get("content") is None:
         out["content"] = ""
     content = out["content"]
@@ -211,6 +226,7 @@ def normalize_turn(
             content_part(part, f"{where}.content[{i}]", role, content_format)
             for i, part in enumerate(content)
         ]
+        parts = [part for part in parts if part["type"] not in THINKING_PART_TYPES]
         texts = [part["text"] for part in parts if part["type"] == "text"]
         if content_format == "string":
             out["content"] = " ".join(texts)
@@ -248,12 +264,27 @@ def content_part(
                 "for the image"
             )
         return {"type": "image_url", "image_url": {"url": _image_url(part, kind, where)}}
+    if kind in THINKING_PART_TYPES:
+        return thinking_part(part, kind, where, role)
     if kind in MEDIA_PART_TYPES:
         raise InputError(
             f"{where} is a {json.dumps(kind)} part; tokenmill takes text and image parts"
         )
     shown = kind if isinstance(part, dict) else json_type(part)
     raise InputError(f"{where} is a {json.dumps(shown)} part; tokenmill takes text and image parts")
+
+
+def thinking_part(part: dict[str, Any], kind: str, where: str, role: Any) -> dict[str, Any]:
+    """A thinking part checked as SGLang's ContentThinkingPart: in an assistant turn, with
+    exactly one of `thinking` and `text`, a string; the chat path renders no such part."""
+    if role != "assistant":
+        raise InputError(f"{where}: thinking content parts are only valid in assistant messages")
+    given = [name for name in ("thinking", "text") if part.get(name) is not None]
+    if len(given) != 1:
+        raise InputError(f"{where}: thinking parts require exactly one of 'thinking' or 'text'")
+    if not isinstance(part[given[0]], str):
+        raise InputError(f"{where}.{given[0]} must be a string")
+    return {"type": kind}
 
 
 def _article(word: Any) -> str:

@@ -257,6 +257,27 @@ ROWS: list[Json] = [
     {"messages": [U_HI, A_HELLO, U_MORE], "add_generation_prompt": False},
     {"messages": [U_HI, A_HELLO], "continue_final_message": True, "add_generation_prompt": False},
     {"messages": AGENTIC[:2], "tools": [WEATHER, OTHER_TOOL], "parallel_tool_calls": False},
+    # a system turn's own tools as a JSON string: SGLang's request model wants a list (400), as
+    # tokenmill refuses it; an assistant turn's thinking part: rendered without its text by both
+    {
+        "messages": [
+            {"role": "system", "content": "Use the tools.", "tools": json.dumps([WEATHER])},
+            U_HI,
+        ]
+    },
+    {
+        "messages": [
+            U_HI,
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "thinking", "thinking": "Greet back."},
+                    {"type": "text", "text": "Hello!"},
+                ],
+            },
+            U_MORE,
+        ]
+    },
 ]
 
 # the values of continue_final_message the rows above give that SGLang's model reads as true

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 
@@ -375,3 +375,27 @@ def test_only_known_versions_pass() -> None:
         check_version(None, run="old")
     with pytest.raises(ConfigurationError, match=r"'sglang-9\.9\.9\.1', which this tokenmill"):
         check_version("sglang-9.9.9.1", run="future")
+
+
+def test_a_turns_own_tools_must_be_a_list_as_in_sglangs_request_model() -> None:
+    system = {"role": "system", "content": "Use them.", "tools": '[{"type": "function"}]'}
+    with pytest.raises(InputError, match=r"^messages\[0\]\.tools must be a list of tools, not"):
+        normalize_messages([system, {"role": "user", "content": "Hi"}], "string")
+    # a user turn's tools are no field of its request model: dropped, as SGLang drops them
+    user = {"role": "user", "content": "Hi", "tools": "not a list"}
+    assert normalize_messages([user], "string") == [{"role": "user", "content": "Hi"}]
+
+
+@pytest.mark.parametrize("content_format", ["string", "openai"])
+def test_a_thinking_part_is_checked_and_left_out_as_sglang_leaves_it_out(
+    content_format: Literal["string", "openai"],
+) -> None:
+    parts = [{"type": "reasoning", "text": "Greet."}, {"type": "text", "text": "Hello!"}]
+    turns = normalize_messages([{"role": "assistant", "content": parts}], content_format)
+    text = "Hello!" if content_format == "string" else [{"type": "text", "text": "Hello!"}]
+    assert turns == [{"role": "assistant", "content": text}]
+    with pytest.raises(InputError, match="only valid in assistant messages"):
+        normalize_messages([{"role": "user", "content": parts}], content_format)
+    both = [{"type": "thinking", "thinking": "a", "text": "b"}]
+    with pytest.raises(InputError, match=r"messages\[0\]\.content\[0\]: .*exactly one of"):
+        normalize_messages([{"role": "assistant", "content": both}], content_format)
