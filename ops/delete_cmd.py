@@ -10,6 +10,7 @@ from __future__ import annotations
 import click
 
 from ops.options import (
+    counted,
     err_console,
     first_line,
     get_settings,
@@ -69,7 +70,8 @@ def delete_cmd(run_name: str, force: bool, as_json: bool) -> None:
             print_json({"run": run.name, "items": deleted, "shards": None, "shards_left": left})
             return
         err_console().print(
-            f"deleted run [bold]{escape(run.name)}[/bold]: {deleted} items and its events; "
+            f"deleted run [bold]{escape(run.name)}[/bold]: {counted(deleted, 'item')} and its "
+            "events; "
             f"[yellow]warning:[/yellow] {escape(left)}: remove them with the storage's own tools",
             markup=True,
             soft_wrap=True,
@@ -79,8 +81,8 @@ def delete_cmd(run_name: str, force: bool, as_json: bool) -> None:
         print_json({"run": run.name, "items": deleted, "shards": len(shards)})
         return
     err_console().print(
-        f"deleted run [bold]{escape(run.name)}[/bold]: {deleted} items, {len(shards)} "
-        "compacted shards and its events",
+        f"deleted run [bold]{escape(run.name)}[/bold]: {counted(deleted, 'item')}, "
+        f"{counted(len(shards), 'compacted shard')} and its events",
         markup=True,
         soft_wrap=True,
     )

@@ -78,7 +78,7 @@ def test_a_failed_enqueue_leaves_no_run_and_a_second_with_the_storage_fixed_work
     # its storage gone with the moto server: the run still leaves the ledger, and that succeeds
     deleted = tokenmill(["delete", RUN, "--force"], env(unreachable()))  # its item is queued
     assert deleted.returncode == 0, deleted.stderr
-    assert f"deleted run {RUN}: 1 items" in deleted.stderr
+    assert f"deleted run {RUN}: 1 item and its events" in deleted.stderr
     assert "could not be removed" in deleted.stderr
     assert RUN not in run_names(pg_engine)
     assert tokenmill(["delete", RUN], env(unreachable())).returncode == 2  # no such run now
