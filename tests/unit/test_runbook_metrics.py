@@ -77,7 +77,9 @@ def snapshot() -> LedgerSnapshot:
         ItemGroup("r1", "gpu-a", status.value, "stop", 2, 10, hedged=1) for status in ItemStatus
     ]
     window = ServerWindow("auto", 136, 128, 120, 4, "loads", 1)
-    return LedgerSnapshot(["r1"], groups, [], [server], windows={"gpu-a": window})
+    return LedgerSnapshot(
+        ["r1"], groups, [], [server], windows={"gpu-a": window}, run_priorities={"r1": 10}
+    )
 
 
 def exported(monkeypatch: pytest.MonkeyPatch) -> dict[str, Metric]:
