@@ -70,7 +70,7 @@ def run_priorities(conn: Connection) -> dict[str, int]:
 def item_groups(conn: Connection) -> list[ItemGroup]:
     """Item counts and completion tokens by run, server, status and finish reason (from the
     item counters: O(runs × servers × statuses), however many items there are)."""
-    names = dict(conn.execute(select(runs.c.id, runs.c.name)).tuples().all())
+    names = {run_id: name for run_id, name in conn.execute(select(runs.c.id, runs.c.name))}
     return [
         ItemGroup(
             run=names[key.run_id],
