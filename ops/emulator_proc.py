@@ -15,8 +15,9 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import IO
 
 import httpx
 
@@ -49,11 +50,12 @@ class EmulatorProcess:
             if stream is not None:
                 threading.Thread(target=self._pump, args=(stream, lines), daemon=True).start()
 
-    def _pump(self, stream: Iterable[str], lines: list[str]) -> None:
-        for line in stream:
-            with self._changed:
-                lines.append(line.rstrip("\n"))
-                self._changed.notify_all()
+    def _pump(self, stream: IO[str], lines: list[str]) -> None:
+        with stream:  # closed at the end of the output, which the process's exit brings
+            for line in stream:
+                with self._changed:
+                    lines.append(line.rstrip("\n"))
+                    self._changed.notify_all()
         with self._changed:
             self._changed.notify_all()
 

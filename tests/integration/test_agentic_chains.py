@@ -293,7 +293,7 @@ def test_agentic_chains_splice_cached_results_as_sglang_renders_them(
     # the history as it was rendered, the last turn's calls parsed
     out = tmp_path / "conv.jsonl"
     export_run(db, run, "conversations", out, tokenizer=tokenizer)
-    exported = {r["id"]: r for r in map(json.loads, out.open())}
+    exported = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
     assert exported.keys() == chains.keys()
     for key, chain in chains.items():
         last = exported[key]
@@ -310,7 +310,7 @@ def test_agentic_chains_splice_cached_results_as_sglang_renders_them(
     # specforge, one row per chain: the last turn's ids, every regenerated span trained
     whole = tmp_path / "whole.jsonl"
     export_run(db, run, "specforge", whole, tokenizer=tokenizer, whole_conversation=True)
-    rows = {r["id"]: r for r in map(json.loads, whole.open())}
+    rows = {r["id"]: r for r in map(json.loads, whole.read_text().splitlines())}
     assert rows.keys() == chains.keys()
     for key, chain in chains.items():
         row, last_item = rows[key], chain[-1]

@@ -358,7 +358,7 @@ def test_the_command_serves_with_credentials_from_settings(
         assert value(m, "tokenmill_broker_up") is None  # the folder broker has no readable queue
     finally:
         proc.terminate()
-        proc.wait(timeout=10)
+        proc.communicate(timeout=10)  # waits and closes its stderr pipe
 
 
 def test_queue_depth_from_redis(pg_engine: Engine, redis_url: str) -> None:
@@ -445,7 +445,7 @@ def test_totals_are_the_sum_over_worker_processes(pg_engine: Engine, pg_url: str
         for proc in procs.values():
             if proc.poll() is None:
                 proc.kill()
-                proc.wait(timeout=10)
+            proc.communicate(timeout=10)  # waits and closes its pipes
     assert all(r["finished"] > 0 for r in reports.values()), reports
 
     with serving(pg_engine) as server:

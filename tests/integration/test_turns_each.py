@@ -213,7 +213,9 @@ def test_exports_carry_the_regenerated_turn(
 
     conv = tmp_path / "conv.jsonl"
     export_run(db, run, "conversations", conv, tokenizer=tokenizer)
-    conv_rows = {(r["id"], r["sample"], r["turn"]): r for r in map(json.loads, conv.open())}
+    conv_rows = {
+        (r["id"], r["sample"], r["turn"]): r for r in map(json.loads, conv.read_text().splitlines())
+    }
     assert len(conv_rows) == len(found)
     turns = conv_rows[("agent", 1, 2)]["conversations"]
     assert turns[:-1] == normalize_messages(AGENT, tokenizer.content_format)

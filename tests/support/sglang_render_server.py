@@ -114,7 +114,7 @@ def render_server(folder: Path, *, timeout_s: float = 120.0) -> Iterator[str]:
         yield url
     finally:
         proc.terminate()
-        proc.wait(timeout=10)
+        proc.communicate(timeout=10)  # waits and closes its stderr pipe
 
 
 if __name__ == "__main__":

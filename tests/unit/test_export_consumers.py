@@ -58,7 +58,9 @@ def test_specforge_export_of_a_run_passes_specforge_checks(
     assert report.rows == 6
     assert list(file_problems(out)) == []
     # SpecForge cuts rows to its max_length: the answers still fit in the prompt + 4 tokens
-    longest_prompt = max(len(json.loads(line)["input_ids"]) - 4 for line in out.open())
+    longest_prompt = max(
+        len(json.loads(line)["input_ids"]) - 4 for line in out.read_text().splitlines()
+    )
     assert list(file_problems(out, max_length=longest_prompt + 1)) == []
 
 
