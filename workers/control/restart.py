@@ -9,6 +9,7 @@ from __future__ import annotations
 import shlex
 import string
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -150,11 +151,12 @@ def restart_server(
             )
         except OSError as exc:
             return give_up(f"restart command could not start: {exc}")
+    _reap_when_done(process)  # from here its exit code is process.returncode
     successes = 0
     needed = settings.successes_to_up
     while True:
         elapsed = time.monotonic() - started
-        code = process.poll()
+        code = process.returncode
         if code not in (None, 0):
             tail = log_path.read_text(errors="replace")[-500:].strip()
             return give_up(f"restart command exited with code {code}: {tail or '(no output)'}")
@@ -192,6 +194,12 @@ def restart_server(
     with db.begin() as conn:
         event_log.record_event(conn, EVENT_RESTART, message, server=name)
     return RestartResult(True, message, elapsed, log_path)
+
+
+def _reap_when_done(process: subprocess.Popen[bytes]) -> None:
+    """A daemon thread waits for the restart command, which may outlive the restart (it may run
+    the server itself): its exit is collected (no zombie, no Popen dropped while running)."""
+    threading.Thread(target=process.wait, name=f"reap-{process.pid}", daemon=True).start()
 
 
 def _note_probe(db: Engine, name: str, probe: Probe, state: str) -> None:
