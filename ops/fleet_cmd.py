@@ -75,6 +75,7 @@ def servers_group(ctx: click.Context, as_json: bool) -> None:
         in_flight = counters.leased_by_server(conn)
         rows = [(s, in_flight.get(s.name, 0)) for s in registry.list_servers(conn)]
         sized = _windows(conn, [s.name for s, _ in rows])
+        refused = _runs_refused(conn)
     if as_json:
         print_json(
             [
@@ -84,6 +85,7 @@ def servers_group(ctx: click.Context, as_json: bool) -> None:
                     "in_flight": leased,
                     "leased": leased,
                     "window": _window_json(sized.get(s.name)),
+                    "not_serving": refused.get(s.name, {}),
                 }
                 for s, leased in rows
             ]
@@ -101,6 +103,7 @@ def servers_group(ctx: click.Context, as_json: bool) -> None:
             _window_cell(sized.get(s.name)),
             _last_probe(s),
             _rendering(s),
+            _not_serving(refused.get(s.name, {})),
             status_reads.current_error(s),
         ]
         for s, leased in rows
@@ -140,8 +143,35 @@ SERVER_COLUMNS = (
     Column("window", drop=8),
     Column("last probe", drop=1),
     Column("rendering", drop=4, wrap=12),
+    Column("not serving", drop=9, wrap=24),
     Column("last error", drop=5, wrap=16),
 )
+
+
+def _runs_refused(conn: Connection) -> dict[str, dict[str, str]]:
+    """server → active run → why its workers last found they do not serve it (the server's
+    fingerprint or limits): their latest event for the run is a refusal."""
+    from app.ledger import event_log, registry
+
+    names = {run_id: name for run_id, name, _ in registry.active_runs(conn)}
+    refused = event_log.runs_refused(conn, list(names))
+    return {
+        server: {names[run_id]: why for run_id, why in runs.items()}
+        for server, runs in refused.items()
+    }
+
+
+def _not_serving(runs: dict[str, str]) -> str:
+    """The active runs the server does not serve, each with why (`r1: its limits …`)."""
+    if not runs:
+        return "—"
+    return "\n".join(f"{run}: {_why(why)}" for run, why in sorted(runs.items()))
+
+
+def _why(message: str) -> str:
+    """A refusal event's message without the "server X does not serve run R: " it opens with."""
+    head, sep, rest = message.partition(": ")
+    return rest if sep and head.startswith("server ") else message
 
 
 def _windows(conn: Connection, names: list[str]) -> dict[str, windows.ServerWindow]:
@@ -192,7 +222,7 @@ def _paused(server: registry.ServerInfo) -> str:
     ("weight_version: A → B"), an images pause the token drift."""
     if not server.paused:
         return "no"
-    if server.paused_by in ("weights", "images"):
+    if server.paused_by in ("weights", "images", "failing"):
         return f"yes ({server.pause_reason})"
     return f"yes ({server.paused_by})"
 

@@ -116,8 +116,20 @@ PAUSED_BY_UPDATE: Final = "update"
 # servers; the operator's to lift (`tokenmill resume`) once the server is fixed
 PAUSED_BY_IMAGES: Final = "images"
 
+# refused what the other servers of its runs serve (10 distinct items in a row, a reason that
+# can depend on the server): `failing: <the error>`; the operator's to lift once it is fixed
+PAUSED_BY_FAILING: Final = "failing"
+
 PauseReason = Literal[
-    "operator", "watchdog", "fingerprint", "restart", "parity", "weights", "update", "images"
+    "operator",
+    "watchdog",
+    "fingerprint",
+    "restart",
+    "parity",
+    "weights",
+    "update",
+    "images",
+    "failing",
 ]
 
 # How an on-policy agentic chain ends (app.prompts.tool_calls.chain_ending): the dataset's

@@ -220,6 +220,10 @@ class ServerFingerprint:
     # the image settings from /server_info (app.core.images.image_settings) of a server whose
     # /model_info says `has_image_understanding: true`; None: the server reads no images
     images: dict[str, Any] | None = None
+    # the request limits from /server_info (app.sglang.limits.limits_of): context_length,
+    # max_req_input_len, max_total_num_tokens; never compared as equal or not (a limit that
+    # grows is no drift): a run checks whether they admit its largest request
+    limits: dict[str, int] | None = None
 
     @property
     def reads_images(self) -> bool:
@@ -239,15 +243,20 @@ class ServerFingerprint:
         # the same for a server that reads no images
         if self.images is not None:
             data["images"] = self.images
+        # and for a server that reports no limits
+        if self.limits is not None:
+            data["limits"] = self.limits
         return data
 
     def differences(self, other: ServerFingerprint) -> list[str]:
         """Human lines like "reasoning_parser: None → kimi_k2" for every field that differs,
-        and "images.mm_process_config: A → B" for every image setting that does.
+        and "images.mm_process_config: A → B" for every image setting that does. The limits
+        are not among them: whether they admit a run's requests is app.sglang.limits.refusal's.
 
         Image settings are compared only when both servers read images: one that reads none
         serves a run's text items alone, and image settings do not change those."""
         mine, theirs = self.to_json(), other.to_json()
+        mine.pop("limits", None), theirs.pop("limits", None)
         mine_images, their_images = mine.pop("images", None), theirs.pop("images", None)
         keys = [*mine, *(k for k in theirs if k not in mine)]
         lines = [

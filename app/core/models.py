@@ -239,6 +239,10 @@ def _item_columns() -> list[Column[Any]]:
         # true on the last turn of an agentic chain (set at enqueue): once it is done, its
         # chain's ending is to be recorded (chain_end); null on every other item
         Column("ends_chain", Boolean, nullable=True),
+        # the server that refused the item for a reason that can depend on the server (a 400
+        # about length or limits, a tokenizer or vocabulary error): the item waits for another
+        # server's verdict, and a claim by this one passes it over (migration 0021)
+        Column("refused_by", String(200), nullable=True),
     ]
 
 
@@ -265,6 +269,8 @@ items = Table(
     _partial("ix_items_status_lease", ("status", "lease_expires_at"), LEASE_SET),
     _partial("ix_items_server_status", ("server", "status"), "server IS NOT NULL"),
     _partial("ix_items_server_finished", ("server", "finished_at"), "finished_at IS NOT NULL"),
+    # the run's longest prompt, one probe: what a worker compares with its server's limits
+    Index("ix_items_run_prompt_tokens", "run_id", "prompt_tokens"),
     # Partial indexes hold only what the periodic queries look at (the active part of the
     # table), so their plans are the same whatever the planner's statistics say.
     _partial("ix_items_leased_started", ("started_at", "id"), "status = 'leased'"),

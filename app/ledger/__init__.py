@@ -16,7 +16,8 @@ the submodule (`from app.ledger import claims`, then `claims.claim_items(...)`):
 - `counters`: the item counters kept by triggers, read, recounted and repaired
 - `compaction`: token arrays of done items moved to Parquet shards; `archive`: finished runs'
   rows moved to items_archive; `removal`: a run deleted
-- `event_log`: record_event, has_event; `registry`: servers, pause flags, probes, the timeline
+- `event_log`: record_event, has_event, latest_kind, runs_refused; `registry`: servers, pause
+  flags, probes, the timeline
 - `spec_stats`: done items' speculative-decoding counters, written with their results
 - `image_tokens`: a run's image pins and the count each of its images expands to
 - `dashboard_queries`, `metrics_queries`: the read models of the operator views

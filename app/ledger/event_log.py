@@ -3,11 +3,12 @@ and read back by app.ledger.registry and the dashboard."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from sqlalchemy import Connection, insert, select
 
-from app.core.constants import EventKind
+from app.core.constants import EVENT_FINGERPRINT_MISMATCH, EVENT_FINGERPRINT_PINNED, EventKind
 from app.ledger.common import events, utcnow
 
 
@@ -33,3 +34,41 @@ def has_event(conn: Connection, kind: EventKind, *, run_id: int, server: str) ->
         events.c.kind == kind, events.c.run_id == run_id, events.c.server == server
     )
     return conn.execute(stmt.limit(1)).first() is not None
+
+
+def latest_kind(
+    conn: Connection, kinds: Sequence[EventKind], *, run_id: int, server: str
+) -> str | None:
+    """The kind of the latest event of these kinds for this run and server (None: none)."""
+    stmt = (
+        select(events.c.kind)
+        .where(events.c.kind.in_(list(kinds)), events.c.run_id == run_id, events.c.server == server)
+        .order_by(events.c.id.desc())
+        .limit(1)
+    )
+    kind: str | None = conn.execute(stmt).scalar()
+    return kind
+
+
+def runs_refused(conn: Connection, run_ids: Sequence[int]) -> dict[str, dict[int, str]]:
+    """server → run id → why, for each of these runs a server's workers last found it does not
+    serve (its latest fingerprint event for the run is a mismatch, not a pin)."""
+    if not run_ids:
+        return {}
+    stmt = (
+        select(events.c.server, events.c.run_id, events.c.kind, events.c.message)
+        .where(
+            events.c.kind.in_([EVENT_FINGERPRINT_PINNED, EVENT_FINGERPRINT_MISMATCH]),
+            events.c.run_id.in_(list(run_ids)),
+            events.c.server.is_not(None),
+        )
+        .order_by(events.c.id)
+    )
+    latest: dict[tuple[str, int], tuple[str, str]] = {}
+    for row in conn.execute(stmt):
+        latest[(row.server, row.run_id)] = (row.kind, row.message)
+    out: dict[str, dict[int, str]] = {}
+    for (server, run_id), (kind, message) in latest.items():
+        if kind == EVENT_FINGERPRINT_MISMATCH:
+            out.setdefault(server, {})[run_id] = message
+    return out

@@ -23,6 +23,7 @@ from app.core.images import image_settings
 from app.core.settings import Settings
 from app.sglang.capacity import Capacity, Load, capacity_of, load_of
 from app.sglang.errors import map_http_error, server_message
+from app.sglang.limits import limits_of
 from app.sglang.responses import parse_generate_response
 
 logger = logging.getLogger(__name__)
@@ -386,7 +387,8 @@ class SGLangClient:
 
     def fingerprint(self) -> ServerFingerprint:
         """The configuration a run pins: model_path, weight_version, reasoning_parser from
-        `/model_info`, version from `/server_info`; outputs-changing server args in `extra`;
+        `/model_info`, version and the request limits from `/server_info`; outputs-changing
+        server args in `extra`;
         the image settings of a server whose `/model_info` says it understands images."""
         model = self.model_info()
         server = self.server_info()
@@ -401,6 +403,7 @@ class SGLangClient:
             extra=extra,
             speculative=speculative_settings(server),
             images=image_settings(server) if model.get("has_image_understanding") is True else None,
+            limits=limits_of(server),
         )
 
     def _log_version(self, server: Mapping[str, Any]) -> None:

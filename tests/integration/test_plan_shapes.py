@@ -119,6 +119,8 @@ EXEMPT: dict[str, str] = {
             "dashboard_queries.server_events",
             "event_log.record_event",
             "event_log.has_event",
+            "event_log.latest_kind",
+            "event_log.runs_refused",
             "image_tokens.run_image_pins",
             "run_queries.get_run",
             "run_queries.get_run_by_id",
@@ -129,6 +131,10 @@ EXEMPT: dict[str, str] = {
             "run_queries.run_priorities",
         ),
         "servers, runs, events, pins or counters: tables of the fleet's size, by their keys",
+    ),
+    **dict.fromkeys(
+        ("run_needs.longest_prompt", "run_needs.largest_request"),
+        "the max of one run's prompt_tokens: one probe of ix_items_run_prompt_tokens",
     ),
     **dict.fromkeys(
         ("dashboard_queries.item_ranges", "dashboard_queries.failure_reasons"),

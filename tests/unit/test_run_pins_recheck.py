@@ -4,14 +4,13 @@ the new weights, and a server that did not change is not asked for its refusal a
 
 from __future__ import annotations
 
-from typing import Any
-
 from sqlalchemy import Engine, func, select
 
 from app.core.constants import EVENT_FINGERPRINT_MISMATCH
 from app.core.contracts import SamplingParams, ServerFingerprint
 from app.ledger import common, run_queries
-from workers.engine.run_pins import REFUSED_RECHECK_S, RunPins
+from tests.support.run_pins import pins_on
+from workers.engine.run_pins import REFUSED_RECHECK_S
 
 
 class _Server:
@@ -25,11 +24,6 @@ class _Server:
     def fingerprint(self) -> ServerFingerprint:
         self.reads += 1
         return ServerFingerprint(model_path="m", weight_version=self.weights, version="0.5.23")
-
-
-class _NoImages:
-    def pins(self, run_id: int) -> Any:
-        return None
 
 
 def _mismatches(db: Engine) -> int:
@@ -48,17 +42,7 @@ def test_a_refused_run_is_served_once_its_server_shows_the_pinned_weights(
     with sqlite_engine.begin() as conn:
         run, _ = run_queries.get_or_create_run(conn, spec)
     server, now = _Server(), [0.0]
-    pins = RunPins(
-        sqlite_engine,
-        "gpu-a",
-        only_run=None,
-        new_client=lambda: server,  # type: ignore[arg-type,return-value]
-        images=_NoImages(),  # type: ignore[arg-type]
-        on_fingerprint_read=lambda: None,
-        on_auth=lambda error: None,
-        on_weights_noted=lambda: None,
-        clock=lambda: now[0],
-    )
+    pins = pins_on(sqlite_engine, server, now)
     assert not pins.run_matches_server(run.id)  # step-100 serves no step-200 run
     reads = server.reads
     assert not pins.run_matches_server(run.id)  # refused, not asked again at once

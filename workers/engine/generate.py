@@ -275,7 +275,7 @@ def handle_message(
             extra={"action": "images_sent_back"},
         )
     first_run = next((keys[i][0] for i in ids if i in keys), None)
-    return {
+    answer: dict[str, int | str] = {
         "claimed": len(intake.accepted),
         "skipped": intake.skipped,
         "deferred": len(intake.refused) + len(rest) + intake.passed + len(foreign),
@@ -284,6 +284,10 @@ def handle_message(
         "priority": 0 if first_run is None else rt.run_priority(first_run),
         "server": rt.server_name,
     }
+    said = sorted({w for c in intake.refused if (w := rt.pins.why_refused(c.run_id)) is not None})
+    if said:
+        answer["not_serving"] = "; ".join(said)  # Flower shows why the items were left
+    return answer
 
 
 def _admit_units(

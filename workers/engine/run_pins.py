@@ -1,6 +1,6 @@
 """What one worker knows of the runs it meets and of its server: each run's pinned
-configuration, whether the server's fingerprint matches what the run pinned, and the weight
-version each run's results are checked by.
+configuration, whether the server's fingerprint matches what the run pinned and its limits
+admit the run's largest request, and the weight version each run's results are checked by.
 
 The worker's runtime owns one; the window asks it (through the runtime, its RunPolicy)
 whether a claimed item may be sent to this server and whether a result may be written.
@@ -16,11 +16,16 @@ from typing import Any, Final
 
 from sqlalchemy import Connection, Engine
 
-from app.core.constants import EVENT_FINGERPRINT_MISMATCH, EVENT_FINGERPRINT_PINNED
+from app.core.constants import (
+    EVENT_FINGERPRINT_MISMATCH,
+    EVENT_FINGERPRINT_PINNED,
+    EventKind,
+)
 from app.core.contracts import GenerateResult, ServerFingerprint
 from app.core.errors import AuthRequired, GenerationError
-from app.ledger import event_log, run_queries
+from app.ledger import event_log, run_needs, run_queries
 from app.ledger.image_tokens import pin_image_settings
+from app.sglang import limits
 from app.sglang.client import SGLangClient
 from workers.control.pausing import CeleryControl
 from workers.control.weights import note_weights
@@ -88,6 +93,8 @@ class RunPins:
         # the weight version each run this worker serves pinned (results are checked by it),
         # and the weight changes this worker already reported
         self._pinned_versions: dict[int, str | None] = {}
+        self._pinned_limits: dict[int, dict[str, Any] | None] = {}
+        self._why_refused: dict[int, str] = {}  # the last refusal of each run, said
         self._drifts_seen: set[tuple[int, str]] = set()
         self._refused_runs: set[int] = set()  # runs this worker gave back, said once each
         # each refused run: the fingerprint it was refused under, and when to look again
@@ -258,12 +265,17 @@ class RunPins:
                 # a run of images pins the image settings of the first server that reads them
                 pinned = pin_image_settings(conn, run_id, fingerprint.images)
             ok = not ServerFingerprint(**pinned).differences(fingerprint)
-            # once per run and server: not again from its other workers, or after a resume
-            if ok and not event_log.has_event(
-                conn, EVENT_FINGERPRINT_PINNED, run_id=run_id, server=self.server_name
-            ):
+            too_small = self._limits_refusal(conn, run_id, pinned, fingerprint) if ok else None
+            if too_small is not None:
+                ok = False
+                log.warning(too_small, extra={"action": "run_refused"})
+                details = {"pinned": pinned, "server": mine, "limits": fingerprint.limits}
+                self._mismatch(conn, run_id, too_small, details)
+            # once per run and server (not again from its other workers, or after a resume),
+            # and again once it serves the run after a refusal (`servers` shows the latest)
+            if ok and self._latest_said(conn, run_id) != EVENT_FINGERPRINT_PINNED:
                 self._pinned_event(conn, run_id, mine)
-            if not ok:
+            if not ok and too_small is None:
                 diff = ServerFingerprint(**pinned).differences(fingerprint)
                 message = (
                     f"server {self.server_name} does not match the run's pinned configuration: "
@@ -276,7 +288,46 @@ class RunPins:
         with self._lock:
             self._run_ok[run_id] = ok
             self._pinned_versions[run_id] = pinned.get("weight_version")
+            self._pinned_limits[run_id] = pinned.get("limits")
         return ok
+
+    def _limits_refusal(
+        self,
+        conn: Connection,
+        run_id: int,
+        pinned: dict[str, Any],
+        fingerprint: ServerFingerprint,
+    ) -> str | None:
+        """Why the server's limits do not admit the run's largest request still to be served
+        (the server is drifted for this run: its items are left to the others); None when
+        they do (a limit that grew, or shrank but still admits them, is no drift)."""
+        run = self.run_info(run_id)
+        need = run_needs.largest_request(conn, run_id, run.sampling.max_new_tokens)
+        why = None if need is None else limits.refusal(fingerprint.limits, need)
+        if why is None:
+            return None
+        changed = limits.limit_changes(pinned.get("limits"), fingerprint.limits)
+        since = f" (since the run pinned its limits: {'; '.join(changed)})" if changed else ""
+        return (
+            f"server {self.server_name} does not serve run {run.name}: its limits do not admit "
+            f"the run's largest request: {why}{since}"
+        )
+
+    def why_refused(self, run_id: int) -> str | None:
+        """Why this server last refused the run (None: it serves it, or was not checked)."""
+        with self._lock:
+            return self._why_refused.get(run_id) if self._run_ok.get(run_id) is False else None
+
+    def pinned_limits(self, run_id: int) -> dict[str, Any] | None:
+        """The limits the run pinned, as this worker last checked it (None: not checked yet,
+        or pinned by a server that reported none)."""
+        with self._lock:
+            return self._pinned_limits.get(run_id)
+
+    def _latest_said(self, conn: Connection, run_id: int) -> str | None:
+        """The latest of this server's pin and refusal events for the run (None: neither)."""
+        kinds: tuple[EventKind, ...] = (EVENT_FINGERPRINT_PINNED, EVENT_FINGERPRINT_MISMATCH)
+        return event_log.latest_kind(conn, kinds, run_id=run_id, server=self.server_name)
 
     def _pinned_event(self, conn: Connection, run_id: int, mine: dict[str, Any]) -> None:
         run_name = self.run_info(run_id).name
@@ -312,7 +363,10 @@ class RunPins:
     def _mismatch(
         self, conn: Connection, run_id: int, message: str, details: dict[str, Any]
     ) -> None:
-        """The timeline's entry for a run this server does not serve."""
+        """The timeline's entry for a run this server does not serve (and why, as the task's
+        result in Flower says it)."""
+        with self._lock:
+            self._why_refused[run_id] = message
         event_log.record_event(
             conn,
             EVENT_FINGERPRINT_MISMATCH,
