@@ -32,6 +32,12 @@ class PermanentError(GenerationError):
         self.status_code = status_code
 
 
+class ServerRefusal(PermanentError):
+    """The server rejected the request for a reason that can depend on the server: its
+    context length or other request limits, its tokenizer or vocabulary. Final only once a
+    second server of the run agrees (or no other exists); another server may serve it."""
+
+
 class RetryableError(GenerationError):
     """The request failed in a way that may succeed when tried again (5xx, timeout, reset)."""
 

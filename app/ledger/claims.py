@@ -43,6 +43,9 @@ class ClaimedItem:
     row_sampling_params: dict[str, Any] | None = None
     # the prompt's images in the order of its placeholders (empty: a text item)
     images: tuple[ImageRef, ...] = ()
+    # the server that refused it for a reason that can depend on the server (None: none did):
+    # another server's refusal confirms the failure
+    refused_by: str | None = None
 
 
 _CLAIM_COLUMNS = (
@@ -55,6 +58,7 @@ _CLAIM_COLUMNS = (
     items.c.turn_index,
     items.c.row_sampling_params,
     items.c.images,
+    items.c.refused_by,
 )
 
 
@@ -94,7 +98,7 @@ def claim_items(
     if not ids:
         return []
     now = utcnow()
-    where = [items.c.id.in_(_in_id_order(conn, ids)), claimable(now)]
+    where = [items.c.id.in_(_in_id_order(conn, ids)), claimable(now), _not_refused_by(server)]
     if text_only:
         where.append(_text_only())
     stmt = (
@@ -115,6 +119,22 @@ def claim_items(
     return claimed
 
 
+def _not_refused_by(server: str) -> Any:
+    """Items this server did not refuse: one it refused waits for another server's verdict."""
+    return or_(items.c.refused_by.is_(None), items.c.refused_by != server)
+
+
+def refused_here(conn: Connection, ids: Sequence[int], server: str) -> list[int]:
+    """Which of these items server refused and are still to be claimed: what its claim passed
+    over, to go back to the queue for another server."""
+    if not ids:
+        return []
+    stmt = select(items.c.id).where(
+        items.c.id.in_(list(ids)), items.c.refused_by == server, claimable(utcnow())
+    )
+    return sorted(int(i) for i in conn.execute(stmt).scalars())
+
+
 def claimable_image_items(conn: Connection, ids: Sequence[int]) -> list[int]:
     """Which of these items have images and are still to be claimed: what a server that
     reads no images passed over, to go back to the queue for one that does."""
@@ -133,19 +153,22 @@ def _claimable_rows(
     now: datetime,
     *columns: Any,
     text_only: bool = False,
+    server: str | None = None,
 ) -> Iterator[Any]:
     """Rows (of these columns) of the run's claimable items: pending, then queued (each one
     range of the (run_id, status, id) index, in id order), then expired leases (a range of
     (status, lease_expires_at)), at most limit of each. A claim reads what it takes, never
     the done rows before it. Rows another claim holds are skipped (Postgres). text_only:
-    items without images only."""
+    items without images only; server: not the items it refused."""
     only = [_text_only()] if text_only else []
+    mine = [_not_refused_by(server)] if server is not None else []
     ranges = [
         select(*columns)
         .where(
             claimable_kind_range(conn, run_id, status, images=False)
             if text_only
-            else run_status_range(conn, items, run_id, status, 0)
+            else run_status_range(conn, items, run_id, status, 0),
+            *mine,
         )
         .order_by(*run_status_order(items))
         for status in CLAIMABLE
@@ -157,6 +180,7 @@ def _claimable_rows(
             items.c.lease_expires_at < now,
             items.c.run_id == run_id,
             *only,
+            *mine,
         )
         .order_by(items.c.status, items.c.lease_expires_at)
     )
@@ -186,7 +210,8 @@ def claim_next(
     everyone = select(runs.c.id).order_by(runs.c.id)
     run_ids = [run_id] if run_id is not None else list(conn.execute(everyone).scalars())
     found = itertools.chain.from_iterable(
-        _claimable_rows(conn, r, limit, now, items.c.id, text_only=text_only) for r in run_ids
+        _claimable_rows(conn, r, limit, now, items.c.id, text_only=text_only, server=server)
+        for r in run_ids
     )
     ids = [row.id for row in itertools.islice(found, limit)]
     return claim_items(conn, ids, owner=owner, server=server, lease_s=lease_s, text_only=text_only)

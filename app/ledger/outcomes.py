@@ -51,10 +51,13 @@ class RetryLater:
 
 @dataclass(frozen=True)
 class Released:
-    """Give the item back untouched (server down, paused, shutting down): no attempt spent."""
+    """Give the item back untouched (server down, paused, shutting down): no attempt spent.
+    refused_by: the server that refused it for a reason that can depend on the server; the
+    item waits for another server's verdict (that server's claims pass it over)."""
 
     item_id: int
     reason: str
+    refused_by: str | None = None
 
 
 Outcome = Done | Failed | RetryLater | Released
@@ -260,24 +263,33 @@ def _record_retries(
 def _record_released(
     conn: Connection, released: Sequence[Released], *, owner: str, now: datetime
 ) -> list[int]:
-    """Items this owner gives back to the queue (no attempt spent); the ids it still held."""
-    ids = [o.item_id for o in released]
-    stmt = (
-        update(items)
-        .where(
-            items.c.id.in_(ids),
-            items.c.status == ItemStatus.LEASED.value,
-            items.c.lease_owner == owner,
+    """Items this owner gives back to the queue (no attempt spent); the ids it still held. An
+    item a server refused names it (refused_by), in the same conditional update: only the
+    lease's holder gives it back, once."""
+    by_server: dict[str | None, list[int]] = {}
+    for o in released:
+        by_server.setdefault(o.refused_by, []).append(o.item_id)
+    back: list[int] = []
+    for server, ids in by_server.items():
+        refused = {} if server is None else {"refused_by": server}
+        stmt = (
+            update(items)
+            .where(
+                items.c.id.in_(ids),
+                items.c.status == ItemStatus.LEASED.value,
+                items.c.lease_owner == owner,
+            )
+            .values(
+                status=ItemStatus.QUEUED.value,
+                lease_owner=None,
+                lease_expires_at=None,
+                queued_at=now,
+                **refused,
+            )
+            .returning(items.c.id)
         )
-        .values(
-            status=ItemStatus.QUEUED.value,
-            lease_owner=None,
-            lease_expires_at=None,
-            queued_at=now,
-        )
-        .returning(items.c.id)
-    )
-    return sorted(conn.execute(stmt).scalars())
+        back += conn.execute(stmt).scalars()
+    return sorted(back)
 
 
 def release_owner(conn: Connection, owner: str) -> list[int]:

@@ -206,6 +206,7 @@ def _reset(conn: Connection, ids: Sequence[int], status: str) -> list[int]:
                 error=None,
                 fail_reason=None,
                 server=None,
+                refused_by=None,  # every server may take it again
                 lease_owner=None,
                 lease_expires_at=None,
                 hedge_owner=None,

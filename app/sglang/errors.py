@@ -17,6 +17,7 @@ from app.core.errors import (
     GenerationError,
     PermanentError,
     RetryableError,
+    ServerRefusal,
     ServerUnavailable,
 )
 
@@ -28,6 +29,14 @@ _QUEUE_FULL = re.compile(r"queue is full|queue full|too many requests|overload",
 # Without a status (a plain abort), these words mean the server is going away or not up yet.
 _GOING_AWAY = re.compile(
     r"shut ?down|shutting down|loading|not ready|starting up|draining|unavailable", re.IGNORECASE
+)
+# A 400 whose message is about the server's limits (its context length, largest input, KV
+# pool) or its tokenizer and vocabulary: another server of the run may serve the request. Every
+# other 400 (an empty input, a sampling parameter out of range, a bad image) is the item's own.
+_SERVER_DEPENDENT = re.compile(
+    r"context length|maximum allowed length|max_req_input_len|max_total_num_tokens|kv cache|"
+    r"token count exceeds|tokeniz|vocab",
+    re.IGNORECASE,
 )
 # Eight or more comma-separated integers: a token array echoed into an error, never logged.
 _INT_RUN = re.compile(r"-?\d+(?:\s*,\s*-?\d+){7,}")
@@ -45,6 +54,8 @@ class SGLangAnswer:
     raised_in: str | None  # a member of the wheel; None: not SGLang's (a gateway in front)
     raise_site: str  # text at the raise site that makes this answer
     means: type[GenerationError]
+    # whether the answer spends one of the item's attempts (a ServerRefusal does not while
+    # another server of the run may serve the item: app.core.errors.ServerRefusal)
     spends_attempt: bool
 
 
@@ -94,8 +105,8 @@ SGLANG_ANSWERS: Final[tuple[SGLangAnswer, ...]] = (
         'length (32 tokens)."}}',
         "sglang/srt/managers/tokenizer_manager.py",
         'f"model\'s context length ({self.context_len} tokens)."',
-        PermanentError,
-        True,
+        ServerRefusal,
+        False,
     ),
     SGLangAnswer(
         "input + max_new_tokens beyond the server's context length",
@@ -105,8 +116,18 @@ SGLANG_ANSWERS: Final[tuple[SGLangAnswer, ...]] = (
         'messages and 32 tokens for the completion."}}',
         "sglang/srt/managers/tokenizer_manager.py",
         "Requested token count exceeds the model's maximum context length",
-        PermanentError,
-        True,
+        ServerRefusal,
+        False,
+    ),
+    SGLangAnswer(
+        "input past the scheduler's largest (max_req_input_len: the KV pool, the context)",
+        400,
+        '{"error": {"message": "Input length (40 tokens) exceeds the maximum allowed length '
+        '(26 tokens). Use a shorter input or enable --allow-auto-truncate."}}',
+        "sglang/srt/managers/utils.py",
+        'f"the maximum allowed length ({max_req_input_len} tokens). "',
+        ServerRefusal,
+        False,
     ),
     SGLangAnswer(
         "a ValueError of the request (schema, images): its message",
@@ -181,7 +202,8 @@ def map_http_error(
       ReadTimeout, WriteTimeout, PoolTimeout, RemoteProtocolError, ReadError, WriteError and
       any other httpx or unexpected exception -> RetryableError.
     With a status:
-      400 and other 4xx -> PermanentError with the server's message, except 408 ->
+      400 and other 4xx -> PermanentError with the server's message (ServerRefusal when
+      the message is about the server's limits, tokenizer or vocabulary), except 408 ->
       RetryableError, 429 -> BackPressure, and 401, 403 -> AuthRequired (a wrong or missing
       API key is the deployment's fault, not the item's: the server's items wait instead of
       failing); 503 -> ServerUnavailable (loading, shutting down, empty body), except a
@@ -214,6 +236,8 @@ def map_http_error(
             status_code=status_code,
         )
     if 400 <= status_code < 500:
+        if _SERVER_DEPENDENT.search(message):
+            return ServerRefusal(text, status_code=status_code)
         return PermanentError(text, status_code=status_code)
     if status_code >= 500:
         return RetryableError(text, status_code=status_code)

@@ -5,13 +5,14 @@ wheel makes, with the status it names, and maps to what the table says."""
 from __future__ import annotations
 
 import ast
+import json
 import zipfile
 from functools import cache
 from http import HTTPStatus
 
 import pytest
 
-from app.core.errors import BackPressure, PermanentError, RetryableError
+from app.core.errors import BackPressure, PermanentError, RetryableError, ServerRefusal
 from app.sglang import errors
 from tests.support.sglang_contract import CACHE_DIR, SGLANG_VERSION, _wheel
 
@@ -102,6 +103,25 @@ def test_each_answer_maps_as_the_table_says(answer: errors.SGLangAnswer) -> None
     mapped = errors.map_http_error(answer.status, answer.body)
     assert type(mapped) is answer.means, (answer.case, mapped)
     spends = isinstance(mapped, PermanentError | RetryableError) and not isinstance(
-        mapped, BackPressure
+        mapped, BackPressure | ServerRefusal
     )
     assert spends is answer.spends_attempt
+
+
+@pytest.mark.parametrize(
+    ("message", "means"),
+    [
+        ("The input (40 tokens) is longer than the model's context length (32 tokens).", True),
+        ("Input length (40 tokens) exceeds the maximum allowed length (26 tokens).", True),
+        ("Token id 163840 is out of vocabulary (vocab size 163840).", True),
+        ("input_ids cannot be empty.", False),
+        ("top_p must be in (0, 1], got 1.5.", False),
+        ("Failed to load image: cannot identify image file", False),
+    ],
+)
+def test_a_400_about_the_servers_limits_or_vocabulary_can_depend_on_the_server(
+    message: str, means: bool
+) -> None:
+    mapped = errors.map_http_error(400, json.dumps({"error": {"message": message}}))
+    assert isinstance(mapped, PermanentError)
+    assert isinstance(mapped, ServerRefusal) is means

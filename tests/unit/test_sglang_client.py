@@ -23,6 +23,7 @@ from app.core.errors import (
     GenerationError,
     PermanentError,
     RetryableError,
+    ServerRefusal,
     ServerUnavailable,
 )
 from app.sglang.client import ProbeResult, SGLangClient
@@ -225,7 +226,7 @@ BAD_200: list[tuple[str, bytes | Any, type[GenerationError], str, int | None]] =
      generate_body(finish={**ABORT, "message": "The input (9 tokens) is longer than the model's "
                            "context length (8 tokens).", "status_code": 400,
                            "err_type": "BadRequestError"}),
-     PermanentError, "longer than the model's context length", 400),
+     ServerRefusal, "longer than the model's context length", 400),
     ("abort 500", generate_body(finish={**ABORT, "message": "boom", "status_code": 500}),
      RetryableError, "HTTP 500: request aborted: boom", 500),
     ("not JSON", b'{"text": "x", "output_ids": [1, 2', RetryableError, "not JSON", 200),
@@ -274,7 +275,7 @@ TOO_LONG = "The input (9000 tokens) is longer than the model's context length (8
 STATUSES: list[tuple[str, int, Any, type[GenerationError], str]] = [
     ("400 schema error", 400, {"error": "unknown field `foo`, expected one of `max_new_tokens`"},
      PermanentError, "HTTP 400: unknown field `foo`"),
-    ("400 too long", 400, {"error": {"message": TOO_LONG}}, PermanentError, TOO_LONG),
+    ("400 too long", 400, {"error": {"message": TOO_LONG}}, ServerRefusal, TOO_LONG),
     ("400 message", 400, {"message": "input_ids cannot be empty."}, PermanentError,
      "HTTP 400: input_ids cannot be empty."),
     ("400 plain text", 400, b"bad request", PermanentError, "HTTP 400: bad request"),

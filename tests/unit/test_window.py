@@ -88,14 +88,6 @@ def statuses(db: Engine, run: run_queries.RunInfo) -> dict[int, reads.StoredItem
         }
 
 
-@pytest.fixture
-def started() -> Iterator[list[InflightWindow]]:
-    windows: list[InflightWindow] = []
-    yield windows
-    for w in windows:
-        w.stop(drain_timeout_s=1)
-
-
 def test_window_keeps_exactly_n_in_flight_with_heavy_tail(
     sqlite_engine: Engine, run: run_queries.RunInfo, started: list[InflightWindow]
 ) -> None:

@@ -18,11 +18,11 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 from app.core.contracts import GenerateResult, SamplingParams
-from app.core.errors import PermanentError, RetryableError
+from app.core.errors import PermanentError, RetryableError, ServerRefusal
 from app.ledger.claims import ClaimedItem
 from app.sglang.client import ProbeResult
 from workers.engine.policies import GenerationPolicy
-from workers.engine.window_types import Checked, GenerateClient, KindPolicy
+from workers.engine.window_types import Checked, GenerateClient, KindPolicy, Verdict
 
 # (input_ids, the server's call number from 1) → seconds the request takes, or what it raises;
 # a negative time runs until the request is aborted (30 s at most)
@@ -140,7 +140,8 @@ def _no_images(item: ClaimedItem) -> list[str]:
 class FakePolicy:
     """A RunPolicy of fixed answers, each replaceable: clients of `server` (or of `clients`),
     every run sampled with `sampling`, nothing paused, no conversations, every result
-    accepted, no images sent, no hedges found; released and finished items dropped."""
+    accepted, no images sent, every refusal final, no hedges found; released and finished
+    items dropped."""
 
     server: FakeServer = field(default_factory=FakeServer)
     clients: Callable[[], GenerateClient] | None = None
@@ -149,6 +150,10 @@ class FakePolicy:
     conversation_of: Callable[[int, str], Hashable | None] = lambda run_id, key: None
     checks: Callable[[ClaimedItem, GenerateResult], Checked] = lambda item, result: Checked()
     images: Callable[[ClaimedItem], list[str]] = _no_images
+    # every refusal that can depend on the server is final (no other server confirms it)
+    verdicts: Callable[[ClaimedItem, ServerRefusal], Verdict] = lambda item, error: Verdict(
+        True, ""
+    )
     on_released: Callable[[list[int], float], None] = lambda ids, wait_s: None
     on_finished: Callable[[list[int]], None] = lambda ids: None
     on_failed: Callable[[int, int, str], None] = lambda run_id, item_id, error: None
@@ -176,6 +181,9 @@ class FakePolicy:
 
     def image_data(self, item: ClaimedItem) -> list[str]:
         return self.images(item)
+
+    def refused_here(self, item: ClaimedItem, error: ServerRefusal) -> Verdict:
+        return self.verdicts(item, error)
 
     def released(self, item_ids: list[int], wait_s: float) -> None:
         self.on_released(item_ids, wait_s)

@@ -97,7 +97,9 @@ class _Hand:
 class _Intake:
     """One message's claims, in the room the window holds for each share: what was taken
     (sent), skipped (taken or finished elsewhere), passed over (image items a server that
-    reads no images leaves) and refused (runs whose fingerprint differs from the server's)."""
+    reads no images leaves, items this server refused that wait for another's verdict) and
+    refused (runs whose fingerprint differs from the server's, or whose largest request its
+    limits do not admit)."""
 
     def __init__(self, rt: WorkerRuntime, requeue: Requeue) -> None:
         self.rt = rt
@@ -109,6 +111,7 @@ class _Intake:
         self.skipped = 0
         self.passed = 0
         self.ahead = 0  # items claimed from the ledger ahead of the message's own
+        self.elsewhere = 0  # items this server refused, sent back for another server
 
     def claim_first(self, units: list[list[int]], n: int) -> list[claims.ClaimedItem]:
         """Claim the first n units' items; the ones this server may run, for the window to
@@ -133,10 +136,17 @@ class _Intake:
                 if self.text_only
                 else []
             )
+            # items this server refused wait for another server's verdict
+            elsewhere = claims.refused_here(
+                conn, [i for i in take if i not in mine and i not in passed_over], rt.server_name
+            )
         if passed_over:
             self.requeue(passed_over, wait_s)
             self.passed += len(passed_over)
-        self.skipped += len(take) - len(claimed) - len(passed_over)
+        if elsewhere:
+            self.requeue(elsewhere, wait_s)
+            self.elsewhere += len(elsewhere)
+        self.skipped += len(take) - len(claimed) - len(passed_over) - len(elsewhere)
         return self.checked(claimed)
 
     def claim_in_order(self, hand: _Hand, n: int) -> list[claims.ClaimedItem]:
@@ -278,7 +288,11 @@ def handle_message(
     answer: dict[str, int | str] = {
         "claimed": len(intake.accepted),
         "skipped": intake.skipped,
-        "deferred": len(intake.refused) + len(rest) + intake.passed + len(foreign),
+        "deferred": len(intake.refused)
+        + len(rest)
+        + intake.passed
+        + intake.elsewhere
+        + len(foreign),
         # of the claimed, the items of runs ahead in the claim order (the message's went back)
         "ahead": intake.ahead,
         "priority": 0 if first_run is None else rt.run_priority(first_run),

@@ -5,6 +5,8 @@ the worker's state, each in a module of its own:
 - `server_state.ServerState`: what it believes about its server (down, draining, a key
   refused, back-pressure, paused), the one owner of those facts;
 - `pause_watch.PauseWatch`: the server's pause flag, and the worker's own pause for drift;
+- `confirming.Confirmation`: its server's refusals that can depend on the server, confirmed
+  by another server before they are final, and the pause of a server that fails many;
 - `app.sglang.client.client_for`: the clients of its server, one per thread that sends;
 - the window (`window.InflightWindow`) and its sizer (`autosize.WindowSizer`).
 
@@ -24,15 +26,18 @@ from collections.abc import Callable, Hashable
 from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
-from app.core.contracts import GenerateResult
+from app.core.contracts import GenerateResult, SamplingParams
+from app.core.errors import ServerRefusal
 from app.core.images import ImageDrift
 from app.core.settings import Settings
 from app.ledger import claims, registry
 from app.ledger.database import limit_periodic
 from app.sglang.client import SGLangClient, client_for
+from app.sglang.limits import RequestNeed
 from app.storage.image_store import image_location
 from workers.chains.advancer import TurnAdvancer
 from workers.engine import autosize
+from workers.engine.confirming import Confirmation, OtherServers
 from workers.engine.failure_digest import FailureDigest
 from workers.engine.identity import server_name_for
 from workers.engine.image_checks import ImageChecks
@@ -44,7 +49,7 @@ from workers.engine.run_stores import RunStores
 from workers.engine.scheduling import ClaimOrder, ServerPriority, read_work
 from workers.engine.server_state import ServerState
 from workers.engine.window import InflightWindow, WindowConfig
-from workers.engine.window_types import Checked, KindPolicy
+from workers.engine.window_types import Checked, KindPolicy, Verdict
 
 log = logging.getLogger(__name__)
 
@@ -107,8 +112,13 @@ class WorkerRuntime:
             unavailable_wait_s=settings.unavailable_wait_s,
             registry_paused=lambda: self.pauses.state()[0],
         )
-        self.pauses = PauseWatch(
-            db, self.server_name, self.server_state, on_resume=self.pins.forget_runs
+        self.pauses = PauseWatch(db, self.server_name, self.server_state, on_resume=self._resumed)
+        # refusals that can depend on the server: confirmed elsewhere; many pause it as failing
+        self.confirmation = Confirmation(
+            self.server_name,
+            self.pins,
+            OtherServers(db, self.server_name, self.pins),
+            on_failing=self.pauses.failing,
         )
         # permanent failures: a WARNING and an item_failed event per reason and interval
         self.failures = FailureDigest(db, self.server_name)
@@ -254,6 +264,22 @@ class WorkerRuntime:
 
     def image_data(self, item: claims.ClaimedItem) -> list[str]:
         return self.images.image_data(item)
+
+    def refused_here(self, item: claims.ClaimedItem, error: ServerRefusal) -> Verdict:
+        """The server refused item for a reason that can depend on the server: the item's own
+        failure, final, or given back for another server (workers.engine.confirming)."""
+        params = self.sampling_for_run(item.run_id).for_sample(
+            item.sample_index, item.row_sampling_params
+        )
+        need = RequestNeed(len(item.prompt_ids), int(params.get("max_new_tokens") or 0))
+        return self.confirmation.verdict(item, error, need)
+
+    def _resumed(self) -> None:
+        """The server's pause was lifted: its configuration may have changed meanwhile (a
+        restart, weights, a fix), so its runs are checked again and its refusals counted
+        afresh."""
+        self.pins.forget_runs()
+        self.confirmation.watch.reset()
 
     def check_result(self, item: claims.ClaimedItem, result: GenerateResult) -> Checked:
         """Whether this result may be written: not if it was made (in part) under other

@@ -20,6 +20,7 @@ from app.core.errors import (
     GenerationError,
     PermanentError,
     RetryableError,
+    ServerRefusal,
     ServerUnavailable,
 )
 from app.ledger.claims import ClaimedItem
@@ -27,7 +28,7 @@ from app.ledger.outcomes import Failed, Outcome, Released
 from app.storage.run_store import StorageUnreachable
 from workers.engine.window_hedges import HedgeGate
 from workers.engine.window_refusals import Refusals
-from workers.engine.window_types import Checked, GenerateClient, Job, WindowConfig
+from workers.engine.window_types import Checked, GenerateClient, Job, Verdict, WindowConfig
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,8 @@ class SlotHost(Protocol):
     def check_result(self, item: ClaimedItem, result: GenerateResult) -> Checked: ...
 
     def image_data(self, item: ClaimedItem) -> list[str]: ...
+
+    def refused_here(self, item: ClaimedItem, error: ServerRefusal) -> Verdict: ...
 
     @property
     def hedging(self) -> HedgeGate: ...
@@ -172,6 +175,8 @@ class Slot:
                 if not job.cancelled:
                     raise
                 result = None  # aborted because a hedge on another server finished it first
+        except ServerRefusal as exc:
+            self._refused_here(job, exc)
         except PermanentError as exc:
             self._failed_permanently(job, exc)
         except BackPressure as exc:
@@ -232,18 +237,41 @@ class Slot:
         w.settle(job.policy.outcome(item, result, checked, self._server), job)
         w.count_done(result)
 
-    def _failed_permanently(self, job: Job, exc: PermanentError) -> None:
+    def _failed_permanently(self, job: Job, exc: PermanentError, why: str = "") -> None:
         item = job.item
         log.info(
-            "run %d item %d failed permanently on %s: %s",
+            "run %d item %d failed permanently on %s: %s%s",
             item.run_id,
             item.id,
             self._server,
             exc,
+            why,
             extra=item_fields(item, self._server, action="failed"),
         )
-        self._window.settle(Failed(item.id, f"permanent: {exc}", attempts_used=1), job)
+        self._window.settle(Failed(item.id, f"permanent: {exc}{why}", attempts_used=1), job)
         self._window.note(failed=1, error=str(exc))
+
+    def _refused_here(self, job: Job, exc: ServerRefusal) -> None:
+        """A refusal that can depend on the server (its limits, tokenizer, vocabulary): final
+        once another server agrees or none other can take the item; otherwise the item goes
+        back for another server, with no attempt spent."""
+        verdict = self._window.refused_here(job.item, exc)
+        if verdict.final:
+            self._failed_permanently(job, exc, verdict.why)
+            return
+        item = job.item
+        job.tries -= 1
+        log.info(
+            "run %d item %d refused by %s (%s); it goes back for another server",
+            item.run_id,
+            item.id,
+            self._server,
+            exc,
+            extra=item_fields(item, self._server, action="refused_here"),
+        )
+        refuser = self._server if verdict.refused else None
+        self._window.settle(Released(item.id, verdict.why, refused_by=refuser), job)
+        self._window.note(error=str(exc))
 
     def _given_back(self, job: Job, how: str, exc: Exception) -> None:
         """The server is unavailable ("unavailable") or died or was paused under the request

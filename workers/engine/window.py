@@ -30,6 +30,7 @@ from collections.abc import Callable
 from sqlalchemy import Engine
 
 from app.core.contracts import GenerateResult
+from app.core.errors import ServerRefusal
 from app.ledger import outcomes
 from app.ledger.claims import ClaimedItem
 from app.ledger.outcomes import Done, Failed, Outcome, RetryLater
@@ -45,7 +46,7 @@ from workers.engine.window_hedges import HedgeGate
 from workers.engine.window_intake import Admission
 from workers.engine.window_parts import WindowParts
 from workers.engine.window_refusals import Refusals
-from workers.engine.window_types import Admitted, Checked, Job, RunPolicy
+from workers.engine.window_types import Admitted, Checked, Job, RunPolicy, Verdict
 
 # the window's own records, named here too: callers build and read a window with them
 from workers.engine.window_types import WindowConfig as WindowConfig
@@ -407,6 +408,10 @@ class InflightWindow:
     def image_data(self, item: ClaimedItem) -> list[str]:
         """The images of an image item's request; PermanentError when they cannot be sent."""
         return self.policy.image_data(item)
+
+    def refused_here(self, item: ClaimedItem, error: ServerRefusal) -> Verdict:
+        """What the server's refusal of item (a reason that can depend on the server) means."""
+        return self.policy.refused_here(item, error)
 
     # --- writer: what a commit settles -----------------------------------------------------
 

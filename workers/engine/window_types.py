@@ -9,7 +9,8 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Protocol
 
-from app.core.contracts import GenerateResult
+from app.core.contracts import GenerateResult, SamplingParams
+from app.core.errors import ServerRefusal
 from app.ledger.claims import ClaimedItem
 from app.ledger.outcomes import Done
 from app.sglang.client import ProbeResult
@@ -81,6 +82,11 @@ class RunPolicy(Protocol):
         """An image item's images as its request carries them; PermanentError if it cannot."""
         ...
 
+    def refused_here(self, item: ClaimedItem, error: ServerRefusal) -> Verdict:
+        """What the server's refusal of item, for a reason that can depend on the server,
+        means: final, or given back for another server's verdict."""
+        ...
+
     def released(self, item_ids: list[int], wait_s: float) -> None:
         """Items given back to the queue, to be sent again after wait_s."""
         ...
@@ -106,6 +112,17 @@ class RunPolicy(Protocol):
     def unmark_hedges(self, item_ids: list[int]) -> None:
         """Hedges marked but never sent (the window is stopping): others may take them."""
         ...
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A refusal that can depend on the server, settled (workers.engine.confirming): final
+    (the item fails, `why` after the server's error), or not (the item goes back, `why` as the
+    reason; refused: the server is named as the item's refuser, and another server decides)."""
+
+    final: bool
+    why: str
+    refused: bool = True
 
 
 @dataclass(frozen=True)
