@@ -112,6 +112,13 @@ def _option(flag: str, *names: str, **kwargs: Any) -> Callable[[F], F]:
     help="Context length: longer requests get SGLang's 400.",
 )
 @_option(
+    "--refuse-over",
+    type=click.IntRange(min=2),
+    default=None,
+    help="A misconfigured server: /server_info still reports --context-length, but requests "
+    "are refused with SGLang's 400 as if the context length were this.",
+)
+@_option(
     "--median-tokens",
     type=click.FloatRange(min=0, min_open=True),
     default=256.0,

@@ -39,6 +39,9 @@ class EmulatorConfig:
     reasoning_parser: str | None = None
     version: str = DEFAULT_SGLANG_VERSION
     context_length: int = 16384
+    # a misconfigured server: the context length its length checks use, while /server_info
+    # reports context_length (None: context_length, as SGLang does)
+    refuse_over: int | None = None
     vocab_size: int = 163840
     model_type: str = "kimi_k25"
     architectures: tuple[str, ...] = ("KimiK25ForConditionalGeneration",)
@@ -121,10 +124,16 @@ class EmulatorConfig:
         if problems:
             raise ValueError("invalid emulator configuration: " + "; ".join(problems))
 
+    @property
+    def checked_context(self) -> int:
+        """The context length each request is checked against (refuse_over, if set)."""
+        return self.refuse_over if self.refuse_over is not None else self.context_length
+
     def _problems(self) -> list[str]:
         checks = [
             (0 <= self.port <= 65535, "port must be in [0, 65535]"),
             (self.context_length >= 2, "context_length must be at least 2"),
+            (self.refuse_over is None or self.refuse_over >= 2, "refuse_over must be >= 2"),
             (self.median_tokens > 0 and math.isfinite(self.median_tokens), "median_tokens > 0"),
             (self.sigma >= 0 and math.isfinite(self.sigma), "sigma must be >= 0"),
             (0 <= self.token_min < self.token_max, "need 0 <= token_min < token_max"),

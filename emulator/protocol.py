@@ -107,7 +107,7 @@ def parse_generate(
     served = _served_prompts(body, prompts, images)
     items = []
     for index, (prompt, sampling) in enumerate(zip(served, samplings, strict=True)):
-        validate_item(prompt.ids, sampling, cfg.context_length, cfg.vocab_size)
+        validate_item(prompt.ids, sampling, cfg.checked_context, cfg.vocab_size)
         with_images = bool(prompt.spans)
         for sample in range(n):
             rid = rids[index * n + sample]

@@ -373,6 +373,10 @@ def resume_cmd(server: tuple[str, ...], all_servers: bool) -> None:
 def restart_cmd(name: str, command: str | None, timeout_s: float | None, poll_s: float) -> None:
     """Pause NAME, run its restart command, wait until ready, check the fingerprint, resume.
 
+    "restarted" only when the server was seen to go away and come back; exit 1 when it never
+    went down, or no longer fits an active run (each run's pins are printed against what the
+    server reports: model, weights, limits).
+
     On a terminal one line is redrawn; in a pipe or a file a line is printed when the phase or
     the probe changes, and every 30 s while they do not. The restart command's output goes to
     a file under TOKENMILL_DATA_DIR/restarts/, named as it starts."""
@@ -407,6 +411,8 @@ def restart_cmd(name: str, command: str | None, timeout_s: float | None, poll_s:
     console = err_console()
     if not named and result.log_path is not None:
         console.print(f"{name}: the restart command's output is in {result.log_path}", markup=False)
+    for line in result.runs:  # what each active run pinned, against what the server reports
+        console.print(f"{name}: {line}", markup=False)
     if result.ok:
         console.print(f"[green]{escape(result.message)}[/green]", markup=True)
     else:

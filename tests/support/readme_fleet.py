@@ -432,8 +432,17 @@ class Fleet:
         return key, proc, node if "worker" in argv else None
 
     def _run_on(self, command: Command, node: str | None) -> subprocess.CompletedProcess[str]:
+        done = self.attempt(command, node)
+        assert done.returncode == 0, f"{command.text!r} on {node or 'operator'}: {done.stderr}"
+        return done
+
+    def attempt(
+        self, command: Command, node: str | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        """Run a short command on a machine (the operator's by default) and return how it
+        ended, whatever its exit status."""
         env, argv = self._argv(command, node)
-        done = subprocess.run(
+        return subprocess.run(
             self._program(argv),
             env=env,
             cwd=self.home(node),
@@ -441,8 +450,6 @@ class Fleet:
             text=True,
             timeout=600,
         )
-        assert done.returncode == 0, f"{command.text!r} on {node or 'operator'}: {done.stderr}"
-        return done
 
     def _wait_up(self, key: str, proc: subprocess.Popen[bytes], node: str | None) -> None:
         """As an operator would before the next command: a worker until the registry lists it

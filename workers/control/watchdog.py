@@ -101,6 +101,16 @@ class HttpProber:
         with self._client(server) as client:
             return client.fingerprint()
 
+    def started_at(self, server: ServerInfo) -> float | None:
+        """When the server's process started (`startup_time` in /server_info); None: it does
+        not say, or does not answer now."""
+        try:
+            with self._client(server) as client:
+                value = client.server_info().get("startup_time")
+        except GenerationError:
+            return None
+        return float(value) if isinstance(value, int | float) else None
+
 
 def fingerprint_conflicts(
     fingerprint: ServerFingerprint, pinned: list[tuple[int, str, dict[str, object]]]
