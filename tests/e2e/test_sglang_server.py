@@ -1,6 +1,7 @@
 """tokenmill against SGLang 0.5.23's own HTTP server (tests/support/sglang_http): the wheel's
 FastAPI app, TokenizerManager and DetokenizerManager, only the scheduler replaced by a fake
-that speaks SGLang's IPC messages. One server for the session (`sglang_server`)."""
+that speaks SGLang's IPC messages. One server for the session (`sglang_server`), and a
+server of its own restarted into a smaller context length."""
 
 from __future__ import annotations
 
@@ -16,10 +17,17 @@ from typing import Any
 
 import httpx
 import pytest
+from sqlalchemy import Engine
 
+from app.core.settings import Settings
+from app.ledger import event_log, run_queries
+from app.sglang.client import client_for
 from tests.support.procs import clean_env, tokenmill
+from tests.support.run_pins import NoImages
+from tests.support.runs import add_item, make_run
 from tests.support.sglang_http import harness
 from tests.support.sglang_http.harness import SGLangServer
+from workers.engine.run_pins import RunPins
 
 pytestmark = pytest.mark.e2e
 
@@ -227,3 +235,45 @@ def _wait_health(server: SGLangServer, expected: int) -> int:
             break
         time.sleep(0.05)
     return status
+
+
+def test_a_restart_into_a_smaller_context_is_read_and_the_run_left(
+    tmp_path: Path, kimi_tokenizer_dir: Path, pg_engine: Engine
+) -> None:
+    """SGLang's server restarted with `--context-length 1024` (from 8192): a worker reads the
+    new limits from its /server_info and no longer serves a run whose largest request (2,000
+    prompt tokens + 100) they do not admit, saying why; the limits of 8192 admitted it."""
+    model = harness.model_folder(kimi_tokenizer_dir, tmp_path / "model")
+    port = harness.free_port()
+    url = f"http://127.0.0.1:{port}"
+    with pg_engine.begin() as conn:
+        run = make_run(conn, "r1", max_new_tokens=100)
+        add_item(conn, run.id, "long", status="pending", prompt_tokens=2000)
+
+    def pins() -> RunPins:
+        return RunPins(
+            pg_engine,
+            "gpu-a",
+            only_run=None,
+            new_client=lambda: client_for(url, Settings()),
+            images=NoImages(),  # type: ignore[arg-type]
+            on_fingerprint_read=lambda: None,
+            on_auth=lambda error: None,
+            on_weights_noted=lambda: None,
+        )
+
+    for context, served in (("8192", True), ("1024", False)):
+        log = tmp_path / f"server-{context}.log"
+        with harness.running_sglang_server(model, log, "--context-length", context, port=port):
+            worker = pins()
+            assert worker.run_matches_server(run.id) is served
+            limits = worker.server_fingerprint().limits or {}
+        assert limits["context_length"] == int(context), limits
+        assert {"max_req_input_len", "max_total_num_tokens"} <= set(limits), limits
+    with pg_engine.connect() as conn:
+        pinned = run_queries.get_run(conn, "r1").fingerprint or {}
+        refused = event_log.runs_refused(conn, [run.id])
+    assert pinned["limits"]["context_length"] == 8192  # what the run pinned stays
+    said = refused["gpu-a"][run.id]
+    assert "its limits do not admit the run's largest request: context_length 1024 < 2100" in said
+    assert "context_length: 8192 → 1024" in said

@@ -61,6 +61,7 @@ RUN_AS_PRINTED: dict[tuple[str, str | None], str] = {
         )
     },
     ("ops/README.md", "A run is urgent"): "tests/e2e/test_fleet_priority.py",
+    ("ops/README.md", "A server fails everything"): "tests/e2e/test_misconfigured_server.py",
     ("ops/README.md", "Logs"): GUIDES_TEST,
     ("ops/README.md", "Load new weights"): GUIDES_TEST,
 }
@@ -246,6 +247,8 @@ class Fleet:
     emulator_flags: list[str]
     flower_port: int
     metrics_port: int = field(default_factory=free_port)  # the docs' 9464
+    # a node's own flags after emulator_flags (the later of a flag given twice wins)
+    node_flags: dict[str, list[str]] = field(default_factory=dict)
     exports: dict[str, str] = field(default_factory=dict)
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     logs: dict[str, Path] = field(default_factory=dict)
@@ -311,8 +314,8 @@ class Fleet:
 
     def write_units(self, *nodes: str) -> None:
         """The unit `sglang@PORT` of each of nodes (all by default): the emulator with
-        emulator_flags, as an operator edits a unit's flags (its next start or restart runs
-        them)."""
+        emulator_flags and the node's own, as an operator edits a unit's flags (its next start
+        or restart runs them)."""
         for node in nodes or self.nodes:
             port = self.nodes[node]
             spec = {
@@ -323,6 +326,7 @@ class Fleet:
                     "--port",
                     str(port),
                     *self.emulator_flags,
+                    *self.node_flags.get(node, []),
                 ],
                 "cwd": str(ROOT),
                 "log": str(self.root / f"sglang-{node}.log"),
