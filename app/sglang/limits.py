@@ -99,6 +99,22 @@ def refusal(limits: dict[str, Any] | None, need: RequestNeed) -> str | None:
     return None
 
 
+def largest_input(limits: dict[str, Any] | None, max_new_tokens: int) -> int | None:
+    """The longest prompt these limits admit with max_new_tokens to generate (None: they say
+    nothing): the bound of the requests a run pinned its limits for."""
+    if not limits:
+        return None
+    bounds = []
+    if "context_length" in limits:
+        context = int(limits["context_length"])
+        bounds.append(min(context - 1, context - max_new_tokens))
+    if "max_req_input_len" in limits:
+        bounds.append(int(limits["max_req_input_len"]))
+    if "max_total_num_tokens" in limits:
+        bounds.append(int(limits["max_total_num_tokens"]) - max_new_tokens)
+    return min(bounds) if bounds else None
+
+
 def limit_changes(pinned: dict[str, Any] | None, now: dict[str, Any] | None) -> list[str]:
     """Lines like "context_length: 8192 → 1024" for every limit that differs."""
     before, after = pinned or {}, now or {}

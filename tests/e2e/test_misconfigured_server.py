@@ -36,6 +36,8 @@ FLAGS = [
     *("--median-tokens", "160", "--sigma", "0.25"),
     *("--startup-delay-s", "1", "--loading-s", "2"),  # port closed, then 503, as SGLang loads
 ]
+# the restart's run: ~6.4 s a request, so that half the run is left once the restart is done
+SLOW = ["--step-ms", "100"]
 SMALL = ["--context-length", "1024"]
 LYING = ["--refuse-over", "1024"]  # /server_info says 8192
 
@@ -135,6 +137,7 @@ def _long_prompts(db: Engine) -> int:
 
 @pytest.fixture
 def serving(two: Fleet) -> Iterator[Fleet]:
+    two.node_flags.update({"gpu-a": SLOW, "gpu-b": SLOW})
     with two.serving():
         yield two
 
@@ -151,7 +154,7 @@ def test_a_restart_into_a_smaller_context_fails_nothing(serving: Fleet, pg_engin
         return leased.get(a, 0) > 0 and leased.get(b, 0) > 0
 
     wait_for("both servers with work in flight", both_serving, 120)
-    _unit(fleet, "gpu-a", SMALL)
+    _unit(fleet, "gpu-a", [*SLOW, *SMALL])
     restart = _op(
         f"tokenmill restart {a} --command 'ssh {{host}} sudo systemctl restart sglang@{{port}}'"
     )
@@ -174,7 +177,9 @@ def test_a_restart_into_a_smaller_context_fails_nothing(serving: Fleet, pg_engin
     wait_for(f"`tokenmill servers` to show {a} not serving r1", shown_as_not_serving, 60)
     table = fleet.attempt(_op("tokenmill servers")).stdout
     assert "r1: its limits do not admit" in table, table
+    left = _counts(pg_engine)
     counts = _finished(pg_engine)
+    print(f"left when the restart was done: {left.total - left.done - left.failed}")
     assert counts.failed == 0 and counts.done == PROMPTS
     with pg_engine.connect() as conn:
         events = registry.list_events(conn, limit=10_000)

@@ -36,6 +36,10 @@ def test_a_request_is_refused_as_sglang_refuses_it() -> None:
     assert limits.refusal({"context_length": 2000}, RequestNeed(2000, 0)) is not None
     assert limits.refusal({"max_req_input_len": 1999}, fits) is not None
     assert limits.refusal({"max_total_num_tokens": 2099}, fits) is not None
+    assert limits.largest_input(INFO, 100) == 8092
+    assert limits.largest_input({"context_length": 8192, "max_req_input_len": 8000}, 10) == 8000
+    assert limits.largest_input({"context_length": 100}, 0) == 99  # the input must stay below
+    assert limits.largest_input(None, 100) is None
     assert limits.limit_changes(INFO, small) == [
         "context_length: 8192 → 1024",
         "max_req_input_len: 8186 → 1018",
@@ -77,6 +81,9 @@ def test_a_server_whose_limits_no_longer_admit_the_run_is_drifted_for_it(
             conn, run.id, [queue.NewItem(f"k{n}", 0, n, None, [1] * n) for n in (10, 2000)]
         )
         assert run_needs.largest_request(conn, run.id, 100) == RequestNeed(2000, 100)
+        # an item past the limits the run pinned is its own failure, not the run's need
+        small = {"context_length": 1024}
+        assert run_needs.largest_request(conn, run.id, 100, small) == RequestNeed(10, 100)
     server, now = _Server(), [0.0]
     assert pins_on(sqlite_engine, server, now).run_matches_server(run.id)  # pins 8192
     server.context = 1024  # restarted with --context-length 1024

@@ -302,7 +302,9 @@ class RunPins:
         (the server is drifted for this run: its items are left to the others); None when
         they do (a limit that grew, or shrank but still admits them, is no drift)."""
         run = self.run_info(run_id)
-        need = run_needs.largest_request(conn, run_id, run.sampling.max_new_tokens)
+        need = run_needs.largest_request(
+            conn, run_id, run.sampling.max_new_tokens, pinned.get("limits")
+        )
         why = None if need is None else limits.refusal(fingerprint.limits, need)
         if why is None:
             return None
