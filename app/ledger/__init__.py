@@ -7,9 +7,11 @@ the submodule (`from app.ledger import claims`, then `claims.claim_items(...)`):
 
 - `common`: the tables, UTC time, the (run_id, status, id) index range, id-order row locks
 - `run_queries`: runs, what they pin (RunSpec, RunInfo), fingerprints, archived or not;
-  `pin_checks`: the comparisons a later enqueue into a run must pass
+  `pin_checks`: the comparisons a later enqueue into a run must pass; `run_needs`: a run's
+  largest request, which a server's limits must admit
 - `queue`: items inserted, pending ids and keys to publish, pending → queued, republishing
-- `claims`: leases (claim_items, claim_next…), hedge candidates and marks, heartbeats
+- `claims`: leases (claim_items, claim_next…; an item a server refused passed over by its
+  claims), hedge candidates and marks, heartbeats
 - `outcomes`: Done / Failed / RetryLater / Released written by record_outcomes; leases given back
 - `turns`: multi-turn chains (`--turns all`) linked, advanced and failed
 - `reads`: RunCounts, StoredItem, iter_items and its keyset pages, stored prompts
