@@ -150,10 +150,11 @@ SERVER_COLUMNS = (
 
 def _runs_refused(conn: Connection) -> dict[str, dict[str, str]]:
     """server → active run → why its workers last found they do not serve it (the server's
-    fingerprint or limits): their latest event for the run is a refusal."""
+    fingerprint or limits): their latest event for the run is a refusal. Runs that pinned a
+    fingerprint only: a run none pinned was refused by no server."""
     from app.ledger import event_log, registry
 
-    names = {run_id: name for run_id, name, _ in registry.active_runs(conn)}
+    names = {run_id: name for run_id, name, _ in registry.active_run_fingerprints(conn)}
     refused = event_log.runs_refused(conn, list(names))
     return {
         server: {names[run_id]: why for run_id, why in runs.items()}

@@ -269,8 +269,6 @@ items = Table(
     _partial("ix_items_status_lease", ("status", "lease_expires_at"), LEASE_SET),
     _partial("ix_items_server_status", ("server", "status"), "server IS NOT NULL"),
     _partial("ix_items_server_finished", ("server", "finished_at"), "finished_at IS NOT NULL"),
-    # the run's longest prompt, one probe: what a worker compares with its server's limits
-    Index("ix_items_run_prompt_tokens", "run_id", "prompt_tokens"),
     # Partial indexes hold only what the periodic queries look at (the active part of the
     # table), so their plans are the same whatever the planner's statistics say.
     _partial("ix_items_leased_started", ("started_at", "id"), "status = 'leased'"),

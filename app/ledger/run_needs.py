@@ -16,8 +16,8 @@ from app.sglang.limits import RequestNeed
 
 def longest_prompt(conn: Connection, run_id: int, at_most: int | None = None) -> int | None:
     """The prompt tokens of the run's longest item (of at most at_most tokens, when given;
-    None: the run has none): one probe of the (run_id, prompt_tokens) index, whatever the
-    run's size."""
+    None: the run has none): a read of the run's rows (O(the run)), so its callers read it
+    once per run and worker process, or once per restart, never periodically."""
     stmt = select(func.max(items.c.prompt_tokens)).where(items.c.run_id == run_id)
     if at_most is not None:
         stmt = stmt.where(items.c.prompt_tokens <= at_most)

@@ -1,9 +1,7 @@
 """A refusal that can depend on the server, confirmed on another: items.refused_by names the
 server that refused the item (a 400 about length or limits, a tokenizer or vocabulary error)
-while it waits for a second server's verdict; a claim by that server passes it over. And the
-run's longest prompt as one index probe: (run_id, prompt_tokens), which a worker compares with
-its server's limits. Plain ADD COLUMNs: on SQLite no table is rebuilt, so the item counters'
-triggers stay.
+while it waits for a second server's verdict; a claim by that server passes it over. Plain ADD
+COLUMNs: on SQLite no table is rebuilt, so the item counters' triggers stay.
 
 Revision ID: 0021
 Revises: 0020
@@ -28,10 +26,8 @@ TABLES = ("items", "items_archive")
 def upgrade() -> None:
     for table in TABLES:
         op.add_column(table, sa.Column("refused_by", sa.String(length=200), nullable=True))
-    op.create_index("ix_items_run_prompt_tokens", "items", ["run_id", "prompt_tokens"])
 
 
 def downgrade() -> None:
-    op.drop_index("ix_items_run_prompt_tokens", table_name="items")
     for table in TABLES:
         op.drop_column(table, "refused_by")

@@ -132,9 +132,11 @@ EXEMPT: dict[str, str] = {
         ),
         "servers, runs, events, pins or counters: tables of the fleet's size, by their keys",
     ),
+    "claims.refused_here": "a message's ids, by the primary key (as claims.claim_items)",
     **dict.fromkeys(
         ("run_needs.longest_prompt", "run_needs.largest_request"),
-        "the max of one run's prompt_tokens: one probe of ix_items_run_prompt_tokens",
+        "a run's prompt lengths: read once per run by a worker process (its RunPins keeps the "
+        "answer) and once per `tokenmill restart`, never periodically",
     ),
     **dict.fromkeys(
         ("dashboard_queries.item_ranges", "dashboard_queries.failure_reasons"),

@@ -8,6 +8,7 @@ whether a claimed item may be sent to this server and whether a result may be wr
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -95,6 +96,8 @@ class RunPins:
         self._pinned_versions: dict[int, str | None] = {}
         self._pinned_limits: dict[int, dict[str, Any] | None] = {}
         self._why_refused: dict[int, str] = {}  # the last refusal of each run, said
+        # each run's largest request within the limits it pinned (run_needs.largest_request)
+        self._needs: dict[tuple[int, str], limits.RequestNeed | None] = {}
         self._drifts_seen: set[tuple[int, str]] = set()
         self._refused_runs: set[int] = set()  # runs this worker gave back, said once each
         # each refused run: the fingerprint it was refused under, and when to look again
@@ -302,9 +305,16 @@ class RunPins:
         (the server is drifted for this run: its items are left to the others); None when
         they do (a limit that grew, or shrank but still admits them, is no drift)."""
         run = self.run_info(run_id)
-        need = run_needs.largest_request(
-            conn, run_id, run.sampling.max_new_tokens, pinned.get("limits")
-        )
+        key = (run_id, json.dumps(pinned.get("limits"), sort_keys=True))
+        with self._lock:
+            known = key in self._needs
+            need = self._needs.get(key)
+        if not known:  # a read of the run's rows: once per run (and pinned limits) per process
+            need = run_needs.largest_request(
+                conn, run_id, run.sampling.max_new_tokens, pinned.get("limits")
+            )
+            with self._lock:
+                self._needs[key] = need
         why = None if need is None else limits.refusal(fingerprint.limits, need)
         if why is None:
             return None
