@@ -241,7 +241,7 @@ def _item_columns() -> list[Column[Any]]:
         Column("ends_chain", Boolean, nullable=True),
         # the server that refused the item for a reason that can depend on the server (a 400
         # about length or limits, a tokenizer or vocabulary error): the item waits for another
-        # server's verdict, and a claim by this one passes it over (migration 0021)
+        # server's verdict, and a claim by this one passes it over (migration 0025)
         Column("refused_by", String(200), nullable=True),
     ]
 

@@ -122,6 +122,11 @@ def test_a_refused_item_goes_back_for_another_server_with_no_attempt_spent(
     with sqlite_engine.begin() as conn:
         assert claims.refused_here(conn, ids, "fake") == [ids[1]]
         assert claims.claim_items(conn, ids, owner="o", server="fake", lease_s=60) == []
+        # a claim from the ledger (the claim order's, ahead of a message) passes it over too
+        ahead = claims.claim_next(
+            conn, owner="o", server="fake", lease_s=60, limit=9, run_id=run.id
+        )
+        assert ahead == []
         (taken,) = claims.claim_items(conn, ids, owner="o", server="gpu-b", lease_s=60)
     assert taken.id == ids[1] and taken.refused_by == "fake"
 

@@ -4,7 +4,7 @@ retries that spend attempts, outages that do not, permanent failures, clean shut
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 from sqlalchemy import Engine

@@ -45,7 +45,7 @@ def run_fits(conn: Connection, server: str, fingerprint: ServerFingerprint) -> l
             continue
         differences = ServerFingerprint(**pinned).differences(fingerprint)
         need = run_needs.largest_request(
-            conn, run_id, run.sampling.max_new_tokens, pinned.get("limits")
+            conn, run_id, run.generation.sampling.max_new_tokens, pinned.get("limits")
         )
         too_small = None if need is None else limits.refusal(fingerprint.limits, need)
         why = "; ".join(differences) or (

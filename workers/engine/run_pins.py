@@ -311,7 +311,7 @@ class RunPins:
             need = self._needs.get(key)
         if not known:  # a read of the run's rows: once per run (and pinned limits) per process
             need = run_needs.largest_request(
-                conn, run_id, run.sampling.max_new_tokens, pinned.get("limits")
+                conn, run_id, run.generation.sampling.max_new_tokens, pinned.get("limits")
             )
             with self._lock:
                 self._needs[key] = need

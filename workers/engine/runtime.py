@@ -26,7 +26,7 @@ from collections.abc import Callable, Hashable
 from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
-from app.core.contracts import GenerateResult, SamplingParams
+from app.core.contracts import GenerateResult
 from app.core.errors import ServerRefusal
 from app.core.images import ImageDrift
 from app.core.settings import Settings
@@ -268,9 +268,8 @@ class WorkerRuntime:
     def refused_here(self, item: claims.ClaimedItem, error: ServerRefusal) -> Verdict:
         """The server refused item for a reason that can depend on the server: the item's own
         failure, final, or given back for another server (workers.engine.confirming)."""
-        params = self.sampling_for_run(item.run_id).for_sample(
-            item.sample_index, item.row_sampling_params
-        )
+        sampling = self.pins.run_info(item.run_id).generation.sampling
+        params = sampling.for_sample(item.sample_index, item.row_sampling_params)
         need = RequestNeed(len(item.prompt_ids), int(params.get("max_new_tokens") or 0))
         return self.confirmation.verdict(item, error, need)
 

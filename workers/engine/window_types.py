@@ -9,7 +9,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Protocol
 
-from app.core.contracts import GenerateResult, SamplingParams
+from app.core.contracts import GenerateResult
 from app.core.errors import ServerRefusal
 from app.ledger.claims import ClaimedItem
 from app.ledger.outcomes import Done

@@ -3,8 +3,8 @@ server that refused the item (a 400 about length or limits, a tokenizer or vocab
 while it waits for a second server's verdict; a claim by that server passes it over. Plain ADD
 COLUMNs: on SQLite no table is rebuilt, so the item counters' triggers stay.
 
-Revision ID: 0021
-Revises: 0020
+Revision ID: 0024
+Revises: 0023
 Create Date: 2026-12-07 06:00:00.000000
 """
 
@@ -15,8 +15,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = "0021"
-down_revision: str | None = "0020"
+revision: str = "0025"
+down_revision: str | None = "0024"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
