@@ -50,8 +50,7 @@ def bench_database() -> Iterator[str]:
     """A fresh Postgres database `tokenmill_bench_<random>` at the latest migration; dropped
     afterwards. Yields its plain postgresql:// URL (what TOKENMILL_DATABASE_URL takes)."""
     from app.core.settings import normalize_database_url
-    from app.ledger.database import make_engine
-    from app.ledger.migrate import upgrade
+    from app.ledger import database, migrate
 
     name = f"tokenmill_bench_{uuid.uuid4().hex[:10]}"
     admin = create_engine(normalize_database_url(PG_ADMIN_URL), isolation_level="AUTOCOMMIT")
@@ -59,8 +58,8 @@ def bench_database() -> Iterator[str]:
         conn.execute(text(f'CREATE DATABASE "{name}"'))
     url = PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
     try:
-        engine = make_engine(normalize_database_url(url))
-        upgrade(engine)
+        engine = database.make_engine(normalize_database_url(url))
+        migrate.upgrade(engine)
         engine.dispose()
         yield url
     finally:
@@ -71,9 +70,9 @@ def bench_database() -> Iterator[str]:
 
 def engine_for(url: str, pool_size: int = 4) -> Engine:
     from app.core.settings import normalize_database_url
-    from app.ledger.database import make_engine
+    from app.ledger import database
 
-    return make_engine(normalize_database_url(url), pool_size=pool_size)
+    return database.make_engine(normalize_database_url(url), pool_size=pool_size)
 
 
 def flush_redis(url: str = REDIS_URL) -> None:

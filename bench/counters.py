@@ -22,9 +22,8 @@ from common import bench_database, engine_for, machine_note, table
 from sqlalchemy import Connection, Engine, text
 
 from app.core.contracts import GenerateResult, SamplingParams
-from app.ledger import claims, counters, queue, reads, run_queries
+from app.ledger import claims, counters, metrics_queries, queue, reads, run_queries
 from app.ledger import outcomes as ledger_outcomes
-from app.ledger.metrics_queries import read_snapshot
 
 SERVERS = ("gpu-a", "gpu-b", "gpu-c")
 
@@ -90,7 +89,7 @@ def read_costs(db: Engine, runs: list[run_queries.RunInfo], repeat: int) -> list
             on_conn(lambda c: [reads.run_counts(c, r) for r in runs]),
         ),
         ("servers: leased per server", True, on_conn(counters.leased_by_server)),
-        ("/metrics: the whole ledger snapshot", True, lambda: read_snapshot(db)),
+        ("/metrics: the whole ledger snapshot", True, lambda: metrics_queries.read_snapshot(db)),
         (
             "full count: groups (what status/metrics scanned)",
             False,

@@ -40,10 +40,7 @@ from sqlalchemy import Engine, text
 
 from app.core.contracts import GenerateResult, SamplingParams
 from app.core.process_name import name_process
-from app.ledger import claims, queue, run_queries
-from app.ledger.database import make_engine
-from app.ledger.migrate import alembic_config, upgrade
-from app.ledger.outcomes import Done
+from app.ledger import claims, database, migrate, outcomes, queue, run_queries
 from workers.engine.heartbeat import renew_leases
 from workers.engine.window_types import WindowConfig
 from workers.engine.writer import ResultWriter
@@ -80,7 +77,7 @@ def before_lean_rows() -> str:
     measures against, whatever number the migration has."""
     from alembic.script import ScriptDirectory
 
-    script = ScriptDirectory.from_config(alembic_config("sqlite://"))
+    script = ScriptDirectory.from_config(migrate.alembic_config("sqlite://"))
     for rev in script.walk_revisions():
         if rev.path.endswith(LEAN_ROWS) and isinstance(rev.down_revision, str):
             return rev.down_revision
@@ -131,10 +128,10 @@ def enqueue(
     return ids, payload
 
 
-def _result(item: claims.ClaimedItem, shape: Shape) -> Done:
+def _result(item: claims.ClaimedItem, shape: Shape) -> outcomes.Done:
     rng = random.Random(item.id)
     output = [rng.randrange(3, 160_000) for _ in range(shape.output)]
-    return Done(
+    return outcomes.Done(
         item.id,
         GenerateResult(
             rid=str(item.id),
@@ -156,7 +153,7 @@ def stand_in(index: int, url: str, messages: Any, writer_batch: int, shape: Shap
     heartbeat, on a pool of SHARED_POOL connections and the heartbeat's own."""
     server = f"bench-{index}:30000"
     name_process(f"tokenmill-worker {server}")
-    db = make_engine(url, pool_size=SHARED_POOL)
+    db = database.make_engine(url, pool_size=SHARED_POOL)
     owner = f"{server}@bench:{os.getpid()}"
     config = WindowConfig(
         server_name=server,
@@ -226,8 +223,8 @@ def work(url: str, ids: list[int], args: argparse.Namespace) -> None:
 
 def ledger_phases(cluster: Cluster, revision: str, args: argparse.Namespace) -> list[Phase]:
     url = cluster.create_database(f"bench_{revision}")
-    db = make_engine(url, pool_size=2)
-    upgrade(db, revision)
+    db = database.make_engine(url, pool_size=2)
+    migrate.upgrade(db, revision)
     with db.connect() as conn:
         conn.execute(text("CREATE EXTENSION pg_stat_statements"))
         conn.commit()

@@ -42,10 +42,7 @@ from rich.console import Console
 from sqlalchemy import Engine
 
 from app.core.settings import Settings
-from app.ledger import claims, registry
-from app.ledger.dashboard_queries import gather_dashboard
-from app.ledger.database import limit_periodic, make_engine
-from app.ledger.migrate import upgrade
+from app.ledger import claims, dashboard_queries, database, migrate, registry
 from ops.views.dashboard import render_dashboard
 from workers.control import watchdog
 
@@ -164,8 +161,8 @@ def dashboard_tick(db: Engine) -> tuple[float, list[str]]:
     for _ in range(REPEAT):
         started = time.monotonic()
         with db.connect() as conn:
-            limit_periodic(conn)
-            board = gather_dashboard(conn)
+            database.limit_periodic(conn)
+            board = dashboard_queries.gather_dashboard(conn)
         console = Console(file=io.StringIO(), width=160, color_system=None)
         console.print(render_dashboard(board, interval_s=2.0, width=160))
         seconds.append(time.monotonic() - started)
@@ -227,8 +224,8 @@ def main() -> None:
     rows: list[list[str]] = []
     try:
         url = cluster.create_database("control")
-        db = make_engine(url, pool_size=3)
-        upgrade(db)
+        db = database.make_engine(url, pool_size=3)
+        migrate.upgrade(db)
         settings = Settings(database_url=url, broker_url=BROKER_URL)
         period = settings.watchdog_interval_s
         with stand_in_servers(args.servers) as urls, tempfile.TemporaryDirectory() as data:

@@ -281,8 +281,7 @@ def _write(db: Engine, fn: Callable[[Any], Any]) -> Callable[[], Any]:
 def time_queries(
     db: Engine, built: build.Ledger, settings: Settings, repeat: int
 ) -> dict[str, float]:
-    from app.ledger.dashboard_queries import gather_dashboard
-    from app.ledger.metrics_queries import read_snapshot
+    from app.ledger import dashboard_queries, metrics_queries
     from workers.control.reconcile import reconcile
     from workers.intake.publish import publish_items
 
@@ -325,8 +324,8 @@ def time_queries(
         "watchdog: active_run_fingerprints": _read(db, registry.active_run_fingerprints),
         "counts: run_counts(run A)": _read(db, lambda c: reads.run_counts(c, run_a)),
         "counts: every run (status)": _read(db, status_all),
-        "dashboard tick (status --watch)": _read(db, gather_dashboard),
-        "metrics: read_snapshot": lambda: read_snapshot(db),
+        "dashboard tick (status --watch)": _read(db, dashboard_queries.gather_dashboard),
+        "metrics: read_snapshot": lambda: metrics_queries.read_snapshot(db),
         "compaction scan: runs_with_compactable": _read(
             db, lambda c: compaction.runs_with_compactable(c, settings.compact_min_items)
         ),

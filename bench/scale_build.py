@@ -25,9 +25,7 @@ from sqlalchemy import Connection, Engine, create_engine, text
 
 from app.core.contracts import SamplingParams
 from app.core.settings import normalize_database_url
-from app.ledger import common, event_log, queue, registry, run_queries
-from app.ledger.migrate import declared_head, upgrade
-from app.ledger.run_queries import RunInfo, RunSpec
+from app.ledger import common, event_log, migrate, queue, registry, run_queries
 
 RUN_A, RUN_B, RUN_C = "scale-a", "scale-b", "scale-c"
 EXPORT_ITEMS = 10_000
@@ -48,9 +46,9 @@ class Ledger:
 
     size: int
     url: str
-    run_a: RunInfo
-    run_b: RunInfo
-    run_c: RunInfo
+    run_a: run_queries.RunInfo
+    run_b: run_queries.RunInfo
+    run_c: run_queries.RunInfo
 
 
 def database_name(size: int) -> str:
@@ -66,7 +64,7 @@ def _admin() -> Engine:
 
 
 def _marker(size: int) -> str:
-    return f"tokenmill scale ledger: {size} items at revision {declared_head()}"
+    return f"tokenmill scale ledger: {size} items at revision {migrate.declared_head()}"
 
 
 def existing(size: int) -> Ledger | None:
@@ -129,7 +127,7 @@ def build(size: int, tokenizer_dir: str, tokenizer_hash: str, template_hash: str
         admin.dispose()
     db = engine_for(database_url(size))
     try:
-        upgrade(db)
+        migrate.upgrade(db)
         now = common.utcnow()
         with db.begin() as conn:
             runs = [
@@ -170,8 +168,8 @@ def build(size: int, tokenizer_dir: str, tokenizer_hash: str, template_hash: str
 
 def _create_run(
     conn: Connection, name: str, tokenizer_dir: str, tokenizer_hash: str, template_hash: str
-) -> RunInfo:
-    spec = RunSpec(
+) -> run_queries.RunInfo:
+    spec = run_queries.RunSpec(
         name=name,
         tokenizer_path=tokenizer_dir,
         tokenizer_hash=tokenizer_hash,

@@ -9,7 +9,7 @@ from alembic import context
 
 from app.core.models import metadata
 from app.core.settings import get_settings
-from app.ledger.database import make_engine
+from app.ledger import database
 
 config = context.config
 target_metadata = metadata
@@ -25,7 +25,7 @@ def run_migrations() -> None:
             context.run_migrations()
         return
     url = config.get_main_option("sqlalchemy.url") or get_settings().resolved_database_url()
-    engine = make_engine(url)
+    engine = database.make_engine(url)
     with engine.connect() as conn:
         context.configure(connection=conn, target_metadata=target_metadata, render_as_batch=True)
         with context.begin_transaction():

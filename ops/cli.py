@@ -135,24 +135,24 @@ def db_group() -> None:
 def db_upgrade() -> None:
     """Apply every migration to the configured database (TOKENMILL_DATABASE_URL)."""
     from app.core.settings import redact_url
-    from app.ledger.database import get_engine
-    from app.ledger.migrate import current_revision, upgrade
+    from app.ledger import database, migrate
 
     settings = get_settings()
-    engine = get_engine(settings)
-    upgrade(engine)
-    click.echo(f"{redact_url(settings.resolved_database_url())} is at {current_revision(engine)}")
+    engine = database.get_engine(settings)
+    migrate.upgrade(engine)
+    click.echo(
+        f"{redact_url(settings.resolved_database_url())} is at {migrate.current_revision(engine)}"
+    )
 
 
 @db_group.command("current")
 @handle_errors
 def db_current() -> None:
     """Show the schema revision of the configured database."""
-    from app.ledger.database import get_engine
-    from app.ledger.migrate import current_revision, head_revision
+    from app.ledger import database, migrate
 
-    engine = get_engine()
-    click.echo(f"current {current_revision(engine)} (latest {head_revision()})")
+    engine = database.get_engine()
+    click.echo(f"current {migrate.current_revision(engine)} (latest {migrate.head_revision()})")
 
 
 @cli.command("config")

@@ -176,9 +176,7 @@ def inspect_commands(run_name: str, env: dict[str, str], out_dir: Path) -> list[
 @handle_errors
 def demo_cmd(samples_per_prompt: int, max_new_tokens: int) -> None:
     """Run the whole pipeline locally: fixture tokenizer, emulator, run, export, verify."""
-    from app.ledger import reads, run_queries
-    from app.ledger.database import get_engine
-    from app.ledger.migrate import ensure_schema
+    from app.ledger import database, migrate, reads, run_queries
     from app.outputs.export import export_run
     from app.prompts.tokenization import load_tokenizer
     from emulator.fixtures.kimi import ensure_kimi_tokenizer
@@ -190,8 +188,8 @@ def demo_cmd(samples_per_prompt: int, max_new_tokens: int) -> None:
     base = get_settings()
     settings, env = demo_settings(base)
     settings.data_dir.mkdir(parents=True, exist_ok=True)
-    db = get_engine(settings)
-    ensure_schema(db, auto_upgrade=True)
+    db = database.get_engine(settings)
+    migrate.ensure_schema(db, auto_upgrade=True)
     ledger_path = settings.data_dir / "ledger.sqlite3"
     console.print(f"demo ledger: {shown(ledger_path)} (SQLite, no services)")
     tokenizer_dir = ensure_kimi_tokenizer(base.data_dir / "tokenizers")

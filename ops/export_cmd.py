@@ -22,7 +22,7 @@ from ops.options import (
 from ops.pipeline_cmd import pinned_folder_changes
 
 if TYPE_CHECKING:
-    from app.ledger.run_queries import RunInfo
+    from app.ledger import run_queries
     from app.outputs.export import ExportFormat, ExportReport
     from app.outputs.split import Selection
     from app.prompts.tokenization import ChatTokenizer
@@ -161,7 +161,7 @@ def export_cmd(
     _print_export_report(report, Path(out), selection, with_images=with_images, text_only=text_only)
 
 
-def _export_tokenizer(run: RunInfo, *, whole_conversation: bool) -> ChatTokenizer:
+def _export_tokenizer(run: run_queries.RunInfo, *, whole_conversation: bool) -> ChatTokenizer:
     """The run's tokenizer with its pinned chat template (conversations, --whole-conversation,
     --exclude): refused when its custom code changed, a warning when other files did."""
     from rich.markup import escape
@@ -197,7 +197,7 @@ def _export_tokenizer(run: RunInfo, *, whole_conversation: bool) -> ChatTokenize
 
 
 def _export_selection(
-    run: RunInfo,
+    run: run_queries.RunInfo,
     tokenizer: ChatTokenizer | None,
     split_text: str | None,
     split_seed: int,

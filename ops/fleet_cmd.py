@@ -40,11 +40,11 @@ STALE_LOAD_S = 15.0
 
 
 def _ago(at: datetime | None) -> str:
-    from app.ledger.common import utcnow
+    from app.ledger import common
 
     if at is None:
         return "—"
-    return _ago_s((utcnow() - at).total_seconds())
+    return _ago_s((common.utcnow() - at).total_seconds())
 
 
 @click.group("servers", invoke_without_command=True)
@@ -193,7 +193,7 @@ def _window_cell(window: windows.ServerWindow | None) -> str:
     """`auto: 272 requests (max_running 256)`, and below it, a line each, the server's load at
     the workers' last reading (`server: running 256 · queued 16`), its age when it is stale
     (`read 40s ago`), and why the size last changed."""
-    from app.ledger.common import utcnow
+    from app.ledger import common
 
     if window is None:
         return "—"
@@ -206,7 +206,7 @@ def _window_cell(window: windows.ServerWindow | None) -> str:
     ]
     if load:
         lines.append("server: " + " · ".join(load))
-        age_s = window.load_age_s(utcnow())
+        age_s = window.load_age_s(common.utcnow())
         if age_s is not None and age_s > STALE_LOAD_S:
             lines.append(f"read {_ago_s(age_s)}")
     if window.reason:

@@ -191,16 +191,15 @@ def check_broker(settings: Settings) -> None:
 def open_db(settings: Settings | None = None) -> Engine:
     """The ledger engine; the embedded SQLite ledger is created/upgraded on first use (and
     named on stderr, once)."""
-    from app.ledger.database import get_engine
-    from app.ledger.migrate import ensure_schema
+    from app.ledger import database, migrate
 
     settings = settings or get_settings()
     announce_embedded(settings)
     try:
-        engine = get_engine(settings)
+        engine = database.get_engine(settings)
     except ValueError as exc:  # e.g. a port that is not a number
         raise ConfigurationError(f"TOKENMILL_DATABASE_URL is not a usable URL: {exc}") from exc
-    ensure_schema(engine, auto_upgrade=settings.embedded)
+    migrate.ensure_schema(engine, auto_upgrade=settings.embedded)
     return engine
 
 

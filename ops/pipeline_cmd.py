@@ -43,14 +43,16 @@ from ops.options import (
 
 if TYPE_CHECKING:
     from app.core.settings import Settings
-    from app.ledger.run_queries import RunInfo
+    from app.ledger import run_queries
     from app.prompts.tokenization import ChatTokenizer
     from workers.intake.producer import EnqueueOptions, EnqueueReport
 
 MAX_ERRORS_SHOWN = 50
 
 
-def _template_choice(opts: dict[str, Any], existing: RunInfo | None) -> tuple[Any, bool]:
+def _template_choice(
+    opts: dict[str, Any], existing: run_queries.RunInfo | None
+) -> tuple[Any, bool]:
     """The template choice and --pass-turn-fields of the command line; a later enqueue that
     gives none of them keeps the run's."""
     from app.prompts.chat_pins import choice_of
@@ -141,7 +143,11 @@ def _check_destinations(settings: Settings, *, publish: bool, fleet: bool) -> No
 
 
 def _run_tokenizer(
-    tokenizer_path: str, opts: dict[str, Any], existing: RunInfo | None, *, trusted: bool
+    tokenizer_path: str,
+    opts: dict[str, Any],
+    existing: run_queries.RunInfo | None,
+    *,
+    trusted: bool,
 ) -> ChatTokenizer:
     """The tokenizer of --tokenizer with the run's template choice (an existing run's pinned
     one unless the options name another)."""
@@ -335,7 +341,7 @@ def unpublished_error(exc: Exception, db: Any, run: str, settings: Settings) -> 
     )
 
 
-def _run_priority(given: int | None, existing: RunInfo | None) -> int:
+def _run_priority(given: int | None, existing: run_queries.RunInfo | None) -> int:
     """The priority the run's messages carry: --priority, else the existing run's, else 0."""
     if given is not None:
         return given
@@ -390,7 +396,7 @@ def _storage_of(db: Any, run: str, settings: Settings) -> str:
     return (existing.storage_url if existing else None) or settings.resolved_storage_url()
 
 
-def _existing_run(db: Any, run: str) -> RunInfo | None:
+def _existing_run(db: Any, run: str) -> run_queries.RunInfo | None:
     from app.ledger import run_queries
 
     with db.connect() as conn:
@@ -400,7 +406,7 @@ def _existing_run(db: Any, run: str) -> RunInfo | None:
             return None
 
 
-def pinned_folder_changes(run: RunInfo, tokenizer_path: str | None = None) -> list[str]:
+def pinned_folder_changes(run: run_queries.RunInfo, tokenizer_path: str | None = None) -> list[str]:
     """How the tokenizer folder (the run's own unless given) differs from the files the run
     pinned, read before any of its code runs."""
     from app.prompts.tokenizer_files import folder_changes
@@ -409,7 +415,7 @@ def pinned_folder_changes(run: RunInfo, tokenizer_path: str | None = None) -> li
     return folder_changes(folder, run.generation.tokenizer_hash, run.generation.tokenizer_files)
 
 
-def _check_pinned_files(run: RunInfo, tokenizer_path: str) -> None:
+def _check_pinned_files(run: run_queries.RunInfo, tokenizer_path: str) -> None:
     """Refuse a tokenizer folder whose files differ from the run's before any of its code runs,
     naming each changed, new or removed file."""
     changes = pinned_folder_changes(run, tokenizer_path)

@@ -25,9 +25,7 @@ if TYPE_CHECKING:
     from sqlalchemy import Engine
 
     from app.core.settings import Settings
-    from app.ledger import retries
-    from app.ledger.retries import RetryPlan
-    from app.ledger.run_queries import RunInfo
+    from app.ledger import retries, run_queries
 
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)\s*([smhd])$")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -120,7 +118,7 @@ def retry_cmd(
     _publish(db, settings, run, plan)
 
 
-def _event_message(plan: RetryPlan) -> str:
+def _event_message(plan: retries.RetryPlan) -> str:
     reasons = "; ".join(f"{n} × {r}" for r, n in plan.by_reason.most_common(3))
     more = len(plan.by_reason) - 3
     if more > 0:
@@ -130,7 +128,7 @@ def _event_message(plan: RetryPlan) -> str:
 
 def _report(
     run_name: str,
-    plan: RetryPlan,
+    plan: retries.RetryPlan,
     *,
     dry_run: bool,
     as_json: bool,
@@ -155,7 +153,9 @@ def _report(
         click.echo(f"left failed: {n} items, {why}")
 
 
-def _publish(db: Engine, settings: Settings, run: RunInfo, plan: RetryPlan) -> None:
+def _publish(
+    db: Engine, settings: Settings, run: run_queries.RunInfo, plan: retries.RetryPlan
+) -> None:
     """Send the pending items to the broker and mark them queued, as enqueue does; start the
     later turns that wait on a done turn (their prompts are built again) and send those."""
     from app.core.errors import BrokerUnavailable

@@ -31,7 +31,7 @@ from ops.pipeline_cmd import enqueue_input
 
 if TYPE_CHECKING:
     from app.core.settings import Settings
-    from app.ledger.reads import RunCounts
+    from app.ledger import reads
     from workers.engine.runner import EmbeddedRunner
 
 
@@ -68,7 +68,7 @@ def run_cmd(
 
 def run_pipeline(
     input_path: Path, run_name: str, tokenizer_path: str, servers: list[str], opts: dict[str, Any]
-) -> RunCounts:
+) -> reads.RunCounts:
     from app.prompts.inputs import check_input
 
     check_input(input_path)  # at once: before the heavy imports and the servers' context length
@@ -106,7 +106,7 @@ def run_pipeline(
         with Progress(console) as progress:
             draw = run_progress.frame if progress.terminal else run_progress.log_lines
 
-            def tick(counts: RunCounts) -> None:
+            def tick(counts: reads.RunCounts) -> None:
                 progress.show(draw(counts, runner.servers(), pace))
 
             runner.start()

@@ -18,8 +18,7 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from app.core.settings import Settings
-    from app.ledger.reads import StoredItem
-    from app.ledger.run_queries import RunInfo
+    from app.ledger import reads, run_queries
     from app.outputs.verify import CheckTally, ExportSummary, Rerender, VerifyReport
     from app.prompts.tokenization import ChatTokenizer
 
@@ -122,7 +121,7 @@ def verify_cmd(
 
 
 @contextlib.contextmanager
-def _server_rerender(run: RunInfo, settings: Settings) -> Iterator[Rerender | None]:
+def _server_rerender(run: run_queries.RunInfo, settings: Settings) -> Iterator[Rerender | None]:
     """For a run whose folder has no chat template (its server renders), the re-render of
     stored items by the run's render server, as parity sends them; else None."""
     from app.prompts.chat_pins import rendered_on_server
@@ -139,7 +138,7 @@ def _server_rerender(run: RunInfo, settings: Settings) -> Iterator[Rerender | No
     images = StoredImages(lambda: image_location(settings))
     with render_client(run.generation.render_with, settings) as client:
 
-        def rerender(items: Sequence[StoredItem]) -> list[list[int] | str]:
+        def rerender(items: Sequence[reads.StoredItem]) -> list[list[int] | str]:
             requests: list[RenderRequest | str] = []
             for item in items:
                 try:
@@ -199,7 +198,7 @@ def _verify_counts(run_name: str | None, *, repair: bool, as_json: bool) -> None
 
 
 def _tokenizer(
-    run: RunInfo, override: str | None, trust_remote_code: bool
+    run: run_queries.RunInfo, override: str | None, trust_remote_code: bool
 ) -> tuple[ChatTokenizer | None, str | None]:
     """The tokenizer to re-apply the template with; the run's own path not loading is a
     finding (nothing can vouch for the prompts), a bad --tokenizer a usage error. The run's

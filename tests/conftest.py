@@ -21,8 +21,7 @@ from typing import TYPE_CHECKING
 import pytest
 from sqlalchemy import Engine, create_engine, text
 
-from app.ledger.database import make_engine
-from app.ledger.migrate import upgrade
+from app.ledger import database, migrate
 
 if TYPE_CHECKING:
     from app.prompts.tokenization import ChatTokenizer
@@ -48,8 +47,8 @@ def private_database(prefix: str = "tokenmill_test") -> Iterator[str]:
         conn.execute(text(f'CREATE DATABASE "{name}"'))
     url = PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
     try:
-        engine = make_engine(url)
-        upgrade(engine)
+        engine = database.make_engine(url)
+        migrate.upgrade(engine)
         engine.dispose()
         yield url
     finally:
@@ -67,7 +66,7 @@ def pg_url() -> Iterator[str]:
 
 @pytest.fixture
 def pg_engine(pg_url: str) -> Iterator[Engine]:
-    engine = make_engine(pg_url)
+    engine = database.make_engine(pg_url)
     with engine.begin() as conn:
         conn.execute(text(f"TRUNCATE {', '.join(TABLES)} RESTART IDENTITY CASCADE"))
     yield engine
@@ -79,8 +78,8 @@ def sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A SQLite ledger file migrated to head once per session, its WAL folded in: tests copy it
     (`migrated_sqlite`) rather than run every revision again."""
     file = tmp_path_factory.mktemp("sqlite-template") / "ledger.sqlite3"
-    engine = make_engine(f"sqlite:///{file}")
-    upgrade(engine)
+    engine = database.make_engine(f"sqlite:///{file}")
+    migrate.upgrade(engine)
     with engine.connect() as conn:
         conn.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
     engine.dispose()
@@ -91,7 +90,7 @@ def migrated_sqlite(template: Path, file: Path) -> Engine:
     """An engine on a copy of the migrated template at file (its folder made if missing)."""
     file.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(template, file)
-    return make_engine(f"sqlite:///{file}")
+    return database.make_engine(f"sqlite:///{file}")
 
 
 @pytest.fixture

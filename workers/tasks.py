@@ -34,8 +34,7 @@ from app.core.constants import (
 from app.core.locks import exclusive
 from app.core.process_name import name_process
 from app.core.settings import Settings, get_settings
-from app.ledger import registry
-from app.ledger.database import get_engine
+from app.ledger import database, registry
 from app.sglang.client import client_for
 from workers.control import reconcile as reconcile_logic
 from workers.control import server_removal
@@ -75,7 +74,10 @@ def requeue(ids: list[int], countdown_s: float) -> None:
     if ids:
         settings = get_settings()
         publish_by_priority(
-            get_engine(settings), ids, batch_size=settings.batch_size, countdown_s=countdown_s
+            database.get_engine(settings),
+            ids,
+            batch_size=settings.batch_size,
+            countdown_s=countdown_s,
         )
 
 
@@ -87,7 +89,7 @@ def runtime() -> WorkerRuntime:
             settings = get_settings()
             _runtime = WorkerRuntime(
                 settings,
-                db=get_engine(settings),
+                db=database.get_engine(settings),
                 server_url=settings.sglang_url,
                 server_name=identity(settings).server_name,
                 on_released=requeue,
@@ -145,9 +147,9 @@ def _claim_identity(sender: str | None = None, instance: Any = None, **_: Any) -
         instance.hostname = mine.worker_name
         trace.setup_worker_optimizations(instance.app, mine.worker_name)  # tasks' hostname
     try:
-        with get_engine(settings).connect() as conn:
+        with database.get_engine(settings).connect() as conn:
             known = registry.find_server(conn, mine.server_name) is not None
-        claim(settings, get_engine(settings), mine, _alive_workers)
+        claim(settings, database.get_engine(settings), mine, _alive_workers)
         _registered_new = not known
     except IdentityRefused as exc:
         sys.stderr.write(f"error: {exc}\n")
@@ -276,7 +278,7 @@ def _on_worker_shutdown(sender: Any = None, **_: Any) -> None:
             rt.unregister(hostname)
     if _registered_new and _identity is not None:
         try:
-            server_removal.drop_stray(get_engine(get_settings()), _identity.server_name)
+            server_removal.drop_stray(database.get_engine(get_settings()), _identity.server_name)
         except Exception as exc:
             log.warning(
                 "could not check the registration of %s (%s)",
@@ -306,7 +308,9 @@ def reconcile(run: str | None = None) -> dict[str, int]:
     with exclusive(settings, "reconcile", ttl_s=ttl_s) as held:
         if not held:
             return {"skipped": 1}
-        report = reconcile_logic.reconcile(get_engine(settings), settings, run=run, publish=requeue)
+        report = reconcile_logic.reconcile(
+            database.get_engine(settings), settings, run=run, publish=requeue
+        )
     return report.to_json()
 
 
@@ -322,7 +326,7 @@ def watchdog() -> dict[str, str]:
             )
             return {}
         return run_watchdog(
-            get_engine(settings), settings, CeleryControl(), parity=ParityGate(settings)
+            database.get_engine(settings), settings, CeleryControl(), parity=ParityGate(settings)
         )
 
 
@@ -331,5 +335,5 @@ def compact() -> list[dict[str, object]]:
     """Move the token arrays of runs with enough finished items to shards in object storage
     (each run under its own lock, so two beats or workers never compact the same run)."""
     settings = get_settings()
-    reports = compact_due(get_engine(settings), settings)
+    reports = compact_due(database.get_engine(settings), settings)
     return [r.to_json() for r in reports if r.compacted or r.orphans_removed]

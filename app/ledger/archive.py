@@ -27,10 +27,7 @@ from app.core.errors import ArchiveRefused
 from app.core.locks import exclusive
 from app.core.models import UNFINISHED, ItemStatus
 from app.core.settings import Settings
-from app.ledger import claims, common, event_log, queue, reads
-from app.ledger.common import items, items_archive, runs
-from app.ledger.database import pin_index_plans
-from app.ledger.run_queries import RunInfo
+from app.ledger import claims, common, database, event_log, queue, reads, run_queries
 
 log = logging.getLogger(__name__)
 
@@ -61,20 +58,22 @@ def archive_blockers(conn: Connection, run_id: int) -> list[str]:
     found = []
     if claims.run_has_items(conn, run_id, [s.value for s in UNFINISHED]):
         found.append("it still has unfinished items")
-    uncompacted = select(items.c.id).where(
-        items.c.run_id == run_id,
-        items.c.status == ItemStatus.DONE.value,
-        items.c.shard_uri.is_(None),
+    uncompacted = select(common.items.c.id).where(
+        common.items.c.run_id == run_id,
+        common.items.c.status == ItemStatus.DONE.value,
+        common.items.c.shard_uri.is_(None),
     )
-    if conn.execute(uncompacted.order_by(items.c.run_id, items.c.id).limit(1)).first():
+    if conn.execute(
+        uncompacted.order_by(common.items.c.run_id, common.items.c.id).limit(1)
+    ).first():
         found.append("some done items are not compacted (run `tokenmill compact RUN --all`)")
     return found
 
 
 def mark_archived(conn: Connection, run_id: int) -> None:
     conn.execute(
-        update(runs)
-        .where(runs.c.id == run_id, runs.c.archived_at.is_(None))
+        update(common.runs)
+        .where(common.runs.c.id == run_id, common.runs.c.archived_at.is_(None))
         .values(archived_at=common.utcnow())
     )
 
@@ -82,11 +81,11 @@ def mark_archived(conn: Connection, run_id: int) -> None:
 def _page(conn: Connection, run_id: int, status: str, after: int) -> list[int]:
     """The next page of the run's item ids of one status: a keyset range of (run_id, status,
     id)."""
-    pin_index_plans(conn)
+    database.pin_index_plans(conn)
     stmt = (
-        select(items.c.id)
-        .where(common.run_status_range(conn, items, run_id, status, after))
-        .order_by(*common.run_status_order(items))
+        select(common.items.c.id)
+        .where(common.run_status_range(conn, common.items, run_id, status, after))
+        .order_by(*common.run_status_order(common.items))
         .limit(PAGE_ITEMS)
     )
     return list(conn.execute(stmt).scalars())
@@ -94,23 +93,23 @@ def _page(conn: Connection, run_id: int, status: str, after: int) -> list[int]:
 
 def copy_items(conn: Connection, ids: Sequence[int]) -> int:
     """Copy these items into the archive (rows already there are left alone)."""
-    names = [c.name for c in items_archive.columns]
-    source = select(*(items.c[n] for n in names)).where(items.c.id.in_(list(ids)))
+    names = [c.name for c in common.items_archive.columns]
+    source = select(*(common.items.c[n] for n in names)).where(common.items.c.id.in_(list(ids)))
     if conn.dialect.name == "postgresql":
-        stmt: Any = postgresql.insert(items_archive).from_select(names, source)
+        stmt: Any = postgresql.insert(common.items_archive).from_select(names, source)
     else:
-        stmt = sqlite.insert(items_archive).from_select(names, source)
-    stmt = stmt.on_conflict_do_nothing(index_elements=["id"]).returning(items_archive.c.id)
+        stmt = sqlite.insert(common.items_archive).from_select(names, source)
+    stmt = stmt.on_conflict_do_nothing(index_elements=["id"]).returning(common.items_archive.c.id)
     return len(conn.execute(stmt).all())
 
 
 def delete_archived(conn: Connection, ids: Sequence[int]) -> int:
     """Delete from items those of these ids that are in the archive."""
-    copied = select(items_archive.c.id).where(items_archive.c.id.in_(list(ids)))
-    return int(conn.execute(delete(items).where(items.c.id.in_(copied))).rowcount)
+    copied = select(common.items_archive.c.id).where(common.items_archive.c.id.in_(list(ids)))
+    return int(conn.execute(delete(common.items).where(common.items.c.id.in_(copied))).rowcount)
 
 
-def archive_run(db: Engine, settings: Settings, run: RunInfo) -> ArchiveReport:
+def archive_run(db: Engine, settings: Settings, run: run_queries.RunInfo) -> ArchiveReport:
     """Move a finished, compacted run's items to items_archive; ArchiveRefused if it is not
     finished or not compacted. Running it again finishes an interrupted archive."""
     report = ArchiveReport(run=run.name)
@@ -138,7 +137,9 @@ def archive_run(db: Engine, settings: Settings, run: RunInfo) -> ArchiveReport:
         with db.begin() as conn:
             # counted once, now that every row is in the archive: status reads these from now on
             kept = reads.scanned_run_counts(conn, run).tallies()
-            conn.execute(update(runs).where(runs.c.id == run.id).values(archived_counts=kept))
+            conn.execute(
+                update(common.runs).where(common.runs.c.id == run.id).values(archived_counts=kept)
+            )
             queue.refresh_statistics(conn)
             event_log.record_event(
                 conn,

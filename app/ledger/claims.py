@@ -13,17 +13,7 @@ from sqlalchemy import Connection, and_, bindparam, func, or_, select, tuple_, u
 
 from app.core.images import ImageRef, refs_from_json
 from app.core.models import ItemStatus, item_counts
-from app.ledger.common import (
-    _in_id_order,
-    claimable_kind_range,
-    items,
-    run_status_order,
-    run_status_range,
-    runs,
-    status_of_found,
-    utcnow,
-)
-from app.ledger.database import pin_index_plans
+from app.ledger import common, database
 
 CLAIMABLE = (ItemStatus.PENDING.value, ItemStatus.QUEUED.value)
 
@@ -49,16 +39,16 @@ class ClaimedItem:
 
 
 _CLAIM_COLUMNS = (
-    items.c.id,
-    items.c.run_id,
-    items.c.sample_index,
-    items.c.prompt_ids,
-    items.c.attempts,
-    items.c.item_key,
-    items.c.turn_index,
-    items.c.row_sampling_params,
-    items.c.images,
-    items.c.refused_by,
+    common.items.c.id,
+    common.items.c.run_id,
+    common.items.c.sample_index,
+    common.items.c.prompt_ids,
+    common.items.c.attempts,
+    common.items.c.item_key,
+    common.items.c.turn_index,
+    common.items.c.row_sampling_params,
+    common.items.c.images,
+    common.items.c.refused_by,
 )
 
 
@@ -70,16 +60,16 @@ def _claimed(row: Any) -> ClaimedItem:
 
 def _text_only() -> Any:
     """Items without images: all a server that reads no images may claim."""
-    return items.c.images.is_(None)
+    return common.items.c.images.is_(None)
 
 
 def claimable(now: datetime) -> Any:
     """Whether a row found by its id or key may be claimed (its status read as
     common.status_of_found says, so the rows come from the primary key or the run's keys)."""
-    status = status_of_found()
+    status = common.status_of_found()
     return or_(
         status.in_(CLAIMABLE),
-        and_(status == ItemStatus.LEASED.value, items.c.lease_expires_at < now),
+        and_(status == ItemStatus.LEASED.value, common.items.c.lease_expires_at < now),
     )
 
 
@@ -97,12 +87,16 @@ def claim_items(
     skipped too (the server reads no images; `claimable_image_items` names them)."""
     if not ids:
         return []
-    now = utcnow()
-    where = [items.c.id.in_(_in_id_order(conn, ids)), claimable(now), _not_refused_by(server)]
+    now = common.utcnow()
+    where = [
+        common.items.c.id.in_(common._in_id_order(conn, ids)),
+        claimable(now),
+        _not_refused_by(server),
+    ]
     if text_only:
         where.append(_text_only())
     stmt = (
-        update(items)
+        update(common.items)
         .where(*where)
         .values(
             status=ItemStatus.LEASED.value,
@@ -121,7 +115,7 @@ def claim_items(
 
 def _not_refused_by(server: str) -> Any:
     """Items this server did not refuse: one it refused waits for another server's verdict."""
-    return or_(items.c.refused_by.is_(None), items.c.refused_by != server)
+    return or_(common.items.c.refused_by.is_(None), common.items.c.refused_by != server)
 
 
 def refused_here(conn: Connection, ids: Sequence[int], server: str) -> list[int]:
@@ -129,8 +123,10 @@ def refused_here(conn: Connection, ids: Sequence[int], server: str) -> list[int]
     over, to go back to the queue for another server."""
     if not ids:
         return []
-    stmt = select(items.c.id).where(
-        items.c.id.in_(list(ids)), items.c.refused_by == server, claimable(utcnow())
+    stmt = select(common.items.c.id).where(
+        common.items.c.id.in_(list(ids)),
+        common.items.c.refused_by == server,
+        claimable(common.utcnow()),
     )
     return sorted(int(i) for i in conn.execute(stmt).scalars())
 
@@ -140,8 +136,10 @@ def claimable_image_items(conn: Connection, ids: Sequence[int]) -> list[int]:
     reads no images passed over, to go back to the queue for one that does."""
     if not ids:
         return []
-    stmt = select(items.c.id).where(
-        items.c.id.in_(list(ids)), items.c.images.is_not(None), claimable(utcnow())
+    stmt = select(common.items.c.id).where(
+        common.items.c.id.in_(list(ids)),
+        common.items.c.images.is_not(None),
+        claimable(common.utcnow()),
     )
     return sorted(int(i) for i in conn.execute(stmt).scalars())
 
@@ -165,26 +163,26 @@ def _claimable_rows(
     ranges = [
         select(*columns)
         .where(
-            claimable_kind_range(conn, run_id, status, images=False)
+            common.claimable_kind_range(conn, run_id, status, images=False)
             if text_only
-            else run_status_range(conn, items, run_id, status, 0),
+            else common.run_status_range(conn, common.items, run_id, status, 0),
             *mine,
         )
-        .order_by(*run_status_order(items))
+        .order_by(*common.run_status_order(common.items))
         for status in CLAIMABLE
     ]
     ranges.append(
         select(*columns)
         .where(
-            items.c.status == ItemStatus.LEASED.value,
-            items.c.lease_expires_at < now,
-            items.c.run_id == run_id,
+            common.items.c.status == ItemStatus.LEASED.value,
+            common.items.c.lease_expires_at < now,
+            common.items.c.run_id == run_id,
             *only,
             *mine,
         )
-        .order_by(items.c.status, items.c.lease_expires_at)
+        .order_by(common.items.c.status, common.items.c.lease_expires_at)
     )
-    pin_index_plans(conn)
+    database.pin_index_plans(conn)
     for pick in ranges:
         if conn.dialect.name == "postgresql":
             pick = pick.with_for_update(skip_locked=True)
@@ -206,11 +204,11 @@ def claim_next(
     images only (the server reads none), the others stay queued for a server that does."""
     if limit <= 0:
         return []
-    now = utcnow()
-    everyone = select(runs.c.id).order_by(runs.c.id)
+    now = common.utcnow()
+    everyone = select(common.runs.c.id).order_by(common.runs.c.id)
     run_ids = [run_id] if run_id is not None else list(conn.execute(everyone).scalars())
     found = itertools.chain.from_iterable(
-        _claimable_rows(conn, r, limit, now, items.c.id, text_only=text_only, server=server)
+        _claimable_rows(conn, r, limit, now, common.items.c.id, text_only=text_only, server=server)
         for r in run_ids
     )
     ids = [row.id for row in itertools.islice(found, limit)]
@@ -221,7 +219,9 @@ def item_keys(conn: Connection, ids: Sequence[int]) -> dict[int, tuple[int, str]
     """id → (run id, item key) of these items (what a message's ids group by)."""
     if not ids:
         return {}
-    stmt = select(items.c.id, items.c.run_id, items.c.item_key).where(items.c.id.in_(list(ids)))
+    stmt = select(common.items.c.id, common.items.c.run_id, common.items.c.item_key).where(
+        common.items.c.id.in_(list(ids))
+    )
     return {int(r[0]): (int(r[1]), str(r[2])) for r in conn.execute(stmt)}
 
 
@@ -243,11 +243,17 @@ def claim_next_groups(
     conversation with an image waits, whole, for a server that reads images)."""
     if limit <= 0:
         return []
-    now = utcnow()
+    now = common.utcnow()
     keys: dict[str, None] = {}  # in the order their first claimable item comes
     seen: set[str] = set()
     rows = _claimable_rows(
-        conn, run_id, 16 * limit, now, items.c.id, items.c.item_key, text_only=text_only
+        conn,
+        run_id,
+        16 * limit,
+        now,
+        common.items.c.id,
+        common.items.c.item_key,
+        text_only=text_only,
     )
     for row in rows:
         if row.item_key in seen:
@@ -262,7 +268,7 @@ def claim_next_groups(
         _drop_keys_with_images(conn, run_id, keys, now)
     if not keys:
         return []
-    pick = select(items.c.id).where(_of_keys(run_id, keys), claimable(now))
+    pick = select(common.items.c.id).where(_of_keys(run_id, keys), claimable(now))
     ids = list(conn.execute(pick).scalars())
     return claim_items(conn, ids, owner=owner, server=server, lease_s=lease_s, text_only=text_only)
 
@@ -271,7 +277,7 @@ def _of_keys(run_id: int, keys: Iterable[str]) -> Any:
     """The run's items of these keys, as (run_id, item_key) pairs: each pair one probe of
     the run's unique keys. `run_id = ? AND item_key IN (...)` let the planner, on the
     statistics of before an enqueue, read the run's whole range of (run_id, status, id)."""
-    return tuple_(items.c.run_id, items.c.item_key).in_([(run_id, k) for k in keys])
+    return tuple_(common.items.c.run_id, common.items.c.item_key).in_([(run_id, k) for k in keys])
 
 
 def _drop_keys_with_images(
@@ -280,9 +286,9 @@ def _drop_keys_with_images(
     """Take out of keys the conversations with a claimable image item."""
     if not keys:
         return
-    with_images = select(items.c.item_key).where(
+    with_images = select(common.items.c.item_key).where(
         _of_keys(run_id, keys),
-        items.c.images.is_not(None),
+        common.items.c.images.is_not(None),
         claimable(now),
     )
     for key in conn.execute(with_images).scalars():
@@ -304,17 +310,17 @@ def hedge_candidates(
     text_only: items without images only."""
     if limit <= 0:
         return []
-    pin_index_plans(conn)
+    database.pin_index_plans(conn)
     # Three small steps instead of one anti-join, whose plan (a nested loop over a scan of
     # the whole table) the planner picked at the end of a run: the runs of the live leases
     # (read through an index of leases), one indexed probe per run, then the oldest leases.
     live = and_(
-        items.c.status == ItemStatus.LEASED.value,
-        items.c.lease_expires_at > utcnow(),
-        items.c.server != server,
-        items.c.hedge_owner.is_(None),
+        common.items.c.status == ItemStatus.LEASED.value,
+        common.items.c.lease_expires_at > common.utcnow(),
+        common.items.c.server != server,
+        common.items.c.hedge_owner.is_(None),
     )
-    leased_runs = conn.execute(select(items.c.run_id).where(live).distinct()).scalars()
+    leased_runs = conn.execute(select(common.items.c.run_id).where(live).distinct()).scalars()
     ending = [r for r in leased_runs if r not in skip_runs and not claimable_left(conn, r)]
     if not ending:
         return []
@@ -322,15 +328,19 @@ def hedge_candidates(
     # step walks the lease index in its order; a join sorting by priority would sort them all)
     priority_of = {
         int(r[0]): int(r[1])
-        for r in conn.execute(select(runs.c.id, runs.c.priority).where(runs.c.id.in_(ending)))
+        for r in conn.execute(
+            select(common.runs.c.id, common.runs.c.priority).where(common.runs.c.id.in_(ending))
+        )
     }
     picked: list[tuple[int, int]] = []
     for level in sorted(set(priority_of.values()), reverse=True):
         level_runs = [r for r in ending if priority_of.get(r) == level]
         pick = (
-            select(items.c.id, items.c.run_id)
-            .where(live, items.c.run_id.in_(level_runs), *([_text_only()] if text_only else []))
-            .order_by(items.c.started_at, items.c.id)
+            select(common.items.c.id, common.items.c.run_id)
+            .where(
+                live, common.items.c.run_id.in_(level_runs), *([_text_only()] if text_only else [])
+            )
+            .order_by(common.items.c.started_at, common.items.c.id)
             .limit(limit - len(picked))
         )
         picked += [(int(r[0]), int(r[1])) for r in conn.execute(pick)]
@@ -347,7 +357,7 @@ def claimable_left(conn: Connection, run_id: int) -> bool:
 def text_items_left(conn: Connection, run_id: int) -> bool:
     """Whether the run has claimable items without images (what a server that reads no
     images may still take)."""
-    rows = _claimable_rows(conn, run_id, 1, utcnow(), items.c.id, text_only=True)
+    rows = _claimable_rows(conn, run_id, 1, common.utcnow(), common.items.c.id, text_only=True)
     return next(rows, None) is not None
 
 
@@ -355,10 +365,15 @@ def image_items_left(conn: Connection, run_id: int) -> bool:
     """Whether the run has claimable items with images (what only a server that understands
     images may take): a probe of ix_items_image_claimable per status, which holds the
     claimable image items only (a run of text items has none to read past)."""
-    pin_index_plans(conn)
+    database.pin_index_plans(conn)
     for status in CLAIMABLE:
-        probe = select(items.c.id).where(claimable_kind_range(conn, run_id, status, images=True))
-        if conn.execute(probe.order_by(*run_status_order(items)).limit(1)).first() is not None:
+        probe = select(common.items.c.id).where(
+            common.claimable_kind_range(conn, run_id, status, images=True)
+        )
+        if (
+            conn.execute(probe.order_by(*common.run_status_order(common.items)).limit(1)).first()
+            is not None
+        ):
             return True
     return False
 
@@ -383,11 +398,11 @@ def mark_hedged(conn: Connection, ids: Sequence[int], *, owner: str) -> list[Cla
     if not ids:
         return []
     stmt = (
-        update(items)
+        update(common.items)
         .where(
-            items.c.id.in_(_in_id_order(conn, ids)),
-            items.c.status == ItemStatus.LEASED.value,
-            items.c.hedge_owner.is_(None),
+            common.items.c.id.in_(common._in_id_order(conn, ids)),
+            common.items.c.status == ItemStatus.LEASED.value,
+            common.items.c.hedge_owner.is_(None),
         )
         .values(hedge_owner=owner)
         .returning(*_CLAIM_COLUMNS)
@@ -403,15 +418,15 @@ def unmark_hedged(conn: Connection, ids: Sequence[int], *, owner: str) -> int:
     if not ids:
         return 0
     stmt = (
-        update(items)
-        .where(items.c.id.in_(list(ids)), items.c.hedge_owner == owner)
+        update(common.items)
+        .where(common.items.c.id.in_(list(ids)), common.items.c.hedge_owner == owner)
         .values(hedge_owner=None)
     )
     return conn.execute(stmt).rowcount
 
 
-_FINISHED_AMONG = select(items.c.id, items.c.status).where(
-    items.c.id.in_(bindparam("ids", expanding=True))
+_FINISHED_AMONG = select(common.items.c.id, common.items.c.status).where(
+    common.items.c.id.in_(bindparam("ids", expanding=True))
 )
 
 
@@ -419,7 +434,7 @@ def finished_among(conn: Connection, ids: Sequence[int]) -> set[int]:
     """Which of these items are done or failed (so a copy still running is wasted)."""
     if not ids:
         return set()
-    pin_index_plans(conn)
+    database.pin_index_plans(conn)
     # by primary key only, the status tested here: no plan can prefer a status index
     final = (ItemStatus.DONE.value, ItemStatus.FAILED.value)
     # one expanding parameter, bound at execution: the hedge round asks this of every request
@@ -444,29 +459,29 @@ def extend_leases(
     result write holds is being finished (or its retry extends the lease itself), and
     waiting for it while holding other rows is how a heartbeat deadlocked against its own
     worker's writer."""
-    now = utcnow()
+    now = common.utcnow()
     renew_below_s = max(lease_s / 2, 2 * (heartbeat_s or 0.0))
     mine = and_(
-        items.c.lease_owner == owner,
-        items.c.status == ItemStatus.LEASED.value,
-        items.c.lease_expires_at < now + timedelta(seconds=renew_below_s),
+        common.items.c.lease_owner == owner,
+        common.items.c.status == ItemStatus.LEASED.value,
+        common.items.c.lease_expires_at < now + timedelta(seconds=renew_below_s),
     )
-    stmt = update(items).values(lease_expires_at=now + timedelta(seconds=lease_s))
+    stmt = update(common.items).values(lease_expires_at=now + timedelta(seconds=lease_s))
     if conn.dialect.name != "postgresql":
         return conn.execute(stmt.where(mine)).rowcount
     # a CTE is locked once (as an IN subquery it was run again for every lease: O(leases²)),
     # and its rows, locked and checked, are then found by primary key only
-    locked = select(items.c.id).where(mine).with_for_update(skip_locked=True).cte("locked")
-    return conn.execute(stmt.where(items.c.id == locked.c.id)).rowcount
+    locked = select(common.items.c.id).where(mine).with_for_update(skip_locked=True).cte("locked")
+    return conn.execute(stmt.where(common.items.c.id == locked.c.id)).rowcount
 
 
 def lease_owners(conn: Connection, run_id: int) -> list[str]:
     """The owners holding leases of the run's items (one range of the run's leased items)."""
     stmt = (
-        select(items.c.lease_owner)
+        select(common.items.c.lease_owner)
         .where(
-            run_status_range(conn, items, run_id, ItemStatus.LEASED.value, 0),
-            items.c.lease_owner.is_not(None),
+            common.run_status_range(conn, common.items, run_id, ItemStatus.LEASED.value, 0),
+            common.items.c.lease_owner.is_not(None),
         )
         .distinct()
     )
@@ -477,10 +492,10 @@ def drop_hedge_marks(conn: Connection, run_id: int, owner: str) -> int:
     """Clear the hedge marks an owner left on the run's leased items (it died), so other
     servers may hedge them."""
     stmt = (
-        update(items)
+        update(common.items)
         .where(
-            run_status_range(conn, items, run_id, ItemStatus.LEASED.value, 0),
-            items.c.hedge_owner == owner,
+            common.run_status_range(conn, common.items, run_id, ItemStatus.LEASED.value, 0),
+            common.items.c.hedge_owner == owner,
         )
         .values(hedge_owner=None)
     )

@@ -9,19 +9,17 @@ from typing import Any
 from sqlalchemy import Connection, and_, bindparam, func, select, text, update
 
 from app.core.models import ItemStatus, pack_ids
-from app.ledger.common import items, items_archive, runs
-from app.ledger.database import pin_index_plans
-from app.ledger.run_queries import RunInfo, get_run_by_id
+from app.ledger import common, database, run_queries
 
 
 def _compactable(run_id: int) -> Any:
     """Done items of the run whose arrays are still in the ledger and that no unfinished later
     turn still reads (a multi-turn chain builds the next prompt from the previous turn)."""
-    later = items.alias("later")
+    later = common.items.alias("later")
     depended_on = (
         select(later.c.id)
         .where(
-            later.c.prev_item_id == items.c.id,
+            later.c.prev_item_id == common.items.c.id,
             # the predicate of ix_items_prev_unfinished, the later turns still to run: the
             # anti-join reads that index, not every item's prev_item_id
             later.c.prev_item_id.is_not(None),
@@ -31,16 +29,16 @@ def _compactable(run_id: int) -> Any:
         .exists()
     )
     return and_(
-        items.c.run_id == run_id,
-        items.c.status == ItemStatus.DONE.value,
-        items.c.shard_uri.is_(None),
+        common.items.c.run_id == run_id,
+        common.items.c.status == ItemStatus.DONE.value,
+        common.items.c.shard_uri.is_(None),
         ~depended_on,
     )
 
 
 def count_compactable(conn: Connection, run_id: int) -> int:
     """How many of the run's items compaction may move (an exact count: `compact --all`)."""
-    pin_index_plans(conn)
+    database.pin_index_plans(conn)
     return int(conn.execute(select(func.count()).where(_compactable(run_id))).scalar_one())
 
 
@@ -49,15 +47,15 @@ def count_uncompacted(conn: Connection, run_id: int, *, at_most: int) -> int:
     one range of ix_items_uncompacted, index entries only, so the periodic "are there
     enough?" costs the same at 10M items as at 10K. (Compaction itself still leaves out the
     items a waiting later turn reads.)"""
-    pin_index_plans(conn)
+    database.pin_index_plans(conn)
     found = (
-        select(items.c.id)
+        select(common.items.c.id)
         .where(
-            items.c.run_id == run_id,
-            items.c.status == ItemStatus.DONE.value,
-            items.c.shard_uri.is_(None),
+            common.items.c.run_id == run_id,
+            common.items.c.status == ItemStatus.DONE.value,
+            common.items.c.shard_uri.is_(None),
         )
-        .order_by(items.c.run_id, items.c.id)
+        .order_by(common.items.c.run_id, common.items.c.id)
         .limit(at_most)
     )
     return int(conn.execute(select(func.count()).select_from(found.subquery())).scalar_one())
@@ -65,11 +63,11 @@ def count_uncompacted(conn: Connection, run_id: int, *, at_most: int) -> int:
 
 def compactable_ids(conn: Connection, run_id: int, *, after_id: int = 0, limit: int) -> list[int]:
     """Ids of items compaction may move, in id order."""
-    pin_index_plans(conn)
+    database.pin_index_plans(conn)
     stmt = (
-        select(items.c.id)
-        .where(_compactable(run_id), items.c.id > after_id)
-        .order_by(items.c.id)
+        select(common.items.c.id)
+        .where(_compactable(run_id), common.items.c.id > after_id)
+        .order_by(common.items.c.id)
         .limit(limit)
     )
     return list(conn.execute(stmt).scalars())
@@ -111,11 +109,11 @@ def mark_compacted(conn: Connection, shard_uri: str, rows: Sequence[tuple[int, i
             changed += int(together.rowcount)
         return changed
     stmt = (
-        update(items)
+        update(common.items)
         .where(
-            items.c.id == bindparam("b_id"),
-            items.c.shard_uri.is_(None),
-            items.c.status == ItemStatus.DONE.value,
+            common.items.c.id == bindparam("b_id"),
+            common.items.c.shard_uri.is_(None),
+            common.items.c.status == ItemStatus.DONE.value,
         )
         .values(
             shard_uri=shard_uri,
@@ -132,7 +130,7 @@ def shard_referenced(conn: Connection, run_id: int, name: str, first_id: int, la
     """Whether an item of the run (in items or the archive) points at the shard `name`, which
     holds items first_id..last_id: a primary-key range probe that stops at the first match
     (normally first_id itself), never a scan of the run."""
-    for table in (items, items_archive):
+    for table in (common.items, common.items_archive):
         probe = select(table.c.id).where(
             table.c.id >= first_id,
             table.c.id <= last_id,
@@ -146,22 +144,26 @@ def shard_referenced(conn: Connection, run_id: int, name: str, first_id: int, la
 
 def shard_uris(conn: Connection, run_id: int) -> set[str]:
     """Every shard the run's items point at."""
-    stmt = select(items.c.shard_uri).where(items.c.run_id == run_id, items.c.shard_uri.is_not(None))
+    stmt = select(common.items.c.shard_uri).where(
+        common.items.c.run_id == run_id, common.items.c.shard_uri.is_not(None)
+    )
     return {str(u) for u in conn.execute(stmt.distinct()).scalars()}
 
 
 def compacted_count(conn: Connection, run_id: int) -> int:
-    stmt = select(func.count()).where(items.c.run_id == run_id, items.c.shard_uri.is_not(None))
+    stmt = select(func.count()).where(
+        common.items.c.run_id == run_id, common.items.c.shard_uri.is_not(None)
+    )
     return int(conn.execute(stmt).scalar_one())
 
 
-def runs_with_compactable(conn: Connection, min_items: int) -> list[RunInfo]:
+def runs_with_compactable(conn: Connection, min_items: int) -> list[run_queries.RunInfo]:
     """Runs with at least min_items finished items whose arrays are still in the ledger: per
     run, count_uncompacted up to min_items (O(runs x min_items), never a count of every
     finished row)."""
-    run_ids = conn.execute(select(runs.c.id).order_by(runs.c.id)).scalars().all()
+    run_ids = conn.execute(select(common.runs.c.id).order_by(common.runs.c.id)).scalars().all()
     return [
-        get_run_by_id(conn, int(run_id))
+        run_queries.get_run_by_id(conn, int(run_id))
         for run_id in run_ids
         if count_uncompacted(conn, int(run_id), at_most=min_items) >= min_items
     ]

@@ -14,12 +14,7 @@ from typing import Any
 from sqlalchemy import Connection, Table, and_, func, or_, select
 
 from app.core.models import ItemStatus
-from app.ledger import common, counters, reads, registry, run_queries
-from app.ledger.common import as_utc, events, items, items_archive, utcnow
-from app.ledger.database import pin_index_plans
-from app.ledger.reads import RunCounts
-from app.ledger.registry import EventInfo, ServerInfo
-from app.ledger.run_queries import RunInfo
+from app.ledger import common, counters, database, reads, registry, run_queries
 
 RATE_WINDOW_S = 60.0
 LATENCY_SAMPLE = 200  # the latest completions per server behind p50/p95
@@ -46,12 +41,14 @@ def servers_seen(conn: Connection) -> list[str]:
     however many items there are (a DISTINCT would read the whole index)."""
     # "IS NOT NULL" names the predicate of the server's index (partial: items sent somewhere)
     seen = (
-        select(func.min(items.c.server).label("server"))
-        .where(items.c.server.is_not(None))
+        select(func.min(common.items.c.server).label("server"))
+        .where(common.items.c.server.is_not(None))
         .cte("seen", recursive=True)
     )
     following = (
-        select(func.min(items.c.server)).where(items.c.server > seen.c.server).scalar_subquery()
+        select(func.min(common.items.c.server))
+        .where(common.items.c.server > seen.c.server)
+        .scalar_subquery()
     )
     seen = seen.union_all(select(following).where(seen.c.server.is_not(None)))
     stmt = select(seen.c.server).where(seen.c.server.is_not(None))
@@ -66,16 +63,16 @@ def recent_completions(
     the recent rows instead of scanning the table."""
     stmt = (
         select(
-            items.c.run_id,
-            items.c.server,
+            common.items.c.run_id,
+            common.items.c.server,
             func.count(),
-            func.coalesce(func.sum(items.c.completion_tokens), 0),
+            func.coalesce(func.sum(common.items.c.completion_tokens), 0),
         )
-        .where(items.c.finished_at >= since, items.c.status.in_(FINISHED))
-        .group_by(items.c.run_id, items.c.server)
+        .where(common.items.c.finished_at >= since, common.items.c.status.in_(FINISHED))
+        .group_by(common.items.c.run_id, common.items.c.server)
     )
     if servers is not None:
-        stmt = stmt.where(items.c.server.in_(list(servers)))
+        stmt = stmt.where(common.items.c.server.in_(list(servers)))
     return [
         RecentCompletions(int(run_id), server, int(n), int(tokens))
         for run_id, server, n, tokens in conn.execute(stmt)
@@ -90,15 +87,15 @@ def inflight_by_server(conn: Connection) -> dict[str, int]:
 def recent_latencies(conn: Connection, server: str, *, limit: int = LATENCY_SAMPLE) -> list[float]:
     """End-to-end latencies of the server's latest `limit` completed items, newest first."""
     stmt = (
-        select(items.c.latency_s)
+        select(common.items.c.latency_s)
         .where(
-            items.c.server == server,
-            items.c.status == ItemStatus.DONE.value,
-            items.c.latency_s.is_not(None),
+            common.items.c.server == server,
+            common.items.c.status == ItemStatus.DONE.value,
+            common.items.c.latency_s.is_not(None),
         )
         # the order of ix_items_done_finished (server, finished_at), so the latest are the
         # first entries of the server's range; a tie-break on id made it sort all of them
-        .order_by(items.c.finished_at.desc())
+        .order_by(common.items.c.finished_at.desc())
         .limit(limit)
     )
     return [float(v) for v in conn.execute(stmt).scalars()]
@@ -118,7 +115,7 @@ def percentile(values: Sequence[float], pct: float) -> float | None:
 
 @dataclass(frozen=True)
 class RunProgress:
-    counts: RunCounts
+    counts: reads.RunCounts
     recent_finished: int
     recent_tokens: int
     window_s: float
@@ -150,7 +147,9 @@ class RunProgress:
 @dataclass(frozen=True)
 class ServerRow:
     name: str
-    info: ServerInfo | None  # None: seen on items but not in the registry (`tokenmill run`)
+    info: (
+        registry.ServerInfo | None
+    )  # None: seen on items but not in the registry (`tokenmill run`)
     in_flight: int
     recent_tokens: int
     window_s: float
@@ -168,7 +167,7 @@ class Dashboard:
     runs: list[RunProgress]
     runs_not_shown: int
     servers: list[ServerRow]
-    events: list[EventInfo]
+    events: list[registry.EventInfo]
 
 
 def gather_dashboard(
@@ -183,9 +182,9 @@ def gather_dashboard(
 ) -> Dashboard:
     """One consistent-enough picture for a dashboard tick: the named run (or the latest
     `max_runs` runs), every server (registered, or seen on work), the latest events."""
-    now = now or utcnow()
+    now = now or common.utcnow()
     if run_name is not None:
-        shown: list[RunInfo] = [run_queries.get_run(conn, run_name)]
+        shown: list[run_queries.RunInfo] = [run_queries.get_run(conn, run_name)]
         hidden = 0
     else:
         every = run_queries.list_runs(conn)
@@ -257,7 +256,7 @@ def iter_item_stats(
     and unlike `ledger.iter_items` no token array is read); archived rows included."""
     streams = [
         _stat_pages(conn, table, run_id, status, page_size)
-        for table in (items, items_archive)
+        for table in (common.items, common.items_archive)
         for status in dict.fromkeys(statuses)
     ]
     for page in reads.merged_pages(streams, page_size):
@@ -268,7 +267,7 @@ def _stat_pages(
     conn: Connection, table: Table, run_id: int, status: str, page_size: int
 ) -> Iterator[list[ItemStats]]:
     """`run_id = ? AND status = ? AND id > last ORDER BY id LIMIT n` over (run_id, status, id)."""
-    pin_index_plans(conn)
+    database.pin_index_plans(conn)
     after = 0
     while True:
         stmt = (
@@ -286,8 +285,8 @@ def _stat_pages(
                 prompt_tokens=row.prompt_tokens,
                 completion_tokens=row.completion_tokens,
                 latency_s=row.latency_s,
-                started_at=as_utc(row.started_at),
-                finished_at=as_utc(row.finished_at),
+                started_at=common.as_utc(row.started_at),
+                finished_at=common.as_utc(row.finished_at),
             )
             for row in conn.execute(stmt)
         ]
@@ -324,16 +323,16 @@ def item_ranges(conn: Connection, run_id: int) -> ItemRanges:
                 func.max(t.c.completion_tokens),
             ).where(t.c.run_id == run_id, t.c.status.in_(FINISHED))
         ).one()
-        for t in (items, items_archive)
+        for t in (common.items, common.items_archive)
     ]
     lows = (0, 1, 3)
     started, first, last, lat_min, lat_max, completion_max = (
         _extreme([r[i] for r in rows], low=i in lows) for i in range(6)
     )
     return ItemRanges(
-        first_started_at=as_utc(started),
-        first_finished_at=as_utc(first),
-        last_finished_at=as_utc(last),
+        first_started_at=common.as_utc(started),
+        first_finished_at=common.as_utc(first),
+        last_finished_at=common.as_utc(last),
         min_latency_s=None if lat_min is None else float(lat_min),
         max_latency_s=None if lat_max is None else float(lat_max),
         max_completion_tokens=None if completion_max is None else int(completion_max),
@@ -353,15 +352,17 @@ def failure_reasons(
     """The most common errors of a run's failed items (first `chars` characters), by count
     (archived rows included)."""
     counts: dict[str, int] = {}
-    for t in (items, items_archive):
+    for t in (common.items, common.items_archive):
         reason = func.coalesce(func.substr(t.c.error, 1, chars), "(no error recorded)")
         stmt = (
             select(reason.label("reason"), func.count().label("n"))
             .where(t.c.run_id == run_id, t.c.status == ItemStatus.FAILED.value)
             .group_by("reason")  # by label: Postgres sees the bound substr() arguments as new
         )
-        if t is items_archive:  # rows copied and not yet deleted are counted once
-            stmt = stmt.where(~select(items.c.id).where(items.c.id == t.c.id).exists())
+        if t is common.items_archive:  # rows copied and not yet deleted are counted once
+            stmt = stmt.where(
+                ~select(common.items.c.id).where(common.items.c.id == t.c.id).exists()
+            )
         for r, n in conn.execute(stmt):
             counts[str(r)] = counts.get(str(r), 0) + int(n)
     ranked = sorted(counts.items(), key=lambda rn: (-rn[1], rn[0]))
@@ -380,21 +381,24 @@ def server_events(
 ) -> list[ServerEvent]:
     """Events of these kinds between since and until, plus each server's latest one before
     since (so a state that began earlier is known), oldest first."""
-    kind_filter = and_(events.c.kind.in_(list(kinds)), events.c.server.is_not(None))
+    kind_filter = and_(common.events.c.kind.in_(list(kinds)), common.events.c.server.is_not(None))
     before = (
-        select(func.max(events.c.id))
-        .where(kind_filter, events.c.at < since)
-        .group_by(events.c.server)
+        select(func.max(common.events.c.id))
+        .where(kind_filter, common.events.c.at < since)
+        .group_by(common.events.c.server)
     )
     stmt = (
-        select(events.c.at, events.c.kind, events.c.server)
+        select(common.events.c.at, common.events.c.kind, common.events.c.server)
         .where(
             kind_filter,
-            or_(events.c.id.in_(before), and_(events.c.at >= since, events.c.at <= until)),
+            or_(
+                common.events.c.id.in_(before),
+                and_(common.events.c.at >= since, common.events.c.at <= until),
+            ),
         )
-        .order_by(events.c.at, events.c.id)
+        .order_by(common.events.c.at, common.events.c.id)
     )
     return [
-        ServerEvent(at=as_utc(at) or since, kind=kind, server=str(server))
+        ServerEvent(at=common.as_utc(at) or since, kind=kind, server=str(server))
         for at, kind, server in conn.execute(stmt)
     ]

@@ -9,7 +9,7 @@ from typing import Any
 from sqlalchemy import Connection, insert, select
 
 from app.core.constants import EVENT_FINGERPRINT_MISMATCH, EVENT_FINGERPRINT_PINNED, EventKind
-from app.ledger.common import events, utcnow
+from app.ledger import common
 
 
 def record_event(
@@ -22,16 +22,23 @@ def record_event(
     details: dict[str, Any] | None = None,
 ) -> None:
     conn.execute(
-        insert(events).values(
-            at=utcnow(), kind=kind, run_id=run_id, server=server, message=message, details=details
+        insert(common.events).values(
+            at=common.utcnow(),
+            kind=kind,
+            run_id=run_id,
+            server=server,
+            message=message,
+            details=details,
         )
     )
 
 
 def has_event(conn: Connection, kind: EventKind, *, run_id: int, server: str) -> bool:
     """Whether an event of this kind was recorded for this run and server."""
-    stmt = select(events.c.id).where(
-        events.c.kind == kind, events.c.run_id == run_id, events.c.server == server
+    stmt = select(common.events.c.id).where(
+        common.events.c.kind == kind,
+        common.events.c.run_id == run_id,
+        common.events.c.server == server,
     )
     return conn.execute(stmt.limit(1)).first() is not None
 
@@ -41,9 +48,13 @@ def latest_kind(
 ) -> str | None:
     """The kind of the latest event of these kinds for this run and server (None: none)."""
     stmt = (
-        select(events.c.kind)
-        .where(events.c.kind.in_(list(kinds)), events.c.run_id == run_id, events.c.server == server)
-        .order_by(events.c.id.desc())
+        select(common.events.c.kind)
+        .where(
+            common.events.c.kind.in_(list(kinds)),
+            common.events.c.run_id == run_id,
+            common.events.c.server == server,
+        )
+        .order_by(common.events.c.id.desc())
         .limit(1)
     )
     kind: str | None = conn.execute(stmt).scalar()
@@ -56,13 +67,18 @@ def runs_refused(conn: Connection, run_ids: Sequence[int]) -> dict[str, dict[int
     if not run_ids:
         return {}
     stmt = (
-        select(events.c.server, events.c.run_id, events.c.kind, events.c.message)
-        .where(
-            events.c.kind.in_([EVENT_FINGERPRINT_PINNED, EVENT_FINGERPRINT_MISMATCH]),
-            events.c.run_id.in_(list(run_ids)),
-            events.c.server.is_not(None),
+        select(
+            common.events.c.server,
+            common.events.c.run_id,
+            common.events.c.kind,
+            common.events.c.message,
         )
-        .order_by(events.c.id)
+        .where(
+            common.events.c.kind.in_([EVENT_FINGERPRINT_PINNED, EVENT_FINGERPRINT_MISMATCH]),
+            common.events.c.run_id.in_(list(run_ids)),
+            common.events.c.server.is_not(None),
+        )
+        .order_by(common.events.c.id)
     )
     latest: dict[tuple[str, int], tuple[str, str]] = {}
     for row in conn.execute(stmt):

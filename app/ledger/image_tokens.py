@@ -13,7 +13,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 
 from app.core.images import ImagePins
 from app.core.models import run_image_tokens
-from app.ledger.common import runs
+from app.ledger import common
 
 
 @dataclass(frozen=True)
@@ -26,15 +26,17 @@ class ImageCount:
 
 def run_image_pins(conn: Connection, run_id: int) -> ImagePins | None:
     """The run's image pins (`runs.images`); None for a text-only run."""
-    value = conn.execute(select(runs.c.images).where(runs.c.id == run_id)).scalar_one_or_none()
+    value = conn.execute(
+        select(common.runs.c.images).where(common.runs.c.id == run_id)
+    ).scalar_one_or_none()
     return None if value is None else ImagePins.from_json(value)
 
 
 def pin_run_images(conn: Connection, run_id: int, pins: ImagePins) -> ImagePins:
     """Pin pins as the run's image placeholder unless it holds one; returns what it holds."""
     conn.execute(
-        update(runs)
-        .where(runs.c.id == run_id, runs.c.images.is_(None))
+        update(common.runs)
+        .where(common.runs.c.id == run_id, common.runs.c.images.is_(None))
         .values(images=pins.to_json())
     )
     held = run_image_pins(conn, run_id)
@@ -74,7 +76,7 @@ def note_image_tokens(
 def pin_image_settings(conn: Connection, run_id: int, images: dict[str, Any]) -> dict[str, Any]:
     """Join these image settings to the run's pinned fingerprint if it has none yet (it was
     pinned by a server that reads no images); return the pinned fingerprint."""
-    read = select(runs.c.fingerprint).where(runs.c.id == run_id)
+    read = select(common.runs.c.fingerprint).where(common.runs.c.id == run_id)
     if conn.dialect.name == "postgresql":
         # the run's row locked until commit: of two servers racing, the second sees the first's
         read = read.with_for_update()
@@ -83,5 +85,5 @@ def pin_image_settings(conn: Connection, run_id: int, images: dict[str, Any]) ->
     if row is None or "images" in pinned:
         return pinned
     pinned["images"] = images
-    conn.execute(update(runs).where(runs.c.id == run_id).values(fingerprint=pinned))
+    conn.execute(update(common.runs).where(common.runs.c.id == run_id).values(fingerprint=pinned))
     return pinned

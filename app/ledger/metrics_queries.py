@@ -11,12 +11,7 @@ from dataclasses import dataclass, field
 
 from sqlalchemy import Connection, Engine, select
 
-from app.ledger import counters, windows
-from app.ledger.common import runs
-from app.ledger.counters import LATENCY_BUCKETS_S as LATENCY_BUCKETS_S
-from app.ledger.database import limit_periodic
-from app.ledger.registry import ServerInfo, list_servers
-from app.ledger.windows import ServerWindow
+from app.ledger import common, counters, database, registry, windows
 
 
 @dataclass(frozen=True)
@@ -50,27 +45,32 @@ class LedgerSnapshot:
     run_names: list[str]
     groups: list[ItemGroup]
     latencies: list[LatencyHistogram]
-    servers: list[ServerInfo]
+    servers: list[registry.ServerInfo]
     # each server's window as its live workers keep it (app.ledger.windows)
-    windows: dict[str, ServerWindow] = field(default_factory=dict)
+    server_windows: dict[str, windows.ServerWindow] = field(default_factory=dict)
     # each run's priority (higher first), by name
     run_priorities: dict[str, int] = field(default_factory=dict)
 
 
 def run_names(conn: Connection) -> list[str]:
     """Every run, including those without items yet."""
-    return list(conn.execute(select(runs.c.name).order_by(runs.c.id)).scalars())
+    return list(conn.execute(select(common.runs.c.name).order_by(common.runs.c.id)).scalars())
 
 
 def run_priorities(conn: Connection) -> dict[str, int]:
     """Every run's priority, by name."""
-    return {str(r[0]): int(r[1]) for r in conn.execute(select(runs.c.name, runs.c.priority))}
+    return {
+        str(r[0]): int(r[1])
+        for r in conn.execute(select(common.runs.c.name, common.runs.c.priority))
+    }
 
 
 def item_groups(conn: Connection) -> list[ItemGroup]:
     """Item counts and completion tokens by run, server, status and finish reason (from the
     item counters: O(runs × servers × statuses), however many items there are)."""
-    names = {run_id: name for run_id, name in conn.execute(select(runs.c.id, runs.c.name))}
+    names = {
+        run_id: name for run_id, name in conn.execute(select(common.runs.c.id, common.runs.c.name))
+    }
     return [
         ItemGroup(
             run=names[key.run_id],
@@ -89,7 +89,7 @@ def item_groups(conn: Connection) -> list[ItemGroup]:
 def latency_histograms(conn: Connection) -> list[LatencyHistogram]:
     """Per server, a histogram of the recorded latency of items that finished with a result,
     over LATENCY_BUCKETS_S (read from the latency counters)."""
-    bounds = LATENCY_BUCKETS_S
+    bounds = counters.LATENCY_BUCKETS_S
     per_server: dict[str | None, list[int]] = {}
     sums: dict[str | None, float] = {}
     for key, tally in counters.counted_latencies(conn).items():
@@ -117,8 +117,8 @@ def read_snapshot(engine: Engine) -> LedgerSnapshot:
                 isolation_level="REPEATABLE READ", postgresql_readonly=True
             )
         with conn.begin():
-            limit_periodic(conn)  # every scrape: a statement timeout, no JIT, index plans
-            servers = list_servers(conn)
+            database.limit_periodic(conn)  # every scrape: a statement timeout, no JIT, index plans
+            servers = registry.list_servers(conn)
             rows = windows.windows_by_server(
                 conn, [s.name for s in servers], fresh_s=windows.FRESH_S
             )
@@ -128,6 +128,6 @@ def read_snapshot(engine: Engine) -> LedgerSnapshot:
                 groups=item_groups(conn),
                 latencies=latency_histograms(conn),
                 servers=servers,
-                windows={name: w for name, w in sized.items() if w is not None},
+                server_windows={name: w for name, w in sized.items() if w is not None},
                 run_priorities=run_priorities(conn),
             )

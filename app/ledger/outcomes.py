@@ -14,9 +14,7 @@ from sqlalchemy import JSON, Connection, and_, bindparam, func, select, text, up
 from app.core.contracts import GenerateResult
 from app.core.failures import failure_reason
 from app.core.models import ItemStatus, pack_ids
-from app.ledger.common import _lock_in_id_order, items, utcnow
-from app.ledger.database import pin_index_plans
-from app.ledger.spec_stats import record_spec_stats
+from app.ledger import common, database, spec_stats
 
 ERROR_MAX_CHARS = 2000
 
@@ -65,7 +63,10 @@ Outcome = Done | Failed | RetryLater | Released
 
 def _not_final() -> Any:
     # plain comparisons: an IN list cannot be used inside an executemany
-    return and_(items.c.status != ItemStatus.DONE.value, items.c.status != ItemStatus.FAILED.value)
+    return and_(
+        common.items.c.status != ItemStatus.DONE.value,
+        common.items.c.status != ItemStatus.FAILED.value,
+    )
 
 
 def _trim(text: str) -> str:
@@ -139,8 +140,8 @@ def record_outcomes(
 
     The first result written for an item wins; a finished item is never written again.
     """
-    now = utcnow()
-    _lock_in_id_order(conn, [o.item_id for o in outcomes])
+    now = common.utcnow()
+    common._lock_in_id_order(conn, [o.item_id for o in outcomes])
     by_id = sorted(outcomes, key=lambda o: o.item_id)
     done = [o for o in by_id if isinstance(o, Done)]
     failed = [o for o in by_id if isinstance(o, Failed)]
@@ -148,7 +149,9 @@ def record_outcomes(
     released = [o for o in by_id if isinstance(o, Released)]
     if done:
         _record_done(conn, done, now)
-        record_spec_stats(conn, [(o.item_id, o.result.spec) for o in done if o.result.spec], now)
+        spec_stats.record_spec_stats(
+            conn, [(o.item_id, o.result.spec) for o in done if o.result.spec], now
+        )
     if failed:
         _record_failed(conn, failed, now)
     if retries:
@@ -161,8 +164,8 @@ def record_outcomes(
 def _record_done(conn: Connection, done: Sequence[Done], now: datetime) -> None:
     """Results: done, unless the item is final already (the first result wins)."""
     stmt = (
-        update(items)
-        .where(items.c.id == bindparam("b_id"), _not_final())
+        update(common.items)
+        .where(common.items.c.id == bindparam("b_id"), _not_final())
         .values(
             status=ItemStatus.DONE.value,
             output_ids=bindparam("b_output_ids"),
@@ -173,10 +176,12 @@ def _record_done(conn: Connection, done: Sequence[Done], now: datetime) -> None:
             completion_tokens=bindparam("b_completion"),
             cached_tokens=bindparam("b_cached"),
             latency_s=bindparam("b_latency"),
-            server=func.coalesce(bindparam("b_server", type_=items.c.server.type), items.c.server),
-            attempts=items.c.attempts + bindparam("b_attempts"),
+            server=func.coalesce(
+                bindparam("b_server", type_=common.items.c.server.type), common.items.c.server
+            ),
+            attempts=common.items.c.attempts + bindparam("b_attempts"),
             weight_version=bindparam("b_weight_version"),
-            sampling_params=bindparam("b_sampling", type_=items.c.sampling_params.type),
+            sampling_params=bindparam("b_sampling", type_=common.items.c.sampling_params.type),
             # a text item's None is SQL NULL (not JSON null), as the batched write leaves it
             image_token_counts=bindparam("b_image_counts", type_=JSON(none_as_null=True)),
             error=None,
@@ -214,13 +219,13 @@ def _record_done(conn: Connection, done: Sequence[Done], now: datetime) -> None:
 def _record_failed(conn: Connection, failed: Sequence[Failed], now: datetime) -> None:
     """Failures, each with its error, unless the item is final already."""
     stmt = (
-        update(items)
-        .where(items.c.id == bindparam("b_id"), _not_final())
+        update(common.items)
+        .where(common.items.c.id == bindparam("b_id"), _not_final())
         .values(
             status=ItemStatus.FAILED.value,
             error=bindparam("b_error"),
             fail_reason=bindparam("b_reason"),
-            attempts=items.c.attempts + bindparam("b_attempts"),
+            attempts=common.items.c.attempts + bindparam("b_attempts"),
             lease_owner=None,
             lease_expires_at=None,
             finished_at=now,
@@ -245,15 +250,15 @@ def _record_retries(
 ) -> None:
     """Failed attempts to be retried by this owner: an attempt spent, the lease extended."""
     stmt = (
-        update(items)
+        update(common.items)
         .where(
-            items.c.id == bindparam("b_id"),
-            items.c.status == ItemStatus.LEASED.value,
-            items.c.lease_owner == owner,
+            common.items.c.id == bindparam("b_id"),
+            common.items.c.status == ItemStatus.LEASED.value,
+            common.items.c.lease_owner == owner,
         )
         .values(
             error=bindparam("b_error"),
-            attempts=items.c.attempts + 1,
+            attempts=common.items.c.attempts + 1,
             lease_expires_at=now + timedelta(seconds=lease_s),
         )
     )
@@ -273,11 +278,11 @@ def _record_released(
     for server, ids in by_server.items():
         refused = {} if server is None else {"refused_by": server}
         stmt = (
-            update(items)
+            update(common.items)
             .where(
-                items.c.id.in_(ids),
-                items.c.status == ItemStatus.LEASED.value,
-                items.c.lease_owner == owner,
+                common.items.c.id.in_(ids),
+                common.items.c.status == ItemStatus.LEASED.value,
+                common.items.c.lease_owner == owner,
             )
             .values(
                 status=ItemStatus.QUEUED.value,
@@ -286,7 +291,7 @@ def _record_released(
                 queued_at=now,
                 **refused,
             )
-            .returning(items.c.id)
+            .returning(common.items.c.id)
         )
         back += conn.execute(stmt).scalars()
     return sorted(back)
@@ -295,15 +300,17 @@ def _record_released(
 def release_owner(conn: Connection, owner: str) -> list[int]:
     """Give back every lease an owner holds (a worker shutting down); return the ids."""
     stmt = (
-        update(items)
-        .where(items.c.lease_owner == owner, items.c.status == ItemStatus.LEASED.value)
+        update(common.items)
+        .where(
+            common.items.c.lease_owner == owner, common.items.c.status == ItemStatus.LEASED.value
+        )
         .values(
             status=ItemStatus.QUEUED.value,
             lease_owner=None,
             lease_expires_at=None,
-            queued_at=utcnow(),
+            queued_at=common.utcnow(),
         )
-        .returning(items.c.id)
+        .returning(common.items.c.id)
     )
     return sorted(conn.execute(stmt).scalars())
 
@@ -317,30 +324,32 @@ def requeue_expired(
 ) -> list[int]:
     """Items whose lease expired (their worker died) go back to queued; return their ids.
     skip_runs: runs left alone (the ones `tokenmill run` drives take their leases back)."""
-    pin_index_plans(conn)
-    now = utcnow()
+    database.pin_index_plans(conn)
+    now = common.utcnow()
     pick = (
-        select(items.c.id)
-        .where(items.c.status == ItemStatus.LEASED.value, items.c.lease_expires_at < now)
+        select(common.items.c.id)
+        .where(
+            common.items.c.status == ItemStatus.LEASED.value, common.items.c.lease_expires_at < now
+        )
         .limit(limit)
     )
     if run_id is not None:
-        pick = pick.where(items.c.run_id == run_id)
+        pick = pick.where(common.items.c.run_id == run_id)
     if skip_runs:
-        pick = pick.where(items.c.run_id.not_in(list(skip_runs)))
+        pick = pick.where(common.items.c.run_id.not_in(list(skip_runs)))
     ids = list(conn.execute(pick).scalars())
     if not ids:
         return []
     stmt = (
-        update(items)
+        update(common.items)
         .where(
-            items.c.id.in_(ids),
-            items.c.status == ItemStatus.LEASED.value,
-            items.c.lease_expires_at < now,
+            common.items.c.id.in_(ids),
+            common.items.c.status == ItemStatus.LEASED.value,
+            common.items.c.lease_expires_at < now,
         )
         .values(
             status=ItemStatus.QUEUED.value, lease_owner=None, lease_expires_at=None, queued_at=now
         )
-        .returning(items.c.id)
+        .returning(common.items.c.id)
     )
     return sorted(conn.execute(stmt).scalars())

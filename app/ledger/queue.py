@@ -15,16 +15,7 @@ from sqlalchemy import JSON, Connection, select, text, update
 from sqlalchemy.dialects import postgresql, sqlite
 
 from app.core.models import ItemStatus
-from app.ledger.common import (
-    _in_id_order,
-    items,
-    run_status_order,
-    run_status_range,
-    status_of_found,
-    tool_sets,
-    utcnow,
-)
-from app.ledger.database import pin_index_plans
+from app.ledger import common, database
 
 
 @dataclass(frozen=True)
@@ -60,11 +51,11 @@ def tools_hash(tools: Sequence[dict[str, Any]]) -> str:
 
 def _insert_ignoring_conflicts(conn: Connection) -> Any:
     if conn.dialect.name == "postgresql":
-        return postgresql.insert(items).on_conflict_do_nothing(
+        return postgresql.insert(common.items).on_conflict_do_nothing(
             index_elements=["run_id", "item_key", "sample_index", "turn_index"]
         )
     if conn.dialect.name == "sqlite":
-        return sqlite.insert(items).on_conflict_do_nothing(
+        return sqlite.insert(common.items).on_conflict_do_nothing(
             index_elements=["run_id", "item_key", "sample_index", "turn_index"]
         )
     raise NotImplementedError(f"unsupported database {conn.dialect.name}")
@@ -74,7 +65,7 @@ def insert_items(conn: Connection, run_id: int, new: Sequence[NewItem]) -> int:
     """Insert items that do not exist yet (unique run, key, sample); return how many were new."""
     if not new:
         return 0
-    now = utcnow()
+    now = common.utcnow()
     tool_set_ids = _tool_set_ids(conn, run_id, [n.tools for n in new if n.tools])
     rows = [
         {
@@ -101,7 +92,7 @@ def insert_items(conn: Connection, run_id: int, new: Sequence[NewItem]) -> int:
     ]
     if conn.dialect.name == "postgresql":
         return _copy_insert_items(conn, rows)
-    stmt = _insert_ignoring_conflicts(conn).returning(items.c.id)
+    stmt = _insert_ignoring_conflicts(conn).returning(common.items.c.id)
     return len(conn.execute(stmt, rows).all())
 
 
@@ -114,16 +105,16 @@ def _tool_set_ids(
         return {}
     rows = [{"run_id": run_id, "tools_hash": h, "tools": t} for h, t in distinct.items()]
     if conn.dialect.name == "postgresql":
-        stmt: Any = postgresql.insert(tool_sets).on_conflict_do_nothing(
+        stmt: Any = postgresql.insert(common.tool_sets).on_conflict_do_nothing(
             index_elements=["run_id", "tools_hash"]
         )
     else:
-        stmt = sqlite.insert(tool_sets).on_conflict_do_nothing(
+        stmt = sqlite.insert(common.tool_sets).on_conflict_do_nothing(
             index_elements=["run_id", "tools_hash"]
         )
     conn.execute(stmt, rows)
-    found = select(tool_sets.c.tools_hash, tool_sets.c.id).where(
-        tool_sets.c.run_id == run_id, tool_sets.c.tools_hash.in_(list(distinct))
+    found = select(common.tool_sets.c.tools_hash, common.tool_sets.c.id).where(
+        common.tool_sets.c.run_id == run_id, common.tool_sets.c.tools_hash.in_(list(distinct))
     )
     return {str(h): int(i) for h, i in conn.execute(found)}
 
@@ -148,7 +139,7 @@ def _copy_insert_items(conn: Connection, rows: Sequence[dict[str, Any]]) -> int:
     columns = list(rows[0])
     # the SQLAlchemy column types turn values into what psycopg sends (token arrays → bytes,
     # JSON → its text), so the COPY carries exactly what the INSERT would have
-    processors = [_copy_processor(conn, items.c[c].type) for c in columns]
+    processors = [_copy_processor(conn, common.items.c[c].type) for c in columns]
     names = ", ".join(columns)
     # one load table per column set, so a second call in the transaction never COPYs into
     # another shape
@@ -193,18 +184,22 @@ def existing_keys(conn: Connection, run_id: int, keys: Iterable[str]) -> set[str
     keys = list(keys)
     if not keys:
         return set()
-    stmt = select(items.c.item_key).where(items.c.run_id == run_id, items.c.item_key.in_(keys))
+    stmt = select(common.items.c.item_key).where(
+        common.items.c.run_id == run_id, common.items.c.item_key.in_(keys)
+    )
     return set(conn.execute(stmt).scalars())
 
 
 def pending_ids(
     conn: Connection, run_id: int, *, after_id: int = 0, limit: int = 5000
 ) -> list[int]:
-    pin_index_plans(conn)
+    database.pin_index_plans(conn)
     stmt = (
-        select(items.c.id)
-        .where(run_status_range(conn, items, run_id, ItemStatus.PENDING.value, after_id))
-        .order_by(*run_status_order(items))
+        select(common.items.c.id)
+        .where(
+            common.run_status_range(conn, common.items, run_id, ItemStatus.PENDING.value, after_id)
+        )
+        .order_by(*common.run_status_order(common.items))
         .limit(limit)
     )
     return list(conn.execute(stmt).scalars())
@@ -215,13 +210,13 @@ def pending_keys(
 ) -> list[tuple[int, str]]:
     """(id, item key) of the run's pending items in id order (pending_ids with their keys)."""
     stmt = (
-        select(items.c.id, items.c.item_key)
+        select(common.items.c.id, common.items.c.item_key)
         .where(
-            items.c.run_id == run_id,
-            items.c.status == ItemStatus.PENDING.value,
-            items.c.id > after_id,
+            common.items.c.run_id == run_id,
+            common.items.c.status == ItemStatus.PENDING.value,
+            common.items.c.id > after_id,
         )
-        .order_by(items.c.id)
+        .order_by(common.items.c.id)
         .limit(limit)
     )
     return [(int(r[0]), str(r[1])) for r in conn.execute(stmt)]
@@ -232,9 +227,12 @@ def mark_queued(conn: Connection, ids: Sequence[int]) -> int:
     if not ids:
         return 0
     stmt = (
-        update(items)
-        .where(items.c.id.in_(_in_id_order(conn, ids)), items.c.status == ItemStatus.PENDING.value)
-        .values(status=ItemStatus.QUEUED.value, queued_at=utcnow())
+        update(common.items)
+        .where(
+            common.items.c.id.in_(common._in_id_order(conn, ids)),
+            common.items.c.status == ItemStatus.PENDING.value,
+        )
+        .values(status=ItemStatus.QUEUED.value, queued_at=common.utcnow())
     )
     return conn.execute(stmt).rowcount
 
@@ -249,17 +247,17 @@ def oldest_queued(
 ) -> list[int]:
     """Ids of up to limit items queued before cutoff, the longest-queued first: an ordered
     read of the partial index of queued items, however many are queued (but skip_runs')."""
-    pin_index_plans(conn)
+    database.pin_index_plans(conn)
     stmt = (
-        select(items.c.id)
-        .where(items.c.status == ItemStatus.QUEUED.value, items.c.queued_at < cutoff)
-        .order_by(items.c.queued_at, items.c.id)
+        select(common.items.c.id)
+        .where(common.items.c.status == ItemStatus.QUEUED.value, common.items.c.queued_at < cutoff)
+        .order_by(common.items.c.queued_at, common.items.c.id)
         .limit(limit)
     )
     if run_id is not None:
-        stmt = stmt.where(items.c.run_id == run_id)
+        stmt = stmt.where(common.items.c.run_id == run_id)
     if skip_runs:
-        stmt = stmt.where(items.c.run_id.not_in(list(skip_runs)))
+        stmt = stmt.where(common.items.c.run_id.not_in(list(skip_runs)))
     return list(conn.execute(stmt).scalars())
 
 
@@ -273,14 +271,14 @@ def touch_queued(conn: Connection, ids: Sequence[int]) -> None:
     order. (A `FOR UPDATE` subquery of the ids, as claims use for 32, was planned as a hash
     join over the whole primary key for 600 ids once the statistics were fresh.)"""
     ordered = sorted(ids)
-    now = utcnow()
+    now = common.utcnow()
     for start in range(0, len(ordered), TOUCH_ROWS):
         chunk = ordered[start : start + TOUCH_ROWS]
         conn.execute(
-            update(items)
+            update(common.items)
             .where(
-                items.c.id.in_(chunk),
-                status_of_found() == ItemStatus.QUEUED.value,
+                common.items.c.id.in_(chunk),
+                common.status_of_found() == ItemStatus.QUEUED.value,
             )
             .values(queued_at=now)
         )

@@ -25,20 +25,9 @@ from sqlalchemy import (
     union_all,
 )
 
-import app.ledger.counters as counters
 from app.core.images import ImageRef, refs_from_json
 from app.core.models import ItemStatus, chain_end_counts
-from app.ledger.common import (
-    items,
-    items_archive,
-    run_status_order,
-    run_status_range,
-    runs,
-    tool_sets,
-)
-from app.ledger.database import pin_index_plans
-from app.ledger.image_tokens import run_image_pins
-from app.ledger.run_queries import RunInfo
+from app.ledger import common, counters, database, image_tokens, run_queries
 
 if TYPE_CHECKING:  # pyarrow loads when items are streamed (export, verify), not with every command
     from app.storage.shards import ShardCache
@@ -108,11 +97,13 @@ class RunCounts:
         }
 
 
-def run_counts(conn: Connection, run: RunInfo) -> RunCounts:
+def run_counts(conn: Connection, run: run_queries.RunInfo) -> RunCounts:
     """The run's items by status and its token sums, read from the item counters (no scan);
     an archived run's from the counts its archive kept (counted while it is archived)."""
     archived_at, kept = conn.execute(
-        select(runs.c.archived_at, runs.c.archived_counts).where(runs.c.id == run.id)
+        select(common.runs.c.archived_at, common.runs.c.archived_counts).where(
+            common.runs.c.id == run.id
+        )
     ).one()
     if archived_at is not None:  # the archive's rows left the counters with the hot table
         if kept is not None:
@@ -130,12 +121,12 @@ def run_counts(conn: Connection, run: RunInfo) -> RunCounts:
     )
 
 
-def scanned_run_counts(conn: Connection, run: RunInfo) -> RunCounts:
+def scanned_run_counts(conn: Connection, run: run_queries.RunInfo) -> RunCounts:
     """An archived run's items by status and token sums, counted over items and the archive."""
     by_status: dict[str, int] = {}
     trunc = out_tokens = prompt_tokens = 0
     # an archived run's rows are in the archive (and in both while it is being archived)
-    for table in (items, items_archive):
+    for table in (common.items, common.items_archive):
         truncated = case((table.c.finish_reason == "length", 1), else_=0)
         stmt = (
             select(
@@ -148,8 +139,10 @@ def scanned_run_counts(conn: Connection, run: RunInfo) -> RunCounts:
             .where(table.c.run_id == run.id)
             .group_by(table.c.status)
         )
-        if table is items_archive:  # rows copied and not yet deleted are counted once
-            stmt = stmt.where(~select(items.c.id).where(items.c.id == table.c.id).exists())
+        if table is common.items_archive:  # rows copied and not yet deleted are counted once
+            stmt = stmt.where(
+                ~select(common.items.c.id).where(common.items.c.id == table.c.id).exists()
+            )
         for status, count, t, out, prompt in conn.execute(stmt):
             by_status[status] = by_status.get(status, 0) + int(count)
             trunc += int(t)
@@ -247,9 +240,9 @@ def _stored_select(table: Table) -> Select[Any]:
     """StoredItems of items or items_archive, with their tools list."""
     return select(
         *(table.c[name] for name in _STORED_FIELDS),
-        tool_sets.c.tools.label("tools"),
+        common.tool_sets.c.tools.label("tools"),
         table.c.row_metadata.label("metadata"),
-    ).select_from(table.outerjoin(tool_sets, tool_sets.c.id == table.c.tool_set_id))
+    ).select_from(table.outerjoin(common.tool_sets, common.tool_sets.c.id == table.c.tool_set_id))
 
 
 class _Placeholders:
@@ -263,7 +256,7 @@ class _Placeholders:
         if run_id is None:
             return None
         if run_id not in self._ids:
-            pins = run_image_pins(self._conn, run_id)
+            pins = image_tokens.run_image_pins(self._conn, run_id)
             self._ids[run_id] = None if pins is None else pins.placeholder_id
         return self._ids[run_id]
 
@@ -344,7 +337,7 @@ def _iter_items(
 ) -> Iterator[StoredItem]:
     streams = [
         _keyset_pages(conn, table, run_id, status, page_size, final_turns_only)
-        for table in (items, items_archive)
+        for table in (common.items, common.items_archive)
         for status in dict.fromkeys(statuses)
     ]
     placeholders = _Placeholders(conn)
@@ -363,13 +356,13 @@ def _keyset_pages(
     """Pages of one status of a run in one table: `run_id = ? AND status = ? AND id > last
     ORDER BY id LIMIT n`, one range of the (run_id, status, id) index, so a page costs the
     same at row 10M as at row 0 (an IN list of statuses would read them all and sort)."""
-    pin_index_plans(conn)
+    database.pin_index_plans(conn)
     after = 0
     while True:
         stmt = (
             _stored_select(table)
-            .where(run_status_range(conn, table, run_id, status, after))
-            .order_by(*run_status_order(table))
+            .where(common.run_status_range(conn, table, run_id, status, after))
+            .order_by(*common.run_status_order(table))
             .limit(page_size)
         )
         if final_turns_only:
@@ -391,7 +384,7 @@ def prompt_item_ids(conn: Connection, run_id: int) -> list[int]:
     its prompt; not pre-tokenized items, not later turns still waiting), in id order, from
     the hot table and the archive (a row in both while it is being archived comes once)."""
     found: set[int] = set()
-    for table in (items, items_archive):
+    for table in (common.items, common.items_archive):
         stmt = select(table.c.id).where(
             table.c.run_id == run_id,
             table.c.messages.is_not(None),
@@ -420,7 +413,7 @@ def sample_prompt_item_ids(conn: Connection, run_id: int, sample: int, seed: int
     run whose prompts are sparse (mostly pre-tokenized) may give fewer than `sample`."""
     if sample <= 0:
         return []
-    pin_index_plans(conn)
+    database.pin_index_plans(conn)
     span = _id_span(conn, run_id)
     if span is None:
         return []
@@ -466,13 +459,17 @@ def _id_span(conn: Connection, run_id: int) -> tuple[int, int] | None:
                 tuple_(table.c.status, table.c.id) > tuple_(status, 0),
                 table.c.status <= status,
             )
-        order = run_status_order(table)
+        order = common.run_status_order(table)
         probe = select(table.c.id).where(where)
         probe = probe.order_by(*(c.desc() for c in order) if last else order)
         return probe.limit(1).correlate(statuses).scalar_subquery()
 
     stmt = select(
-        *(end(table, last) for table in (items, items_archive) for last in (False, True))
+        *(
+            end(table, last)
+            for table in (common.items, common.items_archive)
+            for last in (False, True)
+        )
     ).select_from(statuses)
     ends = [int(i) for row in conn.execute(stmt) for i in row if i is not None]
     return (min(ends), max(ends)) if ends else None
@@ -503,7 +500,7 @@ def _prompts_at(conn: Connection, run_id: int, ats: Sequence[int]) -> set[int]:
             .scalar_subquery()
         )
 
-    stmt = select(first(items), first(items_archive)).select_from(draws)
+    stmt = select(first(common.items), first(common.items_archive)).select_from(draws)
     return {min(i for i in row if i is not None) for row in conn.execute(stmt) if any(row)}
 
 
@@ -544,9 +541,9 @@ def stored_items(conn: Connection, ids: Sequence[int]) -> list[StoredItem]:
     even of an archive the statistics think empty."""
     if not ids:
         return []
-    pin_index_plans(conn)
+    database.pin_index_plans(conn)
     found: dict[int, StoredItem] = {}
-    for table in (items_archive, items):  # the hot row wins: the archive copies it
+    for table in (common.items_archive, common.items):  # the hot row wins: the archive copies it
         stmt = _stored_select(table).where(table.c.id.in_(list(ids)))
         found.update((row.id, StoredItem(**row._mapping)) for row in conn.execute(stmt))
     return [found[i] for i in sorted(found)]
@@ -555,7 +552,7 @@ def stored_items(conn: Connection, ids: Sequence[int]) -> list[StoredItem]:
 def done_weight_versions(conn: Connection, run_id: int) -> dict[str | None, int]:
     """The run's done samples per weight version (None: results stored before versions were)."""
     counts: dict[str | None, int] = {}
-    for table in (items, items_archive):
+    for table in (common.items, common.items_archive):
         stmt = (
             select(table.c.weight_version, func.count())
             .where(table.c.run_id == run_id, table.c.status == ItemStatus.DONE.value)
@@ -571,7 +568,9 @@ def chain_endings(conn: Connection, run_id: int) -> dict[str, int]:
     its chain ending counters (O(reasons)); while the run is being archived (its rows in both
     tables) counted from its ended chains' last turns, each row once."""
     archived_at, kept = conn.execute(
-        select(runs.c.archived_at, runs.c.archived_counts).where(runs.c.id == run_id)
+        select(common.runs.c.archived_at, common.runs.c.archived_counts).where(
+            common.runs.c.id == run_id
+        )
     ).one()
     if archived_at is not None and kept is None:
         return scanned_chain_endings(conn, run_id)
@@ -585,14 +584,16 @@ def chain_endings(conn: Connection, run_id: int) -> dict[str, int]:
 def scanned_chain_endings(conn: Connection, run_id: int) -> dict[str, int]:
     """The same counts as chain_endings, counted over the rows (O(the run's chains))."""
     counts: dict[str, int] = {}
-    for table in (items, items_archive):
+    for table in (common.items, common.items_archive):
         stmt = (
             select(table.c.chain_end, func.count())
             .where(table.c.run_id == run_id, table.c.chain_end.is_not(None))
             .group_by(table.c.chain_end)
         )
-        if table is items_archive:
-            stmt = stmt.where(~select(items.c.id).where(items.c.id == table.c.id).exists())
+        if table is common.items_archive:
+            stmt = stmt.where(
+                ~select(common.items.c.id).where(common.items.c.id == table.c.id).exists()
+            )
         for reason, n in conn.execute(stmt):
             counts[str(reason)] = counts.get(str(reason), 0) + int(n)
     return dict(sorted(counts.items()))

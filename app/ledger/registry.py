@@ -21,11 +21,7 @@ from app.core.constants import (
 )
 from app.core.errors import NotFound
 from app.core.models import ItemStatus
-from app.ledger import event_log
-from app.ledger.claims import run_has_items
-from app.ledger.common import as_utc, events, items, runs, servers, utcnow
-from app.ledger.database import pin_index_plans
-from app.ledger.run_queries import DRIVER_RUN
+from app.ledger import claims, common, database, event_log, run_queries
 
 MAX_WORKERS_LISTED = 32
 
@@ -87,13 +83,13 @@ def _server(row: Any) -> ServerInfo:
         name=row.name,
         url=row.url,
         state=row.state,
-        state_since=as_utc(row.state_since),
+        state_since=common.as_utc(row.state_since),
         paused=bool(row.paused),
         paused_by=row.paused_by,
         pause_reason=row.pause_reason,
         consecutive_failures=row.consecutive_failures,
         consecutive_successes=row.consecutive_successes,
-        last_probe_at=as_utc(row.last_probe_at),
+        last_probe_at=common.as_utc(row.last_probe_at),
         last_probe_ok=row.last_probe_ok,
         last_probe_latency_s=row.last_probe_latency_s,
         last_error=row.last_error,
@@ -107,7 +103,7 @@ def _server(row: Any) -> ServerInfo:
 
 
 def find_server(conn: Connection, name: str) -> ServerInfo | None:
-    row = conn.execute(select(servers).where(servers.c.name == name)).first()
+    row = conn.execute(select(common.servers).where(common.servers.c.name == name)).first()
     return None if row is None else _server(row)
 
 
@@ -120,21 +116,25 @@ def get_server(conn: Connection, name: str) -> ServerInfo:
 
 
 def list_servers(conn: Connection) -> list[ServerInfo]:
-    return [_server(r) for r in conn.execute(select(servers).order_by(servers.c.name))]
+    return [
+        _server(r) for r in conn.execute(select(common.servers).order_by(common.servers.c.name))
+    ]
 
 
 def pause_flag(conn: Connection, name: str) -> tuple[bool, str | None]:
     """(paused, paused_by) of a server; an unregistered server is not paused."""
     row = conn.execute(
-        select(servers.c.paused, servers.c.paused_by).where(servers.c.name == name)
+        select(common.servers.c.paused, common.servers.c.paused_by).where(
+            common.servers.c.name == name
+        )
     ).first()
     return (False, None) if row is None else (bool(row.paused), row.paused_by)
 
 
 def _insert_server(conn: Connection, name: str, url: str, **values: Any) -> None:
-    now = utcnow()
+    now = common.utcnow()
     conn.execute(
-        insert(servers).values(
+        insert(common.servers).values(
             name=name,
             url=url,
             state="unknown",
@@ -155,15 +155,15 @@ def upsert_server(
 ) -> ServerInfo:
     """Register a server by name, or update its URL (and restart command when given): the
     operator's view of where the control plane reaches it."""
-    now = utcnow()
-    exists = conn.execute(select(servers.c.id).where(servers.c.name == name)).first()
+    now = common.utcnow()
+    exists = conn.execute(select(common.servers.c.id).where(common.servers.c.name == name)).first()
     if exists is None:
         _insert_server(conn, name, url, restart_command=restart_command)
     else:
         values: dict[str, Any] = {"url": url, "updated_at": now}
         if restart_command is not None:
             values["restart_command"] = restart_command
-        conn.execute(update(servers).where(servers.c.name == name).values(**values))
+        conn.execute(update(common.servers).where(common.servers.c.name == name).values(**values))
     return get_server(conn, name)
 
 
@@ -177,44 +177,44 @@ def claim_server(
     if before is None:
         _insert_server(conn, name, url, worker_url=worker_url, node=node)
         return get_server(conn, name)
-    values: dict[str, Any] = {"worker_url": worker_url, "updated_at": utcnow()}
+    values: dict[str, Any] = {"worker_url": worker_url, "updated_at": common.utcnow()}
     if node is not None:
         values["node"] = node
         if before.node is not None and before.node != node:
             values["workers"] = []
-    conn.execute(update(servers).where(servers.c.name == name).values(**values))
+    conn.execute(update(common.servers).where(common.servers.c.name == name).values(**values))
     return get_server(conn, name)
 
 
 def leases_by_run(conn: Connection, name: str) -> dict[str, int]:
     """Run name → how many of its items are leased to this server now (the server's index)."""
     stmt = (
-        select(runs.c.name, func.count())
-        .select_from(items.join(runs, runs.c.id == items.c.run_id))
-        .where(items.c.server == name, items.c.status == ItemStatus.LEASED.value)
-        .group_by(runs.c.name)
-        .order_by(runs.c.name)
+        select(common.runs.c.name, func.count())
+        .select_from(common.items.join(common.runs, common.runs.c.id == common.items.c.run_id))
+        .where(common.items.c.server == name, common.items.c.status == ItemStatus.LEASED.value)
+        .group_by(common.runs.c.name)
+        .order_by(common.runs.c.name)
     )
     return {str(run): int(n) for run, n in conn.execute(stmt)}
 
 
 def has_served(conn: Connection, name: str) -> bool:
     """Whether any item was ever sent to this server (one probe of the server's index)."""
-    stmt = select(items.c.id).where(items.c.server == name).limit(1)
+    stmt = select(common.items.c.id).where(common.items.c.server == name).limit(1)
     return conn.execute(stmt).first() is not None
 
 
 def delete_server(conn: Connection, name: str) -> bool:
     """Drop a server from the registry (its items keep their history); False if it was not
     there."""
-    return bool(conn.execute(delete(servers).where(servers.c.name == name)).rowcount)
+    return bool(conn.execute(delete(common.servers).where(common.servers.c.name == name)).rowcount)
 
 
 def set_workers(conn: Connection, name: str, workers: list[str]) -> None:
     conn.execute(
-        update(servers)
-        .where(servers.c.name == name)
-        .values(workers=workers[-MAX_WORKERS_LISTED:], updated_at=utcnow())
+        update(common.servers)
+        .where(common.servers.c.name == name)
+        .values(workers=workers[-MAX_WORKERS_LISTED:], updated_at=common.utcnow())
     )
 
 
@@ -236,13 +236,13 @@ def set_paused(
     """Set the durable pause flag; return True when it changed."""
     before = get_server(conn, name)
     conn.execute(
-        update(servers)
-        .where(servers.c.name == name)
+        update(common.servers)
+        .where(common.servers.c.name == name)
         .values(
             paused=paused,
             paused_by=by if paused else None,
             pause_reason=reason if paused else None,
-            updated_at=utcnow(),
+            updated_at=common.utcnow(),
         )
     )
     return before.paused != paused or (paused and before.paused_by != by)
@@ -269,20 +269,22 @@ def record_probe(
     if state != expected:
         stands = change_state(conn, name, expected=expected, to=state, error=error, by="watchdog")
     else:
-        now = conn.execute(select(servers.c.state).where(servers.c.name == name)).scalar()
+        now = conn.execute(
+            select(common.servers.c.state).where(common.servers.c.name == name)
+        ).scalar()
         stands = now == expected
     values = _probe_values(ok, latency_s, error)
     if stands:
         values.update(consecutive_failures=failures, consecutive_successes=successes)
     else:
         values.update(consecutive_failures=0, consecutive_successes=0)
-    conn.execute(update(servers).where(servers.c.name == name).values(**values))
+    conn.execute(update(common.servers).where(common.servers.c.name == name).values(**values))
     return stands
 
 
 def _probe_values(ok: bool, latency_s: float | None, error: str | None) -> dict[str, Any]:
     """The columns a probe sets besides the state: the last probe's time, result and error."""
-    now = utcnow()
+    now = common.utcnow()
     values: dict[str, Any] = {
         "last_probe_at": now,
         "last_probe_ok": ok,
@@ -306,10 +308,10 @@ def change_state(
     `expected` (a conditional UPDATE: of two writers that saw the same change one records it),
     and the change goes on the timeline (a `state` event naming the writer) in the same
     transaction. False when the state was not `expected` any more: nothing is written."""
-    now = utcnow()
+    now = common.utcnow()
     stmt = (
-        update(servers)
-        .where(servers.c.name == name, servers.c.state == expected)
+        update(common.servers)
+        .where(common.servers.c.name == name, common.servers.c.state == expected)
         .values(state=to, state_since=now, updated_at=now)
     )
     if expected == to or conn.execute(stmt).rowcount != 1:
@@ -347,7 +349,9 @@ def note_probe(
     server that is down or recovering is one starting, not draining; a recovering one of a
     healthy server stays healthy (recovering is the way up from down)."""
     row = conn.execute(
-        select(servers.c.state, servers.c.paused, servers.c.paused_by).where(servers.c.name == name)
+        select(common.servers.c.state, common.servers.c.paused, common.servers.c.paused_by).where(
+            common.servers.c.name == name
+        )
     ).first()
     if row is None:
         return None
@@ -361,34 +365,36 @@ def note_probe(
     if not kept:
         change_state(conn, name, expected=before, to=state, error=error, by=by)
     values = _probe_values(ok, latency_s, error)
-    conn.execute(update(servers).where(servers.c.name == name).values(**values))
+    conn.execute(update(common.servers).where(common.servers.c.name == name).values(**values))
     return before
 
 
 def set_fingerprint(conn: Connection, name: str, fingerprint: dict[str, Any]) -> None:
     conn.execute(
-        update(servers)
-        .where(servers.c.name == name)
-        .values(fingerprint=fingerprint, updated_at=utcnow())
+        update(common.servers)
+        .where(common.servers.c.name == name)
+        .values(fingerprint=fingerprint, updated_at=common.utcnow())
     )
 
 
 def record_parity(conn: Connection, name: str, run_name: str, result: dict[str, Any]) -> None:
     """Keep a server's last parity check of a run: {"status", "checked", "mismatched", "at"}."""
-    row = conn.execute(select(servers.c.parity).where(servers.c.name == name)).first()
+    row = conn.execute(select(common.servers.c.parity).where(common.servers.c.name == name)).first()
     if row is None:
         return
     parity = dict(row.parity or {})
     parity[run_name] = result
     conn.execute(
-        update(servers).where(servers.c.name == name).values(parity=parity, updated_at=utcnow())
+        update(common.servers)
+        .where(common.servers.c.name == name)
+        .values(parity=parity, updated_at=common.utcnow())
     )
 
 
 def parity_status(conn: Connection, name: str, run_name: str) -> str | None:
     """The status of the server's last parity check of the run (None: never checked, or the
     server is not registered)."""
-    row = conn.execute(select(servers.c.parity).where(servers.c.name == name)).first()
+    row = conn.execute(select(common.servers.c.parity).where(common.servers.c.name == name)).first()
     if row is None or not row.parity:
         return None
     status = (row.parity.get(run_name) or {}).get("status")
@@ -401,16 +407,16 @@ def stopped_enqueues(conn: Connection, run_ids: list[int]) -> set[int]:
     if not run_ids:
         return set()
     latest = (
-        select(events.c.run_id, func.max(events.c.id).label("last"))
+        select(common.events.c.run_id, func.max(common.events.c.id).label("last"))
         .where(
-            events.c.run_id.in_(run_ids),
-            events.c.kind.in_([EVENT_ENQUEUED, EVENT_ENQUEUE_STOPPED]),
+            common.events.c.run_id.in_(run_ids),
+            common.events.c.kind.in_([EVENT_ENQUEUED, EVENT_ENQUEUE_STOPPED]),
         )
-        .group_by(events.c.run_id)
+        .group_by(common.events.c.run_id)
         .subquery()
     )
-    stmt = select(events.c.run_id).join(latest, events.c.id == latest.c.last)
-    stmt = stmt.where(events.c.kind == EVENT_ENQUEUE_STOPPED)
+    stmt = select(common.events.c.run_id).join(latest, common.events.c.id == latest.c.last)
+    stmt = stmt.where(common.events.c.kind == EVENT_ENQUEUE_STOPPED)
     return {int(r) for r in conn.execute(stmt).scalars()}
 
 
@@ -419,20 +425,27 @@ def active_runs(conn: Connection, server: str | None = None) -> list[tuple[int, 
     only the runs its fleet workers may serve (not one `tokenmill run` drives, nor one bound
     to other servers by `enqueue --servers`)."""
     unfinished = (
-        select(items.c.run_id)
+        select(common.items.c.run_id)
         .where(
-            items.c.run_id == runs.c.id,
-            items.c.status.in_(
+            common.items.c.run_id == common.runs.c.id,
+            common.items.c.status.in_(
                 [ItemStatus.PENDING.value, ItemStatus.QUEUED.value, ItemStatus.LEASED.value]
             ),
         )
         .exists()
     )
-    stmt = select(runs.c.id, runs.c.name, runs.c.require_parity, runs.c.driver, runs.c.servers)
+    stmt = select(
+        common.runs.c.id,
+        common.runs.c.name,
+        common.runs.c.require_parity,
+        common.runs.c.driver,
+        common.runs.c.servers,
+    )
     return [
         (r.id, r.name, bool(r.require_parity))
-        for r in conn.execute(stmt.where(unfinished).order_by(runs.c.id))
-        if server is None or (r.driver != DRIVER_RUN and (r.servers is None or server in r.servers))
+        for r in conn.execute(stmt.where(unfinished).order_by(common.runs.c.id))
+        if server is None
+        or (r.driver != run_queries.DRIVER_RUN and (r.servers is None or server in r.servers))
     ]
 
 
@@ -448,23 +461,23 @@ def server_load(conn: Connection, name: str) -> ServerLoad:
 
     Both read only active or newest rows: the leases, and the last entry of the partial index
     of done items by (server, finished_at), whatever the planner's statistics say."""
-    pin_index_plans(conn)
+    database.pin_index_plans(conn)
     leased, oldest = conn.execute(
-        select(func.count(), func.min(items.c.started_at)).where(
-            items.c.server == name, items.c.status == ItemStatus.LEASED.value
+        select(func.count(), func.min(common.items.c.started_at)).where(
+            common.items.c.server == name, common.items.c.status == ItemStatus.LEASED.value
         )
     ).one()
     last = conn.execute(
-        select(items.c.finished_at)
+        select(common.items.c.finished_at)
         .where(
-            items.c.server == name,
-            items.c.status == ItemStatus.DONE.value,
-            items.c.finished_at.is_not(None),
+            common.items.c.server == name,
+            common.items.c.status == ItemStatus.DONE.value,
+            common.items.c.finished_at.is_not(None),
         )
-        .order_by(items.c.finished_at.desc())
+        .order_by(common.items.c.finished_at.desc())
         .limit(1)
     ).scalar()
-    return ServerLoad(int(leased), as_utc(oldest), as_utc(last))
+    return ServerLoad(int(leased), common.as_utc(oldest), common.as_utc(last))
 
 
 def is_stalled(load: ServerLoad, *, now: datetime, stall_s: float) -> bool:
@@ -482,13 +495,13 @@ def active_run_fingerprints(conn: Connection) -> list[tuple[int, str, dict[str, 
     indexed probe per run and status (never a semi-join the planner could turn into a scan);
     archived runs are finished."""
     unfinished = (ItemStatus.PENDING.value, ItemStatus.QUEUED.value, ItemStatus.LEASED.value)
-    stmt = select(runs.c.id, runs.c.name, runs.c.fingerprint).where(
-        runs.c.fingerprint.is_not(None), runs.c.archived_at.is_(None)
+    stmt = select(common.runs.c.id, common.runs.c.name, common.runs.c.fingerprint).where(
+        common.runs.c.fingerprint.is_not(None), common.runs.c.archived_at.is_(None)
     )
     return [
         (r.id, r.name, dict(r.fingerprint))
         for r in conn.execute(stmt).all()
-        if run_has_items(conn, r.id, unfinished)
+        if claims.run_has_items(conn, r.id, unfinished)
     ]
 
 
@@ -496,13 +509,16 @@ def active_run_pins(conn: Connection) -> list[tuple[str, dict[str, Any] | None, 
     """(run name, pinned fingerprint or None, `--weight-version` or None) of every run that
     still has unfinished items (an indexed probe per run, as active_run_fingerprints)."""
     unfinished = (ItemStatus.PENDING.value, ItemStatus.QUEUED.value, ItemStatus.LEASED.value)
-    stmt = select(runs.c.id, runs.c.name, runs.c.fingerprint, runs.c.weight_version).where(
-        runs.c.archived_at.is_(None)
-    )
+    stmt = select(
+        common.runs.c.id,
+        common.runs.c.name,
+        common.runs.c.fingerprint,
+        common.runs.c.weight_version,
+    ).where(common.runs.c.archived_at.is_(None))
     return [
         (r.name, dict(r.fingerprint) if r.fingerprint else None, r.weight_version)
-        for r in conn.execute(stmt.order_by(runs.c.id)).all()
-        if run_has_items(conn, r.id, unfinished)
+        for r in conn.execute(stmt.order_by(common.runs.c.id)).all()
+        if claims.run_has_items(conn, r.id, unfinished)
     ]
 
 
@@ -535,22 +551,26 @@ def list_events(
     """The latest events, oldest first; a run's view includes the server-wide events from
     the run's creation on (not the fleet's history before it)."""
     stmt = (
-        select(events, runs.c.name.label("run_name"))
-        .select_from(events.outerjoin(runs, events.c.run_id == runs.c.id))
-        .order_by(events.c.id.desc())
+        select(common.events, common.runs.c.name.label("run_name"))
+        .select_from(
+            common.events.outerjoin(common.runs, common.events.c.run_id == common.runs.c.id)
+        )
+        .order_by(common.events.c.id.desc())
         .limit(limit)
     )
     if run_id is not None:
-        created = select(runs.c.created_at).where(runs.c.id == run_id).scalar_subquery()
-        fleet_since = events.c.run_id.is_(None) & (events.c.at >= created)
-        stmt = stmt.where((events.c.run_id == run_id) | fleet_since)
+        created = (
+            select(common.runs.c.created_at).where(common.runs.c.id == run_id).scalar_subquery()
+        )
+        fleet_since = common.events.c.run_id.is_(None) & (common.events.c.at >= created)
+        stmt = stmt.where((common.events.c.run_id == run_id) | fleet_since)
     if server is not None:
-        stmt = stmt.where(events.c.server == server)
+        stmt = stmt.where(common.events.c.server == server)
     rows = list(conn.execute(stmt))
     rows.reverse()
     return [
         EventInfo(
-            at=as_utc(r.at) or utcnow(),
+            at=common.as_utc(r.at) or common.utcnow(),
             kind=r.kind,
             run=r.run_name,
             server=r.server,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from sqlalchemy import Connection, delete, select, update
 
-from app.ledger.common import items, items_archive, runs, servers, utcnow
+from app.ledger import common
 
 # items deleted per statement: the counter triggers run once per row
 DELETE_PAGE_ITEMS = 5_000
@@ -17,7 +17,7 @@ DELETE_PAGE_ITEMS = 5_000
 def delete_items_page(conn: Connection, run_id: int, *, limit: int = DELETE_PAGE_ITEMS) -> int:
     """Delete up to limit of the run's items (the hot table first, then the archive); return
     how many went. Later turns of a deleted item go with it (their foreign key cascades)."""
-    for table in (items, items_archive):
+    for table in (common.items, common.items_archive):
         pick = select(table.c.id).where(table.c.run_id == run_id).order_by(table.c.id)
         ids = list(conn.execute(pick.limit(limit)).scalars())
         if ids:
@@ -30,12 +30,12 @@ def delete_run_row(conn: Connection, run_id: int, name: str) -> None:
     """Delete the run itself, with what still refers to it (its events, tool sets and item
     counters cascade), and forget the servers' parity results for its name (a new run of
     that name starts unchecked)."""
-    for row in conn.execute(select(servers.c.name, servers.c.parity)).all():
+    for row in conn.execute(select(common.servers.c.name, common.servers.c.parity)).all():
         if row.parity and name in row.parity:
             parity = {k: v for k, v in row.parity.items() if k != name}
             conn.execute(
-                update(servers)
-                .where(servers.c.name == row.name)
-                .values(parity=parity or None, updated_at=utcnow())
+                update(common.servers)
+                .where(common.servers.c.name == row.name)
+                .values(parity=parity or None, updated_at=common.utcnow())
             )
-    conn.execute(delete(runs).where(runs.c.id == run_id))
+    conn.execute(delete(common.runs).where(common.runs.c.id == run_id))

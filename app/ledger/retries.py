@@ -18,7 +18,7 @@ from sqlalchemy import Connection, Table, func, select, update
 
 from app.core.failures import NO_REASON
 from app.core.models import ItemStatus
-from app.ledger.common import as_utc, items, items_archive
+from app.ledger import common
 
 # ids per UPDATE of a retry
 RETRY_PAGE = 5_000
@@ -42,7 +42,7 @@ class RetrySelection:
             return False
         if self.server is not None and row.server != self.server:
             return False
-        finished = as_utc(row.finished_at)
+        finished = common.as_utc(row.finished_at)
         return self.since is None or (finished is not None and finished >= self.since)
 
     def to_json(self) -> dict[str, Any]:
@@ -101,23 +101,23 @@ def plan_retry(conn: Connection, run_id: int, selection: RetrySelection) -> Retr
 
 def _failed_rows(conn: Connection, run_id: int) -> list[Any]:
     """The run's failed items in id order, each with the status and finish of its turn before."""
-    prev = items.alias("prev")
+    prev = common.items.alias("prev")
     stmt = (
         select(
-            items.c.id,
-            items.c.item_key,
-            items.c.sample_index,
-            items.c.turn_index,
-            items.c.started_at,
-            items.c.server,
-            items.c.finished_at,
-            items.c.fail_reason,
+            common.items.c.id,
+            common.items.c.item_key,
+            common.items.c.sample_index,
+            common.items.c.turn_index,
+            common.items.c.started_at,
+            common.items.c.server,
+            common.items.c.finished_at,
+            common.items.c.fail_reason,
             prev.c.status.label("prev_status"),
             prev.c.finish_reason.label("prev_finish"),
         )
-        .select_from(items.outerjoin(prev, prev.c.id == items.c.prev_item_id))
-        .where(items.c.run_id == run_id, items.c.status == ItemStatus.FAILED.value)
-        .order_by(items.c.id)
+        .select_from(common.items.outerjoin(prev, prev.c.id == common.items.c.prev_item_id))
+        .where(common.items.c.run_id == run_id, common.items.c.status == ItemStatus.FAILED.value)
+        .order_by(common.items.c.id)
     )
     return list(conn.execute(stmt))
 
@@ -198,8 +198,8 @@ def _reset(conn: Connection, ids: Sequence[int], status: str) -> list[int]:
     for i in range(0, len(ids), RETRY_PAGE):
         page = sorted(ids[i : i + RETRY_PAGE])
         stmt = (
-            update(items)
-            .where(items.c.id.in_(page), items.c.status == ItemStatus.FAILED.value)
+            update(common.items)
+            .where(common.items.c.id.in_(page), common.items.c.status == ItemStatus.FAILED.value)
             .values(
                 status=status,
                 attempts=0,
@@ -214,7 +214,7 @@ def _reset(conn: Connection, ids: Sequence[int], status: str) -> list[int]:
                 started_at=None,
                 finished_at=None,
             )
-            .returning(items.c.id)
+            .returning(common.items.c.id)
         )
         changed += conn.execute(stmt).scalars()
     return sorted(changed)
@@ -225,8 +225,8 @@ def still_failed(conn: Connection, ids: Sequence[int]) -> list[int]:
     found: list[int] = []
     for i in range(0, len(ids), RETRY_PAGE):
         page = sorted(ids[i : i + RETRY_PAGE])
-        stmt = select(items.c.id).where(
-            items.c.id.in_(page), items.c.status == ItemStatus.FAILED.value
+        stmt = select(common.items.c.id).where(
+            common.items.c.id.in_(page), common.items.c.status == ItemStatus.FAILED.value
         )
         found += conn.execute(stmt).scalars()
     return sorted(found)
@@ -236,10 +236,12 @@ def failed_by_reason(conn: Connection, run_id: int) -> list[tuple[str, int]]:
     """The run's failed items counted by reason, the most common first (archived rows
     included): a read of the failed items only."""
     counts: Counter[str] = Counter()
-    for table in (items, items_archive):
+    for table in (common.items, common.items_archive):
         stmt = _reason_counts(table, run_id)
-        if table is items_archive:  # rows copied and not yet deleted are counted once
-            stmt = stmt.where(~select(items.c.id).where(items.c.id == table.c.id).exists())
+        if table is common.items_archive:  # rows copied and not yet deleted are counted once
+            stmt = stmt.where(
+                ~select(common.items.c.id).where(common.items.c.id == table.c.id).exists()
+            )
         for reason, n in conn.execute(stmt):
             counts[reason or NO_REASON] += int(n)
     return sorted(counts.items(), key=lambda rn: (-rn[1], rn[0]))

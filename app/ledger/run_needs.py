@@ -9,7 +9,7 @@ from typing import Any
 
 from sqlalchemy import Connection, func, select
 
-from app.ledger.common import items
+from app.ledger import common
 from app.sglang import limits
 from app.sglang.limits import RequestNeed
 
@@ -18,9 +18,9 @@ def longest_prompt(conn: Connection, run_id: int, at_most: int | None = None) ->
     """The prompt tokens of the run's longest item (of at most at_most tokens, when given;
     None: the run has none): a read of the run's rows (O(the run)), so its callers read it
     once per run and worker process, or once per restart, never periodically."""
-    stmt = select(func.max(items.c.prompt_tokens)).where(items.c.run_id == run_id)
+    stmt = select(func.max(common.items.c.prompt_tokens)).where(common.items.c.run_id == run_id)
     if at_most is not None:
-        stmt = stmt.where(items.c.prompt_tokens <= at_most)
+        stmt = stmt.where(common.items.c.prompt_tokens <= at_most)
     value = conn.execute(stmt).scalar()
     return None if value is None else int(value)
 

@@ -15,8 +15,7 @@ from app.core.constants import NORMALIZATION_VERSION
 from app.core.contracts import SamplingParams
 from app.core.errors import NotFound, RunArchived, RunMismatch
 from app.core.run_kinds import RunKind, TurnsMode
-from app.ledger.common import as_utc, items, runs, utcnow
-from app.ledger.pin_checks import file_changes, pin_differences
+from app.ledger import common, pin_checks
 
 
 @dataclass(frozen=True)
@@ -179,7 +178,7 @@ def _run_info(row: Any) -> RunInfo:
         name=row.name,
         generation=_generation(row),
         fingerprint=row.fingerprint,
-        created_at=as_utc(row.created_at) or utcnow(),
+        created_at=common.as_utc(row.created_at) or common.utcnow(),
         kind=RunKind(row.kind),
         weight_version=row.weight_version,
         storage_url=row.storage_url,
@@ -202,7 +201,7 @@ def run_differences(existing: RunInfo, spec: RunSpec) -> list[str]:
                 f"{spec.tokenizer_path} (hash {spec.tokenizer_hash[:12]})"
             )
     else:
-        diffs += file_changes(
+        diffs += pin_checks.file_changes(
             gen.tokenizer_hash,
             gen.tokenizer_files,
             spec.tokenizer_hash,
@@ -230,7 +229,7 @@ def run_differences(existing: RunInfo, spec: RunSpec) -> list[str]:
     if gen.require_parity != spec.require_parity:
         diffs.append(f"require parity: {gen.require_parity} → {spec.require_parity}")
     if spec.chat_pins is not None:
-        diffs += pin_differences(gen.chat_pins, spec.chat_pins)
+        diffs += pin_checks.pin_differences(gen.chat_pins, spec.chat_pins)
     if existing.weight_version != spec.weight_version:
         diffs.append(f"weight version: {existing.weight_version} → {spec.weight_version}")
     if gen.reasoning_efforts != spec.reasoning_efforts:
@@ -254,21 +253,21 @@ def run_differences(existing: RunInfo, spec: RunSpec) -> list[str]:
 
 
 def get_run(conn: Connection, name: str) -> RunInfo:
-    row = conn.execute(select(runs).where(runs.c.name == name)).first()
+    row = conn.execute(select(common.runs).where(common.runs.c.name == name)).first()
     if row is None:
         raise NotFound(f"no run named {name!r}")
     return _run_info(row)
 
 
 def get_run_by_id(conn: Connection, run_id: int) -> RunInfo:
-    row = conn.execute(select(runs).where(runs.c.id == run_id)).first()
+    row = conn.execute(select(common.runs).where(common.runs.c.id == run_id)).first()
     if row is None:
         raise NotFound(f"no run with id {run_id}")
     return _run_info(row)
 
 
 def list_runs(conn: Connection) -> list[RunInfo]:
-    return [_run_info(r) for r in conn.execute(select(runs).order_by(runs.c.id))]
+    return [_run_info(r) for r in conn.execute(select(common.runs).order_by(common.runs.c.id))]
 
 
 def get_or_create_run(conn: Connection, spec: RunSpec) -> tuple[RunInfo, bool]:
@@ -291,7 +290,7 @@ def get_or_create_run(conn: Connection, spec: RunSpec) -> tuple[RunInfo, bool]:
             )
         return existing, False
     conn.execute(
-        insert(runs).values(
+        insert(common.runs).values(
             name=spec.name,
             kind=spec.kind.value,
             tokenizer_path=spec.tokenizer_path,
@@ -306,7 +305,7 @@ def get_or_create_run(conn: Connection, spec: RunSpec) -> tuple[RunInfo, bool]:
             require_parity=spec.require_parity,
             trust_remote_code=spec.trust_remote_code,
             tokenizer_files=spec.tokenizer_files,
-            created_at=utcnow(),
+            created_at=common.utcnow(),
             normalization_version=spec.normalization_version,
             chat_pins=spec.chat_pins,
             weight_version=spec.weight_version,
@@ -330,30 +329,34 @@ def _pinned_sampling(spec: RunSpec) -> dict[str, Any]:
 
 def run_archived(conn: Connection, run_id: int) -> bool:
     """Whether the run's items were moved to items_archive (app.ledger.archive)."""
-    stmt = select(runs.c.archived_at).where(runs.c.id == run_id)
+    stmt = select(common.runs.c.archived_at).where(common.runs.c.id == run_id)
     return conn.execute(stmt).scalar() is not None
 
 
 def pin_fingerprint(conn: Connection, run_id: int, fingerprint: dict[str, Any]) -> dict[str, Any]:
     """Record the server fingerprint the first time a run sees one; return the pinned one."""
     conn.execute(
-        update(runs)
-        .where(runs.c.id == run_id, runs.c.fingerprint.is_(None))
+        update(common.runs)
+        .where(common.runs.c.id == run_id, common.runs.c.fingerprint.is_(None))
         .values(fingerprint=fingerprint)
     )
-    pinned = conn.execute(select(runs.c.fingerprint).where(runs.c.id == run_id)).scalar_one()
+    pinned = conn.execute(
+        select(common.runs.c.fingerprint).where(common.runs.c.id == run_id)
+    ).scalar_one()
     return dict(pinned or {})
 
 
 def run_name(conn: Connection, run_id: int) -> str | None:
     """The run's name (None: no such run, e.g. deleted)."""
-    name: str | None = conn.execute(select(runs.c.name).where(runs.c.id == run_id)).scalar()
+    name: str | None = conn.execute(
+        select(common.runs.c.name).where(common.runs.c.id == run_id)
+    ).scalar()
     return name
 
 
 def run_storage_url(conn: Connection, run_id: int) -> str | None:
     """The storage URL the run pinned (None: a run older than the pin)."""
-    stmt = select(runs.c.storage_url).where(runs.c.id == run_id)
+    stmt = select(common.runs.c.storage_url).where(common.runs.c.id == run_id)
     url: str | None = conn.execute(stmt).scalar()
     return url
 
@@ -361,15 +364,15 @@ def run_storage_url(conn: Connection, run_id: int) -> str | None:
 def set_priority(conn: Connection, name: str, priority: int) -> int:
     """Give the run named name this priority; returns the priority it had (NotFound if none)."""
     before = get_run(conn, name).priority
-    conn.execute(update(runs).where(runs.c.name == name).values(priority=priority))
+    conn.execute(update(common.runs).where(common.runs.c.name == name).values(priority=priority))
     return before
 
 
 def run_priorities(conn: Connection, run_ids: Iterable[int] | None = None) -> dict[int, int]:
     """run id → priority, of these runs (every run without ids): one small read of runs."""
-    stmt = select(runs.c.id, runs.c.priority)
+    stmt = select(common.runs.c.id, common.runs.c.priority)
     if run_ids is not None:
-        stmt = stmt.where(runs.c.id.in_(sorted(set(run_ids))))
+        stmt = stmt.where(common.runs.c.id.in_(sorted(set(run_ids))))
     return {int(r[0]): int(r[1]) for r in conn.execute(stmt)}
 
 
@@ -378,8 +381,8 @@ def item_priorities(conn: Connection, ids: Sequence[int]) -> dict[int, int]:
     if not ids:
         return {}
     stmt = (
-        select(items.c.id, runs.c.priority)
-        .join(runs, runs.c.id == items.c.run_id)
-        .where(items.c.id.in_(list(ids)))
+        select(common.items.c.id, common.runs.c.priority)
+        .join(common.runs, common.runs.c.id == common.items.c.run_id)
+        .where(common.items.c.id.in_(list(ids)))
     )
     return {int(r[0]): int(r[1]) for r in conn.execute(stmt)}

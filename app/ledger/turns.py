@@ -11,10 +11,7 @@ from sqlalchemy import Connection, and_, delete, select, update
 
 from app.core.failures import failure_reason
 from app.core.models import ItemStatus
-from app.ledger.common import items, run_status_order, run_status_range, utcnow
-from app.ledger.database import pin_index_plans
-from app.ledger.outcomes import _trim
-from app.ledger.reads import StoredItem, stored_items
+from app.ledger import common, database, outcomes, reads
 
 
 def link_turns(conn: Connection, run_id: int, keys: Sequence[str]) -> int:
@@ -22,24 +19,24 @@ def link_turns(conn: Connection, run_id: int, keys: Sequence[str]) -> int:
     sample); idempotent, only unlinked items are touched."""
     if not keys:
         return 0
-    prev = items.alias("prev")
+    prev = common.items.alias("prev")
     prev_id = (
         select(prev.c.id)
         .where(
-            prev.c.run_id == items.c.run_id,
-            prev.c.item_key == items.c.item_key,
-            prev.c.sample_index == items.c.sample_index,
-            prev.c.turn_index == items.c.turn_index - 1,
+            prev.c.run_id == common.items.c.run_id,
+            prev.c.item_key == common.items.c.item_key,
+            prev.c.sample_index == common.items.c.sample_index,
+            prev.c.turn_index == common.items.c.turn_index - 1,
         )
         .scalar_subquery()
     )
     stmt = (
-        update(items)
+        update(common.items)
         .where(
-            items.c.run_id == run_id,
-            items.c.item_key.in_(list(keys)),
-            items.c.turn_index > 0,
-            items.c.prev_item_id.is_(None),
+            common.items.c.run_id == run_id,
+            common.items.c.item_key.in_(list(keys)),
+            common.items.c.turn_index > 0,
+            common.items.c.prev_item_id.is_(None),
         )
         .values(prev_item_id=prev_id)
     )
@@ -58,7 +55,7 @@ class WaitingTurn:
     sample_index: int
     turn_index: int
     context: list[dict[str, Any]]
-    prev: StoredItem
+    prev: reads.StoredItem
 
 
 def ready_turns(
@@ -75,35 +72,39 @@ def ready_turns(
     statistics say."""
     if prev_ids is not None and not prev_ids:
         return []
-    prev = items.alias("prev")
+    prev = common.items.alias("prev")
     if run_id is not None:
-        pin_index_plans(conn)
-        waiting = run_status_range(conn, items, run_id, ItemStatus.WAITING.value, after_id)
-        order: Any = run_status_order(items)
+        database.pin_index_plans(conn)
+        waiting = common.run_status_range(
+            conn, common.items, run_id, ItemStatus.WAITING.value, after_id
+        )
+        order: Any = common.run_status_order(common.items)
     else:
-        waiting = and_(items.c.status == ItemStatus.WAITING.value, items.c.id > after_id)
-        order = (items.c.id,)
+        waiting = and_(
+            common.items.c.status == ItemStatus.WAITING.value, common.items.c.id > after_id
+        )
+        order = (common.items.c.id,)
     stmt = (
         select(
-            items.c.id,
-            items.c.run_id,
-            items.c.item_key,
-            items.c.sample_index,
-            items.c.turn_index,
-            items.c.messages,
-            items.c.prev_item_id,
+            common.items.c.id,
+            common.items.c.run_id,
+            common.items.c.item_key,
+            common.items.c.sample_index,
+            common.items.c.turn_index,
+            common.items.c.messages,
+            common.items.c.prev_item_id,
         )
-        .join(prev, prev.c.id == items.c.prev_item_id)
+        .join(prev, prev.c.id == common.items.c.prev_item_id)
         .where(waiting, prev.c.status.in_([ItemStatus.DONE.value, ItemStatus.FAILED.value]))
         .order_by(*order)
         .limit(limit)
     )
     if prev_ids is not None:
-        stmt = stmt.where(items.c.prev_item_id.in_(list(prev_ids)))
+        stmt = stmt.where(common.items.c.prev_item_id.in_(list(prev_ids)))
     rows = list(conn.execute(stmt))
     # a later turn is only ever waiting on an uncompacted item (compaction skips those), so
     # the previous turn's arrays are in the ledger
-    previous = {s.id: s for s in stored_items(conn, [r.prev_item_id for r in rows])}
+    previous = {s.id: s for s in reads.stored_items(conn, [r.prev_item_id for r in rows])}
     return [
         WaitingTurn(
             id=r.id,
@@ -124,8 +125,8 @@ def start_turn(
     """waiting → pending with the prompt built from the regenerated history; False if another
     advancer got there first (the update is conditional on the item still waiting)."""
     stmt = (
-        update(items)
-        .where(items.c.id == item_id, items.c.status == ItemStatus.WAITING.value)
+        update(common.items)
+        .where(common.items.c.id == item_id, common.items.c.status == ItemStatus.WAITING.value)
         .values(
             status=ItemStatus.PENDING.value,
             messages=messages,
@@ -141,19 +142,19 @@ def fail_waiting_chain(
 ) -> int:
     """Fail every still-waiting turn from from_turn on of one chain (no attempt spent)."""
     stmt = (
-        update(items)
+        update(common.items)
         .where(
-            items.c.run_id == run_id,
-            items.c.item_key == item_key,
-            items.c.sample_index == sample_index,
-            items.c.turn_index >= from_turn,
-            items.c.status == ItemStatus.WAITING.value,
+            common.items.c.run_id == run_id,
+            common.items.c.item_key == item_key,
+            common.items.c.sample_index == sample_index,
+            common.items.c.turn_index >= from_turn,
+            common.items.c.status == ItemStatus.WAITING.value,
         )
         .values(
             status=ItemStatus.FAILED.value,
-            error=_trim(reason),
+            error=outcomes._trim(reason),
             fail_reason=failure_reason(reason),
-            finished_at=utcnow(),
+            finished_at=common.utcnow(),
         )
     )
     return conn.execute(stmt).rowcount
@@ -172,12 +173,12 @@ def end_chain(
     recorded on it (once) and the chain's still-waiting turns from from_turn on are deleted
     (never run: no attempt, no failure). Returns how many were deleted; idempotent."""
     record_chain_end(conn, last_id, reason)
-    stmt = delete(items).where(
-        items.c.run_id == run_id,
-        items.c.item_key == item_key,
-        items.c.sample_index == sample_index,
-        items.c.turn_index >= from_turn,
-        items.c.status == ItemStatus.WAITING.value,
+    stmt = delete(common.items).where(
+        common.items.c.run_id == run_id,
+        common.items.c.item_key == item_key,
+        common.items.c.sample_index == sample_index,
+        common.items.c.turn_index >= from_turn,
+        common.items.c.status == ItemStatus.WAITING.value,
     )
     return int(conn.execute(stmt).rowcount)
 
@@ -197,27 +198,27 @@ def unended_last_turns(
     if prev_ids is not None and not prev_ids:
         return []
     stmt = (
-        select(items.c.id, items.c.run_id)
+        select(common.items.c.id, common.items.c.run_id)
         .where(
-            items.c.ends_chain,
-            items.c.status == ItemStatus.DONE.value,
-            items.c.chain_end.is_(None),
-            items.c.id > after_id,
+            common.items.c.ends_chain,
+            common.items.c.status == ItemStatus.DONE.value,
+            common.items.c.chain_end.is_(None),
+            common.items.c.id > after_id,
         )
         .limit(limit)
     )
     if prev_ids is not None:
-        stmt = stmt.where(items.c.id.in_(list(prev_ids)))
+        stmt = stmt.where(common.items.c.id.in_(list(prev_ids)))
     if run_id is not None:
         # ordered as the index is, so the page is one range of it. The run is a range of one
         # value, not an equality: with an equality the primary key delivers the order too,
         # and with stale statistics a walk of it past the run's done items looked as cheap
         # (sorts are priced out: pin_index_plans)
-        pin_index_plans(conn)
-        stmt = stmt.where(items.c.run_id.between(run_id, run_id))
-        stmt = stmt.order_by(items.c.run_id, items.c.id)
+        database.pin_index_plans(conn)
+        stmt = stmt.where(common.items.c.run_id.between(run_id, run_id))
+        stmt = stmt.order_by(common.items.c.run_id, common.items.c.id)
     else:
-        stmt = stmt.order_by(items.c.id)
+        stmt = stmt.order_by(common.items.c.id)
     return [(int(item_id), int(run)) for item_id, run in conn.execute(stmt)]
 
 
@@ -226,15 +227,15 @@ def unmark_plain_chains(conn: Connection, ids: Sequence[int]) -> int:
     they leave the catch-up's index."""
     if not ids:
         return 0
-    stmt = update(items).where(items.c.id.in_(list(ids))).values(ends_chain=None)
+    stmt = update(common.items).where(common.items.c.id.in_(list(ids))).values(ends_chain=None)
     return int(conn.execute(stmt).rowcount)
 
 
 def record_chain_end(conn: Connection, item_id: int, reason: str) -> bool:
     """Record how the chain ending at this done item ended; False if already recorded."""
     stmt = (
-        update(items)
-        .where(items.c.id == item_id, items.c.chain_end.is_(None))
+        update(common.items)
+        .where(common.items.c.id == item_id, common.items.c.chain_end.is_(None))
         .values(chain_end=reason)
     )
     return conn.execute(stmt).rowcount == 1

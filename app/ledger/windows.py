@@ -16,7 +16,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
 from app.core.models import server_windows
-from app.ledger.common import as_utc, servers, utcnow
+from app.ledger import common
 
 FRESH_S = 30.0  # a row older than this is a worker gone: its share goes to the others
 
@@ -65,7 +65,7 @@ def record_window(conn: Connection, row: WindowRow) -> None:
         "queued": row.queued,
         "reason": row.reason,
         "changed_at": row.changed_at,
-        "updated_at": utcnow(),
+        "updated_at": common.utcnow(),
         "loads_at": row.loads_at,
     }
     changed = {k: v for k, v in values.items() if k not in ("server", "owner")}
@@ -99,9 +99,9 @@ def sharing_owners(conn: Connection, server: str, *, fresh_s: float) -> list[str
     """The workers (lease owners) whose row of this server was written in the last fresh_s. A
     server registered under several names (one URL) is one server: the workers of each name
     share its one capacity, so two registrations do not each take all of it."""
-    since = utcnow() - timedelta(seconds=fresh_s)
-    url = select(servers.c.url).where(servers.c.name == server).scalar_subquery()
-    same_server = select(servers.c.name).where(servers.c.url == url)
+    since = common.utcnow() - timedelta(seconds=fresh_s)
+    url = select(common.servers.c.url).where(common.servers.c.name == server).scalar_subquery()
+    same_server = select(common.servers.c.name).where(common.servers.c.url == url)
     rows = conn.execute(
         select(server_windows.c.owner).where(
             or_(server_windows.c.server == server, server_windows.c.server.in_(same_server)),
@@ -123,9 +123,9 @@ def _row(r: Any) -> WindowRow:
         running=r.running,
         queued=r.queued,
         reason=r.reason,
-        changed_at=as_utc(r.changed_at),
-        updated_at=as_utc(r.updated_at),
-        loads_at=as_utc(r.loads_at),
+        changed_at=common.as_utc(r.changed_at),
+        updated_at=common.as_utc(r.updated_at),
+        loads_at=common.as_utc(r.loads_at),
     )
 
 
@@ -135,7 +135,7 @@ def windows_by_server(
     """The fresh rows of these servers (written in the last fresh_s), by server."""
     if not servers:
         return {}
-    since = utcnow() - timedelta(seconds=fresh_s)
+    since = common.utcnow() - timedelta(seconds=fresh_s)
     rows = conn.execute(
         select(server_windows)
         .where(server_windows.c.server.in_(servers), server_windows.c.updated_at >= since)
@@ -188,7 +188,7 @@ def server_window(rows: list[WindowRow]) -> ServerWindow | None:
     if not rows:
         return None
     modes = {r.mode for r in rows}
-    now = utcnow()
+    now = common.utcnow()
     latest = max(rows, key=lambda r: r.updated_at or now)
     changed = [r for r in rows if r.changed_at is not None]
     last_change = max(changed, key=lambda r: r.changed_at or now) if changed else None

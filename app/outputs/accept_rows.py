@@ -10,11 +10,11 @@ from app.sglang.rules import GREEDY_TEMPERATURE
 if TYPE_CHECKING:
     from sqlalchemy import Engine
 
-    from app.ledger.run_queries import RunInfo
+    from app.ledger import run_queries
     from app.outputs.acceptance import AcceptRow
 
 
-def load_rows(db: Engine, run: RunInfo) -> list[AcceptRow]:
+def load_rows(db: Engine, run: run_queries.RunInfo) -> list[AcceptRow]:
     """The run's done items with their speculative counters (zeros for an item without)."""
     from app.ledger import reads, spec_stats
     from app.outputs.acceptance import AcceptRow, output_digest
@@ -45,13 +45,13 @@ def load_rows(db: Engine, run: RunInfo) -> list[AcceptRow]:
     return rows
 
 
-def speculative_of(run: RunInfo) -> dict[str, Any] | None:
+def speculative_of(run: run_queries.RunInfo) -> dict[str, Any] | None:
     """The speculative settings the run's servers reported (None: they did not speculate)."""
     spec = (run.fingerprint or {}).get("speculative")
     return dict(spec) if isinstance(spec, dict) else None
 
 
-def is_greedy(run: RunInfo) -> bool:
+def is_greedy(run: run_queries.RunInfo) -> bool:
     """Greedy decoding, as SGLang decides it from the run's sampling."""
     return (
         run.generation.sampling.temperature < GREEDY_TEMPERATURE

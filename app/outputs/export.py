@@ -18,9 +18,7 @@ from sqlalchemy import Engine
 
 from app.core.constants import EXPORT_FORMATS
 from app.core.errors import ConfigurationError
-from app.ledger import common, reads
-from app.ledger.reads import StoredItem
-from app.ledger.run_queries import RunInfo
+from app.ledger import common, reads, run_queries
 from app.outputs.image_rows import (
     ImageExportError,
     ImageRows,
@@ -59,7 +57,7 @@ class ExportReport:
     image_rows_left_out: int = 0
 
 
-def specforge_row(item: StoredItem, images: ImageRows | None = None) -> dict[str, Any]:
+def specforge_row(item: reads.StoredItem, images: ImageRows | None = None) -> dict[str, Any]:
     """input_ids = prompt + output; the loss mask trains only on what the model generated.
 
     An image item's prompt is the served one (each image's tokens, all masked 0), and its
@@ -79,7 +77,7 @@ def specforge_row(item: StoredItem, images: ImageRows | None = None) -> dict[str
     return _with_metadata(row, item)
 
 
-def _with_metadata(row: dict[str, Any], item: StoredItem) -> dict[str, Any]:
+def _with_metadata(row: dict[str, Any], item: reads.StoredItem) -> dict[str, Any]:
     """The row with its provenance (weight_version, sampling_params), the continued final turn
     its prompt ends with (continue_final_message) and the input row's metadata fields (source,
     category, ...), each if it had any."""
@@ -92,7 +90,10 @@ def _with_metadata(row: dict[str, Any], item: StoredItem) -> dict[str, Any]:
 
 
 def assistant_turn(
-    item: StoredItem, run: RunInfo, tokenizer: ChatTokenizer, parser: str | None = None
+    item: reads.StoredItem,
+    run: run_queries.RunInfo,
+    tokenizer: ChatTokenizer,
+    parser: str | None = None,
 ) -> dict[str, Any]:
     """The regenerated assistant turn as text, its reasoning split off at the `</think>` id; a
     continued turn's text (continue_final_message) starts it: the reasoning when the output
@@ -116,7 +117,7 @@ def assistant_turn(
     }
 
 
-def _generated_ids(item: StoredItem, run: RunInfo) -> list[int]:
+def _generated_ids(item: reads.StoredItem, run: run_queries.RunInfo) -> list[int]:
     """The output ids without the end-of-sequence id a stopped generation ends with."""
     output = list(item.output_ids or [])
     if item.finish_reason == "stop" and output and output[-1] in set(run.generation.eos_token_ids):
@@ -125,7 +126,7 @@ def _generated_ids(item: StoredItem, run: RunInfo) -> list[int]:
 
 
 def _reasoning_and_answer(
-    item: StoredItem, run: RunInfo, tokenizer: ChatTokenizer, parser: str | None
+    item: reads.StoredItem, run: run_queries.RunInfo, tokenizer: ChatTokenizer, parser: str | None
 ) -> tuple[list[int] | None, list[int]]:
     """The output split into reasoning (None: no reasoning block) and answer ids."""
     output = _generated_ids(item, run)
@@ -158,7 +159,10 @@ def _without_think_starts(reasoning: list[int], start: int | None, parser: str |
 
 
 def conversations_row(
-    item: StoredItem, run: RunInfo, tokenizer: ChatTokenizer, images: ImageRows | None = None
+    item: reads.StoredItem,
+    run: run_queries.RunInfo,
+    tokenizer: ChatTokenizer,
+    images: ImageRows | None = None,
 ) -> dict[str, Any]:
     """The turns and the regenerated assistant turn as text. An image item's image parts point
     at its images (`image_rows.image_parts`), and the row lists their uris in prompt order
@@ -202,7 +206,10 @@ def conversations_row(
 
 
 def whole_conversation_row(
-    item: StoredItem, run: RunInfo, tokenizer: ChatTokenizer, images: ImageRows | None = None
+    item: reads.StoredItem,
+    run: run_queries.RunInfo,
+    tokenizer: ChatTokenizer,
+    images: ImageRows | None = None,
 ) -> dict[str, Any]:
     """A `--turns all` chain as one SpecForge row: its last turn's prompt + output, the loss
     mask on the last output and on every regenerated assistant turn inside the prompt (an
@@ -233,7 +240,9 @@ def whole_conversation_row(
     return _with_metadata(row, item)
 
 
-def whole_conversations(run: RunInfo, fmt: ExportFormat, *, per_turn: bool, whole: bool) -> bool:
+def whole_conversations(
+    run: run_queries.RunInfo, fmt: ExportFormat, *, per_turn: bool, whole: bool
+) -> bool:
     """Does this export write one row per chain (True) or per turn item? Per turn is SpecForge's
     default (what it recommends for Kimi); conversations of a `--turns all` run default to the
     whole regenerated conversation."""
@@ -255,7 +264,7 @@ def whole_conversations(run: RunInfo, fmt: ExportFormat, *, per_turn: bool, whol
 
 def iter_rows(
     db: Engine,
-    run: RunInfo,
+    run: run_queries.RunInfo,
     fmt: ExportFormat,
     tokenizer: ChatTokenizer | None,
     *,
@@ -263,7 +272,7 @@ def iter_rows(
     weight_version: str | None = None,
     allow_mixed_weights: bool = False,
     images: ImageRows | None = None,
-) -> Iterator[tuple[StoredItem, dict[str, Any]]]:
+) -> Iterator[tuple[reads.StoredItem, dict[str, Any]]]:
     with db.connect() as conn:
         keep = weight_filter(conn, run, weight_version, allow_mixed_weights)
         for item in reads.iter_items(conn, run.id, final_turns_only=whole):
@@ -334,7 +343,7 @@ class _JsonlFile:
 
 def export_run(
     db: Engine,
-    run: RunInfo,
+    run: run_queries.RunInfo,
     fmt: ExportFormat,
     out: Path,
     *,
@@ -423,7 +432,7 @@ def export_run(
 
 
 def _write_manifest(
-    run: RunInfo,
+    run: run_queries.RunInfo,
     fmt: str,
     files: dict[str, _JsonlFile],
     selection: Selection | None,

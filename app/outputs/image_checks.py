@@ -11,7 +11,7 @@ import hashlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from app.ledger.reads import StoredItem
+from app.ledger import reads
 from app.storage.shards import Location, open_location, read_object, split_uri
 
 
@@ -60,7 +60,7 @@ class ImageRefs:
 def row_image_problems(
     entries: Sequence[Mapping[str, Any]] | None,
     counts: Sequence[int] | None,
-    item: StoredItem,
+    item: reads.StoredItem,
     refs: ImageRefs,
 ) -> list[str]:
     """What is wrong with a row's image fields against the ledger's item: the images (sha256,

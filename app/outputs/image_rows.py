@@ -31,9 +31,7 @@ from sqlalchemy import Connection
 
 from app.core.errors import TokenmillError
 from app.core.images import ImagePins, ImageRef, expand_placeholders, placeholder_count
-from app.ledger.image_tokens import run_image_pins
-from app.ledger.reads import StoredItem
-from app.ledger.run_queries import run_storage_url
+from app.ledger import image_tokens, reads, run_queries
 from app.storage.image_store import (
     ImageError,
     get_image,
@@ -51,11 +49,11 @@ class ImageExportError(TokenmillError):
     or do not match its prompt, or a stored image is missing or changed)."""
 
 
-def item_label(item: StoredItem) -> str:
+def item_label(item: reads.StoredItem) -> str:
     return f"item {item.id} ({item.item_key!r}, sample {item.sample_index}, turn {item.turn_index})"
 
 
-def count_problem(item: StoredItem, placeholder_id: int | None) -> str | None:
+def count_problem(item: reads.StoredItem, placeholder_id: int | None) -> str | None:
     """Why item's image_token_counts cannot rebuild its served prompt, or None when they can:
     a done image item has one count per image, each >= 1, and its prompt one placeholder per
     image; a text item has no counts."""
@@ -78,7 +76,7 @@ def count_problem(item: StoredItem, placeholder_id: int | None) -> str | None:
     return None
 
 
-def served_prompt(item: StoredItem, placeholder_id: int | None) -> list[int]:
+def served_prompt(item: reads.StoredItem, placeholder_id: int | None) -> list[int]:
     """The prompt ids the server saw (a text item's as stored); ImageExportError naming the
     item when its counts cannot rebuild them."""
     if not item.image_refs and item.image_token_counts is None:
@@ -142,17 +140,17 @@ class ImageRows:
     ) -> ImageRows:
         """The run's pins read from the ledger; a run with images and no store given points at
         its pinned storage (a run older than the pin: TOKENMILL_STORAGE_URL)."""
-        pins = run_image_pins(conn, run_id)
+        pins = image_tokens.run_image_pins(conn, run_id)
         if pins is not None and store is None:
             from app.core.settings import get_settings
 
-            store = image_location(get_settings(), run_storage_url(conn, run_id))
+            store = image_location(get_settings(), run_queries.run_storage_url(conn, run_id))
         return cls(pins, store, copy_to, check_present=True)
 
-    def served_prompt(self, item: StoredItem) -> list[int]:
+    def served_prompt(self, item: reads.StoredItem) -> list[int]:
         return served_prompt(item, self.placeholder_id)
 
-    def uri(self, item: StoredItem, index: int, ref: ImageRef) -> str:
+    def uri(self, item: reads.StoredItem, index: int, ref: ImageRef) -> str:
         """Where an exported row finds ref: its copy beside the export, or its store URL."""
         if self.store is None:
             raise ImageExportError(
@@ -166,7 +164,7 @@ class ImageRows:
             self._copy(item, index, ref)
         return ref.key
 
-    def _check_present(self, item: StoredItem, index: int, ref: ImageRef) -> None:
+    def _check_present(self, item: reads.StoredItem, index: int, ref: ImageRef) -> None:
         """ImageExportError unless ref's object is in the store (its images/ folder is listed
         once; a key not listed is looked for on its own, as an enqueue may have added it)."""
         assert self.store is not None
@@ -188,7 +186,7 @@ class ImageRows:
             )
         self._present.add(ref.key)
 
-    def _copy(self, item: StoredItem, index: int, ref: ImageRef) -> None:
+    def _copy(self, item: reads.StoredItem, index: int, ref: ImageRef) -> None:
         assert self.store is not None and self.copy_to is not None
         try:
             data = get_image(self.store, ref)
@@ -204,7 +202,7 @@ class ImageRows:
         )
         log.debug("copied image %s to %s", ref.key, self.copy_to.uri(ref.key))
 
-    def entries(self, item: StoredItem) -> list[dict[str, Any]]:
+    def entries(self, item: reads.StoredItem) -> list[dict[str, Any]]:
         """The item's images as an exported row lists them, in prompt order."""
         return [
             {
@@ -216,7 +214,7 @@ class ImageRows:
             for i, ref in enumerate(item.image_refs)
         ]
 
-    def fields(self, item: StoredItem) -> dict[str, Any]:
+    def fields(self, item: reads.StoredItem) -> dict[str, Any]:
         """`images` and `image_token_counts` of an image item's row; nothing for a text item
         (its rows stay as they were before images existed)."""
         if not item.image_refs:

@@ -17,7 +17,6 @@ from typing import Any
 from sqlalchemy import Connection
 
 from app.ledger import reads
-from app.ledger.reads import StoredItem
 from app.outputs.image_checks import ImageRefs, listed_image_problems, row_image_problems
 from app.outputs.parquet_export import MAX_PROBLEMS, ExportCheck
 from app.outputs.split import manifest_path
@@ -31,10 +30,12 @@ def is_jsonl_export(url: str) -> bool:
     return "://" not in url and Path(url).suffix in JSONL_SUFFIXES
 
 
-def _image_items(conn: Connection, run_id: int) -> dict[tuple[str, int], dict[int, StoredItem]]:
+def _image_items(
+    conn: Connection, run_id: int
+) -> dict[tuple[str, int], dict[int, reads.StoredItem]]:
     """The run's done image items by (id, sample), then turn; without their turns and token
     arrays, which the check does not read (memory: the image fields of the image items)."""
-    found: dict[tuple[str, int], dict[int, StoredItem]] = {}
+    found: dict[tuple[str, int], dict[int, reads.StoredItem]] = {}
     for item in reads.iter_items(conn, run_id):
         if item.image_refs:
             slim = replace(item, messages=None, prompt_ids=[], output_ids=None, tools=None)
@@ -43,8 +44,8 @@ def _image_items(conn: Connection, run_id: int) -> dict[tuple[str, int], dict[in
 
 
 def _row_item(
-    row: Mapping[str, Any], found: dict[tuple[str, int], dict[int, StoredItem]]
-) -> StoredItem | None:
+    row: Mapping[str, Any], found: dict[tuple[str, int], dict[int, reads.StoredItem]]
+) -> reads.StoredItem | None:
     turns = found.get((str(row.get("id")), int(row.get("sample") or 0)))
     if not turns:
         return None
@@ -113,7 +114,7 @@ def check_jsonl_images(
 def _row_problems(
     where: str,
     row: Any,
-    found: dict[tuple[str, int], dict[int, StoredItem]],
+    found: dict[tuple[str, int], dict[int, reads.StoredItem]],
     refs: ImageRefs,
 ) -> list[str]:
     if not isinstance(row, dict):

@@ -20,10 +20,7 @@ from sqlalchemy import Connection, Engine
 
 from app.core.errors import ConfigurationError, NotFound
 from app.core.models import ItemStatus
-from app.ledger import common, counters, reads, registry, run_queries
-from app.ledger.image_tokens import run_image_pins
-from app.ledger.reads import StoredItem
-from app.ledger.run_queries import RunInfo
+from app.ledger import common, counters, image_tokens, reads, registry, run_queries
 from app.outputs.image_checks import ImageRefs, listed_image_problems, row_image_problems
 from app.outputs.image_rows import ImageRows, count_problem, served_prompt
 from app.outputs.provenance import ProvenanceCounts, weight_filter
@@ -56,7 +53,7 @@ SHARD_SUFFIX = ".parquet"
 MAX_PROBLEMS = 50
 
 
-def shard_row(item: StoredItem, images: ImageRows | None = None) -> ShardRow:
+def shard_row(item: reads.StoredItem, images: ImageRows | None = None) -> ShardRow:
     """A done item as a row of a shard (exports and compaction write the same columns): an
     image item's prompt as served, with its images and image_token_counts. Without images
     (a run's image rows) an image item is refused (ImageExportError, naming it): a row of its
@@ -86,7 +83,7 @@ def shard_row(item: StoredItem, images: ImageRows | None = None) -> ShardRow:
     )
 
 
-def run_manifest(run: RunInfo) -> dict[str, Any]:
+def run_manifest(run: run_queries.RunInfo) -> dict[str, Any]:
     return {
         "name": run.name,
         "id": run.id,
@@ -123,7 +120,9 @@ def manifest_counts(
     }
 
 
-def server_fingerprints(conn: Connection, run: RunInfo, names: set[str]) -> dict[str, Any]:
+def server_fingerprints(
+    conn: Connection, run: run_queries.RunInfo, names: set[str]
+) -> dict[str, Any]:
     """The registered fingerprint of each server that produced rows; a server the registry
     does not know (an embedded `tokenmill run` registers none) gets the run's pinned one."""
     out: dict[str, Any] = {}
@@ -172,7 +171,7 @@ def check_export_folder(folder: Path) -> None:
 
 def export_parquet(
     db: Engine,
-    run: RunInfo,
+    run: run_queries.RunInfo,
     url: str,
     *,
     storage_options: dict[str, Any] | None = None,
@@ -400,7 +399,7 @@ def _compare_rows(
     refs: ImageRefs | None = None,
 ) -> None:
     refs = refs or ImageRefs(loc)
-    pins = run_image_pins(conn, run_id)
+    pins = image_tokens.run_image_pins(conn, run_id)
     placeholder = None if pins is None else pins.placeholder_id
     mismatches = 0
     position = 0
@@ -433,7 +432,7 @@ def _compare_rows(
 
 
 def _row_differences(
-    row: ShardRow, item: StoredItem, placeholder: int | None, refs: ImageRefs
+    row: ShardRow, item: reads.StoredItem, placeholder: int | None, refs: ImageRefs
 ) -> list[str]:
     image_problems: list[str] = []
     prompt = item.prompt_ids

@@ -12,19 +12,17 @@ from typing import Any
 from sqlalchemy import Connection
 
 from app.core.errors import ConfigurationError
-from app.ledger import reads
-from app.ledger.reads import StoredItem
-from app.ledger.run_queries import RunInfo
+from app.ledger import reads, run_queries
 
 
-def provenance(item: StoredItem) -> dict[str, Any]:
+def provenance(item: reads.StoredItem) -> dict[str, Any]:
     """The fields every exported sample carries: `weight_version` and `sampling_params`."""
     return {"weight_version": item.weight_version, "sampling_params": item.sampling_params}
 
 
 def weight_filter(
-    conn: Connection, run: RunInfo, weight_version: str | None, allow_mixed: bool
-) -> Callable[[StoredItem], bool]:
+    conn: Connection, run: run_queries.RunInfo, weight_version: str | None, allow_mixed: bool
+) -> Callable[[reads.StoredItem], bool]:
     """Which done samples an export takes: those of weight_version when it is given; else all,
     refused (ConfigurationError) when they come from several versions and mixing is not
     allowed: a draft trained on two targets' outputs is the failure exports must not hide."""
@@ -56,7 +54,7 @@ class ProvenanceCounts:
     weight_versions: dict[str, int] = field(default_factory=dict)
     sampling: dict[str, int] = field(default_factory=dict)
 
-    def add(self, item: StoredItem) -> None:
+    def add(self, item: reads.StoredItem) -> None:
         version = str(item.weight_version)
         self.weight_versions[version] = self.weight_versions.get(version, 0) + 1
         # the seed differs per sample by design; a setting is everything else

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 
 from app.core.models import ItemStatus
-from app.ledger.dashboard_queries import ItemRanges, ItemStats, ServerEvent, percentile
+from app.ledger import dashboard_queries
 
 SCATTER_POINTS = 20_000
 LENGTH_BINS = 60
@@ -138,7 +138,7 @@ class PausePeriod:
 
 
 def pause_periods(
-    events: Iterable[ServerEvent],
+    events: Iterable[dashboard_queries.ServerEvent],
     *,
     paused_kind: str,
     resumed_kind: str,
@@ -226,7 +226,11 @@ class ReportData:
 
     @classmethod
     def for_ranges(
-        cls, ranges: ItemRanges, *, max_new_tokens: int, scatter_points: int = SCATTER_POINTS
+        cls,
+        ranges: dashboard_queries.ItemRanges,
+        *,
+        max_new_tokens: int,
+        scatter_points: int = SCATTER_POINTS,
     ) -> ReportData:
         top = max(max_new_tokens, ranges.max_completion_tokens or 0, 2)
         length_edges = log_edges(1, top + 1, LENGTH_BINS, integers=True)
@@ -245,7 +249,7 @@ class ReportData:
             scatter=Reservoir(scatter_points),
         )
 
-    def add(self, item: ItemStats) -> None:
+    def add(self, item: dashboard_queries.ItemStats) -> None:
         if item.status not in (ItemStatus.DONE.value, ItemStatus.FAILED.value):
             return
         server = item.server or UNKNOWN_SERVER
@@ -282,11 +286,14 @@ class ReportData:
 
     def output_percentile(self, pct: float) -> float | None:
         """From the scatter sample: exact up to its size, an estimate beyond."""
-        return percentile([float(out) for _, out, _ in self.scatter.items], pct)
+        return dashboard_queries.percentile([float(out) for _, out, _ in self.scatter.items], pct)
 
 
 def accumulate(
-    stream: Iterable[ItemStats], ranges: ItemRanges, *, max_new_tokens: int
+    stream: Iterable[dashboard_queries.ItemStats],
+    ranges: dashboard_queries.ItemRanges,
+    *,
+    max_new_tokens: int,
 ) -> ReportData:
     data = ReportData.for_ranges(ranges, max_new_tokens=max_new_tokens)
     for item in stream:

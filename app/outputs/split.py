@@ -13,8 +13,7 @@ from typing import Any, Literal
 
 from app.core.errors import ConfigurationError, InputError
 from app.core.models import pack_ids
-from app.ledger.reads import StoredItem
-from app.ledger.run_queries import RunInfo
+from app.ledger import reads, run_queries
 from app.prompts.chat_path import ChatInputs, merge_template_kwargs
 from app.prompts.inputs import read_prompts
 from app.prompts.tokenization import ChatTokenizer
@@ -80,7 +79,7 @@ def _file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def load_exclusion(path: Path, run: RunInfo, tokenizer: ChatTokenizer) -> Exclusion:
+def load_exclusion(path: Path, run: run_queries.RunInfo, tokenizer: ChatTokenizer) -> Exclusion:
     """Render every prompt of FILE (JSONL, Parquet or a datasets folder) with the run's pinned
     template and kwargs; a line that cannot be read or rendered is an error naming it (a
     prompt silently skipped could leak into training)."""
@@ -144,7 +143,7 @@ class Selection:
         default_factory=lambda: {"train": set(), "eval": set(), "excluded": set()}
     )
 
-    def find_excluded(self, items: Iterable[StoredItem]) -> None:
+    def find_excluded(self, items: Iterable[reads.StoredItem]) -> None:
         """First pass: the keys with any item (sample or turn) whose prompt is excluded, so
         every item of such a row leaves the training side."""
         if self.exclusion is None:
@@ -154,7 +153,7 @@ class Selection:
             if prompt_digest(item.prompt_ids) in wanted:
                 self.excluded_keys.add(item.item_key)
 
-    def side(self, item: StoredItem) -> Side:
+    def side(self, item: reads.StoredItem) -> Side:
         key = item.item_key
         if self.eval_fraction is not None and key_fraction(key, self.seed) < self.eval_fraction:
             side: Side = "eval"

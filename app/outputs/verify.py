@@ -17,10 +17,7 @@ from sqlalchemy import Engine
 
 from app.core.errors import ConfigurationError, InputError
 from app.core.images import ImagePins
-from app.ledger import reads, retries
-from app.ledger.image_tokens import run_image_pins
-from app.ledger.reads import StoredItem
-from app.ledger.run_queries import RunInfo
+from app.ledger import image_tokens, reads, retries, run_queries
 from app.outputs.image_rows import count_problem, served_prompt
 from app.outputs.jsonl_checks import check_jsonl_images, is_jsonl_export
 from app.outputs.parquet_export import check_export
@@ -34,7 +31,7 @@ log = logging.getLogger(__name__)
 EXAMPLES_PER_CHECK = 5
 TEMPLATE_BATCH = 64
 # re-renders stored items on a server (a run rendered by the server): ids or why not, in order
-Rerender = Callable[[Sequence[StoredItem]], Sequence[list[int] | str]]
+Rerender = Callable[[Sequence[reads.StoredItem]], Sequence[list[int] | str]]
 
 CHECK_TEMPLATE = "template"
 CHECK_STOP = "stop_token"
@@ -101,7 +98,7 @@ class CheckTally:
     def passed(self) -> None:
         self.checked += 1
 
-    def failed(self, item: StoredItem, detail: str) -> None:
+    def failed(self, item: reads.StoredItem, detail: str) -> None:
         self.checked += 1
         self.mismatches += 1
         if len(self.examples) < EXAMPLES_PER_CHECK:
@@ -173,7 +170,7 @@ class VerifyReport:
         return data
 
 
-def tokenizer_findings(run: RunInfo, tokenizer: ChatTokenizer) -> list[str]:
+def tokenizer_findings(run: run_queries.RunInfo, tokenizer: ChatTokenizer) -> list[str]:
     """Lines saying how the tokenizer differs from what the run pinned (none if it matches)."""
     found: list[str] = []
     changes = tokenizer.changes_from(run.generation.tokenizer_hash, run.generation.tokenizer_files)
@@ -194,7 +191,7 @@ def tokenizer_findings(run: RunInfo, tokenizer: ChatTokenizer) -> list[str]:
 
 def verify_run(
     db: Engine,
-    run: RunInfo,
+    run: run_queries.RunInfo,
     tokenizer: ChatTokenizer | None,
     *,
     export_url: str | None = None,
@@ -224,10 +221,12 @@ def verify_run(
             report.findings.append(f"{exc}; the template check is skipped")
             tokenizer = None
     stops = set(run.generation.eos_token_ids) | set(run.generation.sampling.stop_token_ids)
-    pending: list[StoredItem] = []
+    pending: list[reads.StoredItem] = []
     with db.connect() as conn:
         report.failed = retries.failed_by_reason(conn, run.id)
-        images = StoredImages(report, run_image_pins(conn, run.id), image_store, run.storage_url)
+        images = StoredImages(
+            report, image_tokens.run_image_pins(conn, run.id), image_store, run.storage_url
+        )
         for item in reads.iter_items(conn, run.id, storage_options=storage_options):
             report.items += 1
             sent = run.generation.sampling.for_sample(item.sample_index, item.row_sampling_params)
@@ -274,7 +273,7 @@ def _check_templates(
     report: VerifyReport,
     tokenizer: ChatTokenizer | None,
     kwargs: dict[str, Any],
-    batch: Sequence[StoredItem],
+    batch: Sequence[reads.StoredItem],
     rerender: Rerender | None = None,
 ) -> None:
     """Re-render each item from what it stored: its normalized turns, its tools and its merged
@@ -294,7 +293,7 @@ def _check_templates(
             tally.passed()
 
 
-def _template_inputs(kwargs: dict[str, Any], batch: Sequence[StoredItem]) -> list[ChatInputs]:
+def _template_inputs(kwargs: dict[str, Any], batch: Sequence[reads.StoredItem]) -> list[ChatInputs]:
     return [
         ChatInputs(
             item.messages or [],
@@ -321,7 +320,7 @@ def _ids_difference(stored: list[int], templated: list[int]) -> str:
     )
 
 
-def pinned_version(run: RunInfo) -> str | None:
+def pinned_version(run: run_queries.RunInfo) -> str | None:
     """The weight version a run's samples must have: its `--weight-version`, else the one
     its fingerprint pinned when a server first served it."""
     if run.weight_version is not None:
@@ -331,7 +330,7 @@ def pinned_version(run: RunInfo) -> str | None:
 
 
 def _check_provenance(
-    report: VerifyReport, item: StoredItem, expected: dict[str, Any], pinned: str | None
+    report: VerifyReport, item: reads.StoredItem, expected: dict[str, Any], pinned: str | None
 ) -> None:
     """The sample's weights against the pin, and what it was sent against what the run and
     its row ask for that sample (results stored before either was recorded: not checkable)."""
@@ -358,7 +357,7 @@ def _check_provenance(
 
 
 def _check_finish(
-    report: VerifyReport, item: StoredItem, stops: set[int], max_new_tokens: int | None
+    report: VerifyReport, item: reads.StoredItem, stops: set[int], max_new_tokens: int | None
 ) -> None:
     output = item.output_ids or []
     if item.finish_reason == "length":
@@ -427,7 +426,7 @@ class StoredImages:
         self.storage_url = storage_url  # the run's pinned storage, opened when store is None
         self._store_problems: dict[str, str | None] = {}  # sha256 -> why it fails, or None
 
-    def check(self, item: StoredItem) -> list[int] | None:
+    def check(self, item: reads.StoredItem) -> list[int] | None:
         """Check item's images; its served prompt ids, or None when they cannot be rebuilt."""
         if not item.image_refs and item.image_token_counts is None:
             return item.prompt_ids
@@ -442,7 +441,7 @@ class StoredImages:
         self._check_store(item)
         return served
 
-    def _check_store(self, item: StoredItem) -> None:
+    def _check_store(self, item: reads.StoredItem) -> None:
         tally = self.report.checks[CHECK_IMAGE_STORE]
         refs = item.image_refs
         if not refs:
@@ -475,7 +474,7 @@ class StoredImages:
         return self.store
 
 
-def _check_counts(report: VerifyReport, item: StoredItem, served: list[int] | None) -> None:
+def _check_counts(report: VerifyReport, item: reads.StoredItem, served: list[int] | None) -> None:
     completion = report.checks[CHECK_COMPLETION]
     output = item.output_ids or []
     if item.completion_tokens is None:

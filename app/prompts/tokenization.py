@@ -16,7 +16,7 @@ from app.core.contracts import Message
 from app.core.errors import InputError, TokenizerError
 from app.core.images import ImagePins
 from app.core.logs import quiet_transformers
-from app.ledger.pin_checks import file_changes
+from app.ledger import pin_checks
 from app.prompts.chat_path import (
     ChatInputs,
     ContentFormat,
@@ -235,7 +235,7 @@ class ChatTokenizer:
 
     def changes_from(self, pinned_hash: str, pinned_files: Mapping[str, str] | None) -> list[str]:
         """Lines naming each file that differs from what a run pinned (none if it matches)."""
-        return file_changes(
+        return pin_checks.file_changes(
             pinned_hash,
             pinned_files,
             self._tokenizer_hash,

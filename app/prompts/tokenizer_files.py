@@ -7,7 +7,7 @@ import hashlib
 from collections.abc import Mapping
 from pathlib import Path
 
-from app.ledger.pin_checks import file_changes
+from app.ledger import pin_checks
 
 # Every file of a tokenizer folder can decide the prompt ids (the tokenizer's own code, a
 # helper module it imports, the vocabulary, the template), so all are hashed except weights,
@@ -97,6 +97,6 @@ def folder_changes(
     if not folder.is_dir():
         return []
     files = tokenizer_files_manifest(folder)
-    return file_changes(
+    return pin_checks.file_changes(
         pinned_hash, pinned_files, manifest_hash(files), files, legacy_tokenizer_files_hash(folder)
     )

@@ -20,8 +20,7 @@ from rich.text import Text
 from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
-from app.ledger.dashboard_queries import Dashboard, RunProgress, ServerRow, gather_dashboard
-from app.ledger.status_reads import current_error
+from app.ledger import dashboard_queries, status_reads
 from ops.views.text_table import Column, count_states, fit
 
 log = logging.getLogger(__name__)
@@ -126,7 +125,9 @@ RUN_COLUMNS = [
 ]
 
 
-def _runs_table(runs: list[RunProgress], not_shown: int, width: int | None) -> Table:
+def _runs_table(
+    runs: list[dashboard_queries.RunProgress], not_shown: int, width: int | None
+) -> Table:
     rows: list[list[Cell]] = []
     for run in runs:
         c = run.counts
@@ -158,14 +159,14 @@ def _runs_table(runs: list[RunProgress], not_shown: int, width: int | None) -> T
     return _fitted("runs", RUN_COLUMNS, rows, width, empty="no runs yet", caption=caption)
 
 
-def _state(row: ServerRow) -> str:
+def _state(row: dashboard_queries.ServerRow) -> str:
     if row.info is None:
         return "[dim]unregistered[/dim]"
     style = STATE_STYLES.get(row.info.state, "dim")
     return f"[{style}]{escape(row.info.state)}[/{style}]"
 
 
-def _paused(row: ServerRow) -> str:
+def _paused(row: dashboard_queries.ServerRow) -> str:
     if row.info is None:
         return "—"
     if not row.info.paused:
@@ -173,7 +174,7 @@ def _paused(row: ServerRow) -> str:
     return f"[yellow]yes[/yellow] ({escape(row.info.paused_by or '?')})"
 
 
-def _probe(row: ServerRow, now: datetime) -> str:
+def _probe(row: dashboard_queries.ServerRow, now: datetime) -> str:
     if row.info is None or row.info.last_probe_at is None:
         return "—"
     verdict = "ok" if row.info.last_probe_ok else "[red]failed[/red]"
@@ -199,7 +200,7 @@ SERVER_COLUMNS = [
 SERVER_ROWS_SHOWN = 24
 
 
-def servers_title(servers: list[ServerRow]) -> str:
+def servers_title(servers: list[dashboard_queries.ServerRow]) -> str:
     """The servers table's title: how many, by state (most first), paused and in flight."""
     if not servers:
         return "servers"
@@ -209,20 +210,24 @@ def servers_title(servers: list[ServerRow]) -> str:
     return f"servers: {len(servers)} ({by_state}); {paused} paused; {in_flight:,} in flight"
 
 
-def _shown(servers: list[ServerRow]) -> tuple[list[ServerRow], int]:
+def _shown(
+    servers: list[dashboard_queries.ServerRow],
+) -> tuple[list[dashboard_queries.ServerRow], int]:
     """The rows drawn and how many are left out: all of a small fleet in its order; of a large
     one, the servers that need a look first (not healthy, or paused), then the others."""
     if len(servers) <= SERVER_ROWS_SHOWN:
         return servers, 0
 
-    def calm(row: ServerRow) -> bool:
+    def calm(row: dashboard_queries.ServerRow) -> bool:
         return row.info is not None and row.info.state == "healthy" and not row.info.paused
 
     ordered = sorted(servers, key=calm)  # stable: each part keeps its order
     return ordered[:SERVER_ROWS_SHOWN], len(servers) - SERVER_ROWS_SHOWN
 
 
-def _servers_table(servers: list[ServerRow], now: datetime, width: int | None) -> Table:
+def _servers_table(
+    servers: list[dashboard_queries.ServerRow], now: datetime, width: int | None
+) -> Table:
     rows: list[list[Cell]] = []
     shown, not_shown = _shown(servers)
     for row in shown:
@@ -238,7 +243,7 @@ def _servers_table(servers: list[ServerRow], now: datetime, width: int | None) -
                 _text(_latency(row.latency_p50_s)),
                 _text(_latency(row.latency_p95_s)),
                 (Text.from_markup(probe).plain, probe),
-                _text(current_error(row.info) if row.info else ""),
+                _text(status_reads.current_error(row.info) if row.info else ""),
             ]
         )
     caption = (
@@ -259,7 +264,7 @@ def _servers_table(servers: list[ServerRow], now: datetime, width: int | None) -
 EVENT_COLUMNS = [Column("at (UTC)"), Column("kind"), Column("server"), Column("message", wrap=24)]
 
 
-def _events_table(dashboard: Dashboard, width: int | None) -> Table:
+def _events_table(dashboard: dashboard_queries.Dashboard, width: int | None) -> Table:
     rows = [
         [
             _text(event.at.strftime("%H:%M:%S")),
@@ -273,7 +278,7 @@ def _events_table(dashboard: Dashboard, width: int | None) -> Table:
 
 
 def render_dashboard(
-    dashboard: Dashboard,
+    dashboard: dashboard_queries.Dashboard,
     *,
     interval_s: float | None = None,
     problem: str | None = None,
@@ -313,12 +318,12 @@ def watch(
     picture on screen, marked stale, and the next tick tries again.
     """
 
-    def gather() -> Dashboard:
-        from app.ledger.database import limit_periodic
+    def gather() -> dashboard_queries.Dashboard:
+        from app.ledger import database
 
         with db.connect() as conn:
-            limit_periodic(conn)  # every tick: a statement timeout, no JIT, index plans
-            return gather_dashboard(conn, run_name=run_name)
+            database.limit_periodic(conn)  # every tick: a statement timeout, no JIT, index plans
+            return dashboard_queries.gather_dashboard(conn, run_name=run_name)
 
     current = gather()
     drawn = 0

@@ -35,13 +35,7 @@ from app.core.errors import ConfigurationError
 from app.core.models import ItemStatus
 from app.core.network import is_loopback
 from app.core.settings import Settings
-from app.ledger.metrics_queries import (
-    LATENCY_BUCKETS_S,
-    ItemGroup,
-    LatencyHistogram,
-    LedgerSnapshot,
-    read_snapshot,
-)
+from app.ledger import counters, metrics_queries
 from workers.control.health import Health
 
 log = logging.getLogger(__name__)
@@ -69,7 +63,7 @@ def broker_queue_depth(broker_url: str) -> int | None:
         client.close()
 
 
-def ledger_families(snapshot: LedgerSnapshot) -> list[Metric]:
+def ledger_families(snapshot: metrics_queries.LedgerSnapshot) -> list[Metric]:
     """The metric families the ledger snapshot holds (no I/O)."""
     known = {s.name for s in snapshot.servers}
     known |= {g.server for g in snapshot.groups if g.server is not None}
@@ -100,7 +94,7 @@ class _GroupTotals:
     run_tokens: dict[str, int]
 
     @classmethod
-    def of(cls, snapshot: LedgerSnapshot, known: set[str]) -> _GroupTotals:
+    def of(cls, snapshot: metrics_queries.LedgerSnapshot, known: set[str]) -> _GroupTotals:
         hedge_statuses = (ItemStatus.LEASED.value, ItemStatus.DONE.value, ItemStatus.FAILED.value)
         totals = cls(
             tokens=dict.fromkeys(known, 0),
@@ -116,7 +110,7 @@ class _GroupTotals:
             totals.add(g)
         return totals
 
-    def add(self, g: ItemGroup) -> None:
+    def add(self, g: metrics_queries.ItemGroup) -> None:
         server = g.server or NO_SERVER
         by_status = self.run_items.setdefault(g.run, {})
         by_status[g.status] = by_status.get(g.status, 0) + g.items
@@ -187,7 +181,7 @@ def _run_families(totals: _GroupTotals) -> list[Metric]:
     return [items, hedged_items, per_run]
 
 
-def _priority_family(snapshot: LedgerSnapshot) -> Metric:
+def _priority_family(snapshot: metrics_queries.LedgerSnapshot) -> Metric:
     """Each run's priority."""
     priority = GaugeMetricFamily(
         PREFIX + "run_priority",
@@ -199,7 +193,7 @@ def _priority_family(snapshot: LedgerSnapshot) -> Metric:
     return priority
 
 
-def latency_family(snapshot: LedgerSnapshot, known: set[str]) -> Metric:
+def latency_family(snapshot: metrics_queries.LedgerSnapshot, known: set[str]) -> Metric:
     """The latency histogram of each server; zeros for a known server with nothing finished."""
     latency = HistogramMetricFamily(
         PREFIX + "request_latency_seconds",
@@ -208,8 +202,8 @@ def latency_family(snapshot: LedgerSnapshot, known: set[str]) -> Metric:
     )
     histograms = {h.server or NO_SERVER: h for h in snapshot.latencies}
     for server in sorted(known - set(histograms)):  # a server with nothing finished yet: zeros
-        histograms[server] = LatencyHistogram(
-            server, LATENCY_BUCKETS_S, (0,) * len(LATENCY_BUCKETS_S), 0, 0.0
+        histograms[server] = metrics_queries.LatencyHistogram(
+            server, counters.LATENCY_BUCKETS_S, (0,) * len(counters.LATENCY_BUCKETS_S), 0, 0.0
         )
     for server, h in sorted(histograms.items()):
         buckets: list[tuple[str, float]] = [
@@ -220,7 +214,7 @@ def latency_family(snapshot: LedgerSnapshot, known: set[str]) -> Metric:
     return latency
 
 
-def server_families(snapshot: LedgerSnapshot) -> list[Metric]:
+def server_families(snapshot: metrics_queries.LedgerSnapshot) -> list[Metric]:
     """State, pause flag and last probe of each registered server."""
     state = GaugeMetricFamily(
         PREFIX + "server_state",
@@ -260,7 +254,7 @@ def server_families(snapshot: LedgerSnapshot) -> list[Metric]:
     return [state, paused, probe_at, probe_ok, probe_latency]
 
 
-def window_families(snapshot: LedgerSnapshot) -> list[Metric]:
+def window_families(snapshot: metrics_queries.LedgerSnapshot) -> list[Metric]:
     """Each server's window (its live workers' sizes added up), its capacity and its load at
     the workers' last reading."""
     size = GaugeMetricFamily(
@@ -284,7 +278,7 @@ def window_families(snapshot: LedgerSnapshot) -> list[Metric]:
         "Requests queued on the server at its workers' last /v1/loads reading.",
         labels=["server"],
     )
-    for name, w in sorted(snapshot.windows.items()):
+    for name, w in sorted(snapshot.server_windows.items()):
         size.add_metric([name, w.mode, w.reason or ""], w.size)
         if w.max_running is not None:
             capacity.add_metric([name], w.max_running)
@@ -326,7 +320,7 @@ class LedgerCollector(Collector):
         started = time.perf_counter()
         families: list[Metric] = []
         try:
-            families += ledger_families(read_snapshot(self.engine))
+            families += ledger_families(metrics_queries.read_snapshot(self.engine))
             ledger_up = 1
         except Exception as exc:  # a scrape reports the outage instead of failing
             log.warning(

@@ -14,7 +14,7 @@ from app.outputs.acceptance import LENGTH_FIELD, STATS_HEADER, stats_cells
 if TYPE_CHECKING:
     from sqlalchemy import Engine
 
-    from app.ledger.run_queries import RunInfo
+    from app.ledger import run_queries
     from app.outputs.accept_pairs import PairedReport
     from app.outputs.acceptance import AcceptReport
 
@@ -41,7 +41,7 @@ ACCEPT_FIGURES = (
 )
 
 
-def acceptance_report_for(db: Engine, run: RunInfo) -> AcceptReport | None:
+def acceptance_report_for(db: Engine, run: run_queries.RunInfo) -> AcceptReport | None:
     """The acceptance of a run whose results carry speculative counters, else None."""
     from app.ledger import spec_stats
     from app.outputs.accept_rows import load_rows, speculative_of

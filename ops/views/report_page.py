@@ -15,8 +15,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from sqlalchemy import Engine
 
-    from app.ledger.reads import RunCounts
-    from app.ledger.run_queries import RunInfo
+    from app.ledger import reads, run_queries
     from app.outputs.report_stats import PausePeriod, ReportData
 
 TRUNCATION_WARN = 0.05
@@ -82,13 +81,7 @@ class ReportResult:
 def build_report(db: Engine, run_name: str, out_dir: Path) -> ReportResult:
     """Stream the run's finished items once, draw the figures, write out_dir/index.html."""
     from app.core.constants import EVENT_PAUSED, EVENT_RESUMED
-    from app.ledger import common, reads, run_queries
-    from app.ledger.dashboard_queries import (
-        failure_reasons,
-        item_ranges,
-        iter_item_stats,
-        server_events,
-    )
+    from app.ledger import common, dashboard_queries, reads, run_queries
     from app.outputs.report_stats import accumulate, pause_periods, serving_pauses
     from ops.views import report_plots  # matplotlib loads only when a report is made
     from ops.views.report_accept import acceptance_report_for, acceptance_section, draw_acceptance
@@ -96,18 +89,18 @@ def build_report(db: Engine, run_name: str, out_dir: Path) -> ReportResult:
     with db.connect() as conn:
         run = run_queries.get_run(conn, run_name)
         counts = reads.run_counts(conn, run)
-        ranges = item_ranges(conn, run.id)
+        ranges = dashboard_queries.item_ranges(conn, run.id)
         data = accumulate(
-            iter_item_stats(conn, run.id),
+            dashboard_queries.iter_item_stats(conn, run.id),
             ranges,
             max_new_tokens=run.generation.sampling.max_new_tokens,
         )
-        failures = failure_reasons(conn, run.id)
+        failures = dashboard_queries.failure_reasons(conn, run.id)
         pauses: list[PausePeriod] = []
         if data.throughput is not None:
             tp = data.throughput
             pauses = pause_periods(
-                server_events(
+                dashboard_queries.server_events(
                     conn, kinds=(EVENT_PAUSED, EVENT_RESUMED), since=tp.start, until=tp.end
                 ),
                 paused_kind=EVENT_PAUSED,
@@ -162,7 +155,7 @@ def _rows(rows: list[tuple[Any, ...]], header: tuple[str, ...]) -> str:
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
-def warnings_for(counts: RunCounts, data: ReportData) -> list[str]:
+def warnings_for(counts: reads.RunCounts, data: ReportData) -> list[str]:
     """Plain-language flags a person should read before training on this run."""
     found: list[str] = []
     unfinished = counts.pending + counts.queued + counts.leased
@@ -184,7 +177,7 @@ def warnings_for(counts: RunCounts, data: ReportData) -> list[str]:
     return found
 
 
-def _tokenizer_files(run: RunInfo) -> str:
+def _tokenizer_files(run: run_queries.RunInfo) -> str:
     if run.generation.tokenizer_files is None:
         return "not recorded (run older than the per-file manifest)"
     return ", ".join(
@@ -197,8 +190,8 @@ def _length(value: float | None, approx: bool) -> str:
 
 
 def render_page(
-    run: RunInfo,
-    counts: RunCounts,
+    run: run_queries.RunInfo,
+    counts: reads.RunCounts,
     data: ReportData,
     failures: list[tuple[str, int]],
     pauses: list[PausePeriod],

@@ -13,7 +13,7 @@ from ops.views.progress import Line
 from ops.views.text_table import Column, render
 
 if TYPE_CHECKING:
-    from app.ledger.reads import RunCounts
+    from app.ledger import reads
     from workers.engine.runner import ServerView
 
 BAR_WIDTH = 20
@@ -43,7 +43,7 @@ class Rates:
     """The run's rates as `Pace.rates` reads them."""
 
     def __init__(
-        self, counts: RunCounts, elapsed_s: float, items_per_s: float, tokens_per_s: float
+        self, counts: reads.RunCounts, elapsed_s: float, items_per_s: float, tokens_per_s: float
     ):
         self.elapsed_s = elapsed_s
         self.finished = counts.done + counts.failed
@@ -65,7 +65,7 @@ class Pace:
         self.started = clock()
         self._seen: deque[tuple[float, int, int]] = deque()  # (time, finished, output tokens)
 
-    def rates(self, counts: RunCounts) -> Rates:
+    def rates(self, counts: reads.RunCounts) -> Rates:
         now = self._clock()
         seen = (now, counts.done + counts.failed, counts.output_tokens)
         self._seen.append(seen)
@@ -110,7 +110,7 @@ def _error(view: ServerView) -> str:
     return (error or "").splitlines()[0] if error else ""
 
 
-def table(counts: RunCounts, views: Sequence[ServerView], pace: Pace) -> list[str]:
+def table(counts: reads.RunCounts, views: Sequence[ServerView], pace: Pace) -> list[str]:
     """The run's row and a row per server, fitted to the terminal."""
     rates = pace.rates(counts)
     filled = int(BAR_WIDTH * rates.finished / counts.total) if counts.total else BAR_WIDTH
@@ -149,12 +149,12 @@ def table(counts: RunCounts, views: Sequence[ServerView], pace: Pace) -> list[st
     return lines
 
 
-def frame(counts: RunCounts, views: Sequence[ServerView], pace: Pace) -> list[Line]:
+def frame(counts: reads.RunCounts, views: Sequence[ServerView], pace: Pace) -> list[Line]:
     """The terminal's frame: the table."""
     return [Line(f"row {i}", text) for i, text in enumerate(table(counts, views, pace))]
 
 
-def log_lines(counts: RunCounts, views: Sequence[ServerView], pace: Pace) -> list[Line]:
+def log_lines(counts: reads.RunCounts, views: Sequence[ServerView], pace: Pace) -> list[Line]:
     """A pipe's lines: the run's counts (printed every LINE_EVERY_S) and each server's state
     (printed when it changes)."""
     rates = pace.rates(counts)

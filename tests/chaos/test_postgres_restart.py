@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import create_engine, text
 
-from app.ledger.database import make_engine
+from app.ledger import database
 from tests.chaos.conftest import FAST_SETTINGS, Deployment, RedisServer, free_port, wait_for
 from tests.support.procs import service_env, tokenmill
 
@@ -125,7 +125,7 @@ def pg_deployment(
     env["TOKENMILL_HEARTBEAT_S"] = "1"  # service_env sets 2; leases are 5 s here
     result = tokenmill(["db", "upgrade"], env)
     assert result.returncode == 0, f"db upgrade: {result.stdout}\n{result.stderr}"
-    engine = make_engine(url)
+    engine = database.make_engine(url)
     dep = Deployment(db=engine, env=env, tmp=tmp_path)
     try:
         yield dep

@@ -16,8 +16,7 @@ import pytest
 from celery import Celery
 from sqlalchemy import Engine, select
 
-from app.ledger import reads, registry, run_queries
-from app.ledger.common import items
+from app.ledger import common, reads, registry, run_queries
 from emulator.config import EmulatorConfig
 from emulator.model import generate_output
 from ops.emulator_proc import start_emulator
@@ -44,13 +43,13 @@ def unfinished(db: Engine) -> str:
         left = list(reads.iter_items(conn, run.id, statuses=("pending", "queued", "leased")))
         rows = conn.execute(
             select(
-                items.c.id,
-                items.c.status,
-                items.c.lease_owner,
-                items.c.started_at,
-                items.c.attempts,
-                items.c.error,
-            ).where(items.c.id.in_([i.id for i in left]))
+                common.items.c.id,
+                common.items.c.status,
+                common.items.c.lease_owner,
+                common.items.c.started_at,
+                common.items.c.attempts,
+                common.items.c.error,
+            ).where(common.items.c.id.in_([i.id for i in left]))
         ).all()
     return f"{len(left)} unfinished: " + "; ".join(str(tuple(r)) for r in rows[:10])
 

@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from app.ledger.database import make_engine
-from app.ledger.migrate import upgrade
+from app.ledger import database, migrate
 from tests.support.chromium import CHROMIUM, loaded_images
 from tests.support.procs import report_command
 from tests.support.spec_runs import make_spec_run
@@ -34,8 +33,8 @@ def report(url: str, tmp: Path, *args: str) -> str:
 def ledger_url(tmp_path_factory: pytest.TempPathFactory) -> str:
     tmp = tmp_path_factory.mktemp("accept-report")
     url = f"sqlite:///{tmp / 'ledger.sqlite3'}"
-    engine = make_engine(url)
-    upgrade(engine)
+    engine = database.make_engine(url)
+    migrate.upgrade(engine)
     make_spec_run(engine, "draft-a", seed=1)
     make_spec_run(engine, "draft-b", seed=2, shift=0.08)
     engine.dispose()

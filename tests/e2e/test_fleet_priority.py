@@ -17,8 +17,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import Engine, func, select
 
-from app.ledger import reads, run_queries
-from app.ledger.common import items
+from app.ledger import common, reads, run_queries
 from tests.support.moto_s3 import moto_s3
 from tests.support.procs import ROOT, wait_for
 from tests.support.readme_fleet import Command, Fleet, commands, section_blocks
@@ -81,9 +80,9 @@ def big_finished_before(db: Engine, run: str) -> int:
     with db.connect() as conn:
         run_id = run_queries.get_run(conn, run).id
         big_id = run_queries.get_run(conn, "r1").id
-        last = select(func.max(items.c.finished_at)).where(items.c.run_id == run_id)
+        last = select(func.max(common.items.c.finished_at)).where(common.items.c.run_id == run_id)
         count = select(func.count()).where(
-            items.c.run_id == big_id, items.c.finished_at <= last.scalar_subquery()
+            common.items.c.run_id == big_id, common.items.c.finished_at <= last.scalar_subquery()
         )
         return int(conn.execute(count).scalar_one())
 

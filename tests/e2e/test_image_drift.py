@@ -20,8 +20,7 @@ from sqlalchemy.exc import OperationalError
 from app.core.errors import NotFound
 from app.core.models import run_image_tokens
 from app.ledger import common as ledger_common
-from app.ledger import reads, run_queries
-from app.ledger.database import make_engine
+from app.ledger import database, reads, run_queries
 from emulator.config import EmulatorConfig
 from ops.emulator_proc import start_emulator
 from tests.support.emulator import free_port
@@ -74,7 +73,7 @@ def bos_on_retokenize(folder: Path, out: Path) -> Path:
 
 
 def ledger_of(data: Path) -> Engine:
-    return make_engine(f"sqlite:///{data / 'ledger.sqlite3'}")
+    return database.make_engine(f"sqlite:///{data / 'ledger.sqlite3'}")
 
 
 def events_about(db: Engine, url: str) -> list[str]:

@@ -25,9 +25,7 @@ import httpx
 import pytest
 from sqlalchemy import update
 
-from app.ledger.common import items, runs
-from app.ledger.database import make_engine
-from app.ledger.migrate import upgrade
+from app.ledger import common, database, migrate
 from ops.emulator_proc import EmulatorProcess, start_emulator
 from tests.support.emulator import free_port
 from tests.support.procs import ROOT, clean_env, tokenmill, wait_for
@@ -133,8 +131,8 @@ def test_update_weights_in_a_pipe_counts_the_drain_down(
     env = clean_env(data)
     added = tokenmill(["servers", "add", "gpu-x", emulator.url], env, tmp_path)
     assert added.returncode == 0, added.stderr
-    engine = make_engine(f"sqlite:///{data / 'ledger.sqlite3'}")
-    upgrade(engine)
+    engine = database.make_engine(f"sqlite:///{data / 'ledger.sqlite3'}")
+    migrate.upgrade(engine)
     with engine.begin() as conn:  # three items out on gpu-x, whose worker is gone
         run = make_run(conn, "r1")
         for i in range(3):
@@ -168,8 +166,8 @@ def test_update_weights_in_a_pipe_counts_the_drain_down(
 def ledger_with_run(data: Path, *, leased_on: str | None = None, pinned: str | None = None) -> None:
     """Run r1 in the embedded ledger: three items leased to `leased_on` (a worker gone), or one
     pending item; `pinned`: the run's `--weight-version`."""
-    engine = make_engine(f"sqlite:///{data / 'ledger.sqlite3'}")
-    upgrade(engine)
+    engine = database.make_engine(f"sqlite:///{data / 'ledger.sqlite3'}")
+    migrate.upgrade(engine)
     with engine.begin() as conn:
         run = make_run(conn, "r1")
         if leased_on:
@@ -178,7 +176,9 @@ def ledger_with_run(data: Path, *, leased_on: str | None = None, pinned: str | N
         else:
             add_item(conn, run.id, "k0", status="pending")
         if pinned:
-            conn.execute(update(runs).where(runs.c.id == run.id).values(weight_version=pinned))
+            conn.execute(
+                update(common.runs).where(common.runs.c.id == run.id).values(weight_version=pinned)
+            )
     engine.dispose()
 
 
@@ -234,9 +234,9 @@ def test_a_refused_update_prints_the_whole_command_to_try_again(
         # the checkpoint goes away while the update waits for gpu-x's items; then they go back
         wait_for("gpu-x paused", lambda: server_json(env, tmp_path)["paused"] is True, 60)
         checkpoint.rmdir()
-        engine = make_engine(f"sqlite:///{data / 'ledger.sqlite3'}")
+        engine = database.make_engine(f"sqlite:///{data / 'ledger.sqlite3'}")
         with engine.begin() as conn:
-            conn.execute(update(items).values(status="pending", server=None))
+            conn.execute(update(common.items).values(status="pending", server=None))
         engine.dispose()
         _, err = process.communicate(timeout=120)
     finally:

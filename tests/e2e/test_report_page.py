@@ -10,9 +10,7 @@ from pathlib import Path
 import pytest
 from matplotlib.image import imread
 
-from app.ledger import common
-from app.ledger.database import make_engine
-from app.ledger.migrate import upgrade
+from app.ledger import common, database, migrate
 from tests.support.chromium import CHROMIUM, chromium, loaded_images
 from tests.support.procs import report_command
 from tests.support.runs import seed_report_run
@@ -39,8 +37,8 @@ def report_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     click command in a real process."""
     tmp = tmp_path_factory.mktemp("report")
     url = f"sqlite:///{tmp / 'ledger.sqlite3'}"
-    engine = make_engine(url)
-    upgrade(engine)
+    engine = database.make_engine(url)
+    migrate.upgrade(engine)
     with engine.begin() as conn:
         seed_report_run(conn, common.utcnow() - timedelta(hours=2))
     engine.dispose()

@@ -15,9 +15,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import Engine, update
 
-from app.ledger import common
-from app.ledger.database import make_engine
-from app.ledger.migrate import upgrade
+from app.ledger import common, database, migrate
 from tests.support.procs import ROOT, clean_env, tokenmill
 from tests.support.runs import seed_fleet
 
@@ -52,8 +50,8 @@ def wait_for(check: Callable[[], str | None], what: str, timeout_s: float = 30) 
 
 def seeded(tmp_path: Path) -> tuple[Engine, dict[str, str]]:
     url = f"sqlite:///{tmp_path / 'ledger.sqlite3'}"
-    engine = make_engine(url)
-    upgrade(engine)
+    engine = database.make_engine(url)
+    migrate.upgrade(engine)
     with engine.begin() as conn:
         seed_fleet(conn, common.utcnow())
     return engine, clean_env(tmp_path / "data", TOKENMILL_DATABASE_URL=url)

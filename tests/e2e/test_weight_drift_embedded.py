@@ -14,8 +14,7 @@ import httpx
 import pytest
 from sqlalchemy import select
 
-from app.ledger import common, reads, run_queries
-from app.ledger.database import make_engine
+from app.ledger import common, database, reads, run_queries
 from emulator.config import EmulatorConfig
 from emulator.model import generate_output
 from ops.emulator_proc import start_emulator
@@ -47,7 +46,7 @@ def test_one_server_updated_in_place_under_tokenmill_run(
          "--max-new-tokens", "60", "--seed", "2"],
         env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
-    db = make_engine(f"sqlite:///{data / 'ledger.sqlite3'}")
+    db = database.make_engine(f"sqlite:///{data / 'ledger.sqlite3'}")
     try:
         deadline = time.monotonic() + 120
         while True:

@@ -21,7 +21,6 @@ from app.core import constants
 from app.core.contracts import GenerateResult, SamplingParams
 from app.ledger import claims, reads, run_queries
 from app.ledger import outcomes as ledger_outcomes
-from app.ledger.outcomes import Done
 from app.outputs.export import export_run
 from app.outputs.verify import verify_run
 from app.prompts.tokenization import ChatTokenizer, load_tokenizer
@@ -230,7 +229,7 @@ def _run_chains(
             action = script.actions[item.turn_index]
             text = _output_text(family, action, item.item_key, item.turn_index)
             result = _result(tokenizer, family, text, len(item.prompt_ids), action)
-            done.append(Done(item.id, result))
+            done.append(ledger_outcomes.Done(item.id, result))
         with db.begin() as conn:
             ids = [d.item_id for d in done]
             claims.claim_items(conn, ids, owner="w", server="s", lease_s=60)

@@ -13,9 +13,7 @@ from sqlalchemy import Engine, func, select
 
 from app.core.errors import ArchiveRefused, RunArchived
 from app.core.settings import Settings
-from app.ledger import archive, outcomes, queue, reads, run_queries
-from app.ledger.common import items, items_archive, runs
-from app.ledger.dashboard_queries import failure_reasons, item_ranges, iter_item_stats
+from app.ledger import archive, common, dashboard_queries, outcomes, queue, reads, run_queries
 from app.outputs.export import export_run
 from app.outputs.parquet_export import export_parquet
 from app.outputs.verify import verify_run
@@ -58,7 +56,7 @@ def test_keyset_pages_cross_compacted_and_uncompacted_rows(db: Engine, tmp_path:
     shards = {i.id: i.shard_uri for i in stored(db, run, 5)}
     assert sum(1 for uri in shards.values() if uri) == 21
     with db.connect() as conn:
-        stats = list(iter_item_stats(conn, run.id, page_size=3))
+        stats = list(dashboard_queries.iter_item_stats(conn, run.id, page_size=3))
     assert [s.id for s in stats] == [i.id for i in whole]
 
 
@@ -84,9 +82,9 @@ def everything(db: Engine, run: run_queries.RunInfo, out: Path) -> dict[str, obj
     report = build_report(db, run.name, out / "report")
     with db.connect() as conn:
         counts = reads.run_counts(conn, run).to_json()
-        stats = list(iter_item_stats(conn, run.id))
-        ranges = item_ranges(conn, run.id)
-        reasons = failure_reasons(conn, run.id)
+        stats = list(dashboard_queries.iter_item_stats(conn, run.id))
+        ranges = dashboard_queries.item_ranges(conn, run.id)
+        reasons = dashboard_queries.failure_reasons(conn, run.id)
         # what `tokenmill parity` re-renders
         prompts = reads.stored_prompts(conn, reads.prompt_item_ids(conn, run.id))
     assert prompts, "the run has rendered prompts to check"
@@ -105,9 +103,9 @@ def everything(db: Engine, run: run_queries.RunInfo, out: Path) -> dict[str, obj
 
 def rows_in(db: Engine, run: run_queries.RunInfo) -> tuple[int, int]:
     with db.connect() as conn:
-        hot = conn.execute(select(func.count()).where(items.c.run_id == run.id)).scalar_one()
+        hot = conn.execute(select(func.count()).where(common.items.c.run_id == run.id)).scalar_one()
         cold = conn.execute(
-            select(func.count()).where(items_archive.c.run_id == run.id)
+            select(func.count()).where(common.items_archive.c.run_id == run.id)
         ).scalar_one()
     return int(hot), int(cold)
 
@@ -132,7 +130,9 @@ def test_archive_round_trip(db: Engine, tmp_path: Path) -> None:
     assert rows_in(db, other) == (8, 0)
     # the counts were kept when the rows left (status reads them, never counting the archive)
     with db.connect() as conn:
-        kept = conn.execute(select(runs.c.archived_counts).where(runs.c.id == run.id)).scalar_one()
+        kept = conn.execute(
+            select(common.runs.c.archived_counts).where(common.runs.c.id == run.id)
+        ).scalar_one()
     assert kept == {k: v for k, v in before["counts"].items() if k != "run"}
     assert everything(db, run, tmp_path / "after") == before
 

@@ -15,10 +15,7 @@ from sqlalchemy import Connection, Engine, func, select, text, update
 
 from app.core.models import chain_end_counts
 from app.core.settings import Settings
-from app.ledger import archive, counters, queue, reads, removal, turns
-from app.ledger.common import items
-from app.ledger.database import make_engine
-from app.ledger.migrate import alembic_config, upgrade
+from app.ledger import archive, common, counters, database, migrate, queue, reads, removal, turns
 from tests.conftest import private_database
 from tests.support.done_runs import make_done_run
 from tests.support.runs import add_item, make_run
@@ -43,8 +40,10 @@ def counted(conn: Connection, run_id: int) -> dict[str, int]:
 
 
 def done_ids(conn: Connection, run_id: int) -> list[int]:
-    stmt = select(items.c.id).where(items.c.run_id == run_id, items.c.status == "done")
-    return list(conn.execute(stmt.order_by(items.c.id)).scalars())
+    stmt = select(common.items.c.id).where(
+        common.items.c.run_id == run_id, common.items.c.status == "done"
+    )
+    return list(conn.execute(stmt.order_by(common.items.c.id)).scalars())
 
 
 def test_the_counters_follow_every_change_of_an_ending(db: Engine, tmp_path: Path) -> None:
@@ -115,12 +114,16 @@ def test_the_catch_up_reads_the_marked_unended_last_turns_alone(db: Engine) -> N
         assert queue.insert_items(conn, run.id, new) == 8
         ids = list(
             conn.execute(
-                select(items.c.id).where(items.c.run_id == run.id).order_by(items.c.id)
+                select(common.items.c.id)
+                .where(common.items.c.run_id == run.id)
+                .order_by(common.items.c.id)
             ).scalars()
         )
         marked = ids[0::2]  # k0, k2, k4, k6
         assert turns.unended_last_turns(conn, run_id=run.id) == []  # none done yet
-        conn.execute(update(items).where(items.c.id.in_(ids[:6])).values(status="done"))
+        conn.execute(
+            update(common.items).where(common.items.c.id.in_(ids[:6])).values(status="done")
+        )
         assert [i for i, _ in turns.unended_last_turns(conn, run_id=run.id)] == marked[:3]
         turns.record_chain_end(conn, marked[0], COMPLETE)
         assert turns.unmark_plain_chains(conn, [marked[1]]) == 1
@@ -147,14 +150,14 @@ def old_run(conn: Connection, name: str) -> int:
 def at_0019(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Engine]:
     """A ledger at the revision before the chain ending counters."""
     if request.param == "sqlite":
-        engine = make_engine(f"sqlite:///{tmp_path / 'old.sqlite3'}")
-        upgrade(engine, "0019")
+        engine = database.make_engine(f"sqlite:///{tmp_path / 'old.sqlite3'}")
+        migrate.upgrade(engine, "0019")
         yield engine
         engine.dispose()
         return
     with private_database("tokenmill_chain_ends") as url:
-        engine = make_engine(url)
-        config = alembic_config(url)
+        engine = database.make_engine(url)
+        config = migrate.alembic_config(url)
         with engine.begin() as conn:
             config.attributes["connection"] = conn
             command.downgrade(config, "0019")
@@ -163,8 +166,10 @@ def at_0019(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Engine]:
 
 
 def _item_id(conn: Connection, run_id: int, key: str, turn: int = 0) -> int:
-    stmt = select(items.c.id).where(
-        items.c.run_id == run_id, items.c.item_key == key, items.c.turn_index == turn
+    stmt = select(common.items.c.id).where(
+        common.items.c.run_id == run_id,
+        common.items.c.item_key == key,
+        common.items.c.turn_index == turn,
     )
     return int(conn.execute(stmt).scalar_one())
 
@@ -214,7 +219,7 @@ def test_the_migration_counts_endings_and_marks_unended_last_turns(at_0019: Engi
             {"i": moved},
         )
         conn.execute(text("DELETE FROM items WHERE id = :i"), {"i": moved})
-    upgrade(engine)
+    migrate.upgrade(engine)
     with engine.begin() as conn:
         assert counted(conn, agent) == {COMPLETE: 2}
         assert endings(conn, agent) == {COMPLETE: 2}
@@ -231,7 +236,7 @@ def test_the_migration_counts_endings_and_marks_unended_last_turns(at_0019: Engi
         assert turns.record_chain_end(conn, single, NO_CALL)
         assert endings(conn, agent) == counted(conn, agent) == {COMPLETE: 2, NO_CALL: 1}
         assert endings(conn, plain) == {}
-    config = alembic_config(engine.url.render_as_string(hide_password=False))
+    config = migrate.alembic_config(engine.url.render_as_string(hide_password=False))
     with engine.begin() as conn:
         config.attributes["connection"] = conn
         command.downgrade(config, "0019")

@@ -15,9 +15,8 @@ from sqlalchemy import Engine, func, select, update
 from app.core.constants import NORMALIZATION_VERSION
 from app.core.contracts import GenerateResult, SamplingParams
 from app.core.errors import ConfigurationError
-from app.ledger import claims, reads, run_queries
+from app.ledger import claims, common, reads, run_queries
 from app.ledger import outcomes as ledger_outcomes
-from app.ledger.common import items, runs, tool_sets
 from app.outputs.export import export_run
 from app.outputs.parquet_export import export_parquet
 from app.outputs.verify import CHECK_TEMPLATE, verify_run
@@ -202,7 +201,11 @@ def test_every_template_input_reaches_the_prompt(
     with db.connect() as conn:
         run = run_queries.get_run(conn, "agentic")
         assert run.generation.normalization_version == NORMALIZATION_VERSION
-        count = select(func.count()).select_from(tool_sets).where(tool_sets.c.run_id == run.id)
+        count = (
+            select(func.count())
+            .select_from(common.tool_sets)
+            .where(common.tool_sets.c.run_id == run.id)
+        )
         assert conn.execute(count).scalar_one() == 1  # one tools list, stored once
     again = enqueue_rows(db, agent, tmp_path, "agentic")
     assert (again.inserted, again.already_present) == (0, 4)
@@ -219,10 +222,14 @@ def test_verify_re_renders_from_what_each_item_stored(
 
     found = stored(db, "verified", "done")
     with db.begin() as conn:  # the tools of one row lost, the kwargs of another
-        conn.execute(update(items).where(items.c.id == found["tools"].id).values(tool_set_id=None))
         conn.execute(
-            update(items)
-            .where(items.c.id == found["tools-string"].id)
+            update(common.items)
+            .where(common.items.c.id == found["tools"].id)
+            .values(tool_set_id=None)
+        )
+        conn.execute(
+            update(common.items)
+            .where(common.items.c.id == found["tools-string"].id)
             .values(chat_template_kwargs=None)
         )
     report = verify_run(db, run, agent)
@@ -237,7 +244,9 @@ def test_unknown_normalization_rules_are_refused(
     enqueue_rows(db, agent, tmp_path, "pinned")
     run = finish_all(db, agent, "pinned")
     with db.begin() as conn:
-        conn.execute(update(runs).where(runs.c.id == run.id).values(normalization_version="v0"))
+        conn.execute(
+            update(common.runs).where(common.runs.c.id == run.id).values(normalization_version="v0")
+        )
         run = run_queries.get_run(conn, "pinned")
     report = verify_run(db, run, agent)
     assert not report.clean

@@ -14,7 +14,6 @@ from app.core.locks import exclusive
 from app.core.settings import Settings
 from app.ledger import common, compaction, reads, run_queries
 from app.ledger import compaction as ledger_compaction
-from app.ledger.common import items
 from app.outputs.export import export_run
 from app.outputs.parquet_export import check_export, export_parquet
 from tests.support.done_runs import make_done_run
@@ -78,9 +77,14 @@ def test_compaction_moves_arrays_and_readers_do_not_notice(
     ]
     with pg_engine.connect() as conn:
         rows = conn.execute(
-            select(items.c.id, items.c.shard_uri, items.c.shard_row, items.c.status)
-            .where(items.c.run_id == run.id)
-            .order_by(items.c.id)
+            select(
+                common.items.c.id,
+                common.items.c.shard_uri,
+                common.items.c.shard_row,
+                common.items.c.status,
+            )
+            .where(common.items.c.run_id == run.id)
+            .order_by(common.items.c.id)
         ).all()
     done = [r for r in rows if r.status == "done"]
     assert [r.shard_row for r in done] == list(range(25)) * 2 + list(range(10))
@@ -100,12 +104,12 @@ def test_compaction_moves_arrays_and_readers_do_not_notice(
     with pg_engine.connect() as conn:
         sizes = conn.execute(
             select(
-                items.c.status,
-                func.sum(func.octet_length(items.c.prompt_ids)),
-                func.sum(func.coalesce(func.octet_length(items.c.output_ids), 0)),
+                common.items.c.status,
+                func.sum(func.octet_length(common.items.c.prompt_ids)),
+                func.sum(func.coalesce(func.octet_length(common.items.c.output_ids), 0)),
             )
-            .where(items.c.run_id == run.id)
-            .group_by(items.c.status)
+            .where(common.items.c.run_id == run.id)
+            .group_by(common.items.c.status)
         ).all()
     assert {s: (int(p), int(o)) for s, p, o in sizes}["done"] == (0, 0)
 
@@ -171,7 +175,7 @@ def test_unfinished_chains_and_small_runs_wait(pg_engine: Engine, tmp_path: Path
         first, second = compaction.compactable_ids(conn, run.id, limit=2)
         for prev, status in ((first, "waiting"), (second, "failed")):
             conn.execute(
-                insert(items).values(
+                insert(common.items).values(
                     run_id=run.id,
                     item_key=f"turn2-{prev}",
                     sample_index=0,
@@ -192,13 +196,17 @@ def test_unfinished_chains_and_small_runs_wait(pg_engine: Engine, tmp_path: Path
     assert report.compacted == 9  # all done items but the one a waiting turn still reads
     with pg_engine.connect() as conn:
         kept = conn.execute(
-            select(items.c.id, items.c.output_ids).where(
-                items.c.run_id == run.id, items.c.status == "done", items.c.shard_uri.is_(None)
+            select(common.items.c.id, common.items.c.output_ids).where(
+                common.items.c.run_id == run.id,
+                common.items.c.status == "done",
+                common.items.c.shard_uri.is_(None),
             )
         ).all()
     assert [k.id for k in kept] == [first] and kept[0].output_ids
     with pg_engine.begin() as conn:
-        conn.execute(update(items).where(items.c.prev_item_id == first).values(status="failed"))
+        conn.execute(
+            update(common.items).where(common.items.c.prev_item_id == first).values(status="failed")
+        )
     assert compact_run(pg_engine, settings, run, force=True).compacted == 1
 
 

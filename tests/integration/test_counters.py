@@ -21,14 +21,20 @@ from sqlalchemy import Connection, Engine, create_engine, delete, func, insert, 
 
 from app.core.contracts import GenerateResult, SamplingParams
 from app.core.settings import get_settings
-from app.ledger import claims, common, compaction, counters, queue, reads, run_queries, turns
+from app.ledger import (
+    claims,
+    common,
+    compaction,
+    counters,
+    database,
+    metrics_queries,
+    migrate,
+    queue,
+    reads,
+    run_queries,
+    turns,
+)
 from app.ledger import outcomes as ledger_outcomes
-from app.ledger.common import items, runs
-from app.ledger.counters import GroupKey, LatencyKey, Tally
-from app.ledger.database import make_engine
-from app.ledger.metrics_queries import latency_histograms
-from app.ledger.migrate import alembic_config, upgrade
-from app.ledger.outcomes import Done, Failed, Released, RetryLater
 from ops.cli import cli
 from tests.conftest import PG_ADMIN_URL
 from tests.support import runs as support_runs
@@ -91,21 +97,24 @@ def test_every_state_change_keeps_the_counters_exact(db: Engine) -> None:
         ledger_outcomes.record_outcomes(
             conn,
             [
-                Done(ids[0], result(7, latency_s=0.5), server="gpu-b"),
-                Done(ids[1], result(9, finish="length", latency_s=3600.0)),
-                Failed(ids[2], "HTTP 400: prompt too long"),
-                RetryLater(ids[3], "timeout"),
+                ledger_outcomes.Done(ids[0], result(7, latency_s=0.5), server="gpu-b"),
+                ledger_outcomes.Done(ids[1], result(9, finish="length", latency_s=3600.0)),
+                ledger_outcomes.Failed(ids[2], "HTTP 400: prompt too long"),
+                ledger_outcomes.RetryLater(ids[3], "timeout"),
             ],
             owner="wa",
             lease_s=600,
         )
         # the losing copy of the hedge writes too: the first result stays
         ledger_outcomes.record_outcomes(
-            conn, [Done(ids[0], result(11), server="gpu-a")], owner="wa", lease_s=600
+            conn,
+            [ledger_outcomes.Done(ids[0], result(11), server="gpu-a")],
+            owner="wa",
+            lease_s=600,
         )
         assert_exact(conn)
         released = ledger_outcomes.record_outcomes(
-            conn, [Released(ids[3], "server paused")], owner="wa", lease_s=600
+            conn, [ledger_outcomes.Released(ids[3], "server paused")], owner="wa", lease_s=600
         )
         assert released == [ids[3]]
         assert sorted(ledger_outcomes.release_owner(conn, "wb")) == sorted(c.id for c in b)
@@ -114,8 +123,8 @@ def test_every_state_change_keeps_the_counters_exact(db: Engine) -> None:
         # a dead worker's lease expires and reconcile re-queues it
         claims.claim_items(conn, [ids[3]], owner="dead", server="gpu-c", lease_s=600)
         conn.execute(
-            update(items)
-            .where(items.c.id == ids[3])
+            update(common.items)
+            .where(common.items.c.id == ids[3])
             .values(lease_expires_at=common.utcnow() - timedelta(seconds=5))
         )
         assert ledger_outcomes.requeue_expired(conn, run_id=run.id) == [ids[3]]
@@ -138,12 +147,16 @@ def test_every_state_change_keeps_the_counters_exact(db: Engine) -> None:
     # hedge and latency groups as /metrics reads them
     with db.connect() as conn:
         groups = counters.counted_groups(conn, run.id)
-        assert groups[GroupKey(run.id, "gpu-b", "done", "stop")] == Tally(1, 4, 7, 1)
-        assert groups[GroupKey(run.id, "gpu-a", "done", "length")] == Tally(1, 4, 9, 0)
+        assert groups[counters.GroupKey(run.id, "gpu-b", "done", "stop")] == counters.Tally(
+            1, 4, 7, 1
+        )
+        assert groups[counters.GroupKey(run.id, "gpu-a", "done", "length")] == counters.Tally(
+            1, 4, 9, 0
+        )
         lat = counters.counted_latencies(conn, run.id)
-        assert lat[LatencyKey(run.id, "gpu-b", 0)].items == 1  # 0.5 s: the first bound
-        assert lat[LatencyKey(run.id, "gpu-a", 12)].items == 1  # 3600 s: the last bound
-        histograms = {h.server: h for h in latency_histograms(conn)}
+        assert lat[counters.LatencyKey(run.id, "gpu-b", 0)].items == 1  # 0.5 s: the first bound
+        assert lat[counters.LatencyKey(run.id, "gpu-a", 12)].items == 1  # 3600 s: the last bound
+        histograms = {h.server: h for h in metrics_queries.latency_histograms(conn)}
         assert histograms["gpu-a"].cumulative[-1] == 1 and histograms["gpu-a"].cumulative[-2] == 0
         assert histograms["gpu-b"].cumulative[0] == 1 and histograms["gpu-b"].sum_s == 0.5
 
@@ -155,9 +168,9 @@ def test_every_state_change_keeps_the_counters_exact(db: Engine) -> None:
         queue.insert_items(conn, other.id, chain)
         assert turns.fail_waiting_chain(conn, other.id, "w", 0, 2, "turn 1 failed") == 2
         assert_exact(conn)
-        conn.execute(delete(items).where(items.c.id == ids[9]))
+        conn.execute(delete(common.items).where(common.items.c.id == ids[9]))
         assert_exact(conn)
-        conn.execute(delete(runs).where(runs.c.id == run.id))
+        conn.execute(delete(common.runs).where(common.runs.c.id == run.id))
         assert_exact(conn)
         assert counters.counted_groups(conn, run.id) == {}
         assert reads.run_counts(conn, other).total == 6
@@ -198,23 +211,25 @@ def test_concurrent_workers_keep_the_counters_exact(pg_engine: Engine) -> None:
                 for c in claimed:
                     kind = c.id % 5
                     if kind == 0:
-                        outcomes.append(Failed(c.id, "HTTP 400"))
+                        outcomes.append(ledger_outcomes.Failed(c.id, "HTTP 400"))
                     elif kind == 1 and first_release(c.id):
-                        outcomes.append(Released(c.id, "paused"))
+                        outcomes.append(ledger_outcomes.Released(c.id, "paused"))
                     elif kind == 2 and c.attempts == 0:
-                        outcomes.append(RetryLater(c.id, "timeout"))
-                        outcomes.append(Released(c.id, "paused"))
+                        outcomes.append(ledger_outcomes.RetryLater(c.id, "timeout"))
+                        outcomes.append(ledger_outcomes.Released(c.id, "paused"))
                     else:
                         latency = 0.1 * (c.id % 40)
-                        outcomes.append(Done(c.id, result(1 + c.id % 13, latency_s=latency)))
+                        outcomes.append(
+                            ledger_outcomes.Done(c.id, result(1 + c.id % 13, latency_s=latency))
+                        )
                 with pg_engine.begin() as conn:
                     ledger_outcomes.record_outcomes(conn, outcomes, owner=owner, lease_s=600)
                 # a hedged duplicate from another server arrives late: it must not count
-                done = [o for o in outcomes if isinstance(o, Done)]
+                done = [o for o in outcomes if isinstance(o, ledger_outcomes.Done)]
                 with pg_engine.begin() as conn:
                     ledger_outcomes.record_outcomes(
                         conn,
-                        [Done(o.item_id, result(50), server="gpu-x") for o in done],
+                        [ledger_outcomes.Done(o.item_id, result(50), server="gpu-x") for o in done],
                         owner=owner,
                         lease_s=600,
                     )
@@ -290,7 +305,7 @@ def fresh_pg() -> Iterator[Engine]:
     admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
     with admin.connect() as conn:
         conn.execute(text(f'CREATE DATABASE "{name}"'))
-    engine = make_engine(PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}")
+    engine = database.make_engine(PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}")
     yield engine
     engine.dispose()
     with admin.connect() as conn:
@@ -303,11 +318,11 @@ def test_the_migration_backfills_existing_items(
     backend: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
     engine = (
-        make_engine(f"sqlite:///{tmp_path / 'old.sqlite3'}")
+        database.make_engine(f"sqlite:///{tmp_path / 'old.sqlite3'}")
         if backend == "sqlite"
         else request.getfixturevalue("fresh_pg")
     )
-    upgrade(engine, "0005f")  # the revision before the counters
+    migrate.upgrade(engine, "0005f")  # the revision before the counters
     with engine.begin() as conn:
         # the columns that revision has (today's models also read later ones)
         run_id = conn.execute(
@@ -330,14 +345,14 @@ def test_the_migration_backfills_existing_items(
                 latency_s=1.5 * i,
                 finish_reason="length" if i == 4 else None,
             )
-    upgrade(engine)
+    migrate.upgrade(engine)
     with engine.connect() as conn:
         assert_exact(conn)
         run = run_queries.get_run(conn, "old")
         counts = reads.run_counts(conn, run)
         assert (counts.total, counts.done, counts.truncated, counts.output_tokens) == (6, 2, 1, 70)
     # and the downgrade removes the triggers with the tables
-    config = alembic_config(engine.url.render_as_string(hide_password=False))
+    config = migrate.alembic_config(engine.url.render_as_string(hide_password=False))
     with engine.begin() as conn:
         config.attributes["connection"] = conn
         command.downgrade(config, "0005f")
@@ -438,9 +453,11 @@ def test_a_batch_of_results_is_one_write_and_the_first_result_of_an_item_wins(db
         ledger_outcomes.record_outcomes(
             conn,
             [
-                Done(ids[0], result(5, latency_s=1.0)),
-                Done(ids[1], result(6, finish="length")),
-                Done(ids[0], result(9), server="gpu-b"),  # a late copy in the same batch
+                ledger_outcomes.Done(ids[0], result(5, latency_s=1.0)),
+                ledger_outcomes.Done(ids[1], result(6, finish="length")),
+                ledger_outcomes.Done(
+                    ids[0], result(9), server="gpu-b"
+                ),  # a late copy in the same batch
             ],
             owner="w",
             lease_s=600,
@@ -448,7 +465,12 @@ def test_a_batch_of_results_is_one_write_and_the_first_result_of_an_item_wins(db
         rows = {
             r.id: r
             for r in conn.execute(
-                select(items.c.id, items.c.completion_tokens, items.c.server, items.c.status)
+                select(
+                    common.items.c.id,
+                    common.items.c.completion_tokens,
+                    common.items.c.server,
+                    common.items.c.status,
+                )
             )
         }
         assert (rows[ids[0]].completion_tokens, rows[ids[0]].server) == (5, "gpu-a")

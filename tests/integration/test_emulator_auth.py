@@ -66,11 +66,11 @@ def test_the_emulator_refuses_to_listen_beyond_loopback_without_a_key(host: str)
 
 
 def test_the_watchdog_reports_a_refused_key_as_auth_not_healthy() -> None:
-    from app.ledger.registry import ServerInfo
+    from app.ledger import registry
     from workers.control.watchdog import HttpProber
 
     with running_emulator(EmulatorConfig(api_key=KEY, step_ms=0)) as emu:
-        server = ServerInfo(
+        server = registry.ServerInfo(
             name="gpu-k", url=emu.url, state="healthy", state_since=None, paused=False,
             paused_by=None, pause_reason=None, consecutive_failures=0, consecutive_successes=0,
             last_probe_at=None, last_probe_ok=None, last_probe_latency_s=None, last_error=None,

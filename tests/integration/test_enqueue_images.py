@@ -312,7 +312,6 @@ def test_a_chain_advances_with_the_images_of_its_history(
     pg_engine: Engine, tokenizer: ChatTokenizer, tmp_path: Path, store: Path
 ) -> None:
     from app.core.contracts import GenerateResult
-    from app.ledger.outcomes import Done
     from workers.chains.advance import advance
     from workers.chains.tokenizers import TokenizerCache
 
@@ -337,7 +336,7 @@ def test_a_chain_advances_with_the_images_of_its_history(
     result = GenerateResult("r", output, "stop", None, 10, len(output), 0, 0.1)  # type: ignore[arg-type]
     with pg_engine.begin() as conn:
         claims.claim_items(conn, [first_id], owner="w", server="s", lease_s=60)
-        outcomes.record_outcomes(conn, [Done(first_id, result)], owner="w", lease_s=60)
+        outcomes.record_outcomes(conn, [outcomes.Done(first_id, result)], owner="w", lease_s=60)
     report = advance(pg_engine, TokenizerCache(), prev_ids=[first_id])
     assert report.started == [later_id]
     later = stored_items(pg_engine, "chain")[1]

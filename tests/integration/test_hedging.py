@@ -20,8 +20,6 @@ from app.core.contracts import GenerateResult, SamplingParams
 from app.core.settings import Settings
 from app.ledger import claims, common, outcomes, reads, run_queries
 from app.ledger import queue as ledger_queue
-from app.ledger.common import events, items
-from app.ledger.outcomes import Done, Failed, Released
 from emulator.config import KIMI_IM_END_ID, EmulatorConfig
 from emulator.model import generate_output
 from tests.support import runs as support_runs
@@ -71,7 +69,7 @@ def result(ids: list[int], finish: str = "stop") -> GenerateResult:
 
 
 def row(conn: Connection, item_id: int) -> Any:
-    return conn.execute(select(items).where(items.c.id == item_id)).one()
+    return conn.execute(select(common.items).where(common.items.c.id == item_id)).one()
 
 
 # --- the ledger on SQLite and Postgres ----------------------------------------------------------
@@ -87,15 +85,21 @@ def test_hedge_candidates_are_live_unhedged_leases_elsewhere_in_runs_at_their_en
         f = add_items(conn, fresh, 2, queue=False)
         lease(conn, [e[0], e[1], e[3], e[4], e[5]], "a")
         lease(conn, [e[2]], "b")  # already on the hedging server
-        outcomes.record_outcomes(conn, [Done(e[5], result([7, EOS]))], owner="a-worker", lease_s=60)
+        outcomes.record_outcomes(
+            conn, [outcomes.Done(e[5], result([7, EOS]))], owner="a-worker", lease_s=60
+        )
         past = common.utcnow() - timedelta(seconds=1)
-        conn.execute(update(items).where(items.c.id == e[3]).values(lease_expires_at=past))
+        conn.execute(
+            update(common.items).where(common.items.c.id == e[3]).values(lease_expires_at=past)
+        )
         assert [c.id for c in claims.mark_hedged(conn, [e[4]], owner="h0")] == [e[4]]
         # started_at, not id, sets the order: the longest-running item comes first
         now = common.utcnow()
         for item_id, age_s in ((e[0], 10), (e[1], 60)):
             started = now - timedelta(seconds=age_s)
-            conn.execute(update(items).where(items.c.id == item_id).values(started_at=started))
+            conn.execute(
+                update(common.items).where(common.items.c.id == item_id).values(started_at=started)
+            )
         lease(conn, [b[0]], "a")  # b[1] is still queued
         lease(conn, [f[0]], "a")  # f[1] is still pending
     with db.connect() as conn:
@@ -124,7 +128,10 @@ def test_mark_hedged_marks_once_and_skips_items_no_longer_leased(db: Engine) -> 
         lease(conn, ids, "a")
         outcomes.record_outcomes(
             conn,
-            [Released(ids[3], "server went away"), Done(ids[4], result([7, EOS]))],
+            [
+                outcomes.Released(ids[3], "server went away"),
+                outcomes.Done(ids[4], result([7, EOS])),
+            ],
             owner="a-worker",
             lease_s=60,
         )
@@ -153,7 +160,9 @@ def test_a_new_claim_clears_the_hedge_mark(db: Engine) -> None:
         assert claims.mark_hedged(conn, [item_id], owner="hb")
         # its holder died: the lease expires and the item goes back to the queue
         past = common.utcnow() - timedelta(seconds=1)
-        conn.execute(update(items).where(items.c.id == item_id).values(lease_expires_at=past))
+        conn.execute(
+            update(common.items).where(common.items.c.id == item_id).values(lease_expires_at=past)
+        )
         assert outcomes.requeue_expired(conn, run_id=run.id) == [item_id]
         assert row(conn, item_id).hedge_owner == "hb"  # requeueing alone keeps it
         lease(conn, [item_id], "c")
@@ -174,27 +183,35 @@ def test_the_hedgers_result_wins_and_the_holders_later_answer_changes_nothing(
         assert claims.mark_hedged(conn, [hedged_id], owner="b-worker")
     with db.begin() as conn:
         outcomes.record_outcomes(
-            conn, [Done(hedged_id, result([7, 8, EOS]), server="b")], owner="b-worker", lease_s=60
+            conn,
+            [outcomes.Done(hedged_id, result([7, 8, EOS]), server="b")],
+            owner="b-worker",
+            lease_s=60,
         )
     with db.begin() as conn:
         # the holder's copy answers after all, then is reported aborted, then failed
         assert (
             outcomes.record_outcomes(
                 conn,
-                [Done(hedged_id, result([9] * 5, "length"), server="a")],
+                [outcomes.Done(hedged_id, result([9] * 5, "length"), server="a")],
                 owner="a-worker",
                 lease_s=60,
             )
             == []
         )
         released = outcomes.record_outcomes(
-            conn, [Released(hedged_id, "finished on another server")], owner="a-worker", lease_s=60
+            conn,
+            [outcomes.Released(hedged_id, "finished on another server")],
+            owner="a-worker",
+            lease_s=60,
         )
         assert released == []
-        outcomes.record_outcomes(conn, [Failed(hedged_id, "late")], owner="a-worker", lease_s=60)
+        outcomes.record_outcomes(
+            conn, [outcomes.Failed(hedged_id, "late")], owner="a-worker", lease_s=60
+        )
         # a result without a server keeps the claimer's
         outcomes.record_outcomes(
-            conn, [Done(plain_id, result([5, EOS]))], owner="a-worker", lease_s=60
+            conn, [outcomes.Done(plain_id, result([5, EOS]))], owner="a-worker", lease_s=60
         )
     with db.connect() as conn:
         hedged, plain = reads.stored_items(conn, [hedged_id, plain_id])
@@ -216,7 +233,10 @@ def test_finished_among_names_exactly_the_done_and_failed_items(db: Engine) -> N
         lease(conn, [leased, done, failed], "a")
         outcomes.record_outcomes(
             conn,
-            [Done(done, result([7, EOS])), Failed(failed, "permanent: bad prompt")],
+            [
+                outcomes.Done(done, result([7, EOS])),
+                outcomes.Failed(failed, "permanent: bad prompt"),
+            ],
             owner="a-worker",
             lease_s=60,
         )
@@ -318,7 +338,11 @@ def finished(db: Engine, run: run_queries.RunInfo) -> Callable[[], bool]:
 
 def rows(db: Engine, ids: list[int]) -> list[Any]:
     with db.connect() as conn:
-        return list(conn.execute(select(items).where(items.c.id.in_(ids)).order_by(items.c.id)))
+        return list(
+            conn.execute(
+                select(common.items).where(common.items.c.id.in_(ids)).order_by(common.items.c.id)
+            )
+        )
 
 
 def settle(*workers: Worker) -> None:
@@ -433,8 +457,9 @@ def test_a_server_whose_fingerprint_differs_from_the_runs_does_not_hedge_it(
         stored = rows(pg_engine, ids)
         with pg_engine.connect() as conn:
             refusals = conn.execute(
-                select(events.c.server).where(
-                    events.c.kind == EVENT_FINGERPRINT_MISMATCH, events.c.run_id == run.id
+                select(common.events.c.server).where(
+                    common.events.c.kind == EVENT_FINGERPRINT_MISMATCH,
+                    common.events.c.run_id == run.id,
                 )
             ).all()
 

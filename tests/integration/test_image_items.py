@@ -26,12 +26,8 @@ from app.core.errors import ConfigurationError
 from app.core.images import FAMILIES, ImagePins, ImageRef, expand_placeholders
 from app.core.models import run_image_tokens
 from app.core.settings import Settings
-from app.ledger import claims, queue, registry, run_queries
+from app.ledger import claims, common, image_tokens, queue, registry, run_queries
 from app.ledger import outcomes as ledger_outcomes
-from app.ledger.claims import claimable_image_items, text_items_left
-from app.ledger.common import items, runs
-from app.ledger.image_tokens import note_image_tokens, pin_image_settings
-from app.ledger.outcomes import Done
 from app.storage.image_store import put_image
 from app.storage.shards import open_location
 from ops.emulator_proc import start_emulator
@@ -74,7 +70,9 @@ def pictures(store: str) -> list[ImageRef]:
 def image_run(db: Engine, name: str = "img") -> run_queries.RunInfo:
     with db.begin() as conn:
         run = make_run(conn, name)
-        conn.execute(update(runs).where(runs.c.id == run.id).values(images=PINS.to_json()))
+        conn.execute(
+            update(common.runs).where(common.runs.c.id == run.id).values(images=PINS.to_json())
+        )
     return run
 
 
@@ -87,18 +85,24 @@ def add(
     *,
     sample: int = 0,
 ) -> int:
-    mine = (items.c.run_id == run.id, items.c.item_key == key, items.c.sample_index == sample)
+    mine = (
+        common.items.c.run_id == run.id,
+        common.items.c.item_key == key,
+        common.items.c.sample_index == sample,
+    )
     with db.begin() as conn:
         queue.insert_items(conn, run.id, [queue.NewItem(key, sample, 1, None, ids)])
         if refs:
-            conn.execute(update(items).where(*mine).values(images=[r.to_json() for r in refs]))
-        item_id = conn.execute(select(items.c.id).where(*mine)).scalar_one()
+            conn.execute(
+                update(common.items).where(*mine).values(images=[r.to_json() for r in refs])
+            )
+        item_id = conn.execute(select(common.items.c.id).where(*mine)).scalar_one()
     return int(item_id)
 
 
 def row(db: Engine, item_id: int) -> Any:
     with db.connect() as conn:
-        return conn.execute(select(items).where(items.c.id == item_id)).one()
+        return conn.execute(select(common.items).where(common.items.c.id == item_id)).one()
 
 
 # --- the ledger ------------------------------------------------------------------------------
@@ -116,7 +120,7 @@ def test_claims_carry_the_images_and_a_text_only_server_passes_image_items_over(
         )
         assert [c.id for c in claimed] == [text]
         assert claimed[0].images == ()
-        assert claimable_image_items(conn, [text, pictured]) == [pictured]
+        assert claims.claimable_image_items(conn, [text, pictured]) == [pictured]
         both = claims.claim_items(conn, [text, pictured], owner=OWNER, server="s", lease_s=60)
     assert [c.id for c in both] == [pictured]  # the text item is leased already
     assert both[0].images == tuple(pictures)
@@ -144,20 +148,20 @@ def test_a_text_only_feed_leaves_image_items_and_image_conversations_queued(
             ],
         )
         conn.execute(
-            update(items)
-            .where(items.c.item_key == "conv", items.c.turn_index == 1)
+            update(common.items)
+            .where(common.items.c.item_key == "conv", common.items.c.turn_index == 1)
             .values(images=[pictures[0].to_json()])
         )
         groups = claims.claim_next_groups(
             conn, owner=OWNER, server="s", lease_s=60, limit=10, run_id=run.id, text_only=True
         )
         assert sorted(c.item_key for c in groups) == ["text"]
-        assert text_items_left(conn, run.id)  # the conversation's first turn
+        assert claims.text_items_left(conn, run.id)  # the conversation's first turn
         singles = claims.claim_next(
             conn, owner=OWNER, server="s", lease_s=60, limit=10, run_id=run.id, text_only=True
         )
         assert [c.item_key for c in singles] == ["conv"]  # its text-only first turn
-        assert not text_items_left(conn, run.id)
+        assert not claims.text_items_left(conn, run.id)
         rest = claims.claim_next(conn, owner=OWNER, server="s", lease_s=60, limit=10, run_id=run.id)
     assert sorted(c.item_key for c in rest) == ["conv", "pic"]
 
@@ -176,7 +180,7 @@ def test_done_writes_the_image_token_counts_and_leaves_text_items_null(
         with db.begin() as conn:
             claims.claim_items(conn, batch, owner=OWNER, server="s", lease_s=60)
             outcomes = [
-                Done(
+                ledger_outcomes.Done(
                     i,
                     result([1, PAD], [1, PAD, PAD]),
                     image_token_counts=(2,) if i != text else None,
@@ -187,15 +191,17 @@ def test_done_writes_the_image_token_counts_and_leaves_text_items_null(
     assert [row(db, i).image_token_counts for i in ids] == [[2], [2]]
     assert row(db, ids[0]).prompt_tokens == 3
     with db.connect() as conn:
-        null = conn.execute(select(items.c.id).where(items.c.image_token_counts.is_(None)))
+        null = conn.execute(
+            select(common.items.c.id).where(common.items.c.image_token_counts.is_(None))
+        )
         assert list(null.scalars()) == [text]  # SQL NULL, not JSON null
 
 
 def test_the_first_servers_count_of_an_image_is_the_runs(db: Engine) -> None:
     run = image_run(db)
     with db.begin() as conn:
-        first = note_image_tokens(conn, run.id, {"a" * 64: 414, "b" * 64: 88}, "gpu-a")
-        again = note_image_tokens(conn, run.id, {"a" * 64: 500}, "gpu-b")
+        first = image_tokens.note_image_tokens(conn, run.id, {"a" * 64: 414, "b" * 64: 88}, "gpu-a")
+        again = image_tokens.note_image_tokens(conn, run.id, {"a" * 64: 500}, "gpu-b")
     assert {sha: (c.token_count, c.server) for sha, c in first.items()} == {
         "a" * 64: (414, "gpu-a"),
         "b" * 64: (88, "gpu-a"),
@@ -209,8 +215,8 @@ def test_image_settings_join_a_fingerprint_pinned_by_a_text_only_server(db: Engi
     run = image_run(db)
     with db.begin() as conn:
         run_queries.pin_fingerprint(conn, run.id, {"model_path": "m", "version": "0.5.23"})
-        joined = pin_image_settings(conn, run.id, {"mm_process_config": {"x": 1}})
-        kept = pin_image_settings(conn, run.id, {"mm_process_config": {"x": 2}})
+        joined = image_tokens.pin_image_settings(conn, run.id, {"mm_process_config": {"x": 1}})
+        kept = image_tokens.pin_image_settings(conn, run.id, {"mm_process_config": {"x": 2}})
     assert (
         joined
         == kept
@@ -383,7 +389,9 @@ def test_an_image_counted_differently_on_a_second_server_is_drift(
     other.pins.forget_run(run.id)
     text_only = ServerFingerprint(model_path="m", version="0.5.23").to_json()
     with db.begin() as conn:  # a run pinned without them (by a text-only server first, say)
-        conn.execute(update(runs).where(runs.c.id == run.id).values(fingerprint=text_only))
+        conn.execute(
+            update(common.runs).where(common.runs.c.id == run.id).values(fingerprint=text_only)
+        )
     with db.begin() as conn:
         claimed = claims.claim_items(conn, [b], owner=other.owner, server="gpu-b", lease_s=60)
     assert other.pins.run_matches_server(run.id)
@@ -479,7 +487,11 @@ def test_tokenmill_run_with_only_text_only_servers_says_why_its_image_items_wait
 
 def ledger_id(db: Engine, run: run_queries.RunInfo) -> int:
     with db.connect() as conn:
-        return int(conn.execute(select(items.c.id).where(items.c.run_id == run.id)).scalar_one())
+        return int(
+            conn.execute(
+                select(common.items.c.id).where(common.items.c.run_id == run.id)
+            ).scalar_one()
+        )
 
 
 def test_status_says_why_image_items_wait_when_no_registered_server_reads_images(
@@ -510,5 +522,7 @@ def test_a_run_that_pins_its_images_at_a_later_enqueue_is_read_again(
     checks = ImageChecks(db, "gpu-a", ImageData(lambda: open_location(store, {})))
     assert checks.pins(run.id) is None  # text only so far
     with db.begin() as conn:
-        conn.execute(update(runs).where(runs.c.id == run.id).values(images=PINS.to_json()))
+        conn.execute(
+            update(common.runs).where(common.runs.c.id == run.id).values(images=PINS.to_json())
+        )
     assert checks.pins(run.id) == PINS

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from sqlalchemy import Engine, select
 
-from app.ledger import queue
-from app.ledger.common import items
+from app.ledger import common, queue
 from tests.support.runs import make_run
 
 # text COPY escapes tabs, newlines and backslashes; JSON adds its own escapes on top
@@ -37,16 +36,16 @@ def test_bulk_insert_counts_new_rows_exactly_and_keeps_order(db: Engine) -> None
     with db.connect() as conn:
         rows = conn.execute(
             select(
-                items.c.item_key,
-                items.c.turn_index,
-                items.c.status,
-                items.c.messages,
-                items.c.prompt_ids,
-                items.c.prompt_tokens,
-                items.c.line_no,
+                common.items.c.item_key,
+                common.items.c.turn_index,
+                common.items.c.status,
+                common.items.c.messages,
+                common.items.c.prompt_ids,
+                common.items.c.prompt_tokens,
+                common.items.c.line_no,
             )
-            .where(items.c.run_id == run.id)
-            .order_by(items.c.id)
+            .where(common.items.c.run_id == run.id)
+            .order_by(common.items.c.id)
         ).all()
     assert [(r.item_key, r.turn_index) for r in rows] == [
         *((f"key\t{i}\\", 0) for i in range(5)),

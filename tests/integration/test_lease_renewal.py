@@ -8,16 +8,17 @@ from datetime import timedelta
 
 from sqlalchemy import Engine, select, update
 
-from app.ledger import claims, queue
-from app.ledger.common import items, utcnow
+from app.ledger import claims, common, queue
 from tests.support.runs import make_run
 
 
 def expiries(engine: Engine) -> list[float]:
     """Seconds left on each lease, in id order."""
-    now = utcnow()
+    now = common.utcnow()
     with engine.connect() as conn:
-        found = conn.execute(select(items.c.lease_expires_at).order_by(items.c.id)).scalars()
+        found = conn.execute(
+            select(common.items.c.lease_expires_at).order_by(common.items.c.id)
+        ).scalars()
         return [(at - now).total_seconds() for at in found]
 
 
@@ -31,9 +32,9 @@ def test_a_lease_is_renewed_once_past_half_its_term(pg_engine: Engine) -> None:
         # the first two are past half their term (100 s and 149 s left); the third is not
         for item_id, left_s in zip(ids[:2], (100, 149), strict=True):
             conn.execute(
-                update(items)
-                .where(items.c.id == item_id)
-                .values(lease_expires_at=utcnow() + timedelta(seconds=left_s))
+                update(common.items)
+                .where(common.items.c.id == item_id)
+                .values(lease_expires_at=common.utcnow() + timedelta(seconds=left_s))
             )
     with pg_engine.begin() as conn:
         assert claims.extend_leases(conn, owner="w", lease_s=300, heartbeat_s=30) == 2

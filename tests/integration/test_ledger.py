@@ -11,8 +11,6 @@ from sqlalchemy import Engine, update
 from app.core.contracts import GenerateResult, SamplingParams
 from app.core.errors import NotFound, RunMismatch
 from app.ledger import claims, common, outcomes, queue, reads, run_queries
-from app.ledger.common import items
-from app.ledger.outcomes import Done, Failed, Released, RetryLater
 
 
 def spec(name: str = "r1", **sampling: object) -> run_queries.RunSpec:
@@ -94,7 +92,9 @@ def test_expired_lease_can_be_claimed_again(db: Engine, run: run_queries.RunInfo
         queue.insert_items(conn, run.id, new_items(1, samples=1))
         ids = queue.pending_ids(conn, run.id)
         claims.claim_items(conn, ids, owner="dead", server="a", lease_s=60)
-        conn.execute(update(items).values(lease_expires_at=common.utcnow() - timedelta(seconds=1)))
+        conn.execute(
+            update(common.items).values(lease_expires_at=common.utcnow() - timedelta(seconds=1))
+        )
         assert outcomes.requeue_expired(conn, run_id=run.id) == ids
         assert outcomes.requeue_expired(conn, run_id=run.id) == []
         assert [
@@ -108,13 +108,13 @@ def test_first_result_wins_and_is_never_overwritten(db: Engine, run: run_queries
         (item_id,) = queue.pending_ids(conn, run.id)
         claims.claim_items(conn, [item_id], owner="w1", server="a", lease_s=60)
         outcomes.record_outcomes(
-            conn, [Done(item_id, result([5, 6, 163586]))], owner="w1", lease_s=60
+            conn, [outcomes.Done(item_id, result([5, 6, 163586]))], owner="w1", lease_s=60
         )
         # a duplicate worker finishing later (or a failure report) changes nothing
         outcomes.record_outcomes(
-            conn, [Done(item_id, result([9, 9, 9], "length"))], owner="w2", lease_s=60
+            conn, [outcomes.Done(item_id, result([9, 9, 9], "length"))], owner="w2", lease_s=60
         )
-        outcomes.record_outcomes(conn, [Failed(item_id, "late")], owner="w2", lease_s=60)
+        outcomes.record_outcomes(conn, [outcomes.Failed(item_id, "late")], owner="w2", lease_s=60)
     with db.connect() as conn:
         (stored,) = list(reads.iter_items(conn, run.id))
         counts = reads.run_counts(conn, run)
@@ -128,11 +128,16 @@ def test_retry_counts_attempts_release_does_not(db: Engine, run: run_queries.Run
         queue.insert_items(conn, run.id, new_items(1))
         a, b = queue.pending_ids(conn, run.id)
         claims.claim_items(conn, [a, b], owner="w1", server="s", lease_s=60)
-        outcomes.record_outcomes(conn, [RetryLater(a, "HTTP 500")], owner="w1", lease_s=60)
-        back = outcomes.record_outcomes(conn, [Released(b, "server down")], owner="w1", lease_s=60)
+        outcomes.record_outcomes(conn, [outcomes.RetryLater(a, "HTTP 500")], owner="w1", lease_s=60)
+        back = outcomes.record_outcomes(
+            conn, [outcomes.Released(b, "server down")], owner="w1", lease_s=60
+        )
         assert back == [b]
         # only the lease holder may release
-        assert outcomes.record_outcomes(conn, [Released(a, "x")], owner="other", lease_s=60) == []
+        assert (
+            outcomes.record_outcomes(conn, [outcomes.Released(a, "x")], owner="other", lease_s=60)
+            == []
+        )
     with db.connect() as conn:
         rows = {i.id: i for i in reads.iter_items(conn, run.id, statuses=("leased", "queued"))}
     assert rows[a].attempts == 1 and rows[a].status == "leased" and rows[a].error == "HTTP 500"
@@ -172,7 +177,10 @@ def test_release_owner_and_counts(db: Engine, run: run_queries.RunInfo) -> None:
         claims.claim_items(conn, ids[:4], owner="w1", server="s", lease_s=60)
         outcomes.record_outcomes(
             conn,
-            [Done(ids[0], result([1, 2, 3, 4], "length")), Failed(ids[1], "permanent: too long")],
+            [
+                outcomes.Done(ids[0], result([1, 2, 3, 4], "length")),
+                outcomes.Failed(ids[1], "permanent: too long"),
+            ],
             owner="w1",
             lease_s=60,
         )
@@ -201,9 +209,9 @@ def test_many_outcomes_in_one_write(db: Engine, run: run_queries.RunInfo) -> Non
         claims.claim_items(conn, ids, owner="w", server="s", lease_s=60)
         outcomes.record_outcomes(
             conn,
-            [Done(i, result([i, 163586])) for i in ids[:3]]
-            + [Failed(i, f"bad {i}") for i in ids[3:5]]
-            + [RetryLater(ids[5], "500")],
+            [outcomes.Done(i, result([i, 163586])) for i in ids[:3]]
+            + [outcomes.Failed(i, f"bad {i}") for i in ids[3:5]]
+            + [outcomes.RetryLater(ids[5], "500")],
             owner="w",
             lease_s=60,
         )

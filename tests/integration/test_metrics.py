@@ -24,7 +24,6 @@ from app.core.errors import ConfigurationError
 from app.core.settings import Settings
 from app.ledger import claims, queue, registry, run_queries
 from app.ledger import outcomes as ledger_outcomes
-from app.ledger.outcomes import Done, Failed
 from ops.views.metrics import (
     Credentials,
     LedgerCollector,
@@ -66,7 +65,7 @@ def make_run(engine: Engine, name: str, prompts: int) -> list[int]:
         return queue.pending_ids(conn, run.id)
 
 
-def done(item_id: int, tokens: int, latency_s: float, finish: str = "stop") -> Done:
+def done(item_id: int, tokens: int, latency_s: float, finish: str = "stop") -> ledger_outcomes.Done:
     result = GenerateResult(
         f"rid-{item_id}",
         [7] * tokens,
@@ -77,7 +76,7 @@ def done(item_id: int, tokens: int, latency_s: float, finish: str = "stop") -> D
         0,
         latency_s,  # type: ignore[arg-type]
     )
-    return Done(item_id, result)
+    return ledger_outcomes.Done(item_id, result)
 
 
 def finish(
@@ -168,7 +167,11 @@ def build_fleet(engine: Engine) -> Engine:
         engine,
         "gpu-a",
         r1[:3],
-        [done(r1[0], 10, 0.4), done(r1[1], 20, 3.0, "length"), Failed(r1[2], "HTTP 400")],
+        [
+            done(r1[0], 10, 0.4),
+            done(r1[1], 20, 3.0, "length"),
+            ledger_outcomes.Failed(r1[2], "HTTP 400"),
+        ],
     )
     finish(engine, "gpu-b", r1[3:5], [done(r1[3], 7, 45.0)])  # r1[4] stays leased
     with engine.begin() as conn:  # and gpu-a runs a second copy of it

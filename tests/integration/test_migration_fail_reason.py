@@ -6,8 +6,7 @@ from __future__ import annotations
 from alembic import command
 from sqlalchemy import Engine, inspect, text
 
-from app.ledger import retries
-from app.ledger.migrate import alembic_config, upgrade
+from app.ledger import migrate, retries
 from tests.support.runs import add_item, make_run
 
 
@@ -17,12 +16,12 @@ def test_earlier_failures_get_their_error_as_reason(sqlite_engine: Engine) -> No
         add_item(conn, run.id, "f1", status="failed", error="permanent: HTTP 400: too long")
         add_item(conn, run.id, "f2", status="failed", error=None)
         add_item(conn, run.id, "d1", completion_tokens=3)
-    config = alembic_config(str(sqlite_engine.url))
+    config = migrate.alembic_config(str(sqlite_engine.url))
     with sqlite_engine.begin() as conn:
         config.attributes["connection"] = conn
         command.downgrade(config, "0011")
     assert "fail_reason" not in {c["name"] for c in inspect(sqlite_engine).get_columns("items")}
-    upgrade(sqlite_engine)
+    migrate.upgrade(sqlite_engine)
     with sqlite_engine.connect() as conn:
         reasons = dict(
             conn.execute(text("SELECT item_key, fail_reason FROM items ORDER BY item_key")).all()

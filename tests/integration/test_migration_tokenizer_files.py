@@ -6,8 +6,7 @@ from __future__ import annotations
 from alembic import command
 from sqlalchemy import Engine, text
 
-from app.ledger import run_queries
-from app.ledger.migrate import alembic_config, upgrade
+from app.ledger import migrate, run_queries
 
 
 def _insert_run(engine: Engine, name: str, sampling: str) -> None:
@@ -24,7 +23,7 @@ def _insert_run(engine: Engine, name: str, sampling: str) -> None:
 
 
 def test_the_pinned_flag_moves_to_its_column_and_back(sqlite_engine: Engine) -> None:
-    config = alembic_config(str(sqlite_engine.url))
+    config = migrate.alembic_config(str(sqlite_engine.url))
     with sqlite_engine.begin() as conn:
         config.attributes["connection"] = conn
         command.downgrade(config, "0004")
@@ -32,7 +31,7 @@ def test_the_pinned_flag_moves_to_its_column_and_back(sqlite_engine: Engine) -> 
         sqlite_engine, "trusted", '{"max_new_tokens": 8, "turns": "all", "trust_remote_code": true}'
     )
     _insert_run(sqlite_engine, "plain", '{"max_new_tokens": 8}')
-    upgrade(sqlite_engine)
+    migrate.upgrade(sqlite_engine)
     with sqlite_engine.connect() as conn:
         trusted, plain = run_queries.get_run(conn, "trusted"), run_queries.get_run(conn, "plain")
         stored = conn.execute(text("SELECT sampling_params FROM runs WHERE name = 'trusted'"))

@@ -10,13 +10,7 @@ from sqlalchemy import Engine, inspect
 
 from app.core.errors import SchemaOutOfDate
 from app.core.models import metadata
-from app.ledger.migrate import (
-    alembic_config,
-    check_current,
-    current_revision,
-    head_revision,
-    upgrade,
-)
+from app.ledger import migrate
 
 
 def test_models_match_migrations(db: Engine) -> None:
@@ -24,27 +18,27 @@ def test_models_match_migrations(db: Engine) -> None:
         ctx = MigrationContext.configure(conn, opts={"compare_type": True})
         diff = compare_metadata(ctx, metadata)
     assert diff == []
-    assert current_revision(db) == head_revision()
+    assert migrate.current_revision(db) == migrate.head_revision()
 
 
 def test_downgrade_to_nothing_and_back(sqlite_engine: Engine) -> None:
     from alembic import command
 
-    config = alembic_config(str(sqlite_engine.url))
+    config = migrate.alembic_config(str(sqlite_engine.url))
     with sqlite_engine.begin() as conn:
         config.attributes["connection"] = conn
         command.downgrade(config, "base")
     assert set(inspect(sqlite_engine).get_table_names()) <= {"alembic_version"}
-    upgrade(sqlite_engine)
+    migrate.upgrade(sqlite_engine)
     assert {"runs", "items", "servers", "events"} <= set(inspect(sqlite_engine).get_table_names())
 
 
 def test_an_unmigrated_database_is_refused(tmp_path: object) -> None:
-    from app.ledger.database import make_engine
+    from app.ledger import database
 
-    engine = make_engine(f"sqlite:///{tmp_path}/empty.sqlite3")
+    engine = database.make_engine(f"sqlite:///{tmp_path}/empty.sqlite3")
     with pytest.raises(SchemaOutOfDate, match="tokenmill db upgrade"):
-        check_current(engine)
+        migrate.check_current(engine)
 
 
 def test_runs_created_before_the_kind_column_generate(sqlite_engine: Engine) -> None:
@@ -55,7 +49,7 @@ def test_runs_created_before_the_kind_column_generate(sqlite_engine: Engine) -> 
     from app.core.run_kinds import RunKind, TurnsMode
     from app.ledger import run_queries
 
-    config = alembic_config(str(sqlite_engine.url))
+    config = migrate.alembic_config(str(sqlite_engine.url))
     with sqlite_engine.begin() as conn:
         config.attributes["connection"] = conn
         command.downgrade(config, "0020")
@@ -69,7 +63,7 @@ def test_runs_created_before_the_kind_column_generate(sqlite_engine: Engine) -> 
                 "'[]', '2026-12-01 00:00:00')"
             )
         )
-    upgrade(sqlite_engine)
+    migrate.upgrade(sqlite_engine)
     with sqlite_engine.connect() as conn:
         run = run_queries.get_run(conn, "old")
     assert run.kind is RunKind.GENERATE

@@ -38,6 +38,7 @@ from app.ledger import (
     compaction,
     counters,
     dashboard_queries,
+    database,
     metrics_queries,
     outcomes,
     queue,
@@ -46,7 +47,6 @@ from app.ledger import (
     run_queries,
     turns,
 )
-from app.ledger.database import make_engine
 from ops import cli
 from tests.conftest import private_database
 from tests.support.runs import make_run
@@ -239,7 +239,7 @@ def ledger() -> Iterator[Ledger]:
     """A private database with the three runs, autovacuum off: the statistics are those of
     the ending run alone until the fresh phase runs ANALYZE."""
     with private_database("tokenmill_plans") as url:
-        engine = make_engine(url)
+        engine = database.make_engine(url)
         try:
             yield _fill(url, engine)
         finally:

@@ -10,12 +10,11 @@ from sqlalchemy import Engine
 
 from app.core.settings import Settings
 from app.ledger import archive, queue, reads, run_queries
-from app.ledger.reads import SAMPLE_SCAN_IDS
 from tests.integration.test_query_plans import assert_indexed, plans_of
 from tests.support.done_runs import make_done_run, spec
 from workers.control.compaction import compact_run
 
-BIG = 3 * SAMPLE_SCAN_IDS  # sampled through the indexes, not read whole
+BIG = 3 * reads.SAMPLE_SCAN_IDS  # sampled through the indexes, not read whole
 
 
 def make_run(db: Engine, name: str, rows: int, *, every_prompt: int = 1) -> run_queries.RunInfo:
@@ -76,7 +75,7 @@ def test_a_pre_tokenized_run_gives_nothing_and_a_missing_run_nothing(db: Engine)
 
 
 def test_an_archived_run_is_sampled_from_the_archive(db: Engine, tmp_path: Path) -> None:
-    run = make_done_run(db, "arch", SAMPLE_SCAN_IDS, extra=False)
+    run = make_done_run(db, "arch", reads.SAMPLE_SCAN_IDS, extra=False)
     settings = Settings(
         data_dir=tmp_path / "data",
         storage_url=(tmp_path / "storage").as_uri(),

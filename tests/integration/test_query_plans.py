@@ -24,14 +24,13 @@ from app.ledger import (
     claims,
     common,
     compaction,
+    dashboard_queries,
     outcomes,
     queue,
     reads,
     registry,
     retries,
 )
-from app.ledger.common import items, items_archive
-from app.ledger.dashboard_queries import iter_item_stats
 from tests.support import synthetic
 from tests.support.procs import wait_for
 from tests.support.runs import make_run
@@ -127,7 +126,9 @@ def test_hedge_search_reads_leases_and_probes_runs(pg_engine: Engine, filled: An
 
 def test_worker_and_watchdog_lookups(pg_engine: Engine, filled: Any) -> None:
     with pg_engine.connect() as conn:
-        some = list(conn.execute(select(items.c.id).limit(50).order_by(items.c.id)).scalars())
+        some = list(
+            conn.execute(select(common.items.c.id).limit(50).order_by(common.items.c.id)).scalars()
+        )
         assert_indexed(plans_of(conn, lambda c: claims.finished_among(c, some)), "items_pkey")
         load = registry.server_load(conn, "gpu-a")
         assert load.leased == filled.leased // 2 and load.last_finished_at is not None
@@ -148,7 +149,7 @@ def test_keyset_pages_read_one_index_range_in_order(pg_engine: Engine, filled: A
     with pg_engine.connect() as conn:
 
         def stats(c: Connection) -> None:
-            pages = iter_item_stats(c, run, page_size=1000)
+            pages = dashboard_queries.iter_item_stats(c, run, page_size=1000)
             for _ in range(3000):  # well into the run
                 next(pages)
 
@@ -213,10 +214,15 @@ def test_failures_by_reason_and_touched_items_are_read_by_their_own_index(
     run = filled.ending.id
     with pg_engine.connect() as conn:
         # the run's failed rows archived too (under other ids): an archive to count
-        names = [c.name for c in items.columns]
-        copied = [(items.c.id + 10**9).label("id") if n == "id" else items.c[n] for n in names]
-        failed = select(*copied).where(items.c.run_id == run, items.c.status == "failed")
-        conn.execute(insert(items_archive).from_select(names, failed))
+        names = [c.name for c in common.items.columns]
+        copied = [
+            (common.items.c.id + 10**9).label("id") if n == "id" else common.items.c[n]
+            for n in names
+        ]
+        failed = select(*copied).where(
+            common.items.c.run_id == run, common.items.c.status == "failed"
+        )
+        conn.execute(insert(common.items_archive).from_select(names, failed))
         assert retries.failed_by_reason(conn, run) == [(NO_REASON, 2 * (ENDING_ITEMS // 100))]
         plans = plans_of(conn, lambda c: retries.failed_by_reason(c, run))
         assert_indexed(
@@ -286,6 +292,8 @@ def test_a_heartbeat_skips_rows_a_result_write_holds(pg_engine: Engine) -> None:
         heartbeat.close()
     with pg_engine.connect() as conn:
         statuses = conn.execute(
-            select(items.c.status).where(items.c.id.in_([a, b])).order_by(items.c.id)
+            select(common.items.c.status)
+            .where(common.items.c.id.in_([a, b]))
+            .order_by(common.items.c.id)
         ).scalars()
         assert list(statuses) == ["done", "done"]

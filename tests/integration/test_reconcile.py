@@ -17,7 +17,6 @@ from app.core.constants import GENERATE_TASK, WORK_QUEUE
 from app.core.contracts import SamplingParams
 from app.core.settings import Settings
 from app.ledger import claims, common, queue, reads, run_queries
-from app.ledger.common import items
 from workers.control.broker_scan import broker_holds, broker_item_ids
 from workers.control.reconcile import reconcile
 from workers.intake.publish import chunks
@@ -60,8 +59,8 @@ def test_reconcile_brings_back_lost_expired_and_unpublished(
         queue.mark_queued(conn, ids[:20])
         claims.claim_items(conn, ids[10:20], owner="dead", server="s", lease_s=1)
         conn.execute(
-            update(items)
-            .where(items.c.id.in_(ids[:20]))
+            update(common.items)
+            .where(common.items.c.id.in_(ids[:20]))
             .values(
                 queued_at=common.utcnow() - timedelta(seconds=60),
                 lease_expires_at=common.utcnow() - timedelta(seconds=5),
@@ -130,8 +129,8 @@ def test_reconcile_waits_for_a_long_queue_before_calling_items_lost(
         ids = queue.pending_ids(conn, run.id)
         queue.mark_queued(conn, ids)
         conn.execute(
-            update(items)
-            .where(items.c.id.in_(ids))
+            update(common.items)
+            .where(common.items.c.id.in_(ids))
             .values(queued_at=common.utcnow() - timedelta(seconds=60))
         )
     publish(ids[20:], 0)  # the first 20 were lost; 5 messages carry the other 20

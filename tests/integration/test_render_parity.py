@@ -21,8 +21,7 @@ from app.core.constants import EVENT_ENQUEUE_STOPPED, EVENT_PARITY, PAUSED_BY_PA
 from app.core.contracts import SamplingParams
 from app.core.errors import RetryableError, RunMismatch
 from app.core.settings import Settings, get_settings
-from app.ledger import reads, registry, run_queries
-from app.ledger.common import items
+from app.ledger import common, reads, registry, run_queries
 from app.prompts.tokenization import ChatTokenizer
 from app.sglang.render import (
     RenderClient,
@@ -142,9 +141,13 @@ def test_render_with_through_a_different_template_stores_that_template(
 def _count(db: Engine, run: str) -> tuple[int, int]:
     with db.connect() as conn:
         run_id = run_queries.get_run(conn, run).id
-        total = conn.execute(select(func.count()).where(items.c.run_id == run_id)).scalar_one()
+        total = conn.execute(
+            select(func.count()).where(common.items.c.run_id == run_id)
+        ).scalar_one()
         keys = conn.execute(
-            select(func.count(func.distinct(items.c.item_key))).where(items.c.run_id == run_id)
+            select(func.count(func.distinct(common.items.c.item_key))).where(
+                common.items.c.run_id == run_id
+            )
         ).scalar_one()
     return int(total), int(keys)
 
@@ -268,7 +271,9 @@ def test_an_agentic_enqueue_waits_out_an_outage_and_loses_and_duplicates_nothing
             with db.connect() as conn:
                 run = run_queries.get_run(conn, "blip")
                 keys = conn.execute(
-                    select(items.c.item_key, items.c.turn_index).where(items.c.run_id == run.id)
+                    select(common.items.c.item_key, common.items.c.turn_index).where(
+                        common.items.c.run_id == run.id
+                    )
                 ).all()
             assert len(keys) == len(set(keys)) == 3 * rows
             assert {turn for _, turn in keys} == {0, 1, 2}

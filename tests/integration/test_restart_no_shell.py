@@ -14,7 +14,6 @@ from sqlalchemy import Engine
 from app.core.contracts import ServerFingerprint
 from app.core.settings import Settings
 from app.ledger import registry, run_queries
-from app.ledger.registry import ServerInfo
 from tests.support.runs import add_item, make_run
 from workers.control.restart import RestartResult, parse_command, restart_server
 from workers.control.watchdog import Probe
@@ -29,14 +28,14 @@ class ReadyProber:
     def __init__(self) -> None:
         self.probes = 0
 
-    def probe(self, server: ServerInfo) -> Probe:
+    def probe(self, server: registry.ServerInfo) -> Probe:
         self.probes += 1
         return Probe(self.probes > 1, 0.001, None if self.probes > 1 else "refused")
 
-    def fingerprint(self, server: ServerInfo) -> ServerFingerprint:
+    def fingerprint(self, server: registry.ServerInfo) -> ServerFingerprint:
         return ServerFingerprint(model_path="m", version="0.5.23")
 
-    def started_at(self, server: ServerInfo) -> float | None:
+    def started_at(self, server: registry.ServerInfo) -> float | None:
         return None
 
 
@@ -101,10 +100,10 @@ def _restart_gpu_a(db: Engine, tmp_path: Path, prober: ReadyProber) -> RestartRe
 class NeverDownProber(ReadyProber):
     """A server that answers throughout, its process never started anew."""
 
-    def probe(self, server: ServerInfo) -> Probe:
+    def probe(self, server: registry.ServerInfo) -> Probe:
         return Probe(True, 0.001, None)
 
-    def started_at(self, server: ServerInfo) -> float | None:
+    def started_at(self, server: registry.ServerInfo) -> float | None:
         return 1_700_000_000.0
 
 
@@ -123,7 +122,7 @@ def test_a_restart_that_never_took_the_server_down_says_so(
 class SmallerProber(ReadyProber):
     """Back after a restart with --context-length 1024."""
 
-    def fingerprint(self, server: ServerInfo) -> ServerFingerprint:
+    def fingerprint(self, server: registry.ServerInfo) -> ServerFingerprint:
         return ServerFingerprint(model_path="m", version="0.5.23", limits={"context_length": 1024})
 
 

@@ -11,9 +11,6 @@ from sqlalchemy import Connection, Engine, select, update
 from app.core.constants import EVENT_ITEM_FAILED
 from app.core.failures import failure_reason
 from app.ledger import common, outcomes, queue, reads, registry, retries, run_queries, turns
-from app.ledger.common import items
-from app.ledger.queue import NewItem
-from app.ledger.retries import RetrySelection
 from app.outputs.verify import verify_run
 from tests.support.runs import add_item, make_run
 from workers.engine.failure_digest import FailureDigest
@@ -30,17 +27,21 @@ def fail(conn: Connection, item_id: int, error: str, *, server: str | None = Non
     values = {"status": "leased", "started_at": common.utcnow()}
     if server is not None:
         values["server"] = server
-    conn.execute(update(items).where(items.c.id == item_id).values(**values))
+    conn.execute(update(common.items).where(common.items.c.id == item_id).values(**values))
     outcomes.record_outcomes(conn, [outcomes.Failed(item_id, error)], owner="w", lease_s=30)
 
 
 def ids_by_key(conn: Connection, run_id: int) -> dict[str, int]:
-    rows = conn.execute(select(items.c.item_key, items.c.id).where(items.c.run_id == run_id))
+    rows = conn.execute(
+        select(common.items.c.item_key, common.items.c.id).where(common.items.c.run_id == run_id)
+    )
     return {str(k): int(i) for k, i in rows}
 
 
 def row(conn: Connection, item_id: int) -> dict[str, object]:
-    return dict(conn.execute(select(items).where(items.c.id == item_id)).one()._mapping)
+    return dict(
+        conn.execute(select(common.items).where(common.items.c.id == item_id)).one()._mapping
+    )
 
 
 def seed(db: Engine) -> tuple[int, dict[str, int]]:
@@ -92,7 +93,7 @@ def test_retry_by_reason_requeues_those_with_fresh_attempts_and_no_done_item(
     run_id, ids = seed(pg_engine)
     with pg_engine.connect() as conn:
         before_done = {k: row(conn, i) for k, i in ids.items() if k.startswith("done")}
-        dry = retries.plan_retry(conn, run_id, RetrySelection(reason="CONTEXT LENGTH"))
+        dry = retries.plan_retry(conn, run_id, retries.RetrySelection(reason="CONTEXT LENGTH"))
     assert sorted(dry.pending) == sorted(ids[f"bad{i}"] for i in range(4))
     assert dry.to_json()["by_reason"] == {
         "HTTP 400: The input (N tokens) is longer than the model's context length (N tokens).": 4
@@ -123,10 +124,12 @@ def test_retry_by_server_and_time(pg_engine: Engine) -> None:
     run_id, ids = seed(pg_engine)
     with pg_engine.begin() as conn:
         old = common.utcnow() - timedelta(hours=3)
-        conn.execute(update(items).where(items.c.id == ids["bad0"]).values(finished_at=old))
-        by_server = retries.plan_retry(conn, run_id, RetrySelection(server="gpu-b"))
+        conn.execute(
+            update(common.items).where(common.items.c.id == ids["bad0"]).values(finished_at=old)
+        )
+        by_server = retries.plan_retry(conn, run_id, retries.RetrySelection(server="gpu-b"))
         since = retries.plan_retry(
-            conn, run_id, RetrySelection(since=common.utcnow() - timedelta(hours=1))
+            conn, run_id, retries.RetrySelection(since=common.utcnow() - timedelta(hours=1))
         )
     assert sorted(by_server.pending) == [ids["bad4"], ids["bad5"]]
     assert ids["bad0"] not in since.pending and len(since.pending) == 5
@@ -134,21 +137,25 @@ def test_retry_by_server_and_time(pg_engine: Engine) -> None:
 
 def chain(conn: Connection, run_id: int, key: str, turns_n: int = 3) -> list[int]:
     """A `--turns all` chain of key: turn 0 pending with a prompt, the later turns waiting."""
-    new = [NewItem(key, 0, 1, [{"role": "user", "content": "q0"}], [1, 2, 3])]
+    new = [queue.NewItem(key, 0, 1, [{"role": "user", "content": "q0"}], [1, 2, 3])]
     new += [
-        NewItem(key, 0, 1, [{"role": "user", "content": f"q{t}"}], [], turn_index=t, waiting=True)
+        queue.NewItem(
+            key, 0, 1, [{"role": "user", "content": f"q{t}"}], [], turn_index=t, waiting=True
+        )
         for t in range(1, turns_n)
     ]
     queue.insert_items(conn, run_id, new)
     turns.link_turns(conn, run_id, [key])
-    stmt = select(items.c.id).where(items.c.run_id == run_id, items.c.item_key == key)
-    return list(conn.execute(stmt.order_by(items.c.turn_index)).scalars())
+    stmt = select(common.items.c.id).where(
+        common.items.c.run_id == run_id, common.items.c.item_key == key
+    )
+    return list(conn.execute(stmt.order_by(common.items.c.turn_index)).scalars())
 
 
 def finish_done(conn: Connection, item_id: int, finish_reason: str = "stop") -> None:
     conn.execute(
-        update(items)
-        .where(items.c.id == item_id)
+        update(common.items)
+        .where(common.items.c.id == item_id)
         .values(
             status="done",
             finish_reason=finish_reason,
@@ -174,7 +181,7 @@ def test_a_chain_resumes_from_the_retried_turn(pg_engine: Engine) -> None:
         # b: turn 0 done, turn 1 failed at the server, turn 2 failed with it
         b = chain(conn, run.id, "b")
         finish_done(conn, b[0])
-        conn.execute(update(items).where(items.c.id == b[1]).values(status="pending"))
+        conn.execute(update(common.items).where(common.items.c.id == b[1]).values(status="pending"))
         fail(conn, b[1], "permanent: HTTP 400: bad request")
         turns.fail_waiting_chain(conn, run.id, "b", 0, 2, "turn 1 failed: permanent: HTTP 400")
         # c: turn 0 done, turn 1 failed as its prompt was built (never sent)
@@ -185,7 +192,7 @@ def test_a_chain_resumes_from_the_retried_turn(pg_engine: Engine) -> None:
         d = chain(conn, run.id, "d")
         finish_done(conn, d[0], "length")
         turns.fail_waiting_chain(conn, run.id, "d", 0, 1, "turn 0 was truncated at max_new_tokens")
-        plan = retries.apply_retry(conn, retries.plan_retry(conn, run.id, RetrySelection()))
+        plan = retries.apply_retry(conn, retries.plan_retry(conn, run.id, retries.RetrySelection()))
         assert statuses(conn, a) == ["pending", "waiting", "waiting"]
         assert statuses(conn, b) == ["done", "pending", "waiting"]
         assert statuses(conn, c) == ["done", "waiting", "waiting"]
@@ -260,7 +267,7 @@ def test_a_digest_counts_only_the_failures_no_retry_put_back(pg_engine: Engine) 
     for i in [first, *rest]:
         digest.add(run.id, i, TOO_LONG.format(n=5001))
     with pg_engine.begin() as conn:  # the operator retries them all
-        retries.apply_retry(conn, retries.plan_retry(conn, run.id, RetrySelection()))
+        retries.apply_retry(conn, retries.plan_retry(conn, run.id, retries.RetrySelection()))
     now[0] = 31.0
     digest.flush()
     with pg_engine.connect() as conn:
@@ -272,7 +279,7 @@ def test_a_digest_counts_only_the_failures_no_retry_put_back(pg_engine: Engine) 
     for i in again:
         digest.add(run.id, i, TOO_LONG.format(n=5001))
     with pg_engine.begin() as conn:
-        retries.apply_retry(conn, retries.plan_retry(conn, run.id, RetrySelection()))
+        retries.apply_retry(conn, retries.plan_retry(conn, run.id, retries.RetrySelection()))
     for i in again[:3]:
         with pg_engine.begin() as conn:
             fail(conn, i, TOO_LONG.format(n=5001))

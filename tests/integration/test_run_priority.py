@@ -19,17 +19,14 @@ from app.core.constants import WORK_QUEUE
 from app.core.contracts import SamplingParams
 from app.core.errors import RunMismatch
 from app.core.settings import Settings
-from app.ledger import claims, common, queue, run_queries
-from app.ledger.common import items
-from app.ledger.database import make_engine
-from app.ledger.migrate import upgrade
+from app.ledger import claims, common, database, migrate, queue, run_queries
 from tests.support.procs import clean_env, service_env, tokenmill
 from tests.support.runs import make_run
 
 
 def test_priority_changes_a_run_and_status_shows_it(tmp_path: Path) -> None:
-    engine = make_engine(f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
-    upgrade(engine)
+    engine = database.make_engine(f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
+    migrate.upgrade(engine)
     with engine.begin() as conn:
         make_run(conn, "big")
         make_run(conn, "eval")
@@ -67,8 +64,8 @@ def queued_run(db: Engine, name: str, n: int, priority: int) -> list[int]:
         ids = queue.pending_ids(conn, run.id)
         queue.mark_queued(conn, ids)
         conn.execute(
-            update(items)
-            .where(items.c.id.in_(ids))
+            update(common.items)
+            .where(common.items.c.id.in_(ids))
             .values(queued_at=common.utcnow() - timedelta(seconds=60))
         )
     return ids
@@ -157,7 +154,9 @@ def test_hedges_go_to_the_highest_priority_runs_end_first(db: Engine) -> None:
             claims.claim_items(conn, ids[run.name], owner="a-worker", server="a", lease_s=600)
         # the big run's items have run longer: without priorities they would be hedged first
         old = common.utcnow() - timedelta(seconds=60)
-        conn.execute(update(items).where(items.c.id.in_(ids["big"])).values(started_at=old))
+        conn.execute(
+            update(common.items).where(common.items.c.id.in_(ids["big"])).values(started_at=old)
+        )
     with db.connect() as conn:
         found = claims.hedge_candidates(conn, server="b", limit=3)
     assert [run_id for _, run_id in found] == [urgent.id, urgent.id, big.id]

@@ -8,10 +8,7 @@ from __future__ import annotations
 from datetime import timedelta
 from pathlib import Path
 
-from app.ledger import registry, windows
-from app.ledger.common import utcnow
-from app.ledger.database import make_engine
-from app.ledger.migrate import upgrade
+from app.ledger import common, database, migrate, registry, windows
 from tests.support.procs import clean_env, tokenmill
 
 
@@ -25,16 +22,16 @@ def window(server: str, owner: str, *, read_s_ago: float) -> windows.WindowRow:
         running=120,
         queued=4,
         reason="loads",
-        changed_at=utcnow(),
-        loads_at=utcnow() - timedelta(seconds=read_s_ago),
+        changed_at=common.utcnow(),
+        loads_at=common.utcnow() - timedelta(seconds=read_s_ago),
     )
 
 
 def test_one_url_registered_under_two_names_is_one_server_with_one_share(
     tmp_path: Path,
 ) -> None:
-    engine = make_engine(f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
-    upgrade(engine)
+    engine = database.make_engine(f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
+    migrate.upgrade(engine)
     with engine.begin() as conn:
         registry.upsert_server(conn, "gpu-a", "http://node-a:30000")
         registry.upsert_server(conn, "gpu-a:30000", "http://node-a:30000")  # the same server
@@ -50,8 +47,8 @@ def test_one_url_registered_under_two_names_is_one_server_with_one_share(
 def test_servers_names_leased_items_and_window_requests_and_ages_a_stale_load(
     tmp_path: Path,
 ) -> None:
-    engine = make_engine(f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
-    upgrade(engine)
+    engine = database.make_engine(f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
+    migrate.upgrade(engine)
     with engine.begin() as conn:
         registry.upsert_server(conn, "gpu-a", "http://node-a:30000")
         registry.upsert_server(conn, "gpu-b", "http://node-b:30000")

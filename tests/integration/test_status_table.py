@@ -9,8 +9,7 @@ from pathlib import Path
 
 from sqlalchemy import update
 
-from app.ledger import event_log, registry
-from app.ledger.common import items
+from app.ledger import common, event_log, registry
 from tests.conftest import migrated_sqlite
 from tests.support.procs import clean_env, tokenmill
 from tests.support.runs import add_item, make_run
@@ -47,7 +46,9 @@ def test_names_and_numbers_are_whole_and_waiting_shows_only_when_used(
     assert "wait" not in "".join(lines)
 
     with engine.begin() as conn:
-        conn.execute(update(items).where(items.c.item_key == "p").values(status="waiting"))
+        conn.execute(
+            update(common.items).where(common.items.c.item_key == "p").values(status="waiting")
+        )
     lines, err = run_tokenmill(tmp_path, "status")
     assert all(len(line) <= 80 for line in lines), lines
     assert header_of(lines) == ["run", "total", "wait", "done", "failed", "trunc", "out", "tokens"]
@@ -117,13 +118,15 @@ def test_the_binding_of_a_tokenmill_run_run_is_said_while_it_has_work_left(
     import json
 
     from app.core.models import runs
-    from app.ledger.run_queries import DRIVER_RUN
+    from app.ledger import run_queries
 
     engine = migrated_sqlite(sqlite_template, tmp_path / "ledger.sqlite3")
     with engine.begin() as conn:
         for name, status in (("finished", "done"), ("going", "pending")):
             run = make_run(conn, name)
-            conn.execute(update(runs).where(runs.c.id == run.id).values(driver=DRIVER_RUN))
+            conn.execute(
+                update(runs).where(runs.c.id == run.id).values(driver=run_queries.DRIVER_RUN)
+            )
             add_item(conn, run.id, "k0")
             add_item(conn, run.id, "k1", status=status)
     lines, _ = run_tokenmill(tmp_path, "status")

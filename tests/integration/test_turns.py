@@ -15,8 +15,6 @@ from app.core.contracts import GenerateResult, SamplingParams
 from app.core.errors import RunMismatch
 from app.ledger import claims, common, reads, run_queries
 from app.ledger import outcomes as ledger_outcomes
-from app.ledger.common import items
-from app.ledger.outcomes import Done, Failed
 from app.outputs.export import export_run
 from app.prompts.conversation import WholeConversationError
 from app.prompts.tokenization import ChatTokenizer, load_tokenizer
@@ -87,7 +85,7 @@ def answer(tokenizer: ChatTokenizer, text: str, finish: str = "stop") -> Generat
     return GenerateResult("r", ids, finish, None, 10, len(ids), 0, 0.1)  # type: ignore[arg-type]
 
 
-def finish(db: Engine, outcomes: list[Done | Failed]) -> None:
+def finish(db: Engine, outcomes: list[ledger_outcomes.Done | ledger_outcomes.Failed]) -> None:
     with db.begin() as conn:
         ids = [o.item_id for o in outcomes]
         claims.claim_items(conn, ids, owner="w", server="s", lease_s=60)
@@ -114,7 +112,7 @@ def test_chains_advance_from_the_regenerated_history(
     t1 = items_by[("c3", 0, 1)]
     assert (t1.status, t1.prompt_ids, t1.messages) == ("waiting", [], [CONV3[3]])
     with pg_engine.connect() as conn:
-        links = dict(conn.execute(select(items.c.id, items.c.prev_item_id)).all())
+        links = dict(conn.execute(select(common.items.c.id, common.items.c.prev_item_id)).all())
     assert links[t1.id] == t0.id and links[items_by[("c3", 0, 2)].id] == t1.id
     assert links[items_by[("c3", 1, 1)].id] == items_by[("c3", 1, 0)].id
 
@@ -127,10 +125,14 @@ def test_chains_advance_from_the_regenerated_history(
     finish(
         pg_engine,
         [
-            Done(t0.id, answer(tokenizer, "REGEN c3 s0 t0")),
-            Done(items_by[("c3", 1, 0)].id, answer(tokenizer, "REGEN c3 s1 t0")),
-            Failed(items_by[("c2", 0, 0)].id, "permanent: HTTP 400 prompt too long"),
-            Done(items_by[("c2", 1, 0)].id, answer(tokenizer, "cut off", finish="length")),
+            ledger_outcomes.Done(t0.id, answer(tokenizer, "REGEN c3 s0 t0")),
+            ledger_outcomes.Done(items_by[("c3", 1, 0)].id, answer(tokenizer, "REGEN c3 s1 t0")),
+            ledger_outcomes.Failed(
+                items_by[("c2", 0, 0)].id, "permanent: HTTP 400 prompt too long"
+            ),
+            ledger_outcomes.Done(
+                items_by[("c2", 1, 0)].id, answer(tokenizer, "cut off", finish="length")
+            ),
         ],
     )
     turn0 = [t0.id, items_by[("c3", 1, 0)].id, items_by[("c2", 0, 0)].id, items_by[("c2", 1, 0)].id]
@@ -152,7 +154,7 @@ def test_chains_advance_from_the_regenerated_history(
     assert truncated.error == "turn 0 was truncated at max_new_tokens"
 
     # turn 1 of c3 sample 0 done → turn 2's prompt holds turn 1's regenerated answer
-    finish(pg_engine, [Done(t1.id, answer(tokenizer, "REGEN c3 s0 t1"))])
+    finish(pg_engine, [ledger_outcomes.Done(t1.id, answer(tokenizer, "REGEN c3 s0 t1"))])
     assert len(advance(pg_engine, cache, prev_ids=[t1.id]).started) == 1
     t2 = rows(pg_engine, run.id)[("c3", 0, 2)]
     regen_ids = tokenizer.hf_tokenizer.encode("REGEN c3 s0 t1", add_special_tokens=False)
@@ -164,12 +166,15 @@ def test_chains_advance_from_the_regenerated_history(
     # finish everything else, then the exports
     items_by = rows(pg_engine, run.id)
     open_ids = [i.id for i in items_by.values() if i.status == "pending"]
-    finish(pg_engine, [Done(i, answer(tokenizer, f"REGEN {i}")) for i in open_ids])
+    finish(pg_engine, [ledger_outcomes.Done(i, answer(tokenizer, f"REGEN {i}")) for i in open_ids])
     while True:  # the catch-up path: advance whatever finished, until nothing moves
         step = advance(pg_engine, cache, run_id=run.id)
         if not step.started:
             break
-        finish(pg_engine, [Done(i, answer(tokenizer, f"REGEN {i}")) for i in step.started])
+        finish(
+            pg_engine,
+            [ledger_outcomes.Done(i, answer(tokenizer, f"REGEN {i}")) for i in step.started],
+        )
     with pg_engine.connect() as conn:
         counts = reads.run_counts(conn, run)
     assert counts.finished and (counts.done, counts.failed, counts.waiting) == (9, 3, 0)
@@ -210,7 +215,7 @@ def test_a_changed_tokenizer_leaves_turns_waiting(
     with pg_engine.connect() as conn:
         run = run_queries.get_run(conn, "mt")
     first = rows(pg_engine, run.id)[("c2", 0, 0)]
-    finish(pg_engine, [Done(first.id, answer(tokenizer, "fine"))])
+    finish(pg_engine, [ledger_outcomes.Done(first.id, answer(tokenizer, "fine"))])
     config = tokenizer_dir / "tokenizer_config.json"
     config.write_text(config.read_text().replace("<|im_middle|>", "<|im_middle|> "))
     report = advance(pg_engine, TokenizerCache(), run_id=run.id)

@@ -14,7 +14,6 @@ from sqlalchemy import Engine
 from app.core.contracts import GenerateResult, SamplingParams
 from app.core.errors import ConfigurationError
 from app.ledger import claims, outcomes, reads, run_queries
-from app.ledger.outcomes import Done
 from app.outputs.export import export_run
 from app.prompts.chat_path import normalize_messages, normalize_tools
 from app.prompts.tokenization import ChatTokenizer, load_tokenizer
@@ -197,7 +196,9 @@ def test_exports_carry_the_regenerated_turn(
     result = GenerateResult("r", answer, "stop", None, 10, len(answer), 0, 0.1)
     with db.begin() as conn:
         claims.claim_items(conn, [i.id for i in found], owner="w", server="s", lease_s=60)
-        outcomes.record_outcomes(conn, [Done(i.id, result) for i in found], owner="w", lease_s=60)
+        outcomes.record_outcomes(
+            conn, [outcomes.Done(i.id, result) for i in found], owner="w", lease_s=60
+        )
 
     out = tmp_path / "sf.jsonl"
     export_run(db, run, "specforge", out)

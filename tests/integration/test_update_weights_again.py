@@ -13,7 +13,6 @@ from sqlalchemy import Engine
 from app.core.contracts import ServerFingerprint
 from app.core.settings import Settings
 from app.ledger import registry
-from app.ledger.registry import ServerInfo
 from tests.integration.test_watchdog import RecordingControl
 from workers.control import weights_update
 from workers.control.watchdog import Probe
@@ -28,10 +27,10 @@ class Answering:
     def __init__(self, ok: bool) -> None:
         self.ok = ok
 
-    def probe(self, server: ServerInfo) -> Probe:
+    def probe(self, server: registry.ServerInfo) -> Probe:
         return Probe(self.ok, 0.01, None if self.ok else "Connection refused")
 
-    def fingerprint(self, server: ServerInfo) -> ServerFingerprint:
+    def fingerprint(self, server: registry.ServerInfo) -> ServerFingerprint:
         return ServerFingerprint()
 
 

@@ -14,7 +14,6 @@ from app.core.contracts import GenerateResult, SamplingParams
 from app.core.settings import get_settings
 from app.ledger import claims, common, reads, run_queries
 from app.ledger import outcomes as ledger_outcomes
-from app.ledger.common import items
 from app.outputs.verify import (
     CHECK_COMPLETION,
     CHECK_LENGTH,
@@ -93,7 +92,7 @@ def item_id(db: Engine, run: run_queries.RunInfo, key: str) -> int:
 def tamper(db: Engine, run: run_queries.RunInfo, key: str, **values: object) -> int:
     target = item_id(db, run, key)
     with db.begin() as conn:
-        conn.execute(update(items).where(items.c.id == target).values(**values))
+        conn.execute(update(common.items).where(common.items.c.id == target).values(**values))
     return target
 
 

@@ -16,7 +16,6 @@ from sqlalchemy import Engine, update
 from app.core.contracts import SamplingParams, ServerFingerprint
 from app.core.settings import Settings
 from app.ledger import claims, common, queue, registry, run_queries
-from app.ledger.common import items
 from workers.control.pausing import pause_server
 from workers.control.watchdog import Probe, run_watchdog
 
@@ -133,7 +132,9 @@ def test_stall_is_caught_when_the_health_route_lies(
         run = run_queries.get_run(conn, "r")
         ids = queue.pending_ids(conn, run.id)
         claims.claim_items(conn, ids, owner="w", server="gpu-a", lease_s=600)
-        conn.execute(update(items).values(started_at=common.utcnow() - timedelta(seconds=61)))
+        conn.execute(
+            update(common.items).values(started_at=common.utcnow() - timedelta(seconds=61))
+        )
     assert run_watchdog(db, settings, control, prober)["gpu-a"] == "down"
     a = server(db, "gpu-a")
     assert a.paused and "stalled: 4 requests in flight" in (a.last_error or "")

@@ -15,9 +15,8 @@ from sqlalchemy import Engine, update
 from app.core.contracts import GenerateResult, SamplingParams, ServerFingerprint
 from app.core.errors import ConfigurationError
 from app.core.settings import Settings
+from app.ledger import common, queue, reads, registry, run_queries
 from app.ledger import outcomes as ledger_outcomes
-from app.ledger import queue, reads, registry, run_queries
-from app.ledger.common import items
 from app.outputs.export import export_run
 from app.outputs.parquet_export import check_export, export_parquet
 from app.outputs.verify import verify_run
@@ -56,7 +55,9 @@ def make_run(
         outcomes.append(ledger_outcomes.Done(item_id, result))
     with db.begin() as conn:
         ledger_outcomes.record_outcomes(conn, outcomes, owner="t", lease_s=60)
-        conn.execute(update(items).where(items.c.run_id == run.id).values(server="gpu-a"))
+        conn.execute(
+            update(common.items).where(common.items.c.run_id == run.id).values(server="gpu-a")
+        )
         return run_queries.get_run(conn, name)
 
 
@@ -109,8 +110,8 @@ def test_verify_flags_other_weights_and_other_sampling(db: Engine) -> None:
     run = make_run(db)
     with db.begin() as conn:
         conn.execute(
-            update(items)
-            .where(items.c.run_id == run.id, items.c.item_key == "q")
+            update(common.items)
+            .where(common.items.c.run_id == run.id, common.items.c.item_key == "q")
             .values(sampling_params=SAMPLING.for_sample(0))  # the row's top_k lost
         )
     report = verify_run(db, run, None)

@@ -11,7 +11,6 @@ from sqlalchemy import Connection, insert, update
 
 from app.core.contracts import SamplingParams
 from app.ledger import common, reads, registry, run_queries
-from app.ledger.common import events, items
 
 
 def make_run(conn: Connection, name: str, *, max_new_tokens: int = 512) -> run_queries.RunInfo:
@@ -71,7 +70,7 @@ def add_item(
         values["completion_tokens"] = completion_tokens or 0
         values["finish_reason"] = finish_reason or "stop"
         values["latency_s"] = latency_s
-    conn.execute(insert(items).values(**values))
+    conn.execute(insert(common.items).values(**values))
 
 
 def add_server(
@@ -113,7 +112,7 @@ def add_event(
     conn: Connection, kind: str, server: str | None, at: datetime, message: str | None = None
 ) -> None:
     conn.execute(
-        insert(events).values(
+        insert(common.events).values(
             at=at, kind=kind, server=server, message=message or f"{server} {kind}", run_id=None
         )
     )

@@ -1,8 +1,9 @@
 """The layout rules of the house style, checked on the source: imports flow bench → ops → workers
 → app, the emulator (a second program) sits beside workers and only ops and bench import it, no
 import cycles (bench included), no view (ops/views/) importing a command, no module holding a
-third of the code or over 600 lines, a docstring on each, no private name read across modules,
-no function over 100 lines, an `action` on every log line at INFO and above."""
+third of the code or over 600 lines, a docstring on each, no private name read across modules, no
+function over 100 lines, an `action` on every log line at INFO and above, the ledger imported by
+module, never by name."""
 
 from __future__ import annotations
 
@@ -317,6 +318,83 @@ def test_no_package_re_exports_names() -> None:
         if any(isinstance(node, ast.Import | ast.ImportFrom) for node in body):
             wrong.append(name)
     assert wrong == []
+
+
+LEDGER = "app.ledger"
+# every folder of Python in the repository: the product, its commands, the emulator, bench, the
+# tests and the migrations
+LEDGER_IMPORTERS = ("app", "workers", "ops", "emulator", "bench", "tests", "migrations")
+
+
+def ledger_names_imported(source: str, package: str) -> list[str]:
+    """Imports that take a name out of a ledger module (`from app.ledger.claims import
+    claim_items`, relative ones inside the package, `import app.ledger.claims`) at any depth:
+    the ledger is imported by module (`from app.ledger import claims`, then
+    `claims.claim_items(...)`), so where a name lives is in the code that uses it. `package` is
+    the dotted package of the file, to resolve relative imports."""
+    found: list[str] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            module = node.module
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join([*base, module])
+            if module.startswith(LEDGER + "."):
+                found += [f"{node.lineno}: from {module} import {a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            found += [
+                f"{node.lineno}: import {a.name}"
+                for a in node.names
+                if a.name.startswith(LEDGER + ".")
+            ]
+    return found
+
+
+def test_the_ledger_is_imported_by_module() -> None:
+    """House style: import modules, not names, where a name's home matters to the reader."""
+    wrong = []
+    for folder in LEDGER_IMPORTERS:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            package = ".".join(path.relative_to(ROOT).parent.parts)
+            wrong += [
+                f"{path.relative_to(ROOT)}:{found}"
+                for found in ledger_names_imported(path.read_text(), package)
+            ]
+    assert wrong == []
+
+
+def test_the_ledger_import_check_sees_names_taken_from_a_module() -> None:
+    source = (
+        "from typing import TYPE_CHECKING\n"
+        "from app.ledger import claims, outcomes\n"
+        "from app.ledger.reads import (\n"
+        "    RunCounts,\n"
+        "    run_counts as counts,\n"
+        ")\n"
+        "import app.ledger.counters as counters\n"
+        "from app.ledgerish import name\n"
+        "from .claims import claim_items\n"
+        "from . import queue\n"
+        "if TYPE_CHECKING:\n"
+        "    from app.ledger.run_queries import RunInfo\n"
+        "def f() -> None:\n"
+        "    from app.ledger.common import utcnow\n"
+    )
+    assert ledger_names_imported(source, "app.ledger") == [
+        "3: from app.ledger.reads import RunCounts",
+        "3: from app.ledger.reads import run_counts",
+        "7: import app.ledger.counters",
+        "9: from app.ledger.claims import claim_items",
+        "12: from app.ledger.run_queries import RunInfo",
+        "14: from app.ledger.common import utcnow",
+    ]
+    assert ledger_names_imported(source, "ops") == [
+        "3: from app.ledger.reads import RunCounts",
+        "3: from app.ledger.reads import run_counts",
+        "7: import app.ledger.counters",
+        "12: from app.ledger.run_queries import RunInfo",
+        "14: from app.ledger.common import utcnow",
+    ]
 
 
 LOGGED_LEVELS = {"info", "warning", "error", "exception", "critical"}

@@ -12,7 +12,7 @@ import pytest
 
 from app.core.constants import NORMALIZATION_VERSION
 from app.core.errors import ConfigurationError, InputError
-from app.ledger.queue import tools_hash
+from app.ledger import queue
 from app.prompts.chat_path import (
     bare_function_tools,
     check_reasoning_effort,
@@ -323,8 +323,8 @@ def test_bare_function_tools() -> None:
 
 def test_tools_hash_follows_key_order() -> None:
     reordered = {"function": WEATHER["function"], "type": "function"}
-    assert tools_hash([WEATHER]) != tools_hash([reordered])
-    assert tools_hash([WEATHER]) == tools_hash(json.loads(json.dumps([WEATHER])))
+    assert queue.tools_hash([WEATHER]) != queue.tools_hash([reordered])
+    assert queue.tools_hash([WEATHER]) == queue.tools_hash(json.loads(json.dumps([WEATHER])))
 
 
 # --- template kwargs --------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from app.ledger.migrate import declared_head, head_revision
+from app.ledger import migrate
 
 ROOT = Path(__file__).resolve().parents[2]
 # what start-up must not load: each costs tens to hundreds of milliseconds
@@ -88,8 +88,8 @@ def test_a_command_still_loads_what_it_needs() -> None:
 def test_the_declared_head_is_alembics_head() -> None:
     """The quick schema check reads the head from the migration scripts' source; it must be
     the revision alembic computes, or None (then alembic decides)."""
-    assert declared_head() in (head_revision(), None)
-    assert declared_head() is not None  # the scripts are plain enough to be read
+    assert migrate.declared_head() in (migrate.head_revision(), None)
+    assert migrate.declared_head() is not None  # the scripts are plain enough to be read
 
 
 def test_a_command_loads_only_its_own_module(tmp_path: Path) -> None:

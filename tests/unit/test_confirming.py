@@ -12,7 +12,6 @@ from sqlalchemy import Engine
 
 from app.core.errors import ServerRefusal
 from app.ledger import claims, retries, run_queries
-from app.ledger.claims import ClaimedItem
 from app.sglang.limits import RequestNeed
 from tests.unit.test_window import feed, make_window, statuses, wait_idle
 from workers.engine.confirming import Confirmation
@@ -67,8 +66,8 @@ def _confirmation(
     )
 
 
-def _item(item_id: int, refused_by: str | None = None) -> ClaimedItem:
-    return ClaimedItem(item_id, 1, 0, [1] * 2000, 0, refused_by=refused_by)
+def _item(item_id: int, refused_by: str | None = None) -> claims.ClaimedItem:
+    return claims.ClaimedItem(item_id, 1, 0, [1] * 2000, 0, refused_by=refused_by)
 
 
 NEED = RequestNeed(2000, 100)

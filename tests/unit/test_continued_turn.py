@@ -15,8 +15,7 @@ import pytest
 
 from app.core.contracts import PromptRecord, SamplingParams
 from app.core.errors import InputError
-from app.ledger.reads import StoredItem
-from app.ledger.run_queries import GenerationSettings, RunInfo
+from app.ledger import reads, run_queries
 from app.outputs.export import assistant_turn, specforge_row
 from app.prompts.chat_path import ChatInputs
 from app.prompts.inputs import read_prompts
@@ -154,9 +153,9 @@ def test_the_prefix_is_appended_without_its_bos(deepseek: ChatTokenizer) -> None
     assert empty == base
 
 
-def run_info() -> RunInfo:
-    settings = GenerationSettings("/t", "a", "b", {}, SamplingParams(), 1, None, [])
-    return RunInfo(1, "r", settings, None, datetime.now(UTC))
+def run_info() -> run_queries.RunInfo:
+    settings = run_queries.GenerationSettings("/t", "a", "b", {}, SamplingParams(), 1, None, [])
+    return run_queries.RunInfo(1, "r", settings, None, datetime.now(UTC))
 
 
 def test_the_exports_record_the_prefix(deepseek: ChatTokenizer) -> None:
@@ -164,7 +163,7 @@ def test_the_exports_record_the_prefix(deepseek: ChatTokenizer) -> None:
     (the model wrote only the rest)."""
     hf = deepseek.hf_tokenizer
     output = hf.encode(" four.", add_special_tokens=False)
-    item = StoredItem(
+    item = reads.StoredItem(
         1, "k", 0, "done", [U], [1, 2], output, "length", len(output), 1, "s", None, 0.1
     )
     continued = dataclasses.replace(item, assistant_prefix=" The answer is")

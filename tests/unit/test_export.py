@@ -13,9 +13,7 @@ from sqlalchemy import Engine
 
 from app.core.contracts import GenerateResult, SamplingParams
 from app.core.errors import ConfigurationError
-from app.ledger import claims, outcomes, queue, run_queries
-from app.ledger.reads import StoredItem
-from app.ledger.run_queries import GenerationSettings, RunInfo
+from app.ledger import claims, outcomes, queue, reads, run_queries
 from app.outputs.export import assistant_turn, current_umask, export_run, specforge_row
 from app.prompts.tokenization import ChatTokenizer
 
@@ -27,13 +25,15 @@ def tokenizer(kimi_tokenizer: ChatTokenizer) -> ChatTokenizer:
     return kimi_tokenizer
 
 
-def run_info() -> RunInfo:
-    settings = GenerationSettings("/t", "a", "b", {}, SamplingParams(), 1, END_THINK, [IM_END])
-    return RunInfo(1, "r", settings, None, datetime.now(UTC))
+def run_info() -> run_queries.RunInfo:
+    settings = run_queries.GenerationSettings(
+        "/t", "a", "b", {}, SamplingParams(), 1, END_THINK, [IM_END]
+    )
+    return run_queries.RunInfo(1, "r", settings, None, datetime.now(UTC))
 
 
-def stored(prompt: list[int], output: list[int], finish: str = "stop") -> StoredItem:
-    return StoredItem(
+def stored(prompt: list[int], output: list[int], finish: str = "stop") -> reads.StoredItem:
+    return reads.StoredItem(
         1,
         "k",
         0,

@@ -15,7 +15,7 @@ from app.core.constants import NORMALIZATION_VERSION
 from app.core.contracts import SamplingParams
 from app.core.errors import TokenizerError, TokenmillError
 from app.core.run_kinds import TurnsMode
-from app.ledger.run_queries import GenerationSettings, RunInfo
+from app.ledger import run_queries
 from app.prompts.chat_path import ChatInputs
 from app.prompts.template_pool import Templater
 from app.prompts.tokenization import ChatTokenizer, load_tokenizer
@@ -180,7 +180,7 @@ def test_later_turns_load_the_pinned_custom_code_and_refuse_a_changed_file(
 ) -> None:
     copy = Path(shutil.copytree(folder, tmp_path / "tok"))
     pinned = load_tokenizer(copy, trust_remote_code=True)
-    settings = GenerationSettings(
+    settings = run_queries.GenerationSettings(
         tokenizer_path=str(copy),
         tokenizer_hash=pinned.tokenizer_hash,
         chat_template_hash=pinned.chat_template_hash,
@@ -194,7 +194,7 @@ def test_later_turns_load_the_pinned_custom_code_and_refuse_a_changed_file(
         tokenizer_files=pinned.tokenizer_files,
         normalization_version=NORMALIZATION_VERSION,
     )
-    run = RunInfo(
+    run = run_queries.RunInfo(
         id=1, name="r", generation=settings, fingerprint=None, created_at=datetime.now(UTC)
     )
     assert TokenizerCache._load(run).tokenizer_hash == pinned.tokenizer_hash

@@ -4,16 +4,15 @@ that need a look first."""
 
 from __future__ import annotations
 
-from app.ledger.dashboard_queries import ServerRow
-from app.ledger.registry import ServerInfo
+from app.ledger import dashboard_queries, registry
 from ops.fleet_cmd import servers_summary
 from ops.views import dashboard
 
 
 def server(
     name: str, state: str = "healthy", *, paused: bool = False, workers: int = 1
-) -> ServerInfo:
-    return ServerInfo(
+) -> registry.ServerInfo:
+    return registry.ServerInfo(
         name=name,
         url=f"http://{name}",
         state=state,
@@ -33,7 +32,7 @@ def server(
     )
 
 
-def fleet(count: int) -> list[ServerInfo]:
+def fleet(count: int) -> list[registry.ServerInfo]:
     """count servers; every tenth down (and paused), every 25th suspect."""
     return [
         server(
@@ -53,7 +52,7 @@ def test_servers_prints_a_summary_line() -> None:
 
 
 def test_the_dashboard_titles_its_servers_and_shows_those_that_need_a_look() -> None:
-    rows = [ServerRow(s.name, s, 64, 0, 60.0, None, None) for s in fleet(256)]
+    rows = [dashboard_queries.ServerRow(s.name, s, 64, 0, 60.0, None, None) for s in fleet(256)]
     assert dashboard.servers_title(rows) == (
         "servers: 256 (220 healthy, 26 down, 10 suspect); 26 paused; 16,384 in flight"
     )
@@ -65,5 +64,5 @@ def test_the_dashboard_titles_its_servers_and_shows_those_that_need_a_look() -> 
 
 
 def test_a_small_fleet_is_drawn_whole_in_its_order() -> None:
-    rows = [ServerRow(s.name, s, 1, 0, 60.0, None, None) for s in fleet(12)]
+    rows = [dashboard_queries.ServerRow(s.name, s, 1, 0, 60.0, None, None) for s in fleet(12)]
     assert dashboard._shown(rows) == (rows, 0)

@@ -9,7 +9,7 @@ from datetime import UTC, datetime
 import pytest
 
 from app.core.settings import Settings
-from app.ledger.registry import ServerInfo
+from app.ledger import registry
 from workers.engine.identity import (
     IdentityRefused,
     WorkerIdentity,
@@ -30,8 +30,8 @@ def identity(
     return WorkerIdentity.of(settings(sglang_url=url, node_name=node, **values))
 
 
-def server(name: str, node: str | None, workers: list[str]) -> ServerInfo:
-    return ServerInfo(
+def server(name: str, node: str | None, workers: list[str]) -> registry.ServerInfo:
+    return registry.ServerInfo(
         name=name,
         url=f"http://{name}",
         state="healthy",

@@ -13,8 +13,7 @@ import pytest
 from sqlalchemy import Engine, update
 
 from app.core.images import ImageRef
-from app.ledger import claims, queue, reads, run_queries
-from app.ledger.common import items
+from app.ledger import claims, common, queue, reads, run_queries
 from workers.engine.fake_client import FakePolicy, FakeServer, LogEntry
 from workers.engine.window import InflightWindow, WindowConfig
 from workers.engine.window_types import Checked
@@ -38,8 +37,12 @@ def windows() -> Iterator[list[InflightWindow]]:
 def with_images(engine: Engine, run: run_queries.RunInfo, key: str, turns: list[int]) -> None:
     with engine.begin() as conn:
         conn.execute(
-            update(items)
-            .where(items.c.run_id == run.id, items.c.item_key == key, items.c.turn_index.in_(turns))
+            update(common.items)
+            .where(
+                common.items.c.run_id == run.id,
+                common.items.c.item_key == key,
+                common.items.c.turn_index.in_(turns),
+            )
             .values(images=[PICTURE.to_json()])
         )
 

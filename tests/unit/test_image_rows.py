@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from app.core.images import ImageRef
-from app.ledger.reads import StoredItem, request_ids
+from app.ledger import reads
 from app.outputs.image_rows import (
     ImageExportError,
     count_problem,
@@ -19,8 +19,8 @@ PAD = 7
 REF = ImageRef("ab" * 32, f"images/{'ab' * 32}.png", 640, 480, "PNG", 1234, "a.png")
 
 
-def item(prompt: list[int], images: int, counts: list[int] | None) -> StoredItem:
-    return StoredItem(
+def item(prompt: list[int], images: int, counts: list[int] | None) -> reads.StoredItem:
+    return reads.StoredItem(
         id=5,
         item_key="k",
         sample_index=0,
@@ -94,5 +94,5 @@ def test_image_parts_point_at_their_uris_in_prompt_order() -> None:
 def test_a_compacted_prompt_reads_back_as_it_was_sent() -> None:
     sent = [1, PAD, 2, 3, PAD, 4]
     served = served_prompt(item(sent, 2, [5, 1]), PAD)
-    assert request_ids(served, PAD) == sent
-    assert request_ids([1, 2], PAD) == [1, 2]
+    assert reads.request_ids(served, PAD) == sent
+    assert reads.request_ids([1, 2], PAD) == [1, 2]

@@ -8,7 +8,7 @@ from itertools import pairwise
 
 import pytest
 
-from app.ledger.dashboard_queries import ItemRanges, ItemStats, ServerEvent
+from app.ledger import dashboard_queries
 from app.outputs.report_stats import (
     Histogram,
     ReportData,
@@ -86,15 +86,17 @@ def test_time_bins_are_round_and_few() -> None:
 
 def test_pause_periods_pair_pauses_with_resumes() -> None:
     events = [
-        ServerEvent(at(-50), "paused", "a"),  # began before the window
-        ServerEvent(at(10), "resumed", "a"),
-        ServerEvent(at(20), "paused", "b"),
-        ServerEvent(at(25), "paused", "b"),  # re-paused by someone else: same period
-        ServerEvent(at(40), "resumed", "b"),
-        ServerEvent(at(45), "resumed", "b"),  # nothing open: ignored
-        ServerEvent(at(60), "state", "b"),
-        ServerEvent(at(90), "paused", "a"),  # never resumed
-        ServerEvent(at(150), "paused", "c"),  # after the window
+        dashboard_queries.ServerEvent(at(-50), "paused", "a"),  # began before the window
+        dashboard_queries.ServerEvent(at(10), "resumed", "a"),
+        dashboard_queries.ServerEvent(at(20), "paused", "b"),
+        dashboard_queries.ServerEvent(
+            at(25), "paused", "b"
+        ),  # re-paused by someone else: same period
+        dashboard_queries.ServerEvent(at(40), "resumed", "b"),
+        dashboard_queries.ServerEvent(at(45), "resumed", "b"),  # nothing open: ignored
+        dashboard_queries.ServerEvent(at(60), "state", "b"),
+        dashboard_queries.ServerEvent(at(90), "paused", "a"),  # never resumed
+        dashboard_queries.ServerEvent(at(150), "paused", "c"),  # after the window
     ]
     periods = pause_periods(
         events, paused_kind="paused", resumed_kind="resumed", since=at(0), until=at(100)
@@ -109,12 +111,16 @@ def test_pause_periods_pair_pauses_with_resumes() -> None:
 def test_only_servers_that_served_the_run_are_shaded_only_while_they_did() -> None:
     pauses = pause_periods(
         [
-            ServerEvent(at(0), "paused", "idle"),  # never took an item of the run
-            ServerEvent(at(5), "paused", "a"),  # began before a joined (at 20): shaded from 20
-            ServerEvent(at(25), "resumed", "a"),
-            ServerEvent(at(40), "paused", "a"),  # while a served: shaded
-            ServerEvent(at(50), "resumed", "a"),
-            ServerEvent(at(80), "paused", "a"),  # after a's last item (at 70): not shaded
+            dashboard_queries.ServerEvent(at(0), "paused", "idle"),  # never took an item of the run
+            dashboard_queries.ServerEvent(
+                at(5), "paused", "a"
+            ),  # began before a joined (at 20): shaded from 20
+            dashboard_queries.ServerEvent(at(25), "resumed", "a"),
+            dashboard_queries.ServerEvent(at(40), "paused", "a"),  # while a served: shaded
+            dashboard_queries.ServerEvent(at(50), "resumed", "a"),
+            dashboard_queries.ServerEvent(
+                at(80), "paused", "a"
+            ),  # after a's last item (at 70): not shaded
         ],
         paused_kind="paused",
         resumed_kind="resumed",
@@ -140,8 +146,8 @@ def item(
     reason: str | None = "stop",
     latency: float | None = 2.0,
     finished: float = 10,
-) -> ItemStats:
-    return ItemStats(
+) -> dashboard_queries.ItemStats:
+    return dashboard_queries.ItemStats(
         id=id,
         status=status,
         server=server,
@@ -155,7 +161,7 @@ def item(
 
 
 def test_report_data_adds_up() -> None:
-    ranges = ItemRanges(at(0), at(2), at(60), 0.5, 8.0, 256)
+    ranges = dashboard_queries.ItemRanges(at(0), at(2), at(60), 0.5, 8.0, 256)
     stream = [
         item(1, tokens=100, latency=0.5, finished=2),
         item(2, tokens=256, reason="length", latency=8.0, finished=30),
@@ -193,7 +199,9 @@ def test_report_data_adds_up() -> None:
 
 
 def test_an_empty_run_has_no_throughput_and_no_flags_but_unfinished() -> None:
-    empty = ReportData.for_ranges(ItemRanges(None, None, None, None, None, None), max_new_tokens=64)
+    empty = ReportData.for_ranges(
+        dashboard_queries.ItemRanges(None, None, None, None, None, None), max_new_tokens=64
+    )
     assert empty.throughput is None and empty.output_percentile(50) is None
     assert warnings_for(make_counts(total=3, pending=3), empty) == [
         "The run is not finished: 3 of 3 items remain."
@@ -201,7 +209,7 @@ def test_an_empty_run_has_no_throughput_and_no_flags_but_unfinished() -> None:
 
 
 def test_warnings_name_truncation_failure_and_empty_outputs() -> None:
-    ranges = ItemRanges(at(0), at(1), at(2), 1.0, 1.0, 64)
+    ranges = dashboard_queries.ItemRanges(at(0), at(1), at(2), 1.0, 1.0, 64)
     stream = [item(i, tokens=64, reason="length") for i in range(2)]
     stream += [item(10 + i, tokens=0 if i == 0 else 5) for i in range(8)]
     stream += [item(99, "failed")]

@@ -11,8 +11,7 @@ import pytest
 
 from app.core.contracts import GenerateResult, SamplingParams
 from app.core.run_kinds import RunKind, TurnsMode
-from app.ledger.claims import ClaimedItem
-from app.ledger.run_queries import GenerationSettings, RunInfo
+from app.ledger import claims, run_queries
 from workers.engine.policies import POLICIES, GenerationPolicy, policy_for
 from workers.engine.window_types import Checked
 
@@ -51,16 +50,16 @@ class RecordingClient:
         return GenerateResult(rid, [7, 8], "stop", None, 3, 2, 0, 0.01)
 
 
-def run_info(sampling: SamplingParams) -> RunInfo:
-    settings = GenerationSettings("/t", "a", "b", {}, sampling, 1, None, [])
-    return RunInfo(1, "r", settings, None, datetime.now(UTC))
+def run_info(sampling: SamplingParams) -> run_queries.RunInfo:
+    settings = run_queries.GenerationSettings("/t", "a", "b", {}, sampling, 1, None, [])
+    return run_queries.RunInfo(1, "r", settings, None, datetime.now(UTC))
 
 
 def test_generation_sends_the_samples_params_and_records_the_servers_answer() -> None:
     sampling = SamplingParams(temperature=0.5, seed=3)
     policy = policy_for(run_info(sampling))
     assert policy == GenerationPolicy(sampling)
-    item = ClaimedItem(5, 1, 2, [1, 2, 3], 0, row_sampling_params={"top_k": 4})
+    item = claims.ClaimedItem(5, 1, 2, [1, 2, 3], 0, row_sampling_params={"top_k": 4})
     client = RecordingClient()
     result = policy.send(client, item, "rid-1", None)
     sent = client.calls[0]

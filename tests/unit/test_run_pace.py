@@ -3,7 +3,7 @@ since it started over everything the run holds."""
 
 from __future__ import annotations
 
-from app.ledger.reads import RunCounts
+from app.ledger import reads
 from ops.views.run_progress import PACE_WINDOW_S, Pace
 
 
@@ -15,9 +15,9 @@ class _Clock:
         return self.now
 
 
-def _counts(done: int, total: int = 1000, failed: int = 0, tokens: int = 0) -> RunCounts:
+def _counts(done: int, total: int = 1000, failed: int = 0, tokens: int = 0) -> reads.RunCounts:
     left = total - done - failed
-    return RunCounts("r1", total, 0, left, 0, done, failed, 0, tokens, 0)
+    return reads.RunCounts("r1", total, 0, left, 0, done, failed, 0, tokens, 0)
 
 
 def test_nothing_finished_yet_has_no_eta() -> None:

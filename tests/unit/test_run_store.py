@@ -83,7 +83,7 @@ def test_an_export_never_points_at_an_image_its_store_does_not_hold(tmp_path: Pa
     from PIL import Image
 
     from app.core.images import ImageRef
-    from app.ledger.reads import StoredItem
+    from app.ledger import reads
     from app.outputs.image_rows import ImageExportError, ImageRows
     from app.storage.image_store import put_image
 
@@ -93,7 +93,7 @@ def test_an_export_never_points_at_an_image_its_store_does_not_hold(tmp_path: Pa
     here = put_image(loc, data.getvalue(), "a.png")
     gone = ImageRef("0" * 64, "images/" + "0" * 64 + ".png", 1, 1, "PNG", 1, "gone.png")
     rows = ImageRows(None, loc, check_present=True)
-    item = cast(StoredItem, SimpleNamespace(id=1, item_key="k", sample_index=0, turn_index=0))
+    item = cast(reads.StoredItem, SimpleNamespace(id=1, item_key="k", sample_index=0, turn_index=0))
     assert rows.uri(item, 0, here) == loc.uri(here.key)
     with pytest.raises(ImageExportError, match="missing from"):
         rows.uri(item, 1, gone)

@@ -17,9 +17,7 @@ from prometheus_client.metrics_core import Metric
 from sqlalchemy import Engine
 
 from app.core.models import ItemStatus
-from app.ledger.metrics_queries import ItemGroup, LedgerSnapshot
-from app.ledger.registry import ServerInfo
-from app.ledger.windows import ServerWindow
+from app.ledger import metrics_queries, registry, windows
 from ops.views import metrics
 from workers.control.health import Health
 
@@ -53,9 +51,9 @@ def table() -> dict[str, tuple[frozenset[str], str]]:
     return rows
 
 
-def snapshot() -> LedgerSnapshot:
+def snapshot() -> metrics_queries.LedgerSnapshot:
     now = datetime(2026, 12, 7, tzinfo=UTC)
-    server = ServerInfo(
+    server = registry.ServerInfo(
         name="gpu-a",
         url="http://gpu-a:30000",
         state=Health.HEALTHY.value,
@@ -74,17 +72,18 @@ def snapshot() -> LedgerSnapshot:
         workers=["w1"],
     )
     groups = [
-        ItemGroup("r1", "gpu-a", status.value, "stop", 2, 10, hedged=1) for status in ItemStatus
+        metrics_queries.ItemGroup("r1", "gpu-a", status.value, "stop", 2, 10, hedged=1)
+        for status in ItemStatus
     ]
-    window = ServerWindow("auto", 136, 128, 120, 4, "loads", 1)
-    return LedgerSnapshot(
-        ["r1"], groups, [], [server], windows={"gpu-a": window}, run_priorities={"r1": 10}
+    window = windows.ServerWindow("auto", 136, 128, 120, 4, "loads", 1)
+    return metrics_queries.LedgerSnapshot(
+        ["r1"], groups, [], [server], server_windows={"gpu-a": window}, run_priorities={"r1": 10}
     )
 
 
 def exported(monkeypatch: pytest.MonkeyPatch) -> dict[str, Metric]:
     """The families one scrape exports, by the name Prometheus shows (counters with `_total`)."""
-    monkeypatch.setattr(metrics, "read_snapshot", lambda engine: snapshot())
+    monkeypatch.setattr(metrics_queries, "read_snapshot", lambda engine: snapshot())
     monkeypatch.setattr(metrics, "broker_queue_depth", lambda url: 3)
     collector = metrics.LedgerCollector(cast(Engine, None), "redis://127.0.0.1:6379/0")
     families = list(collector.collect())

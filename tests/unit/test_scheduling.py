@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections import Counter
 
 from app.core.constants import BROKER_PRIORITY_STEPS
-from app.ledger.metrics_queries import LedgerSnapshot
+from app.ledger import metrics_queries
 from ops.views.metrics import ledger_families
 from workers.engine.scheduling import ClaimOrder, RunWork
 from workers.intake.publish import DEFAULT_STEP, broker_priority
@@ -110,7 +110,7 @@ def test_broker_priorities_order_runs_as_their_priorities() -> None:
 
 
 def test_metrics_show_each_runs_priority() -> None:
-    snapshot = LedgerSnapshot(
+    snapshot = metrics_queries.LedgerSnapshot(
         run_names=["big", "eval"],
         groups=[],
         latencies=[],

@@ -12,7 +12,6 @@ from sqlalchemy import Engine, insert
 from app.core.contracts import Message
 from app.core.errors import InputError
 from app.ledger import common, run_queries
-from app.ledger.common import items
 from app.outputs.verify import (
     CHECK_STOP,
     CHECK_TEMPLATE,
@@ -77,7 +76,7 @@ def add(engine: Engine, run_id: int, key: str, **values: Any) -> None:
     }
     row.update(values)
     with engine.begin() as conn:
-        conn.execute(insert(items).values(**row))
+        conn.execute(insert(common.items).values(**row))
 
 
 def run_with(engine: Engine) -> run_queries.RunInfo:

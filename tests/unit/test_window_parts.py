@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 
 from app.core.contracts import SamplingParams
-from app.ledger.claims import ClaimedItem
+from app.ledger import claims
 from workers.engine.backlog import Backlog
 from workers.engine.fake_client import FakeServer
 from workers.engine.hedging import ABORT_AGAIN_S, Hedges
@@ -16,7 +16,7 @@ from workers.engine.window_types import Job, WindowConfig, WindowStats
 
 
 def job(item_id: int, **fields: object) -> Job:
-    item = ClaimedItem(item_id, 1, 0, [1, 2], 0, item_key=f"k{item_id}")
+    item = claims.ClaimedItem(item_id, 1, 0, [1, 2], 0, item_key=f"k{item_id}")
     made = Job(item=item, policy=GenerationPolicy(SamplingParams(seed=1)))
     for name, value in fields.items():
         setattr(made, name, value)

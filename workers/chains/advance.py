@@ -16,10 +16,7 @@ from sqlalchemy import Engine
 from app.core import constants
 from app.core.errors import GenerationError, InputError, PermanentError
 from app.ledger import queue as ledger_queue
-from app.ledger import reads, turns
-from app.ledger.reads import StoredItem
-from app.ledger.run_queries import RunInfo
-from app.ledger.turns import WaitingTurn
+from app.ledger import reads, run_queries, turns
 from app.outputs.export import assistant_turn
 from app.prompts import tool_calls
 from app.prompts.chat_path import image_urls, normalize_messages
@@ -62,7 +59,7 @@ def check_turn_images(tokenizer: ChatTokenizer, history: list[Any], prompt_ids: 
     check_image_prompt(prompt_ids, images, tokenizer.image_pins)
 
 
-def _fail_chain(db: Engine, turn: WaitingTurn, reason: str, report: AdvanceReport) -> None:
+def _fail_chain(db: Engine, turn: turns.WaitingTurn, reason: str, report: AdvanceReport) -> None:
     with db.begin() as conn:
         n = turns.fail_waiting_chain(
             conn, turn.run_id, turn.item_key, turn.sample_index, turn.turn_index, reason
@@ -80,7 +77,7 @@ def _fail_chain(db: Engine, turn: WaitingTurn, reason: str, report: AdvanceRepor
         )
 
 
-def agentic_parser(run: RunInfo, item: StoredItem) -> str | None:
+def agentic_parser(run: run_queries.RunInfo, item: reads.StoredItem) -> str | None:
     """The run's tool-call parser if this item's chain is agentic, else None."""
     return tool_calls.chain_parser(
         run.generation.chat_pins, run.generation.turns, item.tools, item.messages
@@ -88,7 +85,11 @@ def agentic_parser(run: RunInfo, item: StoredItem) -> str | None:
 
 
 def _regenerated_history(
-    db: Engine, run: RunInfo, tokenizer: ChatTokenizer, turn: WaitingTurn, report: AdvanceReport
+    db: Engine,
+    run: run_queries.RunInfo,
+    tokenizer: ChatTokenizer,
+    turn: turns.WaitingTurn,
+    report: AdvanceReport,
 ) -> list[Any] | None:
     """The next turn's prompt turns, or None when an agentic chain ends at the previous turn
     (its ending recorded, the rest of the chain deleted)."""
@@ -117,7 +118,7 @@ def _regenerated_history(
     return None
 
 
-def _end_chain(db: Engine, turn: WaitingTurn, ending: str, report: AdvanceReport) -> None:
+def _end_chain(db: Engine, turn: turns.WaitingTurn, ending: str, report: AdvanceReport) -> None:
     """An agentic chain ends at the turn before this waiting one: its ending recorded there,
     this turn and the later ones dropped."""
     prev = turn.prev
@@ -178,7 +179,7 @@ def _record_final_endings(
 
 
 def _advance_one(
-    db: Engine, cache: TokenizerCache, turn: WaitingTurn, report: AdvanceReport
+    db: Engine, cache: TokenizerCache, turn: turns.WaitingTurn, report: AdvanceReport
 ) -> None:
     prev = turn.prev
     if prev.status == "failed":
@@ -301,7 +302,7 @@ def advance(
     return report
 
 
-def agentic_run(run: RunInfo) -> bool:
+def agentic_run(run: run_queries.RunInfo) -> bool:
     """Whether the run's chains can be agentic (`--turns all` with a tool-call parser)."""
     return run.generation.turns.chains and run.generation.tool_call_parser is not None
 

@@ -17,7 +17,6 @@ from app.core.constants import EVENT_TURNS_BLOCKED
 from app.core.errors import TokenmillError
 from app.core.settings import get_settings
 from app.ledger import event_log, run_queries
-from app.ledger.run_queries import RunInfo
 from app.prompts.chat_path import check_version
 from app.prompts.tokenization import ChatTokenizer, load_for_run
 from app.prompts.tokenizer_files import folder_changes
@@ -37,7 +36,7 @@ class TokenizerCache:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._runs: dict[int, RunInfo] = {}
+        self._runs: dict[int, run_queries.RunInfo] = {}
         self._tokenizers: dict[int, ChatTokenizer] = {}
         self._blocked: dict[int, float] = {}
         self._reported: set[int] = set()
@@ -63,7 +62,7 @@ class TokenizerCache:
                 client = self._renderers[url] = render_client(url, get_settings())
             return client
 
-    def run(self, db: Engine, run_id: int) -> RunInfo:
+    def run(self, db: Engine, run_id: int) -> run_queries.RunInfo:
         with self._lock:
             cached = self._runs.get(run_id)
         if cached is None:
@@ -73,7 +72,7 @@ class TokenizerCache:
                 self._runs[run_id] = cached
         return cached
 
-    def tokenizer(self, db: Engine, run: RunInfo) -> ChatTokenizer | None:
+    def tokenizer(self, db: Engine, run: run_queries.RunInfo) -> ChatTokenizer | None:
         """The run's tokenizer, or None (ERROR logged, event recorded once) if it changed or
         cannot be loaded; the turns stay waiting."""
         with self._lock:
@@ -94,7 +93,7 @@ class TokenizerCache:
         return tokenizer
 
     @staticmethod
-    def _load(run: RunInfo) -> ChatTokenizer:
+    def _load(run: run_queries.RunInfo) -> ChatTokenizer:
         check_version(run.generation.normalization_version, run=run.name)
         folder = Path(run.generation.tokenizer_path)
         # hash the files before loading: the tokenizer's own code (trust_remote_code) only
@@ -120,7 +119,7 @@ class TokenizerCache:
             )
         return tokenizer
 
-    def _block(self, db: Engine, run: RunInfo, reason: str) -> None:
+    def _block(self, db: Engine, run: run_queries.RunInfo, reason: str) -> None:
         with self._lock:
             self._blocked[run.id] = time.monotonic()
             first = run.id not in self._reported

@@ -26,10 +26,7 @@ from sqlalchemy import Engine
 
 from app.core.locks import exclusive
 from app.core.settings import Settings
-from app.ledger import compaction, queue, reads, run_queries
-from app.ledger.database import SCAN_TIMEOUT_S, limit_periodic
-from app.ledger.image_tokens import run_image_pins
-from app.ledger.run_queries import RunInfo
+from app.ledger import compaction, database, image_tokens, queue, reads, run_queries
 from app.outputs.image_rows import ImageRows
 from app.outputs.parquet_export import shard_row
 from app.storage.image_store import image_location
@@ -93,7 +90,7 @@ def shard_name(first_id: int, last_id: int) -> str:
 def compact_run(
     db: Engine,
     settings: Settings,
-    run: RunInfo,
+    run: run_queries.RunInfo,
     *,
     force: bool = False,
     shard_rows: int | None = None,
@@ -112,7 +109,7 @@ def compact_run(
 def _compact_locked(
     db: Engine,
     settings: Settings,
-    run: RunInfo,
+    run: run_queries.RunInfo,
     report: CompactionReport,
     force: bool,
     shard_rows: int,
@@ -126,7 +123,7 @@ def _compact_locked(
         return
     report.orphans_removed = remove_orphans(db, run, loc)
     with db.connect() as conn:
-        limit_periodic(conn, timeout_s=SCAN_TIMEOUT_S)
+        database.limit_periodic(conn, timeout_s=database.SCAN_TIMEOUT_S)
         # without --all, only "are there compact_min_items?" matters: counted up to that many
         report.compactable = (
             compaction.count_compactable(conn, run.id)
@@ -143,7 +140,7 @@ def _compact_locked(
         )
         return
     with db.connect() as conn:
-        pins = run_image_pins(conn, run.id)
+        pins = image_tokens.run_image_pins(conn, run.id)
     # image rows are written as exports write them: served prompt ids, images, counts
     images = ImageRows(
         pins, image_location(settings, run.storage_url) if pins is not None else None
@@ -180,7 +177,7 @@ def next_shard_ids(db: Engine, run_id: int, *, after_id: int, shard_rows: int) -
     while len(ids) < shard_rows:
         want = min(ID_PAGE_ITEMS, shard_rows - len(ids))
         with db.connect() as conn:
-            limit_periodic(conn, timeout_s=SCAN_TIMEOUT_S)
+            database.limit_periodic(conn, timeout_s=database.SCAN_TIMEOUT_S)
             page = compaction.compactable_ids(
                 conn, run_id, after_id=ids[-1] if ids else after_id, limit=want
             )
@@ -223,7 +220,7 @@ def compact_ids(db: Engine, loc: Location, ids: list[int], images: ImageRows | N
     return moved
 
 
-def remove_orphans(db: Engine, run: RunInfo, loc: Location) -> list[str]:
+def remove_orphans(db: Engine, run: run_queries.RunInfo, loc: Location) -> list[str]:
     """Delete shards of the folder no item points at (a compaction that died before its ledger
     update) and temporary files of killed writers; call only while holding the run's lock.
 
@@ -234,7 +231,7 @@ def remove_orphans(db: Engine, run: RunInfo, loc: Location) -> list[str]:
     names = list_names(loc, prefix=SHARD_PREFIX, suffix=SHARD_SUFFIX)
     orphans = []
     with db.connect() as conn:
-        limit_periodic(conn, timeout_s=SCAN_TIMEOUT_S)
+        database.limit_periodic(conn, timeout_s=database.SCAN_TIMEOUT_S)
         for name in names:
             ids = shard_ids(name)
             if ids is not None and not compaction.shard_referenced(conn, run.id, name, *ids):
@@ -257,12 +254,12 @@ def compact_due(db: Engine, settings: Settings) -> list[CompactionReport]:
     """The periodic task's body: compact every run with at least compact_min_items finished
     items still in the ledger."""
     with db.connect() as conn:
-        limit_periodic(conn, timeout_s=SCAN_TIMEOUT_S)
+        database.limit_periodic(conn, timeout_s=database.SCAN_TIMEOUT_S)
         due = compaction.runs_with_compactable(conn, settings.compact_min_items)
     return [compact_run(db, settings, run) for run in due]
 
 
-def remove_run_shards(settings: Settings, run: RunInfo) -> list[str]:
+def remove_run_shards(settings: Settings, run: run_queries.RunInfo) -> list[str]:
     """Delete every compacted shard (and a killed writer's temporary file) of a run that is
     being deleted: nothing refers to them any more. Returns the names removed."""
     loc = compaction_location(settings, run.name, run.storage_url)

@@ -16,8 +16,6 @@ from app.core.constants import EVENT_PARITY
 from app.core.errors import GenerationError, InputError, PermanentError, ServerCannotRender
 from app.core.settings import Settings, get_settings
 from app.ledger import common, event_log, reads, registry, run_queries
-from app.ledger.reads import StoredItem
-from app.ledger.run_queries import RunInfo
 from app.prompts.transformers_pin import SERVER_TRANSFORMERS, client_version
 from app.sglang.render import (
     RENDER_PROBE,
@@ -112,7 +110,7 @@ class ParityReport:
         }
 
 
-def versions_of(run: RunInfo, server_version: str | None) -> dict[str, str | None]:
+def versions_of(run: run_queries.RunInfo, server_version: str | None) -> dict[str, str | None]:
     """The client's and the server's versions side by side: the transformers the run's prompts
     were rendered with (and rendered as), the one installed here, the server's SGLang and the
     transformers that SGLang version pins (None where unknown)."""
@@ -136,7 +134,7 @@ def first_difference(stored: Sequence[int], rendered: Sequence[int]) -> int | No
 
 
 def item_request(
-    item: StoredItem, run: RunInfo, images: StoredImages | None = None
+    item: reads.StoredItem, run: run_queries.RunInfo, images: StoredImages | None = None
 ) -> RenderRequest:
     """What the server re-renders for a stored item: what built its prompt (its turns, its
     row's tools, its merged kwargs or else the run's), as `--render-with` sends it: image
@@ -153,7 +151,7 @@ def item_request(
 
 
 def _requests(
-    items: Sequence[StoredItem], run: RunInfo, images: StoredImages
+    items: Sequence[reads.StoredItem], run: run_queries.RunInfo, images: StoredImages
 ) -> list[RenderRequest | PermanentError]:
     out: list[RenderRequest | PermanentError] = []
     for item in items:
@@ -176,7 +174,7 @@ def render_preflight(client: RenderClient, server: str) -> None:
 
 def check_run(
     db: Engine,
-    run: RunInfo,
+    run: run_queries.RunInfo,
     client: RenderClient,
     *,
     server: str,
@@ -219,7 +217,7 @@ def check_run(
 
 
 def _compare(
-    client: RenderClient, item: StoredItem, answer: list[int] | PermanentError
+    client: RenderClient, item: reads.StoredItem, answer: list[int] | PermanentError
 ) -> Mismatch | None:
     where = Mismatch(
         item_id=item.id,
@@ -266,7 +264,7 @@ def _compare(
 
 
 def preflight(
-    db: Engine, settings: Settings, run: RunInfo, server: str, url: str
+    db: Engine, settings: Settings, run: run_queries.RunInfo, server: str, url: str
 ) -> ParityReport | None:
     """Check `settings.parity_sample` of the run's prompts on the server, keep the result on a
     registered server, and record a `parity` event when the outcome is new for it (a first

@@ -16,8 +16,7 @@ from sqlalchemy import Engine
 
 from app.core.constants import EVENT_RECONCILED
 from app.core.settings import Settings
-from app.ledger import common, counters, event_log, outcomes, queue, run_queries
-from app.ledger.database import SCAN_TIMEOUT_S, limit_periodic
+from app.ledger import common, counters, database, event_log, outcomes, queue, run_queries
 from workers.control.broker_scan import broker_holds
 
 log = logging.getLogger(__name__)
@@ -76,7 +75,7 @@ def reconcile(
         )
         return report
     with db.begin() as conn:
-        limit_periodic(conn, timeout_s=SCAN_TIMEOUT_S)
+        database.limit_periodic(conn, timeout_s=database.SCAN_TIMEOUT_S)
         expired = outcomes.requeue_expired(conn, run_id=run_id, skip_runs=skip)
         publish(expired, 0.0)
     report.expired = len(expired)
@@ -96,7 +95,7 @@ def reconcile(
         after = 0
         while True:
             with db.connect() as conn:
-                limit_periodic(conn, timeout_s=SCAN_TIMEOUT_S)
+                database.limit_periodic(conn, timeout_s=database.SCAN_TIMEOUT_S)
                 ids = queue.pending_ids(conn, info.id, after_id=after)
             if not ids:
                 break
@@ -154,7 +153,7 @@ def _requeue_lost(
     so the next pass checks the next ones."""
     cutoff = common.utcnow() - timedelta(seconds=settings.reconcile_grace_s)
     with db.connect() as conn:
-        limit_periodic(conn, timeout_s=SCAN_TIMEOUT_S)
+        database.limit_periodic(conn, timeout_s=database.SCAN_TIMEOUT_S)
         candidates = queue.oldest_queued(
             conn, cutoff, limit=CHECK_ITEMS, run_id=run_id, skip_runs=skip_runs
         )

@@ -26,7 +26,6 @@ from app.core.constants import EVENT_RESTART, PAUSED_BY_RESTART, PauseReason
 from app.core.errors import ConfigurationError, GenerationError
 from app.core.settings import Settings
 from app.ledger import event_log, registry
-from app.ledger.registry import ServerInfo
 from workers.control.health import Health
 from workers.control.pausing import WorkerControl, pause_server, resume_server
 from workers.control.run_fit import run_fits
@@ -74,7 +73,7 @@ def validate_placeholders(argv: list[str]) -> None:
                 )
 
 
-def render_command(argv: list[str], server: ServerInfo) -> list[str]:
+def render_command(argv: list[str], server: registry.ServerInfo) -> list[str]:
     parts = urlsplit(server.url)
     values = {
         "name": server.name,
@@ -108,7 +107,7 @@ class RestartResult:
 class RestartProber(Prober, Protocol):
     """A prober that also tells when the server's process started (a restart changes it)."""
 
-    def started_at(self, server: ServerInfo) -> float | None: ...
+    def started_at(self, server: registry.ServerInfo) -> float | None: ...
 
 
 def restart_server(
@@ -200,7 +199,7 @@ def restart_server(
 def _back(
     db: Engine,
     control: WorkerControl,
-    server: ServerInfo,
+    server: registry.ServerInfo,
     prober: RestartProber,
     started: float,
     came_back: bool,

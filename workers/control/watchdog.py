@@ -24,9 +24,7 @@ from app.core.constants import (
 from app.core.contracts import ServerFingerprint
 from app.core.errors import AuthRequired, GenerationError
 from app.core.settings import Settings
-from app.ledger import common, event_log, registry
-from app.ledger.database import limit_periodic
-from app.ledger.registry import ServerInfo
+from app.ledger import common, database, event_log, registry
 from app.sglang.client import SGLangClient, client_for
 from app.sglang.draining import refused_at_once
 from workers.control.health import Health, Thresholds, Verdict, step
@@ -57,9 +55,9 @@ class Probe:
 
 
 class Prober(Protocol):
-    def probe(self, server: ServerInfo) -> Probe: ...
+    def probe(self, server: registry.ServerInfo) -> Probe: ...
 
-    def fingerprint(self, server: ServerInfo) -> ServerFingerprint: ...
+    def fingerprint(self, server: registry.ServerInfo) -> ServerFingerprint: ...
 
 
 class HttpProber:
@@ -73,10 +71,10 @@ class HttpProber:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
 
-    def _client(self, server: ServerInfo) -> SGLangClient:
+    def _client(self, server: registry.ServerInfo) -> SGLangClient:
         return client_for(server.url, self.settings)
 
-    def probe(self, server: ServerInfo) -> Probe:
+    def probe(self, server: registry.ServerInfo) -> Probe:
         model = None
         with self._client(server) as client:
             result = client.health("/health_generate")
@@ -97,11 +95,11 @@ class HttpProber:
             error = result.error or f"HTTP {result.status_code}"
         return Probe(result.ok, result.latency_s, error, model, refused_at_once=at_once)
 
-    def fingerprint(self, server: ServerInfo) -> ServerFingerprint:
+    def fingerprint(self, server: registry.ServerInfo) -> ServerFingerprint:
         with self._client(server) as client:
             return client.fingerprint()
 
-    def started_at(self, server: ServerInfo) -> float | None:
+    def started_at(self, server: registry.ServerInfo) -> float | None:
         """When the server's process started (`startup_time` in /server_info); None: it does
         not say, or does not answer now."""
         try:
@@ -139,7 +137,7 @@ def check_server(
     db: Engine,
     control: WorkerControl,
     prober: Prober,
-    server: ServerInfo,
+    server: registry.ServerInfo,
     *,
     thresholds: Thresholds,
     stall_s: float,
@@ -163,12 +161,17 @@ def check_server(
 
 
 def _judge(
-    db: Engine, prober: Prober, server: ServerInfo, *, thresholds: Thresholds, stall_s: float
+    db: Engine,
+    prober: Prober,
+    server: registry.ServerInfo,
+    *,
+    thresholds: Thresholds,
+    stall_s: float,
 ) -> Judged:
     """Probe the server and step its health state machine (a stalled server is down)."""
     probe = prober.probe(server)
     with db.connect() as conn:
-        limit_periodic(conn)
+        database.limit_periodic(conn)
         load = registry.server_load(conn, server.name)
     stalled = probe.ok and registry.is_stalled(load, now=common.utcnow(), stall_s=stall_s)
     previous = Verdict(
@@ -191,7 +194,7 @@ def _judge(
     return Judged(probe, previous, verdict, stalled, error)
 
 
-def _record(db: Engine, server: ServerInfo, judged: Judged) -> bool:
+def _record(db: Engine, server: registry.ServerInfo, judged: Judged) -> bool:
     """The probe in the ledger, and the state change (an event and a log line) through the
     registry's one writer of state changes; False when another writer changed the state since
     this tick read it (a worker's probe saw the server first): the verdict does not stand."""
@@ -217,8 +220,8 @@ def _record(db: Engine, server: ServerInfo, judged: Judged) -> bool:
 
 
 def _weights_seen(
-    db: Engine, control: WorkerControl, server: ServerInfo, model: dict[str, Any]
-) -> ServerInfo:
+    db: Engine, control: WorkerControl, server: registry.ServerInfo, model: dict[str, Any]
+) -> registry.ServerInfo:
     """Weights swapped in place (no restart) are seen here even on an idle server: the
     server as the ledger has it after noting them."""
     now = _live_fingerprint(model, server.fingerprint or {})
@@ -232,7 +235,7 @@ def _act(
     db: Engine,
     control: WorkerControl,
     prober: Prober,
-    server: ServerInfo,
+    server: registry.ServerInfo,
     judged: Judged,
     parity: ParityGate | None,
 ) -> None:
@@ -279,7 +282,7 @@ def _live_fingerprint(model: dict[str, Any], known: dict[str, Any]) -> ServerFin
 
 
 def _pause_for_parity(
-    db: Engine, control: WorkerControl, server: ServerInfo, runs: list[str]
+    db: Engine, control: WorkerControl, server: registry.ServerInfo, runs: list[str]
 ) -> None:
     reason = (
         f"renders the stored prompts of --require-parity run(s) {', '.join(runs)} differently "
@@ -292,7 +295,7 @@ def _admit(
     db: Engine,
     control: WorkerControl,
     prober: Prober,
-    server: ServerInfo,
+    server: registry.ServerInfo,
     parity: ParityGate | None = None,
 ) -> None:
     """A healthy server serves again only with the fingerprint its runs pinned (and, for
@@ -309,7 +312,7 @@ def _admit(
         return
     with db.begin() as conn:
         registry.set_fingerprint(conn, server.name, fingerprint.to_json())
-        limit_periodic(conn)
+        database.limit_periodic(conn)
         conflicts = fingerprint_conflicts(fingerprint, registry.active_run_fingerprints(conn))
     # a server that serves some active run (its weights are one of theirs) is admitted; its
     # workers skip the runs pinned to other weights (one run per version across a fleet)

@@ -15,8 +15,7 @@ from sqlalchemy import Engine
 from app.core.constants import EVENT_WEIGHTS_CHANGED, PAUSED_BY_WEIGHTS
 from app.core.contracts import ServerFingerprint
 from app.core.errors import NotFound
-from app.ledger import event_log, registry
-from app.ledger.database import limit_periodic
+from app.ledger import database, event_log, registry
 from workers.control.pausing import WorkerControl, pause_server
 
 log = logging.getLogger(__name__)
@@ -56,7 +55,7 @@ def judge(db: Engine, fingerprint: ServerFingerprint) -> RunsVerdict:
     """The verdict of every run with unfinished items on a server of this fingerprint."""
     verdict = RunsVerdict()
     with db.connect() as conn:
-        limit_periodic(conn)
+        database.limit_periodic(conn)
         pins = registry.active_run_pins(conn)
     for name, pinned, required in pins:
         refusal = run_refusal(fingerprint, pinned, required)

@@ -33,7 +33,6 @@ from app.core.errors import GenerationError
 from app.core.network import is_loopback
 from app.core.settings import Settings
 from app.ledger import event_log, registry
-from app.ledger.registry import ServerInfo
 from app.sglang.client import client_for
 from workers.control.pausing import WorkerControl, pause_server, resume_server
 from workers.control.watchdog import HttpProber, Prober
@@ -145,7 +144,9 @@ def update_weights(
     return _finish(db, control, name, fingerprint.weight_version, verdict, earlier_pause)
 
 
-def _preflight(server: ServerInfo, model_path: str, prober: Prober) -> tuple[str, bool] | None:
+def _preflight(
+    server: registry.ServerInfo, model_path: str, prober: Prober
+) -> tuple[str, bool] | None:
     """Why the update must not start (None: it may), and whether the same command can work once
     that is fixed: the server does not answer (start it, then again), or the path is local to it
     and missing (a command with the right path is another command)."""
@@ -165,7 +166,7 @@ def _preflight(server: ServerInfo, model_path: str, prober: Prober) -> tuple[str
     return None
 
 
-def path_checked_here(server: ServerInfo, model_path: str) -> bool:
+def path_checked_here(server: registry.ServerInfo, model_path: str) -> bool:
     """Whether tokenmill can tell if the server has the path: a local path (absolute or
     relative; anything else is a hub id) and a server on this machine."""
     if not model_path.startswith(("/", ".")):

@@ -23,8 +23,7 @@ from sqlalchemy import Connection, Engine
 from app.core.constants import EVENT_WINDOW_RESIZED
 from app.core.errors import GenerationError
 from app.core.settings import Settings
-from app.ledger import event_log, registry, windows
-from app.ledger.common import utcnow
+from app.ledger import common, event_log, registry, windows
 from app.sglang.capacity import Capacity, Load
 from workers.engine import sizing
 from workers.engine.server_state import ServerState
@@ -92,7 +91,7 @@ class WindowSizer:
         self.loads_at: datetime | None = None  # when self.load was read
         self.has_loads: bool | None = None  # None: not asked yet
         self.reason = "start" if self.auto else sizing.REASON_FIXED
-        self.changed_at = utcnow()
+        self.changed_at = common.utcnow()
         self.peers: list[str] = [owner]
         self._started_at = clock()
         self._recorded_at = -1e9
@@ -240,7 +239,7 @@ class WindowSizer:
             return None
         self.has_loads = True
         self.load = load
-        self.loads_at = utcnow()
+        self.loads_at = common.utcnow()
         return load
 
     def _take_capacity(self, capacity: Capacity) -> None:
@@ -261,7 +260,7 @@ class WindowSizer:
             return
         self.size = size
         self.reason = reason
-        self.changed_at = utcnow()
+        self.changed_at = common.utcnow()
         log.info(
             "window of %s auto-sized %d -> %d (%s; server target %d, %d workers)",
             self.server_name,

@@ -15,8 +15,7 @@ from typing import Final
 from sqlalchemy import Engine
 
 from app.core.errors import ServerRefusal
-from app.ledger import event_log, registry
-from app.ledger.claims import ClaimedItem
+from app.ledger import claims, event_log, registry
 from app.sglang import limits
 from app.sglang.limits import RequestNeed
 from workers.control.health import Health
@@ -94,7 +93,7 @@ class Confirmation:
         self._on_failing = on_failing
         self.watch = watch or FailingWatch()
 
-    def verdict(self, item: ClaimedItem, error: ServerRefusal, need: RequestNeed) -> Verdict:
+    def verdict(self, item: claims.ClaimedItem, error: ServerRefusal, need: RequestNeed) -> Verdict:
         own = limits.refusal(self._pins.pinned_limits(item.run_id), need)
         if own is not None:  # over the limits the run pinned: every server of it refuses it
             return Verdict(True, f" (the item's own: past the run's pinned limits, {own})")

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from app.core.contracts import GenerateResult, SamplingParams
 from app.core.errors import PermanentError, RetryableError, ServerRefusal
-from app.ledger.claims import ClaimedItem
+from app.ledger import claims
 from app.sglang.client import ProbeResult
 from workers.engine.policies import GenerationPolicy
 from workers.engine.window_types import Checked, GenerateClient, KindPolicy, Verdict
@@ -132,7 +132,7 @@ class FakeGenerateClient:
         pass
 
 
-def _no_images(item: ClaimedItem) -> list[str]:
+def _no_images(item: claims.ClaimedItem) -> list[str]:
     raise PermanentError("this worker sends no images")
 
 
@@ -148,16 +148,16 @@ class FakePolicy:
     sampling: SamplingParams = field(default_factory=lambda: SamplingParams(seed=1))
     is_paused: Callable[[], bool] = lambda: False
     conversation_of: Callable[[int, str], Hashable | None] = lambda run_id, key: None
-    checks: Callable[[ClaimedItem, GenerateResult], Checked] = lambda item, result: Checked()
-    images: Callable[[ClaimedItem], list[str]] = _no_images
+    checks: Callable[[claims.ClaimedItem, GenerateResult], Checked] = lambda item, result: Checked()
+    images: Callable[[claims.ClaimedItem], list[str]] = _no_images
     # every refusal that can depend on the server is final (no other server confirms it)
-    verdicts: Callable[[ClaimedItem, ServerRefusal], Verdict] = lambda item, error: Verdict(
+    verdicts: Callable[[claims.ClaimedItem, ServerRefusal], Verdict] = lambda item, error: Verdict(
         True, ""
     )
     on_released: Callable[[list[int], float], None] = lambda ids, wait_s: None
     on_finished: Callable[[list[int]], None] = lambda ids: None
     on_failed: Callable[[int, int, str], None] = lambda run_id, item_id, error: None
-    hedges: Callable[[int], list[ClaimedItem]] = lambda limit: []
+    hedges: Callable[[int], list[claims.ClaimedItem]] = lambda limit: []
     unmark: Callable[[list[int]], None] = lambda ids: None
     priority_of: Callable[[int], int | None] = lambda run_id: None
 
@@ -176,13 +176,13 @@ class FakePolicy:
     def group_of(self, run_id: int, item_key: str) -> Hashable | None:
         return self.conversation_of(run_id, item_key)
 
-    def check_result(self, item: ClaimedItem, result: GenerateResult) -> Checked:
+    def check_result(self, item: claims.ClaimedItem, result: GenerateResult) -> Checked:
         return self.checks(item, result)
 
-    def image_data(self, item: ClaimedItem) -> list[str]:
+    def image_data(self, item: claims.ClaimedItem) -> list[str]:
         return self.images(item)
 
-    def refused_here(self, item: ClaimedItem, error: ServerRefusal) -> Verdict:
+    def refused_here(self, item: claims.ClaimedItem, error: ServerRefusal) -> Verdict:
         return self.verdicts(item, error)
 
     def released(self, item_ids: list[int], wait_s: float) -> None:
@@ -194,7 +194,7 @@ class FakePolicy:
     def failed(self, run_id: int, item_id: int, error: str) -> None:
         self.on_failed(run_id, item_id, error)
 
-    def find_hedges(self, limit: int) -> list[ClaimedItem]:
+    def find_hedges(self, limit: int) -> list[claims.ClaimedItem]:
         return self.hedges(limit)
 
     def unmark_hedges(self, item_ids: list[int]) -> None:

@@ -14,8 +14,6 @@ from functools import partial
 from typing import Final
 
 from app.ledger import claims, outcomes
-from app.ledger.claims import claimable_image_items
-from app.ledger.outcomes import Released
 from workers.engine.runtime import WorkerRuntime
 
 log = logging.getLogger(__name__)
@@ -34,7 +32,7 @@ def _release(rt: WorkerRuntime, claimed: Sequence[claims.ClaimedItem], reason: s
     with rt.db.begin() as conn:
         return outcomes.record_outcomes(
             conn,
-            [Released(c.id, reason) for c in claimed],
+            [outcomes.Released(c.id, reason) for c in claimed],
             owner=rt.owner,
             lease_s=rt.settings.lease_s,
         )
@@ -132,7 +130,7 @@ class _Intake:
             )
             mine = {c.id for c in claimed}
             passed_over = (
-                claimable_image_items(conn, [i for i in take if i not in mine])
+                claims.claimable_image_items(conn, [i for i in take if i not in mine])
                 if self.text_only
                 else []
             )

@@ -9,8 +9,7 @@ import threading
 
 from sqlalchemy import Connection, Engine
 
-from app.ledger import claims
-from app.ledger.database import dedicated_connection, limit_periodic
+from app.ledger import claims, database
 from workers.engine.window_types import WindowConfig
 
 log = logging.getLogger(__name__)
@@ -26,9 +25,9 @@ def renew_leases(db: Engine, owner: str, config: WindowConfig, stopping: threadi
         while not stopping.wait(config.heartbeat_s):
             try:
                 if conn is None:
-                    conn = dedicated_connection(db)
+                    conn = database.dedicated_connection(db)
                 with conn.begin():
-                    limit_periodic(conn, timeout_s=max(1.0, config.heartbeat_s))
+                    database.limit_periodic(conn, timeout_s=max(1.0, config.heartbeat_s))
                     claims.extend_leases(
                         conn,
                         owner=owner,

@@ -15,9 +15,7 @@ from typing import Protocol
 
 from sqlalchemy import Engine
 
-from app.ledger import claims
-from app.ledger.claims import ClaimedItem
-from app.ledger.database import limit_periodic
+from app.ledger import claims, database
 from workers.engine.window_types import GenerateClient, Job, RunPolicy, WindowStats
 
 log = logging.getLogger(__name__)
@@ -165,14 +163,14 @@ class HedgeRound:
         jobs = w.copies_out()
         if jobs:
             with self._db.connect() as conn:
-                limit_periodic(conn)
+                database.limit_periodic(conn)
                 final = claims.finished_among(conn, [j.item.id for j in jobs])
             w.cancel_finished(jobs, final)
         w.abort_stale()
         if not w.can_hedge():
             return
         policy = self._policy
-        found: list[ClaimedItem] = []
+        found: list[claims.ClaimedItem] = []
 
         def copies(free: int) -> list[Job]:
             # asked while the window holds its free slots, so that a claim cannot take them

@@ -22,7 +22,6 @@ from app.core.errors import ConfigurationError
 from app.core.network import is_loopback
 from app.core.settings import Settings
 from app.ledger import registry
-from app.ledger.registry import ServerInfo
 from app.storage import run_store
 from workers.control.pausing import AliveWorkers
 
@@ -138,7 +137,9 @@ def fleet_url(
     return node_url
 
 
-def check_names(identity: WorkerIdentity, server: ServerInfo | None, alive: AliveWorkers) -> None:
+def check_names(
+    identity: WorkerIdentity, server: registry.ServerInfo | None, alive: AliveWorkers
+) -> None:
     """Refuse a worker whose Celery node name a running worker has, or whose server is served
     by running workers on another node. Workers that do not answer a ping are gone."""
     other_node = server is not None and server.node not in (None, identity.node)
@@ -176,7 +177,7 @@ def _unique(names: Iterable[str]) -> list[str]:
 
 def claim(
     settings: Settings, db: Engine, identity: WorkerIdentity, alive: AliveWorkers
-) -> ServerInfo:
+) -> registry.ServerInfo:
     """Check this worker's names, then record its server: registered at the fleet URL when
     new; a registered one keeps its URL and gets this worker's URL and node beside it."""
     with db.connect() as conn:

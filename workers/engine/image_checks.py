@@ -17,8 +17,7 @@ from sqlalchemy import Engine
 from app.core.contracts import GenerateResult
 from app.core.errors import PermanentError
 from app.core.images import ImageDrift, ImagePins, placeholder_count, served_counts
-from app.ledger.claims import ClaimedItem
-from app.ledger.image_tokens import ImageCount, note_image_tokens, run_image_pins
+from app.ledger import claims, image_tokens
 from app.storage.image_store import ImageError
 from app.storage.run_store import StorageUnreachable
 from workers.engine.image_data import ImageData
@@ -39,7 +38,7 @@ class ImageChecks:
         self._stores = stores
         self._lock = threading.Lock()
         self._pins: dict[int, ImagePins] = {}
-        self._agreed: dict[tuple[int, str], ImageCount] = {}
+        self._agreed: dict[tuple[int, str], image_tokens.ImageCount] = {}
 
     @property
     def data(self) -> ImageData:
@@ -54,13 +53,13 @@ class ImageChecks:
         if cached is not None:
             return cached
         with self._db.connect() as conn:
-            pins = run_image_pins(conn, run_id)
+            pins = image_tokens.run_image_pins(conn, run_id)
         if pins is not None:
             with self._lock:
                 self._pins[run_id] = pins
         return pins
 
-    def image_data(self, item: ClaimedItem) -> list[str]:
+    def image_data(self, item: claims.ClaimedItem) -> list[str]:
         """The `image_data` of item's request. PermanentError (the item's failure, not the
         server's) when its prompt does not hold one placeholder per image, or an image is
         missing from the store or changed there."""
@@ -92,7 +91,7 @@ class ImageChecks:
         """Whether this worker reads the run's images (RunStores.reaches; no stores: yes)."""
         return self._stores is None or self._stores.reaches(run_id)
 
-    def accept(self, item: ClaimedItem, result: GenerateResult) -> tuple[int, ...]:
+    def accept(self, item: claims.ClaimedItem, result: GenerateResult) -> tuple[int, ...]:
         """How many times the server repeated each image's placeholder; ImageDrift (naming
         the first difference) when the result is anything but the request expanded."""
         pins = self.pins(item.run_id)
@@ -125,7 +124,7 @@ class ImageChecks:
         unknown = {sha: by_image[sha] for sha, agreed in known.items() if agreed is None}
         if unknown:
             with self._db.begin() as conn:
-                recorded = note_image_tokens(conn, run_id, unknown, self._server)
+                recorded = image_tokens.note_image_tokens(conn, run_id, unknown, self._server)
             with self._lock:
                 for sha, row in recorded.items():
                     self._agreed[(run_id, sha)] = known[sha] = row

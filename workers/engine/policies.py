@@ -15,9 +15,7 @@ from dataclasses import dataclass
 from app.core.contracts import GenerateResult, SamplingParams
 from app.core.errors import ConfigurationError
 from app.core.run_kinds import RunKind
-from app.ledger.claims import ClaimedItem
-from app.ledger.outcomes import Done
-from app.ledger.run_queries import RunInfo
+from app.ledger import claims, outcomes, run_queries
 from workers.engine.window_types import Checked, GenerateClient, KindPolicy
 
 
@@ -30,7 +28,7 @@ class GenerationPolicy:
     def send(
         self,
         client: GenerateClient,
-        item: ClaimedItem,
+        item: claims.ClaimedItem,
         rid: str,
         images: list[str] | None,
         *,
@@ -48,10 +46,10 @@ class GenerationPolicy:
         return client.generate(item.prompt_ids, params, rid, image_data=images)
 
     def outcome(
-        self, item: ClaimedItem, result: GenerateResult, checked: Checked, server: str
-    ) -> Done:
+        self, item: claims.ClaimedItem, result: GenerateResult, checked: Checked, server: str
+    ) -> outcomes.Done:
         """The result as written: the answer, the server that made it, an image item's counts."""
-        return Done(
+        return outcomes.Done(
             item.id,
             result,
             attempts_used=1,
@@ -60,17 +58,17 @@ class GenerationPolicy:
         )
 
 
-def _generation(run: RunInfo) -> KindPolicy:
+def _generation(run: run_queries.RunInfo) -> KindPolicy:
     return GenerationPolicy(run.generation.sampling)
 
 
 # one entry per RunKind: how the policy of a run of that kind is made from the run
-POLICIES: Mapping[RunKind, Callable[[RunInfo], KindPolicy]] = {
+POLICIES: Mapping[RunKind, Callable[[run_queries.RunInfo], KindPolicy]] = {
     RunKind.GENERATE: _generation,
 }
 
 
-def policy_for(run: RunInfo) -> KindPolicy:
+def policy_for(run: run_queries.RunInfo) -> KindPolicy:
     """The policy of run's kind, bound to the run's settings."""
     make = POLICIES.get(run.kind)
     if make is None:

@@ -24,8 +24,7 @@ from app.core.constants import (
 )
 from app.core.contracts import GenerateResult, ServerFingerprint
 from app.core.errors import AuthRequired, GenerationError
-from app.ledger import event_log, run_needs, run_queries
-from app.ledger.image_tokens import pin_image_settings
+from app.ledger import event_log, image_tokens, run_needs, run_queries
 from app.sglang import limits
 from app.sglang.client import SGLangClient
 from workers.control.pausing import CeleryControl
@@ -266,7 +265,7 @@ class RunPins:
             pinned = run_queries.pin_fingerprint(conn, run_id, mine)
             if fingerprint.images is not None and image_run:
                 # a run of images pins the image settings of the first server that reads them
-                pinned = pin_image_settings(conn, run_id, fingerprint.images)
+                pinned = image_tokens.pin_image_settings(conn, run_id, fingerprint.images)
             ok = not ServerFingerprint(**pinned).differences(fingerprint)
             too_small = self._limits_refusal(conn, run_id, pinned, fingerprint) if ok else None
             if too_small is not None:

@@ -17,10 +17,7 @@ from sqlalchemy import Engine
 
 from app.core.errors import ConfigurationError
 from app.core.settings import Settings
-from app.ledger import claims, outcomes, reads
-from app.ledger.claims import text_items_left
-from app.ledger.reads import RunCounts
-from app.ledger.run_queries import RunInfo
+from app.ledger import claims, outcomes, reads, run_queries
 from workers.chains.advance import advance
 from workers.chains.tokenizers import shared_cache
 from workers.control.health import Health
@@ -68,7 +65,7 @@ class EmbeddedRunner:
         self,
         db: Engine,
         settings: Settings,
-        run: RunInfo,
+        run: run_queries.RunInfo,
         server_urls: list[str],
         *,
         poll_s: float = 0.05,
@@ -259,7 +256,7 @@ class EmbeddedRunner:
                 text_only=text_only,
             )
 
-    def counts(self) -> RunCounts:
+    def counts(self) -> reads.RunCounts:
         with self.db.connect() as conn:
             return reads.run_counts(conn, self.run)
 
@@ -295,8 +292,8 @@ class EmbeddedRunner:
         return sum(rt.window.stats.inflight for rt in self.runtimes)
 
     def wait(
-        self, on_tick: Callable[[RunCounts], None] = lambda c: None, tick_s: float = 0.5
-    ) -> RunCounts:
+        self, on_tick: Callable[[reads.RunCounts], None] = lambda c: None, tick_s: float = 0.5
+    ) -> reads.RunCounts:
         """Block until the run has no unfinished items; lease expiries are swept meanwhile."""
         last_sweep = time.monotonic()
         while True:
@@ -323,7 +320,7 @@ class EmbeddedRunner:
                     outcomes.requeue_expired(conn, run_id=self.run.id)
             time.sleep(tick_s)
 
-    def _stuck(self, counts: RunCounts) -> str | None:
+    def _stuck(self, counts: reads.RunCounts) -> str | None:
         """Why no server will take the run's items left (None: some server may): every server
         stopped for token drift, or the items left have images and every server was read and
         understands none. Asked only while nothing is leased or in flight."""
@@ -340,7 +337,7 @@ class EmbeddedRunner:
         if not all(rt.pins.known_text_only() or rt.pauses.local for rt in self.runtimes):
             return None
         with self.db.connect() as conn:
-            if text_items_left(conn, self.run.id):
+            if claims.text_items_left(conn, self.run.id):
                 return None
         left = counts.pending + counts.queued
         return (
@@ -349,7 +346,7 @@ class EmbeddedRunner:
             "true); they stay queued"
         )
 
-    def _only_waiting(self, counts: RunCounts) -> bool:
+    def _only_waiting(self, counts: reads.RunCounts) -> bool:
         active = counts.pending or counts.queued or counts.leased
         return not active and all(rt.window.idle() and rt.turns.idle() for rt in self.runtimes)
 

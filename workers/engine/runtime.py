@@ -30,8 +30,7 @@ from app.core.contracts import GenerateResult
 from app.core.errors import ServerRefusal
 from app.core.images import ImageDrift
 from app.core.settings import Settings
-from app.ledger import claims, registry
-from app.ledger.database import limit_periodic
+from app.ledger import claims, database, registry
 from app.sglang.client import SGLangClient, client_for
 from app.sglang.limits import RequestNeed
 from app.storage.image_store import image_location
@@ -312,7 +311,7 @@ class WorkerRuntime:
         refused = self.pins.checked_runs()
         text_only = not self.pins.reads_images()
         with self.db.connect() as conn:
-            limit_periodic(conn)
+            database.limit_periodic(conn)
             candidates = claims.hedge_candidates(
                 conn, server=self.server_name, limit=limit, skip_runs=refused, text_only=text_only
             )

@@ -23,8 +23,7 @@ from app.core.errors import (
     ServerRefusal,
     ServerUnavailable,
 )
-from app.ledger.claims import ClaimedItem
-from app.ledger.outcomes import Failed, Outcome, Released
+from app.ledger import claims, outcomes
 from app.storage.run_store import StorageUnreachable
 from workers.engine.window_hedges import HedgeGate
 from workers.engine.window_refusals import Refusals
@@ -49,7 +48,7 @@ class SlotHost(Protocol):
 
     def mark_unavailable(self) -> None: ...
 
-    def settle(self, outcome: Outcome, job: Job | None = None) -> None: ...
+    def settle(self, outcome: outcomes.Outcome, job: Job | None = None) -> None: ...
 
     def sent(self, job: Job, rid: str) -> None: ...
 
@@ -68,23 +67,23 @@ class SlotHost(Protocol):
 
     def count_done(self, result: GenerateResult) -> None: ...
 
-    def check_result(self, item: ClaimedItem, result: GenerateResult) -> Checked: ...
+    def check_result(self, item: claims.ClaimedItem, result: GenerateResult) -> Checked: ...
 
-    def image_data(self, item: ClaimedItem) -> list[str]: ...
+    def image_data(self, item: claims.ClaimedItem) -> list[str]: ...
 
-    def refused_here(self, item: ClaimedItem, error: ServerRefusal) -> Verdict: ...
+    def refused_here(self, item: claims.ClaimedItem, error: ServerRefusal) -> Verdict: ...
 
     @property
     def hedging(self) -> HedgeGate: ...
 
 
-def item_fields(item: ClaimedItem, server: str, action: str) -> dict[str, object]:
+def item_fields(item: claims.ClaimedItem, server: str, action: str) -> dict[str, object]:
     """The fields an item's log line carries (JSON logs) besides the message: what happened
     to it, and its ids."""
     return {"action": action, "run_id": item.run_id, "item_id": item.id, "server": server}
 
 
-def log_done(item: ClaimedItem, result: GenerateResult, server: str, how: str) -> None:
+def log_done(item: claims.ClaimedItem, result: GenerateResult, server: str, how: str) -> None:
     log.info(
         "run %d item %d done on %s%s: %d tokens, %s",
         item.run_id,
@@ -129,7 +128,7 @@ class Slot:
         attempts), retried later with backoff, or given back when the server is at fault."""
         w, item = self._window, job.item
         if w.is_stopping():
-            w.settle(Released(item.id, "worker shutting down"), job)
+            w.settle(outcomes.Released(item.id, "worker shutting down"), job)
             return
         if w.unavailable() or w.paused():
             log.info(
@@ -139,7 +138,7 @@ class Slot:
                 self._server,
                 extra=item_fields(item, self._server, action="released"),
             )
-            w.settle(Released(item.id, "server paused or unavailable"), job)
+            w.settle(outcomes.Released(item.id, "server paused or unavailable"), job)
             return
         try:
             images = w.image_data(item) if item.images else None
@@ -147,7 +146,7 @@ class Slot:
             self._failed_permanently(job, exc)
             return
         except StorageUnreachable as exc:  # said once per run (RunStores): given back
-            w.settle(Released(item.id, str(exc)), job)
+            w.settle(outcomes.Released(item.id, str(exc)), job)
             return
         except Exception as exc:  # the store cannot be opened: not the item's fault
             log.exception(
@@ -156,7 +155,7 @@ class Slot:
                 item.id,
                 extra=item_fields(item, self._server, action="images_unreadable"),
             )
-            w.settle(Released(item.id, f"images not read: {exc!r}"), job)
+            w.settle(outcomes.Released(item.id, f"images not read: {exc!r}"), job)
             return
         if not w.refusals.may_send():
             w.refusals.hold_back(
@@ -198,7 +197,7 @@ class Slot:
                 item.id,
                 extra=item_fields(item, self._server, action="send_failed"),
             )
-            w.settle(Released(item.id, f"internal error: {exc!r}"), job)
+            w.settle(outcomes.Released(item.id, f"internal error: {exc!r}"), job)
         else:
             self._answered(job, result)
         finally:
@@ -217,7 +216,7 @@ class Slot:
                 self._server,
                 extra=item_fields(item, self._server, action="hedge_lost"),
             )
-            w.settle(Released(item.id, "finished on another server"), job)
+            w.settle(outcomes.Released(item.id, "finished on another server"), job)
             return
         checked = w.check_result(item, result)
         if checked.refusal is not None:
@@ -231,7 +230,7 @@ class Slot:
                 checked.refusal,
                 extra=item_fields(item, self._server, action="result_refused"),
             )
-            w.settle(Released(item.id, checked.refusal), job)
+            w.settle(outcomes.Released(item.id, checked.refusal), job)
             return
         log_done(item, result, self._server, "")
         w.settle(job.policy.outcome(item, result, checked, self._server), job)
@@ -248,7 +247,9 @@ class Slot:
             why,
             extra=item_fields(item, self._server, action="failed"),
         )
-        self._window.settle(Failed(item.id, f"permanent: {exc}{why}", attempts_used=1), job)
+        self._window.settle(
+            outcomes.Failed(item.id, f"permanent: {exc}{why}", attempts_used=1), job
+        )
         self._window.note(failed=1, error=str(exc))
 
     def _refused_here(self, job: Job, exc: ServerRefusal) -> None:
@@ -270,7 +271,7 @@ class Slot:
             extra=item_fields(item, self._server, action="refused_here"),
         )
         refuser = self._server if verdict.refused else None
-        self._window.settle(Released(item.id, verdict.why, refused_by=refuser), job)
+        self._window.settle(outcomes.Released(item.id, verdict.why, refused_by=refuser), job)
         self._window.note(error=str(exc))
 
     def _given_back(self, job: Job, how: str, exc: Exception) -> None:
@@ -288,7 +289,7 @@ class Slot:
             item.id,
             extra=item_fields(item, self._server, action="released"),
         )
-        self._window.settle(Released(item.id, f"server {how}: {exc}"), job)
+        self._window.settle(outcomes.Released(item.id, f"server {how}: {exc}"), job)
         if how == "unavailable":
             self._window.note(error=str(exc))
 
@@ -310,7 +311,10 @@ class Slot:
                 extra=item_fields(item, self._server, action="failed"),
             )
             w.settle(
-                Failed(item.id, f"gave up after {attempt} attempts: {exc}", attempts_used=1), job
+                outcomes.Failed(
+                    item.id, f"gave up after {attempt} attempts: {exc}", attempts_used=1
+                ),
+                job,
             )
             w.note(failed=1, error=str(exc))
         else:

@@ -7,7 +7,7 @@ import logging
 import threading
 from collections.abc import Callable
 
-from app.ledger.outcomes import Outcome, Released
+from app.ledger import outcomes
 from workers.engine.backlog import Backlog
 from workers.engine.window_types import Job, WindowConfig
 
@@ -28,7 +28,7 @@ class Timer:
         stopping: threading.Event,
         release_early: Callable[[], None],
         hedge_round: Callable[[], None],
-        settle: Callable[[Outcome, Job], None],
+        settle: Callable[[outcomes.Outcome, Job], None],
     ) -> None:
         self._config = config
         self._backlog = backlog
@@ -59,4 +59,4 @@ class Timer:
             self._stopping.wait(TICK_S)
         # shutting down: delayed retries are given back, not sent
         for job in self._backlog.drop_delayed():
-            self._settle(Released(job.item.id, "worker shutting down"), job)
+            self._settle(outcomes.Released(job.item.id, "worker shutting down"), job)

@@ -31,9 +31,7 @@ from sqlalchemy import Engine
 
 from app.core.contracts import GenerateResult
 from app.core.errors import ServerRefusal
-from app.ledger import outcomes
-from app.ledger.claims import ClaimedItem
-from app.ledger.outcomes import Done, Failed, Outcome, RetryLater
+from app.ledger import claims, outcomes
 from workers.engine.backlog import Backlog
 from workers.engine.groups import Conversations
 from workers.engine.heartbeat import renew_leases
@@ -283,7 +281,7 @@ class InflightWindow:
     def admit(
         self,
         units: int,
-        claim: Callable[[int], list[ClaimedItem]],
+        claim: Callable[[int], list[claims.ClaimedItem]],
         *,
         timeout_s: float = 0.0,
         conversations: bool = False,
@@ -294,11 +292,11 @@ class InflightWindow:
     def room(self) -> int:
         return self.intake.room()
 
-    def units(self, claimed: list[ClaimedItem]) -> int:
+    def units(self, claimed: list[claims.ClaimedItem]) -> int:
         """The room these items take: one per conversation, one per other item."""
         return self.intake.units(claimed)
 
-    def submit(self, claimed: list[ClaimedItem]) -> None:
+    def submit(self, claimed: list[claims.ClaimedItem]) -> None:
         """Queue items claimed without admit() (after wait_for_room) for sending."""
         self.intake.submit(claimed)
 
@@ -343,17 +341,17 @@ class InflightWindow:
     def next_job(self) -> Job | None:
         return self._backlog.take()
 
-    def settle(self, outcome: Outcome, job: Job | None = None) -> None:
+    def settle(self, outcome: outcomes.Outcome, job: Job | None = None) -> None:
         """job's outcome goes to the writer; its room comes back once it is committed, or
         passes to its conversation's next item."""
         with self._cond:
             if job is not None and job.abandoned:
                 # already given back; only a real result is still worth writing
-                if isinstance(outcome, Done):
+                if isinstance(outcome, outcomes.Done):
                     self._writer.put(outcome, False)
                 return
             self._room.handed_to_writer()
-            if isinstance(outcome, Failed) and job is not None:
+            if isinstance(outcome, outcomes.Failed) and job is not None:
                 self.policy.failed(job.item.run_id, outcome.item_id, outcome.error)
             if job is not None and job.group is not None:
                 successor = self._groups.settled(job.group, job)
@@ -387,7 +385,7 @@ class InflightWindow:
 
     def retry_later(self, job: Job, reason: str, delay_s: float) -> None:
         """The attempt failed and is recorded; job goes out again after delay_s."""
-        self._writer.put(RetryLater(job.item.id, reason), False)
+        self._writer.put(outcomes.RetryLater(job.item.id, reason), False)
         with self._cond:
             self._backlog.later(job, self._clock() + delay_s)
             self.stats.retried += 1
@@ -400,28 +398,28 @@ class InflightWindow:
         with self._cond:
             self.stats.count_done(result.completion_tokens, at=self._clock())
 
-    def check_result(self, item: ClaimedItem, result: GenerateResult) -> Checked:
+    def check_result(self, item: claims.ClaimedItem, result: GenerateResult) -> Checked:
         """Whether result may be written (not if made with other weights than its run's, or
         with token drift on an image item) and, for an image item, its image token counts."""
         return self.policy.check_result(item, result)
 
-    def image_data(self, item: ClaimedItem) -> list[str]:
+    def image_data(self, item: claims.ClaimedItem) -> list[str]:
         """The images of an image item's request; PermanentError when they cannot be sent."""
         return self.policy.image_data(item)
 
-    def refused_here(self, item: ClaimedItem, error: ServerRefusal) -> Verdict:
+    def refused_here(self, item: claims.ClaimedItem, error: ServerRefusal) -> Verdict:
         """What the server's refusal of item (a reason that can depend on the server) means."""
         return self.policy.refused_here(item, error)
 
     # --- writer: what a commit settles -----------------------------------------------------
 
-    def _written(self, entries: list[tuple[Outcome, bool]], released: list[int]) -> None:
+    def _written(self, entries: list[tuple[outcomes.Outcome, bool]], released: list[int]) -> None:
         """Called by the writer after each commit: start what follows the finished items,
         re-queue the released ones, and give back the room of every settled one."""
         batch = [outcome for outcome, _ in entries]
         settled = sum(1 for _, settles in entries if settles)
-        ended = sum(1 for o in batch if isinstance(o, Done | Failed))
-        finished = [o.item_id for o in batch if isinstance(o, Done | Failed)]
+        ended = sum(1 for o in batch if isinstance(o, outcomes.Done | outcomes.Failed))
+        finished = [o.item_id for o in batch if isinstance(o, outcomes.Done | outcomes.Failed)]
         if finished:
             self.policy.finished(finished)
         if released:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable
 
-from app.ledger.claims import ClaimedItem
+from app.ledger import claims
 from workers.engine.window_parts import WindowGate
 from workers.engine.window_types import Admitted, Job
 
@@ -38,7 +38,7 @@ class Admission(WindowGate):
     def admit(
         self,
         units: int,
-        claim: Callable[[int], list[ClaimedItem]],
+        claim: Callable[[int], list[claims.ClaimedItem]],
         *,
         timeout_s: float = 0.0,
         conversations: bool = False,
@@ -99,18 +99,18 @@ class Admission(WindowGate):
         with self._cond:
             return max(0, self._room.free())
 
-    def units(self, claimed: list[ClaimedItem]) -> int:
+    def units(self, claimed: list[claims.ClaimedItem]) -> int:
         """The room these items take: one per conversation, one per other item."""
         groups = {self.policy.group_of(c.run_id, c.item_key) for c in claimed}
         singles = sum(1 for c in claimed if self.policy.group_of(c.run_id, c.item_key) is None)
         return singles + len(groups - {None})
 
-    def submit(self, claimed: list[ClaimedItem]) -> None:
+    def submit(self, claimed: list[claims.ClaimedItem]) -> None:
         """Queue items claimed without admit() (after wait_for_room) for sending; each settles
         as done, failed or released."""
         self._submit(claimed, reserved=False)
 
-    def _submit(self, claimed: list[ClaimedItem], *, reserved: bool) -> None:
+    def _submit(self, claimed: list[claims.ClaimedItem], *, reserved: bool) -> None:
         """Queue claimed items for sending. reserved=True: their room was taken by _reserve()
         (exactly units(claimed) of it).
 

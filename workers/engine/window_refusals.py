@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 
-from app.ledger.outcomes import Released
+from app.ledger import outcomes
 from workers.engine.window_parts import WindowGate
 from workers.engine.window_types import Job
 
@@ -22,7 +22,7 @@ class Refusals(WindowGate):
         for job in jobs:
             self._room.take(1)
             self._room.handed_to_writer()
-            self._writer.put(Released(job.item.id, reason), True)
+            self._writer.put(outcomes.Released(job.item.id, reason), True)
 
     def abandon(self, reason: str) -> list[Job]:
         """Release every item whose request is still out, and drop the hedges out: the jobs
@@ -31,7 +31,7 @@ class Refusals(WindowGate):
             jobs = [j for j in self._sending.jobs() if not j.abandoned]
             for job in jobs:
                 self._room.handed_to_writer()
-                self._writer.put(Released(job.item.id, reason), True)
+                self._writer.put(outcomes.Released(job.item.id, reason), True)
                 job.abandoned = True
                 if job.group is not None:  # its conversation goes elsewhere with it
                     self.give_back(self._groups.drop(job.group), reason)
@@ -56,7 +56,7 @@ class Refusals(WindowGate):
                     continue
                 waiting.append(job)
                 self._room.handed_to_writer()
-                self._writer.put(Released(job.item.id, f"server draining: {reason}"), True)
+                self._writer.put(outcomes.Released(job.item.id, f"server draining: {reason}"), True)
                 if job.group is not None:
                     self.give_back(self._groups.drop(job.group), reason)
             self._cond.notify_all()

@@ -11,8 +11,7 @@ from typing import Protocol
 
 from app.core.contracts import GenerateResult
 from app.core.errors import ServerRefusal
-from app.ledger.claims import ClaimedItem
-from app.ledger.outcomes import Done
+from app.ledger import claims, outcomes
 from app.sglang.client import ProbeResult
 
 
@@ -41,7 +40,7 @@ class KindPolicy(Protocol):
     def send(
         self,
         client: GenerateClient,
-        item: ClaimedItem,
+        item: claims.ClaimedItem,
         rid: str,
         images: list[str] | None,
         *,
@@ -49,8 +48,8 @@ class KindPolicy(Protocol):
     ) -> GenerateResult: ...
 
     def outcome(
-        self, item: ClaimedItem, result: GenerateResult, checked: Checked, server: str
-    ) -> Done: ...
+        self, item: claims.ClaimedItem, result: GenerateResult, checked: Checked, server: str
+    ) -> outcomes.Done: ...
 
 
 class RunPolicy(Protocol):
@@ -74,15 +73,15 @@ class RunPolicy(Protocol):
         """The conversation of an item (its items go out one at a time), or None."""
         ...
 
-    def check_result(self, item: ClaimedItem, result: GenerateResult) -> Checked:
+    def check_result(self, item: claims.ClaimedItem, result: GenerateResult) -> Checked:
         """Whether a result may be written, and an image item's image token counts."""
         ...
 
-    def image_data(self, item: ClaimedItem) -> list[str]:
+    def image_data(self, item: claims.ClaimedItem) -> list[str]:
         """An image item's images as its request carries them; PermanentError if it cannot."""
         ...
 
-    def refused_here(self, item: ClaimedItem, error: ServerRefusal) -> Verdict:
+    def refused_here(self, item: claims.ClaimedItem, error: ServerRefusal) -> Verdict:
         """What the server's refusal of item, for a reason that can depend on the server,
         means: final, or given back for another server's verdict."""
         ...
@@ -104,7 +103,7 @@ class RunPolicy(Protocol):
         None when the server does not schedule by priority."""
         ...
 
-    def find_hedges(self, limit: int) -> list[ClaimedItem]:
+    def find_hedges(self, limit: int) -> list[claims.ClaimedItem]:
         """Up to limit items running elsewhere for this window to hedge, marked as its
         hedges ([] when it does not hedge: it still aborts its copies finished elsewhere)."""
         ...
@@ -131,7 +130,7 @@ class Admitted:
     claimed items it sends in them (fewer when the claim found less)."""
 
     held: int
-    items: list[ClaimedItem]
+    items: list[claims.ClaimedItem]
 
 
 @dataclass(frozen=True)
@@ -202,7 +201,7 @@ class WindowStats:
 
 @dataclass
 class Job:
-    item: ClaimedItem
+    item: claims.ClaimedItem
     policy: KindPolicy  # its run kind's: the request sent, the outcome recorded
     tries: int = 0  # attempts made under this lease
     abandoned: bool = False  # given back while its request was still out

@@ -13,7 +13,6 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 
 from app.core.backoff import Backoff
 from app.ledger import outcomes
-from app.ledger.outcomes import Outcome
 from workers.engine.window_types import WindowConfig
 
 log = logging.getLogger(__name__)
@@ -23,7 +22,7 @@ _STOP = object()
 WRITE_BACKOFF = Backoff(first_s=0.2, max_s=10.0)
 
 # (outcome, settles) pairs just committed, and the ids the commit released
-Written = Callable[[list[tuple[Outcome, bool]], list[int]], None]
+Written = Callable[[list[tuple[outcomes.Outcome, bool]], list[int]], None]
 
 
 class ResultWriter:
@@ -37,9 +36,9 @@ class ResultWriter:
         self._config = config  # lease_s, writer_batch, writer_linger_s
         self._on_written = on_written
         # (outcome, settles): settles=False for a late answer to an abandoned request
-        self._outcomes: queue.Queue[tuple[Outcome, bool] | object] = queue.Queue()
+        self._outcomes: queue.Queue[tuple[outcomes.Outcome, bool] | object] = queue.Queue()
 
-    def put(self, outcome: Outcome, settles: bool) -> None:
+    def put(self, outcome: outcomes.Outcome, settles: bool) -> None:
         self._outcomes.put((outcome, settles))
 
     def stop(self) -> None:
@@ -54,7 +53,7 @@ class ResultWriter:
                 # linger a moment so fast answers share one commit (a one-row commit costs
                 # ~10x the CPU per item of a 64-row one); results wait milliseconds at most
                 time.sleep(self._config.writer_linger_s)
-            batch: list[tuple[Outcome, bool]] = []
+            batch: list[tuple[outcomes.Outcome, bool]] = []
             if first is _STOP:
                 stop = True
             else:
@@ -71,7 +70,7 @@ class ResultWriter:
             if batch:
                 self._write(batch)
 
-    def _write(self, entries: list[tuple[Outcome, bool]]) -> None:
+    def _write(self, entries: list[tuple[outcomes.Outcome, bool]]) -> None:
         batch = [outcome for outcome, _ in entries]
         delays = WRITE_BACKOFF.delays()
         while True:

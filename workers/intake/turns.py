@@ -15,8 +15,7 @@ from app.core.constants import TOOL_CALL_PARSERS
 from app.core.contracts import PromptRecord
 from app.core.errors import InputError
 from app.core.run_kinds import TurnsMode
-from app.ledger import turns
-from app.ledger.queue import NewItem
+from app.ledger import queue, turns
 from app.prompts import tool_calls
 from app.prompts.conversation import TurnPlan, split_boundaries, split_turns, tool_turn_position
 from workers.intake.images import images_of, refs_json
@@ -110,7 +109,7 @@ def chain_items(
     plans: list[TurnPlan] | None,
     kwargs: dict[str, Any] | None = None,
     chat_pins: dict[str, Any] | None = None,
-) -> list[NewItem]:
+) -> list[queue.NewItem]:
     """Turn 0 of every sample with its prompt, then each later turn waiting, holding the
     original turns it will need (samples are independent chains). Every item keeps the row's
     tools, its merged template kwargs (None: the run's) and its metadata, and its images: a
@@ -124,7 +123,7 @@ def chain_items(
         history += plan.context
         later_images.append(refs_json(images_of(history, record)))
     agentic = tool_calls.chain_parser(chat_pins, TurnsMode.ALL, record.tools, history) is not None
-    first = NewItem(
+    first = queue.NewItem(
         record.key,
         0,
         record.line,
@@ -137,7 +136,7 @@ def chain_items(
         images=refs_json(images_of(record.messages, record)),
         assistant_prefix=record.assistant_prefix,
     )
-    new: list[NewItem] = []
+    new: list[queue.NewItem] = []
     for k in record.samples if record.samples is not None else range(samples):
         new.append(replace(first, sample_index=k, ends_chain=agentic and not later))
         for plan, images in zip(later, later_images, strict=True):
@@ -156,7 +155,7 @@ def chain_items(
     return new
 
 
-def link_chains(conn: Connection, run_id: int, new_items: Sequence[NewItem]) -> None:
+def link_chains(conn: Connection, run_id: int, new_items: Sequence[queue.NewItem]) -> None:
     """Point the later turns just inserted at the item of the turn before them."""
     keys = sorted({n.item_key for n in new_items if n.turn_index > 0})
     if keys:
