@@ -166,13 +166,14 @@ def fleet(
     ]
     if worker_pids is not None:
         worker_pids.extend(worker.pid for worker in workers)
-    beat = subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "app", "beat", "--schedule", str(tmp / "beat")],
-        env=env,
-        cwd=ROOT,
-        stdout=(tmp / "beat.log").open("wb"),
-        stderr=subprocess.STDOUT,
-    )
+    with (tmp / "beat.log").open("wb") as beat_log:
+        beat = subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", "app", "beat", "--schedule", str(tmp / "beat")],
+            env=env,
+            cwd=ROOT,
+            stdout=beat_log,
+            stderr=subprocess.STDOUT,
+        )
     try:
         yield env
     finally:

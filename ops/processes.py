@@ -54,13 +54,14 @@ def start_celery(
 ) -> subprocess.Popen[bytes]:
     """`celery -A app worker|beat ARGS`, output to log (loglevel None: celery's own, WARNING)."""
     level = ["--loglevel", loglevel] if loglevel else []
-    return subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "app", kind, *level, *args],
-        env=env,
-        cwd=ROOT,
-        stdout=log.open("wb"),
-        stderr=subprocess.STDOUT,
-    )
+    with log.open("wb") as out:  # the child holds its own copy of the descriptor
+        return subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", "app", kind, *level, *args],
+            env=env,
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
 
 
 def start_worker(

@@ -140,26 +140,10 @@ class RedisServer:
         import redis
 
         self.starts += 1
-        log = (self.tmp / f"redis-{self.port}.{self.starts}.log").open("ab")
-        self.proc = subprocess.Popen(
-            [
-                "redis-server",
-                "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--daemonize",
-                "no",
-                "--dir",
-                str(self.tmp),
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
+        argv = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", ""]
+        argv += ["--appendonly", "no", "--daemonize", "no", "--dir", str(self.tmp)]
+        with (self.tmp / f"redis-{self.port}.{self.starts}.log").open("ab") as log:
+            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
 
         def up() -> bool:
             try:
@@ -194,8 +178,8 @@ class Deployment:
         argv = [sys.executable, "-m", "emulator", "--port", str(port), "--log-level", "warning"]
         for flag, value in flags.items():
             argv += [flag, value]
-        log = (self.tmp / f"emulator-{port}.log").open("ab")
-        proc = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        with (self.tmp / f"emulator-{port}.log").open("ab") as log:
+            proc = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
         emu = Emulator(proc, port, flags)
         self.emulators.append(emu)
         wait_for(f"emulator on {port}", lambda: http_status(emu.url + "/health") == 200, 30)

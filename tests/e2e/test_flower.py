@@ -62,13 +62,14 @@ def emulator() -> Iterator[EmulatorProcess]:
 def test_tokenmill_flower_starts_on_embedded_defaults(tmp_path: Path) -> None:
     port = free_port()
     err = tmp_path / "flower.stderr"
-    flower = subprocess.Popen(
-        [sys.executable, "-m", "ops", "flower", "--port", str(port)],
-        env=clean_env(tmp_path / "data"),
-        cwd=tmp_path,
-        stdout=subprocess.DEVNULL,
-        stderr=err.open("wb"),
-    )
+    with err.open("wb") as stderr_file:
+        flower = subprocess.Popen(
+            [sys.executable, "-m", "ops", "flower", "--port", str(port)],
+            env=clean_env(tmp_path / "data"),
+            cwd=tmp_path,
+            stdout=subprocess.DEVNULL,
+            stderr=stderr_file,
+        )
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10.0) as http:
             wait_for("Flower", lambda: http.get("/healthcheck").text == "OK", 60)
@@ -97,36 +98,45 @@ def test_flower_shows_readable_tasks_and_the_worker_logs_json(
     flower_log, worker_err = tmp_path / "flower.log", tmp_path / "worker.stderr"
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        procs.append(
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    "-c",
-                    f"from ops.flower_cmd import flower_cmd; flower_cmd(['--port', '{port}'])",
-                ],
-                env=base | {"TOKENMILL_FLOWER_USER": USER, "TOKENMILL_FLOWER_PASSWORD": PASSWORD},
-                cwd=ROOT,
-                stdout=flower_log.open("wb"),
-                stderr=subprocess.STDOUT,
+        flower_env = base | {"TOKENMILL_FLOWER_USER": USER, "TOKENMILL_FLOWER_PASSWORD": PASSWORD}
+        flower_code = f"from ops.flower_cmd import flower_cmd; flower_cmd(['--port', '{port}'])"
+        with flower_log.open("wb") as flower_out:
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", flower_code],
+                    env=flower_env,
+                    cwd=ROOT,
+                    stdout=flower_out,
+                    stderr=subprocess.STDOUT,
+                )
             )
-        )
-        procs.append(
-            subprocess.Popen(
-                [
-                    *(sys.executable, "-m", "celery", "-A", "app", "worker", "--loglevel", "INFO"),
-                    *("-n", "flw@%h", "--without-mingle", "--without-gossip", "-E"),
-                ],
-                env=base
-                | {
-                    "TOKENMILL_SGLANG_URL": emulator.url,
-                    "TOKENMILL_SERVER_NAME": "gpu-f",
-                    "TOKENMILL_LOG_FORMAT": "json",
-                },
-                cwd=ROOT,
-                stdout=(tmp_path / "worker.stdout").open("wb"),  # the banner
-                stderr=worker_err.open("wb"),  # the log
+        worker_env = base | {
+            "TOKENMILL_SGLANG_URL": emulator.url,
+            "TOKENMILL_SERVER_NAME": "gpu-f",
+            "TOKENMILL_LOG_FORMAT": "json",
+        }
+        with (tmp_path / "worker.stdout").open("wb") as banner, worker_err.open("wb") as log:
+            procs.append(
+                subprocess.Popen(
+                    [
+                        *(
+                            sys.executable,
+                            "-m",
+                            "celery",
+                            "-A",
+                            "app",
+                            "worker",
+                            "--loglevel",
+                            "INFO",
+                        ),
+                        *("-n", "flw@%h", "--without-mingle", "--without-gossip", "-E"),
+                    ],
+                    env=worker_env,
+                    cwd=ROOT,
+                    stdout=banner,
+                    stderr=log,
+                )
             )
-        )
         auth = httpx.BasicAuth(USER, PASSWORD)
         with httpx.Client(base_url=flower_url, timeout=10.0) as http:
             wait_for("Flower", lambda: http.get("/healthcheck").status_code == 200, 30)

@@ -6,8 +6,6 @@ and nothing is claimed; the server's context length wins and is named."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,7 +15,7 @@ from sqlalchemy import create_engine, func, select
 
 from app.ledger import common
 from ops.emulator_proc import EmulatorProcess, start_emulator
-from tests.support.procs import clean_env, run_args, tokenmill, wait_for
+from tests.support.procs import clean_env, run_args, start_tokenmill, tokenmill, wait_for
 from tests.support.rows import prompt_rows, write_rows
 
 pytestmark = pytest.mark.e2e
@@ -63,14 +61,7 @@ def test_a_sigtermed_server_exits_within_its_drain_and_nothing_fails(
     added = tokenmill(["servers", "add", name, leaving.url], env, tmp_path)
     assert added.returncode == 0, added.stderr
     argv = run_args(prompts, "r1", kimi_tokenizer_dir, [leaving.url, staying.url])
-    run = subprocess.Popen(
-        [sys.executable, "-m", "ops", *argv, "--json"],
-        env=env,
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=err.open("w"),
-        text=True,
-    )
+    run = start_tokenmill([*argv, "--json"], env, tmp_path, err, piped=True)
     try:
         wait_for("the first answers", lambda: stats(leaving)["completed"] >= 8, 120)
         leaving.popen.terminate()  # what `systemctl stop` sends
@@ -132,12 +123,8 @@ def test_a_server_that_wants_a_key_is_one_line_and_nothing_is_claimed(
     err = tmp_path / "run.err"
     name = locked.url.removeprefix("http://")
     line = f"error: server {name} requires an API key: set TOKENMILL_SGLANG_API_KEY"
-    run = subprocess.Popen(
-        [sys.executable, "-m", "ops", *run_args(prompts, "r1", kimi_tokenizer_dir, [locked.url])],
-        env=env,
-        cwd=tmp_path,
-        stdout=subprocess.DEVNULL,
-        stderr=err.open("w"),
+    run = start_tokenmill(
+        run_args(prompts, "r1", kimi_tokenizer_dir, [locked.url]), env, tmp_path, err
     )
     try:
         wait_for(line, lambda: line in err.read_text(), 120, err.read_text)

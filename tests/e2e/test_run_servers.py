@@ -8,8 +8,6 @@ import json
 import re
 import shlex
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -20,7 +18,7 @@ from sqlalchemy.exc import OperationalError
 from app.ledger import common
 from ops.emulator_proc import start_emulator
 from tests.support.emulator import free_port
-from tests.support.procs import clean_env, run_args, tokenmill, tokenmill_tty
+from tests.support.procs import clean_env, run_args, start_tokenmill, tokenmill, tokenmill_tty
 from tests.support.rows import prompt_rows, write_rows
 
 pytestmark = pytest.mark.e2e
@@ -114,12 +112,8 @@ def test_ctrl_c_twice_stops_at_once_and_the_rerun_takes_back_its_leases(
     args = ["run", str(prompts), "--run", "r1", "--tokenizer", str(kimi_tokenizer_dir)]
     err = tmp_path / "first.err"
     try:
-        first = subprocess.Popen(
-            [sys.executable, "-m", "ops", *args, "--server", slow.url, "--max-new-tokens", "1000"],
-            env=env,
-            cwd=tmp_path,
-            stdout=subprocess.DEVNULL,
-            stderr=err.open("w"),
+        first = start_tokenmill(
+            [*args, "--server", slow.url, "--max-new-tokens", "1000"], env, tmp_path, err
         )
         deadline = time.monotonic() + 120
         while leased(data) == 0 and time.monotonic() < deadline and first.poll() is None:

@@ -42,10 +42,12 @@ if os.path.exists(pid_file):
                 break
         time.sleep(0.05)
 emulator = [sys.executable, "-m", "emulator", "--port", str(port), "--loading-s", "1"]
-server = subprocess.Popen(
-    emulator, stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True
-)
-open(pid_file, "w").write(str(server.pid))
+with open(log, "ab") as out:
+    server = subprocess.Popen(
+        emulator, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+    )
+with open(pid_file, "w") as pid_out:
+    pid_out.write(str(server.pid))
 """
 
 

@@ -10,8 +10,6 @@ import itertools
 import json
 import re
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +26,7 @@ from tests.support.procs import (
     service_env,
     start_celery,
     start_server_workers,
+    start_tokenmill,
     stop,
     tokenmill,
     wait_for,
@@ -115,13 +114,7 @@ def test_run_a_missing_key_is_one_line_and_nothing_is_claimed(
     name = guarded_server.base_url.removeprefix("http://")
     line = f"error: server {name} requires an API key: set TOKENMILL_SGLANG_API_KEY"
     argv = run_args(prompts, "r1", kimi_tokenizer_dir, [guarded_server.base_url])
-    run = subprocess.Popen(
-        [sys.executable, "-m", "ops", *argv],
-        env=env,
-        cwd=tmp_path,
-        stdout=subprocess.DEVNULL,
-        stderr=err.open("w"),
-    )
+    run = start_tokenmill([*argv], env, tmp_path, err)
     try:
         wait_for(line, lambda: line in err.read_text(), 120, err.read_text)
         probes = count_probes(guarded_server)
@@ -302,14 +295,7 @@ def test_a_sigterm_mid_run_fails_nothing(
         workers.append(start_celery("beat", fleet_env, beat_log, "-s", str(tmp_path / "beat")))
         run_argv = run_args(run_prompts, "r1", kimi_tokenizer_dir, urls)
         err = tmp_path / "run.err"
-        run = subprocess.Popen(
-            [sys.executable, "-m", "ops", *run_argv, "--json"],
-            env=run_env,
-            cwd=tmp_path,
-            stdout=subprocess.PIPE,
-            stderr=err.open("w"),
-            text=True,
-        )
+        run = start_tokenmill([*run_argv, "--json"], run_env, tmp_path, err, piped=True)
         try:
             # both use it: each has answers, and so requests in flight on it
             wait_for("the fleet's answers", lambda: run_counts(pg_engine, "w1").done >= 16, 180)

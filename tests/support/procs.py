@@ -81,6 +81,22 @@ def tokenmill_tty(
     return code, [line.rstrip() for line in re.split(r"\r\n|\r|\n", text)]
 
 
+def start_tokenmill(
+    args: list[str], env: dict[str, str], cwd: Path, err: Path, *, piped: bool = False
+) -> subprocess.Popen[str]:
+    """`tokenmill ARGS` in the background, its stderr written to err; its stdout piped (piped,
+    as text: read it with communicate) or dropped."""
+    with err.open("w") as stderr_file:
+        return subprocess.Popen(
+            [sys.executable, "-m", "ops", *args],
+            env=env,
+            cwd=cwd,
+            stdout=subprocess.PIPE if piped else subprocess.DEVNULL,
+            stderr=stderr_file,
+            text=True,
+        )
+
+
 def run_args(prompts: Path, run: str, tokenizer: Path, servers: list[str]) -> list[str]:
     """`tokenmill run` of prompts against servers, 32 new tokens at most."""
     argv = ["run", str(prompts), "--run", run, "--tokenizer", str(tokenizer)]

@@ -426,13 +426,14 @@ class Fleet:
         env, argv = self._argv(command, node)
         key = f"{node or 'operator'}: {' '.join(argv[:4])}"
         self.logs[key] = self.root / (re.sub(r"\W+", "-", key) + ".log")
-        proc = self.procs[key] = subprocess.Popen(
-            self._program(argv),
-            env=env,
-            cwd=self.home(node),
-            stdout=self.logs[key].open("wb"),
-            stderr=subprocess.STDOUT,
-        )
+        with self.logs[key].open("wb") as log:
+            proc = self.procs[key] = subprocess.Popen(
+                self._program(argv),
+                env=env,
+                cwd=self.home(node),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
         return key, proc, node if "worker" in argv else None
 
     def _run_on(self, command: Command, node: str | None) -> subprocess.CompletedProcess[str]:
