@@ -141,4 +141,11 @@ def test_two_workers_two_servers_exact_and_exactly_once(
             "weight_version": "default",
             "reasoning_parser": None,
             "version": "0.5.23",
+            # the limits that decide SGLang's 400s, as the emulators' /server_info gives them:
+            # a context of 16,384, SGLang's input cap (context - 6), 16 slots x 16,384 of KV pool
+            "limits": {
+                "context_length": 16384,
+                "max_req_input_len": 16378,
+                "max_total_num_tokens": 262144,
+            },
         }
