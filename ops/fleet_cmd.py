@@ -130,8 +130,9 @@ def servers_summary(rows: list[tuple[registry.ServerInfo, int]]) -> str:
 
 
 # Names and URLs are never cut. A table wider than the terminal folds the rendering and the
-# last error, then leaves out last probe, workers, leased, rendering, last error, weights,
-# paused and window, in that order; name, url and state always stay.
+# last error, then leaves out a column that says nothing (every cell `—`, as "not serving" on a
+# fleet that serves every run), then last probe, workers, leased, rendering, last error,
+# weights, paused, window and not serving, in that order; name, url and state always stay.
 SERVER_COLUMNS = (
     Column("name"),
     Column("url"),

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 GAP = 2  # spaces between columns
 RULE = "─"
+NOTHING = "—"  # a cell with nothing to say
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,8 @@ def fit(columns: Sequence[Column], rows: Sequence[Sequence[str]], width: int) ->
     """The widest table of these columns that fits `width`: each column as wide as its widest
     value, else headers folded, then columns of words folded down to their `wrap`, then
     columns left out in their `drop` order. What is left when nothing more can go is printed
-    whole, wider than `width`: a name is never cut."""
+    whole, wider than `width`: a name is never cut. A column with nothing to say in any row
+    (every cell `—`) goes before the others."""
     kept = list(range(len(columns)))
     dropped: list[str] = []
     while True:
@@ -86,9 +88,13 @@ def fit(columns: Sequence[Column], rows: Sequence[Sequence[str]], width: int) ->
         droppable = [i for i in kept if columns[i].drop is not None]
         if not droppable:
             return Fitted(kept, narrowest, dropped)
-        first = min(droppable, key=lambda i: columns[i].drop or 0)
+        first = min(droppable, key=lambda i: (_says_something(values[i]), columns[i].drop or 0))
         kept.remove(first)
         dropped.append(columns[first].header)
+
+
+def _says_something(values: Sequence[str]) -> bool:
+    return any(value != NOTHING for value in values)
 
 
 def _shrunk(natural: list[int], narrowest: list[int], room: int) -> list[int]:

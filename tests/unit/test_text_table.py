@@ -38,6 +38,12 @@ def test_word_columns_fold_and_columns_go_in_their_order() -> None:
     assert left_out_note([], 80) is None
 
 
+def test_a_column_with_nothing_to_say_goes_before_the_others() -> None:
+    quiet = [*ROW[:4], "—"]  # no server has an error: that column says nothing
+    assert fit(COLUMNS, [quiet], 90).dropped == ["last error"]
+    assert fit(COLUMNS, [quiet, ROW], 90).dropped == ["last probe"]  # one row says something
+
+
 def test_what_cannot_fit_is_printed_whole_never_cut() -> None:
     fitted = fit(COLUMNS, [ROW], 40)
     assert fitted.dropped == ["last probe", "in flight", "last error"]
