@@ -188,53 +188,56 @@ def _run_info(row: Any) -> RunInfo:
     )
 
 
+def _changed(label: str, old: object, new: object) -> list[str]:
+    """`label: old → new` when the two differ, else nothing."""
+    return [] if old == new else [f"{label}: {old} → {new}"]
+
+
 def run_differences(existing: RunInfo, spec: RunSpec) -> list[str]:
     """Lines naming every pinned setting in which spec differs from the existing run."""
-    diffs: list[str] = []
     gen = existing.generation
-    if existing.kind != spec.kind:
-        diffs.append(f"kind: {existing.kind} → {spec.kind}")
-    if spec.tokenizer_files is None:  # a spec built by hand: the hashes alone
-        if gen.tokenizer_hash != spec.tokenizer_hash:
-            diffs.append(
-                f"tokenizer: {gen.tokenizer_path} (hash {gen.tokenizer_hash[:12]}) → "
-                f"{spec.tokenizer_path} (hash {spec.tokenizer_hash[:12]})"
-            )
-    else:
-        diffs += pin_checks.file_changes(
+    diffs = _changed("kind", existing.kind, spec.kind)
+    diffs += _tokenizer_differences(gen, spec)
+    if gen.chat_template_hash != spec.chat_template_hash:
+        diffs.append(
+            f"chat template hash: {gen.chat_template_hash[:12]} → {spec.chat_template_hash[:12]}"
+        )
+    diffs += _changed("chat template kwargs", gen.chat_template_kwargs, spec.chat_template_kwargs)
+    old, new = gen.sampling.to_json(), spec.sampling.to_json()
+    for key in sorted(set(old) | set(new)):
+        diffs += _changed(key, old.get(key), new.get(key))
+    diffs += _changed("samples per prompt", gen.samples_per_prompt, spec.samples_per_prompt)
+    diffs += _changed("turns", gen.turns, spec.turns)
+    diffs += _changed("render with", gen.render_with, spec.render_with)
+    diffs += _changed("require parity", gen.require_parity, spec.require_parity)
+    if spec.chat_pins is not None:
+        diffs += pin_checks.pin_differences(gen.chat_pins, spec.chat_pins)
+    diffs += _changed("weight version", existing.weight_version, spec.weight_version)
+    efforts = list(gen.reasoning_efforts), list(spec.reasoning_efforts)
+    diffs += _changed("reasoning effort cycle", *efforts)
+    return diffs + _binding_differences(existing, spec)
+
+
+def _tokenizer_differences(gen: GenerationSettings, spec: RunSpec) -> list[str]:
+    if spec.tokenizer_files is not None:
+        return pin_checks.file_changes(
             gen.tokenizer_hash,
             gen.tokenizer_files,
             spec.tokenizer_hash,
             spec.tokenizer_files,
             spec.legacy_tokenizer_hash or spec.tokenizer_hash,
         )
-    if gen.chat_template_hash != spec.chat_template_hash:
-        diffs.append(
-            f"chat template hash: {gen.chat_template_hash[:12]} → {spec.chat_template_hash[:12]}"
-        )
-    if gen.chat_template_kwargs != spec.chat_template_kwargs:
-        diffs.append(
-            f"chat template kwargs: {gen.chat_template_kwargs} → {spec.chat_template_kwargs}"
-        )
-    old, new = gen.sampling.to_json(), spec.sampling.to_json()
-    for key in sorted(set(old) | set(new)):
-        if old.get(key) != new.get(key):
-            diffs.append(f"{key}: {old.get(key)} → {new.get(key)}")
-    if gen.samples_per_prompt != spec.samples_per_prompt:
-        diffs.append(f"samples per prompt: {gen.samples_per_prompt} → {spec.samples_per_prompt}")
-    if gen.turns != spec.turns:
-        diffs.append(f"turns: {gen.turns} → {spec.turns}")
-    if gen.render_with != spec.render_with:
-        diffs.append(f"render with: {gen.render_with} → {spec.render_with}")
-    if gen.require_parity != spec.require_parity:
-        diffs.append(f"require parity: {gen.require_parity} → {spec.require_parity}")
-    if spec.chat_pins is not None:
-        diffs += pin_checks.pin_differences(gen.chat_pins, spec.chat_pins)
-    if existing.weight_version != spec.weight_version:
-        diffs.append(f"weight version: {existing.weight_version} → {spec.weight_version}")
-    if gen.reasoning_efforts != spec.reasoning_efforts:
-        old_e, new_e = list(gen.reasoning_efforts), list(spec.reasoning_efforts)
-        diffs.append(f"reasoning effort cycle: {old_e} → {new_e}")
+    if gen.tokenizer_hash == spec.tokenizer_hash:  # a spec built by hand: the hashes alone
+        return []
+    return [
+        f"tokenizer: {gen.tokenizer_path} (hash {gen.tokenizer_hash[:12]}) → "
+        f"{spec.tokenizer_path} (hash {spec.tokenizer_hash[:12]})"
+    ]
+
+
+def _binding_differences(existing: RunInfo, spec: RunSpec) -> list[str]:
+    """Who drives the run, its priority and the servers it keeps to."""
+    diffs: list[str] = []
     if existing.driver != spec.driver:
         drivers = {None: "tokenmill enqueue (the fleet)", DRIVER_RUN: "tokenmill run"}
         diffs.append(

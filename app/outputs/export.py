@@ -386,17 +386,45 @@ def export_run(
     files = {"train": _JsonlFile(out)}
     if selection is not None and selection.eval_fraction is not None:
         files["eval"] = _JsonlFile(eval_path(out))
+    rows = iter_rows(
+        db,
+        run,
+        fmt,
+        tokenizer,
+        whole=whole,
+        weight_version=weight_version,
+        allow_mixed_weights=allow_mixed_weights,
+        images=images,
+    )
+    _write_rows(rows, files, report, images, selection=selection, text_only=text_only)
+    if selection is not None:
+        report.selection = selection
+    if selection is not None or with_images:
+        _write_manifest(run, fmt, files, selection, images.manifest() if with_images else None)
+    report.images = len(images.copied)
+    log.info(
+        "exported %d %s rows of run %s to %s",
+        report.rows,
+        fmt,
+        run.name,
+        out,
+        extra={"action": "exported"},
+    )
+    return report
+
+
+def _write_rows(
+    rows: Iterator[tuple[reads.StoredItem, dict[str, Any]]],
+    files: dict[str, _JsonlFile],
+    report: ExportReport,
+    images: ImageRows,
+    *,
+    selection: Selection | None,
+    text_only: bool,
+) -> None:
+    """Each row to its side's file (train, or eval under a selection; an excluded row nowhere),
+    counted in report; every file committed at the end, or every one removed on any error."""
     try:
-        rows = iter_rows(
-            db,
-            run,
-            fmt,
-            tokenizer,
-            whole=whole,
-            weight_version=weight_version,
-            allow_mixed_weights=allow_mixed_weights,
-            images=images,
-        )
         for item, row in rows:
             if text_only and item.image_refs:
                 report.image_rows_left_out += 1
@@ -415,20 +443,6 @@ def export_run(
         for file in files.values():
             file.abort()
         raise
-    if selection is not None:
-        report.selection = selection
-    if selection is not None or with_images:
-        _write_manifest(run, fmt, files, selection, images.manifest() if with_images else None)
-    report.images = len(images.copied)
-    log.info(
-        "exported %d %s rows of run %s to %s",
-        report.rows,
-        fmt,
-        run.name,
-        out,
-        extra={"action": "exported"},
-    )
-    return report
 
 
 def _write_manifest(

@@ -267,30 +267,43 @@ def handle_message(
     if rest:
         requeue(rest, wait_s if rt.window.unavailable() or rt.paused() else 0.0)
         log.debug("message of %d items: %d sent back unclaimed (no room)", len(ids), len(rest))
+    _log_intake(rt, intake, len(ids))
+    return _answer(rt, intake, ids, keys, deferred=len(rest) + len(foreign))
+
+
+def _log_intake(rt: WorkerRuntime, intake: _Intake, message_items: int) -> None:
     if intake.skipped:
         log.info(
             "message of %d items: %d already taken or finished",
-            len(ids),
+            message_items,
             intake.skipped,
             extra={"action": "message_skipped"},
         )
     if intake.passed:
         log.info(
             "message of %d items: %d image items sent back (%s reads no images)",
-            len(ids),
+            message_items,
             intake.passed,
             rt.server_name,
             extra={"action": "images_sent_back"},
         )
+
+
+def _answer(
+    rt: WorkerRuntime,
+    intake: _Intake,
+    ids: list[int],
+    keys: dict[int, tuple[int, str]],
+    *,
+    deferred: int,
+) -> dict[str, int | str]:
+    """The task's result (Flower shows it): what was claimed, skipped and left for others
+    (deferred: the message's ids sent back unclaimed or not served here, beside intake's)."""
     first_run = next((keys[i][0] for i in ids if i in keys), None)
     answer: dict[str, int | str] = {
         "claimed": len(intake.accepted),
         "skipped": intake.skipped,
-        "deferred": len(intake.refused)
-        + len(rest)
-        + intake.passed
-        + intake.elsewhere
-        + len(foreign),
+        "deferred": len(intake.refused) + intake.passed + intake.elsewhere + deferred,
         # of the claimed, the items of runs ahead in the claim order (the message's went back)
         "ahead": intake.ahead,
         "priority": 0 if first_run is None else rt.run_priority(first_run),
