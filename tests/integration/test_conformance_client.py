@@ -16,8 +16,8 @@ from app.core.contracts import SamplingParams
 from app.core.errors import (
     BackPressure,
     GenerationError,
-    PermanentError,
     RetryableError,
+    ServerRefusal,
     ServerUnavailable,
 )
 from app.sglang.client import SGLangClient
@@ -244,7 +244,8 @@ ABORTS: list[tuple[str, dict[str, Any], type[GenerationError]]] = [
             "status_code": 400,
             "err_type": "BadRequestError",
         },
-        PermanentError,
+        # the server's context decides it: final once a second server of the run agrees
+        ServerRefusal,
     ),
 ]
 

@@ -92,7 +92,12 @@ def test_servers_keep_names_and_urls_whole_and_show_only_a_current_error(
     # a summary line over the table
     assert lines[0] == "2 servers: 1 down, 1 healthy; 0 paused; 0 workers; 0 leased"
     assert header_of(lines[1:]) == ["name", "url", "state"]
-    assert "left out at 80 columns: last probe, workers, leased, rendering, last error, " in err
+    # the columns that say nothing here (no parity checked, no weights read, no worker, every
+    # run served) go first, then the others in their order
+    assert (
+        "left out at 80 columns: rendering, weights, window, not serving, "
+        "last probe, workers, leased, last error, paused;" in err
+    ), err
 
     lines, err = run_tokenmill(tmp_path, "servers", columns=200)
     assert "left out" not in err
