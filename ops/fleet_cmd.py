@@ -167,13 +167,10 @@ def _not_serving(runs: dict[str, str]) -> str:
     """The active runs the server does not serve, each with why (`r1: its limits …`)."""
     if not runs:
         return "—"
-    return "\n".join(f"{run}: {_why(why)}" for run, why in sorted(runs.items()))
+    from app.ledger import status_reads
 
-
-def _why(message: str) -> str:
-    """A refusal event's message without the "server X does not serve run R: " it opens with."""
-    head, sep, rest = message.partition(": ")
-    return rest if sep and head.startswith("server ") else message
+    reasons = sorted(runs.items())
+    return "\n".join(f"{run}: {status_reads.refusal_reason(why)}" for run, why in reasons)
 
 
 def _windows(conn: Connection, names: list[str]) -> dict[str, windows.ServerWindow]:

@@ -65,6 +65,8 @@ def _status_json(status: status_reads.RunsStatus) -> list[dict[str, Any]]:
             "rendering_differs": status.differing.get(c.run, []),
             "enqueue_stopped": c.run in status.stopped,
             "served_by": _served_by(r),
+            # servers whose workers do not serve the run (its pinned fingerprint or limits), why
+            "not_served_by": status.not_served.get(c.run, {}),
             "priority": r.priority,
             "failed_by_reason": dict(status.failed.get(c.run, [])),
             "chain_endings": status.endings.get(c.run, {}),
@@ -128,7 +130,7 @@ def failure_lines(run: str, reasons: list[tuple[str, int]], *, shown: int = 10) 
 
 def _print_warnings(status: status_reads.RunsStatus) -> None:
     """On stderr: runs whose last enqueue stopped early, servers that render a run differently
-    and runs whose image items no registered server takes."""
+    or do not serve it (and why), and runs whose image items no registered server takes."""
     from rich.markup import escape
 
     console = err_console()
@@ -145,6 +147,14 @@ def _print_warnings(status: status_reads.RunsStatus) -> None:
                 f"[yellow]run {escape(c.run)}: server {escape(server)} renders its prompts "
                 f"differently[/yellow] (tokenmill parity {escape(c.run)} --server "
                 f"{escape(server)})",
+                markup=True,
+                soft_wrap=True,
+            )
+    for name, servers in status.not_served.items():
+        for server, why in sorted(servers.items()):
+            console.print(
+                f"[yellow]run {escape(name)}: server {escape(server)} does not serve it"
+                f"[/yellow]: {escape(why)} (`tokenmill servers`, `tokenmill events`)",
                 markup=True,
                 soft_wrap=True,
             )

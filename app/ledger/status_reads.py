@@ -1,7 +1,7 @@
 """The read models of `tokenmill status` and `tokenmill servers`: each run's counts with what
 the status table says beside them (servers rendering it differently, an enqueue that stopped
-early, image items no server takes, failures by reason, agentic chain endings), and a server's
-current error."""
+early, image items no server takes, servers that do not serve a run and why, failures by
+reason, agentic chain endings), and a server's current error."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from sqlalchemy import Connection
 
-from app.ledger import claims, reads, registry, retries, run_queries
+from app.ledger import claims, event_log, reads, registry, retries, run_queries
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,9 @@ class RunsStatus:
     stopped: set[str]
     # names of the runs whose image items wait for a server that understands images
     unserved: list[str]
+    # run name → server → why its workers last found they do not serve the run (its pinned
+    # fingerprint or limits); only runs with work left
+    not_served: dict[str, dict[str, str]]
     # run name → (reason, count), the most common first; only runs with failed items
     failed: dict[str, list[tuple[str, int]]]
     # run name → (ending → count) of its agentic chains; only `--turns all` runs
@@ -42,6 +45,7 @@ def read_status(conn: Connection, run_name: str | None) -> RunsStatus:
         differing=differing_servers(servers),
         stopped={r.name for r in runs if r.id in stopped},
         unserved=unserved_images(conn, servers, runs, counts),
+        not_served=runs_not_served(conn, runs, counts),
         # read for the runs that have failed items only (their counters say so)
         failed={
             r.name: retries.failed_by_reason(conn, r.id)
@@ -52,6 +56,29 @@ def read_status(conn: Connection, run_name: str | None) -> RunsStatus:
             r.name: reads.chain_endings(conn, r.id) for r in runs if r.generation.turns.chains
         },
     )
+
+
+def runs_not_served(
+    conn: Connection, runs: list[run_queries.RunInfo], counts: list[reads.RunCounts]
+) -> dict[str, dict[str, str]]:
+    """Run name → server → why the server's workers last found they do not serve the run,
+    for the runs with work left that pinned a fingerprint (no other was refused by a server)."""
+    left = {
+        r.id: r.name
+        for r, c in zip(runs, counts, strict=True)
+        if r.fingerprint is not None and not c.finished
+    }
+    out: dict[str, dict[str, str]] = {}
+    for server, by_run in event_log.runs_refused(conn, list(left)).items():
+        for run_id, message in by_run.items():
+            out.setdefault(left[run_id], {})[server] = refusal_reason(message)
+    return out
+
+
+def refusal_reason(message: str) -> str:
+    """A refusal event's message without the `server X does not serve run R: ` it opens with."""
+    head, sep, rest = message.partition(": ")
+    return rest if sep and head.startswith("server ") else message
 
 
 def differing_servers(servers: list[registry.ServerInfo]) -> dict[str, list[str]]:

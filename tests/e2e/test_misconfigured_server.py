@@ -172,9 +172,12 @@ def test_a_restart_into_a_smaller_context_fails_nothing(serving: Fleet, pg_engin
     def shown_as_not_serving() -> bool:
         listed = fleet.attempt(_op("tokenmill servers --json"))
         rows = {row["name"]: row for row in json.loads(listed.stdout)}
-        return "limits do not admit" in rows[a]["not_serving"].get("r1", "")
+        status = json.loads(fleet.attempt(_op("tokenmill status r1 --json")).stdout)
+        return "limits do not admit" in rows[a]["not_serving"].get("r1", "") and (
+            "limits do not admit" in status["not_served_by"].get(a, "")
+        )
 
-    wait_for(f"`tokenmill servers` to show {a} not serving r1", shown_as_not_serving, 60)
+    wait_for(f"`servers` and `status` to show {a} not serving r1", shown_as_not_serving, 60)
     table = fleet.attempt(_op("tokenmill servers")).stdout
     assert "r1: its limits do not admit" in table, table
     left = _counts(pg_engine)

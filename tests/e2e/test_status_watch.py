@@ -76,6 +76,7 @@ def test_json_keeps_its_keys_and_refuses_watch(tmp_path: Path) -> None:
         "rendering_differs": [],
         "enqueue_stopped": False,
         "served_by": {"driver": "fleet", "servers": None},
+        "not_served_by": {},  # server → why, for servers that do not serve the run
         "priority": 0,  # the default: `tokenmill priority r2 N` changes it
         "failed_by_reason": {},
         "chain_endings": {},  # an agentic --turns all run's chains by how they ended

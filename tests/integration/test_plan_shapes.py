@@ -133,6 +133,7 @@ EXEMPT: dict[str, str] = {
         "servers, runs, events, pins or counters: tables of the fleet's size, by their keys",
     ),
     "claims.refused_here": "a message's ids, by the primary key (as claims.claim_items)",
+    "status_reads.refusal_reason": "the text of an event already read: no statement",
     **dict.fromkeys(
         ("run_needs.longest_prompt", "run_needs.largest_request"),
         "a run's prompt lengths: read once per run by a worker process (its RunPins keeps the "

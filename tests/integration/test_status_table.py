@@ -140,3 +140,43 @@ def test_the_binding_of_a_tokenmill_run_run_is_said_while_it_has_work_left(
     ]
     shown = tokenmill(["status", "finished", "--json"], clean_env(tmp_path))
     assert json.loads(shown.stdout)["served_by"] == {"driver": "run", "servers": None}
+
+
+def test_status_names_the_servers_that_do_not_serve_a_run_and_why(
+    tmp_path: Path, sqlite_template: Path
+) -> None:
+    """A server whose workers last found they do not serve a run (its limits, its fingerprint)
+    is named under the table with why, and in --json, while the run has work left; a later pin
+    by the same server (it serves the run again) takes it away."""
+    import json
+
+    from app.core.constants import EVENT_FINGERPRINT_MISMATCH, EVENT_FINGERPRINT_PINNED
+    from app.core.models import runs
+
+    why = "its limits do not admit the largest request: context_length 1024 < 2,080"
+    engine = migrated_sqlite(sqlite_template, tmp_path / "ledger.sqlite3")
+    with engine.begin() as conn:
+        for name, status in (("going", "pending"), ("finished", "done")):
+            run = make_run(conn, name)
+            conn.execute(
+                update(runs).where(runs.c.id == run.id).values(fingerprint={"model_path": "m"})
+            )
+            add_item(conn, run.id, "k0", status=status)
+            message = f"server gpu-b does not serve run {name}: {why}"
+            event_log.record_event(
+                conn, EVENT_FINGERPRINT_MISMATCH, message, run_id=run.id, server="gpu-b"
+            )
+    _, err = run_tokenmill(tmp_path, "status", columns=200)
+    said = " ".join(err.split())
+    assert f"run going: server gpu-b does not serve it: {why}" in said, err
+    assert "run finished: server" not in said  # no work left: nothing to serve
+    shown = tokenmill(["status", "going", "--json"], clean_env(tmp_path))
+    assert json.loads(shown.stdout)["not_served_by"] == {"gpu-b": why}
+
+    with engine.begin() as conn:
+        going = conn.execute(runs.select().where(runs.c.name == "going")).one()
+        event_log.record_event(
+            conn, EVENT_FINGERPRINT_PINNED, "pinned", run_id=going.id, server="gpu-b"
+        )
+    _, err = run_tokenmill(tmp_path, "status", columns=200)
+    assert "does not serve" not in err, err
