@@ -62,9 +62,9 @@ def servers_group(ctx: click.Context, as_json: bool) -> None:
     and queued requests at the workers' last reading (aged when stale: `read 40s ago`) and why
     the size last changed.
 
-    Names and URLs are never cut: in a narrow terminal the columns last probe, workers, leased,
-    rendering, last error, weights, paused and window are left out, in that order (--json has
-    all).
+    Names and URLs are never cut: in a narrow terminal a column with nothing to say (every cell
+    `—`) is left out first, then last probe, workers, leased, rendering, last error, weights,
+    paused, window and not serving, in that order (--json has all).
     """
     if ctx.invoked_subcommand is not None:
         return
