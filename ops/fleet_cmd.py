@@ -75,7 +75,7 @@ def servers_group(ctx: click.Context, as_json: bool) -> None:
         in_flight = counters.leased_by_server(conn)
         rows = [(s, in_flight.get(s.name, 0)) for s in registry.list_servers(conn)]
         sized = _windows(conn, [s.name for s, _ in rows])
-        refused = _runs_refused(conn)
+        refused = status_reads.refusals_by_server(conn)
     if as_json:
         print_json(
             [
@@ -149,26 +149,12 @@ SERVER_COLUMNS = (
 )
 
 
-def _runs_refused(conn: Connection) -> dict[str, dict[str, str]]:
-    """server → active run → why its workers last found they do not serve it (the server's
-    fingerprint or limits): their latest event for the run is a refusal. Runs that pinned a
-    fingerprint only: a run none pinned was refused by no server."""
-    from app.ledger import event_log, registry
-
-    names = {run_id: name for run_id, name, _ in registry.active_run_fingerprints(conn)}
-    refused = event_log.runs_refused(conn, list(names))
-    return {
-        server: {names[run_id]: why for run_id, why in runs.items()}
-        for server, runs in refused.items()
-    }
-
-
 def _not_serving(runs: dict[str, str]) -> str:
     """The active runs the server does not serve, each with why (`r1: its limits …`)."""
-    if not runs:
-        return "—"
     from app.ledger import status_reads
 
+    if not runs:
+        return "—"
     reasons = sorted(runs.items())
     return "\n".join(f"{run}: {status_reads.refusal_reason(why)}" for run, why in reasons)
 

@@ -69,10 +69,26 @@ def runs_not_served(
         if r.fingerprint is not None and not c.finished
     }
     out: dict[str, dict[str, str]] = {}
-    for server, by_run in event_log.runs_refused(conn, list(left)).items():
-        for run_id, message in by_run.items():
-            out.setdefault(left[run_id], {})[server] = refusal_reason(message)
+    for server, by_run in _refusals(conn, left).items():
+        for run, message in by_run.items():
+            out.setdefault(run, {})[server] = refusal_reason(message)
     return out
+
+
+def refusals_by_server(conn: Connection) -> dict[str, dict[str, str]]:
+    """Server → active run → the event in which its workers last found they do not serve the
+    run (the server's fingerprint or limits), for `tokenmill servers`. Runs that pinned a
+    fingerprint only: a run none pinned was refused by no server."""
+    active = {run_id: name for run_id, name, _ in registry.active_run_fingerprints(conn)}
+    return _refusals(conn, active)
+
+
+def _refusals(conn: Connection, names: dict[int, str]) -> dict[str, dict[str, str]]:
+    """Server → run name → its latest refusal's message, for the runs of names (id → name)."""
+    return {
+        server: {names[run_id]: message for run_id, message in by_run.items()}
+        for server, by_run in event_log.runs_refused(conn, list(names)).items()
+    }
 
 
 def refusal_reason(message: str) -> str:
